@@ -1,0 +1,14 @@
+"""Test set-up: the CPU with 8 virtual devices, configured before jax initialises."""
+
+import os
+
+# JAX_PLATFORMS=cpu also keeps the jax-cuda12 plugin (the `aot` extra) from trying to
+# initialise CUDA on a machine without a GPU; the 8xH200 topology is still reachable.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)
