@@ -1,0 +1,159 @@
+"""Model configuration: one frozen, typed dataclass describing a DeepSeek/Qwen-style MoE model.
+
+Every field carries a description in its ``metadata`` (``describe()`` lists them). Two presets:
+``MoEConfig.tiny()`` (tests, demo: shapes that divide evenly over 8 devices in any of the
+layouts (dp, attn_tp) in {(8, 1), (4, 2), (2, 4)}) and ``MoEConfig.deepseek_v3_reduced()``
+(the benchmark: DeepSeek-V3's hidden size and expert shape, fewer experts and layers so that it
+fits on one H200).
+"""
+
+import dataclasses
+from typing import Literal
+
+
+def _field(default, description: str):
+    return dataclasses.field(default=default, metadata=dict(description=description))
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Shapes and numerics of the MoE model (see each field's description)."""
+
+    vocab_size: int = _field(128, "number of token ids; embedding rows and LM-head columns")
+    hidden_size: int = _field(64, "width of the residual stream")
+    num_layers: int = _field(3, "decoder layers")
+    num_attention_heads: int = _field(8, "query heads")
+    num_key_value_heads: int = _field(4, "key/value heads (GQA: query heads share them)")
+    head_dim: int = _field(8, "width of one attention head")
+    rope_theta: float = _field(10000.0, "RoPE base frequency")
+    rms_norm_eps: float = _field(1e-6, "epsilon inside every RMSNorm")
+    first_k_dense: int = _field(1, "the first k layers use a dense MLP instead of the MoE")
+    intermediate_size: int = _field(96, "hidden width of the dense MLP layers")
+    num_experts: int = _field(8, "routed experts per MoE layer")
+    num_experts_per_tok: int = _field(2, "routed experts chosen per token (top-k)")
+    moe_intermediate_size: int = _field(32, "hidden width of one routed expert")
+    num_shared_experts: int = _field(1, "shared experts (0: none); they form one wider MLP")
+    scoring_func: Literal["softmax", "sigmoid"] = _field(
+        "sigmoid", "router scores: softmax (Qwen-style) or sigmoid (DeepSeek-V3)"
+    )
+    n_group: int = _field(4, "expert groups for grouped top-k (1: plain top-k)")
+    topk_group: int = _field(2, "groups kept per token by grouped top-k")
+    use_score_correction_bias: bool = _field(
+        True, "add a learned per-expert bias to the scores when choosing (not weighting) experts"
+    )
+    norm_topk_prob: bool = _field(True, "renormalise the chosen experts' weights to sum to 1")
+    routed_scaling_factor: float = _field(1.0, "multiplier on the routed experts' weights")
+    tie_word_embeddings: bool = _field(False, "LM head reuses the embedding matrix")
+
+    def __post_init__(self):
+        _check_positive(self)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} > num_experts={self.num_experts}"
+            )
+        _check_groups(self)
+        if not 0 <= self.first_k_dense <= self.num_layers:
+            raise ValueError(f"first_k_dense={self.first_k_dense} not in [0, {self.num_layers}]")
+        if self.scoring_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"scoring_func={self.scoring_func!r}: expected softmax or sigmoid")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def is_moe_layer(self) -> tuple[bool, ...]:
+        """Per layer: True for a MoE layer, False for a dense-MLP layer."""
+        return tuple(i >= self.first_k_dense for i in range(self.num_layers))
+
+    @classmethod
+    def tiny(cls) -> "MoEConfig":
+        """A few-thousand-parameter model for tests and the demo (the defaults)."""
+        return cls()
+
+    @classmethod
+    def tiny_softmax(cls) -> "MoEConfig":
+        """``tiny`` with a Qwen3-style router: softmax top-k, no groups, no shared experts."""
+        return cls(
+            scoring_func="softmax",
+            n_group=1,
+            topk_group=1,
+            use_score_correction_bias=False,
+            num_shared_experts=0,
+        )
+
+    @classmethod
+    def deepseek_v3_reduced(cls) -> "MoEConfig":
+        """DeepSeek-V3's hidden size and routed-expert shape, 64 experts and 4 layers.
+
+        Attention is GQA (DeepSeek-V3 uses MLA) with 56 heads of 128 so that the projection
+        widths match the hidden size.
+        """
+        return cls(
+            vocab_size=32768,
+            hidden_size=7168,
+            num_layers=4,
+            num_attention_heads=56,
+            num_key_value_heads=8,
+            head_dim=128,
+            first_k_dense=1,
+            intermediate_size=18432,
+            num_experts=64,
+            num_experts_per_tok=8,
+            moe_intermediate_size=2048,
+            num_shared_experts=1,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+        )
+
+    @classmethod
+    def describe(cls) -> dict[str, str]:
+        """Returns field name -> description."""
+        return {f.name: f.metadata["description"] for f in dataclasses.fields(cls)}
+
+
+_POSITIVE = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "n_group",
+    "topk_group",
+)
+
+
+def _check_positive(config: MoEConfig) -> None:
+    for name in _POSITIVE:
+        if getattr(config, name) <= 0:
+            raise ValueError(f"{name}={getattr(config, name)} must be positive")
+    if config.num_shared_experts < 0:
+        raise ValueError(f"num_shared_experts={config.num_shared_experts} must be >= 0")
+
+
+def _check_groups(config: MoEConfig) -> None:
+    if config.num_experts % config.n_group:
+        raise ValueError(
+            f"num_experts={config.num_experts} is not a multiple of n_group={config.n_group}"
+        )
+    if config.topk_group > config.n_group:
+        raise ValueError(f"topk_group={config.topk_group} > n_group={config.n_group}")
+    per_group = config.num_experts // config.n_group
+    if config.n_group > 1 and per_group < 2:
+        raise ValueError(
+            f"grouped top-k scores a group by its best 2 experts; num_experts/n_group={per_group}"
+        )
+    if config.num_experts_per_tok > config.topk_group * per_group:
+        raise ValueError(
+            f"num_experts_per_tok={config.num_experts_per_tok} > experts in the kept groups "
+            f"({config.topk_group} * {per_group})"
+        )

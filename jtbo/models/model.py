@@ -1,0 +1,72 @@
+"""The MoE model as flax.nnx modules: embedding, decoder layers, final norm, LM head.
+
+A decoder layer is ``x + attn(norm(x))`` followed by ``x + ffn(norm(x))``, where ``ffn`` is a
+dense SwiGLU MLP for the first ``first_k_dense`` layers and a MoE block (router, routed experts,
+optional shared experts) afterwards. How the layer runs (sharded, as operations, with TBO)
+lives in ``jtbo.models.layer_ops`` and ``jtbo.models.step``; this module only holds parameters.
+"""
+
+import jax
+from flax import nnx
+
+from jtbo.models import config as config_lib
+from jtbo.models import embed, experts, mlp, norm, router, self_attention
+
+
+class MoEBlock(nnx.Module):
+    """Router, routed experts and (optionally) the shared experts of one MoE layer."""
+
+    def __init__(self, config: config_lib.MoEConfig, *, rngs: nnx.Rngs):
+        """Args: config: model config; rngs: parameter init keys."""
+        self.router = router.Router(config, rngs=rngs)
+        self.experts = experts.RoutedExperts(config, rngs=rngs)
+        width = config.num_shared_experts * config.moe_intermediate_size
+        self.shared = mlp.MLP(config.hidden_size, width, rngs=rngs) if width else None
+
+
+class DecoderLayer(nnx.Module):
+    """One decoder layer: norms, attention, and a dense MLP or a MoE block."""
+
+    def __init__(self, config: config_lib.MoEConfig, layer_id: int, *, rngs: nnx.Rngs):
+        """Args: config: model config; layer_id: index in the stack; rngs: init keys."""
+        self.layer_id = layer_id
+        self.is_moe = config.is_moe_layer[layer_id]
+        eps = config.rms_norm_eps
+        self.input_norm = norm.RMSNorm(config.hidden_size, eps=eps, rngs=rngs)
+        self.attn = self_attention.SelfAttention(config, rngs=rngs)
+        self.post_attn_norm = norm.RMSNorm(config.hidden_size, eps=eps, rngs=rngs)
+        if self.is_moe:
+            self.moe = MoEBlock(config, rngs=rngs)
+        else:
+            self.mlp = mlp.MLP(config.hidden_size, config.intermediate_size, rngs=rngs)
+
+
+class MoEModel(nnx.Module):
+    """DeepSeek/Qwen-style MoE language model (parameters in float32 at creation).
+
+    Cast with ``jtbo.models.cast(model, dtype)`` before serving in another dtype.
+    """
+
+    def __init__(self, config: config_lib.MoEConfig, *, rngs: nnx.Rngs):
+        """Args: config: model shapes; rngs: parameter init keys (``nnx.Rngs(seed)``)."""
+        self.config = config
+        self.embed = embed.Embedding(config.vocab_size, config.hidden_size, rngs=rngs)
+        self.layers = nnx.List(
+            [DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)]
+        )
+        self.final_norm = norm.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, rngs=rngs)
+        self.lm_head = embed.LMHead(config.hidden_size, config.vocab_size, rngs=rngs)
+
+
+def cast(model: MoEModel, dtype) -> MoEModel:
+    """Returns a copy of ``model`` whose parameters have ``dtype``.
+
+    Args:
+      model: the model.
+      dtype: e.g. ``jnp.bfloat16``.
+
+    Returns:
+      A new ``MoEModel`` (``model`` is left unchanged).
+    """
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(dtype), state))

@@ -1,0 +1,81 @@
+"""Unsharded single-device reference forward in plain jnp: the oracle for end-to-end tests.
+
+It shares only the model's parameters and the small pure pieces that are tested against numpy
+on their own (``rms_norm``, ``apply_rope``, ``select_experts``, ``swiglu``). Everything that the
+served path changes is done the obvious way here: attention is dense over the whole sequence
+with an explicit ``[L, L]`` mask (no paged KV cache, no metadata), every expert runs on every
+token and is weighted by a dense ``[T, E]`` routing matrix (no capacity, no dispatch), and
+nothing is sharded, padded, split or overlapped.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtbo.models import model as model_lib
+from jtbo.models import norm, router, self_attention
+
+
+def causal_mask(length: int) -> np.ndarray:
+    """Returns the ``[length, length]`` lower-triangular bool mask."""
+    return np.tril(np.ones((length, length), bool))
+
+
+def moe_dense_reference(block: model_lib.MoEBlock, x: jax.Array, config) -> jax.Array:
+    """MoE output for ``x [T, H]`` with every expert applied to every token.
+
+    Args:
+      block: the layer's MoE parameters.
+      x: ``[T, H]`` normalised hidden states.
+      config: the model's ``MoEConfig``.
+
+    Returns:
+      ``[T, H]`` routed (plus shared) expert output.
+    """
+    bias = None if block.router.correction_bias is None else block.router.correction_bias[...]
+    topk_weights, topk_ids = router.select_experts(block.router.gate(x), bias, config)
+    tokens = jnp.arange(x.shape[0])[:, None]
+    dense = jnp.zeros((x.shape[0], config.num_experts), jnp.float32)
+    dense = dense.at[tokens, topk_ids].add(topk_weights)  # [T, E]
+    w_gate, w_up, w_down = block.experts.weights
+    gate = jnp.einsum("th,ehf->tef", x, w_gate)
+    up = jnp.einsum("th,ehf->tef", x, w_up)
+    per_expert = jnp.einsum("tef,efh->teh", jax.nn.silu(gate) * up, w_down)
+    out = jnp.einsum("teh,te->th", per_expert, dense)
+    if block.shared is not None:
+        out = out + block.shared(x)
+    return out
+
+
+def reference_forward(model: model_lib.MoEModel, input_ids, positions, mask) -> jax.Array:
+    """Logits of one sequence, all tokens at once.
+
+    Args:
+      model: the (float32) model.
+      input_ids: ``[L]`` token ids of the whole sequence (prefix and new tokens).
+      positions: ``[L]`` RoPE positions.
+      mask: ``[L, L]`` bool, True where token ``l`` attends to token ``s``.
+
+    Returns:
+      ``[L, V]`` float32 logits.
+    """
+    config = model.config
+    hidden = model.embed(jnp.asarray(input_ids))
+    positions, mask = jnp.asarray(positions), jnp.asarray(mask)
+    for layer in model.layers:
+        normed = layer.input_norm(hidden)
+        q, k, v = layer.attn.qkv(normed, positions)
+        hidden = hidden + layer.attn.output(self_attention.dense_attention(q, k, v, mask))
+        normed = layer.post_attn_norm(hidden)
+        if layer.is_moe:
+            hidden = hidden + moe_dense_reference(layer.moe, normed, config)
+        else:
+            hidden = hidden + layer.mlp(normed)
+    return model.lm_head(norm.rms_norm(hidden, model.final_norm.weight[...], config.rms_norm_eps))
+
+
+def reference_causal_logits(model: model_lib.MoEModel, token_ids) -> np.ndarray:
+    """Causal-LM logits ``[L, V]`` (numpy) of one sequence with positions ``0..L-1``."""
+    length = len(token_ids)
+    out = reference_forward(model, np.asarray(token_ids), np.arange(length), causal_mask(length))
+    return np.asarray(out)

@@ -1,0 +1,68 @@
+"""GQA self-attention projections with RoPE; the attention core is supplied by the caller.
+
+Weights keep the head axis explicit (``wq [H, heads, D]``, ``wo [heads, D, H]``) so that
+sharding heads over ``attn_tp`` is a plain axis split. Inside a shard_map each rank sees
+``heads / attn_tp`` query heads and ``kv_heads / attn_tp`` key/value heads; ``output`` then
+returns a partial sum over the rank's heads, which the caller reduces over ``attn_tp``.
+
+``dense_attention`` is the plain-jnp core over a full context with an explicit mask: the
+unsharded reference uses it, and it defines what the paged-KV backends must reproduce.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jtbo.models import config as config_lib
+from jtbo.models import mlp, rope
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Masked softmax attention with GQA head sharing, in float32.
+
+    Args:
+      q: ``[L, heads, D]`` queries.
+      k: ``[S, kv_heads, D]`` keys; v: ``[S, kv_heads, D]`` values.
+      mask: ``[L, S]`` bool, True where query ``l`` may attend to key ``s``.
+
+    Returns:
+      ``[L, heads, D]`` in ``q.dtype``; a row with no allowed key returns zeros.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = jnp.repeat(k.astype(jnp.float32), group, axis=1)
+    v = jnp.repeat(v.astype(jnp.float32), group, axis=1)
+    scores = jnp.einsum("lhd,shd->hls", q.astype(jnp.float32), k) * q.shape[-1] ** -0.5
+    scores = jnp.where(mask[None], scores, -jnp.inf)
+    row_max = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
+    denom = jnp.sum(probs, axis=-1, keepdims=True)
+    probs = probs / jnp.where(denom > 0, denom, 1.0)
+    return jnp.einsum("hls,shd->lhd", probs, v).astype(q.dtype)
+
+
+class SelfAttention(nnx.Module):
+    """Q/K/V/O projections of a GQA attention layer."""
+
+    def __init__(self, config: config_lib.MoEConfig, *, rngs: nnx.Rngs):
+        """Args: config: model config; rngs: parameter init keys."""
+        h, d = config.hidden_size, config.head_dim
+        nq, nkv = config.num_attention_heads, config.num_key_value_heads
+        self.wq = mlp.init_matrix(rngs, (h, nq, d), h)  # [H, heads, D]
+        self.wk = mlp.init_matrix(rngs, (h, nkv, d), h)  # [H, kv_heads, D]
+        self.wv = mlp.init_matrix(rngs, (h, nkv, d), h)  # [H, kv_heads, D]
+        self.wo = mlp.init_matrix(rngs, (nq, d, h), nq * d)  # [heads, D, H]
+        self.rope_theta = config.rope_theta
+
+    def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Projects ``x [T, H]`` to ``q [T, heads, D]``, ``k, v [T, kv_heads, D]``; RoPE on q, k."""
+        q = jnp.einsum("th,hnd->tnd", x, self.wq[...])
+        k = jnp.einsum("th,hnd->tnd", x, self.wk[...])
+        v = jnp.einsum("th,hnd->tnd", x, self.wv[...])
+        q = rope.apply_rope(q, positions, self.rope_theta)
+        k = rope.apply_rope(k, positions, self.rope_theta)
+        return q, k, v
+
+    def output(self, attn: jax.Array) -> jax.Array:
+        """Projects ``attn [T, heads, D]`` back to ``[T, H]`` (partial sum over local heads)."""
+        out = jnp.einsum("tnd,ndh->th", attn, self.wo[...], preferred_element_type=jnp.float32)
+        return out.astype(attn.dtype)

@@ -1,0 +1,40 @@
+import dataclasses
+
+import pytest
+
+from jtbo.models import config as config_lib
+
+
+def test_every_field_has_a_description():
+    described = config_lib.MoEConfig.describe()
+    assert set(described) == {f.name for f in dataclasses.fields(config_lib.MoEConfig)}
+    assert all(len(text) > 5 for text in described.values())
+
+
+def test_presets_are_valid_and_frozen():
+    tiny = config_lib.MoEConfig.tiny()
+    deepseek = config_lib.MoEConfig.deepseek_v3_reduced()
+    assert deepseek.hidden_size == 7168 and deepseek.num_experts == 64
+    assert deepseek.num_experts_per_tok == 8 and deepseek.num_shared_experts == 1
+    assert deepseek.num_layers == 4
+    assert tiny.is_moe_layer == (False, True, True)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tiny.hidden_size = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(num_experts=6, n_group=4), "n_group"),
+        (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+        (dict(topk_group=5), "topk_group"),
+        (dict(first_k_dense=4), "first_k_dense"),
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(scoring_func="relu"), "scoring_func"),
+        (dict(head_dim=7), "head_dim"),
+    ],
+)
+def test_bad_config_names_the_field(changes, field):
+    with pytest.raises(ValueError, match=field):
+        config_lib.MoEConfig(**changes)
