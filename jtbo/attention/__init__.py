@@ -1,0 +1,41 @@
+"""jtbo.attention: paged KV cache, native attention (extend/decode/verify), TBO backend."""
+
+from jtbo.attention.backend import NativeAttnBackend
+from jtbo.attention.batch_metadata import forward_batch_metadata
+from jtbo.attention.kv_cache import PADDING_SLOT, KVCache, init_kv_cache, write_kv
+from jtbo.attention.metadata import (
+    AttentionCapacity,
+    AttentionMetadata,
+    decode_capacity,
+    empty_metadata,
+    extend_capacity,
+    verify_capacity,
+)
+from jtbo.attention.native import NativeAttentionConfig, attend, forward
+from jtbo.attention.reference import attend_reference
+from jtbo.attention.replay import split_replay_batch
+from jtbo.attention.tbo_backend import TboAttnBackend, TboAttnMetadata
+from jtbo.attention.tiling import build_metadata
+
+__all__ = [
+    "PADDING_SLOT",
+    "AttentionCapacity",
+    "AttentionMetadata",
+    "KVCache",
+    "NativeAttentionConfig",
+    "NativeAttnBackend",
+    "TboAttnBackend",
+    "TboAttnMetadata",
+    "attend",
+    "attend_reference",
+    "build_metadata",
+    "decode_capacity",
+    "empty_metadata",
+    "extend_capacity",
+    "forward",
+    "forward_batch_metadata",
+    "init_kv_cache",
+    "split_replay_batch",
+    "verify_capacity",
+    "write_kv",
+]

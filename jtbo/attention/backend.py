@@ -1,0 +1,112 @@
+"""The native attention backend: host metadata construction + the jittable forward.
+
+SGLang's backends keep per-step metadata as mutable state; under ``jit`` the metadata must be
+an input, so ``init_forward_metadata`` *returns* it (a numpy pytree to pass into the jitted
+step) and ``forward`` takes it as an argument. The backend object itself holds only static
+configuration (capacity, kernel knobs, score scale) and may be closed over by jitted code.
+"""
+
+import jax
+
+from jtbo.attention import batch_metadata, native
+from jtbo.attention import kv_cache as kv_cache_lib
+from jtbo.attention import metadata as metadata_lib
+from jtbo.split import batch as batch_lib
+
+
+class NativeAttnBackend:
+    """Paged attention in pure jnp for one DP rank at one static capacity.
+
+    Attributes:
+      capacity: the static sizes of the metadata this backend builds and consumes.
+      config: native kernel knobs.
+      scaling: score scale, or None for ``head_dim ** -0.5``.
+    """
+
+    def __init__(
+        self,
+        capacity: metadata_lib.AttentionCapacity,
+        config: native.NativeAttentionConfig = native.DEFAULT_CONFIG,
+        scaling: float | None = None,
+    ):
+        """Creates the backend.
+
+        Args:
+          capacity: static sizes (one compile per distinct value).
+          config: native kernel knobs.
+          scaling: score scale; None means ``head_dim ** -0.5``.
+        """
+        self.capacity = capacity
+        self.config = config
+        self.scaling = scaling
+
+    def init_forward_metadata(
+        self, batch: batch_lib.ForwardBatch
+    ) -> metadata_lib.AttentionMetadata:
+        """Builds the step's metadata from a host batch (eager path).
+
+        Args:
+          batch: one DP rank's host ``ForwardBatch`` (or a TBO child of it).
+
+        Returns:
+          Numpy-backed ``AttentionMetadata`` at ``self.capacity``.
+
+        Raises:
+          ValueError: the batch does not fit the capacity or lacks a field its mode needs.
+        """
+        return batch_metadata.forward_batch_metadata(batch, self.capacity)
+
+    def init_forward_metadata_for_replay(
+        self, batch: batch_lib.ForwardBatch
+    ) -> metadata_lib.AttentionMetadata:
+        """Builds metadata from a padded graph-replay batch (SGLang's replay view).
+
+        The replay batch holds the bucket's ``batch_size`` sequences, padded ones with zero
+        lengths, and ``num_token_non_padded`` real rows; a single backend treats it like any
+        batch (padded rows get no tiles).
+
+        Args:
+          batch: the padded DECODE / TARGET_VERIFY / IDLE batch.
+
+        Returns:
+          Numpy-backed ``AttentionMetadata`` at ``self.capacity``.
+
+        Raises:
+          ValueError: as ``init_forward_metadata``.
+        """
+        return self.init_forward_metadata(batch)
+
+    def empty_metadata(self) -> metadata_lib.AttentionMetadata:
+        """Returns metadata that attends nothing (IDLE ranks, empty TBO children)."""
+        return metadata_lib.empty_metadata(self.capacity)
+
+    def forward(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        layer_id: int | jax.Array,
+        metadata: metadata_lib.AttentionMetadata,
+        kv_cache: kv_cache_lib.KVCache,
+    ) -> tuple[jax.Array, kv_cache_lib.KVCache]:
+        """Writes the new K/V at ``out_cache_loc`` and attends (jittable).
+
+        Args:
+          q: ``[token_capacity, q_heads, head_dim]``.
+          k: ``[token_capacity, kv_heads, head_dim]``.
+          v: ``[token_capacity, kv_heads, v_head_dim]``.
+          layer_id: layer index.
+          metadata: from ``init_forward_metadata`` (host or device arrays).
+          kv_cache: the cache; donate it to update in place.
+
+        Returns:
+          ``(out [token_capacity, q_heads, v_head_dim], new kv_cache)``.
+
+        Raises:
+          ValueError: the metadata was built for another capacity, or shapes disagree.
+        """
+        if metadata.capacity != self.capacity:
+            raise ValueError(f"metadata capacity {metadata.capacity} != backend {self.capacity}")
+        return native.forward(
+            q, k, v, layer_id, metadata, kv_cache, scaling=self.scaling, config=self.config
+        )

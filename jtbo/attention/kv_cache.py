@@ -1,0 +1,137 @@
+"""Paged KV cache of one DP rank: a token-indexed K/V pool per layer plus a request page table.
+
+Layout (the contract the model and runner code against):
+
+* ``k`` and ``v`` are ``[num_layers, num_slots, kv_heads, head_dim]`` arrays, one stacked
+  array each rather than a tuple per layer, so that a layer loop written with ``lax.scan`` or
+  a Python loop indexes them the same way and the runner donates two buffers, not 2 x layers.
+  ``v`` may have its own head dim (``v_head_dim``), which leaves room for MLA-style layers.
+* ``req_to_token`` is ``[max_reqs, max_context]`` int32: row ``r`` lists, position by
+  position, the pool slot that holds request ``r``'s token. The scheduler fills it for every
+  token of the step *before* the forward (the prefix, the new extend tokens and, for
+  target-verify, the draft tokens), exactly like SGLang's ``req_to_token_pool``.
+* Slot 0 is reserved as the padding slot: padded tokens carry ``out_cache_loc = 0`` and write
+  there harmlessly; real tokens never live in slot 0.
+
+Writes are functional (``.at[].set``); under ``jit`` with the cache donated XLA updates the
+pool in place, so a step does not copy it.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+PADDING_SLOT = 0
+"""Pool slot that padded tokens write to; never holds a real token."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """K/V pools of every layer and the request-to-slot page table of one DP rank.
+
+    Attributes:
+      k: keys, ``[num_layers, num_slots, kv_heads, head_dim]``.
+      v: values, ``[num_layers, num_slots, kv_heads, v_head_dim]``.
+      req_to_token: pool slot of each (request, position), ``[max_reqs, max_context]`` int32.
+    """
+
+    k: jax.Array  # [num_layers, num_slots, kv_heads, head_dim]
+    v: jax.Array  # [num_layers, num_slots, kv_heads, v_head_dim]
+    req_to_token: jax.Array  # [max_reqs, max_context]
+
+    @property
+    def num_layers(self) -> int:
+        """Number of layers in the pool."""
+        return self.k.shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots per layer, the padding slot included."""
+        return self.k.shape[1]
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence (in tokens) a request may hold."""
+        return self.req_to_token.shape[1]
+
+
+def init_kv_cache(
+    *,
+    num_layers: int,
+    num_slots: int,
+    kv_heads: int,
+    head_dim: int,
+    max_reqs: int,
+    max_context: int,
+    dtype=jnp.bfloat16,
+    v_head_dim: int | None = None,
+) -> KVCache:
+    """Returns an all-zero cache whose page table points every position at the padding slot.
+
+    Args:
+      num_layers: attention layers sharing the cache.
+      num_slots: token slots per layer, the padding slot 0 included (so ``>= 2``).
+      kv_heads: K/V heads held by this rank (after attn_tp sharding).
+      head_dim: key head dimension.
+      max_reqs: rows of the page table.
+      max_context: columns of the page table.
+      dtype: pool dtype.
+      v_head_dim: value head dimension; ``head_dim`` when None.
+
+    Returns:
+      A ``KVCache``.
+
+    Raises:
+      ValueError: a size is not positive, or ``num_slots < 2``.
+    """
+    sizes = dict(
+        num_layers=num_layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_reqs=max_reqs,
+        max_context=max_context,
+    )
+    for name, size in sizes.items():
+        if size < 1:
+            raise ValueError(f"{name} must be >= 1, got {size}")
+    if num_slots < 2:
+        raise ValueError(f"num_slots must be >= 2 (slot 0 is padding), got {num_slots}")
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    return KVCache(
+        k=jnp.zeros((num_layers, num_slots, kv_heads, head_dim), dtype),
+        v=jnp.zeros((num_layers, num_slots, kv_heads, v_head_dim), dtype),
+        req_to_token=jnp.full((max_reqs, max_context), PADDING_SLOT, jnp.int32),
+    )
+
+
+def write_kv(
+    cache: KVCache, layer_id: int | jax.Array, loc: jax.Array, k: jax.Array, v: jax.Array
+) -> KVCache:
+    """Returns ``cache`` with ``k``/``v`` stored at pool slots ``loc`` of layer ``layer_id``.
+
+    Args:
+      cache: the cache to update.
+      layer_id: layer index (static int or traced scalar).
+      loc: destination slot of each token, ``[num_tokens]`` int32; padded tokens use slot 0.
+      k: keys, ``[num_tokens, kv_heads, head_dim]``.
+      v: values, ``[num_tokens, kv_heads, v_head_dim]``.
+
+    Returns:
+      The updated cache (``req_to_token`` unchanged).
+
+    Raises:
+      ValueError: ``k``/``v`` do not match the pool's head shape or ``loc``'s length.
+    """
+    for name, new, pool in (("k", k, cache.k), ("v", v, cache.v)):
+        if new.shape != (loc.shape[0], *pool.shape[2:]):
+            raise ValueError(
+                f"{name} has shape {new.shape}, expected {(loc.shape[0], *pool.shape[2:])} "
+                f"(num_tokens from out_cache_loc, heads/dim from the pool)"
+            )
+    return dataclasses.replace(
+        cache,
+        k=cache.k.at[layer_id, loc].set(k.astype(cache.k.dtype)),
+        v=cache.v.at[layer_id, loc].set(v.astype(cache.v.dtype)),
+    )

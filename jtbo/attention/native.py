@@ -1,0 +1,216 @@
+"""Native (pure jnp) paged attention: query tiles x KV blocks with an online softmax.
+
+For every query tile (``query_tile`` tokens of one sequence, see ``metadata``) the kernel walks
+the sequence's KV positions in blocks of ``kv_block``: it looks the block's pool slots up in
+``req_to_token``, gathers their K/V from the layer's pool, scores the tile against them and
+folds the block into running (max, sum, weighted-value) accumulators in float32 — the
+flash-attention recurrence, so nothing of size ``tokens x max_context x heads`` ever exists.
+All tiles advance together (a batch dimension), and the block loop runs only up to the longest
+visible KV length of the step (a traced trip count), so short steps do not pay for
+``max_context``.
+
+Masking, per (query row ``r`` of tile ``t``, KV position ``j``):
+* ``j < tile_kv_len[t]`` and row ``r < tile_q_len[t]`` always;
+* causal capacities: ``j <= tile_q_pos[t] + r`` (EXTEND/MIXED over prefix + new tokens, DECODE);
+* custom-mask capacities: the EAGLE bit ``custom_mask[t, r, j]`` (TARGET_VERIFY).
+
+GQA is handled by grouping ``q_heads // kv_heads`` query heads per KV head. Rows with no
+visible key, and rows past ``num_tokens``, come out as zeros.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jtbo.attention import kv_cache as kv_cache_lib
+from jtbo.attention import metadata as metadata_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeAttentionConfig:
+    """Tuning knobs of the native kernel.
+
+    Attributes:
+      kv_block: KV positions processed per loop step; bounds the working set to
+        ``num_tiles x kv_block x kv_heads x head_dim`` gathered K/V plus the score block.
+    """
+
+    kv_block: int = 128
+
+    def __post_init__(self):
+        if self.kv_block < 1:
+            raise ValueError(f"NativeAttentionConfig.kv_block must be >= 1, got {self.kv_block}")
+
+
+DEFAULT_CONFIG = NativeAttentionConfig()
+"""The kernel knobs used when none are given."""
+
+
+def _tile_queries(q: jax.Array, md: metadata_lib.AttentionMetadata, kv_heads: int):
+    """Gathers the queries of every tile: ``[tiles, rows, kv_heads, group, d]`` and row masks."""
+    rows = jnp.arange(md.capacity.query_tile)
+    row_valid = rows[None, :] < md.tile_q_len[:, None]  # [tiles, rows]
+    token = jnp.where(row_valid, md.tile_q_start[:, None] + rows[None, :], 0)
+    q_tiles = q[token]  # [tiles, rows, q_heads, d]
+    group = q.shape[1] // kv_heads
+    return q_tiles.reshape(*q_tiles.shape[:2], kv_heads, group, q.shape[2]), token, row_valid
+
+
+def _block_mask(md: metadata_lib.AttentionMetadata, pos: jax.Array, row_valid: jax.Array):
+    """Returns which (tile, row, key) pairs of a KV block are visible: ``[tiles, rows, block]``."""
+    visible = (pos[None, None, :] < md.tile_kv_len[:, None, None]) & row_valid[:, :, None]
+    if md.custom_mask is not None:
+        column = jnp.minimum(pos, md.capacity.max_context - 1)
+        return visible & jnp.take(md.custom_mask, column, axis=2)
+    rows = jnp.arange(md.capacity.query_tile)
+    q_pos = md.tile_q_pos[:, None] + rows[None, :]  # [tiles, rows]
+    return visible & (pos[None, None, :] <= q_pos[:, :, None])
+
+
+def _gather_block(cache: kv_cache_lib.KVCache, layer_id, md, pos: jax.Array):
+    """Gathers K/V of one block for every tile: ``[tiles, block, kv_heads, d]`` each."""
+    column = jnp.minimum(pos, cache.max_context - 1)
+    slots = cache.req_to_token[md.tile_req[:, None], column[None, :]]  # [tiles, block]
+    # Positions past a sequence's end may hold stale slots; read the padding slot instead.
+    slots = jnp.where(pos[None, :] < md.tile_kv_len[:, None], slots, kv_cache_lib.PADDING_SLOT)
+    return cache.k[layer_id, slots], cache.v[layer_id, slots]
+
+
+def _online_softmax_step(carry, scores, v_block):
+    """Folds one block of masked scores into the (max, sum, acc) accumulators."""
+    m, denom, acc = carry
+    m_new = jnp.maximum(m, scores.max(axis=-1))
+    # A row that has seen no visible key keeps max -inf; shift it by 0 to avoid inf - inf.
+    m_shift = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+    p = jnp.exp(scores - m_shift[..., None])  # [tiles, kvh, group, rows, block]
+    correction = jnp.exp(m - m_shift)
+    denom = denom * correction + p.sum(axis=-1)
+    pv = jnp.einsum(
+        "thgqk,tkhd->thgqd", p.astype(v_block.dtype), v_block, preferred_element_type=jnp.float32
+    )
+    return m_new, denom, acc * correction[..., None] + pv
+
+
+def attend(
+    q: jax.Array,
+    cache: kv_cache_lib.KVCache,
+    layer_id: int | jax.Array,
+    md: metadata_lib.AttentionMetadata,
+    *,
+    scaling: float,
+    config: NativeAttentionConfig = DEFAULT_CONFIG,
+) -> jax.Array:
+    """Attends every tile's queries over its sequence's cached K/V (already written).
+
+    Args:
+      q: queries, ``[token_capacity, q_heads, head_dim]``.
+      cache: the KV cache, holding this step's new tokens already.
+      layer_id: layer whose pool is read.
+      md: the step's metadata.
+      scaling: factor applied to ``q . k``.
+      config: kernel knobs.
+
+    Returns:
+      ``[token_capacity, q_heads, v_head_dim]`` in ``q.dtype``; zeros for rows without keys
+      and rows past ``md.num_tokens``.
+    """
+    kv_heads = cache.k.shape[2]
+    q_tiles, token, row_valid = _tile_queries(q, md, kv_heads)
+    block = config.kv_block
+    tiles, rows, _, group, _ = q_tiles.shape
+    dv = cache.v.shape[-1]
+    init = (
+        jnp.full((tiles, kv_heads, group, rows), -jnp.inf, jnp.float32),
+        jnp.zeros((tiles, kv_heads, group, rows), jnp.float32),
+        jnp.zeros((tiles, kv_heads, group, rows, dv), jnp.float32),
+    )
+
+    def body(b, carry):
+        pos = b * block + jnp.arange(block)
+        k_block, v_block = _gather_block(cache, layer_id, md, pos)
+        scores = (
+            jnp.einsum(
+                "tqhgd,tkhd->thgqk",
+                q_tiles,
+                k_block.astype(q.dtype),
+                preferred_element_type=jnp.float32,
+            )
+            * scaling
+        )
+        visible = _block_mask(md, pos, row_valid)  # [tiles, rows, block]
+        scores = jnp.where(visible[:, None, None, :, :], scores, -jnp.inf)
+        return _online_softmax_step(carry, scores, v_block)
+
+    longest = jnp.max(jnp.where(md.tile_q_len > 0, md.tile_kv_len, 0))
+    _, denom, acc = lax.fori_loop(0, (longest + block - 1) // block, body, init)
+    out = jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(tiles, rows, kv_heads * group, dv)
+    return _scatter_rows(out.astype(q.dtype), token, row_valid, md.num_tokens, q.shape[0])
+
+
+def _scatter_rows(tile_out, token, row_valid, num_tokens, capacity: int) -> jax.Array:
+    """Writes tile rows back to their flat token rows; everything else stays zero."""
+    keep = row_valid & (token < num_tokens)
+    target = jnp.where(keep, token, capacity)  # out of range: dropped
+    out = jnp.zeros((capacity, *tile_out.shape[2:]), tile_out.dtype)
+    return out.at[target.reshape(-1)].set(
+        tile_out.reshape(-1, *tile_out.shape[2:]), mode="drop", unique_indices=True
+    )
+
+
+def forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    layer_id: int | jax.Array,
+    md: metadata_lib.AttentionMetadata,
+    cache: kv_cache_lib.KVCache,
+    *,
+    scaling: float | None = None,
+    config: NativeAttentionConfig = DEFAULT_CONFIG,
+) -> tuple[jax.Array, kv_cache_lib.KVCache]:
+    """Writes the step's K/V at ``out_cache_loc`` and attends (see the module docstring).
+
+    Args:
+      q: queries, ``[token_capacity, q_heads, head_dim]``.
+      k: new keys, ``[token_capacity, kv_heads, head_dim]``.
+      v: new values, ``[token_capacity, kv_heads, v_head_dim]``.
+      layer_id: layer index.
+      md: the step's metadata.
+      cache: the KV cache (donate it to update in place).
+      scaling: score scale; ``head_dim ** -0.5`` when None.
+      config: kernel knobs.
+
+    Returns:
+      ``(out [token_capacity, q_heads, v_head_dim], new cache)``.
+
+    Raises:
+      ValueError: token counts disagree with the capacity, or q heads are not a multiple of
+        the KV heads.
+    """
+    _check_shapes(q, k, cache, md)
+    valid = jnp.arange(q.shape[0]) < md.num_tokens
+    loc = jnp.where(valid, md.out_cache_loc, kv_cache_lib.PADDING_SLOT)
+    cache = kv_cache_lib.write_kv(cache, layer_id, loc, k, v)
+    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
+    return attend(q, cache, layer_id, md, scaling=scaling, config=config), cache
+
+
+def _check_shapes(q, k, cache, md) -> None:
+    """Raises ValueError when q/k do not fit the metadata's capacity or the cache."""
+    capacity = md.capacity.token_capacity
+    if q.shape[0] != capacity or k.shape[0] != capacity:
+        raise ValueError(
+            f"q has {q.shape[0]} and k {k.shape[0]} tokens; token_capacity is {capacity}"
+        )
+    if q.shape[1] % cache.k.shape[2]:
+        raise ValueError(
+            f"q_heads = {q.shape[1]} is not a multiple of kv_heads = {cache.k.shape[2]}"
+        )
+    if cache.max_context != md.capacity.max_context:
+        raise ValueError(
+            f"cache max_context = {cache.max_context}, metadata max_context = "
+            f"{md.capacity.max_context}"
+        )

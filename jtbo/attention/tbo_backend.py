@@ -1,0 +1,149 @@
+"""Two-batch-overlap attention backend: a primary for the whole batch + one child per micro-batch.
+
+SGLang's ``TboAttnBackend`` behaviour, with metadata returned instead of stored:
+
+* ``init_forward_metadata(batch, children)`` builds the primary's metadata for the full batch
+  and, when the step runs TBO (``children`` from ``split_batch``), each child's metadata on
+  the matching child backend. The children backends have their own, smaller static capacity
+  (the TBO child capacity chosen by the caller). An empty child (``batch_size == 0``) gets
+  empty metadata instead of being skipped, so the result has the same pytree structure on
+  every step and every DP rank (it stacks along a dp axis and never retraces).
+* ``init_forward_metadata_for_replay(batch)`` is the graph-replay path: the padded batch has
+  no children, so they are cut from its padded buffers with the capture-time indices
+  (``replay.split_replay_batch``).
+* ``forward`` and anything else delegate to the primary; the overlap executor runs
+  micro-batch ``i`` with ``backend.children[i].forward`` and ``metadata.children[i]``, threading
+  the KV cache through A's attention and then B's.
+"""
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import jax
+
+from jtbo.attention import metadata as metadata_lib
+from jtbo.attention import replay
+from jtbo.split import batch as batch_lib
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TboAttnMetadata:
+    """Metadata of a TBO step.
+
+    Attributes:
+      primary: metadata of the full batch.
+      children: metadata of micro-batches A and B, or None when the step runs without TBO.
+    """
+
+    primary: metadata_lib.AttentionMetadata
+    children: tuple[metadata_lib.AttentionMetadata, metadata_lib.AttentionMetadata] | None
+
+
+class TboAttnBackend:
+    """A primary backend for the whole batch and two child backends, one per micro-batch.
+
+    Attributes:
+      primary: backend of the full batch.
+      children: backends of micro-batches A and B.
+    """
+
+    def __init__(self, primary, children: Sequence):
+        """Wraps backends.
+
+        Args:
+          primary: backend for the full batch (``init_forward_metadata``, ``forward``, ...).
+          children: exactly two backends, for micro-batches A and B.
+
+        Raises:
+          ValueError: not exactly two children.
+        """
+        if len(children) != 2:
+            raise ValueError(f"TboAttnBackend needs 2 children, got {len(children)}")
+        self.primary = primary
+        self.children = tuple(children)
+
+    @classmethod
+    def init_new(
+        cls,
+        creator: Callable[[metadata_lib.AttentionCapacity], object],
+        *,
+        capacity: metadata_lib.AttentionCapacity,
+        child_capacity: metadata_lib.AttentionCapacity,
+    ) -> "TboAttnBackend":
+        """Creates the primary at ``capacity`` and both children at ``child_capacity``.
+
+        Args:
+          creator: builds a backend for a capacity (e.g. ``NativeAttnBackend``).
+          capacity: static sizes of the full batch.
+          child_capacity: static sizes of one micro-batch.
+
+        Returns:
+          A ``TboAttnBackend``.
+        """
+        return cls(creator(capacity), [creator(child_capacity) for _ in range(2)])
+
+    def _child_metadata(self, child, child_batch: batch_lib.ForwardBatch):
+        if child_batch.batch_size == 0:
+            return child.empty_metadata()
+        return child.init_forward_metadata(child_batch)
+
+    def init_forward_metadata(
+        self,
+        batch: batch_lib.ForwardBatch,
+        children: Sequence[batch_lib.ForwardBatch] | None = None,
+    ) -> TboAttnMetadata:
+        """Builds metadata for the full batch and, with TBO, for each child batch.
+
+        Args:
+          batch: the step's host batch.
+          children: the two child batches from ``split_batch``, or None without TBO.
+
+        Returns:
+          ``TboAttnMetadata``.
+
+        Raises:
+          ValueError: not two children, or a batch that does not fit its backend.
+        """
+        primary = self.primary.init_forward_metadata(batch)
+        if children is None:
+            return TboAttnMetadata(primary=primary, children=None)
+        if len(children) != 2:
+            raise ValueError(f"TBO needs 2 child batches, got {len(children)}")
+        pairs = zip(self.children, children, strict=True)
+        return TboAttnMetadata(
+            primary=primary, children=tuple(self._child_metadata(c, b) for c, b in pairs)
+        )
+
+    def init_forward_metadata_for_replay(
+        self, batch: batch_lib.ForwardBatch, *, tbo: bool = True
+    ) -> TboAttnMetadata:
+        """Graph-replay path: children are cut from the padded batch with capture-time indices.
+
+        Args:
+          batch: the padded DECODE / TARGET_VERIFY / IDLE batch of a captured bucket.
+          tbo: whether the captured program runs TBO (False: primary only).
+
+        Returns:
+          ``TboAttnMetadata``.
+
+        Raises:
+          ValueError: a ragged mode, or a batch that does not fit.
+        """
+        primary = self.primary.init_forward_metadata_for_replay(batch)
+        if not tbo:
+            return TboAttnMetadata(primary=primary, children=None)
+        pairs = zip(self.children, replay.split_replay_batch(batch), strict=True)
+        return TboAttnMetadata(
+            primary=primary, children=tuple(self._child_metadata(c, b) for c, b in pairs)
+        )
+
+    def forward(self, *args, **kwargs):
+        """Attention over the full batch: the primary's ``forward``."""
+        return self.primary.forward(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        # Reached only when normal lookup fails; guard against recursion before __init__ ran.
+        if name in ("primary", "children"):
+            raise AttributeError(name)
+        return getattr(self.primary, name)

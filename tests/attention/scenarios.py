@@ -1,0 +1,110 @@
+"""Random paged-attention scenarios with an independent float64 reference.
+
+A scenario is a batch of sequences, each with a cached prefix and some new tokens. Every
+token's K/V is drawn in float64; the prefix K/V is stored in the pool at random slots (slot 0
+stays the padding slot), the page table maps positions to slots, and the new tokens' q/k/v come
+in the flat token order. The reference attends per sequence directly over the drawn K/V (not
+through the pool, tiles or page table), so it shares no code with the library.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from jtbo.attention import kv_cache as kv_cache_lib
+
+
+@dataclasses.dataclass
+class Scenario:
+    """One batch: per-sequence lengths, the pool, the new tokens and the reference output."""
+
+    prefix_lens: np.ndarray  # [n]
+    extend_lens: np.ndarray  # [n]
+    req_pool_indices: np.ndarray  # [n]
+    out_cache_loc: np.ndarray  # [num_tokens]
+    cache: kv_cache_lib.KVCache
+    q: np.ndarray  # [token_capacity, q_heads, d] float32
+    k: np.ndarray  # [token_capacity, kv_heads, d]
+    v: np.ndarray  # [token_capacity, kv_heads, d]
+    expected: np.ndarray  # [token_capacity, q_heads, d] float64
+    mask_rows: list | None  # per seq [extend_len, prefix + extend_len] bool (verify)
+    num_tokens: int
+
+
+def make(
+    rng: np.random.Generator,
+    prefix_lens,
+    extend_lens,
+    *,
+    token_capacity: int,
+    q_heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 8,
+    max_context: int = 32,
+    max_reqs: int = 8,
+    num_layers: int = 2,
+    layer_id: int = 1,
+    custom_mask: bool = False,
+) -> Scenario:
+    """Draws a scenario; with ``custom_mask`` the new tokens use random EAGLE-style masks."""
+    prefix_lens = np.asarray(prefix_lens, np.int64)
+    extend_lens = np.asarray(extend_lens, np.int64)
+    n = prefix_lens.shape[0]
+    seq_lens = prefix_lens + extend_lens
+    num_slots = int(seq_lens.sum()) + 5
+    slots = rng.permutation(np.arange(1, num_slots))
+    reqs = rng.permutation(max_reqs)[:n]
+    pool_k = rng.normal(size=(num_layers, num_slots, kv_heads, head_dim)).astype(np.float32)
+    pool_v = rng.normal(size=(num_layers, num_slots, kv_heads, head_dim)).astype(np.float32)
+    req_to_token = np.zeros((max_reqs, max_context), np.int32)
+    num_tokens = int(extend_lens.sum())
+    q = rng.normal(size=(token_capacity, q_heads, head_dim)).astype(np.float32)
+    k = rng.normal(size=(token_capacity, kv_heads, head_dim)).astype(np.float32)
+    v = rng.normal(size=(token_capacity, kv_heads, head_dim)).astype(np.float32)
+    expected = np.zeros((token_capacity, q_heads, head_dim))
+    out_cache_loc = np.zeros((num_tokens,), np.int32)
+    mask_rows = [] if custom_mask else None
+    used, start = 0, 0
+    group = q_heads // kv_heads
+    for s in range(n):
+        length, prefix, new = int(seq_lens[s]), int(prefix_lens[s]), int(extend_lens[s])
+        seq_slots = slots[used : used + length]
+        used += length
+        req_to_token[reqs[s], :length] = seq_slots
+        out_cache_loc[start : start + new] = seq_slots[prefix:]
+        seq_k = np.concatenate([pool_k[layer_id, seq_slots[:prefix]], k[start : start + new]])
+        seq_v = np.concatenate([pool_v[layer_id, seq_slots[:prefix]], v[start : start + new]])
+        if custom_mask:
+            rows = rng.random((new, length)) < 0.6
+            mask_rows.append(rows)
+        else:
+            rows = np.arange(length)[None, :] <= (prefix + np.arange(new))[:, None]
+        for i in range(new):
+            for h in range(q_heads):
+                qh = q[start + i, h].astype(np.float64)
+                kh = seq_k[:, h // group].astype(np.float64)
+                scores = kh @ qh * head_dim**-0.5
+                if not rows[i].any():
+                    continue
+                scores = np.where(rows[i], scores, -np.inf)
+                w = np.exp(scores - scores.max())
+                w /= w.sum()
+                expected[start + i, h] = w @ seq_v[:, h // group].astype(np.float64)
+        start += new
+    cache = kv_cache_lib.KVCache(
+        k=jnp.asarray(pool_k), v=jnp.asarray(pool_v), req_to_token=jnp.asarray(req_to_token)
+    )
+    return Scenario(
+        prefix_lens=prefix_lens,
+        extend_lens=extend_lens,
+        req_pool_indices=reqs,
+        out_cache_loc=out_cache_loc,
+        cache=cache,
+        q=q,
+        k=k,
+        v=v,
+        expected=expected,
+        mask_rows=mask_rows,
+        num_tokens=num_tokens,
+    )
