@@ -1,0 +1,51 @@
+"""DP-attention collectives, scatter modes, expert-parallel dispatch/combine, TBO agreement.
+
+In-graph pieces work on local shards inside ``jax.shard_map`` over the ``("dp", "attn_tp")``
+mesh (``make_mesh``) with ``check_vma=False``; host pieces are plain Python on small integers.
+"""
+
+from jtbo.collectives.context import (
+    DpContext,
+    create_dp_context,
+    default_global_buffer_len,
+    get_dp_local_info,
+)
+from jtbo.collectives.dp_gather import dp_gather_partial, dp_gather_replicate, dp_gather_varlen
+from jtbo.collectives.dp_scatter import dp_reduce_scatter_tensor, dp_scatter
+from jtbo.collectives.mesh import (
+    ATTN_TP_AXIS,
+    DP_AXIS,
+    TP_AXES,
+    compute_dp_attention_world_info,
+    make_mesh,
+)
+from jtbo.collectives.padding import DpPaddingMode, select_dp_padding_mode
+from jtbo.collectives.scatter_mode import (
+    ScatterMode,
+    communicate_simple,
+    communicate_summable_tensor_pair,
+    communicate_with_all_reduce_and_layernorm,
+)
+
+__all__ = [
+    "ATTN_TP_AXIS",
+    "DP_AXIS",
+    "TP_AXES",
+    "DpContext",
+    "DpPaddingMode",
+    "ScatterMode",
+    "communicate_simple",
+    "communicate_summable_tensor_pair",
+    "communicate_with_all_reduce_and_layernorm",
+    "compute_dp_attention_world_info",
+    "create_dp_context",
+    "default_global_buffer_len",
+    "dp_gather_partial",
+    "dp_gather_replicate",
+    "dp_gather_varlen",
+    "dp_reduce_scatter_tensor",
+    "dp_scatter",
+    "get_dp_local_info",
+    "make_mesh",
+    "select_dp_padding_mode",
+]

@@ -1,0 +1,126 @@
+"""DP gathers against a numpy reference, all layouts, both padding modes."""
+
+import chex
+import numpy as np
+import pytest
+
+from jtbo.collectives import context as context_lib
+from jtbo.collectives import dp_gather, padding
+from tests.collectives import harness
+
+CAPACITY = 8
+HIDDEN = 3
+MODES = (padding.DpPaddingMode.MAX_LEN, padding.DpPaddingMode.SUM_LEN)
+
+
+def reference_rank_values(local, dp_size, attn_tp_size, counts, is_partial):
+    """[dp, C, H] the complete rows of each DP rank, zero past its count."""
+    local = local.reshape(dp_size, attn_tp_size, CAPACITY, -1).astype(np.float64)
+    values = local.sum(1) if is_partial else local[:, 0]
+    values[np.arange(CAPACITY)[None, :] >= np.asarray(counts)[:, None]] = 0
+    return values
+
+
+def reference_gather(values, counts, mode, global_len):
+    if mode.is_max_len():
+        return values.reshape(-1, values.shape[-1])
+    out = np.zeros((global_len, values.shape[-1]))
+    start = 0
+    for rank, count in enumerate(counts):
+        out[start : start + count] = values[rank, :count]
+        start += count
+    return out
+
+
+def count_cases(dp_size, rng):
+    """Uneven counts with an idle rank and one rank exactly at capacity."""
+    random = rng.integers(0, CAPACITY + 1, dp_size)
+    random[0] = CAPACITY
+    if dp_size > 1:
+        random[-1] = 0
+    return [random.tolist(), [CAPACITY - 1] * dp_size]
+
+
+def _gathers(context, partial_local, replicated_local):
+    return (
+        dp_gather.dp_gather_partial(partial_local, context, memcpy_impl="xla"),
+        dp_gather.dp_gather_replicate(replicated_local, context, memcpy_impl="xla"),
+    )
+
+
+def _varlen(context, partial_local, replicated_local):
+    return (
+        dp_gather.dp_gather_varlen(partial_local, context, is_partial=True),
+        dp_gather.dp_gather_varlen(replicated_local, context, is_partial=False),
+    )
+
+
+def make_inputs(dp_size, attn_tp_size, rng):
+    num_devices = dp_size * attn_tp_size
+    partial = rng.standard_normal((num_devices * CAPACITY, HIDDEN)).astype(np.float32)
+    per_rank = rng.standard_normal((dp_size, 1, CAPACITY, HIDDEN)).astype(np.float32)
+    replicated = np.broadcast_to(per_rank, (dp_size, attn_tp_size, CAPACITY, HIDDEN))
+    return partial, np.ascontiguousarray(replicated).reshape(-1, HIDDEN)
+
+
+@pytest.mark.parametrize("dp_size, attn_tp_size", harness.LAYOUTS)
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_dp_gather_matches_numpy(dp_size, attn_tp_size, mode):
+    rng = np.random.default_rng(dp_size * 10 + int(mode))
+    partial, replicated = make_inputs(dp_size, attn_tp_size, rng)
+    num_devices = dp_size * attn_tp_size
+    run = harness.sharded(_gathers, dp_size, attn_tp_size, 2, 2)
+    for counts in count_cases(dp_size, rng):
+        global_len = dp_size * CAPACITY  # a fixed bucket: counts change, shapes do not
+        context = context_lib.create_dp_context(
+            counts, mode, CAPACITY, attn_tp_size, global_buffer_len=global_len
+        )
+        got_partial, got_replicated = run(context, partial, replicated)
+        for got, local, is_partial in (
+            (got_partial, partial, True),
+            (got_replicated, replicated, False),
+        ):
+            values = reference_rank_values(local, dp_size, attn_tp_size, counts, is_partial)
+            want = reference_gather(values, counts, mode, global_len)
+            for device_out in harness.per_device(got, num_devices):
+                chex.assert_trees_all_close(device_out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dp_size, attn_tp_size", ((4, 2), (8, 1)))
+def test_sum_len_exact_buffer_and_varlen_match(dp_size, attn_tp_size):
+    """SUM_LEN with the buffer exactly the token sum (last rank's copy ends at the last row),
+    and the all-gather-based varlen gather gives the same buffer."""
+    rng = np.random.default_rng(7)
+    partial, replicated = make_inputs(dp_size, attn_tp_size, rng)
+    counts = count_cases(dp_size, rng)[0]
+    counts[-1] = CAPACITY  # the last rank is full: its slot would overrun a clamped copy
+    global_len = sum(counts)
+    context = context_lib.create_dp_context(
+        counts, padding.DpPaddingMode.SUM_LEN, CAPACITY, attn_tp_size, global_len
+    )
+    via_reduce = harness.sharded(_gathers, dp_size, attn_tp_size, 2, 2)(
+        context, partial, replicated
+    )
+    via_gather = harness.sharded(_varlen, dp_size, attn_tp_size, 2, 2)(context, partial, replicated)
+    chex.assert_trees_all_close(via_reduce, via_gather, rtol=1e-5, atol=1e-5)
+    values = reference_rank_values(partial, dp_size, attn_tp_size, counts, True)
+    want = reference_gather(values, counts, padding.DpPaddingMode.SUM_LEN, global_len)
+    num_devices = dp_size * attn_tp_size
+    chex.assert_trees_all_close(
+        harness.per_device(via_gather[0], num_devices)[-1], want, rtol=1e-5, atol=1e-5
+    )
+
+
+def test_varlen_needs_sum_len():
+    context = context_lib.create_dp_context([1, 2], padding.DpPaddingMode.MAX_LEN, CAPACITY)
+    with pytest.raises(ValueError, match="SUM_LEN"):
+        harness.sharded(_varlen, 2, 1, 2, 2)(
+            context, np.zeros((2 * CAPACITY, 1), np.float32), np.zeros((2 * CAPACITY, 1))
+        )
+
+
+def test_local_rows_must_match_capacity():
+    context = context_lib.create_dp_context([1, 2], padding.DpPaddingMode.MAX_LEN, CAPACITY)
+    bad = np.zeros((2 * (CAPACITY + 1), 1), np.float32)
+    with pytest.raises(ValueError, match="local_capacity=8"):
+        harness.sharded(_gathers, 2, 1, 2, 2)(context, bad, bad)
