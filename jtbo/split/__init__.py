@@ -1,10 +1,42 @@
-"""jtbo.split: host planning of the TBO split and pure split/merge of batch pytrees."""
+"""jtbo.split: host planning of the TBO split and pure split/merge of batch pytrees.
 
+* ``plan``: SGLang's split planning on host integers (balanced / two-chunk / decode halves).
+* ``batch``: ``ForwardBatch`` / ``SpecVerifyInput`` pytrees, validated on the host.
+* ``filter``: ``split_batch``, the pure split of a host batch into TBO children.
+* ``padding``: static-capacity form for jit and token buckets.
+* ``activations``: in-graph split/merge of activations at a traced token index.
+"""
+
+from jtbo.split.activations import child_capacity, merge_outputs, plan_fits_capacity, split_inputs
 from jtbo.split.batch import ForwardBatch, SpecVerifyInput
+from jtbo.split.filter import split_batch
 from jtbo.split.forward_mode import ForwardMode
+from jtbo.split.padding import default_token_buckets, pad_batch, token_bucket
+from jtbo.split.plan import (
+    compute_split_indices_for_graph_replay,
+    compute_split_seq_index,
+    compute_split_token_index,
+    compute_tbo_children_num_token_non_padded,
+    get_token_num_per_seq,
+    is_two_chunk_split_enabled,
+)
 
 __all__ = [
     "ForwardBatch",
     "ForwardMode",
     "SpecVerifyInput",
+    "child_capacity",
+    "compute_split_indices_for_graph_replay",
+    "compute_split_seq_index",
+    "compute_split_token_index",
+    "compute_tbo_children_num_token_non_padded",
+    "default_token_buckets",
+    "get_token_num_per_seq",
+    "is_two_chunk_split_enabled",
+    "merge_outputs",
+    "pad_batch",
+    "plan_fits_capacity",
+    "split_batch",
+    "split_inputs",
+    "token_bucket",
 ]

@@ -134,12 +134,14 @@ class SpecVerifyInput:
                 value = _as_host_array(getattr(self, field.name), dtype)
                 object.__setattr__(self, field.name, value)
 
-    def validate(self, *, num_tokens: int, batch_size: int) -> None:
+    def validate(self, *, num_tokens: int, batch_size: int, padded: bool = False) -> None:
         """Checks sizes against the owning batch.
 
         Args:
           num_tokens: token rows of the owning batch.
           batch_size: sequences of the owning batch.
+          padded: the batch is in static-capacity form, where the custom mask may carry
+            trailing padding entries (at least, rather than exactly, the needed length).
 
         Raises:
           ValueError: a size does not match; names the field and the numbers.
@@ -151,11 +153,12 @@ class SpecVerifyInput:
         _check_non_negative("spec_info", ("seq_lens",), self)
         if self.custom_mask is not None and self.seq_lens is not None:
             expected = int(custom_mask_offsets(self.seq_lens, self.draft_token_num)[-1])
-            if _rows("custom_mask", self.custom_mask) != expected:
+            got = _rows("custom_mask", self.custom_mask)
+            if got < expected or (got != expected and not padded):
                 raise ValueError(
-                    f"spec_info.custom_mask has {_rows('custom_mask', self.custom_mask)} entries, "
-                    f"expected sum((seq_lens + {self.draft_token_num}) * {self.draft_token_num})"
-                    f" = {expected}"
+                    f"spec_info.custom_mask has {got} entries, expected "
+                    f"{'at least ' if padded else ''}sum((seq_lens + draft_token_num) * "
+                    f"draft_token_num) = {expected} (draft_token_num={self.draft_token_num})"
                 )
 
 
@@ -261,7 +264,11 @@ class ForwardBatch:
         _validate_extend(self, n)
         _validate_tbo(self, n)
         if self.spec_info is not None:
-            self.spec_info.validate(num_tokens=n, batch_size=self.batch_size)
+            self.spec_info.validate(
+                num_tokens=n,
+                batch_size=self.batch_size,
+                padded=self.num_token_non_padded is not None,
+            )
 
 
 def exclusive_cumsum(lengths: np.ndarray) -> np.ndarray:

@@ -1,0 +1,183 @@
+"""In-graph TBO split of activations at a traced token index, and the inverse merge.
+
+Inside the jitted step the split token index ``t`` and the real token count ``n`` change every
+step, so they are traced int32 scalars; the children's buffers need a *static* row count, the
+child capacity. Child A is rows ``[0, t)`` and child B rows ``[t, n)`` of the parent, each
+zero-padded to that capacity (SGLang ``_model_forward_filter_inputs``); the merge writes them
+back at their parent offsets into a zero buffer (``_model_forward_tbo_merge_outputs``).
+
+Child capacity bound, for a parent of ``n <= C`` real tokens (``jtbo.split.plan`` rules):
+
+* a balanced (seq-boundary) split that is not two-chunk has ``left >= n * threshold`` and
+  ``left <= n * (1 - threshold)`` (SGLang's float comparisons), so A holds at most
+  ``floor(n * (1 - threshold))`` and B at most ``n - ceil(n * threshold)`` tokens; with
+  ``threshold = 0`` that is all ``n`` (two-chunk is off, one long prompt goes to one side);
+* a two-chunk split cuts at ``n // 2``: B holds ``ceil(n / 2)``;
+* the degeneracy fallback happens (for sequences of >= 1 token) only when the first
+  ``n // 2`` sequences have one token each, so the balanced cut at ``n // 2`` exists and
+  the larger side is again at most ``ceil(n / 2)``;
+* DECODE / TARGET_VERIFY put ``ceil(bs / 2) * token_num_per_seq`` tokens in B, with
+  ``bs <= C // token_num_per_seq``.
+
+Each term grows with ``n``, so the bound at ``n = C`` is the capacity, rounded up to
+``attn_tp_size``. Zero-length sequences in an EXTEND batch can defeat the fallback argument, so
+the runner checks every plan with ``plan_fits_capacity`` on the host and runs a plan that does
+not fit without TBO: out-of-capacity rows would otherwise be dropped by the copy kernels.
+"""
+
+import math
+from typing import Any
+
+import jax
+
+from jtbo import kernels
+from jtbo.split import plan
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def child_capacity(
+    token_capacity: int,
+    *,
+    threshold: float = plan.DEFAULT_THRESHOLD,
+    attn_tp_size: int = 1,
+    token_num_per_seq: int = 1,
+) -> int:
+    """Static row count that holds either TBO child of a parent of ``token_capacity`` rows.
+
+    Args:
+      token_capacity: static token rows of the parent (its bucket).
+      threshold: SGLang's ``tbo_token_distribution_threshold``.
+      attn_tp_size: the result is a multiple of it (children are scattered over attn_tp).
+      token_num_per_seq: tokens per sequence of decode-like steps (``draft_token_num`` for
+        TARGET_VERIFY); 1 covers DECODE and EXTEND.
+
+    Returns:
+      The capacity (module docstring): max of the balanced, two-chunk and decode bounds.
+
+    Raises:
+      ValueError: a negative capacity, ``attn_tp_size`` or ``token_num_per_seq`` < 1, or a
+        threshold outside [0, 0.5].
+    """
+    plan.check_threshold(threshold)
+    if token_capacity < 0:
+        raise ValueError(f"token_capacity must be >= 0, got {token_capacity}")
+    if attn_tp_size < 1 or token_num_per_seq < 1:
+        raise ValueError(f"attn_tp_size={attn_tp_size} and token_num_per_seq="
+                         f"{token_num_per_seq} must be >= 1")  # fmt: skip
+    c = token_capacity
+    balanced = max(math.floor(c * (1 - threshold)), c - math.ceil(c * threshold))
+    half = -(-c // 2)
+    decode = -(-(c // token_num_per_seq) // 2) * token_num_per_seq
+    return _round_up(max(balanced, half, decode), attn_tp_size)
+
+
+def plan_fits_capacity(split_token_index: int, num_tokens: int, *, child_capacity: int) -> bool:
+    """Whether both children of a host plan fit the static child capacity.
+
+    Args:
+      split_token_index: the planned token split.
+      num_tokens: real tokens of the parent.
+      child_capacity: from ``child_capacity``.
+
+    Returns:
+      True when ``split_token_index`` and ``num_tokens - split_token_index`` are both within
+      the capacity; a plan that does not fit must run without TBO.
+
+    Raises:
+      ValueError: ``split_token_index`` outside ``[0, num_tokens]``.
+    """
+    if not 0 <= split_token_index <= num_tokens:
+        raise ValueError(
+            f"split_token_index={split_token_index} outside [0, num_tokens={num_tokens}]"
+        )
+    return max(split_token_index, num_tokens - split_token_index) <= child_capacity
+
+
+def _rows_of(tree: Any, name: str) -> int:
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        raise ValueError(f"{name} has no array leaves")
+    rows = {leaf.shape[0] if leaf.ndim else None for leaf in leaves}
+    if len(rows) != 1 or None in rows:
+        raise ValueError(f"every leaf of {name} needs the same leading token axis, got {rows}")
+    return rows.pop()
+
+
+def split_inputs(
+    tree: Any,
+    split_token_index: Any,
+    num_tokens: Any,
+    *,
+    child_capacity: int,
+    impl: str | None = None,
+) -> tuple[Any, Any]:
+    """Cuts every leaf's token rows into TBO children A = ``[0, t)`` and B = ``[t, n)``.
+
+    Args:
+      tree: pytree of arrays with a shared leading token axis (hidden states, residual,
+        positions, ...).
+      split_token_index: int32 scalar ``t`` (may be traced).
+      num_tokens: int32 scalar ``n``, the parent's real tokens (may be traced).
+      child_capacity: static rows of each child buffer (``child_capacity``).
+      impl: ``jtbo.kernels`` implementation (None: the fastest available).
+
+    Returns:
+      ``(tree_a, tree_b)`` with leaves ``[child_capacity, ...]``, zero past each child's rows.
+
+    Raises:
+      ValueError: leaves without a shared leading axis, or bad scalars / capacity.
+    """
+    _rows_of(tree, "tree")
+    length_b = num_tokens - split_token_index
+
+    def cut(x, start, length):
+        return kernels.slice_pad(x, start, length, capacity=child_capacity, impl=impl)
+
+    tree_a = jax.tree.map(lambda x: cut(x, 0, split_token_index), tree)
+    tree_b = jax.tree.map(lambda x: cut(x, split_token_index, length_b), tree)
+    return tree_a, tree_b
+
+
+def merge_outputs(
+    tree_a: Any,
+    tree_b: Any,
+    split_token_index: Any,
+    num_tokens: Any,
+    *,
+    out_len: int,
+    impl: str | None = None,
+) -> Any:
+    """Inverse of ``split_inputs``: children's rows back at their parent offsets.
+
+    Args:
+      tree_a: child A's outputs, leaves ``[child_capacity, ...]``.
+      tree_b: child B's outputs, same structure.
+      split_token_index: int32 scalar ``t`` (may be traced).
+      num_tokens: int32 scalar ``n`` (may be traced).
+      out_len: static rows of the merged leaves (the parent's capacity).
+      impl: ``jtbo.kernels`` implementation (None: the fastest available).
+
+    Returns:
+      Pytree like ``tree_a`` with leaves ``[out_len, ...]``: rows ``[0, t)`` from A, rows
+      ``[t, n)`` from B, zero past ``n``.
+
+    Raises:
+      ValueError: trees of different structure or leaves without a shared leading axis.
+    """
+    if jax.tree.structure(tree_a) != jax.tree.structure(tree_b):
+        raise ValueError(
+            f"tree_a and tree_b differ in structure: {jax.tree.structure(tree_a)} vs "
+            f"{jax.tree.structure(tree_b)}"
+        )
+    _rows_of(tree_a, "tree_a")
+    _rows_of(tree_b, "tree_b")
+    starts = (0, split_token_index)
+    lengths = (split_token_index, num_tokens - split_token_index)
+
+    def merge(a, b):
+        return kernels.merge_rows((a, b), starts, lengths, out_len=out_len, impl=impl)
+
+    return jax.tree.map(merge, tree_a, tree_b)

@@ -1,0 +1,273 @@
+"""Host planning of the two-batch-overlap split (SGLang ``two_batch_overlap.py`` semantics).
+
+Pure Python integers; no device work. The split of one DP rank's batch into micro-batches
+A and B is described by a *sequence* index ``s`` and a *token* index ``t``:
+
+* EXTEND / MIXED: the **balanced split** scans cut points ``i = 1 .. n-1`` and keeps the last
+  one whose ``|left - right|`` token difference does not exceed the best seen so far (ties go
+  right), stopping at the first cut that is worse. Then ``t = sum(extend_lens[:s])``.
+* **Two-chunk split**: if that cut leaves the left side under ``threshold`` of the tokens (or
+  over ``1 - threshold``), one long prompt is cut in two at ``t = total // 2``. ``s`` is the
+  sequence holding token row ``total // 2``; A gets sequences ``[0, s]`` (its last one
+  truncated) and B gets ``[s, n)`` (its first one starting mid-prompt). SGLang's degeneracy
+  fallback keeps the balanced split when A would get more sequences than tokens
+  (``s + 1 > total // 2``, e.g. one sequence of one token), since an attention planner needs at
+  least one query token per sequence. ``threshold = 0`` disables two-chunk.
+* DECODE / TARGET_VERIFY: half of the sequences, ``s = (num_tokens // per_seq) // 2`` and
+  ``t = s * per_seq``.
+* IDLE / PREBUILT: no tokens; ``s = t = 0``.
+* DRAFT_EXTEND: TBO does not split it (``compute_split_seq_index`` returns None).
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+from jtbo.split import forward_mode as forward_mode_lib
+
+ForwardMode = forward_mode_lib.ForwardMode
+DEFAULT_THRESHOLD = 0.48
+_BALANCED_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+
+def check_threshold(threshold: float) -> None:
+    """Raises ValueError unless ``0 <= threshold <= 0.5`` (``tbo_token_distribution_threshold``)."""
+    if not 0.0 <= threshold <= 0.5:
+        raise ValueError(f"threshold (tbo_token_distribution_threshold) must be in [0, 0.5], got "
+                         f"{threshold}")  # fmt: skip
+
+
+def _check_lengths(name: str, lengths: Sequence[int] | None) -> list[int]:
+    if lengths is None:
+        raise ValueError(f"{name} is required for EXTEND/MIXED planning, got None")
+    values = [int(v) for v in lengths]
+    negative = [v for v in values if v < 0]
+    if negative:
+        raise ValueError(f"{name} has a negative length: {negative[0]}")
+    return values
+
+
+def _check_per_seq(forward_mode: ForwardMode, token_num_per_seq: int | None) -> int:
+    if token_num_per_seq is None or token_num_per_seq < 1:
+        raise ValueError(
+            f"token_num_per_seq must be >= 1 for {forward_mode.name}, got {token_num_per_seq}"
+        )
+    return int(token_num_per_seq)
+
+
+def get_token_num_per_seq(forward_mode: ForwardMode, spec_info: Any = None) -> int | None:
+    """Tokens per sequence: ``draft_token_num`` (TARGET_VERIFY), 1 (DECODE), 0 (IDLE), else None.
+
+    Args:
+      forward_mode: the step's mode.
+      spec_info: object with ``draft_token_num`` (needed for TARGET_VERIFY).
+
+    Returns:
+      The count, or None for ragged modes (EXTEND, MIXED, ...), which use ``extend_lens``.
+
+    Raises:
+      ValueError: TARGET_VERIFY without spec_info.
+    """
+    if forward_mode.is_target_verify():
+        if spec_info is None:
+            raise ValueError("TARGET_VERIFY needs spec_info.draft_token_num, got spec_info=None")
+        return int(spec_info.draft_token_num)
+    if forward_mode.is_decode():
+        return 1
+    if forward_mode.is_idle():
+        return 0
+    return None
+
+
+def split_array_by_balanced_sum(lengths: Sequence[int]) -> int:
+    """SGLang's balanced cut: last cut with minimal |left - right|, stopping when it worsens.
+
+    Args:
+      lengths: non-negative per-sequence token counts.
+
+    Returns:
+      The sequence index of the cut (0 for fewer than two sequences).
+    """
+    total = sum(lengths)
+    left, best_index, best_diff = 0, 0, None
+    for i in range(1, len(lengths)):
+        left += lengths[i - 1]
+        diff = abs(2 * left - total)
+        if best_diff is not None and diff > best_diff:
+            break
+        best_index, best_diff = i, diff
+    return best_index
+
+
+def split_array_by_cum_less_than_half(lengths: Sequence[int]) -> int:
+    """Index of the sequence whose tokens cross ``total // 2`` (0 if none does).
+
+    Args:
+      lengths: non-negative per-sequence token counts.
+
+    Returns:
+      The first ``i`` with ``sum(lengths[:i + 1]) > total // 2``, or 0.
+    """
+    half = sum(lengths) // 2
+    cumulative = 0
+    for i, length in enumerate(lengths):
+        cumulative += length
+        if cumulative > half:
+            return i
+    return 0
+
+
+def is_two_chunk_split_enabled(
+    extend_lens: Sequence[int] | None, *, threshold: float = DEFAULT_THRESHOLD
+) -> bool:
+    """Whether the EXTEND/MIXED split cuts one sequence in two (see the module docstring).
+
+    Args:
+      extend_lens: per-sequence new-token counts, or None (never two-chunk).
+      threshold: SGLang's ``tbo_token_distribution_threshold``; 0 disables two-chunk.
+
+    Returns:
+      True when the balanced cut is too uneven and the two-chunk cut is not degenerate.
+
+    Raises:
+      ValueError: threshold outside [0, 0.5], or a negative length.
+    """
+    check_threshold(threshold)
+    if extend_lens is None:
+        return False
+    lengths = _check_lengths("extend_lens", extend_lens)
+    total = sum(lengths)
+    left = sum(lengths[: split_array_by_balanced_sum(lengths)])
+    if not (left < total * threshold or left > total * (1 - threshold)):
+        return False
+    # Degeneracy fallback: A would hold seqs [0, s] but only total // 2 tokens.
+    return split_array_by_cum_less_than_half(lengths) + 1 <= total // 2
+
+
+def compute_split_seq_index(
+    forward_mode: ForwardMode,
+    num_tokens: int,
+    extend_lens: Sequence[int] | None,
+    token_num_per_seq: int | None,
+    *,
+    threshold: float = DEFAULT_THRESHOLD,
+) -> int | None:
+    """The sequence index at which TBO splits a batch (``tbo_split_seq_index``).
+
+    Args:
+      forward_mode: the step's mode.
+      num_tokens: token rows of the batch (DECODE / TARGET_VERIFY / IDLE / PREBUILT).
+      extend_lens: per-sequence new-token counts (EXTEND / MIXED).
+      token_num_per_seq: tokens per sequence (DECODE: 1, TARGET_VERIFY: draft_token_num).
+      threshold: SGLang's ``tbo_token_distribution_threshold``.
+
+    Returns:
+      The index, or None for DRAFT_EXTEND (TBO does not split it).
+
+    Raises:
+      ValueError: a missing or inconsistent argument for the mode (names it and the numbers).
+    """
+    check_threshold(threshold)
+    if forward_mode in _BALANCED_MODES:
+        lengths = _check_lengths("extend_lens", extend_lens)
+        if is_two_chunk_split_enabled(lengths, threshold=threshold):
+            return split_array_by_cum_less_than_half(lengths)
+        return split_array_by_balanced_sum(lengths)
+    if forward_mode.is_decode() or forward_mode.is_target_verify():
+        per_seq = _check_per_seq(forward_mode, token_num_per_seq)
+        if num_tokens < 0 or num_tokens % per_seq:
+            raise ValueError(f"num_tokens={num_tokens} is not a non-negative multiple of "
+                             f"token_num_per_seq={per_seq}")  # fmt: skip
+        return (num_tokens // per_seq) // 2
+    if forward_mode.is_idle() or forward_mode.is_prebuilt():
+        if num_tokens != 0:
+            raise ValueError(f"{forward_mode.name} has no tokens, got num_tokens={num_tokens}")
+        return 0
+    return None
+
+
+def compute_split_token_index(
+    split_seq_index: int,
+    forward_mode: ForwardMode,
+    extend_seq_lens: Sequence[int] | None,
+    token_num_per_seq: int | None,
+    *,
+    threshold: float = DEFAULT_THRESHOLD,
+) -> int:
+    """The token row at which TBO splits a batch.
+
+    Args:
+      split_seq_index: from ``compute_split_seq_index``.
+      forward_mode: the step's mode.
+      extend_seq_lens: per-sequence new-token counts (EXTEND / MIXED).
+      token_num_per_seq: tokens per sequence (DECODE / TARGET_VERIFY).
+      threshold: SGLang's ``tbo_token_distribution_threshold``.
+
+    Returns:
+      ``total // 2`` for a two-chunk split, else the tokens of sequences ``[0, split_seq_index)``.
+
+    Raises:
+      ValueError: a missing argument, ``split_seq_index`` out of range, or DRAFT_EXTEND.
+    """
+    if forward_mode in _BALANCED_MODES:
+        lengths = _check_lengths("extend_seq_lens", extend_seq_lens)
+        if not 0 <= split_seq_index <= len(lengths):
+            raise ValueError(f"split_seq_index={split_seq_index} outside [0, batch_size="
+                             f"{len(lengths)}]")  # fmt: skip
+        if is_two_chunk_split_enabled(lengths, threshold=threshold):
+            return sum(lengths) // 2
+        return sum(lengths[:split_seq_index])
+    if forward_mode.is_decode() or forward_mode.is_target_verify():
+        return split_seq_index * _check_per_seq(forward_mode, token_num_per_seq)
+    if forward_mode.is_idle() or forward_mode.is_prebuilt():
+        if split_seq_index != 0:
+            raise ValueError(f"{forward_mode.name} splits at 0, got split_seq_index="
+                             f"{split_seq_index}")  # fmt: skip
+        return 0
+    raise ValueError(f"TBO does not split {forward_mode.name} batches")
+
+
+def compute_split_indices_for_graph_replay(
+    forward_mode: ForwardMode, num_tokens: int, token_num_per_seq: int | None
+) -> tuple[int, int]:
+    """``(split_seq_index, split_token_index)`` of a captured (static-shape) decode-like step.
+
+    SGLang's ``compute_split_indices_for_cuda_graph_replay``: an IDLE step replays the DECODE
+    program, so it is planned as DECODE (one token per padded sequence when IDLE reports 0).
+
+    Args:
+      forward_mode: DECODE, TARGET_VERIFY or IDLE.
+      num_tokens: token rows of the captured program.
+      token_num_per_seq: tokens per sequence.
+
+    Returns:
+      The sequence and token split indices.
+
+    Raises:
+      ValueError: a ragged mode (graph replay plans only decode-like steps) or bad counts.
+    """
+    if forward_mode.is_idle():
+        forward_mode, token_num_per_seq = ForwardMode.DECODE, token_num_per_seq or 1
+    if not (forward_mode.is_decode() or forward_mode.is_target_verify()):
+        raise ValueError(f"graph replay plans DECODE/TARGET_VERIFY/IDLE, got {forward_mode.name}")
+    seq_index = compute_split_seq_index(forward_mode, num_tokens, None, token_num_per_seq)
+    assert seq_index is not None  # decode-like modes always split
+    token_index = compute_split_token_index(seq_index, forward_mode, None, token_num_per_seq)
+    return seq_index, token_index
+
+
+def compute_tbo_children_num_token_non_padded(
+    split_token_index: int, num_token_non_padded: int
+) -> tuple[int, int]:
+    """Real tokens of children A and B when the parent has ``num_token_non_padded`` real rows.
+
+    Args:
+      split_token_index: the token split.
+      num_token_non_padded: real rows of the parent (padding rows come last).
+
+    Returns:
+      ``(min(split, real), max(0, real - split))``.
+    """
+    return (
+        min(split_token_index, num_token_non_padded),
+        max(0, num_token_non_padded - split_token_index),
+    )
