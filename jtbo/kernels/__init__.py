@@ -1,0 +1,26 @@
+"""Row-copy kernels of DP attention and two-batch overlap.
+
+* ``dp_memcpy``: SGLang's DP memcpy, rows to or from a traced row offset.
+* ``slice_pad``: a TBO child's rows sliced out of the parent into a zero buffer.
+* ``merge_rows``: TBO children's rows written back at their parent offsets.
+
+Each op takes ``impl`` (``"xla"``, ``"pallas"``, ``"triton"`` or None for the fastest
+available) and ``config`` (a ``CopyConfig``). All impls share one out-of-range rule
+(``jtbo.kernels.ranges``): rows that do not exist in a buffer are never read or
+written, and nothing is shifted to fit.
+"""
+
+from jtbo.kernels.config import CopyConfig
+from jtbo.kernels.impls import IMPLS, KernelUnavailableError
+from jtbo.kernels.memcpy import dp_memcpy
+from jtbo.kernels.merge import merge_rows
+from jtbo.kernels.slice_pad import slice_pad
+
+__all__ = [
+    "IMPLS",
+    "CopyConfig",
+    "KernelUnavailableError",
+    "dp_memcpy",
+    "merge_rows",
+    "slice_pad",
+]

@@ -1,0 +1,93 @@
+"""Which implementation serves a call.
+
+``"xla"`` is plain jnp and runs everywhere. ``"pallas"`` runs the Pallas kernel
+through the Triton lowering on GPUs and through the Pallas interpreter on the CPU.
+``"triton"`` runs a hand-written Triton kernel through jax-triton, on GPUs only;
+jax-triton is imported on first use, since it does not import on a CPU-only
+jaxlib. An impl asked for by name either serves the call or raises
+``KernelUnavailableError``; ``impl=None`` takes the first available impl in the
+backend's order of measured speed (``FASTEST``).
+"""
+
+import functools
+import importlib
+
+import jax
+
+IMPLS = ("xla", "pallas", "triton")
+
+# Fastest first, per backend (H200 measurements in BENCHMARKS.md).
+FASTEST = {"gpu": ("triton", "pallas", "xla"), "cpu": ("xla",)}
+
+
+class KernelUnavailableError(RuntimeError):
+    """An impl asked for by name cannot run here; the message names the impl and why."""
+
+
+def backend() -> str:
+    """The platform jax compiles for by default: ``"cpu"``, ``"gpu"``, ``"tpu"``, ..."""
+    return jax.default_backend()
+
+
+@functools.cache
+def _import_jax_triton():
+    return importlib.import_module("jax_triton")
+
+
+def unavailable_reason(impl: str, platform: str) -> str | None:
+    """Why ``impl`` cannot run on ``platform``, or None when it can."""
+    if impl == "xla":
+        return None
+    if impl == "pallas":
+        return None if platform in ("cpu", "gpu") else f"no Pallas Triton lowering on {platform}"
+    if platform != "gpu":
+        return f"jax-triton runs on GPUs only; the backend is {platform}"
+    try:
+        _import_jax_triton()
+    except ImportError as err:
+        return f"jax-triton does not import ({err})"
+    return None
+
+
+def resolve(impl: str | None) -> str:
+    """Returns the impl that serves a call.
+
+    Args:
+      impl: one of ``IMPLS`` or None for the fastest available on this backend.
+
+    Returns:
+      The impl name.
+
+    Raises:
+      ValueError: an unknown impl name.
+      KernelUnavailableError: the named impl cannot run on this backend.
+    """
+    platform = backend()
+    if impl is None:
+        order = FASTEST.get(platform, ("xla",))
+        return next(name for name in order if unavailable_reason(name, platform) is None)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
+    reason = unavailable_reason(impl, platform)
+    if reason is not None:
+        raise KernelUnavailableError(f"impl={impl!r} is unavailable: {reason}")
+    return impl
+
+
+def jax_triton():
+    """The jax_triton module (imported on first use)."""
+    return _import_jax_triton()
+
+
+def check_pallas_elems(elem_counts, block_elems: int) -> None:
+    """Raises KernelUnavailableError when a Pallas kernel's int32 element indices overflow.
+
+    The Pallas kernels index elements in int32 (jax's default integer without x64);
+    the largest index is a buffer's element count plus one block of slack.
+    """
+    largest = max(elem_counts) + block_elems
+    if largest >= 2**31:
+        raise KernelUnavailableError(
+            f"impl='pallas' indexes elements in int32; a buffer of {largest - block_elems} "
+            f"elements plus a block of {block_elems} reaches 2**31: use impl='triton' or 'xla'"
+        )
