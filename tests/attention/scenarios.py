@@ -46,13 +46,14 @@ def make(
     num_layers: int = 2,
     layer_id: int = 1,
     custom_mask: bool = False,
+    num_slots: int = 80,
 ) -> Scenario:
     """Draws a scenario; with ``custom_mask`` the new tokens use random EAGLE-style masks."""
     prefix_lens = np.asarray(prefix_lens, np.int64)
     extend_lens = np.asarray(extend_lens, np.int64)
     n = prefix_lens.shape[0]
     seq_lens = prefix_lens + extend_lens
-    num_slots = int(seq_lens.sum()) + 5
+    assert int(seq_lens.sum()) < num_slots, "scenario needs more pool slots"
     slots = rng.permutation(np.arange(1, num_slots))
     reqs = rng.permutation(max_reqs)[:n]
     pool_k = rng.normal(size=(num_layers, num_slots, kv_heads, head_dim)).astype(np.float32)
@@ -107,4 +108,73 @@ def make(
         expected=expected,
         mask_rows=mask_rows,
         num_tokens=num_tokens,
+    )
+
+
+def extend_batch(sc: Scenario, *, rows: int | None = None, mode=None):
+    """The scenario as an EXTEND (or ``mode``) ``ForwardBatch`` with ``rows`` token rows."""
+    from jtbo.split import batch as batch_lib
+    from jtbo.split import forward_mode
+
+    rows = sc.num_tokens if rows is None else rows
+    loc = np.zeros((rows,), np.int32)
+    loc[: sc.num_tokens] = sc.out_cache_loc
+    return batch_lib.ForwardBatch(
+        forward_mode=mode or forward_mode.ForwardMode.EXTEND,
+        batch_size=sc.prefix_lens.shape[0],
+        input_ids=np.arange(rows, dtype=np.int32) + 7,
+        positions=np.zeros((rows,), np.int32),
+        out_cache_loc=loc,
+        req_pool_indices=sc.req_pool_indices,
+        seq_lens=sc.prefix_lens + sc.extend_lens,
+        extend_seq_lens=sc.extend_lens,
+        extend_prefix_lens=sc.prefix_lens,
+        num_token_non_padded=sc.num_tokens if rows != sc.num_tokens else None,
+    )
+
+
+def decode_batch(sc: Scenario, *, padded_seqs: int = 0):
+    """The scenario (one new token per sequence) as a DECODE batch, plus padded sequences."""
+    from jtbo.split import batch as batch_lib
+    from jtbo.split import forward_mode
+
+    pad = np.zeros((padded_seqs,), np.int64)
+    bs = sc.prefix_lens.shape[0] + padded_seqs
+    return batch_lib.ForwardBatch(
+        forward_mode=forward_mode.ForwardMode.DECODE,
+        batch_size=bs,
+        input_ids=np.arange(bs, dtype=np.int32),
+        out_cache_loc=np.concatenate([sc.out_cache_loc, pad]),
+        req_pool_indices=np.concatenate([sc.req_pool_indices, pad]),
+        seq_lens=np.concatenate([sc.prefix_lens + 1, pad]),
+        num_token_non_padded=sc.num_tokens,
+    )
+
+
+def verify_batch(sc: Scenario, draft: int, *, padded_seqs: int = 0):
+    """The scenario (``draft`` tokens per sequence, random masks) as a TARGET_VERIFY batch."""
+    from jtbo.split import batch as batch_lib
+    from jtbo.split import forward_mode
+
+    prefix = np.concatenate([sc.prefix_lens, np.zeros((padded_seqs,), np.int64)])
+    masks = [rows.reshape(-1) for rows in sc.mask_rows]
+    masks += [np.zeros((draft * draft,), bool)] * padded_seqs
+    bs = prefix.shape[0]
+    loc = np.zeros((bs * draft,), np.int32)
+    loc[: sc.num_tokens] = sc.out_cache_loc
+    spec = batch_lib.SpecVerifyInput(
+        draft_token=np.zeros((bs * draft,), np.int32),
+        custom_mask=np.concatenate(masks),
+        seq_lens=prefix,
+        draft_token_num=draft,
+    )
+    return batch_lib.ForwardBatch(
+        forward_mode=forward_mode.ForwardMode.TARGET_VERIFY,
+        batch_size=bs,
+        input_ids=np.zeros((bs * draft,), np.int32),
+        out_cache_loc=loc,
+        req_pool_indices=np.concatenate([sc.req_pool_indices, np.zeros((padded_seqs,), np.int64)]),
+        seq_lens=prefix,
+        spec_info=spec,
+        num_token_non_padded=sc.num_tokens,
     )
