@@ -10,8 +10,7 @@ from jtbo.collectives.context import (
     default_global_buffer_len,
     get_dp_local_info,
 )
-from jtbo.collectives.dp_gather import dp_gather_partial, dp_gather_replicate, dp_gather_varlen
-from jtbo.collectives.dp_scatter import dp_reduce_scatter_tensor, dp_scatter
+from jtbo.collectives.gather import dp_gather_partial, dp_gather_replicate, dp_gather_varlen
 from jtbo.collectives.mesh import (
     ATTN_TP_AXIS,
     DP_AXIS,
@@ -20,6 +19,7 @@ from jtbo.collectives.mesh import (
     make_mesh,
 )
 from jtbo.collectives.padding import DpPaddingMode, select_dp_padding_mode
+from jtbo.collectives.scatter import dp_reduce_scatter_tensor, dp_scatter
 from jtbo.collectives.scatter_mode import (
     ScatterMode,
     communicate_simple,

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from jtbo.collectives import context as context_lib
-from jtbo.collectives import dp_gather, dp_scatter, rows
+from jtbo.collectives import gather, rows, scatter
 from jtbo.collectives import mesh as mesh_lib
 
 
@@ -216,12 +216,10 @@ def communicate_summable_tensor_pair(
         return hidden_states, residual
     modes = (hidden_states_input_mode, residual_input_mode, output_mode)
     if modes == (ScatterMode.FULL, ScatterMode.TP_ATTN_FULL, ScatterMode.TP_ATTN_FULL):
-        scatter = (
-            dp_scatter.dp_reduce_scatter_tensor
-            if hidden_states_is_partial_sum
-            else dp_scatter.dp_scatter
+        to_local = (
+            scatter.dp_reduce_scatter_tensor if hidden_states_is_partial_sum else scatter.dp_scatter
         )
-        return scatter(hidden_states, context, memcpy_impl=memcpy_impl), residual
+        return to_local(hidden_states, context, memcpy_impl=memcpy_impl), residual
     if modes == (ScatterMode.SCATTERED, ScatterMode.SCATTERED, ScatterMode.TP_ATTN_FULL):
         if residual is not None:
             hidden_states = hidden_states + residual
@@ -245,14 +243,17 @@ def _gather_hidden_states_and_residual(
     if residual_input_mode is ScatterMode.SCATTERED and context.attn_tp_size > 1:
         residual = _all_gather_attn_tp(residual)
     if context.dp_size == 1 and context.global_buffer_len == context.local_capacity:
-        # One DP rank: FULL is TP_ATTN_FULL, completing the partial is an all-reduce.
+        # One DP rank: FULL is TP_ATTN_FULL, completing the partial is an all-reduce. Rows
+        # past the count are zeroed as the gather path zeroes them.
         residual = jax.lax.psum(hidden_states, mesh_lib.ATTN_TP_AXIS) + residual
+        _, local_num_tokens = context_lib.get_dp_local_info(context)
+        residual = rows.zero_rows_from(residual, local_num_tokens)
         return norm(residual), residual
     # The residual joins the partial sum once, on attn_tp rank 0, so the gather adds it in.
     is_first = jax.lax.axis_index(mesh_lib.ATTN_TP_AXIS) == 0
     hidden_states = jnp.where(is_first, hidden_states + residual, hidden_states)
-    gathered = dp_gather.dp_gather_partial(hidden_states, context, memcpy_impl=memcpy_impl)
-    residual = dp_scatter.dp_scatter(gathered, context, memcpy_impl=memcpy_impl)
+    gathered = gather.dp_gather_partial(hidden_states, context, memcpy_impl=memcpy_impl)
+    residual = scatter.dp_scatter(gathered, context, memcpy_impl=memcpy_impl)
     return norm(gathered), residual
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jtbo.collectives import context as context_lib
-from jtbo.collectives import dp_gather, padding
+from jtbo.collectives import gather, padding
 from tests.collectives import harness
 
 CAPACITY = 8
@@ -43,15 +43,15 @@ def count_cases(dp_size, rng):
 
 def _gathers(context, partial_local, replicated_local):
     return (
-        dp_gather.dp_gather_partial(partial_local, context, memcpy_impl="xla"),
-        dp_gather.dp_gather_replicate(replicated_local, context, memcpy_impl="xla"),
+        gather.dp_gather_partial(partial_local, context, memcpy_impl="xla"),
+        gather.dp_gather_replicate(replicated_local, context, memcpy_impl="xla"),
     )
 
 
 def _varlen(context, partial_local, replicated_local):
     return (
-        dp_gather.dp_gather_varlen(partial_local, context, is_partial=True),
-        dp_gather.dp_gather_varlen(replicated_local, context, is_partial=False),
+        gather.dp_gather_varlen(partial_local, context, is_partial=True),
+        gather.dp_gather_varlen(replicated_local, context, is_partial=False),
     )
 
 
