@@ -9,10 +9,10 @@ many steps. Per-step scalars (``tbo_split_seq_index``, ``num_token_non_padded``,
 token range) are therefore data: plain Python ints on the host, traced int32 scalars under jit.
 
 On the host the array fields hold numpy arrays (lists are converted on construction). A host
-batch is checked when it is built: every inconsistency is a ``ValueError`` that names the field
-and the numbers, so a bad batch can never be split silently wrong. Under jit (leaves are
-tracers) nothing is checked or derived; the treedef already carries what host construction
-derived.
+batch (every leaf a numpy array or an int) is checked when it is built: every inconsistency is
+a ``ValueError`` that names the field and the numbers, so a bad batch can never be split
+silently wrong. Under jit (leaves are tracers or jax arrays) nothing is checked or derived; the
+treedef already carries what host construction derived.
 
 Token counts: ``len(input_ids)`` is the number of token rows (a static capacity once padded);
 ``num_token_non_padded`` (None = all rows are real) is how many of them are real tokens. Padded
@@ -226,7 +226,7 @@ class ForwardBatch:
             and isinstance(self.input_ids, np.ndarray)
         ):
             object.__setattr__(self, "extend_num_tokens", int(self.input_ids.shape[0]))
-        if isinstance(self.input_ids, np.ndarray):
+        if _is_host(self):
             self.validate()
 
     @property
@@ -269,6 +269,11 @@ class ForwardBatch:
                 batch_size=self.batch_size,
                 padded=self.num_token_non_padded is not None,
             )
+
+
+def _is_host(tree: Any) -> bool:
+    """True when every leaf is a host value (numpy or int): not traced, not a jax.Array."""
+    return all(isinstance(leaf, np.ndarray | np.generic | int) for leaf in jax.tree.leaves(tree))
 
 
 def exclusive_cumsum(lengths: np.ndarray) -> np.ndarray:
