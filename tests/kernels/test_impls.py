@@ -1,0 +1,39 @@
+"""Impl selection: names, defaults per backend, and clear errors."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jtbo import kernels
+from jtbo.kernels import impls
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU backend")
+def test_triton_unavailable_on_cpu_names_impl_and_reason():
+    x = jnp.ones((4, 2), jnp.float32)
+    with pytest.raises(kernels.KernelUnavailableError, match=r"impl='triton'.*GPUs only"):
+        kernels.slice_pad(x, 0, 2, capacity=4, impl="triton")
+    with pytest.raises(kernels.KernelUnavailableError, match=r"impl='triton'"):
+        kernels.dp_memcpy(x, x, 0, 2, offset_src=True, impl="triton")
+    with pytest.raises(kernels.KernelUnavailableError, match=r"impl='triton'"):
+        kernels.merge_rows([x], [0], [2], out_len=4, impl="triton")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU backend")
+def test_default_on_cpu_is_xla():
+    assert impls.resolve(None) == "xla"
+
+
+def test_default_is_available_here():
+    assert impls.unavailable_reason(impls.resolve(None), jax.default_backend()) is None
+
+
+def test_unknown_impl_raises():
+    with pytest.raises(ValueError, match="impl must be one of"):
+        impls.resolve("cuda")
+
+
+def test_pallas_int32_guard():
+    with pytest.raises(kernels.KernelUnavailableError, match="int32"):
+        impls.check_pallas_elems((2**31 - 10,), 16)
+    impls.check_pallas_elems((2**31 - 17,), 16)
