@@ -272,8 +272,13 @@ class ForwardBatch:
 
 
 def _is_host(tree: Any) -> bool:
-    """True when every leaf is a host value (numpy or int): not traced, not a jax.Array."""
-    return all(isinstance(leaf, np.ndarray | np.generic | int) for leaf in jax.tree.leaves(tree))
+    """True when there are leaves and each is a host value (numpy or int), not a jax.Array.
+
+    A tree without leaves is not checked: ``jax.tree.map`` to None (or to specs) rebuilds
+    batches whose fields are not data at all.
+    """
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(isinstance(x, np.ndarray | np.generic | int) for x in leaves)
 
 
 def exclusive_cumsum(lengths: np.ndarray) -> np.ndarray:

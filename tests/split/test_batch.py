@@ -23,8 +23,9 @@ def test_derived_fields_and_defaults():
 
 
 def test_lists_become_arrays():
-    b = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=2, input_ids=[5, 6, 7],
-                     extend_seq_lens=[1, 2])  # fmt: skip
+    b = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=2, input_ids=[5, 6, 7], extend_seq_lens=[1, 2]
+    )
     assert isinstance(b.input_ids, np.ndarray) and b.input_ids.dtype == np.int32
     np.testing.assert_array_equal(b.extend_start_loc, [0, 1])
 
@@ -81,13 +82,13 @@ def _bad(**changes):
         (
             _bad(batch_size=-1, seq_lens=None, extend_seq_lens=None, extend_prefix_lens=None),
             "batch_size",
-        ),  # fmt: skip
+        ),
         (_bad(tbo_parent_token_range=(3, 1)), "tbo_parent_token_range"),
         (_bad(global_num_tokens=[[1, 2]]), "global_num_tokens"),
         (
             _bad(forward_mode=ForwardMode.DECODE, extend_seq_lens=None, extend_prefix_lens=None),
             r"DECODE needs len\(input_ids\) == batch_size, got 5 != 2",
-        ),  # fmt: skip
+        ),
         (_bad(forward_mode=ForwardMode.TARGET_VERIFY), "TARGET_VERIFY needs spec_info"),
         (_bad(forward_mode=ForwardMode.IDLE), "IDLE has no real tokens"),
     ],

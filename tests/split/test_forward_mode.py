@@ -4,8 +4,12 @@ import pytest
 
 from jtbo.split import ForwardMode
 
-EXTEND_LIKE = {ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND,
-               ForwardMode.TARGET_VERIFY}  # fmt: skip
+EXTEND_LIKE = {
+    ForwardMode.EXTEND,
+    ForwardMode.MIXED,
+    ForwardMode.DRAFT_EXTEND,
+    ForwardMode.TARGET_VERIFY,
+}
 
 
 @pytest.mark.parametrize("mode", list(ForwardMode))
@@ -22,8 +26,17 @@ def test_predicates(mode):
 
 def test_members_and_sglang_values():
     assert {m.name for m in ForwardMode} == {
-        "EXTEND", "MIXED", "DECODE", "TARGET_VERIFY", "IDLE", "PREBUILT", "DRAFT_EXTEND"
-    }  # fmt: skip
+        "EXTEND",
+        "MIXED",
+        "DECODE",
+        "TARGET_VERIFY",
+        "IDLE",
+        "PREBUILT",
+        "DRAFT_EXTEND",
+    }
     assert (ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE) == (
-        1, 2, 3, 4,
-    )  # fmt: skip
+        1,
+        2,
+        3,
+        4,
+    )
