@@ -89,9 +89,11 @@ def _check_capacity(batch, capacity: metadata_lib.AttentionCapacity) -> None:
             f"TARGET_VERIFY needs query_tile == draft_token_num = "
             f"{batch.spec_info.draft_token_num}, capacity has {capacity.query_tile}"
         )
-    if batch.num_tokens > capacity.token_capacity:
+    # Trailing padding rows (e.g. a TBO child B inheriting the parent's) need no room.
+    if batch.num_valid_tokens > capacity.token_capacity:
         raise ValueError(
-            f"batch has {batch.num_tokens} token rows, token_capacity is {capacity.token_capacity}"
+            f"batch has {batch.num_valid_tokens} real tokens, token_capacity is "
+            f"{capacity.token_capacity}"
         )
 
 
