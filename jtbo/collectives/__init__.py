@@ -10,6 +10,22 @@ from jtbo.collectives.context import (
     default_global_buffer_len,
     get_dp_local_info,
 )
+from jtbo.collectives.ep_config import EpDispatcher, create_ep_dispatcher
+from jtbo.collectives.ep_dispatch import (
+    CombineInFlight,
+    DispatchInFlight,
+    DispatchState,
+    combine_a,
+    combine_b,
+    dispatch_a,
+    dispatch_b,
+)
+from jtbo.collectives.ep_overflow import (
+    CapacityOverflowError,
+    next_capacity_bucket,
+    resolve_overflow,
+    total_overflow,
+)
 from jtbo.collectives.gather import dp_gather_partial, dp_gather_replicate, dp_gather_varlen
 from jtbo.collectives.mesh import (
     ATTN_TP_AXIS,
@@ -31,15 +47,25 @@ __all__ = [
     "ATTN_TP_AXIS",
     "DP_AXIS",
     "TP_AXES",
+    "CapacityOverflowError",
+    "CombineInFlight",
+    "DispatchInFlight",
+    "DispatchState",
     "DpContext",
     "DpPaddingMode",
+    "EpDispatcher",
     "ScatterMode",
+    "combine_a",
+    "combine_b",
     "communicate_simple",
     "communicate_summable_tensor_pair",
     "communicate_with_all_reduce_and_layernorm",
     "compute_dp_attention_world_info",
     "create_dp_context",
+    "create_ep_dispatcher",
     "default_global_buffer_len",
+    "dispatch_a",
+    "dispatch_b",
     "dp_gather_partial",
     "dp_gather_replicate",
     "dp_gather_varlen",
@@ -47,5 +73,8 @@ __all__ = [
     "dp_scatter",
     "get_dp_local_info",
     "make_mesh",
+    "next_capacity_bucket",
+    "resolve_overflow",
     "select_dp_padding_mode",
+    "total_overflow",
 ]

@@ -1,0 +1,158 @@
+"""Static configuration of one expert-parallel dispatcher, and its capacity rule.
+
+The expert-parallel (EP) group is every device of the mesh (``TP_AXES``: all of ``dp`` x
+``attn_tp``), in tp_rank order; expert ``e`` lives on device ``e // num_local_experts``.
+Shapes must be static under jit, so the exchange uses fixed slot counts:
+
+* ``peer_capacity``: slots a device reserves for its assignments to one destination device
+  (the dense all-to-all moves ``ep_size * peer_capacity`` rows each way);
+* ``expert_capacity``: slots per local expert in the ``[num_local_experts, slots, hidden]``
+  layout the batched expert einsum consumes.
+
+Default capacities (``create_ep_dispatcher``): ``capacity_factor`` times the balanced load
+(``tokens * top_k / ep_size`` per peer, ``tokens * top_k / num_local_experts`` per expert),
+rounded up to ``slot_alignment`` and never above the worst case (``tokens * min(top_k,
+num_local_experts)`` per peer: a token's experts are distinct; ``tokens * ep_size`` per expert,
+also bounded by everything the peers can send). ``worst_case=True`` takes the worst case: it
+can never overflow. An assignment that does not fit is counted in the step's overflow, never
+dropped silently (``jtbo.collectives.ep_overflow`` says what the host does then).
+
+A dispatcher is a frozen, hashable config: each TBO micro-batch builds its own (its token count
+is that micro-batch's capacity), like SGLang's ``MaybeTboDeepEPDispatcher`` holds one inner
+dispatcher per micro-batch.
+"""
+
+import dataclasses
+import math
+
+import jax
+
+from jtbo.collectives import mesh as mesh_lib
+
+EXCHANGES = ("dense", "ragged")
+
+
+@dataclasses.dataclass(frozen=True)
+class EpDispatcher:
+    """Static description of one micro-batch's EP dispatch/combine.
+
+    Attributes:
+      num_experts: routed experts in the model.
+      ep_size: devices in the EP group (experts are split evenly over them).
+      num_tokens: token rows per device given to ``dispatch_a``.
+      top_k: experts per token.
+      peer_capacity: slots per (source device, destination device) pair.
+      expert_capacity: slots per local expert in the expert-input layout.
+      exchange: "dense" (``lax.all_to_all`` of fixed slots; overlappable, runs anywhere) or
+        "ragged" (``lax.ragged_all_to_all`` of the filled slots only; GPU only).
+      platform: platform the mesh compiles for ("cpu", "gpu", ...).
+      axis_names: mesh axes forming the EP group, major first.
+    """
+
+    num_experts: int
+    ep_size: int
+    num_tokens: int
+    top_k: int
+    peer_capacity: int
+    expert_capacity: int
+    exchange: str = "dense"
+    platform: str = "gpu"
+    axis_names: tuple[str, ...] = mesh_lib.TP_AXES
+
+    def __post_init__(self):
+        if self.num_experts < 1 or self.ep_size < 1 or self.num_experts % self.ep_size:
+            raise ValueError(
+                f"num_experts={self.num_experts} must be a positive multiple of "
+                f"ep_size={self.ep_size}"
+            )
+        for name in ("num_tokens", "top_k", "peer_capacity", "expert_capacity"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds num_experts={self.num_experts}")
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange={self.exchange!r} must be one of {EXCHANGES}")
+        if self.exchange == "ragged" and self.platform != "gpu":
+            raise ValueError(
+                f"exchange='ragged' needs a GPU mesh: jax.lax.ragged_all_to_all has no lowering "
+                f"for platform={self.platform!r} (XLA:CPU lacks it); use exchange='dense'"
+            )
+
+    @property
+    def num_local_experts(self) -> int:
+        """Experts on each device."""
+        return self.num_experts // self.ep_size
+
+    @property
+    def worst_peer_capacity(self) -> int:
+        """Slots per peer that can never overflow: every token sends each peer at most
+        ``min(top_k, num_local_experts)`` assignments."""
+        return self.num_tokens * min(self.top_k, self.num_local_experts)
+
+    @property
+    def worst_expert_capacity(self) -> int:
+        """Slots per expert that can never overflow given ``peer_capacity``."""
+        return min(self.num_tokens * self.ep_size, self.ep_size * self.peer_capacity)
+
+
+def create_ep_dispatcher(
+    mesh: jax.sharding.Mesh,
+    *,
+    num_experts: int,
+    num_tokens: int,
+    top_k: int,
+    capacity_factor: float = 2.0,
+    worst_case: bool = False,
+    exchange: str = "dense",
+    slot_alignment: int = 8,
+) -> EpDispatcher:
+    """Builds a dispatcher over all axes of ``mesh`` with the stated capacity rule.
+
+    Args:
+      mesh: the ("dp", "attn_tp") mesh; every device is in the EP group.
+      num_experts: routed experts (a multiple of the device count).
+      num_tokens: token rows per device in one dispatch (the micro-batch's SCATTERED rows).
+      top_k: experts per token.
+      capacity_factor: multiple of the balanced load reserved per peer and per expert.
+      worst_case: reserve the worst case instead (never overflows, largest buffers).
+      exchange: "dense" or "ragged" (GPU only).
+      slot_alignment: capacities are rounded up to a multiple of this (GEMM-friendly).
+
+    Returns:
+      The dispatcher.
+
+    Raises:
+      ValueError: bad sizes, a factor <= 0, or a ragged exchange on a non-GPU mesh.
+    """
+    if capacity_factor <= 0 or slot_alignment < 1:
+        raise ValueError(
+            f"capacity_factor={capacity_factor} must be > 0 and slot_alignment="
+            f"{slot_alignment} >= 1"
+        )
+    ep_size = mesh.devices.size
+    worst = EpDispatcher(
+        num_experts=num_experts,
+        ep_size=ep_size,
+        num_tokens=num_tokens,
+        top_k=top_k,
+        peer_capacity=1,
+        expert_capacity=1,
+        exchange=exchange,
+        platform=mesh_lib.mesh_platform(mesh),
+        axis_names=tuple(mesh.axis_names),
+    )
+    peer = worst.worst_peer_capacity
+    if not worst_case:
+        balanced = num_tokens * top_k / ep_size
+        peer = min(peer, round_up(math.ceil(capacity_factor * balanced), slot_alignment))
+    worst = dataclasses.replace(worst, peer_capacity=peer)
+    expert = worst.worst_expert_capacity
+    if not worst_case:
+        balanced = num_tokens * top_k / worst.num_local_experts
+        expert = min(expert, round_up(math.ceil(capacity_factor * balanced), slot_alignment))
+    return dataclasses.replace(worst, expert_capacity=expert)
+
+
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple`` (at least ``multiple``)."""
+    return max(1, -(-value // multiple)) * multiple

@@ -1,0 +1,284 @@
+"""Expert-parallel dispatch and combine, each split into an issuing and a consuming half.
+
+Inside ``jax.shard_map`` over the mesh, each device routes its ``[T, H]`` tokens to ``top_k``
+experts; an expert lives on one device of the EP group (``jtbo.collectives.ep_config``).
+
+Dispatch:
+
+1. ``dispatch_a`` (issue, on the sender): number each (token, k) assignment within its
+   destination device in token order; the first ``peer_capacity`` go into that peer's slots of
+   a ``[ep, peer_capacity, H]`` send buffer together with their local expert id (-1 marks an
+   empty slot); the rest are counted as peer overflow. Then it *issues* the exchange - dense:
+   ``lax.all_to_all`` of the fixed slots; ragged: a small all-to-all of the slot counts, then
+   ``lax.ragged_all_to_all`` of only the filled slots into the same receive layout - and
+   returns without reading the result, so the exchange can overlap the other micro-batch.
+2. ``dispatch_b`` (consume, on the receiver): number the received rows within their local
+   expert in (source, slot) order; the first ``expert_capacity`` fill that expert's slots of
+   ``[num_local_experts, expert_capacity, H]`` (zeros elsewhere), the rest are expert overflow.
+
+Combine runs the same way back: ``combine_a`` picks each received row's expert output and
+issues the reverse exchange; ``combine_b`` sums, per token, ``weight * output`` over its
+``top_k`` assignments (accumulated in float32). Padded tokens (rows at or past
+``num_valid_tokens``), out-of-range expert ids and overflowed assignments contribute zero, and
+every overflowed assignment is counted exactly once in the dispatch state's ``overflow``
+(``[peer, expert]`` per device). Both exchanges give identical results.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jtbo.collectives import ep_config
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DispatchInFlight:
+    """``dispatch_a``'s result: the exchange in flight and the sender's routing."""
+
+    recv_hidden: jax.Array  # [ep * peer_capacity, H] rows by source device (in flight)
+    recv_local_expert: jax.Array  # [ep * peer_capacity] int32 local expert, -1 empty (in flight)
+    send_slot: jax.Array  # [T, top_k] int32 send-buffer slot of each assignment, -1 none
+    send_counts: jax.Array  # [ep] int32 rows sent to each device
+    topk_weights: jax.Array  # [T, top_k] routing weights
+    peer_overflow: jax.Array  # [1] int32 assignments that did not fit peer_capacity
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DispatchState:
+    """What combine needs to route expert outputs back; ``overflow`` goes to the host."""
+
+    recv_expert_slot: jax.Array  # [ep * peer_capacity] int32 flat expert slot, -1 none
+    recv_counts: jax.Array  # [ep] int32 rows received from each device
+    send_slot: jax.Array  # [T, top_k] int32 send-buffer slot of each assignment, -1 none
+    send_counts: jax.Array  # [ep] int32 rows sent to each device
+    topk_weights: jax.Array  # [T, top_k] routing weights
+    overflow: jax.Array  # [2] int32 assignments dropped for (peer_capacity, expert_capacity)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CombineInFlight:
+    """``combine_a``'s result: expert outputs on their way back, and the sender's routing."""
+
+    returned: jax.Array  # [ep * peer_capacity, H] outputs by destination device (in flight)
+    send_slot: jax.Array  # [T, top_k] int32 send-buffer slot of each assignment, -1 none
+    topk_weights: jax.Array  # [T, top_k] routing weights
+
+
+def dispatch_a(
+    dispatcher: ep_config.EpDispatcher,
+    hidden_states: jax.Array,
+    topk_ids: jax.Array,
+    topk_weights: jax.Array,
+    num_valid_tokens: jax.Array | int,
+) -> DispatchInFlight:
+    """Lays this device's assignments into peer slots and issues the exchange.
+
+    Args:
+      dispatcher: the micro-batch's dispatcher.
+      hidden_states: ``[num_tokens, H]`` this device's tokens.
+      topk_ids: ``[num_tokens, top_k]`` global expert ids (ids outside ``[0, num_experts)``
+        are not dispatched).
+      topk_weights: ``[num_tokens, top_k]`` routing weights.
+      num_valid_tokens: leading rows that are real tokens (traced or static).
+
+    Returns:
+      The in-flight exchange; hand it to ``dispatch_b`` (after a yield, for overlap).
+
+    Raises:
+      ValueError: shapes that do not match the dispatcher or the mesh.
+    """
+    _check_inputs(dispatcher, hidden_states, topk_ids, topk_weights)
+    send_slot, send_counts, peer_overflow = _assign_peer_slots(
+        dispatcher, topk_ids, num_valid_tokens
+    )
+    send_hidden, send_expert = _fill_send_buffer(dispatcher, hidden_states, topk_ids, send_slot)
+    if dispatcher.exchange == "dense":
+        recv_hidden = _all_to_all(dispatcher, send_hidden)
+        recv_expert = _all_to_all(dispatcher, send_expert)
+    else:
+        recv_counts = _all_to_all(dispatcher, send_counts)
+        recv_hidden = _ragged_exchange(dispatcher, send_hidden, send_counts, recv_counts, 0)
+        recv_expert = _ragged_exchange(dispatcher, send_expert, send_counts, recv_counts, -1)
+    return DispatchInFlight(
+        recv_hidden=recv_hidden,
+        recv_local_expert=recv_expert,
+        send_slot=send_slot,
+        send_counts=send_counts,
+        topk_weights=topk_weights,
+        peer_overflow=peer_overflow.reshape(1),
+    )
+
+
+def dispatch_b(
+    dispatcher: ep_config.EpDispatcher, in_flight: DispatchInFlight
+) -> tuple[jax.Array, DispatchState]:
+    """Consumes the exchange: received rows into per-expert capacity slots.
+
+    Args:
+      dispatcher: the micro-batch's dispatcher.
+      in_flight: ``dispatch_a``'s result.
+
+    Returns:
+      ``(expert_inputs, state)``: ``[num_local_experts, expert_capacity, H]`` (zeros in empty
+      slots) and the state ``combine_a`` needs.
+    """
+    num_local, capacity = dispatcher.num_local_experts, dispatcher.expert_capacity
+    expert = in_flight.recv_local_expert
+    received = expert >= 0
+    rank = _rank_within_group(jnp.where(received, expert, num_local), num_local)
+    kept = received & (rank < capacity)
+    expert_overflow = jnp.sum(received & ~kept, dtype=jnp.int32)
+    recv_expert_slot = jnp.where(kept, expert * capacity + rank, -1)
+    rows = _invert_slots(recv_expert_slot, num_local * capacity)
+    expert_inputs = _gather_rows(in_flight.recv_hidden, rows)
+    rows_per_peer = received.reshape(dispatcher.ep_size, dispatcher.peer_capacity)
+    state = DispatchState(
+        recv_expert_slot=recv_expert_slot,
+        recv_counts=jnp.sum(rows_per_peer, axis=1, dtype=jnp.int32),
+        send_slot=in_flight.send_slot,
+        send_counts=in_flight.send_counts,
+        topk_weights=in_flight.topk_weights,
+        overflow=jnp.concatenate([in_flight.peer_overflow, expert_overflow.reshape(1)]),
+    )
+    return expert_inputs.reshape((num_local, capacity) + expert_inputs.shape[1:]), state
+
+
+def combine_a(
+    dispatcher: ep_config.EpDispatcher, expert_outputs: jax.Array, state: DispatchState
+) -> CombineInFlight:
+    """Picks each received row's expert output and issues the exchange back.
+
+    Args:
+      dispatcher: the micro-batch's dispatcher.
+      expert_outputs: ``[num_local_experts, expert_capacity, H_out]``.
+      state: ``dispatch_b``'s state.
+
+    Returns:
+      The in-flight return exchange; hand it to ``combine_b``.
+
+    Raises:
+      ValueError: ``expert_outputs`` does not have the slot layout.
+    """
+    slots = (dispatcher.num_local_experts, dispatcher.expert_capacity)
+    if expert_outputs.shape[:2] != slots:
+        raise ValueError(f"expert_outputs shape {expert_outputs.shape} must start with {slots}")
+    flat = expert_outputs.reshape((-1,) + expert_outputs.shape[2:])
+    back = _gather_rows(flat, state.recv_expert_slot)
+    if dispatcher.exchange == "dense":
+        returned = _all_to_all(dispatcher, back)
+    else:
+        # Reverse roles: send what was received, receive what was sent.
+        returned = _ragged_exchange(dispatcher, back, state.recv_counts, state.send_counts, 0)
+    return CombineInFlight(
+        returned=returned, send_slot=state.send_slot, topk_weights=state.topk_weights
+    )
+
+
+def combine_b(dispatcher: ep_config.EpDispatcher, in_flight: CombineInFlight) -> jax.Array:
+    """Consumes the return exchange: per token, the weighted sum of its experts' outputs.
+
+    Args:
+      dispatcher: the micro-batch's dispatcher.
+      in_flight: ``combine_a``'s result.
+
+    Returns:
+      ``[num_tokens, H_out]`` in the expert outputs' dtype; zero for tokens that were not
+      dispatched.
+    """
+    del dispatcher
+    per_assignment = _gather_rows(in_flight.returned, in_flight.send_slot.reshape(-1))
+    per_assignment = per_assignment.reshape(in_flight.send_slot.shape + (-1,))
+    weights = in_flight.topk_weights.astype(jnp.float32)[..., None]
+    combined = jnp.sum(weights * per_assignment.astype(jnp.float32), axis=1)
+    return combined.astype(in_flight.returned.dtype)
+
+
+def _check_inputs(dispatcher, hidden_states, topk_ids, topk_weights):
+    tokens, top_k = dispatcher.num_tokens, dispatcher.top_k
+    if hidden_states.ndim != 2 or hidden_states.shape[0] != tokens:
+        raise ValueError(f"hidden_states shape {hidden_states.shape} must be [{tokens}, H]")
+    for name, x in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if x.shape != (tokens, top_k):
+            raise ValueError(f"{name} shape {x.shape} must be [{tokens}, {top_k}]")
+    group = 1
+    for axis in dispatcher.axis_names:
+        group *= jax.lax.axis_size(axis)
+    if group != dispatcher.ep_size:
+        raise ValueError(
+            f"dispatcher.ep_size={dispatcher.ep_size} but the mesh axes "
+            f"{dispatcher.axis_names} hold {group} devices"
+        )
+
+
+def _rank_within_group(group, num_groups):
+    """For each element, how many earlier elements share its group (``group == num_groups``
+    means none; its rank is meaningless)."""
+    one_hot = group[:, None] == jnp.arange(num_groups, dtype=group.dtype)[None, :]
+    earlier = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32) - one_hot
+    return jnp.sum(jnp.where(one_hot, earlier, 0), axis=1)
+
+
+def _assign_peer_slots(dispatcher, topk_ids, num_valid_tokens):
+    ep_size, capacity = dispatcher.ep_size, dispatcher.peer_capacity
+    ids = topk_ids.astype(jnp.int32)
+    is_token = jnp.arange(dispatcher.num_tokens, dtype=jnp.int32)[:, None] < num_valid_tokens
+    routed = (is_token & (ids >= 0) & (ids < dispatcher.num_experts)).reshape(-1)
+    peer = jnp.where(routed, ids.reshape(-1) // dispatcher.num_local_experts, ep_size)
+    rank = _rank_within_group(peer, ep_size)
+    kept = routed & (rank < capacity)
+    send_slot = jnp.where(kept, peer * capacity + rank, -1)
+    send_counts = jnp.sum(
+        kept[:, None] & (peer[:, None] == jnp.arange(ep_size)[None, :]), axis=0, dtype=jnp.int32
+    )
+    peer_overflow = jnp.sum(routed & ~kept, dtype=jnp.int32)
+    return send_slot.reshape(ids.shape), send_counts, peer_overflow
+
+
+def _invert_slots(slot_of_item, num_slots):
+    """``[num_slots]`` the item filling each slot, -1 for an empty slot."""
+    items = jnp.arange(slot_of_item.shape[0], dtype=jnp.int32)
+    target = jnp.where(slot_of_item >= 0, slot_of_item, num_slots)  # num_slots: dropped
+    return jnp.full((num_slots,), -1, jnp.int32).at[target].set(items, mode="drop")
+
+
+def _gather_rows(source, index):
+    """``source[index]`` row by row, zero where ``index < 0``."""
+    rows = jnp.take(source, jnp.maximum(index, 0), axis=0)
+    present = (index >= 0).reshape(index.shape + (1,) * (source.ndim - 1))
+    return jnp.where(present, rows, jnp.zeros((), source.dtype))
+
+
+def _fill_send_buffer(dispatcher, hidden_states, topk_ids, send_slot):
+    num_slots = dispatcher.ep_size * dispatcher.peer_capacity
+    assignment = _invert_slots(send_slot.reshape(-1), num_slots)
+    token = jnp.where(assignment >= 0, assignment // dispatcher.top_k, -1)
+    send_hidden = _gather_rows(hidden_states, token)
+    local_expert = topk_ids.reshape(-1).astype(jnp.int32) % dispatcher.num_local_experts
+    send_expert = jnp.where(assignment >= 0, local_expert[jnp.maximum(assignment, 0)], -1)
+    return send_hidden, send_expert
+
+
+def _all_to_all(dispatcher, x):
+    """Block ``p`` of ``x`` goes to device ``p``; block ``s`` of the result came from ``s``."""
+    return jax.lax.all_to_all(x, dispatcher.axis_names, 0, 0, tiled=True)
+
+
+def _ragged_exchange(dispatcher, operand, send_sizes, recv_sizes, fill):
+    """Moves only the filled leading rows of each peer block into the fixed block layout."""
+    block = dispatcher.peer_capacity
+    peers = jnp.arange(dispatcher.ep_size, dtype=jnp.int32)
+    me = jax.lax.axis_index(dispatcher.axis_names).astype(jnp.int32)
+    output = jnp.full_like(operand, fill)
+    return jax.lax.ragged_all_to_all(
+        operand,
+        output,
+        peers * block,  # input_offsets: my block for peer p
+        send_sizes.astype(jnp.int32),
+        jnp.full_like(peers, me * block),  # output_offsets: my block in each peer's buffer
+        recv_sizes.astype(jnp.int32),
+        axis_name=dispatcher.axis_names,
+    )

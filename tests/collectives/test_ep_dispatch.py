@@ -1,0 +1,226 @@
+"""EP dispatch/combine against a numpy model of routing, capacities and overflow."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jtbo.collectives import ep_config, ep_dispatch
+from jtbo.collectives import mesh as mesh_lib
+from tests.collectives import harness
+
+NUM_DEVICES = 8
+TOKENS = 6
+TOP_K = 2
+NUM_EXPERTS = 16
+HIDDEN = 4
+
+
+def _moe_step(dispatcher, scale_by_expert, hidden, ids, weights, num_valid):
+    in_flight = ep_dispatch.dispatch_a(dispatcher, hidden, ids, weights, num_valid[0])
+    expert_inputs, state = ep_dispatch.dispatch_b(dispatcher, in_flight)
+    outputs = expert_inputs
+    if scale_by_expert:  # expert e multiplies by e + 1, so a row sent astray shows
+        me = jax.lax.axis_index(mesh_lib.TP_AXES)
+        global_ids = me * dispatcher.num_local_experts + jnp.arange(dispatcher.num_local_experts)
+        outputs = expert_inputs * (global_ids + 1).astype(expert_inputs.dtype)[:, None, None]
+    combined = ep_dispatch.combine_b(dispatcher, ep_dispatch.combine_a(dispatcher, outputs, state))
+    return combined, state.overflow, expert_inputs.reshape(-1, expert_inputs.shape[-1])
+
+
+@functools.cache
+def runner(dispatcher, dp_size, scale_by_expert):
+    shard = P(mesh_lib.TP_AXES)
+    return jax.jit(
+        jax.shard_map(
+            functools.partial(_moe_step, dispatcher, scale_by_expert),
+            mesh=harness.mesh(dp_size, NUM_DEVICES // dp_size),
+            in_specs=(shard, shard, shard, shard),  # hidden, topk ids, weights, valid counts
+            out_specs=(shard, shard, shard),
+            check_vma=False,
+        )
+    )
+
+
+def reference(hidden, ids, weights, num_valid, peer_capacity, expert_capacity, scale):
+    """Numpy model: first-come slots per peer (token order), then per expert (source order)."""
+    local = NUM_EXPERTS // NUM_DEVICES
+    sent = [[[] for _ in range(NUM_DEVICES)] for _ in range(NUM_DEVICES)]
+    overflow = np.zeros((NUM_DEVICES, 2), np.int64)
+    for d in range(NUM_DEVICES):
+        for t in range(num_valid[d]):
+            for j in range(TOP_K):
+                e = ids[d, t, j]
+                if not 0 <= e < NUM_EXPERTS:
+                    continue
+                peer = sent[d][e // local]
+                if len(peer) < peer_capacity:
+                    peer.append((t, j))
+                else:
+                    overflow[d, 0] += 1
+    out = np.zeros((NUM_DEVICES, TOKENS, HIDDEN))
+    for p in range(NUM_DEVICES):
+        filled = np.zeros(local, np.int64)
+        for d in range(NUM_DEVICES):
+            for t, j in sent[d][p]:
+                e = ids[d, t, j]
+                if filled[e % local] < expert_capacity:
+                    filled[e % local] += 1
+                    factor = (e + 1) if scale else 1.0
+                    out[d, t] += weights[d, t, j] * factor * hidden[d, t]
+                else:
+                    overflow[p, 1] += 1
+    return out, overflow
+
+
+def routing(rng, skew=False):
+    hidden = rng.standard_normal((NUM_DEVICES, TOKENS, HIDDEN)).astype(np.float32)
+    ids = np.stack(
+        [
+            np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False) for _ in range(TOKENS)])
+            for _ in range(NUM_DEVICES)
+        ]
+    ).astype(np.int32)
+    if skew:  # everyone prefers the experts of device 0
+        ids[:, :, 0] = 0
+        ids[:, :, 1] = 1
+    ids[1, 0, 1] = -1  # an unrouted slot is skipped
+    weights = rng.uniform(0.1, 1.0, (NUM_DEVICES, TOKENS, TOP_K)).astype(np.float32)
+    num_valid = rng.integers(0, TOKENS + 1, NUM_DEVICES).astype(np.int32)
+    num_valid[0], num_valid[-1] = TOKENS, 0  # a full device and an idle one
+    return hidden, ids, weights, num_valid
+
+
+def run(dispatcher, dp_size, scale, hidden, ids, weights, num_valid):
+    out, overflow, expert_inputs = runner(dispatcher, dp_size, scale)(
+        hidden.reshape(-1, HIDDEN), ids.reshape(-1, TOP_K), weights.reshape(-1, TOP_K), num_valid
+    )
+    return (
+        harness.per_device(out, NUM_DEVICES),
+        harness.per_device(overflow, NUM_DEVICES),
+        harness.per_device(expert_inputs, NUM_DEVICES),
+    )
+
+
+@pytest.mark.parametrize("dp_size", [8, 2])
+def test_identity_experts_return_weighted_input(dp_size):
+    rng = np.random.default_rng(dp_size)
+    hidden, ids, weights, num_valid = routing(rng)
+    dispatcher = ep_config.create_ep_dispatcher(
+        harness.mesh(dp_size, NUM_DEVICES // dp_size),
+        num_experts=NUM_EXPERTS,
+        num_tokens=TOKENS,
+        top_k=TOP_K,
+        worst_case=True,
+    )
+    out, overflow, _ = run(dispatcher, dp_size, False, hidden, ids, weights, num_valid)
+    routed = (ids >= 0) & (np.arange(TOKENS)[None, :, None] < num_valid[:, None, None])
+    want = (weights * routed).sum(-1, keepdims=True) * hidden
+    chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-6)
+    assert overflow.sum() == 0
+
+
+@pytest.mark.parametrize(
+    "skew, peer_capacity, expert_capacity",
+    [(False, None, None), (True, 3, 5), (False, 1, 2)],
+    ids=["default-capacity", "skewed-overflow", "tiny-capacity"],
+)
+def test_matches_reference_with_overflow(skew, peer_capacity, expert_capacity):
+    rng = np.random.default_rng(3)
+    hidden, ids, weights, num_valid = routing(rng, skew=skew)
+    dispatcher = ep_config.create_ep_dispatcher(
+        harness.mesh(4, 2), num_experts=NUM_EXPERTS, num_tokens=TOKENS, top_k=TOP_K
+    )
+    if peer_capacity is not None:
+        dispatcher = ep_config.EpDispatcher(
+            **{
+                **dispatcher.__dict__,
+                "peer_capacity": peer_capacity,
+                "expert_capacity": expert_capacity,
+            }
+        )
+    out, overflow, _ = run(dispatcher, 4, True, hidden, ids, weights, num_valid)
+    want, want_overflow = reference(
+        hidden,
+        ids,
+        weights,
+        num_valid,
+        dispatcher.peer_capacity,
+        dispatcher.expert_capacity,
+        scale=True,
+    )
+    chex.assert_trees_all_close(out, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(overflow.reshape(NUM_DEVICES, 2), want_overflow)
+    if peer_capacity is not None:
+        assert want_overflow.sum() > 0  # the case exercises overflow
+
+
+def test_expert_inputs_are_capacity_slots_and_no_retrace():
+    rng = np.random.default_rng(9)
+    dispatcher = ep_config.create_ep_dispatcher(
+        harness.mesh(8, 1), num_experts=NUM_EXPERTS, num_tokens=TOKENS, top_k=TOP_K
+    )
+    step = chex.assert_max_traces(n=1)(_moe_step)
+    shard = P(mesh_lib.TP_AXES)
+    jitted = jax.jit(
+        jax.shard_map(
+            functools.partial(step, dispatcher, False),
+            mesh=harness.mesh(8, 1),
+            in_specs=(shard,) * 4,  # hidden, topk ids, weights, valid counts
+            out_specs=(shard,) * 3,
+            check_vma=False,
+        )
+    )
+    for _ in range(2):  # new routing and new counts: same compiled step
+        hidden, ids, weights, num_valid = routing(rng)
+        flat = (hidden.reshape(-1, HIDDEN), ids.reshape(-1, TOP_K), weights.reshape(-1, TOP_K))
+        _, overflow, expert_inputs = jitted(*flat, num_valid)
+    assert np.asarray(overflow).sum() == 0
+    local = dispatcher.num_local_experts
+    slots = harness.per_device(expert_inputs, NUM_DEVICES).reshape(
+        NUM_DEVICES, local, dispatcher.expert_capacity, HIDDEN
+    )
+    for expert in range(NUM_EXPERTS):
+        got = slots[expert // local, expert % local]
+        got = sorted(tuple(r) for r in got if r.any())
+        want = sorted(
+            tuple(hidden[d, t])
+            for d in range(NUM_DEVICES)
+            for t in range(num_valid[d])
+            if expert in ids[d, t]
+        )
+        assert got == want, expert
+
+
+def test_ragged_on_cpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="ragged.*GPU"):
+        ep_config.create_ep_dispatcher(
+            harness.mesh(8, 1),
+            num_experts=NUM_EXPERTS,
+            num_tokens=TOKENS,
+            top_k=TOP_K,
+            exchange="ragged",
+        )
+
+
+def test_capacity_rule():
+    mesh = harness.mesh(4, 2)
+    default = ep_config.create_ep_dispatcher(
+        mesh, num_experts=64, num_tokens=128, top_k=8, capacity_factor=1.5
+    )
+    # Balanced: 128 * 8 / 8 = 128 per peer -> 192; 128 * 8 / 8 local experts = 128 -> 192.
+    assert (default.peer_capacity, default.expert_capacity) == (192, 192)
+    worst = ep_config.create_ep_dispatcher(
+        mesh, num_experts=64, num_tokens=128, top_k=8, worst_case=True
+    )
+    assert worst.peer_capacity == 128 * 8 and worst.expert_capacity == 128 * 8
+    tiny = ep_config.create_ep_dispatcher(mesh, num_experts=16, num_tokens=2, top_k=4)
+    assert tiny.peer_capacity == tiny.worst_peer_capacity == 4  # capped at the worst case
+    with pytest.raises(ValueError, match="num_experts=12"):
+        ep_config.create_ep_dispatcher(mesh, num_experts=12, num_tokens=4, top_k=2)
+    with pytest.raises(ValueError, match="exchange="):
+        ep_config.create_ep_dispatcher(mesh, num_experts=16, num_tokens=4, top_k=2, exchange="nccl")
