@@ -99,9 +99,11 @@ def attention_operations(layer: model_lib.DecoderLayer, parallel: ParallelConfig
     def comm_prepare_attn(state, hidden_states, residual, positions):
         residual = residual + hidden_states
         state.update(
-            positions=positions,
-            residual_after_input_ln=residual,
-            hidden_states_after_comm_pre_attn=layer.input_norm(residual),
+            dict(
+                positions=positions,
+                residual_after_input_ln=residual,
+                hidden_states_after_comm_pre_attn=layer.input_norm(residual),
+            )
         )
 
     def attn_prepare(state):
