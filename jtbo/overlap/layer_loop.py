@@ -66,7 +66,7 @@ def model_forward_maybe_tbo(
     family: strategy.LayerFamily = strategy.LayerFamily.DEEPSEEK,
     forward_mode: strategy.ForwardMode | None = None,
     scatter_modes: ScatterModes = ScatterModes(),
-    barriers: bool = False,
+    barriers: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Runs the layers over the step's tokens, as two overlapped micro-batches when asked.
 
@@ -85,7 +85,9 @@ def model_forward_maybe_tbo(
       family: the layers' shape (with or without shared experts).
       forward_mode: the global forward mode; by default ``forward_batch.global_forward_mode``.
       scatter_modes: conversions around the split.
-      barriers: pin rounds with optimization barriers (in-flight results left out).
+      barriers: pin rounds with optimization barriers (in-flight results left out); on by
+        default because it kept every collective covered on 8 x H200 compiles
+        (``report.FINDINGS``).
 
     Returns:
       ``(hidden_states, residual)`` of the last layer, ``[num_tokens, hidden]``.

@@ -313,7 +313,7 @@ class ToyStepOptions:
 
     forward_mode: strategy.ForwardMode = strategy.ForwardMode.EXTEND  # chooses the layout
     enable_tbo: bool = True  # two overlapped micro-batches, or one plain pass
-    barriers: bool = False  # round barriers (in-flight results left out)
+    barriers: bool = True  # round barriers (in-flight results left out)
     child_capacity: int | None = None  # rows per child buffer; None: all local tokens
 
 

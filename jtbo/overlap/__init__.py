@@ -1,0 +1,46 @@
+"""jtbo.overlap: operations, the staggered two-micro-batch executor, strategies, the TBO layer
+loop, the XLA options that keep micro-batches apart, and the overlap report."""
+
+from jtbo.overlap.hlo_schedule import CollectiveWindow, ComputeSlot, collective_windows
+from jtbo.overlap.layer_loop import ScatterModes, TboSplit, model_forward_maybe_tbo
+from jtbo.overlap.operations import (
+    MICRO_BATCH_SCOPES,
+    ExecutionOperation,
+    InFlight,
+    Operation,
+    OperationState,
+    YieldOperation,
+    convert_operations_to_stages,
+    execute_operations,
+    execute_overlapped_operations,
+)
+from jtbo.overlap.report import OverlapReport, coverage, format_report, overlap_report
+from jtbo.overlap.strategy import LayerFamily, OperationsStrategy
+from jtbo.overlap.xla_options import TBO_XLA_OPTIONS, TboXlaOptions, tbo_compiler_options
+
+__all__ = [
+    "MICRO_BATCH_SCOPES",
+    "TBO_XLA_OPTIONS",
+    "CollectiveWindow",
+    "ComputeSlot",
+    "ExecutionOperation",
+    "InFlight",
+    "LayerFamily",
+    "Operation",
+    "OperationState",
+    "OperationsStrategy",
+    "OverlapReport",
+    "ScatterModes",
+    "TboSplit",
+    "TboXlaOptions",
+    "YieldOperation",
+    "collective_windows",
+    "convert_operations_to_stages",
+    "coverage",
+    "execute_operations",
+    "execute_overlapped_operations",
+    "format_report",
+    "model_forward_maybe_tbo",
+    "overlap_report",
+    "tbo_compiler_options",
+]
