@@ -1,0 +1,59 @@
+"""Parsing a scheduled module: windows, bytes, micro-batch attribution, sync collectives."""
+
+from jtbo.overlap import hlo_schedule
+
+_TEXT = """\
+HloModule m, is_scheduled=true
+
+%fused_body (p: f32[8,4]) -> f32[8,4] {
+  %p = f32[8,4]{1,0} parameter(0)
+  ROOT %t = f32[8,4]{1,0} tanh(%p), metadata={op_name="jit(f)/tbo_b/attn_core/tanh"}
+}
+
+%wrapped (q: bf16[16,4]) -> bf16[16,4] {
+  %q = bf16[16,4]{1,0} parameter(0)
+  ROOT %a2a = bf16[16,4]{1,0} all-to-all(%q), dimensions={0}
+}
+
+ENTRY %main (x: f32[8,4], y: bf16[16,4]) -> f32[8,4] {
+  %x = f32[8,4]{1,0} parameter(0), metadata={op_name="x"}
+  %y = bf16[16,4]{1,0} parameter(1)
+  %ags = (f32[8,4]{1,0}, f32[64,4]{1,0}) all-gather-start(%x), dimensions={0}, metadata={op_name="jit(f)/tbo_a/dispatch_a/all_gather"}
+  %fusion.1 = f32[8,4]{1,0} fusion(%x), kind=kLoop, calls=%fused_body
+  %bc = f32[8,4]{1,0} bitcast(%fusion.1)
+  %gemm = f32[8,4]{1,0} custom-call(%bc), custom_call_target="__cublas$gemm", metadata={op_name="jit(f)/tbo_a/experts/dot_general"}
+  %agd = f32[64,4]{1,0} all-gather-done(%ags), metadata={op_name="jit(f)/tbo_a/dispatch_a/all_gather"}
+  %as = ((bf16[16,4]{1,0}), bf16[16,4]{1,0}) async-start(%y), calls=%wrapped, metadata={op_name="jit(f)/tbo_b/combine_a/all_to_all"}
+  %ad = bf16[16,4]{1,0} async-done(%as), metadata={op_name="jit(f)/tbo_b/combine_a/all_to_all"}
+  %ar = f32[8,4]{1,0} all-reduce(%fusion.1), to_apply=%fused_body, metadata={op_name="jit(f)/tbo_b/psum"}
+  ROOT %out = (f32[8,4]{1,0}) tuple(%ar)
+}
+"""
+
+
+def test_windows():
+    windows = hlo_schedule.collective_windows(_TEXT)
+    assert [(w.kind, w.is_async, w.micro_batch) for w in windows] == [
+        ("all-gather", True, "tbo_a"),
+        ("all-to-all", True, "tbo_b"),
+        ("all-reduce", False, "tbo_b"),
+    ]
+    gather, a2a, reduce = windows
+    assert gather.num_bytes == 64 * 4 * 4  # the larger buffer
+    assert a2a.num_bytes == 16 * 4 * 2
+    assert reduce.num_bytes == 8 * 4 * 4  # sizes from the operand's shape too
+    # the fusion has no op_name: attributed through its body; the bitcast is not compute
+    assert [(s.name, s.micro_batch) for s in gather.between] == [
+        ("fusion.1", "tbo_b"),
+        ("gemm", "tbo_a"),
+    ]
+    assert [s.name for s in gather.other_micro_batch_compute()] == ["fusion.1"]
+    assert a2a.between == () and reduce.between == ()
+
+
+def test_shape_bytes_and_mixed_attribution():
+    assert hlo_schedule.shape_bytes("(bf16[2,3]{1,0}, f32[], s8[5])") == [12, 4, 5]
+    computations = hlo_schedule.parse_module(_TEXT)
+    gemm = next(i for i in computations["main"].instructions if i.name == "gemm")
+    mixed = gemm.__class__(**{**gemm.__dict__, "op_name": "tbo_a/x/tbo_b/y"})
+    assert hlo_schedule.micro_batch_of(mixed, computations) == "mixed"

@@ -1,0 +1,165 @@
+"""Stage cutting, the staggered order, state rules and round barriers."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jtbo.overlap import operations
+
+
+def _recording_ops(log, num_stages, ops_per_stage=2):
+    ops = []
+    for stage in range(num_stages):
+        for index in range(ops_per_stage):
+
+            def op(state, tag=None, _s=stage, _i=index):
+                log.append((tag, _s, _i))
+                return dict(tag=tag)
+
+            ops.append(op)
+        ops.append(operations.YieldOperation())
+    return ops
+
+
+def _expected_order(num_stages, delta):
+    a = [("a", s) for s in range(num_stages)]
+    b = [("b", s) for s in range(num_stages)]
+    order = a[:delta]
+    for i in range(num_stages - delta):
+        order += [a[delta + i], b[i]]
+    return order + b[num_stages - delta :]
+
+
+@pytest.mark.parametrize("delta", [0, 1, 2])
+def test_overlapped_order_is_sglangs(delta):
+    log = []
+    num_stages = 5
+    ops = _recording_ops(log, num_stages)
+    outputs = operations.execute_overlapped_operations(
+        [dict(tag="a"), dict(tag="b")], [ops, ops], [0, delta]
+    )
+    stages_seen = [(tag, stage) for tag, stage, index in log if index == 0]
+    assert stages_seen == _expected_order(num_stages, delta)
+    # within a stage, the operations run in order and back to back
+    assert all(log[2 * i][:2] == log[2 * i + 1][:2] for i in range(len(log) // 2))
+    assert outputs == [dict(tag="a"), dict(tag="b")]
+
+
+@settings(max_examples=20, deadline=None)
+@given(num_stages=st.integers(1, 7), data=st.data())
+def test_every_stage_runs_once_per_micro_batch(num_stages, data):
+    delta = data.draw(st.integers(0, num_stages))
+    log = []
+    ops = _recording_ops(log, num_stages, ops_per_stage=1)
+    operations.execute_overlapped_operations([dict(tag="a"), dict(tag="b")], [ops, ops], [0, delta])
+    assert [(t, s) for t, s, _ in log] == _expected_order(num_stages, delta)
+
+
+def test_stage_cutting_and_empty_stage():
+    def f(state):
+        return None
+
+    y = operations.YieldOperation()
+    assert [len(s) for s in operations.convert_operations_to_stages([f, f, y, f, y])] == [2, 1]
+    assert operations.convert_operations_to_stages([f])[0][0].debug_name == "f"
+    with pytest.raises(ValueError, match="empty"):
+        operations.convert_operations_to_stages([f, y, y, f])
+    with pytest.raises(ValueError, match="empty"):
+        operations.convert_operations_to_stages([y, f])
+    with pytest.raises(ValueError, match="callable"):
+        operations.convert_operations_to_stages([f, 3])
+
+
+def test_bad_overlap_arguments():
+    def f(state):
+        return None
+
+    with pytest.raises(ValueError, match="delta_stages\\[0\\]"):
+        operations.execute_overlapped_operations([{}, {}], [[f], [f]], [1, 0])
+    with pytest.raises(ValueError, match="outside"):
+        operations.execute_overlapped_operations([{}, {}], [[f], [f]], [0, 2])
+    with pytest.raises(ValueError, match="stage counts differ"):
+        operations.execute_overlapped_operations(
+            [{}, {}], [[f], [f, operations.YieldOperation(), f]], [0, 0]
+        )
+    with pytest.raises(ValueError, match="2 micro-batches"):
+        operations.execute_overlapped_operations([{}], [[f], [f]], [0, 0])
+
+
+def test_state_rules():
+    state = operations.OperationState(context=dict(meta="m"))
+    state.x = 1
+    with pytest.raises(KeyError, match="already exists"):
+        state.x = 2
+    with pytest.raises(KeyError, match="read-only"):
+        state.meta = 3
+    assert state.meta == "m" and "x" in state and state.get("nope", 7) == 7
+    with pytest.raises(AttributeError, match="no key"):
+        _ = state.nope
+    assert state.pop("x") == 1
+    state.x = 5  # allowed again after pop
+    state.y = 6
+    with pytest.raises(KeyError, match="unexpected state keys"):
+        state.clear(expect_keys=["x"])
+    state.clear(expect_keys=["x", "y"])
+    assert state.keys() == [] and state.meta == "m"  # context survives clear
+    with pytest.raises(KeyError):
+        state.pop("meta")
+
+
+def test_contexts_are_per_micro_batch():
+    seen = []
+
+    def op(state):
+        seen.append(state.which)
+
+    operations.execute_overlapped_operations(
+        [{}, {}], [[op], [op]], [0, 0], contexts_arr=[dict(which="A"), dict(which="B")]
+    )
+    assert seen == ["A", "B"]
+
+
+def _barrier_operands(jaxpr):
+    return [len(e.invars) for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+
+
+def test_barriers_leave_in_flight_values_out():
+    def issue(state, x):
+        state.pending = operations.InFlight(x * 2)  # stands for a collective's result
+        state.kept = x + 1
+        return None
+
+    def consume(state):
+        return dict(x=state.pop("pending").value + state.pop("kept"))
+
+    ops = [issue, operations.YieldOperation(), consume]
+
+    def run(a, b, barriers):
+        outs = operations.execute_overlapped_operations(
+            [dict(x=a), dict(x=b)], [ops, ops], [0, 0], barriers=barriers
+        )
+        return outs[0]["x"], outs[1]["x"]
+
+    a, b = jnp.arange(3.0), jnp.ones(3)
+    jaxpr = jax.make_jaxpr(lambda a, b: run(a, b, True))(a, b).jaxpr
+    # round 1 pins only the two `kept` arrays; round 2 pins the two outputs
+    assert _barrier_operands(jaxpr) == [2, 2]
+    assert _barrier_operands(jax.make_jaxpr(lambda a, b: run(a, b, False))(a, b).jaxpr) == []
+    got = jax.jit(lambda a, b: run(a, b, True))(a, b)
+    assert jnp.allclose(got[0], 3 * a + 1) and jnp.allclose(got[1], 3 * b + 1)
+
+
+def test_named_scopes_mark_micro_batches():
+    def op_square(state, x):
+        return dict(x=x * x)
+
+    def run(a, b):
+        outs = operations.execute_overlapped_operations(
+            [dict(x=a), dict(x=b)], [[op_square], [op_square]], [0, 0]
+        )
+        return outs[0]["x"], outs[1]["x"]
+
+    text = jax.jit(run).lower(jnp.ones(2), jnp.ones(2)).as_text(debug_info=True)
+    assert "tbo_a/square" in text and "tbo_b/square" in text
