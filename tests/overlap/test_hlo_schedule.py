@@ -18,14 +18,15 @@ HloModule m, is_scheduled=true
 ENTRY %main (x: f32[8,4], y: bf16[16,4]) -> f32[8,4] {
   %x = f32[8,4]{1,0} parameter(0), metadata={op_name="x"}
   %y = bf16[16,4]{1,0} parameter(1)
-  %ags = (f32[8,4]{1,0}, f32[64,4]{1,0}) all-gather-start(%x), dimensions={0}, metadata={op_name="jit(f)/tbo_a/dispatch_a/all_gather"}
+  %ags = (f32[8,4]{1,0}, f32[64,4]{1,0}) all-gather-start(%x), metadata={op_name="tbo_a/ag"}
   %fusion.1 = f32[8,4]{1,0} fusion(%x), kind=kLoop, calls=%fused_body
   %bc = f32[8,4]{1,0} bitcast(%fusion.1)
-  %gemm = f32[8,4]{1,0} custom-call(%bc), custom_call_target="__cublas$gemm", metadata={op_name="jit(f)/tbo_a/experts/dot_general"}
-  %agd = f32[64,4]{1,0} all-gather-done(%ags), metadata={op_name="jit(f)/tbo_a/dispatch_a/all_gather"}
-  %as = ((bf16[16,4]{1,0}), bf16[16,4]{1,0}) async-start(%y), calls=%wrapped, metadata={op_name="jit(f)/tbo_b/combine_a/all_to_all"}
-  %ad = bf16[16,4]{1,0} async-done(%as), metadata={op_name="jit(f)/tbo_b/combine_a/all_to_all"}
-  %ar = f32[8,4]{1,0} all-reduce(%fusion.1), to_apply=%fused_body, metadata={op_name="jit(f)/tbo_b/psum"}
+  %gemm = f32[8,4]{1,0} custom-call(%bc), metadata={op_name="tbo_a/dot"}
+  %agd = f32[64,4]{1,0} all-gather-done(%ags), metadata={op_name="tbo_a/ag"}
+  %as = ((bf16[16,4]{1,0}), bf16[16,4]{1,0}) async-start(%y), calls=%wrapped,\
+  metadata={op_name="tbo_b/a2a"}
+  %ad = bf16[16,4]{1,0} async-done(%as), metadata={op_name="tbo_b/a2a"}
+  %ar = f32[8,4]{1,0} all-reduce(%fusion.1), to_apply=%fused_body, metadata={op_name="tbo_b/psum"}
   ROOT %out = (f32[8,4]{1,0}) tuple(%ar)
 }
 """
