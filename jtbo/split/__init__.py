@@ -9,7 +9,7 @@
 
 from jtbo.split.activations import child_capacity, merge_outputs, plan_fits_capacity, split_inputs
 from jtbo.split.batch import ForwardBatch, SpecVerifyInput
-from jtbo.split.filter import split_batch
+from jtbo.split.filter import plan_tbo_split, split_batch
 from jtbo.split.forward_mode import ForwardMode
 from jtbo.split.padding import default_token_buckets, pad_batch, token_bucket
 from jtbo.split.plan import (
@@ -19,6 +19,7 @@ from jtbo.split.plan import (
     compute_tbo_children_num_token_non_padded,
     get_token_num_per_seq,
     is_two_chunk_split_enabled,
+    plan_extend_split,
 )
 
 __all__ = [
@@ -35,7 +36,9 @@ __all__ = [
     "is_two_chunk_split_enabled",
     "merge_outputs",
     "pad_batch",
+    "plan_extend_split",
     "plan_fits_capacity",
+    "plan_tbo_split",
     "split_batch",
     "split_inputs",
     "token_bucket",

@@ -153,17 +153,44 @@ def _two_chunk_fields(
             child["extend_start_loc"] = batch_lib.exclusive_cumsum(child["extend_seq_lens"])
 
 
-def _split_token_index(batch: batch_lib.ForwardBatch, threshold: float) -> int:
+def _split_token_index(batch: batch_lib.ForwardBatch, threshold: float) -> tuple[int, bool]:
+    """``(split_token_index, two_chunk)`` for the batch's own ``tbo_split_seq_index``."""
+    s, mode = int(batch.tbo_split_seq_index), batch.forward_mode
+    if mode not in _TWO_CHUNK_MODES:
+        per_seq = plan.get_token_num_per_seq(mode, batch.spec_info)
+        return plan.compute_split_token_index(s, mode, None, per_seq, threshold=threshold), False
     lens = batch.extend_seq_lens
-    if batch.forward_mode in _TWO_CHUNK_MODES and lens is None:
-        raise ValueError(f"{batch.forward_mode.name} batches need extend_seq_lens to be split")
-    return plan.compute_split_token_index(
-        int(batch.tbo_split_seq_index),
-        batch.forward_mode,
-        None if lens is None else lens.tolist(),
-        plan.get_token_num_per_seq(batch.forward_mode, batch.spec_info),
-        threshold=threshold,
-    )
+    if lens is None:
+        raise ValueError(f"{mode.name} batches need extend_seq_lens to be split")
+    _, half, two_chunk = plan.plan_extend_split(lens, threshold=threshold)
+    return (half if two_chunk else int(lens[:s].sum())), two_chunk
+
+
+def plan_tbo_split(
+    batch: batch_lib.ForwardBatch, *, threshold: float = plan.DEFAULT_THRESHOLD
+) -> batch_lib.ForwardBatch:
+    """The batch with ``tbo_split_seq_index`` planned from its own lengths.
+
+    Args:
+      batch: a host batch.
+      threshold: SGLang's ``tbo_token_distribution_threshold``.
+
+    Returns:
+      A copy with ``tbo_split_seq_index`` = ``compute_split_seq_index(...)`` (None for a mode
+      TBO does not split, i.e. TBO off for this batch).
+
+    Raises:
+      ValueError: as ``compute_split_seq_index``.
+    """
+    mode = batch.forward_mode
+    if mode in _TWO_CHUNK_MODES:
+        if batch.extend_seq_lens is None:
+            raise ValueError(f"{mode.name} batches need extend_seq_lens to be planned")
+        s = plan.plan_extend_split(batch.extend_seq_lens, threshold=threshold)[0]
+    else:
+        per_seq = plan.get_token_num_per_seq(mode, batch.spec_info)
+        s = plan.compute_split_seq_index(mode, batch.num_tokens, None, per_seq, threshold=threshold)
+    return batch_lib.replace_derived(batch, tbo_split_seq_index=s)
 
 
 def split_batch(
@@ -172,8 +199,8 @@ def split_batch(
     """Splits a host batch at ``batch.tbo_split_seq_index`` into TBO children A and B.
 
     Args:
-      batch: a host ``ForwardBatch`` with ``tbo_split_seq_index`` set (from
-        ``compute_split_seq_index``).
+      batch: a host ``ForwardBatch`` (numpy leaves, validated on construction) with
+        ``tbo_split_seq_index`` set (``plan_tbo_split`` or ``compute_split_seq_index``).
       attn_tp_size: attention tensor-parallel size; children's ``tbo_padded_len`` is a multiple.
       threshold: SGLang's ``tbo_token_distribution_threshold`` (must match the planning call).
 
@@ -188,13 +215,10 @@ def split_batch(
         raise ValueError(f"attn_tp_size must be >= 1, got {attn_tp_size}")
     if batch.tbo_split_seq_index is None:
         raise ValueError("split_batch needs batch.tbo_split_seq_index, got None")
-    batch.validate()
     s = int(batch.tbo_split_seq_index)
-    t = _split_token_index(batch, threshold)
-    lens = batch.extend_seq_lens
-    two_chunk = batch.forward_mode in _TWO_CHUNK_MODES and plan.is_two_chunk_split_enabled(
-        lens.tolist(), threshold=threshold
-    )
+    if not 0 <= s <= batch.batch_size:
+        raise ValueError(f"tbo_split_seq_index={s} outside [0, batch_size={batch.batch_size}]")
+    t, two_chunk = _split_token_index(batch, threshold)
     n, bs = batch.num_tokens, batch.batch_size
     real_a, real_b = plan.compute_tbo_children_num_token_non_padded(t, batch.num_valid_tokens)
     rows_a = _ChildRange(0, t, 0, s + 1 if two_chunk else s, real_a)
@@ -204,4 +228,6 @@ def split_batch(
     _check_all_fields_known(batch, a)
     if two_chunk:
         _two_chunk_fields(batch, a, b, t)
-    return dataclasses.replace(batch, **a), dataclasses.replace(batch, **b)
+    # The parent was validated when it was built and the children are derived from it by the
+    # code above (whose output the tests validate), so they skip the constructor's checks.
+    return batch_lib.replace_derived(batch, **a), batch_lib.replace_derived(batch, **b)

@@ -19,8 +19,12 @@ A and B is described by a *sequence* index ``s`` and a *token* index ``t``:
 * DRAFT_EXTEND: TBO does not split it (``compute_split_seq_index`` returns None).
 """
 
+import bisect
+import itertools
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from jtbo.split import forward_mode as forward_mode_lib
 
@@ -39,10 +43,9 @@ def check_threshold(threshold: float) -> None:
 def _check_lengths(name: str, lengths: Sequence[int] | None) -> list[int]:
     if lengths is None:
         raise ValueError(f"{name} is required for EXTEND/MIXED planning, got None")
-    values = [int(v) for v in lengths]
-    negative = [v for v in values if v < 0]
-    if negative:
-        raise ValueError(f"{name} has a negative length: {negative[0]}")
+    values = lengths.tolist() if isinstance(lengths, np.ndarray) else list(lengths)
+    if values and min(values) < 0:
+        raise ValueError(f"{name} has a negative length: {min(values)}")
     return values
 
 
@@ -78,6 +81,25 @@ def get_token_num_per_seq(forward_mode: ForwardMode, spec_info: Any = None) -> i
     return None
 
 
+def _balanced_from_cumsum(cumsum: list[int]) -> int:
+    # Left sums L_i = cumsum[i - 1] of the cuts i = 1 .. n-1 never decrease, so |2 L_i - total|
+    # falls then rises: its minimum sits next to where 2 L_i first reaches the total, and
+    # SGLang's scan (ties go right, stop at the first worse cut) ends on the last cut that
+    # attains it, i.e. the last one with 2 L_i - total <= that minimum.
+    if len(cumsum) < 2:
+        return 0
+    lefts, total = cumsum[:-1], cumsum[-1]
+    crossing = bisect.bisect_left(lefts, (total + 1) // 2)
+    nearest = lefts[max(crossing - 1, 0) : crossing + 1]
+    best = min(abs(2 * left - total) for left in nearest)
+    return bisect.bisect_right(lefts, (total + best) // 2)
+
+
+def _crossing_from_cumsum(cumsum: list[int]) -> int:
+    index = bisect.bisect_right(cumsum, cumsum[-1] // 2) if cumsum else 0
+    return index if index < len(cumsum) else 0
+
+
 def split_array_by_balanced_sum(lengths: Sequence[int]) -> int:
     """SGLang's balanced cut: last cut with minimal |left - right|, stopping when it worsens.
 
@@ -87,15 +109,7 @@ def split_array_by_balanced_sum(lengths: Sequence[int]) -> int:
     Returns:
       The sequence index of the cut (0 for fewer than two sequences).
     """
-    total = sum(lengths)
-    left, best_index, best_diff = 0, 0, None
-    for i in range(1, len(lengths)):
-        left += lengths[i - 1]
-        diff = abs(2 * left - total)
-        if best_diff is not None and diff > best_diff:
-            break
-        best_index, best_diff = i, diff
-    return best_index
+    return _balanced_from_cumsum(list(itertools.accumulate(lengths)))
 
 
 def split_array_by_cum_less_than_half(lengths: Sequence[int]) -> int:
@@ -107,13 +121,42 @@ def split_array_by_cum_less_than_half(lengths: Sequence[int]) -> int:
     Returns:
       The first ``i`` with ``sum(lengths[:i + 1]) > total // 2``, or 0.
     """
-    half = sum(lengths) // 2
-    cumulative = 0
-    for i, length in enumerate(lengths):
-        cumulative += length
-        if cumulative > half:
-            return i
-    return 0
+    return _crossing_from_cumsum(list(itertools.accumulate(lengths)))
+
+
+def _extend_split(lengths: list[int], threshold: float) -> tuple[int, int, bool]:
+    """``(split_seq_index, split_token_index, two_chunk)`` of checked EXTEND/MIXED lengths."""
+    cumsum = list(itertools.accumulate(lengths))
+    total = cumsum[-1] if cumsum else 0
+    balanced = _balanced_from_cumsum(cumsum)
+    left = cumsum[balanced - 1] if balanced else 0
+    if left < total * threshold or left > total * (1 - threshold):
+        crossing = _crossing_from_cumsum(cumsum)
+        # Degeneracy fallback: A would hold seqs [0, crossing] but only total // 2 tokens.
+        if crossing + 1 <= total // 2:
+            return crossing, total // 2, True
+    return balanced, left, False
+
+
+def plan_extend_split(
+    extend_lens: Sequence[int], *, threshold: float = DEFAULT_THRESHOLD
+) -> tuple[int, int, bool]:
+    """The whole EXTEND/MIXED plan in one pass over the lengths.
+
+    Args:
+      extend_lens: per-sequence new-token counts.
+      threshold: SGLang's ``tbo_token_distribution_threshold``.
+
+    Returns:
+      ``(split_seq_index, split_token_index, two_chunk)``, equal to what
+      ``compute_split_seq_index``, ``compute_split_token_index`` and
+      ``is_two_chunk_split_enabled`` return for these lengths.
+
+    Raises:
+      ValueError: threshold outside [0, 0.5], missing or negative lengths.
+    """
+    check_threshold(threshold)
+    return _extend_split(_check_lengths("extend_lens", extend_lens), threshold)
 
 
 def is_two_chunk_split_enabled(
@@ -134,13 +177,7 @@ def is_two_chunk_split_enabled(
     check_threshold(threshold)
     if extend_lens is None:
         return False
-    lengths = _check_lengths("extend_lens", extend_lens)
-    total = sum(lengths)
-    left = sum(lengths[: split_array_by_balanced_sum(lengths)])
-    if not (left < total * threshold or left > total * (1 - threshold)):
-        return False
-    # Degeneracy fallback: A would hold seqs [0, s] but only total // 2 tokens.
-    return split_array_by_cum_less_than_half(lengths) + 1 <= total // 2
+    return _extend_split(_check_lengths("extend_lens", extend_lens), threshold)[2]
 
 
 def compute_split_seq_index(
@@ -168,10 +205,7 @@ def compute_split_seq_index(
     """
     check_threshold(threshold)
     if forward_mode in _BALANCED_MODES:
-        lengths = _check_lengths("extend_lens", extend_lens)
-        if is_two_chunk_split_enabled(lengths, threshold=threshold):
-            return split_array_by_cum_less_than_half(lengths)
-        return split_array_by_balanced_sum(lengths)
+        return _extend_split(_check_lengths("extend_lens", extend_lens), threshold)[0]
     if forward_mode.is_decode() or forward_mode.is_target_verify():
         per_seq = _check_per_seq(forward_mode, token_num_per_seq)
         if num_tokens < 0 or num_tokens % per_seq:
@@ -213,7 +247,8 @@ def compute_split_token_index(
         if not 0 <= split_seq_index <= len(lengths):
             raise ValueError(f"split_seq_index={split_seq_index} outside [0, batch_size="
                              f"{len(lengths)}]")  # fmt: skip
-        if is_two_chunk_split_enabled(lengths, threshold=threshold):
+        check_threshold(threshold)
+        if _extend_split(lengths, threshold)[2]:
             return sum(lengths) // 2
         return sum(lengths[:split_seq_index])
     if forward_mode.is_decode() or forward_mode.is_target_verify():

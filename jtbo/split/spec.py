@@ -8,8 +8,6 @@ entries, so a sequence range ``[s0, s1)`` owns entries ``[offset(s0), offset(s1)
 Unlike SGLang, an empty sequence range gets an empty mask slice rather than the whole mask.
 """
 
-import dataclasses
-
 import numpy as np
 
 from jtbo.split import batch as batch_lib
@@ -60,4 +58,7 @@ def split_spec_info(
         name: _slice(getattr(spec_info, name), start_token_index, end_token_index)
         for name in batch_lib.SPEC_TOKEN_FIELDS
     }
-    return dataclasses.replace(spec_info, custom_mask=custom_mask, **seq_fields, **token_fields)
+    # Derived from a validated input; ForwardBatch tests validate the result.
+    return batch_lib.replace_derived(
+        spec_info, custom_mask=custom_mask, **seq_fields, **token_fields
+    )

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from jtbo.split import ForwardBatch, ForwardMode, compute_split_seq_index, split_batch
+from jtbo.split import (
+    ForwardBatch,
+    ForwardMode,
+    compute_split_seq_index,
+    plan_tbo_split,
+    split_batch,
+)
+from jtbo.split import batch as batch_lib
 from tests.split import batches
 
 
@@ -22,11 +29,14 @@ def planned(batch, threshold=0.48):
     s = compute_split_seq_index(
         batch.forward_mode, batch.num_tokens, lens, per_seq, threshold=threshold
     )
+    auto = plan_tbo_split(batch, threshold=threshold)
+    assert auto.tbo_split_seq_index == s and batch.tbo_split_seq_index is None
     return dataclasses.replace(batch, tbo_split_seq_index=s)
 
 
 def check_extend_child(child):
     """Lengths, start locations and positions of a ragged child agree row by row."""
+    child.validate()  # split_batch skips the constructor's checks for derived children
     lens, prefix = child.extend_seq_lens, child.extend_prefix_lens
     assert int(lens.sum()) == child.num_tokens == child.extend_num_tokens
     np.testing.assert_array_equal(child.seq_lens, prefix + lens)
@@ -74,6 +84,8 @@ def test_degenerate_single_sequence():
 def test_decode_split():
     parent = planned(batches.decode_batch(7))
     a, b = split_batch(parent, attn_tp_size=2)
+    a.validate()
+    b.validate()
     assert (a.batch_size, b.batch_size) == (3, 4)
     assert (a.tbo_padded_len, b.tbo_padded_len) == (4, 4)
     np.testing.assert_array_equal(np.concatenate([a.seq_lens, b.seq_lens]), parent.seq_lens)
@@ -188,8 +200,24 @@ def test_extend_children_tile_parent(lens, mode, threshold, tp, seed):
 def test_verify_children_tile_parent(seq_lens, dtn):
     parent = planned(batches.verify_batch(seq_lens, dtn))
     a, b = split_batch(parent)
+    a.validate()
+    b.validate()
     spec = parent.spec_info
     for name in ("custom_mask", "draft_token", "positions", "retrieve_index", "seq_lens"):
         joined = np.concatenate([getattr(a.spec_info, name), getattr(b.spec_info, name)])
         np.testing.assert_array_equal(joined, getattr(spec, name))
     assert a.batch_size == len(seq_lens) // 2
+
+
+def test_replace_derived_rejects_unknown_fields():
+    b = batches.decode_batch(2)
+    with pytest.raises(ValueError, match="no fields"):
+        batch_lib.replace_derived(b, not_a_field=1)
+    c = batch_lib.replace_derived(b, tbo_split_seq_index=1)
+    assert c.tbo_split_seq_index == 1 and b.tbo_split_seq_index is None
+
+
+def test_split_index_out_of_range_is_rejected_even_if_set_without_checks():
+    b = batch_lib.replace_derived(batches.decode_batch(2), tbo_split_seq_index=3)
+    with pytest.raises(ValueError, match=r"tbo_split_seq_index=3 outside \[0, batch_size=2\]"):
+        split_batch(b)

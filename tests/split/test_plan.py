@@ -12,6 +12,7 @@ from jtbo.split import (
     compute_tbo_children_num_token_non_padded,
     get_token_num_per_seq,
     is_two_chunk_split_enabled,
+    plan_extend_split,
 )
 
 EXTEND = ForwardMode.EXTEND
@@ -134,6 +135,7 @@ def test_bad_input(call, match):
 def test_matches_reference(lens, threshold):
     s, t, two_chunk = plan(lens, threshold=threshold)
     assert (s, t, two_chunk) == plan_reference(lens, threshold)
+    assert plan_extend_split(lens, threshold=threshold) == (s, t, two_chunk)
     assert 0 <= t <= sum(lens) and 0 <= s <= len(lens)
     if two_chunk:  # the cut lies strictly inside sequence s
         assert sum(lens[:s]) <= t < sum(lens[: s + 1])
