@@ -71,7 +71,7 @@ def _verify(rng: np.random.Generator, num_seqs: int) -> batch.ForwardBatch:
         forward_mode=ForwardMode.TARGET_VERIFY,
         batch_size=num_seqs,
         input_ids=spec.draft_token,
-        seq_lens=prefix + DRAFT_TOKEN_NUM,
+        seq_lens=prefix,  # committed lengths, without the draft tokens (SGLang)
         spec_info=spec,
     )
 

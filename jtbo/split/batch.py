@@ -183,7 +183,8 @@ class ForwardBatch:
       positions: [num_tokens] token positions.
       out_cache_loc: [num_tokens] KV-pool slot each new token's K/V is written to.
       req_pool_indices: [batch_size] row of each request in the ``req_to_token`` table.
-      seq_lens: [batch_size] total length of each sequence after this step.
+      seq_lens: [batch_size] length of each sequence including this step's new tokens; for
+        TARGET_VERIFY (as in SGLang) the committed length without the draft tokens.
       extend_seq_lens: [batch_size] new tokens per sequence (ragged extend modes).
       extend_prefix_lens: [batch_size] cached prefix per sequence (ragged extend modes).
       extend_start_loc: [batch_size] first token row of each sequence in this batch.
@@ -344,6 +345,19 @@ def _validate_counts(batch: ForwardBatch, n: int) -> None:
             raise ValueError(
                 f"TARGET_VERIFY needs len(input_ids) == batch_size * draft_token_num, got "
                 f"{n} != {batch.batch_size} * {per_seq}"
+            )
+        # As in SGLang, a verify step's seq_lens are the committed lengths (without the draft
+        # tokens), the same numbers the mask offsets are computed from.
+        spec_lens = batch.spec_info.seq_lens
+        if (
+            spec_lens is not None
+            and batch.seq_lens is not None
+            and np.shape(spec_lens) == np.shape(batch.seq_lens)
+            and (np.asarray(spec_lens) != np.asarray(batch.seq_lens)).any()
+        ):
+            raise ValueError(
+                f"TARGET_VERIFY needs seq_lens == spec_info.seq_lens, got "
+                f"{np.asarray(batch.seq_lens).tolist()} != {np.asarray(spec_lens).tolist()}"
             )
     if mode.is_idle() and valid != 0:
         raise ValueError(f"IDLE has no real tokens, got {valid} (num_token_non_padded/input_ids)")

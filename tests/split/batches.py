@@ -82,7 +82,7 @@ def verify_batch(seq_lens, draft_token_num, *, seed=0, **kw):
         positions=spec.positions.copy(),
         out_cache_loc=np.arange(bs * draft_token_num, dtype=np.int32) + 7,
         req_pool_indices=np.arange(bs, dtype=np.int32),
-        seq_lens=np.asarray(seq_lens, np.int32) + draft_token_num,
+        seq_lens=np.asarray(seq_lens, np.int32),  # SGLang: committed lengths, no drafts
         spec_info=spec,
         **kw,
     )

@@ -110,6 +110,8 @@ def test_bad_spec_info():
         dataclasses.replace(
             good, spec_info=dataclasses.replace(spec, retrieve_index=spec.retrieve_index[:2])
         )
+    with pytest.raises(ValueError, match=r"seq_lens == spec_info.seq_lens, got \[3, 1, 5\]"):
+        dataclasses.replace(good, seq_lens=np.array([3, 1, 5]))
     with pytest.raises(ValueError, match=r"batch_size \* draft_token_num, got 6 != 3 \* 3"):
         dataclasses.replace(
             good,
