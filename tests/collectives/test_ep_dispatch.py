@@ -224,3 +224,39 @@ def test_capacity_rule():
         ep_config.create_ep_dispatcher(mesh, num_experts=12, num_tokens=4, top_k=2)
     with pytest.raises(ValueError, match="exchange="):
         ep_config.create_ep_dispatcher(mesh, num_experts=16, num_tokens=4, top_k=2, exchange="nccl")
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="ragged_all_to_all needs a GPU")
+def test_dense_and_ragged_agree_on_gpu():
+    num_devices = len(jax.devices())
+    mesh = mesh_lib.make_mesh(num_devices, 1)
+    rng = np.random.default_rng(4)
+    tokens, top_k, num_experts = 32, 2, 4 * num_devices
+    hidden = rng.standard_normal((num_devices * tokens, HIDDEN)).astype(np.float32)
+    ids = np.stack(
+        [rng.choice(num_experts, top_k, replace=False) for _ in range(num_devices * tokens)]
+    ).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (num_devices * tokens, top_k)).astype(np.float32)
+    num_valid = rng.integers(0, tokens + 1, num_devices).astype(np.int32)
+    results = {}
+    for exchange in ("dense", "ragged"):
+        dispatcher = ep_config.create_ep_dispatcher(
+            mesh, num_experts=num_experts, num_tokens=tokens, top_k=top_k, exchange=exchange
+        )
+        shard = P(mesh_lib.TP_AXES)
+        step = jax.jit(
+            jax.shard_map(
+                functools.partial(_moe_step, dispatcher, True),
+                mesh=mesh,
+                in_specs=(shard,) * 4,  # hidden, topk ids, weights, valid counts
+                out_specs=(shard,) * 3,
+                check_vma=False,
+            )
+        )
+        results[exchange] = [np.asarray(x) for x in step(hidden, ids, weights, num_valid)]
+    for dense, ragged in zip(results["dense"], results["ragged"], strict=True):
+        np.testing.assert_allclose(dense, ragged, rtol=1e-5, atol=1e-5)
+    valid = np.arange(tokens)[None, :] < num_valid[:, None]
+    want = (weights * (ids + 1)).sum(-1, keepdims=True) * hidden * valid.reshape(-1, 1)
+    if results["dense"][1].sum() == 0:
+        np.testing.assert_allclose(results["ragged"][0], want, rtol=1e-4, atol=1e-4)

@@ -1,6 +1,8 @@
 """DP gathers against a numpy reference, all layouts, both padding modes."""
 
 import chex
+import hypothesis
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 
@@ -124,3 +126,23 @@ def test_local_rows_must_match_capacity():
     bad = np.zeros((2 * (CAPACITY + 1), 1), np.float32)
     with pytest.raises(ValueError, match="local_capacity=8"):
         harness.sharded(_gathers, 2, 1, 2, 2)(context, bad, bad)
+
+
+@hypothesis.settings(max_examples=8, deadline=None)
+@hypothesis.given(
+    counts=st.lists(st.integers(0, CAPACITY), min_size=4, max_size=4),
+    seed=st.integers(0, 2**16),
+)
+def test_sum_len_any_counts_one_compile(counts, seed):
+    """Random counts through one compiled SUM_LEN step (counts are traced, shapes fixed)."""
+    rng = np.random.default_rng(seed)
+    partial, replicated = make_inputs(4, 2, rng)
+    context = context_lib.create_dp_context(
+        counts, padding.DpPaddingMode.SUM_LEN, CAPACITY, 2, global_buffer_len=4 * CAPACITY
+    )
+    got_reduce, _ = harness.sharded(_gathers, 4, 2, 2, 2)(context, partial, replicated)
+    got_varlen, _ = harness.sharded(_varlen, 4, 2, 2, 2)(context, partial, replicated)
+    values = reference_rank_values(partial, 4, 2, counts, True)
+    want = reference_gather(values, counts, padding.DpPaddingMode.SUM_LEN, 4 * CAPACITY)
+    for got in (got_reduce, got_varlen):
+        chex.assert_trees_all_close(harness.per_device(got, 8)[3], want, rtol=1e-5, atol=1e-5)
