@@ -20,6 +20,7 @@ from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import layer_ops, step
 from jtbo.models import model as model_lib
+from jtbo.runner import generate as generate_lib
 from jtbo.runner import kv_table, planning
 
 ForwardMode = split.ForwardMode
@@ -189,6 +190,16 @@ class ModelRunner:
                 f"{self.parallel.ep_capacity}; raise ep_capacity (None never drops)"
             )
         return np.asarray(logits)
+
+    def generate(self, prompts, *, max_new_tokens: int, dp_rank_of=None, **kwargs):
+        """Greedy generation for many prompts; see ``jtbo.runner.generate.generate``.
+
+        Returns:
+          One ``GenerationResult`` (token ids, or the error that rejected it) per prompt.
+        """
+        return generate_lib.generate(
+            self, prompts, max_new_tokens=max_new_tokens, dp_rank_of=dp_rank_of, **kwargs
+        )
 
     def warmup(self, token_counts: Sequence[int], modes: Sequence[ForwardMode]) -> int:
         """Compiles the steps of the given token counts and modes before serving.

@@ -1,0 +1,227 @@
+"""A small greedy serving loop over many requests (``ModelRunner.generate``).
+
+Each DP rank has its own page-table rows and KV slots. A request is admitted when a row and
+``len(prompt) + max_new_tokens`` slots are free (reserved up front, so no preemption). Every
+step, each rank either prefills (chunked: at most ``chunk_size`` prompt tokens over its
+admitted requests, so a long prompt spans several EXTEND steps), or decodes all its running
+requests, or idles; ranks decide independently, so EXTEND ranks meet DECODE and IDLE ranks in
+one step. The greedy token is the argmax of the last row of a request's chunk (prefill done)
+or of its decode row. Bad requests are rejected before any device work; the rest keep going.
+"""
+
+import collections
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from jtbo import split
+
+ForwardMode = split.ForwardMode
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """The outcome of one prompt.
+
+    Attributes:
+      token_ids: generated token ids (empty when rejected).
+      error: why the request was rejected, or None.
+    """
+
+    token_ids: list[int]
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Request:
+    index: int
+    prompt: np.ndarray
+    row: int
+    slots: np.ndarray
+    prefilled: int = 0
+    generated: list[int] = dataclasses.field(default_factory=list)
+
+
+class _Rank:
+    """One DP rank's free rows/slots, waiting queue and running requests."""
+
+    def __init__(self, max_reqs: int, num_slots: int):
+        self.free_rows = list(range(max_reqs))
+        self.free_slots = collections.deque(range(1, num_slots))
+        self.waiting: collections.deque = collections.deque()
+        self.running: list[_Request] = []
+
+    def admit(self, max_new_tokens: int) -> None:
+        while self.waiting and self.free_rows:
+            index, prompt = self.waiting[0]
+            need = len(prompt) + max_new_tokens
+            if need > len(self.free_slots):
+                return
+            self.waiting.popleft()
+            slots = np.array([self.free_slots.popleft() for _ in range(need)], np.int32)
+            self.running.append(_Request(index, prompt, self.free_rows.pop(0), slots))
+
+    def release(self, request: _Request) -> None:
+        self.running.remove(request)
+        self.free_rows.append(request.row)
+        self.free_slots.extend(request.slots.tolist())
+
+
+def validate_prompt(prompt, vocab_size: int, max_new_tokens: int, max_tokens: int) -> str | None:
+    """Returns why a prompt cannot be served, or None.
+
+    Args:
+      prompt: token ids.
+      vocab_size: the model's vocabulary.
+      max_new_tokens: tokens to generate.
+      max_tokens: KV slots of one DP rank.
+    """
+    ids = np.asarray(prompt)
+    if ids.ndim != 1 or ids.size == 0:
+        return f"empty or non-1-D prompt (shape {ids.shape})"
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        return f"token ids span [{ids.min()}, {ids.max()}], vocabulary is [0, {vocab_size})"
+    if ids.size + max_new_tokens > max_tokens:
+        return (
+            f"prompt of {ids.size} tokens + max_new_tokens={max_new_tokens} exceeds the KV budget"
+            f" of {max_tokens} tokens per DP rank"
+        )
+    return None
+
+
+def _extend_batch(rank: _Rank, chunk_size: int):
+    """Chunks of the rank's unfinished prompts: (batch, [(request, chunk_len)])."""
+    chunks, budget = [], chunk_size
+    for request in rank.running:
+        left = len(request.prompt) - request.prefilled
+        if left and budget:
+            chunks.append((request, min(left, budget)))
+            budget -= chunks[-1][1]
+    if not chunks:
+        return None, []
+    starts = [r.prefilled for r, _ in chunks]
+    lens = [n for _, n in chunks]
+    return split.ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=len(chunks),
+        input_ids=np.concatenate(
+            [r.prompt[s : s + n] for (r, n), s in zip(chunks, starts, strict=True)]
+        ),
+        positions=np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens, strict=True)]),
+        out_cache_loc=np.concatenate(
+            [r.slots[s : s + n] for (r, n), s in zip(chunks, starts, strict=True)]
+        ),
+        req_pool_indices=[r.row for r, _ in chunks],
+        seq_lens=[s + n for s, n in zip(starts, lens, strict=True)],
+        extend_seq_lens=lens,
+        extend_prefix_lens=starts,
+    ), chunks
+
+
+def _decode_batch(rank: _Rank):
+    requests = [r for r in rank.running if r.generated]
+    if not requests:
+        return None
+    positions = [len(r.prompt) + len(r.generated) - 1 for r in requests]
+    return split.ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        batch_size=len(requests),
+        input_ids=[r.generated[-1] for r in requests],
+        positions=positions,
+        out_cache_loc=[r.slots[p] for r, p in zip(requests, positions, strict=True)],
+        req_pool_indices=[r.row for r in requests],
+        seq_lens=[p + 1 for p in positions],
+    ), requests
+
+
+def _plan_rank(rank: _Rank, chunk_size: int):
+    batch, chunks = _extend_batch(rank, chunk_size)
+    if batch is not None:
+        return batch, ("extend", chunks)
+    decoded = _decode_batch(rank)
+    if decoded is None:
+        return None, ("idle", [])
+    return decoded[0], ("decode", decoded[1])
+
+
+def _apply(rank: _Rank, logits: np.ndarray, work, max_new_tokens: int, results) -> int:
+    """Records greedy tokens from one rank's logits; returns how many tokens it generated."""
+    kind, items = work
+    made = 0
+    if kind == "extend":
+        row = 0
+        for request, n in items:
+            row += n
+            request.prefilled += n
+            if request.prefilled == len(request.prompt):
+                request.generated.append(int(np.argmax(logits[row - 1])))
+                made += 1
+    elif kind == "decode":
+        for row, request in enumerate(items):
+            request.generated.append(int(np.argmax(logits[row])))
+            made += 1
+    for request in [r for r in rank.running if len(r.generated) >= max_new_tokens]:
+        results[request.index] = GenerationResult(request.generated[:max_new_tokens])
+        rank.release(request)
+    return made
+
+
+def generate(
+    runner,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    dp_rank_of: Callable[[int], int] | None = None,
+    chunk_size: int = 32,
+    progress: bool | None = None,
+) -> list[GenerationResult]:
+    """Greedy generation for many prompts over all DP ranks (see the module docstring).
+
+    Args:
+      runner: a ``ModelRunner``.
+      prompts: token-id sequences.
+      max_new_tokens: tokens generated per prompt (>= 1).
+      dp_rank_of: prompt index -> DP rank; round-robin when None.
+      chunk_size: prompt tokens a rank prefills per step.
+      progress: print a progress line (tokens/s); None: only on a terminal.
+
+    Returns:
+      One ``GenerationResult`` per prompt, in order.
+
+    Raises:
+      ValueError: ``max_new_tokens`` or ``chunk_size`` below 1.
+    """
+    if max_new_tokens < 1 or chunk_size < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}, chunk_size={chunk_size} must be >= 1")
+    ranks = [_Rank(runner.max_running_requests, runner.num_slots) for _ in range(runner.dp_size)]
+    results: list[GenerationResult | None] = [None] * len(prompts)
+    for index, prompt in enumerate(prompts):
+        rank = index % runner.dp_size if dp_rank_of is None else dp_rank_of(index)
+        error = validate_prompt(prompt, runner.config.vocab_size, max_new_tokens,
+                                runner.max_total_tokens)  # fmt: skip
+        if error is None and not 0 <= rank < runner.dp_size:
+            error = f"dp_rank_of({index}) = {rank} outside [0, {runner.dp_size})"
+        if error is not None:
+            results[index] = GenerationResult([], error)
+        else:
+            ranks[rank].waiting.append((index, np.asarray(prompt, np.int32)))
+    show = sys.stderr.isatty() if progress is None else progress
+    made, start = 0, time.perf_counter()
+    while any(r.waiting or r.running for r in ranks):
+        for rank in ranks:
+            rank.admit(max_new_tokens)
+        planned = [_plan_rank(rank, chunk_size) for rank in ranks]
+        if all(batch is None for batch, _ in planned):
+            raise RuntimeError("no rank can make progress (a request cannot be admitted)")
+        logits = runner.forward([batch for batch, _ in planned])
+        for rank, out, (_, work) in zip(ranks, logits, planned, strict=True):
+            made += _apply(rank, out, work, max_new_tokens, results)
+        if show:
+            rate = made / max(time.perf_counter() - start, 1e-9)
+            print(f"\rgenerated {made} tokens, {rate:.1f} tokens/s", end="", file=sys.stderr)
+    if show:
+        print(file=sys.stderr)
+    return results
