@@ -93,7 +93,7 @@ def test_capacity_mismatches_are_value_errors():
         batch_metadata.forward_batch_metadata(batch, metadata.extend_capacity(18, 4, 8))
 
 
-def test_verify_needs_matching_tile_and_prefix_lengths():
+def test_verify_needs_query_tile_equal_to_draft_token_num():
     draft = 2
     sc = scenarios.make(
         np.random.default_rng(6), [3, 4], [draft] * 2, token_capacity=4, custom_mask=True
@@ -101,19 +101,3 @@ def test_verify_needs_matching_tile_and_prefix_lengths():
     batch = scenarios.verify_batch(sc, draft)
     with pytest.raises(ValueError, match="query_tile"):
         batch_metadata.forward_batch_metadata(batch, metadata.verify_capacity(2, 3, CONTEXT))
-    bad_spec = batch_lib.SpecVerifyInput(
-        custom_mask=np.ones(((3 + draft) * draft * 2,), bool),
-        seq_lens=np.array([3, 3]),
-        draft_token_num=draft,
-    )
-    bad = batch_lib.ForwardBatch(
-        forward_mode=ForwardMode.TARGET_VERIFY,
-        batch_size=2,
-        input_ids=batch.input_ids,
-        out_cache_loc=batch.out_cache_loc,
-        req_pool_indices=batch.req_pool_indices,
-        seq_lens=batch.seq_lens,
-        spec_info=bad_spec,
-    )
-    with pytest.raises(ValueError, match="prefix lengths"):
-        batch_metadata.forward_batch_metadata(bad, metadata.verify_capacity(2, draft, CONTEXT))
