@@ -58,3 +58,36 @@ def test_shape_bytes_and_mixed_attribution():
     gemm = next(i for i in computations["main"].instructions if i.name == "gemm")
     mixed = gemm.__class__(**{**gemm.__dict__, "op_name": "tbo_a/x/tbo_b/y"})
     assert hlo_schedule.micro_batch_of(mixed, computations) == "mixed"
+
+
+_LOOP = """\
+HloModule m, is_scheduled=true
+
+%body (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %s = (f32[4]{0}, f32[4]{0}) all-reduce-start(%p), metadata={op_name="tbo_a/psum"}
+  %f = f32[4]{0} fusion(%p), kind=kLoop, calls=%fb, metadata={op_name="tbo_b/mul"}
+  ROOT %d = f32[4]{0} all-reduce-done(%s)
+}
+
+%fb (q: f32[4]) -> f32[4] {
+  %q = f32[4]{0} parameter(0)
+  ROOT %m = f32[4]{0} multiply(%q, %q)
+}
+
+%cond (c: f32[4]) -> pred[] {
+  %c = f32[4]{0} parameter(0)
+  ROOT %k = pred[] constant(false)
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  ROOT %w = f32[4]{0} while(%x), condition=%cond, body=%body
+}
+"""
+
+
+def test_collectives_inside_while_bodies():
+    (window,) = hlo_schedule.collective_windows(_LOOP)
+    assert window.computation == "body" and window.is_async and window.num_bytes == 16
+    assert [s.name for s in window.other_micro_batch_compute()] == ["f"]
