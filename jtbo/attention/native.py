@@ -116,38 +116,44 @@ def attend(
       ``[token_capacity, q_heads, v_head_dim]`` in ``q.dtype``; zeros for rows without keys
       and rows past ``md.num_tokens``.
     """
-    kv_heads = cache.k.shape[2]
-    q_tiles, token, row_valid = _tile_queries(q, md, kv_heads)
+    q_tiles, token, row_valid = _tile_queries(q, md, cache.k.shape[2])
     block = config.kv_block
-    tiles, rows, _, group, _ = q_tiles.shape
-    dv = cache.v.shape[-1]
-    init = (
-        jnp.full((tiles, kv_heads, group, rows), -jnp.inf, jnp.float32),
-        jnp.zeros((tiles, kv_heads, group, rows), jnp.float32),
-        jnp.zeros((tiles, kv_heads, group, rows, dv), jnp.float32),
-    )
 
     def body(b, carry):
         pos = b * block + jnp.arange(block)
         k_block, v_block = _gather_block(cache, layer_id, md, pos)
-        scores = (
-            jnp.einsum(
-                "tqhgd,tkhd->thgqk",
-                q_tiles,
-                k_block.astype(q.dtype),
-                preferred_element_type=jnp.float32,
-            )
-            * scaling
-        )
+        scores = jnp.einsum(
+            "tqhgd,tkhd->thgqk", q_tiles, k_block.astype(q.dtype),
+            preferred_element_type=jnp.float32,
+        )  # fmt: skip
         visible = _block_mask(md, pos, row_valid)  # [tiles, rows, block]
-        scores = jnp.where(visible[:, None, None, :, :], scores, -jnp.inf)
+        scores = jnp.where(visible[:, None, None, :, :], scores * scaling, -jnp.inf)
         return _online_softmax_step(carry, scores, v_block)
 
+    # Only as many blocks as the longest visible sequence of this step needs.
     longest = jnp.max(jnp.where(md.tile_q_len > 0, md.tile_kv_len, 0))
+    init = _initial_carry(q_tiles.shape, cache.v.shape[-1])
     _, denom, acc = lax.fori_loop(0, (longest + block - 1) // block, body, init)
+    tile_out = _normalise(denom, acc).astype(q.dtype)
+    return _scatter_rows(tile_out, token, row_valid, md.num_tokens, q.shape[0])
+
+
+def _initial_carry(q_tiles_shape, dv: int):
+    """Running max (-inf), denominator and weighted values of the online softmax."""
+    tiles, rows, kv_heads, group, _ = q_tiles_shape
+    stats = (tiles, kv_heads, group, rows)
+    return (
+        jnp.full(stats, -jnp.inf, jnp.float32),
+        jnp.zeros(stats, jnp.float32),
+        jnp.zeros((*stats, dv), jnp.float32),
+    )
+
+
+def _normalise(denom, acc) -> jax.Array:
+    """Divides by the softmax denominator (rows that saw no key stay 0): [tiles, rows, qh, dv]."""
     out = jnp.where(denom[..., None] > 0, acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(tiles, rows, kv_heads * group, dv)
-    return _scatter_rows(out.astype(q.dtype), token, row_valid, md.num_tokens, q.shape[0])
+    tiles, kv_heads, group, rows, dv = out.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(tiles, rows, kv_heads * group, dv)
 
 
 def _scatter_rows(tile_out, token, row_valid, num_tokens, capacity: int) -> jax.Array:
