@@ -8,9 +8,12 @@ token and is weighted by a dense ``[T, E]`` routing matrix (no capacity, no disp
 nothing is sharded, padded, split or overlapped.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jtbo.models import model as model_lib
 from jtbo.models import norm, router, self_attention
@@ -74,8 +77,35 @@ def reference_forward(model: model_lib.MoEModel, input_ids, positions, mask) -> 
     return model.lm_head(norm.rms_norm(hidden, model.final_norm.weight[...], config.rms_norm_eps))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_jit(graphdef, state, input_ids, positions, mask):
+    return reference_forward(nnx.merge(graphdef, state), input_ids, positions, mask)
+
+
+def reference_forward_padded(
+    model: model_lib.MoEModel, input_ids, positions, mask, multiple: int = 32
+) -> np.ndarray:
+    """``reference_forward`` jitted, with the sequence padded to a multiple of ``multiple``.
+
+    Padding rows and columns are masked out, so real rows are unchanged; padding keeps the
+    number of compiles small when many sequence lengths are checked.
+
+    Returns:
+      ``[L, V]`` numpy logits of the real rows.
+    """
+    length = len(input_ids)
+    padded = -(-length // multiple) * multiple
+    ids = np.zeros(padded, np.int32)
+    pos = np.zeros(padded, np.int32)
+    full_mask = np.zeros((padded, padded), bool)
+    ids[:length], pos[:length], full_mask[:length, :length] = input_ids, positions, mask
+    graphdef, state = nnx.split(model)
+    return np.asarray(_forward_jit(graphdef, state, ids, pos, full_mask))[:length]
+
+
 def reference_causal_logits(model: model_lib.MoEModel, token_ids) -> np.ndarray:
     """Causal-LM logits ``[L, V]`` (numpy) of one sequence with positions ``0..L-1``."""
     length = len(token_ids)
-    out = reference_forward(model, np.asarray(token_ids), np.arange(length), causal_mask(length))
-    return np.asarray(out)
+    return reference_forward_padded(
+        model, np.asarray(token_ids), np.arange(length), causal_mask(length)
+    )

@@ -116,4 +116,4 @@ def reference_verify(model, history: list[int], draft: list[int], positions, tre
     mask[p:, p:] = tree
     ids = np.concatenate([history, draft])
     pos = np.concatenate([np.arange(p), positions])
-    return np.asarray(reference.reference_forward(model, ids, pos, mask))[p:]
+    return reference.reference_forward_padded(model, ids, pos, mask)[p:]
