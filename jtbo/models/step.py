@@ -29,7 +29,7 @@ from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import layer_ops, norm
 from jtbo.models import model as model_lib
-from jtbo.overlap import operations, strategy
+from jtbo.overlap import operations, strategy, xla_options
 from jtbo.split import forward_mode as forward_mode_lib
 
 ATTN_TP = mesh_lib.ATTN_TP_AXIS
@@ -136,6 +136,7 @@ def _run_moe(model, parallel, mode, inputs, per_rank, replicated, box, child_cap
         [ops.operations, ops.operations],
         delta_stages=[0, ops.tbo_delta_stages],
         contexts_arr=contexts,
+        barriers=True,  # pins rounds; in-flight collective results are left out (InFlight)
     )
     capacity = inputs["hidden_states"].shape[0]
     return split.merge_outputs(out_a, out_b, t, n, out_len=capacity)
@@ -185,7 +186,7 @@ def make_step(
     model: model_lib.MoEModel,
     mesh: jax.sharding.Mesh,
     parallel: layer_ops.ParallelConfig,
-):
+) -> "Step":
     """Builds the jitted step for a model on a mesh.
 
     Args:
@@ -194,19 +195,17 @@ def make_step(
       parallel: layout options.
 
     Returns:
-      ``step(params, kv_cache, per_rank, replicated, *, mode, child_capacity)`` -> ``(logits,
-      kv_cache, overflow)``; ``kv_cache`` is donated. ``per_rank`` holds ``input_ids``,
-      ``positions`` ``[dp, capacity]``, ``num_tokens`` ``[dp]``, ``attn_metadata`` (stacked)
-      and, with TBO, ``split_token_index`` ``[dp]`` and ``child_metadata`` (A, B); ``replicated``
-      holds ``dp_context`` and, with TBO, ``child_dp_contexts`` (A, B). ``mode`` and
-      ``child_capacity`` (None: no TBO) are static: one compile per (bucket, mode, TBO).
+      A ``Step``: ``step(params, kv_cache, per_rank, replicated, *, mode, child_capacity)``
+      -> ``(logits, kv_cache, overflow)``; ``kv_cache`` is donated. ``per_rank`` holds
+      ``input_ids``, ``positions`` ``[dp, capacity]``, ``num_tokens`` ``[dp]``,
+      ``attn_metadata`` (stacked) and, with TBO, ``split_token_index`` ``[dp]`` and
+      ``child_metadata`` (A, B); ``replicated`` holds ``dp_context`` and, with TBO,
+      ``child_dp_contexts`` (A, B). ``mode`` and ``child_capacity`` (None: no TBO) are
+      static: one compile per (bucket, mode, TBO).
     """
     graphdef, params = nnx.split(model)
     specs = param_specs(params, parallel.moe_a2a_backend)
 
-    @functools.partial(
-        jax.jit, static_argnames=("mode", "child_capacity"), donate_argnames=("kv_cache",)
-    )
     def step(params, kv_cache, per_rank, replicated, *, mode, child_capacity):
         body = functools.partial(
             step_body, graphdef, parallel, forward_mode_lib.ForwardMode(mode), child_capacity
@@ -222,4 +221,34 @@ def make_step(
             body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
         )(params, kv_cache, per_rank, replicated)
 
-    return step
+    jit = functools.partial(
+        jax.jit, static_argnames=("mode", "child_capacity"), donate_argnames=("kv_cache",)
+    )
+    plain = jit(step)
+    # XLA:GPU would merge the micro-batches' matmuls and collectives back together.
+    gpu = mesh_lib.mesh_platform(mesh) in ("gpu", "cuda")
+    overlapped = jit(step, compiler_options=xla_options.tbo_compiler_options()) if gpu else plain
+    return Step(plain, overlapped)
+
+
+class Step:
+    """The jitted step: the plain program, and the TBO one compiled with TBO XLA options."""
+
+    def __init__(self, plain, overlapped):
+        """Args: plain: jitted step for non-TBO keys; overlapped: jitted step for TBO keys."""
+        self.plain, self.overlapped = plain, overlapped
+
+    def jitted(self, child_capacity: int | None):
+        """The jitted function that serves a step with this TBO child capacity (None: no TBO)."""
+        return self.plain if child_capacity is None else self.overlapped
+
+    def __call__(self, params, kv_cache, per_rank, replicated, *, mode, child_capacity):
+        """Runs the step (see ``make_step``)."""
+        return self.jitted(child_capacity)(
+            params, kv_cache, per_rank, replicated, mode=mode, child_capacity=child_capacity
+        )
+
+    def compile_count(self) -> int:
+        """Programs compiled so far over both jitted functions."""
+        count = self.plain._cache_size()
+        return count if self.overlapped is self.plain else count + self.overlapped._cache_size()

@@ -124,7 +124,7 @@ class ModelRunner:
     @property
     def compile_count(self) -> int:
         """Programs compiled so far (one per bucket, attention kind and TBO key)."""
-        return self._step._cache_size()
+        return self._step.compile_count()
 
     def forward(self, batches: Sequence[split.ForwardBatch | None]) -> list[np.ndarray | None]:
         """Runs one step over every DP rank.
