@@ -1,0 +1,124 @@
+"""Overlap coverage of the model's own step, compiled for N x H200 on the CPU.
+
+Builds the same jitted ``shard_map`` step the runner serves, for a mesh of described H200s
+(``jtbo.aot.gpu_mesh``), with abstract parameters (``nnx.eval_shape``: no memory) and the
+arrays of a real host plan (``planning.plan_step`` over synthetic EXTEND or DECODE batches),
+then measures it with ``jtbo.overlap.report.overlap_report``. Needs the ``aot`` extra and
+``JAX_PLATFORMS=cpu``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jtbo import aot, split
+from jtbo.collectives import mesh as mesh_lib
+from jtbo.models import config as config_lib
+from jtbo.models import layer_ops, step
+from jtbo.models import model as model_lib
+from jtbo.overlap import report, xla_options
+from jtbo.runner import planning
+
+ForwardMode = split.ForwardMode
+
+
+def _synthetic(mode: ForwardMode, tokens: int, num_seqs: int) -> split.ForwardBatch:
+    if mode.is_decode():
+        seq = np.arange(tokens)
+        return split.ForwardBatch(
+            forward_mode=mode, batch_size=tokens, input_ids=np.zeros(tokens), positions=seq,
+            out_cache_loc=seq + 1, req_pool_indices=seq, seq_lens=np.full(tokens, 8),
+        )  # fmt: skip
+    lens = np.full(num_seqs, tokens // num_seqs)
+    lens[0] += tokens - lens.sum()
+    return split.ForwardBatch(
+        forward_mode=mode, batch_size=num_seqs, input_ids=np.zeros(tokens),
+        positions=np.arange(tokens), out_cache_loc=np.arange(tokens) + 1,
+        req_pool_indices=np.arange(num_seqs), seq_lens=lens, extend_seq_lens=lens,
+        extend_prefix_lens=np.zeros(num_seqs),
+    )  # fmt: skip
+
+
+def _abstract(tree, mesh, spec_tree):
+    def one(x, spec):
+        return jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype if not hasattr(x, "dtype")
+                                    else x.dtype, sharding=NamedSharding(mesh, spec))  # fmt: skip
+
+    return jax.tree.map(one, tree, spec_tree)
+
+
+def model_overlap_report(
+    config: config_lib.MoEConfig,
+    *,
+    dp_size: int,
+    attn_tp_size: int,
+    mode: ForwardMode,
+    tokens_per_rank: int,
+    enable_tbo: bool = True,
+    moe_a2a_backend: str = "ep",
+    dtype=jnp.bfloat16,
+) -> report.OverlapReport:
+    """Compiles one model step for ``dp_size * attn_tp_size`` H200s and measures overlap.
+
+    Args:
+      config: the model shapes.
+      dp_size: DP ranks; attn_tp_size: devices per DP rank.
+      mode: EXTEND (prefill strategy) or DECODE (decode strategy).
+      tokens_per_rank: tokens (EXTEND, in 4 sequences) or sequences (DECODE) per DP rank.
+      enable_tbo: compile the TBO step (False: the plain step, coverage 0 by definition).
+      moe_a2a_backend: "ep" or "none".
+      dtype: parameter / activation dtype.
+
+    Returns:
+      The ``OverlapReport``.
+
+    Raises:
+      jtbo.aot.AotUnavailableError: the ``aot`` extra is missing.
+      ValueError: the plan cannot run TBO although asked to.
+    """
+    gpus = aot.gpu_mesh((dp_size, attn_tp_size), mesh_lib.TP_AXES)
+    mesh = jax.sharding.Mesh(
+        gpus.devices, mesh_lib.TP_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
+    model = nnx.eval_shape(
+        lambda: model_lib.cast(model_lib.MoEModel(config, rngs=nnx.Rngs(0)), dtype)
+    )
+    parallel = layer_ops.ParallelConfig(moe_a2a_backend, attn_tp_size, dp_size * attn_tp_size)
+    max_context = tokens_per_rank + 16
+    options = planning.PlanOptions(
+        attn_tp_size=attn_tp_size, token_buckets=(tokens_per_rank,), seq_capacity=tokens_per_rank,
+        max_context=max_context, enable_tbo=enable_tbo, threshold=0.48,
+    )  # fmt: skip
+    batches = [_synthetic(ForwardMode(mode), tokens_per_rank, 4)] * dp_size
+    plan = planning.plan_step(batches, options)
+    if enable_tbo and plan.child_capacity is None:
+        raise ValueError(f"the synthetic {ForwardMode(mode).name} plan cannot run TBO")
+    _, params = nnx.split(model)
+    kv_shape = (dp_size, config.num_layers, max_context + 1, config.num_key_value_heads,
+                config.head_dim)  # fmt: skip
+    kv = step.KV_CACHE_SPEC.__class__(
+        k=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=NamedSharding(mesh, step.KV_CACHE_SPEC.k)),
+        v=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=NamedSharding(mesh, step.KV_CACHE_SPEC.v)),
+        req_to_token=jax.ShapeDtypeStruct(
+            (dp_size, tokens_per_rank, max_context), jnp.int32,
+            sharding=NamedSharding(mesh, step.KV_CACHE_SPEC.req_to_token),
+        ),
+    )  # fmt: skip
+    args = (
+        _abstract(params, mesh, step.param_specs(params, moe_a2a_backend)),
+        kv,
+        _abstract(plan.per_rank, mesh, jax.tree.map(lambda _: P(mesh_lib.DP_AXIS), plan.per_rank)),
+        _abstract(plan.replicated, mesh, jax.tree.map(lambda _: P(), plan.replicated)),
+    )
+    # The outer jit carries the compile options (a nested jit may not).
+    jitted = step.make_step(model, mesh, parallel).plain
+    bound = jax.jit(
+        functools.partial(jitted, mode=int(plan.mode), child_capacity=plan.child_capacity)
+    )
+    compiler_options = xla_options.tbo_compiler_options() if enable_tbo else None
+    return report.overlap_report(bound, args, compiler_options=compiler_options)
