@@ -27,6 +27,7 @@ micro-batch A's then B's attention of each layer, and the expert overflow counte
 """
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -53,16 +54,25 @@ class ParallelConfig:
         sharded on their hidden width + reduce-scatter).
       attn_tp_size: devices per DP rank.
       num_devices: devices of the whole TP group (``dp * attn_tp``).
-      ep_capacity: "ep" slots per (device, expert); None means the rows a device routes (never
-        drops a pair).
+      ep_capacity_factor: "ep" slots per (device, expert) as a multiple of the balanced load
+        ``rows * top_k / num_experts`` (capped at ``rows``); None means ``rows``, which never
+        drops a pair. Computed from each micro-batch's static rows, so TBO children get half.
     """
 
     moe_a2a_backend: Literal["ep", "none"]
     attn_tp_size: int
     num_devices: int
-    ep_capacity: int | None = None
+    ep_capacity_factor: float | None = None
+
+    def ep_capacity(self, rows: int, top_k: int, num_experts: int) -> int:
+        """EP slots per (device, expert) for a device routing ``rows`` rows."""
+        if self.ep_capacity_factor is None:
+            return rows
+        return max(1, min(rows, math.ceil(self.ep_capacity_factor * rows * top_k / num_experts)))
 
     def __post_init__(self):
+        if self.ep_capacity_factor is not None and self.ep_capacity_factor <= 0:
+            raise ValueError(f"ep_capacity_factor={self.ep_capacity_factor} must be > 0")
         if self.moe_a2a_backend not in MOE_BACKENDS:
             raise ValueError(f"moe_a2a_backend={self.moe_a2a_backend!r}: expected {MOE_BACKENDS}")
 
@@ -240,7 +250,7 @@ def _ep_operations(moe: model_lib.MoEBlock, config, parallel: ParallelConfig) ->
     def dispatch_a(state):
         x = rows.attn_tp_shard(state.hidden_states_mlp_input, tp, _attn_tp_rank())
         ids = rows.attn_tp_shard(state.pop("topk_ids_local"), tp, _attn_tp_rank())
-        capacity = x.shape[0] if parallel.ep_capacity is None else parallel.ep_capacity
+        capacity = parallel.ep_capacity(x.shape[0], config.num_experts_per_tok, config.num_experts)
         send, expert, position, overflow = moe_ep.pack(x, ids, config.num_experts, capacity)
         state.step_box.overflow = state.step_box.overflow + overflow
         state.slot_expert, state.slot_position = expert, position

@@ -45,7 +45,7 @@ class ModelRunner:
         max_running_requests: int,
         token_buckets: Sequence[int] | None = None,
         dtype=jnp.bfloat16,
-        ep_capacity: int | None = None,
+        ep_capacity_factor: float | None = None,
     ):
         """Places the model on the mesh and allocates every DP rank's KV pool.
 
@@ -60,7 +60,8 @@ class ModelRunner:
           token_buckets: token capacities of compiled steps; powers of two up to
             ``max_total_tokens`` when None.
           dtype: parameter, activation and KV dtype.
-          ep_capacity: EP slots per (device, expert); None never drops a token.
+          ep_capacity_factor: EP slots per (device, expert) as a multiple of the balanced load;
+            None never drops a token (``layer_ops.ParallelConfig``).
 
         Raises:
           ValueError: a mesh without the right axes, or shapes that do not divide over it.
@@ -78,7 +79,7 @@ class ModelRunner:
         self.config, self.mesh, self.dtype = config, mesh, dtype
         self.max_total_tokens, self.max_running_requests = max_total_tokens, max_running_requests
         self.parallel = layer_ops.ParallelConfig(
-            moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size, ep_capacity
+            moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size, ep_capacity_factor
         )
         buckets = token_buckets or split.default_token_buckets(max_total_tokens)
         self.options = planning.PlanOptions(
@@ -139,7 +140,7 @@ class ModelRunner:
 
         Raises:
           ValueError: wrong number of batches, a bad token id, a batch that does not fit.
-          ExpertCapacityError: the step dropped routed tokens (raise ``ep_capacity``).
+          ExpertCapacityError: the step dropped routed tokens (raise ``ep_capacity_factor``).
         """
         if len(batches) != self.dp_size:
             raise ValueError(f"got {len(batches)} batches for dp_size={self.dp_size}")
@@ -172,6 +173,19 @@ class ModelRunner:
             raise ValueError(f"rank {rank}: ForwardBatch.positions is required")
 
     def _run(self, plan: planning.StepPlan) -> np.ndarray:
+        return np.asarray(self.run_plan(plan))
+
+    def run_plan(self, plan: planning.StepPlan) -> jax.Array:
+        """Runs a planned step (``planning.plan_step``) and returns the device logits.
+
+        The page table must already hold the plan's tokens (``forward`` records them).
+
+        Returns:
+          ``[dp, capacity, vocab]`` float32 logits, still on the devices.
+
+        Raises:
+          ExpertCapacityError: the step dropped routed tokens.
+        """
         cache = kv_cache_lib.KVCache(k=self._k, v=self._v, req_to_token=self.req_to_token)
         logits, cache, overflow = self._step(
             self._params,
@@ -186,10 +200,11 @@ class ModelRunner:
         self.num_tbo_steps += plan.child_capacity is not None
         if int(overflow):
             raise ExpertCapacityError(
-                f"{int(overflow)} routed (token, expert) pairs exceeded ep_capacity="
-                f"{self.parallel.ep_capacity}; raise ep_capacity (None never drops)"
+                f"{int(overflow)} routed (token, expert) pairs exceeded the EP capacity "
+                f"(ep_capacity_factor={self.parallel.ep_capacity_factor}); raise it (None "
+                "never drops)"
             )
-        return np.asarray(logits)
+        return logits
 
     def generate(self, prompts, *, max_new_tokens: int, dp_rank_of=None, **kwargs):
         """Greedy generation for many prompts; see ``jtbo.runner.generate.generate``.

@@ -110,3 +110,15 @@ def test_bad_batch_is_rejected_before_device_work():
     assert plain.num_steps == 0
     with pytest.raises(ValueError, match="7 batches"):
         plain.forward([None] * 7)
+
+
+def test_dropped_expert_pairs_raise_instead_of_wrong_numbers():
+    config = config_lib.MoEConfig.tiny()
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    runner = runner_lib.ModelRunner(
+        model, mesh_lib.make_mesh(8, 1), max_total_tokens=64, max_running_requests=4,
+        token_buckets=(16,), dtype=jnp.float32, ep_capacity_factor=0.01,
+    )  # fmt: skip
+    batch = helpers.Rank().extend({0: list(range(16))})
+    with pytest.raises(runner_lib.ExpertCapacityError, match="ep_capacity_factor=0.01"):
+        runner.forward([batch] + [None] * 7)
