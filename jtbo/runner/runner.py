@@ -116,6 +116,16 @@ class ModelRunner:
         self.req_to_token = np.zeros(
             (self.dp_size, self.max_running_requests, self.max_total_tokens), np.int32
         )
+        self._req_to_token_device = None  # uploaded copy; None when the host table changed
+
+    def record(self, rank: int, batch: split.ForwardBatch) -> None:
+        """Records a batch's new-token KV slots in rank ``rank``'s page table.
+
+        Raises:
+          ValueError: a request row, KV position or slot outside the table / pool.
+        """
+        kv_table.record(self.req_to_token[rank], batch, self.num_slots)
+        self._req_to_token_device = None
 
     @property
     def num_slots(self) -> int:
@@ -148,7 +158,7 @@ class ModelRunner:
         for rank, batch in enumerate(full):
             self._validate(rank, batch)
         for rank, batch in enumerate(full):
-            kv_table.record(self.req_to_token[rank], batch, self.num_slots)
+            self.record(rank, batch)
         plan = planning.plan_step(full, self.options)
         logits = self._run(plan)
         return [
@@ -186,7 +196,10 @@ class ModelRunner:
         Raises:
           ExpertCapacityError: the step dropped routed tokens.
         """
-        cache = kv_cache_lib.KVCache(k=self._k, v=self._v, req_to_token=self.req_to_token)
+        if self._req_to_token_device is None:
+            sharding = jax.sharding.NamedSharding(self.mesh, step.KV_CACHE_SPEC.req_to_token)
+            self._req_to_token_device = jax.device_put(self.req_to_token, sharding)
+        cache = kv_cache_lib.KVCache(k=self._k, v=self._v, req_to_token=self._req_to_token_device)
         logits, cache, overflow = self._step(
             self._params,
             cache,
@@ -195,7 +208,7 @@ class ModelRunner:
             mode=int(plan.mode),
             child_capacity=plan.child_capacity,
         )
-        self._k, self._v = cache.k, cache.v
+        self._k, self._v, self._req_to_token_device = cache.k, cache.v, cache.req_to_token
         self.num_steps += 1
         self.num_tbo_steps += plan.child_capacity is not None
         if int(overflow):

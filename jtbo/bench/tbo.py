@@ -1,0 +1,123 @@
+"""``python -m jtbo.bench tbo``: step time with two-batch overlap vs without, one device group.
+
+TBO's cost when there is nothing to hide: on one H200 the step has no communication, so TBO
+can only lose (two half-size micro-batches, split/merge copies). The model is DeepSeek-V3's
+hidden size and expert shape reduced to fit (``MoEConfig.deepseek_v3_reduced``: hidden 7168,
+64 experts, top-8 + 1 shared, 4 layers, bf16). Cases: prefill of 4096-16384 tokens per DP rank
+(prompts of ``--prompt-len`` tokens) and decode of 64-256 sequences (context ``--context``).
+For each case one ``ModelRunner`` plans the same batch twice (TBO on and off) and runs the two
+jitted steps; the time is the median of ``--iters`` runs after warm-up, device-synchronised,
+without host planning or copying logits back. Prints a markdown table (target: ratio <= 1.05
+at prefill >= 4096 tokens and decode >= 128 sequences).
+"""
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jtbo import split
+from jtbo.collectives import mesh as mesh_lib
+from jtbo.models import config as config_lib
+from jtbo.models import model as model_lib
+from jtbo.runner import planning
+from jtbo.runner import runner as runner_lib
+
+ForwardMode = split.ForwardMode
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m jtbo.bench tbo", description=__doc__)
+    parser.add_argument("--prefill", type=int, nargs="*", default=[4096, 8192, 16384])
+    parser.add_argument("--decode", type=int, nargs="*", default=[64, 128, 256])
+    parser.add_argument("--prompt-len", type=int, default=2048)
+    parser.add_argument("--context", type=int, default=1024, help="decode KV length")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--attn-tp", type=int, default=1)
+    parser.add_argument("--moe-a2a-backend", choices=("ep", "none"), default="ep")
+    parser.add_argument("--ep-capacity-factor", type=float, default=4.0)
+    parser.add_argument("--tiny", action="store_true", help="MoEConfig.tiny() (smoke test)")
+    return parser
+
+
+def _prefill_batch(tokens: int, prompt_len: int) -> split.ForwardBatch:
+    lens = [prompt_len] * (tokens // prompt_len) + (
+        [tokens % prompt_len] if tokens % prompt_len else []
+    )
+    n = len(lens)
+    return split.ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=n, input_ids=np.arange(tokens) % 1000,
+        positions=np.concatenate([np.arange(k) for k in lens]),
+        out_cache_loc=np.arange(1, tokens + 1), req_pool_indices=np.arange(n), seq_lens=lens,
+        extend_seq_lens=lens, extend_prefix_lens=[0] * n,
+    )  # fmt: skip
+
+
+def _decode_batch(seqs: int, context: int) -> split.ForwardBatch:
+    rows = np.arange(seqs)
+    return split.ForwardBatch(
+        forward_mode=ForwardMode.DECODE, batch_size=seqs, input_ids=rows % 1000,
+        positions=np.full(seqs, context - 1), out_cache_loc=rows * context + context,
+        req_pool_indices=rows, seq_lens=np.full(seqs, context),
+    )  # fmt: skip
+
+
+def _time(runner, plan, iters: int) -> float:
+    for _ in range(2):
+        runner.run_plan(plan).block_until_ready()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        runner.run_plan(plan).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _case(runner, batch, iters: int) -> tuple[float, float]:
+    batches = [batch] * runner.dp_size
+    for rank in range(runner.dp_size):
+        runner.record(rank, batch)
+    times = {}
+    for tbo in (False, True):
+        options = dataclasses.replace(runner.options, enable_tbo=tbo)
+        plan = planning.plan_step(batches, options)
+        if tbo and plan.child_capacity is None:
+            raise ValueError(
+                f"{batch.forward_mode.name} batch of {batch.num_tokens} cannot run TBO"
+            )
+        times[tbo] = _time(runner, plan, iters)
+    return times[False], times[True]
+
+
+def main(argv) -> None:
+    """Runs the benchmark and prints the table (see the module docstring)."""
+    args = _parser().parse_args(argv)
+    config = (
+        config_lib.MoEConfig.tiny() if args.tiny else config_lib.MoEConfig.deepseek_v3_reduced()
+    )
+    mesh = mesh_lib.make_mesh(args.dp, args.attn_tp)
+    largest = max(args.prefill + [s * args.context for s in args.decode] + [1])
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    runner = runner_lib.ModelRunner(
+        model, mesh, moe_a2a_backend=args.moe_a2a_backend, max_total_tokens=largest + 1,
+        max_running_requests=max(args.decode + [largest // args.prompt_len + 1]),
+        token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.bfloat16,
+        ep_capacity_factor=args.ep_capacity_factor,
+    )  # fmt: skip
+    del model
+    print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; dp={args.dp}, "
+          f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}; jax {jax.__version__}")  # fmt: skip
+    print("| case | tokens/rank | no TBO (ms) | TBO (ms) | TBO / no TBO |")
+    print("|---|---|---|---|---|")
+    cases = [("prefill", n, _prefill_batch(n, args.prompt_len)) for n in args.prefill]
+    cases += [("decode", s, _decode_batch(s, args.context)) for s in args.decode]
+    for name, size, batch in cases:
+        plain, tbo = _case(runner, batch, args.iters)
+        print(f"| {name} {size} | {batch.num_tokens} | {plain * 1e3:.2f} | {tbo * 1e3:.2f} | "
+              f"{tbo / plain:.3f} |", flush=True)  # fmt: skip
