@@ -122,3 +122,22 @@ def test_dropped_expert_pairs_raise_instead_of_wrong_numbers():
     batch = helpers.Rank().extend({0: list(range(16))})
     with pytest.raises(runner_lib.ExpertCapacityError, match="ep_capacity_factor=0.01"):
         runner.forward([batch] + [None] * 7)
+
+
+def test_qwen3_style_model_with_tbo_matches_reference():
+    config = config_lib.MoEConfig.tiny_softmax()  # softmax top-k, no shared experts
+    model, plain, tbo = _runners(8, 1, "ep", config)
+    rng = np.random.default_rng(11)
+    ranks = [helpers.Rank() for _ in range(8)]
+    new = [_prompts(rng, [6, 5]) for _ in range(8)]
+    outs = [
+        runner.forward([r.extend(n) for r, n in zip(ranks, new, strict=True)])
+        for runner in (plain,)
+    ]
+    ranks_b = [helpers.Rank() for _ in range(8)]
+    outs.append(tbo.forward([r.extend(n) for r, n in zip(ranks_b, new, strict=True)]))
+    for r, n in enumerate(new):
+        want = helpers.reference_new_rows(model, ranks[r], {k: len(v) for k, v in n.items()})
+        chex.assert_trees_all_close(outs[0][r], want, **TOL)
+        chex.assert_trees_all_close(outs[1][r], want, **TOL)
+    assert tbo.num_tbo_steps == 1
