@@ -2,9 +2,9 @@
 
 Body (local shards, per DP rank): embedding -> dense layers (one batch) -> MoE layers, either
 as one batch (``execute_operations``) or, with two-batch overlap, split at the traced token
-index into two zero-padded children (``jtbo.split.split_inputs``), run staggered by
-``execute_overlapped_operations`` with the strategy of the global forward mode and merged back
-(``merge_outputs``) -> final norm -> LM head. As in SGLang, the first ``first_k_dense`` layers
+index into two zero-padded children, run staggered with the strategy of the global forward
+mode and merged back (``jtbo.overlap.layer_loop.model_forward_maybe_tbo``, with round barriers)
+-> final norm -> LM head. As in SGLang, the first ``first_k_dense`` layers
 run before the split. The KV cache is threaded through micro-batch A's and then B's attention
 of every layer (``layer_ops.StepBox``).
 
@@ -24,12 +24,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jtbo import split
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import layer_ops, norm
 from jtbo.models import model as model_lib
-from jtbo.overlap import operations, strategy, xla_options
+from jtbo.overlap import layer_loop, operations, strategy, xla_options
 from jtbo.split import forward_mode as forward_mode_lib
 
 ATTN_TP = mesh_lib.ATTN_TP_AXIS
@@ -96,50 +95,46 @@ def _run_dense(model, parallel, inputs, context):
     return inputs
 
 
-def _moe_strategy(model, parallel, mode) -> strategy.OperationsStrategy:
+def _run_moe(model, parallel, mode, inputs, per_rank, replicated, box, child_capacity):
+    moe_layers = [layer for layer in model.layers if layer.is_moe]
+    if not moe_layers:
+        return inputs
     config = model.config
     family = (
         strategy.LayerFamily.DEEPSEEK
         if config.num_shared_experts
         else strategy.LayerFamily.QWEN3_MOE
     )
-    layers = [
-        layer_ops.moe_layer_operations(layer, config, parallel)
-        for layer in model.layers
-        if layer.is_moe
-    ]
-    return strategy.OperationsStrategy.init_new_tbo(layers, mode, family)
-
-
-def _run_moe(model, parallel, mode, inputs, per_rank, replicated, box, child_capacity):
-    if not any(layer.is_moe for layer in model.layers):
-        return inputs
-    ops = _moe_strategy(model, parallel, mode)
-    if child_capacity is None:
-        context = dict(
-            attn_metadata=per_rank["attn_metadata"],
-            dp_context=replicated["dp_context"],
-            num_tokens=per_rank["num_tokens"],
-            step_box=box,
-        )
-        return operations.execute_operations(inputs, ops.operations, context=context)
-    t, n = per_rank["split_token_index"], per_rank["num_tokens"]
-    halves = split.split_inputs(inputs, t, n, child_capacity=child_capacity)
-    contexts = [
-        dict(attn_metadata=md, dp_context=ctx, num_tokens=count, step_box=box)
-        for md, ctx, count in zip(
-            per_rank["child_metadata"], replicated["child_dp_contexts"], (t, n - t), strict=True
-        )
-    ]
-    out_a, out_b = operations.execute_overlapped_operations(
-        list(halves),
-        [ops.operations, ops.operations],
-        delta_stages=[0, ops.tbo_delta_stages],
-        contexts_arr=contexts,
-        barriers=True,  # pins rounds; in-flight collective results are left out (InFlight)
+    ops = [layer_ops.moe_layer_operations(layer, config, parallel) for layer in moe_layers]
+    t, n = per_rank.get("split_token_index"), per_rank["num_tokens"]
+    context = dict(
+        attn_metadata=per_rank["attn_metadata"],
+        dp_context=replicated["dp_context"],
+        num_tokens=n,
+        step_box=box,
     )
-    capacity = inputs["hidden_states"].shape[0]
-    return split.merge_outputs(out_a, out_b, t, n, out_len=capacity)
+    child_contexts = (None, None)
+    if child_capacity is not None:
+        child_contexts = tuple(
+            dict(attn_metadata=md, dp_context=ctx, num_tokens=count, step_box=box)
+            for md, ctx, count in zip(
+                per_rank["child_metadata"], replicated["child_dp_contexts"], (t, n - t), strict=True
+            )
+        )
+    hidden, residual = layer_loop.model_forward_maybe_tbo(
+        ops,
+        child_capacity is not None,
+        inputs["positions"],
+        None,
+        inputs["hidden_states"],
+        inputs["residual"],
+        tbo_split=None if child_capacity is None else layer_loop.TboSplit(t, n, child_capacity),
+        context=context,
+        child_contexts=child_contexts,
+        family=family,
+        forward_mode=mode,
+    )
+    return dict(hidden_states=hidden, residual=residual, positions=inputs["positions"])
 
 
 def step_body(graphdef, parallel, mode, child_capacity, params, kv_cache, per_rank, replicated):
