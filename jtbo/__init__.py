@@ -1,3 +1,23 @@
-"""jtbo: two-batch overlap (TBO) and DP attention for MoE inference in JAX/XLA."""
+"""jtbo: two-batch overlap (TBO) and DP attention for MoE inference in JAX/XLA.
+
+Packages, lowest layer first: ``jtbo.kernels`` (DP memcpy, slice-and-pad, merge),
+``jtbo.split`` (host planning, batch pytrees, in-graph split/merge), ``jtbo.collectives``
+(DP-attention gather/scatter, EP dispatch/combine, DP agreement), ``jtbo.attention``
+(paged KV cache, native and TBO backends), ``jtbo.overlap`` (operations, staggered executor,
+layer loop, overlap report), ``jtbo.models`` (a Flax MoE model) and ``jtbo.runner``
+(``ModelRunner``).
+"""
 
 __version__ = "0.1.0"
+
+__all__ = ["ModelRunner"]
+
+
+def __getattr__(name: str):
+    # Lazy so that `import jtbo` does not import jax: entry points such as `python -m
+    # jtbo.demo` must set JAX_PLATFORMS / XLA_FLAGS before jax reads them.
+    if name == "ModelRunner":
+        from jtbo.runner import runner
+
+        return runner.ModelRunner
+    raise AttributeError(f"module 'jtbo' has no attribute {name!r}")

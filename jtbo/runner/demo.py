@@ -9,26 +9,20 @@ model's prefill and decode steps compiled for 8 H200s. Exit code 1 if the runs d
 """
 
 import argparse
-import os
 import sys
 import time
 
-# Eight virtual CPU devices, set before jax initialises (no effect on GPUs).
-if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    flags = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from jtbo import aot, split  # noqa: E402
-from jtbo.collectives import mesh as mesh_lib  # noqa: E402
-from jtbo.models import config as config_lib  # noqa: E402
-from jtbo.models import model as model_lib  # noqa: E402
-from jtbo.runner import aot_report  # noqa: E402
-from jtbo.runner import runner as runner_lib  # noqa: E402
+from jtbo import aot, split
+from jtbo.collectives import mesh as mesh_lib
+from jtbo.models import config as config_lib
+from jtbo.models import model as model_lib
+from jtbo.runner import aot_report
+from jtbo.runner import runner as runner_lib
 
 TOLERANCE = 1e-3  # max |logits difference| allowed between TBO and plain (float32)
 
