@@ -30,7 +30,7 @@ from jtbo.kernels import config as config_lib
 from jtbo.kernels import impls as impls_lib
 
 MIB = 1 << 20
-SWEEP_BLOCKS = (2048, 4096, 8192, 16384, 32768)
+SWEEP_BLOCKS = (4096, 16384, 65536)
 SWEEP_WARPS = (4, 8, 16)
 
 
@@ -169,50 +169,59 @@ def _iters(nbytes):
     return int(np.clip(8 * 1024 * MIB // max(nbytes, 1), 4, 200))
 
 
-def measure(size_bytes, cols, dtype, impl_names, reps):
-    """Rows of the table for one size: (case, impl, GB/s)."""
+_START = time.perf_counter()
+
+
+def _emit(line, lines):
+    # Printed as measured (with seconds since start), so a run cut short still reports.
+    print(f"{line}  [{time.perf_counter() - _START:.0f}s]", flush=True)
+    lines.append(line)
+
+
+def table_row(case, impl, gbs, ceil_gbs, xla_gbs):
+    """One markdown row: op, impl, rows x cols, dtype, payload, GB/s, of ceiling, vs xla."""
+    dtype = jnp.dtype(case.dtype)
+    payload = case.rows * case.cols * dtype.itemsize / MIB
+    vs = f"{gbs / xla_gbs:.2f}x" if xla_gbs else "-"
+    return (
+        f"| {case.op} | {impl} | {case.rows} x {case.cols} | {dtype.name} | "
+        f"{payload:.0f} | {gbs:.0f} | {gbs / ceil_gbs:.2f} | {vs} |"
+    )
+
+
+TABLE_HEAD = (
+    "| op | impl | rows x cols | dtype | payload MiB | GB/s | of ceiling | vs xla |",
+    "|---|---|---|---|---|---|---|---|",
+)
+
+
+def measure(size_bytes, cols, dtype, impl_names, reps, lines):
+    """Measures every op and impl at one size; emits the ceiling line and table rows."""
     iters = _iters(size_bytes)
-    rows = []
+    ceil_gbs, label = ceiling(size_bytes, iters, reps)
+    _emit(f"ceiling {size_bytes // MIB} MiB copy: {ceil_gbs:.0f} GB/s ({label})", lines)
+    xla = {}
     for impl in impl_names:
         for case in cases(size_bytes, cols, dtype, impl):
             step, init = case.make()
-            rows.append((case, impl, case.moved / time_loop(step, init, iters, reps) / 1e9))
-    return rows
+            gbs = case.moved / time_loop(step, init, iters, reps) / 1e9
+            xla.setdefault(case.op, gbs if impl == "xla" else None)
+            _emit(table_row(case, impl, gbs, ceil_gbs, xla[case.op]), lines)
 
 
-def format_table(results, ceilings, dtype):
-    """Markdown table: op, impl, rows x cols, dtype, GB/s, fraction of ceiling, vs xla."""
-    xla = {(c.op, c.rows): gbs for c, impl, gbs in results if impl == "xla"}
-    lines = [
-        "| op | impl | rows x cols | dtype | payload MiB | GB/s | of ceiling | vs xla |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for case, impl, gbs in results:
-        ceil_gbs, _ = ceilings[case.rows]
-        payload = case.rows * case.cols * jnp.dtype(dtype).itemsize / MIB
-        base = xla.get((case.op, case.rows))
-        vs = f"{gbs / base:.2f}x" if base else "-"
-        lines.append(
-            f"| {case.op} | {impl} | {case.rows} x {case.cols} | {jnp.dtype(dtype).name} | "
-            f"{payload:.0f} | {gbs:.0f} | {gbs / ceil_gbs:.2f} | {vs} |"
-        )
-    return "\n".join(lines)
-
-
-def sweep(size_bytes, cols, dtype, impl_names, reps):
-    """Lines ``impl op block warps GB/s`` over the ``CopyConfig`` grid, best first per op."""
+def sweep(size_bytes, cols, dtype, impl_names, reps, lines, ops):
+    """Emits ``sweep op impl block warps GB/s`` over the ``CopyConfig`` grid."""
     iters = _iters(size_bytes)
-    found = []
     for impl in (i for i in impl_names if i != "xla"):
         for block in SWEEP_BLOCKS:
             for warps in SWEEP_WARPS:
                 cfg = config_lib.CopyConfig(block_elems=block, num_warps=warps)
                 for case in cases(size_bytes, cols, dtype, impl, cfg):
+                    if case.op not in ops:
+                        continue
                     step, init = case.make()
                     gbs = case.moved / time_loop(step, init, iters, reps) / 1e9
-                    found.append((case.op, impl, gbs, block, warps))
-    found.sort(key=lambda r: (r[0], r[1], -r[2]))
-    return [f"sweep {op} {impl} block={b} warps={w}: {g:.0f} GB/s" for op, impl, g, b, w in found]
+                    _emit(f"sweep {case.op} {impl} block={block} warps={warps}: {gbs:.0f}", lines)
 
 
 def _parse(argv):
@@ -223,6 +232,7 @@ def _parse(argv):
     p.add_argument("--impls", default=None, help="comma list; default: all available here")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--sweep-mib", type=int, default=0, help="also sweep configs at this size")
+    p.add_argument("--sweep-ops", default="dp_memcpy(dst@off),slice_pad,merge_rows")
     p.add_argument("--out", default=None, help="also write the report to this file")
     return p.parse_args(argv)
 
@@ -235,22 +245,19 @@ def main(argv):
     names = args.impls.split(",") if args.impls else [
         i for i in kernels.IMPLS if impls_lib.unavailable_reason(i, platform) is None
     ]  # fmt: skip
-    results, ceilings = [], {}
-    for mib in map(int, args.sizes_mib.split(",")):
-        size = mib * MIB
-        rows = size // (args.cols * dtype.itemsize)
-        ceilings[rows] = ceiling(size, _iters(size), args.reps)
-        results += measure(size, args.cols, dtype, names, args.reps)
-    report = [
+    lines = []
+    _emit(
         f"date {datetime.date.today()}  device {jax.devices()[0].device_kind}  "
         f"jax {jax.__version__}  default impl {impls_lib.resolve(None)}",
-        *(f"ceiling {r} rows: {g:.0f} GB/s ({label})" for r, (g, label) in ceilings.items()),
-        format_table(results, ceilings, dtype),
-    ]
+        lines,
+    )
     if args.sweep_mib:
-        report[1:1] = sweep(args.sweep_mib * MIB, args.cols, dtype, names, args.reps)
-    text = "\n".join(report)
-    print(text, flush=True)
+        ops = args.sweep_ops.split(",")
+        sweep(args.sweep_mib * MIB, args.cols, dtype, names, args.reps, lines, ops)
+    for line in TABLE_HEAD:
+        _emit(line, lines)
+    for mib in map(int, filter(None, args.sizes_mib.split(","))):
+        measure(mib * MIB, args.cols, dtype, names, args.reps, lines)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(text + "\n")
+            f.write("\n".join(lines) + "\n")
