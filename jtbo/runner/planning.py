@@ -1,7 +1,17 @@
 """Host planning of one step over all DP ranks: capacities, TBO decision, split, metadata.
 
 Everything here is numpy on small integers; the result (``StepPlan``) holds exactly the
-arrays the jitted step takes plus the static keys that select its compile.
+arrays the jitted step takes plus the static keys that select its compile. Planning has three
+phases so that it also works when each process of a multi-process run holds only its own DP
+ranks' batches:
+
+1. ``summarize`` (per rank, rank-local): the rank's ``RankSummary`` (mode, tokens, draft size,
+   TBO split indices) and its TBO children;
+2. ``decide`` (global, from the summaries' integers only): bucket, attention kind, TBO
+   decision. Multi-process runners exchange the summaries first, so every process decides the
+   same from the same integers: no floats beyond the threshold arithmetic, no dict order;
+3. ``assemble`` (per rank again): padded inputs and attention metadata of the given ranks, DP
+   contexts of all ranks.
 
 * Capacities: the token capacity is the smallest bucket holding the busiest rank's tokens,
   rounded up to ``attn_tp_size`` (and to ``draft_token_num`` for TARGET_VERIFY), so one compile
@@ -11,8 +21,9 @@ arrays the jitted step takes plus the static keys that select its compile.
 * TBO agreement (SGLang ``TboDPAttentionPreparer``): TBO runs only if it is enabled, at least
   one rank is busy, all busy ranks run the same TBO-able mode, and every rank's split fits the
   static child capacity (``jtbo.split.plan_fits_capacity``); IDLE ranks can always join.
-* Split: ``compute_split_seq_index`` then ``split_batch`` per rank; children's metadata comes
-  from the TBO attention backend at the child capacity.
+* Split: ``compute_split_seq_index`` then ``split_batch`` per rank (in ``summarize``, so a
+  batch that cannot be split fails before any exchange); children's metadata comes from the
+  TBO attention backend at the child capacity.
 * DP padding mode: MAX_LEN, the mode of replayed compiled steps (SGLang's CUDA-graph default),
   whose buffer sizes depend only on the bucket — SUM_LEN's would change every step.
 """
@@ -67,9 +78,10 @@ class StepPlan:
       capacity: token rows of every rank's buffers.
       child_capacity: TBO child rows, or None when the step runs without TBO.
       mode: static strategy key: the agreed mode with TBO, EXTEND without.
-      per_rank: arrays stacked over ranks (the step's ``per_rank`` argument).
+      per_rank: arrays stacked over ``ranks`` (the step's ``per_rank`` argument).
       replicated: DP contexts (the step's ``replicated`` argument).
-      num_tokens: real tokens of each rank.
+      num_tokens: real tokens of each rank (all ranks).
+      ranks: the DP ranks whose rows ``per_rank`` holds (all of them for a single process).
     """
 
     capacity: int
@@ -78,6 +90,7 @@ class StepPlan:
     per_rank: dict
     replicated: dict
     num_tokens: tuple[int, ...]
+    ranks: tuple[int, ...]
 
 
 def idle_batch() -> split.ForwardBatch:
@@ -91,11 +104,110 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def _draft_token_num(batches: Sequence[split.ForwardBatch]) -> int | None:
-    drafts = {b.spec_info.draft_token_num for b in batches if b.forward_mode.is_target_verify()}
+@dataclasses.dataclass(frozen=True)
+class RankSummary:
+    """The integers of one DP rank that every rank's plan depends on.
+
+    Multi-process runners exchange these (``jtbo.runner.step_exchange``), so every process
+    derives the same bucket, attention kind and TBO decision.
+
+    Attributes:
+      forward_mode: the rank's mode (IDLE for an idle rank).
+      num_tokens: the rank's token rows.
+      draft_token_num: tokens per sequence of a TARGET_VERIFY rank, else None.
+      split_seq_index: the rank's TBO split sequence index, None when not computed.
+      split_token_index: the rank's TBO split token index, None when not computed.
+    """
+
+    forward_mode: ForwardMode
+    num_tokens: int
+    draft_token_num: int | None
+    split_seq_index: int | None
+    split_token_index: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalRank:
+    """One rank's host batch with its summary and, when planned, its TBO children.
+
+    Attributes:
+      batch: the rank's unpadded host batch.
+      summary: its ``RankSummary``.
+      children: ``split_batch`` children at ``summary.split_seq_index``, or None.
+    """
+
+    batch: split.ForwardBatch
+    summary: RankSummary
+    children: tuple[split.ForwardBatch, split.ForwardBatch] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepDecision:
+    """The step's global facts, derived from every rank's ``RankSummary`` alone.
+
+    Attributes:
+      kind: attention kind ("extend", "decode" or "verify").
+      draft_token_num: draft size of a verify step, else None.
+      capacity: token rows of every rank's buffers.
+      child_capacity: TBO child rows, or None without TBO.
+      mode: static strategy key: the agreed mode with TBO, EXTEND without.
+      num_tokens: real tokens of each rank.
+      split_token_index: per rank, the TBO token split (0 for idle ranks); None without TBO.
+    """
+
+    kind: str
+    draft_token_num: int | None
+    capacity: int
+    child_capacity: int | None
+    mode: ForwardMode
+    num_tokens: tuple[int, ...]
+    split_token_index: tuple[int, ...] | None
+
+    @property
+    def all_idle(self) -> bool:
+        """Whether no rank has a token (the step does no work)."""
+        return not any(self.num_tokens)
+
+
+def summarize(batch: split.ForwardBatch, options: PlanOptions) -> LocalRank:
+    """A rank's summary and, when TBO may split it, its children (rank-local work only).
+
+    Args:
+      batch: the rank's host batch (``idle_batch()`` for an idle rank).
+      options: planning options.
+
+    Returns:
+      The ``LocalRank``.
+
+    Raises:
+      ValueError: a batch the split planner cannot split (names the field and numbers).
+    """
+    mode = batch.forward_mode
+    draft = batch.spec_info.draft_token_num if mode.is_target_verify() else None
+    if not (options.enable_tbo and mode in TBO_MODES):
+        return LocalRank(batch, RankSummary(mode, batch.num_tokens, draft, None, None), None)
+    lens = None if batch.extend_seq_lens is None else batch.extend_seq_lens.tolist()
+    per_seq = split.get_token_num_per_seq(mode, batch.spec_info)
+    seq_index = split.compute_split_seq_index(
+        mode, batch.num_tokens, lens, per_seq, threshold=options.threshold
+    )
+    token_index = split.compute_split_token_index(
+        seq_index, mode, lens, per_seq, threshold=options.threshold
+    )
+    children = split.split_batch(
+        dataclasses.replace(batch, tbo_split_seq_index=seq_index),
+        attn_tp_size=options.attn_tp_size,
+        threshold=options.threshold,
+    )
+    summary = RankSummary(mode, batch.num_tokens, draft, seq_index, token_index)
+    return LocalRank(batch, summary, children)
+
+
+def _draft_token_num(summaries: Sequence[RankSummary]) -> int | None:
+    drafts = {s.draft_token_num for s in summaries if s.draft_token_num is not None}
     if len(drafts) > 1:
         raise ValueError(f"TARGET_VERIFY ranks disagree on draft_token_num: {sorted(drafts)}")
-    busy = [b.forward_mode for b in batches if not b.forward_mode.is_idle()]
+    busy = [s.forward_mode for s in summaries if not s.forward_mode.is_idle()]
     if drafts and any(mode != ForwardMode.TARGET_VERIFY for mode in busy):
         raise ValueError(
             f"a TARGET_VERIFY step needs every busy rank in TARGET_VERIFY, got "
@@ -104,10 +216,10 @@ def _draft_token_num(batches: Sequence[split.ForwardBatch]) -> int | None:
     return drafts.pop() if drafts else None
 
 
-def _attention_kind(batches: Sequence[split.ForwardBatch], draft: int | None) -> str:
+def _attention_kind(summaries: Sequence[RankSummary], draft: int | None) -> str:
     if draft is not None:
         return "verify"
-    busy = [b.forward_mode for b in batches if not b.forward_mode.is_idle()]
+    busy = [s.forward_mode for s in summaries if not s.forward_mode.is_idle()]
     if busy and all(mode.is_decode() for mode in busy):
         return "decode"
     return "extend"
@@ -137,40 +249,131 @@ def attention_capacity(
     )
 
 
-def _split_plan(batches, options: PlanOptions, child_capacity: int):
-    """Per-rank ``(children, split_token_index)``, or None when some rank's split does not fit."""
-    plans = []
-    for batch in batches:
-        if batch.forward_mode.is_idle():
-            plans.append(((idle_batch(), idle_batch()), 0))
-            continue
-        lens = None if batch.extend_seq_lens is None else batch.extend_seq_lens.tolist()
-        per_seq = split.get_token_num_per_seq(batch.forward_mode, batch.spec_info)
-        seq_index = split.compute_split_seq_index(
-            batch.forward_mode, batch.num_tokens, lens, per_seq, threshold=options.threshold
-        )
-        token_index = split.compute_split_token_index(
-            seq_index, batch.forward_mode, lens, per_seq, threshold=options.threshold
-        )
-        if not split.plan_fits_capacity(
-            token_index, batch.num_tokens, child_capacity=child_capacity
-        ):
-            return None
-        with_index = dataclasses.replace(batch, tbo_split_seq_index=seq_index)
-        children = split.split_batch(
-            with_index, attn_tp_size=options.attn_tp_size, threshold=options.threshold
-        )
-        plans.append((children, token_index))
-    return plans
-
-
-def _tbo_mode(batches) -> ForwardMode | None:
+def _tbo_mode(summaries: Sequence[RankSummary]) -> ForwardMode | None:
     """The agreed mode when every busy rank runs the same TBO-able mode, else None."""
-    busy = {b.forward_mode for b in batches if not b.forward_mode.is_idle()}
+    busy = {s.forward_mode for s in summaries if not s.forward_mode.is_idle()}
     if len(busy) != 1:
         return None
     mode = busy.pop()
     return mode if mode in TBO_MODES else None
+
+
+def _split_indices(summaries, child_capacity: int) -> tuple[int, ...] | None:
+    """Every rank's token split (idle: 0), or None when some rank's split does not fit."""
+    indices = []
+    for s in summaries:
+        if s.forward_mode.is_idle():
+            indices.append(0)
+        elif s.split_token_index is None or not split.plan_fits_capacity(
+            s.split_token_index, s.num_tokens, child_capacity=child_capacity
+        ):
+            return None
+        else:
+            indices.append(s.split_token_index)
+    return tuple(indices)
+
+
+def decide(summaries: Sequence[RankSummary], options: PlanOptions) -> StepDecision:
+    """The step's global facts from every rank's summary (deterministic integer arithmetic).
+
+    Args:
+      summaries: one ``RankSummary`` per DP rank, in rank order.
+      options: planning options.
+
+    Returns:
+      The ``StepDecision``.
+
+    Raises:
+      ValueError: ranks that cannot share a step (verify next to another mode, different
+        draft sizes) or a rank with more tokens than the largest bucket.
+    """
+    draft = _draft_token_num(summaries)
+    kind = _attention_kind(summaries, draft)
+    counts = tuple(int(s.num_tokens) for s in summaries)
+    multiple = math.lcm(options.attn_tp_size, draft or 1)
+    capacity = _round_up(split.token_bucket(max(max(counts), 1), options.token_buckets), multiple)
+    mode = _tbo_mode(summaries) if options.enable_tbo else None
+    child_cap, indices = None, None
+    if mode is not None:
+        child_cap = split.child_capacity(
+            capacity,
+            threshold=options.threshold,
+            attn_tp_size=options.attn_tp_size,
+            token_num_per_seq=draft or 1,
+        )
+        child_cap = _round_up(child_cap, multiple)
+        indices = _split_indices(summaries, child_cap)
+    if indices is None:
+        child_cap, mode = None, ForwardMode.EXTEND
+    return StepDecision(kind, draft, capacity, child_cap, mode, counts, indices)
+
+
+def plan_step(batches: Sequence[split.ForwardBatch], options: PlanOptions) -> StepPlan:
+    """Plans one step for every DP rank (idle ranks given as ``idle_batch()``).
+
+    Args:
+      batches: one host batch per DP rank.
+      options: the runner's planning options.
+
+    Returns:
+      The ``StepPlan`` (rows for every rank).
+
+    Raises:
+      ValueError: ranks that cannot share a step (verify next to another mode, different
+        draft sizes) or a batch larger than the largest bucket.
+    """
+    return plan_step_for_ranks(batches, range(len(batches)), options)
+
+
+def plan_step_for_ranks(
+    batches: Sequence[split.ForwardBatch], ranks: Sequence[int], options: PlanOptions
+) -> StepPlan:
+    """Plans a step whose batches every process knows, keeping only ``ranks``' rows.
+
+    Args:
+      batches: one host batch per DP rank (all ranks).
+      ranks: the DP ranks whose per-rank rows the plan holds.
+      options: planning options.
+
+    Returns:
+      The ``StepPlan``.
+    """
+    local = [summarize(b, options) for b in batches]
+    decision = decide([r.summary for r in local], options)
+    return assemble([local[r] for r in ranks], ranks, decision, options)
+
+
+def assemble(
+    local: Sequence[LocalRank], ranks: Sequence[int], decision: StepDecision, options: PlanOptions
+) -> StepPlan:
+    """The step's arrays: per-rank rows for ``ranks``, replicated DP contexts for all ranks.
+
+    Args:
+      local: ``summarize`` results of the ranks in ``ranks``, same order.
+      ranks: DP ranks of ``local``.
+      decision: from ``decide`` over every rank.
+      options: planning options.
+
+    Returns:
+      The ``StepPlan``.
+
+    Raises:
+      ValueError: ``local`` and ``ranks`` differ in length, or a TBO step whose rank has no
+        children.
+    """
+    if len(local) != len(ranks):
+        raise ValueError(f"got {len(local)} local ranks for ranks {tuple(ranks)}")
+    children = None
+    if decision.child_capacity is not None:
+        children = []
+        for rank, item in zip(ranks, local, strict=True):
+            if item.batch.forward_mode.is_idle():
+                children.append((idle_batch(), idle_batch()))
+            elif item.children is None:
+                raise ValueError(f"rank {rank}: a TBO step needs the rank's split children")
+            else:
+                children.append(item.children)
+    return _assemble([r.batch for r in local], tuple(ranks), options, decision, children)
 
 
 def _pad(values, rows: int) -> np.ndarray:
@@ -183,42 +386,9 @@ def _stack(trees):
     return jax.tree.map(lambda *xs: np.stack(xs), *trees)
 
 
-def plan_step(batches: Sequence[split.ForwardBatch], options: PlanOptions) -> StepPlan:
-    """Plans one step for every DP rank (idle ranks given as ``idle_batch()``).
-
-    Args:
-      batches: one host batch per DP rank.
-      options: the runner's planning options.
-
-    Returns:
-      The ``StepPlan``.
-
-    Raises:
-      ValueError: ranks that cannot share a step (verify next to another mode, different
-        draft sizes) or a batch larger than the largest bucket.
-    """
-    draft = _draft_token_num(batches)
-    kind = _attention_kind(batches, draft)
-    counts = [b.num_tokens for b in batches]
-    multiple = math.lcm(options.attn_tp_size, draft or 1)
-    capacity = _round_up(split.token_bucket(max(max(counts), 1), options.token_buckets), multiple)
-    mode = _tbo_mode(batches) if options.enable_tbo else None
-    child_cap, plans = None, None
-    if mode is not None:
-        child_cap = split.child_capacity(
-            capacity,
-            threshold=options.threshold,
-            attn_tp_size=options.attn_tp_size,
-            token_num_per_seq=draft or 1,
-        )
-        child_cap = _round_up(child_cap, multiple)
-        plans = _split_plan(batches, options, child_cap)
-    if plans is None:
-        child_cap, mode = None, ForwardMode.EXTEND
-    return _assemble(batches, options, kind, draft, capacity, child_cap, mode, plans)
-
-
-def _assemble(batches, options, kind, draft, capacity, child_cap, mode, plans) -> StepPlan:
+def _assemble(batches, ranks, options, decision: StepDecision, children) -> StepPlan:
+    kind, draft, capacity = decision.kind, decision.draft_token_num, decision.capacity
+    child_cap = decision.child_capacity
     full_cap = attention_capacity(kind, capacity, options, draft)
     small_cap = (
         full_cap if child_cap is None else attention_capacity(kind, child_cap, options, draft)
@@ -226,32 +396,32 @@ def _assemble(batches, options, kind, draft, capacity, child_cap, mode, plans) -
     backend = tbo_backend.TboAttnBackend.init_new(
         backend_lib.NativeAttnBackend, capacity=full_cap, child_capacity=small_cap
     )
-    counts = [b.num_tokens for b in batches]
     metadata = [
-        backend.init_forward_metadata(b, None if plans is None else plans[r][0])
-        for r, b in enumerate(batches)
+        backend.init_forward_metadata(b, None if children is None else children[i])
+        for i, b in enumerate(batches)
     ]
     per_rank = dict(
         input_ids=np.stack([_pad(b.input_ids, capacity) for b in batches]),
         positions=np.stack(
             [_pad(np.zeros(0) if b.positions is None else b.positions, capacity) for b in batches]
         ),
-        num_tokens=np.asarray(counts, np.int32),
+        num_tokens=np.asarray([b.num_tokens for b in batches], np.int32),
         attn_metadata=_stack([m.primary for m in metadata]),
     )
+    counts = np.asarray(decision.num_tokens, np.int32)
     mode_kind = padding.DpPaddingMode.MAX_LEN
     tp = options.attn_tp_size
     replicated = dict(dp_context=context_lib.create_dp_context(counts, mode_kind, capacity, tp))
-    if plans is not None:
-        split_index = np.asarray([p[1] for p in plans], np.int32)
-        per_rank["split_token_index"] = split_index
+    if children is not None:
+        split_index = np.asarray(decision.split_token_index, np.int32)
+        per_rank["split_token_index"] = split_index[list(ranks)]
         per_rank["child_metadata"] = tuple(
             _stack([m.children[i] for m in metadata]) for i in (0, 1)
         )
         replicated["child_dp_contexts"] = (
             context_lib.create_dp_context(split_index, mode_kind, child_cap, tp),
-            context_lib.create_dp_context(
-                np.asarray(counts) - split_index, mode_kind, child_cap, tp
-            ),
+            context_lib.create_dp_context(counts - split_index, mode_kind, child_cap, tp),
         )
-    return StepPlan(capacity, child_cap, mode, per_rank, replicated, tuple(counts))
+    return StepPlan(
+        capacity, child_cap, decision.mode, per_rank, replicated, decision.num_tokens, ranks
+    )

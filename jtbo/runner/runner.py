@@ -6,6 +6,17 @@ attention kind, DP agreement on TBO, split, metadata), runs the jitted ``shard_m
 returns each rank's logits. The KV pools stay on the devices between steps (donated to the
 step, replaced by its output). One compile per (bucket, attention kind, TBO child capacity);
 ``warmup`` compiles them ahead of serving.
+
+Multi-process (``jax.distributed``, one process per host, the mesh over every process's
+devices): each DP rank belongs to the process whose devices hold its mesh row
+(``distributed.dp_rank_owners``; ``local_dp_ranks`` lists this process's). Every process
+builds the runner with the same model, options and mesh and calls ``forward`` in lockstep
+with the batches of its own ranks only. Before any device work the processes exchange their
+ranks' plan-defining integers (``step_exchange``): all then plan the same step, and a batch
+refused on one process raises on every process instead of leaving the others waiting in a
+collective. Step inputs are global arrays built from each process's own rows; logits are read
+back from addressable shards, so each process gets its own ranks' outputs. A single process
+is the special case that owns every rank.
 """
 
 from collections.abc import Sequence
@@ -20,8 +31,8 @@ from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import layer_ops, step
 from jtbo.models import model as model_lib
+from jtbo.runner import distributed, kv_table, multiprocess_generate, planning, step_exchange
 from jtbo.runner import generate as generate_lib
-from jtbo.runner import kv_table, planning
 
 ForwardMode = split.ForwardMode
 
@@ -77,6 +88,9 @@ class ModelRunner:
                 f"{max_running_requests} must be >= 1"
             )
         self.config, self.mesh, self.dtype = config, mesh, dtype
+        self.dp_rank_owners = distributed.dp_rank_owners(mesh)
+        self.local_dp_ranks = distributed.local_dp_ranks(self.dp_rank_owners)
+        self.multiprocess = distributed.is_multiprocess(mesh)
         self.max_total_tokens, self.max_running_requests = max_total_tokens, max_running_requests
         self.parallel = layer_ops.ParallelConfig(
             moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size, ep_capacity_factor
@@ -97,8 +111,16 @@ class ModelRunner:
             lambda spec: jax.sharding.NamedSharding(mesh, spec),
             step.param_specs(params, moe_a2a_backend),
         )
-        self._params = jax.device_put(params, shardings)
+        if self.multiprocess:  # every process holds the full parameters; fill own devices
+            self._params = jax.tree.map(distributed.full_value_array, params, shardings)
+        else:
+            self._params = jax.device_put(params, shardings)
         self._init_kv()
+        self._fingerprint = step_exchange.fingerprint(
+            self.options, self.parallel, config, jnp.dtype(dtype).name, mesh.devices.shape,
+            [d.id for d in mesh.devices.flat], self.dp_rank_owners,
+        )  # fmt: skip
+        self._exchanges = 0
         self.num_steps = 0
         self.num_tbo_steps = 0
 
@@ -111,8 +133,9 @@ class ModelRunner:
             self.config.head_dim,
         )
         kv_sharding = jax.sharding.NamedSharding(self.mesh, step.KV_CACHE_SPEC.k)
-        self._k = jax.device_put(jnp.zeros(shape, self.dtype), kv_sharding)
-        self._v = jax.device_put(jnp.zeros(shape, self.dtype), kv_sharding)
+        # Created in place on each device (also on other processes' devices).
+        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=kv_sharding)
+        self._k, self._v = zeros(), zeros()
         self.req_to_token = np.zeros(
             (self.dp_size, self.max_running_requests, self.max_total_tokens), np.int32
         )
@@ -122,8 +145,11 @@ class ModelRunner:
         """Records a batch's new-token KV slots in rank ``rank``'s page table.
 
         Raises:
-          ValueError: a request row, KV position or slot outside the table / pool.
+          ValueError: a rank this process does not drive, or a request row, KV position or slot
+            outside the table / pool.
         """
+        if rank not in self.local_dp_ranks:
+            raise ValueError(f"DP rank {rank} is not driven by this process {self.local_dp_ranks}")
         kv_table.record(self.req_to_token[rank], batch, self.num_slots)
         self._req_to_token_device = None
 
@@ -138,32 +164,71 @@ class ModelRunner:
         return self._step.compile_count()
 
     def forward(self, batches: Sequence[split.ForwardBatch | None]) -> list[np.ndarray | None]:
-        """Runs one step over every DP rank.
+        """Runs one step over every DP rank (of every process).
 
         Args:
-          batches: one unpadded host ``ForwardBatch`` per DP rank (None: the rank is idle).
+          batches: one unpadded host ``ForwardBatch`` per DP rank this process drives
+            (``local_dp_ranks``: every rank for a single process; None: the rank is idle).
             The caller owns request rows and KV slots (``req_pool_indices``,
             ``out_cache_loc``); the runner records them in its page table.
 
         Returns:
-          Per rank, float32 logits ``[num_tokens, vocab]`` as numpy, or None for idle ranks.
+          Per local rank, float32 logits ``[num_tokens, vocab]`` as numpy, or None for idle
+          ranks. A step where every rank of every process is idle does no device work.
 
         Raises:
-          ValueError: wrong number of batches, a bad token id, a batch that does not fit.
+          ValueError: wrong number of batches, a bad token id, a batch that does not fit; with
+            several processes also ``step_exchange.StepRejectedError`` on every other process.
           ExpertCapacityError: the step dropped routed tokens (raise ``ep_capacity_factor``).
         """
-        if len(batches) != self.dp_size:
-            raise ValueError(f"got {len(batches)} batches for dp_size={self.dp_size}")
-        full = [planning.idle_batch() if b is None else b for b in batches]
-        for rank, batch in enumerate(full):
-            self._validate(rank, batch)
-        for rank, batch in enumerate(full):
-            self.record(rank, batch)
-        plan = planning.plan_step(full, self.options)
+        return self._forward(batches)[0]
+
+    def step_idle(self) -> bool:
+        """Takes part in one step with every rank of this process idle.
+
+        A process that has run out of work calls this while others may still be serving, so
+        that their steps' collectives still have every process.
+
+        Returns:
+          Whether some rank of some process had work (so the step ran on the devices).
+        """
+        return self._forward([None] * len(self.local_dp_ranks))[1]
+
+    def _forward(self, batches) -> tuple[list[np.ndarray | None], bool]:
+        local, error = [], None
+        try:
+            local = self._prepare_local(batches)
+        except Exception as exc:  # noqa: BLE001 - re-raised on every process by the exchange
+            error = exc
+        summaries = {r: item.summary for r, item in zip(self.local_dp_ranks, local, strict=False)}
+        report = step_exchange.LocalReport(self._exchanges, self._fingerprint, summaries, error)
+        self._exchanges += 1  # counts refused steps too: every process took part in them
+        decision = planning.decide(
+            step_exchange.exchange(report, self.dp_rank_owners), self.options
+        )
+        if decision.all_idle:
+            return [None] * len(batches), False
+        plan = planning.assemble(local, self.local_dp_ranks, decision, self.options)
         logits = self._run(plan)
         return [
-            None if b is None else logits[r, : plan.num_tokens[r]] for r, b in enumerate(batches)
-        ]
+            None if b is None else logits[i, : plan.num_tokens[rank]]
+            for i, (rank, b) in enumerate(zip(plan.ranks, batches, strict=True))
+        ], True
+
+    def _prepare_local(self, batches) -> list[planning.LocalRank]:
+        """Validates and records this process's batches; returns their summaries."""
+        ranks = self.local_dp_ranks
+        if len(batches) != len(ranks):
+            raise ValueError(
+                f"got {len(batches)} batches for the {len(ranks)} DP ranks {ranks} this process "
+                f"drives (dp_size={self.dp_size})"
+            )
+        full = [planning.idle_batch() if b is None else b for b in batches]
+        for rank, batch in zip(ranks, full, strict=True):
+            self._validate(rank, batch)
+        for rank, batch in zip(ranks, full, strict=True):
+            self.record(rank, batch)
+        return [planning.summarize(batch, self.options) for batch in full]
 
     def _validate(self, rank: int, batch: split.ForwardBatch) -> None:
         ids = np.asarray(batch.input_ids)
@@ -183,7 +248,11 @@ class ModelRunner:
             raise ValueError(f"rank {rank}: ForwardBatch.positions is required")
 
     def _run(self, plan: planning.StepPlan) -> np.ndarray:
-        return np.asarray(self.run_plan(plan))
+        """Runs a plan; returns the logits rows of ``plan.ranks`` as numpy."""
+        logits = self.run_plan(plan)
+        if self.multiprocess:
+            return distributed.local_rank_rows(logits, plan.ranks)
+        return np.asarray(logits)
 
     def run_plan(self, plan: planning.StepPlan) -> jax.Array:
         """Runs a planned step (``planning.plan_step``) and returns the device logits.
@@ -191,20 +260,30 @@ class ModelRunner:
         The page table must already hold the plan's tokens (``forward`` records them).
 
         Returns:
-          ``[dp, capacity, vocab]`` float32 logits, still on the devices.
+          ``[dp, capacity, vocab]`` float32 logits, still on the devices (with several
+          processes a global array: read it with ``distributed.local_rank_rows``).
 
         Raises:
+          ValueError: a plan whose rows are not this process's ranks.
           ExpertCapacityError: the step dropped routed tokens.
         """
+        if tuple(plan.ranks) != self.local_dp_ranks:
+            raise ValueError(
+                f"plan rows {plan.ranks} != this process's ranks {self.local_dp_ranks}"
+            )
         if self._req_to_token_device is None:
-            sharding = jax.sharding.NamedSharding(self.mesh, step.KV_CACHE_SPEC.req_to_token)
-            self._req_to_token_device = jax.device_put(self.req_to_token, sharding)
+            self._req_to_token_device = self._upload_page_table()
         cache = kv_cache_lib.KVCache(k=self._k, v=self._v, req_to_token=self._req_to_token_device)
+        per_rank, replicated = plan.per_rank, plan.replicated
+        if self.multiprocess:
+            per_rank, replicated = distributed.global_step_inputs(
+                self.mesh, per_rank, plan.ranks, replicated, self.dp_size
+            )
         logits, cache, overflow = self._step(
             self._params,
             cache,
-            plan.per_rank,
-            plan.replicated,
+            per_rank,
+            replicated,
             mode=int(plan.mode),
             child_capacity=plan.child_capacity,
         )
@@ -219,18 +298,37 @@ class ModelRunner:
             )
         return logits
 
+    def _upload_page_table(self) -> jax.Array:
+        if self.multiprocess:  # this process's rows only
+            rows = self.req_to_token[list(self.local_dp_ranks)]
+            return distributed.rank_sharded_array(
+                self.mesh, rows, self.local_dp_ranks, self.dp_size
+            )
+        sharding = jax.sharding.NamedSharding(self.mesh, step.KV_CACHE_SPEC.req_to_token)
+        return jax.device_put(self.req_to_token, sharding)
+
     def generate(self, prompts, *, max_new_tokens: int, dp_rank_of=None, **kwargs):
         """Greedy generation for many prompts; see ``jtbo.runner.generate.generate``.
+
+        With several processes every process passes the same prompts; each serves the prompts
+        of its own DP ranks and every process gets all results
+        (``jtbo.runner.multiprocess_generate``).
 
         Returns:
           One ``GenerationResult`` (token ids, or the error that rejected it) per prompt.
         """
+        if self.multiprocess:
+            return multiprocess_generate.generate(
+                self, prompts, max_new_tokens=max_new_tokens, dp_rank_of=dp_rank_of, **kwargs
+            )
         return generate_lib.generate(
             self, prompts, max_new_tokens=max_new_tokens, dp_rank_of=dp_rank_of, **kwargs
         )
 
     def warmup(self, token_counts: Sequence[int], modes: Sequence[ForwardMode]) -> int:
         """Compiles the steps of the given token counts and modes before serving.
+
+        With several processes, every process calls it with the same arguments.
 
         Runs a synthetic step (rank 0 busy, the rest idle) with the static keys a real step of
         that many tokens in that mode has; its K/V writes go to the padding slot only.
@@ -251,7 +349,7 @@ class ModelRunner:
         """A real plan for one synthetic batch on rank 0 that writes only the padding slot."""
         batch = _synthetic_batch(mode, count)
         batches = [batch] + [planning.idle_batch()] * (self.dp_size - 1)
-        return planning.plan_step(batches, self.options)
+        return planning.plan_step_for_ranks(batches, self.local_dp_ranks, self.options)
 
 
 def _synthetic_batch(mode: ForwardMode, count: int) -> split.ForwardBatch:

@@ -1,0 +1,118 @@
+"""The serving scenario of the multi-host test, run alike by one process and by several.
+
+Every process builds the same tiny model (fixed seed) on a ``(4, 2)`` mesh over all devices
+and the same host batches for all DP ranks; each passes only its own ranks' batches
+(``runner.local_dp_ranks``). Results are keyed by global DP rank, so the outputs of all
+processes together can be compared with a single-process run's.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jtbo.collectives import mesh as mesh_lib
+from jtbo.models import config as config_lib
+from jtbo.models import model as model_lib
+from jtbo.runner import runner as runner_lib
+from tests.runner import helpers
+
+DP, ATTN_TP = 4, 2
+BUCKETS = (8, 16, 32)
+NEW_TOKENS = 4
+# Per step, per DP rank: EXTEND new-token lengths per request, "decode", or None (idle).
+# Step 0: balanced split, a two-chunk prompt, an idle rank; step 1 extends the same requests
+# (prefixes); then decode, with all of process 1's ranks idle in the last step.
+SCRIPT = (
+    ([5, 3, 4], [14], [2, 6], None),
+    ([2, 2, 3], [9], [4, 1], None),
+    ("decode", "decode", "decode", None),
+    ("decode", "decode", None, None),
+)
+
+
+def make_runner(tbo: bool, buckets=BUCKETS) -> runner_lib.ModelRunner:
+    """A float32 runner of the tiny model (seed 0) on a (4, 2) mesh of all devices."""
+    model = model_lib.MoEModel(config_lib.MoEConfig.tiny(), rngs=nnx.Rngs(0))
+    return runner_lib.ModelRunner(
+        model, mesh_lib.make_mesh(DP, ATTN_TP), enable_two_batch_overlap=tbo,
+        moe_a2a_backend="ep", max_total_tokens=64, max_running_requests=4,
+        token_buckets=buckets, dtype=jnp.float32,
+    )  # fmt: skip
+
+
+def _batches(ranks, step, rng):
+    out = []
+    for rank, work in zip(ranks, SCRIPT[step], strict=True):
+        if work is None:
+            out.append(None)
+        elif work == "decode":
+            out.append(rank.decode({row: int(rng.integers(128)) for row in rank.tokens}))
+        else:
+            out.append(rank.extend({row: rng.integers(0, 128, n).tolist() for row, n in
+                                    enumerate(work)}))  # fmt: skip
+    return out
+
+
+def forward_script(runner) -> dict:
+    """Runs ``SCRIPT``; returns ``{"logits/<step>/<rank>": [tokens, vocab]}`` for own ranks."""
+    rng = np.random.default_rng(0)
+    ranks = [helpers.Rank() for _ in range(DP)]
+    out = {}
+    for step in range(len(SCRIPT)):
+        batches = _batches(ranks, step, rng)  # every rank's, built alike on every process
+        logits = runner.forward([batches[r] for r in runner.local_dp_ranks])
+        for rank, rows in zip(runner.local_dp_ranks, logits, strict=True):
+            if rows is not None:
+                out[f"logits/{step}/{rank}"] = rows
+    return out
+
+
+def prompts() -> list[list[int]]:
+    """Ten random prompts and one the runner must refuse (outside the vocabulary)."""
+    rng = np.random.default_rng(5)
+    out = [rng.integers(0, 128, int(n)).tolist() for n in rng.integers(3, 12, 10)]
+    out.insert(4, [1, 2, 500])
+    return out
+
+
+def serve(tbo: bool) -> dict:
+    """The forward script, then greedy generation of ``prompts()``, on a fresh runner."""
+    runner = make_runner(tbo)
+    out = {f"{tbo}/{k}": v for k, v in forward_script(runner).items()}
+    results = runner.generate(prompts(), max_new_tokens=NEW_TOKENS, chunk_size=8)
+    out[f"{tbo}/tokens"] = [r.token_ids for r in results]
+    out[f"{tbo}/errors"] = [r.error for r in results]
+    out[f"{tbo}/tbo_steps"] = runner.num_tbo_steps
+    return out
+
+
+def _error_of(call) -> str:
+    try:
+        call()
+    except (ValueError, RuntimeError) as exc:  # recorded for the test to check
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def refusals() -> dict:
+    """Batches refused on process 1 only, and a set-up mismatch: every process must raise.
+
+    Returns ``{case: "<ExceptionType>: message"}`` as seen by this process, and the logits of
+    a valid step run after the refusals (the runner keeps working).
+    """
+    me = jax.process_index()
+    runner = make_runner(False)
+    rank = helpers.Rank()
+    ok = rank.extend({0: [1, 2, 3]})
+    local = len(runner.local_dp_ranks)
+    cases = dict(
+        count=[ok] * (local if me == 0 else local - 1),
+        vocabulary=[helpers.Rank().extend({0: [1, 2, 500]}) if me == 1 else None] * local,
+        bucket=[helpers.Rank().extend({0: list(range(40))}) if me == 1 else None] * local,
+    )
+    out = {name: _error_of(lambda b=b: runner.forward(b)) for name, b in cases.items()}
+    other = make_runner(False, buckets=(8, 16, 32) if me == 0 else (8, 32))
+    out["setup"] = _error_of(lambda: other.forward([None] * local))
+    out["after"] = runner.forward([ok] + [None] * (local - 1))[0]
+    return out
