@@ -16,8 +16,10 @@ import jax
 
 IMPLS = ("xla", "pallas", "triton")
 
-# Fastest first, per backend (H200 measurements in BENCHMARKS.md).
-FASTEST = {"gpu": ("triton", "pallas", "xla"), "cpu": ("xla",)}
+# Fastest first, per backend. H200, bf16 (BENCHMARKS.md): pallas matched or beat triton
+# on every op at 256 MiB and on dp_memcpy at 16 MiB (triton led slice_pad / merge_rows
+# there by 5-10 %); on the CPU the interpreter is for testing only.
+FASTEST = {"gpu": ("pallas", "triton", "xla"), "cpu": ("xla",)}
 
 
 class KernelUnavailableError(RuntimeError):
@@ -49,11 +51,13 @@ def unavailable_reason(impl: str, platform: str) -> str | None:
     return None
 
 
-def resolve(impl: str | None) -> str:
+def resolve(impl: str | None, *, payload_bytes: int = 0, xla_below_bytes: int = 0) -> str:
     """Returns the impl that serves a call.
 
     Args:
       impl: one of ``IMPLS`` or None for the fastest available on this backend.
+      payload_bytes: the largest number of bytes the call can copy (static).
+      xla_below_bytes: with ``impl=None``, payloads up to this size take ``"xla"``.
 
     Returns:
       The impl name.
@@ -63,6 +67,8 @@ def resolve(impl: str | None) -> str:
       KernelUnavailableError: the named impl cannot run on this backend.
     """
     platform = backend()
+    if impl is None and payload_bytes <= xla_below_bytes:
+        return "xla"
     if impl is None:
         order = FASTEST.get(platform, ("xla",))
         return next(name for name in order if unavailable_reason(name, platform) is None)

@@ -132,10 +132,13 @@ def dp_memcpy(dst, src, offset, size, *, offset_src, impl=None, config=None):
     ranges.check_pair(dst, src, "dst", "src")
     offset = ranges.as_row_scalar(offset, "offset")
     size = ranges.as_row_scalar(size, "size")
-    impl = impls.resolve(impl)
     plain, shifted = (dst, src) if offset_src else (src, dst)
-    window = ranges.copy_window(offset, size, plain.shape[0], shifted.shape[0])
     cfg = config or config_lib.DP_MEMCPY
+    payload = min(plain.shape[0], shifted.shape[0]) * ranges.row_elems(dst.shape)
+    impl = impls.resolve(
+        impl, payload_bytes=payload * dst.dtype.itemsize, xla_below_bytes=cfg.xla_below_bytes
+    )
+    window = ranges.copy_window(offset, size, plain.shape[0], shifted.shape[0])
     if dst.size == 0 or src.size == 0:  # nothing can be copied; kernels need real buffers
         return dst
     if impl == "pallas":

@@ -15,7 +15,13 @@ def test_align_is_gcd_of_row_and_vector():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("block_elems", 100), ("block_elems", 8), ("num_warps", 3), ("vector_bytes", 32)],
+    [
+        ("block_elems", 100),
+        ("block_elems", 8),
+        ("num_warps", 3),
+        ("vector_bytes", 32),
+        ("xla_below_bytes", -1),
+    ],
 )
 def test_bad_values_raise(field, value):
     with pytest.raises(ValueError, match=f"CopyConfig.{field}"):

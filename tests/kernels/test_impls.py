@@ -37,3 +37,14 @@ def test_pallas_int32_guard():
     with pytest.raises(kernels.KernelUnavailableError, match="int32"):
         impls.check_pallas_elems((2**31 - 10,), 16)
     impls.check_pallas_elems((2**31 - 17,), 16)
+
+
+def test_default_small_copies_take_xla(monkeypatch):
+    monkeypatch.setattr(impls, "backend", lambda: "gpu")
+    monkeypatch.setattr(impls, "unavailable_reason", lambda impl, platform: None)
+    assert impls.resolve(None, payload_bytes=4096, xla_below_bytes=1 << 20) == "xla"
+    assert (
+        impls.resolve(None, payload_bytes=2 << 20, xla_below_bytes=1 << 20)
+        == impls.FASTEST["gpu"][0]
+    )
+    assert impls.resolve("pallas", payload_bytes=4096, xla_below_bytes=1 << 20) == "pallas"
