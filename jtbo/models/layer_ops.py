@@ -13,21 +13,17 @@ add fused into the next norm as SGLang does (``residual += hidden; hidden = norm
 * ``attn_*``: Q/K/V of the local heads, RoPE, paged attention through the KV cache
   (``jtbo.attention.native``); ``comm_prepare_mlp`` sums the row-parallel output projection
   over ``attn_tp`` (all-reduce) before the post-attention norm.
-* MoE ``ep``: each attn_tp device routes its ``1 / attn_tp`` block of rows; ``dispatch_a`` /
-  ``combine_a`` issue the all-to-alls (``jtbo.models.moe_ep``), ``*_b`` consume them;
-  ``combine_b`` all-gathers the blocks back over ``attn_tp``.
-* MoE ``none``: ``dispatch_a`` DP-gathers rows and routing to every device
-  (``jtbo.collectives.dp_gather_replicate``); every device runs all experts on its slice of the
-  expert hidden width; ``combine_a`` reduce-scatters the partial sums back to the DP ranks
-  (``dp_reduce_scatter_tensor``).
+* MoE: ``gate`` / ``select_experts`` route the rows; the exchange (``dispatch_a`` ..
+  ``combine_b``) is ``jtbo.models.moe_exchange``: expert parallel through the micro-batch's
+  ``jtbo.collectives`` EP dispatcher (``"ep"``), or DP gather + reduce-scatter (``"none"``).
 
 Context entries each micro-batch provides (read-only in its state): ``attn_metadata``,
-``dp_context``, ``num_tokens`` (its real rows) and ``step_box`` (the KV cache, threaded through
-micro-batch A's then B's attention of each layer, and the expert overflow counter).
+``dp_context``, ``num_tokens`` (its real rows), ``micro_batch`` (0 = A or the whole batch,
+1 = B), ``ep_dispatcher`` (its EP dispatcher, None without EP) and ``step_box`` (the KV cache,
+threaded through micro-batch A's then B's attention of each layer, and the overflow counts).
 """
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -35,12 +31,11 @@ import jax
 import jax.numpy as jnp
 
 from jtbo.attention import native
-from jtbo.collectives import gather, rows, scatter
+from jtbo.collectives import ep_config, ep_overflow
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
-from jtbo.models import experts, moe_ep, router
 from jtbo.models import model as model_lib
-from jtbo.overlap import operations
+from jtbo.models import moe_exchange, router
 
 MOE_BACKENDS = ("ep", "none")
 
@@ -54,27 +49,37 @@ class ParallelConfig:
         sharded on their hidden width + reduce-scatter).
       attn_tp_size: devices per DP rank.
       num_devices: devices of the whole TP group (``dp * attn_tp``).
-      ep_capacity_factor: "ep" slots per (device, expert) as a multiple of the balanced load
-        ``rows * top_k / num_experts`` (capped at ``rows``); None means ``rows``, which never
-        drops a pair. Computed from each micro-batch's static rows, so TBO children get half.
+      ep_capacity_factor: "ep" slots per peer and per local expert as a multiple of the
+        balanced load (``collectives.create_ep_dispatcher``); None takes the worst case, which
+        never overflows.
+      ep_overflow_policy: what the host does when a step overflowed: "raise" (name the capacity
+        to raise) or "rerun" (re-run with the next capacity bucket); ``collectives.ep_overflow``.
+      ep_exchange: "dense" (fixed-slot all-to-all; overlappable) or "ragged" (GPU only).
+      ep_slot_alignment: EP capacities are rounded up to a multiple of this (8 suits GPU
+        GEMMs; 1 keeps the factor exact).
     """
 
     moe_a2a_backend: Literal["ep", "none"]
     attn_tp_size: int
     num_devices: int
     ep_capacity_factor: float | None = None
-
-    def ep_capacity(self, rows: int, top_k: int, num_experts: int) -> int:
-        """EP slots per (device, expert) for a device routing ``rows`` rows."""
-        if self.ep_capacity_factor is None:
-            return rows
-        return max(1, min(rows, math.ceil(self.ep_capacity_factor * rows * top_k / num_experts)))
+    ep_overflow_policy: str = "raise"
+    ep_exchange: str = "dense"
+    ep_slot_alignment: int = 1
 
     def __post_init__(self):
         if self.ep_capacity_factor is not None and self.ep_capacity_factor <= 0:
             raise ValueError(f"ep_capacity_factor={self.ep_capacity_factor} must be > 0")
         if self.moe_a2a_backend not in MOE_BACKENDS:
             raise ValueError(f"moe_a2a_backend={self.moe_a2a_backend!r}: expected {MOE_BACKENDS}")
+        if self.ep_overflow_policy not in ep_overflow.POLICIES:
+            raise ValueError(
+                f"ep_overflow_policy={self.ep_overflow_policy!r}: expected {ep_overflow.POLICIES}"
+            )
+        if self.ep_exchange not in ep_config.EXCHANGES:
+            raise ValueError(f"ep_exchange={self.ep_exchange!r}: expected {ep_config.EXCHANGES}")
+        if self.ep_slot_alignment < 1:
+            raise ValueError(f"ep_slot_alignment={self.ep_slot_alignment} must be >= 1")
 
 
 class StepBox:
@@ -82,17 +87,18 @@ class StepBox:
 
     Attributes:
       kv_cache: the DP rank's ``KVCache``; each attention replaces it with its updated copy.
-      overflow: routed pairs dropped for lack of EP capacity (int32 scalar).
+      overflow: per micro-batch (EP dispatcher), ``[2]`` int32 (peer, expert) assignments
+        dropped for lack of EP capacity, summed over layers.
     """
 
-    def __init__(self, kv_cache):
-        """Args: kv_cache: the step's input KV cache (local shard)."""
+    def __init__(self, kv_cache, num_micro_batches: int):
+        """Args: kv_cache: the step's input KV cache (local shard); num_micro_batches: 1 or 2."""
         self.kv_cache = kv_cache
-        self.overflow = jnp.zeros((), jnp.int32)
+        self.overflow = [jnp.zeros((2,), jnp.int32) for _ in range(num_micro_batches)]
 
-
-def _attn_tp_rank() -> jax.Array:
-    return jax.lax.axis_index(mesh_lib.ATTN_TP_AXIS)
+    def add_overflow(self, micro_batch: int, counts: jax.Array) -> None:
+        """Adds one dispatch's ``[2]`` overflow counts to micro-batch ``micro_batch``'s."""
+        self.overflow[micro_batch] = self.overflow[micro_batch] + counts
 
 
 def attention_operations(layer: model_lib.DecoderLayer, parallel: ParallelConfig) -> dict:
@@ -155,17 +161,19 @@ def _postprocess(state, mlp_output):
     return out
 
 
-def dense_layer_operations(layer: model_lib.DecoderLayer, parallel: ParallelConfig) -> list:
-    """A dense-MLP layer as one stage of operations (it never runs overlapped).
+def dense_layer_operations(
+    layer: model_lib.DecoderLayer, parallel: ParallelConfig
+) -> dict[str, Callable[..., Any]]:
+    """A dense-MLP layer's operations (``jtbo.models.step_operations`` arranges them).
 
     Args:
       layer: a layer with ``mlp``.
       parallel: the mesh layout.
 
     Returns:
-      The operation list (no yields).
+      Operation name -> callable: the attention operations, ``mlp`` and
+      ``comm_postprocess_layer``.
     """
-    ops = attention_operations(layer, parallel)
 
     def mlp(state):
         state.hidden_states_mlp_output = layer.mlp(state.pop("hidden_states_mlp_input"))
@@ -173,11 +181,11 @@ def dense_layer_operations(layer: model_lib.DecoderLayer, parallel: ParallelConf
     def comm_postprocess_layer(state):
         return _postprocess(state, state.pop("hidden_states_mlp_output"))
 
-    named = {**ops, "mlp": mlp, "comm_postprocess_layer": comm_postprocess_layer}
-    return [
-        operations.ExecutionOperation(debug_name=f"L{layer.layer_id}.{name}", fn=fn)
-        for name, fn in named.items()
-    ]
+    return dict(
+        attention_operations(layer, parallel),
+        mlp=mlp,
+        comm_postprocess_layer=comm_postprocess_layer,
+    )
 
 
 def _padding_ids(topk_ids: jax.Array, num_tokens: jax.Array) -> jax.Array:
@@ -203,9 +211,20 @@ def moe_layer_operations(
       Operation name -> callable.
     """
     moe = layer.moe
-    exchange_ops = _ep_operations(moe, config, parallel)
-    if parallel.moe_a2a_backend == "none":
-        exchange_ops = _gather_operations(moe, config)
+    if parallel.moe_a2a_backend == "ep":
+        exchange_ops = moe_exchange.ep_operations(moe, parallel.attn_tp_size)
+    else:
+        exchange_ops = moe_exchange.gather_operations(moe)
+    return dict(
+        attention_operations(layer, parallel),
+        **_routing_operations(moe, config),
+        **exchange_ops,
+        **_output_operations(moe),
+    )
+
+
+def _routing_operations(moe: model_lib.MoEBlock, config: config_lib.MoEConfig) -> dict:
+    """``gate`` and ``select_experts``: top-k experts and weights of each row."""
 
     def gate(state):
         state.router_logits = moe.router.gate(state.hidden_states_mlp_input)
@@ -215,6 +234,12 @@ def moe_layer_operations(
         weights, ids = router.select_experts(state.pop("router_logits"), bias, config)
         state.topk_weights_local = weights
         state.topk_ids_local = _padding_ids(ids, state.num_tokens)
+
+    return dict(gate=gate, select_experts=select_experts)
+
+
+def _output_operations(moe: model_lib.MoEBlock) -> dict:
+    """``shared_experts`` (DeepSeek layout only), ``output`` and ``comm_postprocess_layer``."""
 
     def shared_experts(state):
         state.shared_output = moe.shared(state.hidden_states_mlp_input)
@@ -229,96 +254,7 @@ def moe_layer_operations(
     def comm_postprocess_layer(state):
         return _postprocess(state, state.pop("hidden_states_mlp_output"))
 
-    ops = dict(
-        attention_operations(layer, parallel),
-        gate=gate,
-        select_experts=select_experts,
-        output=output,
-        comm_postprocess_layer=comm_postprocess_layer,
-        **exchange_ops,
-    )
+    ops = dict(output=output, comm_postprocess_layer=comm_postprocess_layer)
     if moe.shared is not None:
         ops["shared_experts"] = shared_experts
     return ops
-
-
-def _ep_operations(moe: model_lib.MoEBlock, config, parallel: ParallelConfig) -> dict:
-    """dispatch/experts/combine over the all-to-all (``moe_a2a_backend="ep"``)."""
-    tp = parallel.attn_tp_size
-    axes, devices = mesh_lib.TP_AXES, parallel.num_devices
-
-    def dispatch_a(state):
-        x = rows.attn_tp_shard(state.hidden_states_mlp_input, tp, _attn_tp_rank())
-        ids = rows.attn_tp_shard(state.pop("topk_ids_local"), tp, _attn_tp_rank())
-        capacity = parallel.ep_capacity(x.shape[0], config.num_experts_per_tok, config.num_experts)
-        send, expert, position, overflow = moe_ep.pack(x, ids, config.num_experts, capacity)
-        state.step_box.overflow = state.step_box.overflow + overflow
-        state.slot_expert, state.slot_position = expert, position
-        state.dispatch_in_flight = operations.InFlight(moe_ep.exchange(send, axes, devices))
-
-    def dispatch_b(state):
-        state.dispatch_output = state.pop("dispatch_in_flight").value
-
-    def experts_op(state):
-        received = state.pop("dispatch_output")
-        state.expert_output = moe_ep.run_local_experts(received, moe.experts.weights, devices)
-
-    def combine_a(state):
-        back = moe_ep.exchange(state.pop("expert_output"), axes, devices)
-        state.combine_in_flight = operations.InFlight(back)
-
-    def combine_b(state):
-        weights = rows.attn_tp_shard(state.pop("topk_weights_local"), tp, _attn_tp_rank())
-        out = moe_ep.unpack(
-            state.pop("combine_in_flight").value,
-            state.pop("slot_expert"),
-            state.pop("slot_position"),
-            weights,
-        )
-        if tp > 1:
-            out = jax.lax.all_gather(out, mesh_lib.ATTN_TP_AXIS, axis=0, tiled=True)
-        state.hidden_states_after_combine = out
-
-    return dict(
-        dispatch_a=dispatch_a,
-        dispatch_b=dispatch_b,
-        experts=experts_op,
-        combine_a=combine_a,
-        combine_b=combine_b,
-    )
-
-
-def _gather_operations(moe: model_lib.MoEBlock, config) -> dict:
-    """dispatch/experts/combine over DP gather + reduce-scatter (``moe_a2a_backend="none"``)."""
-
-    def dispatch_a(state):
-        ctx = state.dp_context
-        gathered = (
-            gather.dp_gather_replicate(state.hidden_states_mlp_input, ctx),
-            gather.dp_gather_replicate(state.pop("topk_ids_local") + 1, ctx) - 1,
-            gather.dp_gather_replicate(state.pop("topk_weights_local"), ctx),
-        )
-        state.dispatch_in_flight = operations.InFlight(gathered)
-
-    def dispatch_b(state):
-        state.dispatch_output = state.pop("dispatch_in_flight").value
-
-    def experts_op(state):
-        x, ids, weights = state.pop("dispatch_output")
-        # Every device holds all experts' slice of the hidden width: a partial sum per row.
-        state.expert_output = experts.experts_capacity(x, ids, weights, moe.experts.weights)
-
-    def combine_a(state):
-        reduced = scatter.dp_reduce_scatter_tensor(state.pop("expert_output"), state.dp_context)
-        state.combine_in_flight = operations.InFlight(reduced)
-
-    def combine_b(state):
-        state.hidden_states_after_combine = state.pop("combine_in_flight").value
-
-    return dict(
-        dispatch_a=dispatch_a,
-        dispatch_b=dispatch_b,
-        experts=experts_op,
-        combine_a=combine_a,
-        combine_b=combine_b,
-    )

@@ -1,24 +1,36 @@
 """The sharded model step: one jitted ``jax.shard_map`` over the ``("dp", "attn_tp")`` mesh.
 
-Body (local shards, per DP rank): embedding -> dense layers (one batch) -> MoE layers, either
-as one batch (``execute_operations``) or, with two-batch overlap, split at the traced token
-index into two zero-padded children, run staggered with the strategy of the global forward
-mode and merged back (``jtbo.overlap.layer_loop.model_forward_maybe_tbo``, with round barriers)
--> final norm -> LM head. As in SGLang, the first ``first_k_dense`` layers
-run before the split. The KV cache is threaded through micro-batch A's and then B's attention
-of every layer (``layer_ops.StepBox``).
+Body (local shards, per DP rank): the operation list of ``jtbo.models.step_operations``
+(embedding -> dense layers -> MoE layers in the strategy layout of the global forward mode ->
+final norm -> LM head), either over the whole batch (``execute_operations``) or, with two-batch
+overlap, over two micro-batches: ``input_ids`` and ``positions`` are cut at the traced split
+token index into two zero-padded children (``jtbo.split.split_inputs``), run staggered with
+round barriers (``execute_overlapped_operations``), and the children's logits are written back
+at their parent offsets (``jtbo.split.merge_outputs``). Unlike SGLang, the dense layers, the
+embedding and the LM head run per micro-batch too, so that every collective of the step has
+the other micro-batch's compute to hide under (``step_operations`` says why). The KV cache is
+threaded through micro-batch A's and then B's attention of every layer (``layer_ops.StepBox``).
+Each micro-batch has its own EP dispatcher (``jtbo.models.ep_dispatchers``).
 
 Per-rank inputs carry a leading ``dp`` axis (sharded over ``"dp"``, replicated over
 ``"attn_tp"``); DP contexts are replicated. Parameters are sharded by ``param_specs``:
 attention heads over ``attn_tp``; routed experts over all devices by expert (``ep``) or by
 their hidden width (``none``); everything else replicated. The step returns logits
-``[dp, capacity, vocab]`` (float32), the updated KV cache and the number of routed pairs
-dropped for lack of EP capacity (the host refuses a step with any).
+``[dp, capacity, vocab]`` (float32), the updated KV cache and, per dispatcher, the
+(peer, expert) counts of routed assignments dropped for lack of EP capacity, summed over
+devices (the host applies ``collectives.resolve_overflow``; it never takes a step with any).
+
+Compiles: one per (token bucket, attention kind, mode, TBO child capacity, dispatchers). Each
+such key gets its own jitted function guarded by ``chex.assert_max_traces(n=1)``, so a step
+that would retrace within a key (a dtype or shape the planner let vary) fails loudly.
 """
 
+import dataclasses
 import functools
+import itertools
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -26,9 +38,10 @@ from jax.sharding import PartitionSpec as P
 
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import mesh as mesh_lib
-from jtbo.models import layer_ops, norm
+from jtbo.models import ep_dispatchers, layer_ops, step_operations
 from jtbo.models import model as model_lib
-from jtbo.overlap import layer_loop, operations, strategy, xla_options
+from jtbo.overlap import operations, xla_options
+from jtbo.split import activations
 from jtbo.split import forward_mode as forward_mode_lib
 
 ATTN_TP = mesh_lib.ATTN_TP_AXIS
@@ -87,57 +100,50 @@ def _expand_rank(tree: Any) -> Any:
     return jax.tree.map(lambda x: x[None], tree)
 
 
-def _run_dense(model, parallel, inputs, context):
-    for layer in model.layers:
-        if not layer.is_moe:
-            ops = layer_ops.dense_layer_operations(layer, parallel)
-            inputs = operations.execute_operations(inputs, ops, context=context)
-    return inputs
-
-
-def _run_moe(model, parallel, mode, inputs, per_rank, replicated, box, child_capacity):
-    moe_layers = [layer for layer in model.layers if layer.is_moe]
-    if not moe_layers:
-        return inputs
-    config = model.config
-    family = (
-        strategy.LayerFamily.DEEPSEEK
-        if config.num_shared_experts
-        else strategy.LayerFamily.QWEN3_MOE
-    )
-    ops = [layer_ops.moe_layer_operations(layer, config, parallel) for layer in moe_layers]
-    t, n = per_rank.get("split_token_index"), per_rank["num_tokens"]
-    context = dict(
-        attn_metadata=per_rank["attn_metadata"],
-        dp_context=replicated["dp_context"],
-        num_tokens=n,
-        step_box=box,
-    )
-    child_contexts = (None, None)
-    if child_capacity is not None:
-        child_contexts = tuple(
-            dict(attn_metadata=md, dp_context=ctx, num_tokens=count, step_box=box)
-            for md, ctx, count in zip(
-                per_rank["child_metadata"], replicated["child_dp_contexts"], (t, n - t), strict=True
+def _contexts(per_rank, replicated, box, dispatchers, child_capacity):
+    """Read-only state entries: ``[whole batch]`` without TBO, ``[A, B]`` with it."""
+    dispatchers = dispatchers or (None, None)
+    if child_capacity is None:
+        return [
+            dict(
+                attn_metadata=per_rank["attn_metadata"],
+                dp_context=replicated["dp_context"],
+                num_tokens=per_rank["num_tokens"],
+                micro_batch=0,
+                ep_dispatcher=dispatchers[0],
+                step_box=box,
             )
+        ]
+    t, n = per_rank["split_token_index"], per_rank["num_tokens"]
+    return [
+        dict(
+            attn_metadata=per_rank["child_metadata"][i],
+            dp_context=replicated["child_dp_contexts"][i],
+            num_tokens=count,
+            micro_batch=i,
+            ep_dispatcher=dispatchers[i],
+            step_box=box,
         )
-    hidden, residual = layer_loop.model_forward_maybe_tbo(
-        ops,
-        child_capacity is not None,
-        inputs["positions"],
-        None,
-        inputs["hidden_states"],
-        inputs["residual"],
-        tbo_split=None if child_capacity is None else layer_loop.TboSplit(t, n, child_capacity),
-        context=context,
-        child_contexts=child_contexts,
-        family=family,
-        forward_mode=mode,
+        for i, count in enumerate((t, n - t))
+    ]
+
+
+def _run_tbo(ops, delta, per_rank, contexts, child_capacity):
+    """Both micro-batches staggered; their logits merged back at the parent offsets."""
+    t, n = per_rank["split_token_index"], per_rank["num_tokens"]
+    inputs = dict(input_ids=per_rank["input_ids"], positions=per_rank["positions"])
+    children = activations.split_inputs(inputs, t, n, child_capacity=child_capacity)
+    outputs = operations.execute_overlapped_operations(
+        children, [ops, ops], [0, delta], contexts_arr=contexts, barriers=True
     )
-    return dict(hidden_states=hidden, residual=residual, positions=inputs["positions"])
+    capacity = per_rank["input_ids"].shape[0]
+    merged = activations.merge_outputs(*outputs, t, n, out_len=capacity)
+    return merged["logits"]
 
 
-def step_body(graphdef, parallel, mode, child_capacity, params, kv_cache, per_rank, replicated):
+def step_body(
+    graphdef, parallel, mode, child_capacity, dispatchers, params, kv_cache, per_rank, replicated
+):
     """One DP rank's forward over local shards (the ``shard_map`` body).
 
     Args:
@@ -145,36 +151,29 @@ def step_body(graphdef, parallel, mode, child_capacity, params, kv_cache, per_ra
       parallel: ``layer_ops.ParallelConfig`` (static).
       mode: the global ``ForwardMode`` (picks the TBO strategy; static).
       child_capacity: TBO child rows, or None to run without TBO (static).
+      dispatchers: EP dispatchers, one per micro-batch (None without EP; static).
       params: the local parameter shards.
       kv_cache: this rank's ``KVCache`` with a leading axis of 1.
       per_rank: this rank's inputs with a leading axis of 1 (see ``make_step``).
       replicated: the DP contexts.
 
     Returns:
-      ``(logits [1, capacity, vocab], kv_cache, overflow [])``.
+      ``(logits [1, capacity, vocab], kv_cache, overflow [micro-batches, 2])``.
     """
     model = nnx.merge(graphdef, params)
     per_rank = _squeeze_rank(per_rank)
-    box = layer_ops.StepBox(_squeeze_rank(kv_cache))
-    hidden = model.embed(per_rank["input_ids"])
-    inputs = dict(
-        hidden_states=hidden, residual=jnp.zeros_like(hidden), positions=per_rank["positions"]
-    )
-    context = dict(
-        attn_metadata=per_rank["attn_metadata"],
-        dp_context=replicated["dp_context"],
-        num_tokens=per_rank["num_tokens"],
-        step_box=box,
-    )
-    inputs = _run_dense(model, parallel, inputs, context)
-    inputs = _run_moe(model, parallel, mode, inputs, per_rank, replicated, box, child_capacity)
-    final = norm.rms_norm(
-        inputs["hidden_states"] + inputs["residual"],
-        model.final_norm.weight[...],
-        model.config.rms_norm_eps,
-    )
-    overflow = jax.lax.psum(box.overflow, mesh_lib.TP_AXES)
-    return _expand_rank(model.lm_head(final)), _expand_rank(box.kv_cache), overflow
+    box = layer_ops.StepBox(_squeeze_rank(kv_cache), 1 if child_capacity is None else 2)
+    ops, delta = step_operations.step_operations(model, parallel, mode)
+    contexts = _contexts(per_rank, replicated, box, dispatchers, child_capacity)
+    if child_capacity is None:
+        inputs = dict(input_ids=per_rank["input_ids"], positions=per_rank["positions"])
+        logits = operations.execute_operations(inputs, ops, context=contexts[0])["logits"]
+    else:
+        logits = _run_tbo(ops, delta, per_rank, contexts, child_capacity)
+    # Summed over the EP group so every process reads the same counts (16 bytes; the one
+    # collective outside both micro-batches).
+    overflow = jax.lax.psum(jnp.stack(box.overflow), mesh_lib.TP_AXES)
+    return _expand_rank(logits), _expand_rank(box.kv_cache), overflow
 
 
 def make_step(
@@ -182,7 +181,7 @@ def make_step(
     mesh: jax.sharding.Mesh,
     parallel: layer_ops.ParallelConfig,
 ) -> "Step":
-    """Builds the jitted step for a model on a mesh.
+    """Builds the step of a model on a mesh (jitted per compile key, see ``Step``).
 
     Args:
       model: the model (its graph structure is fixed; parameters are passed per call).
@@ -190,60 +189,111 @@ def make_step(
       parallel: layout options.
 
     Returns:
-      A ``Step``: ``step(params, kv_cache, per_rank, replicated, *, mode, child_capacity)``
-      -> ``(logits, kv_cache, overflow)``; ``kv_cache`` is donated. ``per_rank`` holds
-      ``input_ids``, ``positions`` ``[dp, capacity]``, ``num_tokens`` ``[dp]``,
-      ``attn_metadata`` (stacked) and, with TBO, ``split_token_index`` ``[dp]`` and
+      A ``Step``: ``step(params, kv_cache, per_rank, replicated, *, mode, child_capacity,
+      dispatchers)`` -> ``(logits, kv_cache, overflow)``; ``kv_cache`` is donated.
+      ``per_rank`` holds ``input_ids``, ``positions`` ``[dp, capacity]``, ``num_tokens``
+      ``[dp]``, ``attn_metadata`` (stacked) and, with TBO, ``split_token_index`` ``[dp]`` and
       ``child_metadata`` (A, B); ``replicated`` holds ``dp_context`` and, with TBO,
-      ``child_dp_contexts`` (A, B). ``mode`` and ``child_capacity`` (None: no TBO) are
-      static: one compile per (bucket, mode, TBO).
+      ``child_dp_contexts`` (A, B). ``mode``, ``child_capacity`` (None: no TBO) and
+      ``dispatchers`` are static. ``overflow`` is ``[len(dispatchers), 2]`` (1 without EP).
     """
     graphdef, params = nnx.split(model)
     specs = param_specs(params, parallel.moe_a2a_backend)
+    table = ep_dispatchers.DispatcherTable(mesh, model.config, parallel)
+    return Step(functools.partial(_sharded_step, graphdef, parallel, mesh, specs), mesh, table)
 
-    def step(params, kv_cache, per_rank, replicated, *, mode, child_capacity):
-        body = functools.partial(
-            step_body, graphdef, parallel, forward_mode_lib.ForwardMode(mode), child_capacity
-        )
-        in_specs = (
-            specs,  # params: heads over attn_tp, experts over the TP group
-            KV_CACHE_SPEC,  # kv_cache: one pool per DP rank, kv heads over attn_tp
-            P(mesh_lib.DP_AXIS),  # per_rank: leading dp axis
-            P(),  # replicated: DP contexts
-        )
-        out_specs = (P(mesh_lib.DP_AXIS), KV_CACHE_SPEC, P())
-        return jax.shard_map(
-            body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-        )(params, kv_cache, per_rank, replicated)
 
-    jit = functools.partial(
-        jax.jit, static_argnames=("mode", "child_capacity"), donate_argnames=("kv_cache",)
+def _sharded_step(graphdef, parallel, mesh, specs, params, kv_cache, per_rank, replicated, *, key):
+    """The ``shard_map`` of ``step_body`` for one compile key (traced under jit)."""
+    body = functools.partial(
+        step_body, graphdef, parallel, key.mode, key.child_capacity, key.dispatchers
     )
-    plain = jit(step)
-    # XLA:GPU would merge the micro-batches' matmuls and collectives back together.
-    gpu = mesh_lib.mesh_platform(mesh) in ("gpu", "cuda")
-    overlapped = jit(step, compiler_options=xla_options.tbo_compiler_options()) if gpu else plain
-    return Step(plain, overlapped)
+    in_specs = (
+        specs,  # params: heads over attn_tp, experts over the TP group
+        KV_CACHE_SPEC,  # kv_cache: one pool per DP rank, kv heads over attn_tp
+        P(mesh_lib.DP_AXIS),  # per_rank: leading dp axis
+        P(),  # replicated: DP contexts
+    )
+    out_specs = (
+        P(mesh_lib.DP_AXIS),  # logits [dp, capacity, vocab]
+        KV_CACHE_SPEC,  # the updated pools
+        P(),  # overflow [micro-batches, 2], summed over every device
+    )
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
+        params, kv_cache, per_rank, replicated
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKey:
+    """What selects one compiled program (every field is static under jit)."""
+
+    capacity: int  # token rows per DP rank (the bucket)
+    inputs: Any  # the pytree structure of per_rank / replicated (attention kind, TBO fields)
+    mode: forward_mode_lib.ForwardMode  # the global mode (strategy layout)
+    child_capacity: int | None  # TBO child rows; None: no TBO
+    dispatchers: ep_dispatchers.Dispatchers | None  # EP dispatcher per micro-batch
+
+
+_STEP_IDS = itertools.count()
 
 
 class Step:
-    """The jitted step: the plain program, and the TBO one compiled with TBO XLA options."""
+    """The model step, one jitted program per ``StepKey``, each traced at most once.
 
-    def __init__(self, plain, overlapped):
-        """Args: plain: jitted step for non-TBO keys; overlapped: jitted step for TBO keys."""
-        self.plain, self.overlapped = plain, overlapped
+    TBO programs compile with the TBO XLA options on GPU (XLA:GPU would otherwise merge the
+    micro-batches' matmuls and collectives back together).
+    """
 
-    def jitted(self, child_capacity: int | None):
-        """The jitted function that serves a step with this TBO child capacity (None: no TBO)."""
-        return self.plain if child_capacity is None else self.overlapped
+    def __init__(self, sharded_step, mesh: jax.sharding.Mesh, table):
+        """Args: sharded_step: ``_sharded_step`` bound to the model; mesh: its mesh; table:
+        the ``ep_dispatchers.DispatcherTable`` of this step's EP dispatchers."""
+        self._sharded_step = sharded_step
+        self._gpu = mesh_lib.mesh_platform(mesh) in ("gpu", "cuda")
+        self._jitted: dict[StepKey, Any] = {}
+        self.dispatchers = table
 
-    def __call__(self, params, kv_cache, per_rank, replicated, *, mode, child_capacity):
-        """Runs the step (see ``make_step``)."""
-        return self.jitted(child_capacity)(
-            params, kv_cache, per_rank, replicated, mode=mode, child_capacity=child_capacity
+    def key(self, per_rank, replicated, *, mode, child_capacity, dispatchers) -> StepKey:
+        """The compile key of a step's arguments."""
+        return StepKey(
+            capacity=int(per_rank["input_ids"].shape[1]),
+            inputs=jax.tree.structure((per_rank, replicated)),
+            mode=forward_mode_lib.ForwardMode(mode),
+            child_capacity=child_capacity,
+            dispatchers=dispatchers,
         )
 
+    def jitted(self, key: StepKey):
+        """The jitted function ``(params, kv_cache, per_rank, replicated)`` of ``key``."""
+        if key not in self._jitted:
+            self._jitted[key] = self._build(key)
+        return self._jitted[key]
+
+    def _build(self, key: StepKey):
+        bound = functools.partial(self._sharded_step, key=key)
+
+        def model_step(params, kv_cache, per_rank, replicated):
+            return bound(params, kv_cache, per_rank, replicated)
+
+        # chex counts traces per name + source + call stack: a unique name gives every
+        # (Step, key) its own count, so the guard reads "this key traced once".
+        model_step.__name__ = f"model_step_{next(_STEP_IDS)}"
+        guarded = chex.assert_max_traces(model_step, n=1)
+        options = None
+        if self._gpu and key.child_capacity is not None:
+            options = xla_options.tbo_compiler_options()
+        return jax.jit(guarded, donate_argnames=("kv_cache",), compiler_options=options)
+
+    def __call__(
+        self, params, kv_cache, per_rank, replicated, *, mode, child_capacity, dispatchers
+    ):
+        """Runs the step (see ``make_step``)."""
+        key = self.key(
+            per_rank, replicated, mode=mode, child_capacity=child_capacity,
+            dispatchers=dispatchers,
+        )  # fmt: skip
+        return self.jitted(key)(params, kv_cache, per_rank, replicated)
+
     def compile_count(self) -> int:
-        """Programs compiled so far over both jitted functions."""
-        count = self.plain._cache_size()
-        return count if self.overlapped is self.plain else count + self.overlapped._cache_size()
+        """Programs compiled so far over every key."""
+        return sum(jitted._cache_size() for jitted in self._jitted.values())

@@ -7,8 +7,6 @@ then measures it with ``jtbo.overlap.report.overlap_report``. Needs the ``aot`` 
 ``JAX_PLATFORMS=cpu``.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,10 +113,11 @@ def model_overlap_report(
         _abstract(plan.per_rank, mesh, jax.tree.map(lambda _: P(mesh_lib.DP_AXIS), plan.per_rank)),
         _abstract(plan.replicated, mesh, jax.tree.map(lambda _: P(), plan.replicated)),
     )
-    # The outer jit carries the compile options (a nested jit may not).
-    jitted = step.make_step(model, mesh, parallel).plain
-    bound = jax.jit(
-        functools.partial(jitted, mode=int(plan.mode), child_capacity=plan.child_capacity)
-    )
+    built = step.make_step(model, mesh, parallel)
+    dispatchers = built.dispatchers.for_step(plan.capacity, plan.child_capacity)
+    key = built.key(
+        plan.per_rank, plan.replicated, mode=int(plan.mode), child_capacity=plan.child_capacity,
+        dispatchers=dispatchers,
+    )  # fmt: skip
     compiler_options = xla_options.tbo_compiler_options() if enable_tbo else None
-    return report.overlap_report(bound, args, compiler_options=compiler_options)
+    return report.overlap_report(built.jitted(key), args, compiler_options=compiler_options)

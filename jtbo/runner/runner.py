@@ -28,6 +28,7 @@ from flax import nnx
 
 from jtbo import split
 from jtbo.attention import kv_cache as kv_cache_lib
+from jtbo.collectives import ep_overflow
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import layer_ops, step
 from jtbo.models import model as model_lib
@@ -37,8 +38,8 @@ from jtbo.runner import generate as generate_lib
 ForwardMode = split.ForwardMode
 
 
-class ExpertCapacityError(RuntimeError):
-    """Raised when a step dropped routed tokens for lack of EP capacity."""
+class ExpertCapacityError(ep_overflow.CapacityOverflowError):
+    """Raised when a step dropped routed tokens for lack of EP capacity (policy "raise")."""
 
 
 class ModelRunner:
@@ -57,6 +58,7 @@ class ModelRunner:
         token_buckets: Sequence[int] | None = None,
         dtype=jnp.bfloat16,
         ep_capacity_factor: float | None = None,
+        ep_overflow_policy: str = "raise",
     ):
         """Places the model on the mesh and allocates every DP rank's KV pool.
 
@@ -73,6 +75,8 @@ class ModelRunner:
           dtype: parameter, activation and KV dtype.
           ep_capacity_factor: EP slots per (device, expert) as a multiple of the balanced load;
             None never drops a token (``layer_ops.ParallelConfig``).
+          ep_overflow_policy: a step that overflowed EP capacity: "raise" (naming the capacity)
+            or "rerun" (again with the next capacity bucket; ``collectives.resolve_overflow``).
 
         Raises:
           ValueError: a mesh without the right axes, or shapes that do not divide over it.
@@ -93,8 +97,9 @@ class ModelRunner:
         self.multiprocess = distributed.is_multiprocess(mesh)
         self.max_total_tokens, self.max_running_requests = max_total_tokens, max_running_requests
         self.parallel = layer_ops.ParallelConfig(
-            moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size, ep_capacity_factor
-        )
+            moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size,
+            ep_capacity_factor, ep_overflow_policy,
+        )  # fmt: skip
         buckets = token_buckets or split.default_token_buckets(max_total_tokens)
         self.options = planning.PlanOptions(
             attn_tp_size=self.attn_tp_size,
@@ -279,24 +284,31 @@ class ModelRunner:
             per_rank, replicated = distributed.global_step_inputs(
                 self.mesh, per_rank, plan.ranks, replicated, self.dp_size
             )
-        logits, cache, overflow = self._step(
-            self._params,
-            cache,
-            per_rank,
-            replicated,
-            mode=int(plan.mode),
-            child_capacity=plan.child_capacity,
-        )
-        self._k, self._v, self._req_to_token_device = cache.k, cache.v, cache.req_to_token
+        dispatchers = self._step.dispatchers.for_step(plan.capacity, plan.child_capacity)
+        while dispatchers is not None:  # re-runs rewrite the same KV slots before reading them
+            logits, cache, overflow = self._step(
+                self._params, cache, per_rank, replicated, mode=int(plan.mode),
+                child_capacity=plan.child_capacity, dispatchers=dispatchers,
+            )  # fmt: skip
+            self._k, self._v, self._req_to_token_device = cache.k, cache.v, cache.req_to_token
+            dispatchers = self._resolve_overflow(dispatchers, overflow)
         self.num_steps += 1
         self.num_tbo_steps += plan.child_capacity is not None
-        if int(overflow):
-            raise ExpertCapacityError(
-                f"{int(overflow)} routed (token, expert) pairs exceeded the EP capacity "
-                f"(ep_capacity_factor={self.parallel.ep_capacity_factor}); raise it (None "
-                "never drops)"
-            )
         return logits
+
+    def _resolve_overflow(self, dispatchers, overflow):
+        """The dispatchers to re-run the step with, or None when its result stands.
+
+        Raises:
+          ExpertCapacityError: policy "raise" and the step overflowed.
+        """
+        try:
+            return self._step.dispatchers.resolve(dispatchers, overflow)
+        except ep_overflow.CapacityOverflowError as error:
+            raise ExpertCapacityError(
+                f"{error} [ep_capacity_factor={self.parallel.ep_capacity_factor}; None never "
+                "overflows, ep_overflow_policy='rerun' re-runs]"
+            ) from error
 
     def _upload_page_table(self) -> jax.Array:
         if self.multiprocess:  # this process's rows only

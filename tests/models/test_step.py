@@ -1,14 +1,12 @@
-"""Parameter sharding specs, EP exchange pieces, and operation names vs the strategy layouts."""
+"""Parameter sharding specs, layout options, and operation names vs the strategy layouts."""
 
-import chex
-import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
-from jtbo.models import experts, layer_ops, moe_ep, step
+from jtbo.models import layer_ops, step
 from jtbo.models import model as model_lib
 from jtbo.overlap import strategy
 from jtbo.split import ForwardMode
@@ -45,27 +43,12 @@ def test_operations_fill_the_strategy_layout(factory, mode):
     assert ("L0.shared_experts" in names) == bool(config.num_shared_experts)
 
 
-def test_ep_pack_exchange_unpack_on_one_device_equals_capacity_path():
-    config = config_lib.MoEConfig.tiny()
-    module = experts.RoutedExperts(config, rngs=nnx.Rngs(4))
-    rng = np.random.default_rng(4)
-    x = rng.normal(size=(6, config.hidden_size)).astype(np.float32)
-    ids = np.stack([rng.permutation(8)[:2] for _ in range(6)]).astype(np.int32)
-    ids[5] = -1  # a padding row
-    w = rng.random((6, 2)).astype(np.float32)
-    send, expert, position, overflow = moe_ep.pack(x, ids, 8, capacity=6)
-    out = moe_ep.run_local_experts(send, module.weights, num_devices=1)
-    got = moe_ep.unpack(out, expert, position, w)
-    chex.assert_trees_all_close(got, experts.experts_capacity(x, ids, w, module.weights), atol=1e-5)
-    assert int(overflow) == 0
-    _, _, _, overflow = moe_ep.pack(x, np.zeros_like(ids), 8, capacity=2)
-    assert int(overflow) == 12 - 2  # 12 pairs all to expert 0, 2 slots
-
-
 def test_parallel_config_rejects_bad_values():
     with pytest.raises(ValueError, match="moe_a2a_backend"):
         layer_ops.ParallelConfig("deepep", 1, 8)
     with pytest.raises(ValueError, match="ep_capacity_factor"):
         layer_ops.ParallelConfig("ep", 1, 8, ep_capacity_factor=0.0)
-    assert layer_ops.ParallelConfig("ep", 1, 8, 2.0).ep_capacity(64, 2, 8) == 32
-    assert layer_ops.ParallelConfig("ep", 1, 8).ep_capacity(64, 2, 8) == 64
+    with pytest.raises(ValueError, match="ep_overflow_policy"):
+        layer_ops.ParallelConfig("ep", 1, 8, ep_overflow_policy="drop")
+    with pytest.raises(ValueError, match="ep_exchange"):
+        layer_ops.ParallelConfig("ep", 1, 8, ep_exchange="sparse")

@@ -1,0 +1,125 @@
+"""One EP dispatcher per micro-batch, and the host's answer to a step's overflow.
+
+The model's expert-parallel MoE runs through ``jtbo.collectives``' dispatcher (capacity-slot
+dense all-to-all, or the ragged exchange on GPU). A dispatcher is a frozen, hashable config
+whose token count is what one device routes in one dispatch: the rows of its attn_tp shard of
+the micro-batch (``capacity / attn_tp_size`` without TBO, ``child_capacity / attn_tp_size`` per
+TBO child). So a plain step has one dispatcher and a TBO step two, one per micro-batch, like
+SGLang's ``MaybeTboDeepEPDispatcher`` holds one inner dispatcher per micro-batch. Dispatchers
+are static arguments of the jitted step: part of its compile key.
+
+Capacities come from ``collectives.create_ep_dispatcher``'s rule (``capacity_factor`` times the
+balanced load; ``None`` takes the worst case, which cannot overflow). Routing is data-dependent,
+so the step returns each dispatcher's overflow counts and the host applies
+``collectives.resolve_overflow``: under ``"rerun"`` the step runs again with the overflowed
+capacity at its next bucket (and later steps of that shape keep the raised capacity, so the
+re-run happens once per bucket); under ``"raise"`` a ``CapacityOverflowError`` names the
+capacity to raise.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from jtbo.collectives import ep_config, ep_overflow
+from jtbo.models import config as config_lib
+
+Dispatchers = tuple[ep_config.EpDispatcher, ...]
+
+
+class DispatcherTable:
+    """The dispatchers the steps of one runner use, keyed by rows per device.
+
+    Holds the raised capacities after a ``"rerun"`` so later steps start from them.
+    """
+
+    def __init__(self, mesh: jax.sharding.Mesh, config: config_lib.MoEConfig, parallel):
+        """Args: mesh: the ("dp", "attn_tp") mesh; config: the model; parallel: the layout
+        (``layer_ops.ParallelConfig``: capacity factor, exchange, policy, alignment)."""
+        self.mesh, self.config, self.parallel = mesh, config, parallel
+        self._by_rows: dict[int, ep_config.EpDispatcher] = {}
+
+    def dispatcher(self, rows: int) -> ep_config.EpDispatcher:
+        """The dispatcher for ``rows`` token rows per device (created on first use)."""
+        if rows not in self._by_rows:
+            factor = self.parallel.ep_capacity_factor
+            self._by_rows[rows] = ep_config.create_ep_dispatcher(
+                self.mesh,
+                num_experts=self.config.num_experts,
+                num_tokens=rows,
+                top_k=self.config.num_experts_per_tok,
+                capacity_factor=1.0 if factor is None else factor,
+                worst_case=factor is None,
+                exchange=self.parallel.ep_exchange,
+                slot_alignment=self.parallel.ep_slot_alignment,
+            )
+        return self._by_rows[rows]
+
+    def for_step(self, capacity: int, child_capacity: int | None) -> Dispatchers:
+        """The step's dispatchers: one (no TBO) or one per micro-batch; ``()`` without EP.
+
+        Args:
+          capacity: the step's token rows per DP rank.
+          child_capacity: TBO child rows, or None without TBO.
+        """
+        if self.parallel.moe_a2a_backend != "ep":
+            return ()
+        tp = self.parallel.attn_tp_size
+        if child_capacity is None:
+            return (self.dispatcher(capacity // tp),)
+        return (self.dispatcher(child_capacity // tp), self.dispatcher(child_capacity // tp))
+
+    def resolve(self, dispatchers: Dispatchers, overflow) -> Dispatchers | None:
+        """Applies the overflow policy to a step's counts.
+
+        Args:
+          dispatchers: the dispatchers the step ran with (``()``: no EP, nothing to resolve).
+          overflow: the step's ``[len(dispatchers), 2]`` (peer, expert) counts.
+
+        Returns:
+          None when the step's result stands; else the dispatchers to re-run it with (also
+          remembered for later steps).
+
+        Raises:
+          CapacityOverflowError: policy "raise" and something overflowed, or an overflow at a
+            worst-case capacity.
+        """
+        if not dispatchers:
+            return None
+        counts = np.asarray(overflow)
+        if counts.shape[-2:] != (len(dispatchers), 2):
+            raise ValueError(
+                f"overflow shape {counts.shape} must end in ({len(dispatchers)}, 2) for "
+                f"{len(dispatchers)} dispatchers"
+            )
+        resolved = _resolve_each(dispatchers, counts, self.parallel)
+        if all(new is None for new in resolved):
+            return None
+        for new in resolved:
+            if new is not None:
+                self._by_rows[new.num_tokens] = _larger(self._by_rows[new.num_tokens], new)
+        # Micro-batches of one shape share a table entry: both re-run with the larger one.
+        return tuple(self._by_rows[dispatcher.num_tokens] for dispatcher in dispatchers)
+
+
+def _resolve_each(dispatchers: Sequence, counts: np.ndarray, parallel) -> list:
+    return [
+        ep_overflow.resolve_overflow(
+            dispatcher,
+            counts[..., index, :],
+            policy=parallel.ep_overflow_policy,
+            slot_alignment=parallel.ep_slot_alignment,
+        )
+        for index, dispatcher in enumerate(dispatchers)
+    ]
+
+
+def _larger(old: ep_config.EpDispatcher, new: ep_config.EpDispatcher) -> ep_config.EpDispatcher:
+    """Each capacity at the larger of the two (two micro-batches may raise different ones)."""
+    return dataclasses.replace(
+        new,
+        peer_capacity=max(old.peer_capacity, new.peer_capacity),
+        expert_capacity=max(old.expert_capacity, new.expert_capacity),
+    )

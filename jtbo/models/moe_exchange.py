@@ -1,0 +1,129 @@
+"""The MoE block's exchange operations: ``dispatch_a/b``, ``experts``, ``combine_a/b``.
+
+Two backends, as SGLang's DP-attention MoE has:
+
+* ``"ep"`` (expert parallel): each attn_tp device routes its ``1 / attn_tp`` block of the
+  micro-batch's rows through the micro-batch's own ``jtbo.collectives`` EP dispatcher (the
+  ``ep_dispatcher`` context entry; ``jtbo.models.ep_dispatchers``). ``dispatch_a`` and
+  ``combine_a`` issue the all-to-alls and leave their results ``InFlight`` across the yield
+  (so round barriers leave them out); ``dispatch_b`` / ``combine_b`` consume them. The local
+  experts run as one batched matmul over their capacity slots. ``combine_b`` all-gathers the
+  blocks back over ``attn_tp``. Overflow counts go to the step box under the micro-batch's
+  index.
+* ``"none"``: ``dispatch_a`` DP-gathers rows and routing to every device; every device runs
+  all experts on its slice of the expert hidden width; ``combine_a`` reduce-scatters the
+  partial sums back to the DP ranks.
+"""
+
+import jax
+
+from jtbo.collectives import ep_dispatch, gather, rows, scatter
+from jtbo.collectives import mesh as mesh_lib
+from jtbo.models import experts
+from jtbo.models import model as model_lib
+from jtbo.overlap import operations
+
+
+def _attn_tp_shard(x: jax.Array, tp: int) -> jax.Array:
+    return rows.attn_tp_shard(x, tp, jax.lax.axis_index(mesh_lib.ATTN_TP_AXIS))
+
+
+def _valid_rows_of_shard(num_tokens: jax.Array, shard_rows: int, tp: int) -> jax.Array:
+    """Real rows in this attn_tp device's block of ``shard_rows`` rows."""
+    start = jax.lax.axis_index(mesh_lib.ATTN_TP_AXIS) * shard_rows
+    return jax.numpy.clip(num_tokens - start, 0, shard_rows) if tp > 1 else num_tokens
+
+
+def ep_operations(moe: model_lib.MoEBlock, attn_tp_size: int) -> dict:
+    """``dispatch_a`` .. ``combine_b`` over the micro-batch's EP dispatcher.
+
+    Args:
+      moe: the layer's MoE block (local expert shards).
+      attn_tp_size: devices per DP rank.
+
+    Returns:
+      Operation name -> callable.
+    """
+    tp = attn_tp_size
+
+    def dispatch_a(state):
+        x = _attn_tp_shard(state.hidden_states_mlp_input, tp)
+        ids = _attn_tp_shard(state.pop("topk_ids_local"), tp)
+        weights = _attn_tp_shard(state.pop("topk_weights_local"), tp)
+        valid = _valid_rows_of_shard(state.num_tokens, x.shape[0], tp)
+        issued = ep_dispatch.dispatch_a(state.ep_dispatcher, x, ids, weights, valid)
+        state.dispatch_in_flight = operations.InFlight(issued)
+
+    def dispatch_b(state):
+        inputs, dispatch_state = ep_dispatch.dispatch_b(
+            state.ep_dispatcher, state.pop("dispatch_in_flight").value
+        )
+        state.step_box.add_overflow(state.micro_batch, dispatch_state.overflow)
+        state.dispatch_output = (inputs, dispatch_state)
+
+    def experts_op(state):
+        inputs, dispatch_state = state.pop("dispatch_output")
+        outputs = experts.experts_ffn_slots(inputs, *moe.experts.weights)
+        state.expert_output = (outputs, dispatch_state)
+
+    def combine_a(state):
+        outputs, dispatch_state = state.pop("expert_output")
+        issued = ep_dispatch.combine_a(state.ep_dispatcher, outputs, dispatch_state)
+        state.combine_in_flight = operations.InFlight(issued)
+
+    def combine_b(state):
+        out = ep_dispatch.combine_b(state.ep_dispatcher, state.pop("combine_in_flight").value)
+        if tp > 1:
+            out = jax.lax.all_gather(out, mesh_lib.ATTN_TP_AXIS, axis=0, tiled=True)
+        state.hidden_states_after_combine = out
+
+    return dict(
+        dispatch_a=dispatch_a,
+        dispatch_b=dispatch_b,
+        experts=experts_op,
+        combine_a=combine_a,
+        combine_b=combine_b,
+    )
+
+
+def gather_operations(moe: model_lib.MoEBlock) -> dict:
+    """``dispatch_a`` .. ``combine_b`` over DP gather + reduce-scatter (no EP).
+
+    Args:
+      moe: the layer's MoE block (every expert, a slice of its hidden width).
+
+    Returns:
+      Operation name -> callable.
+    """
+
+    def dispatch_a(state):
+        ctx = state.dp_context
+        gathered = (
+            gather.dp_gather_replicate(state.hidden_states_mlp_input, ctx),
+            gather.dp_gather_replicate(state.pop("topk_ids_local") + 1, ctx) - 1,
+            gather.dp_gather_replicate(state.pop("topk_weights_local"), ctx),
+        )
+        state.dispatch_in_flight = operations.InFlight(gathered)
+
+    def dispatch_b(state):
+        state.dispatch_output = state.pop("dispatch_in_flight").value
+
+    def experts_op(state):
+        x, ids, weights = state.pop("dispatch_output")
+        # Every device holds all experts' slice of the hidden width: a partial sum per row.
+        state.expert_output = experts.experts_capacity(x, ids, weights, moe.experts.weights)
+
+    def combine_a(state):
+        reduced = scatter.dp_reduce_scatter_tensor(state.pop("expert_output"), state.dp_context)
+        state.combine_in_flight = operations.InFlight(reduced)
+
+    def combine_b(state):
+        state.hidden_states_after_combine = state.pop("combine_in_flight").value
+
+    return dict(
+        dispatch_a=dispatch_a,
+        dispatch_b=dispatch_b,
+        experts=experts_op,
+        combine_a=combine_a,
+        combine_b=combine_b,
+    )
