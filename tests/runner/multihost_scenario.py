@@ -18,7 +18,7 @@ from jtbo.runner import runner as runner_lib
 from tests.runner import helpers
 
 DP, ATTN_TP = 4, 2
-BUCKETS = (8, 16, 32)
+BUCKETS = (32,)  # one bucket: fewer compiles in each of the three processes
 NEW_TOKENS = 4
 # Per step, per DP rank: EXTEND new-token lengths per request, "decode", or None (idle).
 # Step 0: balanced split, a two-chunk prompt, an idle rank; step 1 extends the same requests
@@ -76,15 +76,19 @@ def prompts() -> list[list[int]]:
     return out
 
 
-def serve(tbo: bool) -> dict:
-    """The forward script, then greedy generation of ``prompts()``, on a fresh runner."""
+def serve(tbo: bool) -> tuple[dict, runner_lib.ModelRunner]:
+    """The forward script, then greedy generation of ``prompts()``, on a fresh runner.
+
+    Returns the results and the runner.
+    """
     runner = make_runner(tbo)
     out = {f"{tbo}/{k}": v for k, v in forward_script(runner).items()}
     results = runner.generate(prompts(), max_new_tokens=NEW_TOKENS, chunk_size=8)
     out[f"{tbo}/tokens"] = [r.token_ids for r in results]
     out[f"{tbo}/errors"] = [r.error for r in results]
     out[f"{tbo}/tbo_steps"] = runner.num_tbo_steps
-    return out
+    out["local_dp_ranks"] = runner.local_dp_ranks
+    return out, runner
 
 
 def _error_of(call) -> str:
@@ -95,14 +99,17 @@ def _error_of(call) -> str:
     return "no error"
 
 
-def refusals() -> dict:
+def refusals(runner: runner_lib.ModelRunner) -> dict:
     """Batches refused on process 1 only, and a set-up mismatch: every process must raise.
 
-    Returns ``{case: "<ExceptionType>: message"}`` as seen by this process, and the logits of
-    a valid step run after the refusals (the runner keeps working).
+    Args:
+      runner: a TBO-off runner from ``serve`` (its compiled extend step is reused).
+
+    Returns:
+      ``{case: "<ExceptionType>: message"}`` as seen by this process, and (``"after"``) the
+      logits of a valid step run after the refusals (the runner keeps working).
     """
     me = jax.process_index()
-    runner = make_runner(False)
     rank = helpers.Rank()
     ok = rank.extend({0: [1, 2, 3]})
     local = len(runner.local_dp_ranks)
@@ -112,7 +119,7 @@ def refusals() -> dict:
         bucket=[helpers.Rank().extend({0: list(range(40))}) if me == 1 else None] * local,
     )
     out = {name: _error_of(lambda b=b: runner.forward(b)) for name, b in cases.items()}
-    other = make_runner(False, buckets=(8, 16, 32) if me == 0 else (8, 32))
+    other = make_runner(False, buckets=BUCKETS if me == 0 else (16, 32))
     out["setup"] = _error_of(lambda: other.forward([None] * local))
     out["after"] = runner.forward([ok] + [None] * (local - 1))[0]
     return out

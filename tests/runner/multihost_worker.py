@@ -32,11 +32,9 @@ def main(argv: list[str]) -> None:
     )
     from tests.runner import multihost_scenario  # noqa: PLC0415 - imports jax-using modules
 
-    results = {}
-    for tbo in (False, True):
-        results.update(multihost_scenario.serve(tbo))
-    results["refusals"] = multihost_scenario.refusals()
-    results["local_dp_ranks"] = multihost_scenario.make_runner(False).local_dp_ranks
+    results, plain = multihost_scenario.serve(False)
+    results.update(multihost_scenario.serve(True)[0])
+    results["refusals"] = multihost_scenario.refusals(plain)
     with open(out_path, "wb") as f:
         pickle.dump(results, f)
     jax.distributed.shutdown()

@@ -1,0 +1,141 @@
+"""jtbo under ``jax.distributed``: 2 processes x 4 CPU devices == 1 process x 8 devices.
+
+Two child processes (``multihost_worker``) join a ``jax.distributed`` run on localhost with
+gloo CPU collectives and serve ``multihost_scenario`` (a forward script and greedy generation,
+TBO off and on) over a ``(4, 2)`` mesh spanning both; each passes only its own DP ranks'
+batches. Then this test process (8 CPU devices, from conftest) serves the same scenario alone.
+Together the children's outputs must equal the single-process outputs; then the
+children's refusal cases must have raised on both processes. The children are killed in a
+``finally``, on timeout or on any failure.
+"""
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import chex
+import numpy as np
+import pytest
+
+from tests.runner import multihost_scenario, multihost_worker
+
+NUM_PROCESSES = 2
+TIMEOUT_S = 150
+REPO = Path(__file__).resolve().parents[2]
+TOL = dict(atol=1e-5, rtol=1e-5)  # same program, gloo instead of in-process all-reduces
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={multihost_worker.LOCAL_DEVICES}"
+    return env
+
+
+def _tail(path: Path) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-40:])
+
+
+def _wait(procs, logs, deadline) -> None:
+    for process_id, (proc, log) in enumerate(zip(procs, logs, strict=True)):
+        try:
+            code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"process {process_id} ran past {TIMEOUT_S} s:\n{_tail(log)}")
+        if code != 0:
+            pytest.fail(f"process {process_id} exited with {code}:\n{_tail(log)}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(per-process results, single-process results); the children always end."""
+    tmp = tmp_path_factory.mktemp("multihost")
+    port, deadline = _free_port(), time.monotonic() + TIMEOUT_S
+    outs = [tmp / f"out{i}.pkl" for i in range(NUM_PROCESSES)]
+    logs = [tmp / f"log{i}.txt" for i in range(NUM_PROCESSES)]
+    procs = []
+    try:
+        for i in range(NUM_PROCESSES):
+            args = [str(i), str(NUM_PROCESSES), str(port), str(outs[i])]
+            with open(logs[i], "w") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "tests.runner.multihost_worker", *args],
+                        cwd=REPO,
+                        env=_child_env(),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )  # fmt: skip
+                )
+        _wait(procs, logs, deadline)
+        per_process = [pickle.loads(out.read_bytes()) for out in outs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    # The reference runs after the children: three processes on a small CPU run slower together.
+    single = {}
+    for tbo in (False, True):
+        single.update(multihost_scenario.serve(tbo)[0])
+    return per_process, single
+
+
+def test_each_process_drives_the_dp_ranks_its_devices_hold(runs):
+    per_process, _ = runs
+    assert [p["local_dp_ranks"] for p in per_process] == [(0, 1), (2, 3)]
+
+
+@pytest.mark.parametrize("tbo", [False, True])
+def test_logits_and_tokens_equal_the_single_process_run(runs, tbo):
+    per_process, single = runs
+    want = {k: v for k, v in single.items() if k.startswith(f"{tbo}/logits/")}
+    got = {}
+    for process_id, results in enumerate(per_process):
+        for key, value in results.items():
+            if key.startswith(f"{tbo}/logits/"):
+                rank = int(key.rsplit("/", 1)[1])
+                assert rank in results["local_dp_ranks"], (process_id, key)  # own ranks only
+                got[key] = value
+    assert sorted(got) == sorted(want) and len(want) >= 10
+    chex.assert_trees_all_close(got, want, **TOL)
+    for results in per_process:  # every process returns every prompt's result
+        assert results[f"{tbo}/tokens"] == single[f"{tbo}/tokens"]
+        assert results[f"{tbo}/errors"] == single[f"{tbo}/errors"]
+        assert results[f"{tbo}/tbo_steps"] == single[f"{tbo}/tbo_steps"]
+    tokens = single[f"{tbo}/tokens"]
+    assert sum(len(t) == multihost_scenario.NEW_TOKENS for t in tokens) == len(tokens) - 1
+    assert (single[f"{tbo}/tbo_steps"] > 0) == tbo
+
+
+def test_tbo_on_and_off_generate_the_same_tokens(runs):
+    per_process, _ = runs
+    assert per_process[0]["True/tokens"] == per_process[0]["False/tokens"]
+
+
+def test_a_refused_batch_raises_on_every_process(runs):
+    (first, second), _ = runs
+    a, b = first["refusals"], second["refusals"]
+    # Process 1 refused its own batches; process 0 learns why instead of hanging.
+    assert b["count"].startswith("ValueError: got 1 batches for the 2 DP ranks (2, 3)")
+    assert a["count"].startswith("StepRejectedError: another process refused the step: process 1")
+    assert "got 1 batches" in a["count"]
+    assert b["vocabulary"].startswith("ValueError: rank 2: token ids span [1, 500]")
+    assert "process 1: ValueError: rank 2: token ids span" in a["vocabulary"]
+    # A bucket overflow is found by every process's own planning from the exchanged counts.
+    assert a["bucket"] == b["bucket"] == "ValueError: num_tokens=40 exceeds the largest bucket 32"
+    for out in (a, b):
+        assert out["setup"].startswith("StepRejectedError: processes disagree on fingerprint")
+    # Both processes keep serving; rank 0 and rank 2 ran the same 3-token prompt.
+    assert a["after"].shape == (3, 128) and np.isfinite(a["after"]).all()
+    np.testing.assert_array_equal(a["after"], b["after"])
