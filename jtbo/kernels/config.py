@@ -4,11 +4,20 @@ All three ops stream a flat element range in blocks of ``block_elems`` per
 program. The starts of those ranges are whole rows, so an address is a multiple of
 ``gcd(row_elems, vector_bytes // itemsize)`` elements; the kernels pass that as an
 alignment hint so Triton can issue ``vector_bytes``-wide loads and stores although
-the offsets are traced. The defaults below were tuned on the H200 (see BENCHMARKS.md).
+the offsets are traced.
+
+Why large blocks: each program first loads its offset and size scalars (one memory
+round trip in which it moves no data), then its block. With one 16-byte vector per
+thread a program spends about half its life waiting on those scalars; a block of
+several vectors per thread keeps more bytes in flight per round trip. A small copy,
+though, needs enough programs to reach every SM, so ``block_for`` halves the block
+until the grid has ``min_programs`` programs (never below one vector per thread).
 """
 
 import dataclasses
 import math
+
+EVICTION_POLICIES = (None, "evict_first", "evict_last")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,18 +25,24 @@ class CopyConfig:
     """Launch shape of one copy kernel.
 
     Attributes:
-      block_elems: elements moved per program (a power of two, at least 16).
-      num_warps: warps per program.
+      block_elems: elements moved per program at most (a power of two, at least 16).
+      num_warps: warps per program (a power of two).
       num_stages: software-pipelining stages Triton may use.
       vector_bytes: widest access the alignment hint promises (power of two, <= 16).
+      min_programs: ``block_for`` halves the block until the grid has at least this many
+        programs or the block is one vector per thread (0 keeps ``block_elems``).
+      eviction_policy: cache hint on the streamed loads (None, "evict_first" or
+        "evict_last"); the data are read once, so "evict_first" spares L2 for the stores.
       xla_below_bytes: ``impl=None`` picks ``"xla"`` when the largest possible copy is at
-        most this many bytes (there a kernel's extra launches cost more than they save).
+        most this many bytes (there a kernel's launch costs more than it saves).
     """
 
-    block_elems: int = 4096
+    block_elems: int = 16384
     num_warps: int = 16
     num_stages: int = 1
     vector_bytes: int = 16
+    min_programs: int = 528
+    eviction_policy: str | None = None
     xla_below_bytes: int = 0
 
     def __post_init__(self):
@@ -39,19 +54,45 @@ class CopyConfig:
             raise ValueError(f"CopyConfig.block_elems must be >= 16, got {self.block_elems}")
         if self.vector_bytes > 16:
             raise ValueError(f"CopyConfig.vector_bytes must be <= 16, got {self.vector_bytes}")
-        if self.xla_below_bytes < 0:
-            raise ValueError(f"CopyConfig.xla_below_bytes must be >= 0, got {self.xla_below_bytes}")
+        for name in ("xla_below_bytes", "min_programs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CopyConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.num_stages < 1:
             raise ValueError(f"CopyConfig.num_stages must be >= 1, got {self.num_stages}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(
+                f"CopyConfig.eviction_policy must be one of {EVICTION_POLICIES}, "
+                f"got {self.eviction_policy!r}"
+            )
 
     def align(self, row_elems: int, itemsize: int) -> int:
         """Elements every row start is a multiple of, capped at one vector."""
         return math.gcd(max(row_elems, 1), max(self.vector_bytes // itemsize, 1))
 
+    def block_for(self, total_elems: int, itemsize: int) -> int:
+        """Block size for a grid over ``total_elems`` elements (see the module docstring)."""
+        vector_elems = max(self.vector_bytes // itemsize, 1)
+        floor = min(self.block_elems, self.num_warps * 32 * vector_elems)
+        block = self.block_elems
+        while block > floor and -(-total_elems // block) < self.min_programs:
+            block //= 2
+        return block
 
-# H200, bf16, 256 MiB (BENCHMARKS.md): 4096 elements x 16 warps was the best triton
-# config for dp_memcpy and merge_rows and level with the best for slice_pad. At 1 MiB
-# XLA's fused scatter beat both kernels on dp_memcpy(dst at offset), hence the cut-over.
+    def describe(self) -> str:
+        """Short label for tables: ``block x warps`` plus the non-default knobs."""
+        label = f"{self.block_elems} x {self.num_warps}w"
+        if self.num_stages != 1:
+            label += f" stages={self.num_stages}"
+        if self.eviction_policy:
+            label += f" {self.eviction_policy}"
+        return label
+
+
+# H200, bf16 (BENCHMARKS.md). 256 MiB, per-call-launch era: 4096 x 16 warps was the best
+# triton point measured, 16384 x 4 level with it; 16384 x 16 keeps 4 vectors per thread
+# in flight (see the module docstring) and block_for shrinks it for small copies. At
+# 1 MiB XLA's fused scatter beat both kernels on dp_memcpy(dst at offset), hence the
+# cut-over.
 DP_MEMCPY = CopyConfig(xla_below_bytes=1 << 20)
 SLICE_PAD = CopyConfig()
 MERGE_ROWS = CopyConfig()

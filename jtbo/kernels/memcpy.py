@@ -9,9 +9,11 @@ Kernel: the copied rows are one contiguous element range on each side, so the
 kernel streams ``(hi - lo) * row_elems`` elements in blocks, one block per program,
 starting at row ``lo`` of the plain side and ``offset + lo`` of the offset side
 (both non-negative, which the Pallas interpreter needs: it shifts negative slice
-starts). The grid covers the largest possible copy (static); programs past the
-actual count return at once. ``dst`` is aliased to the output, so only the copied
-rows are touched: bytes moved = 2 * size * row bytes.
+starts). Each program loads the raw ``offset`` and ``size`` and derives ``(offset,
+lo, hi)`` itself (``ranges.window_bounds``), so a call is a single launch. The grid
+covers the largest possible copy (static); programs past the actual count return
+at once. ``dst`` is aliased to the output, so only the copied rows are touched:
+bytes moved = 2 * size * row bytes.
 """
 
 import functools
@@ -26,12 +28,13 @@ from jtbo.kernels import impls, ranges
 
 
 def _memcpy_kernel(
-    window_ref, src_ref, dst_in_ref, dst_ref, *, offset_src, row_elems, block, align
-):
-    # window_ref: [3] int32 (offset, lo, hi); src_ref: [src_rows * row_elems];
+    offset_ref, size_ref, src_ref, dst_in_ref, dst_ref, *, offset_src, rows, row_elems, block,
+    align, evict,
+):  # fmt: skip
+    # offset_ref, size_ref: [1] int32; src_ref: [src_rows * row_elems];
     # dst_in_ref, dst_ref: [dst_rows * row_elems], the same buffer (aliased).
     del dst_in_ref
-    off, lo, hi = window_ref[0], window_ref[1], window_ref[2]
+    off, lo, hi = ranges.window_bounds(offset_ref[0], size_ref[0], *rows)
     count = pl.multiple_of((hi - lo) * row_elems, align)
     first = pl.program_id(0) * block
 
@@ -41,54 +44,61 @@ def _memcpy_kernel(
         shifted = pl.multiple_of((off + lo) * row_elems, align) + first
         src_start, dst_start = (shifted, plain) if offset_src else (plain, shifted)
         mask = first + jnp.arange(block, dtype=jnp.int32) < count
-        vals = plgpu.load(src_ref.at[pl.ds(src_start, block)], mask=mask)
+        vals = plgpu.load(src_ref.at[pl.ds(src_start, block)], mask=mask, eviction_policy=evict)
         plgpu.store(dst_ref.at[pl.ds(dst_start, block)], vals, mask=mask)
 
 
 def _launch_shape(dst, src, offset_src, cfg):
+    """(row elems, (plain rows, offset rows), block, grid, align) of one launch."""
     cols = ranges.row_elems(dst.shape)
-    plain_rows = dst.shape[0] if offset_src else src.shape[0]
+    rows = (dst.shape[0], src.shape[0]) if offset_src else (src.shape[0], dst.shape[0])
     align = cfg.align(cols, dst.dtype.itemsize)
-    return cols, pl.cdiv(plain_rows * cols, cfg.block_elems), align
+    block = cfg.block_for(rows[0] * cols, dst.dtype.itemsize)
+    return cols, rows, block, pl.cdiv(rows[0] * cols, block), align
 
 
-def dp_memcpy_pallas(dst, src, window, *, offset_src, cfg, interpret):
-    """Pallas impl over a precomputed ``ranges.copy_window``; returns the new ``dst``."""
-    cols, grid, align = _launch_shape(dst, src, offset_src, cfg)
-    impls.check_pallas_elems((dst.size, src.size), cfg.block_elems)
+def dp_memcpy_pallas(dst, src, offset, size, *, offset_src, cfg, interpret):
+    """Pallas impl on int32 scalars ``offset`` / ``size``; returns the new ``dst``."""
+    cols, rows, block, grid, align = _launch_shape(dst, src, offset_src, cfg)
+    impls.check_pallas_elems((dst.size, src.size), block)
     kernel = functools.partial(
-        _memcpy_kernel, offset_src=offset_src, row_elems=cols, block=cfg.block_elems, align=align
-    )
+        _memcpy_kernel, offset_src=offset_src, rows=rows, row_elems=cols, block=block,
+        align=align, evict=cfg.eviction_policy,
+    )  # fmt: skip
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((dst.size,), dst.dtype),
         grid=(grid,),
-        input_output_aliases={2: 0},  # dst is updated in place
+        input_output_aliases={3: 0},  # dst is updated in place
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )(window, src.reshape(-1), dst.reshape(-1))
+    )(offset.reshape(1), size.reshape(1), src.reshape(-1), dst.reshape(-1))
     return out.reshape(dst.shape)
 
 
-def dp_memcpy_triton(dst, src, window, *, offset_src, cfg):
-    """jax-triton impl over a precomputed ``ranges.copy_window``; returns the new ``dst``."""
+def dp_memcpy_triton(dst, src, offset, size, *, offset_src, cfg):
+    """jax-triton impl on int32 scalars ``offset`` / ``size``; returns the new ``dst``."""
     from jtbo.kernels import triton_kernels  # imports triton: GPU machines only
 
-    cols, grid, align = _launch_shape(dst, src, offset_src, cfg)
+    cols, rows, block, grid, align = _launch_shape(dst, src, offset_src, cfg)
     out = impls.jax_triton().triton_call(
-        window,
+        offset.reshape(1),
+        size.reshape(1),
         src.reshape(-1),
         dst.reshape(-1),
         kernel=triton_kernels.dp_memcpy_kernel,
         out_shape=jax.ShapeDtypeStruct((dst.size,), dst.dtype),
         grid=(grid,),
-        input_output_aliases={2: 0},  # dst is updated in place
+        input_output_aliases={3: 0},  # dst is updated in place
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        PLAIN_ROWS=rows[0],
+        OFFSET_ROWS=rows[1],
         ROW_ELEMS=cols,
         OFFSET_SRC=offset_src,
-        BLOCK=cfg.block_elems,
+        BLOCK=block,
         ALIGN=align,
+        EVICT=triton_kernels.eviction(cfg.eviction_policy),
     )
     return out.reshape(dst.shape)
 
@@ -138,14 +148,14 @@ def dp_memcpy(dst, src, offset, size, *, offset_src, impl=None, config=None):
     impl = impls.resolve(
         impl, payload_bytes=payload * dst.dtype.itemsize, xla_below_bytes=cfg.xla_below_bytes
     )
-    window = ranges.copy_window(offset, size, plain.shape[0], shifted.shape[0])
     if dst.size == 0 or src.size == 0:  # nothing can be copied; kernels need real buffers
         return dst
     if impl == "pallas":
         interpret = impls.backend() == "cpu"
         return dp_memcpy_pallas(
-            dst, src, window, offset_src=offset_src, cfg=cfg, interpret=interpret
+            dst, src, offset, size, offset_src=offset_src, cfg=cfg, interpret=interpret
         )
     if impl == "triton":
-        return dp_memcpy_triton(dst, src, window, offset_src=offset_src, cfg=cfg)
+        return dp_memcpy_triton(dst, src, offset, size, offset_src=offset_src, cfg=cfg)
+    window = ranges.copy_window(offset, size, plain.shape[0], shifted.shape[0])
     return dp_memcpy_reference(dst, src, window, offset_src=offset_src)

@@ -8,13 +8,15 @@ Every op here pairs row ``i`` of a *plain* buffer (indexed from row 0) with row
 * ``slice_pad``: plain = the padded output, offset side = ``x``;
 * ``merge_rows``: plain = each part, offset side = the merged output.
 
-Out-of-range rule (identical in every impl, since they all consume the window
-computed here): a pair is copied only when both rows exist. Rows are never shifted
-to make a range fit (unlike ``lax.dynamic_slice``); what does not fit is dropped.
-A negative ``size`` copies nothing; a negative ``offset`` drops the pairs whose
-offset-side row would be negative. The copied ``i`` always form one interval
-``[lo, hi)`` (possibly empty, then ``lo == hi``), so a kernel needs three int32
-scalars ``(offset, lo, hi)``. ``offset`` is first clamped to ``[-plain_rows,
+Out-of-range rule (identical in every impl: the xla impls and the Pallas kernels
+call ``window_bounds``, the Triton kernels run a line-by-line transcription of it):
+a pair is copied only when both rows exist. Rows are never shifted to make a range
+fit (unlike ``lax.dynamic_slice``); what does not fit is dropped. A negative
+``size`` copies nothing; a negative ``offset`` drops the pairs whose offset-side
+row would be negative. The copied ``i`` always form one interval ``[lo, hi)``
+(possibly empty, then ``lo == hi``). The kernels take the raw ``offset`` and
+``size`` and compute the interval themselves, so a call is one launch with no XLA
+arithmetic before it. ``offset`` is first clamped to ``[-plain_rows,
 offset_rows]``: outside it no pair is valid, and the clamp keeps every later sum
 inside int32 for any buffers under 2**30 rows.
 """
@@ -47,8 +49,11 @@ def as_row_scalar(value, name: str) -> jax.Array:
     return arr.reshape(()).astype(jnp.int32)
 
 
-def copy_window(offset, size, plain_rows: int, offset_rows: int) -> jax.Array:
-    """The valid copy indices of one plain/offset buffer pair.
+def window_bounds(offset, size, plain_rows: int, offset_rows: int):
+    """The valid copy indices of one plain/offset buffer pair, as three int32 scalars.
+
+    Plain ``jnp.maximum`` / ``jnp.minimum`` on scalars only, so the Pallas kernels call
+    this very function on the scalars they load (one rule, no separate XLA launch).
 
     Args:
       offset: int32 scalar, row of the offset buffer paired with plain row 0.
@@ -57,13 +62,18 @@ def copy_window(offset, size, plain_rows: int, offset_rows: int) -> jax.Array:
       offset_rows: static row count of the offset buffer.
 
     Returns:
-      int32 ``[3]``: ``(offset, lo, hi)`` with ``offset`` clamped as the module says;
-      pairs ``i`` in ``[lo, hi)`` are copied.
+      ``(offset, lo, hi)`` with ``offset`` clamped as the module says; pairs ``i`` in
+      ``[lo, hi)`` are copied.
     """
-    off = jnp.clip(offset, -plain_rows, offset_rows)
+    off = jnp.minimum(jnp.maximum(offset, -plain_rows), offset_rows)
     lo = jnp.maximum(0, -off)
     hi = jnp.minimum(jnp.minimum(jnp.maximum(size, 0), plain_rows), offset_rows - off)
-    return jnp.stack([off, lo, jnp.maximum(hi, lo)]).astype(jnp.int32)
+    return off, lo, jnp.maximum(hi, lo)
+
+
+def copy_window(offset, size, plain_rows: int, offset_rows: int) -> jax.Array:
+    """``window_bounds`` stacked: int32 ``[3]`` ``(offset, lo, hi)`` (for the xla impls)."""
+    return jnp.stack(window_bounds(offset, size, plain_rows, offset_rows)).astype(jnp.int32)
 
 
 def check_rows(shape: tuple[int, ...], name: str) -> None:

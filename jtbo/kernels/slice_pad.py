@@ -10,7 +10,9 @@ loads the matching elements of ``x`` under a mask (masked lanes read nothing and
 give zero) and stores the whole block, so every output element is written once:
 bytes moved = (length + capacity) * row bytes. Loads use a gathered index vector
 rather than a slice, because the block's source start may be negative (the masked
-lanes) and the Pallas interpreter would shift a negative slice.
+lanes) and the Pallas interpreter would shift a negative slice. Each program
+derives the window from the raw ``start`` / ``length`` (``ranges.window_bounds``),
+so a call is a single launch.
 """
 
 import functools
@@ -24,68 +26,70 @@ from jtbo.kernels import config as config_lib
 from jtbo.kernels import impls, ranges
 
 
-def _slice_pad_kernel(window_ref, x_ref, out_ref, *, row_elems, out_elems, block, align):
-    # window_ref: [3] int32 (offset, lo, hi); x_ref: [x_rows * row_elems];
+def _slice_pad_kernel(start_ref, length_ref, x_ref, out_ref, *, rows, row_elems, block, align,
+                      evict):  # fmt: skip
+    # start_ref, length_ref: [1] int32; x_ref: [x_rows * row_elems];
     # out_ref: [capacity * row_elems].
-    off, lo, hi = window_ref[0], window_ref[1], window_ref[2]
+    off, lo, hi = ranges.window_bounds(start_ref[0], length_ref[0], *rows)
     first = pl.program_id(0) * block
     elem = first + jnp.arange(block, dtype=jnp.int32)
     lo_elem = pl.multiple_of(lo * row_elems, align)
     hi_elem = pl.multiple_of(hi * row_elems, align)
     mask = (elem >= lo_elem) & (elem < hi_elem)
     src = elem + pl.multiple_of(off * row_elems, align)
-    vals = plgpu.load(x_ref.at[src], mask=mask, other=jnp.zeros((), x_ref.dtype))
-    plgpu.store(out_ref.at[pl.ds(first, block)], vals, mask=elem < out_elems)
+    zero = jnp.zeros((), x_ref.dtype)
+    vals = plgpu.load(x_ref.at[src], mask=mask, other=zero, eviction_policy=evict)
+    plgpu.store(out_ref.at[pl.ds(first, block)], vals, mask=elem < rows[0] * row_elems)
 
 
 def _launch_shape(x, capacity, cfg):
+    """(row elems, (capacity, x rows), block, grid, align) of one launch."""
     cols = ranges.row_elems(x.shape)
     align = cfg.align(cols, x.dtype.itemsize)
-    return cols, pl.cdiv(capacity * cols, cfg.block_elems), align
+    block = cfg.block_for(capacity * cols, x.dtype.itemsize)
+    return cols, (capacity, x.shape[0]), block, pl.cdiv(capacity * cols, block), align
 
 
-def slice_pad_pallas(x, window, *, capacity, cfg, interpret):
-    """Pallas impl over a precomputed ``ranges.copy_window``; returns ``[capacity, ...]``."""
-    cols, grid, align = _launch_shape(x, capacity, cfg)
-    out_shape = (capacity, *x.shape[1:])
-    impls.check_pallas_elems((x.size, capacity * cols), cfg.block_elems)
+def slice_pad_pallas(x, start, length, *, capacity, cfg, interpret):
+    """Pallas impl on int32 scalars ``start`` / ``length``; returns ``[capacity, ...]``."""
+    cols, rows, block, grid, align = _launch_shape(x, capacity, cfg)
+    impls.check_pallas_elems((x.size, capacity * cols), block)
     kernel = functools.partial(
-        _slice_pad_kernel,
-        row_elems=cols,
-        out_elems=capacity * cols,
-        block=cfg.block_elems,
-        align=align,
-    )
+        _slice_pad_kernel, rows=rows, row_elems=cols, block=block, align=align,
+        evict=cfg.eviction_policy,
+    )  # fmt: skip
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((capacity * cols,), x.dtype),
         grid=(grid,),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )(window, x.reshape(-1))
-    return out.reshape(out_shape)
+    )(start.reshape(1), length.reshape(1), x.reshape(-1))
+    return out.reshape((capacity, *x.shape[1:]))
 
 
-def slice_pad_triton(x, window, *, capacity, cfg):
-    """jax-triton impl over a precomputed ``ranges.copy_window``; returns ``[capacity, ...]``."""
+def slice_pad_triton(x, start, length, *, capacity, cfg):
+    """jax-triton impl on int32 scalars ``start`` / ``length``; returns ``[capacity, ...]``."""
     from jtbo.kernels import triton_kernels  # imports triton: GPU machines only
 
-    cols, grid, align = _launch_shape(x, capacity, cfg)
-    out_shape = (capacity, *x.shape[1:])
+    cols, rows, block, grid, align = _launch_shape(x, capacity, cfg)
     out = impls.jax_triton().triton_call(
-        window,
+        start.reshape(1),
+        length.reshape(1),
         x.reshape(-1),
         kernel=triton_kernels.slice_pad_kernel,
         out_shape=jax.ShapeDtypeStruct((capacity * cols,), x.dtype),
         grid=(grid,),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        PLAIN_ROWS=rows[0],
+        OFFSET_ROWS=rows[1],
         ROW_ELEMS=cols,
-        OUT_ELEMS=capacity * cols,
-        BLOCK=cfg.block_elems,
+        BLOCK=block,
         ALIGN=align,
+        EVICT=triton_kernels.eviction(cfg.eviction_policy),
     )
-    return out.reshape(out_shape)
+    return out.reshape((capacity, *x.shape[1:]))
 
 
 def slice_pad_reference(x, window, *, capacity):
@@ -122,13 +126,13 @@ def slice_pad(x, start, length, *, capacity, impl=None, config=None):
     start = ranges.as_row_scalar(start, "start")
     length = ranges.as_row_scalar(length, "length")
     impl = impls.resolve(impl)
-    window = ranges.copy_window(start, length, capacity, x.shape[0])
     cfg = config or config_lib.SLICE_PAD
     if x.size == 0 or capacity == 0 or ranges.row_elems(x.shape) == 0:
         return jnp.zeros((capacity, *x.shape[1:]), x.dtype)  # nothing to copy
     if impl == "pallas":
         interpret = impls.backend() == "cpu"
-        return slice_pad_pallas(x, window, capacity=capacity, cfg=cfg, interpret=interpret)
+        return slice_pad_pallas(x, start, length, capacity=capacity, cfg=cfg, interpret=interpret)
     if impl == "triton":
-        return slice_pad_triton(x, window, capacity=capacity, cfg=cfg)
+        return slice_pad_triton(x, start, length, capacity=capacity, cfg=cfg)
+    window = ranges.copy_window(start, length, capacity, x.shape[0])
     return slice_pad_reference(x, window, capacity=capacity)
