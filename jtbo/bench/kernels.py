@@ -1,7 +1,7 @@
 """Bandwidth of the jtbo.kernels ops against the device's copy ceiling.
 
 ``python -m jtbo.bench kernels [--sizes-mib 1,16,256,1024] [--cols 4096]
-[--dtype bfloat16] [--impls xla,pallas,triton] [--sweep-mib 256] [--out FILE]``
+[--dtype bfloat16] [--impls xla,pallas,triton] [--sweep-mib 256] [--iters N] [--out FILE]``
 
 Each op moves ``S`` bytes of payload (``S`` = the size): ``dp_memcpy`` copies S bytes
 into / out of a buffer at a row offset; ``slice_pad`` copies 15/16 of a child of S
@@ -9,15 +9,24 @@ bytes and zero-fills the rest; ``merge_rows`` writes two children covering S byt
 GB/s counts bytes read plus bytes written. The ceiling is measured in the same run
 on a plain device-to-device copy of the same bytes: ``torch.Tensor.copy_`` when
 torch imports (used only as this yardstick), else the best of XLA's own copies; the
-table names which. Timing: one jitted ``fori_loop`` of ``--iters`` calls (so launch
-overhead does not dominate small sizes), the per-call median of ``--reps`` runs; the
-offsets move by one row between iterations so XLA cannot hoist the call.
-``--sweep-mib`` also times a grid of ``CopyConfig``s for the kernel impls at one size.
+table names which.
+
+Timing: one jitted program holds ``unroll`` calls of the op written out one after
+another (no loop, so no per-iteration loop control or offset arithmetic runs on the
+device between calls); every call gets its own scalar *arguments* (so XLA can
+neither fold nor merge calls) and every output is returned (so none is dead). The
+program is enqueued ``runs`` times back to back and waited for once; the per-call
+time is the median over ``--reps`` such batches. Set-up is cheap: each size's input
+buffers are filled once by one jitted integer hash and shared by every op, impl and
+config, and the buffers are arguments, never constants baked into the program.
+``--sweep-mib`` also times ``SWEEP_CONFIGS`` for the kernel impls at one size and
+ends with a summary: the best config per op and impl and its fraction of the ceiling.
 """
 
 import argparse
 import dataclasses
 import datetime
+import functools
 import statistics
 import time
 
@@ -30,143 +39,227 @@ from jtbo.kernels import config as config_lib
 from jtbo.kernels import impls as impls_lib
 
 MIB = 1 << 20
-SWEEP_BLOCKS = (4096, 16384, 65536)
-SWEEP_WARPS = (4, 8, 16)
+GIB = 1 << 30
+# (block_elems, num_warps, eviction_policy): the neighbourhood of the defaults that
+# matters on the H200 (vectors per thread 1..8, 8..32 warps, one cache hint).
+SWEEP_CONFIGS = (
+    (4096, 16, None),
+    (8192, 16, None),
+    (16384, 8, None),
+    (16384, 16, None),
+    (32768, 16, None),
+    (32768, 32, None),
+    (16384, 16, "evict_first"),
+)
+OPS = ("dp_memcpy(dst@off)", "dp_memcpy(src@off)", "slice_pad", "merge_rows")
+SWEEP_OPS = "dp_memcpy(dst@off),slice_pad,merge_rows"
+TARGET_BYTES_PER_REP = 64 * GIB  # ~15 ms of traffic at H200 speed: launch gaps vanish
 
 
 @dataclasses.dataclass(frozen=True)
-class Case:
-    """One timed op at one size.
+class Buffers:
+    """Inputs of every op at one payload size, filled once.
 
     Attributes:
-      op: op name.
       rows: payload rows.
-      cols: elements per row.
-      dtype: element type.
-      moved: bytes read plus written per call.
-      make: builds ``(step, init)``: ``step(i, carry) -> carry`` and its first carry.
+      big: ``[2 * rows, cols]`` the offset-side buffer (source of slices, memcpy side).
+      small: ``[rows, cols]`` the plain-side buffer.
+      part_a: ``[rows // 2 + rows // 16, cols]`` first TBO child.
+      part_b: ``[rows // 2 + rows // 16, cols]`` second TBO child.
     """
 
-    op: str
     rows: int
-    cols: int
-    dtype: object
-    moved: int
-    make: object
+    big: jax.Array  # [2 * rows, cols]
+    small: jax.Array  # [rows, cols]
+    part_a: jax.Array  # [rows // 2 + rows // 16, cols]
+    part_b: jax.Array  # [rows // 2 + rows // 16, cols]
 
 
-def _rand(key, rows, cols, dtype):
-    return jax.random.normal(key, (rows, cols), jnp.float32).astype(dtype) + 1
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _fill(rows, cols, dtype, seed):
+    # A multiplicative integer hash of the element index: non-zero, varied, and one
+    # fused kernel (jax.random on GiB buffers is far slower to compile and run).
+    i = jax.lax.iota(jnp.uint32, rows * cols) + jnp.uint32(seed * 0x9E3779B9 & 0xFFFFFFFF)
+    h = (i * jnp.uint32(2654435761)) >> 20
+    return ((h & 1023).astype(jnp.float32) / 128 + 1).astype(dtype).reshape(rows, cols)
 
 
-def _memcpy_case(rows, cols, dtype, offset_src, impl, cfg):
-    keys = jax.random.split(jax.random.key(0), 2)
-    small, big = _rand(keys[0], rows, cols, dtype), _rand(keys[1], 2 * rows, cols, dtype)
-    src, dst = (big, small) if offset_src else (small, big)
+def make_buffers(size_bytes, cols, dtype):
+    """The shared inputs for a payload of ``size_bytes`` (rows of ``cols`` elements)."""
+    rows = max(size_bytes // (cols * jnp.dtype(dtype).itemsize), 16)
+    part_rows = rows // 2 + rows // 16
+    bufs = Buffers(
+        rows=rows,
+        big=_fill(2 * rows, cols, dtype, 1),
+        small=_fill(rows, cols, dtype, 2),
+        part_a=_fill(part_rows, cols, dtype, 3),
+        part_b=_fill(part_rows, cols, dtype, 4),
+    )
+    return jax.block_until_ready(bufs)
 
-    def step(i, dst):
-        off = rows // 3 + i % 2
-        return kernels.dp_memcpy(dst, src, off, rows, offset_src=offset_src, impl=impl, config=cfg)
 
-    return step, dst
+def _scalars(values):
+    return tuple(jnp.asarray(v, jnp.int32) for v in values)
 
 
-def _slice_pad_case(rows, cols, dtype, impl, cfg):
-    x = _rand(jax.random.key(1), 2 * rows, cols, dtype)
+def _memcpy_program(bufs, impl, cfg, unroll, offset_src):
+    rows = bufs.rows
+    dst, src = (bufs.small, bufs.big) if offset_src else (bufs.big, bufs.small)
+
+    def run(dst, src, offsets):
+        for off in offsets:  # one call per offset argument, in sequence on the aliased dst
+            dst = kernels.dp_memcpy(
+                dst, src, off, rows, offset_src=offset_src, impl=impl, config=cfg
+            )
+        return dst
+
+    offsets = _scalars(rows // 3 + k % 2 for k in range(unroll))
+    return jax.jit(run, donate_argnums=0), (jnp.copy(dst), src, offsets), True
+
+
+def _slice_pad_program(bufs, impl, cfg, unroll):
+    rows = bufs.rows
     length = rows - rows // 16
 
-    def step(i, out):
-        del out  # carried only so that every iteration's whole output stays live
-        return kernels.slice_pad(x, rows // 3 + i % 2, length, capacity=rows, impl=impl, config=cfg)
-
-    return step, jnp.zeros((rows, cols), dtype)
-
-
-def _merge_case(rows, cols, dtype, impl, cfg):
-    half = rows // 2
-    keys = jax.random.split(jax.random.key(2), 2)
-    a, b = (_rand(k, half + rows // 16, cols, dtype) for k in keys)
-
-    def step(i, out):
-        del out  # carried only so that every iteration's whole output stays live
-        split = half - i % 2
-        return kernels.merge_rows(
-            [a, b], [0, split], [split, rows - split], out_len=rows, impl=impl, config=cfg
+    def run(x, starts):
+        return tuple(
+            kernels.slice_pad(x, s, length, capacity=rows, impl=impl, config=cfg) for s in starts
         )
 
-    return step, jnp.zeros((rows, cols), dtype)
+    starts = _scalars(rows // 3 + k % 2 for k in range(unroll))
+    return jax.jit(run), (bufs.big, starts), False
 
 
-def cases(size_bytes, cols, dtype, impl, cfg=None):
-    """The four timed ops at one payload size, for one impl."""
-    rows = size_bytes // (cols * jnp.dtype(dtype).itemsize)
-    row_bytes = cols * jnp.dtype(dtype).itemsize
-    slice_moved = (rows - rows // 16 + rows) * row_bytes
-    return [
-        Case("dp_memcpy(dst@off)", rows, cols, dtype, 2 * rows * row_bytes,
-             lambda: _memcpy_case(rows, cols, dtype, False, impl, cfg)),
-        Case("dp_memcpy(src@off)", rows, cols, dtype, 2 * rows * row_bytes,
-             lambda: _memcpy_case(rows, cols, dtype, True, impl, cfg)),
-        Case("slice_pad", rows, cols, dtype, slice_moved,
-             lambda: _slice_pad_case(rows, cols, dtype, impl, cfg)),
-        Case("merge_rows", rows, cols, dtype, 2 * rows * row_bytes,
-             lambda: _merge_case(rows, cols, dtype, impl, cfg)),
-    ]  # fmt: skip
+def _merge_program(bufs, impl, cfg, unroll):
+    rows = bufs.rows
+
+    def run(a, b, splits, rests):
+        return tuple(
+            kernels.merge_rows(
+                [a, b], [0, split], [split, rest], out_len=rows, impl=impl, config=cfg
+            )
+            for split, rest in zip(splits, rests, strict=True)
+        )
+
+    splits = [rows // 2 - k % 2 for k in range(unroll)]
+    args = (bufs.part_a, bufs.part_b, _scalars(splits), _scalars(rows - s for s in splits))
+    return jax.jit(run), args, False
 
 
-def time_loop(step, init, iters, reps):
-    """Median seconds per call of ``step`` run ``iters`` times in one jitted loop."""
-    run = jax.jit(lambda c: jax.lax.fori_loop(0, iters, step, c), donate_argnums=0)
-    carry = jax.block_until_ready(run(jnp.copy(init)))  # compile + warm up
+def program(op, bufs, impl, cfg, unroll):
+    """``(jitted fn, args, chained)`` running ``unroll`` calls of ``op``.
+
+    ``chained``: the first argument is donated and the result replaces it next run.
+    """
+    if op == "dp_memcpy(dst@off)":
+        return _memcpy_program(bufs, impl, cfg, unroll, offset_src=False)
+    if op == "dp_memcpy(src@off)":
+        return _memcpy_program(bufs, impl, cfg, unroll, offset_src=True)
+    if op == "slice_pad":
+        return _slice_pad_program(bufs, impl, cfg, unroll)
+    if op == "merge_rows":
+        return _merge_program(bufs, impl, cfg, unroll)
+    raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
+
+
+def moved_bytes(op, rows, row_bytes):
+    """Bytes read plus written by one call of ``op`` in this bench."""
+    if op == "slice_pad":
+        return (rows - rows // 16 + rows) * row_bytes
+    return 2 * rows * row_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How many calls one timed batch holds.
+
+    Attributes:
+      unroll: calls written out in one program.
+      runs: programs enqueued back to back per timed batch.
+      reps: timed batches (the median is reported).
+    """
+
+    unroll: int
+    runs: int
+    reps: int
+
+
+def plan_for(moved, iters, reps):
+    """A ``Plan`` moving about ``TARGET_BYTES_PER_REP`` per batch (or ``iters`` calls)."""
+    unroll = int(np.clip(4 * GIB // max(moved, 1), 4, 16))
+    calls = iters or int(np.clip(TARGET_BYTES_PER_REP // max(moved, 1), unroll, 64 * unroll))
+    unroll = min(unroll, calls)
+    return Plan(unroll=unroll, runs=max(calls // unroll, 1), reps=reps)
+
+
+def time_program(fn, args, chained, plan):
+    """Median seconds per call; the first (compiling) run is not timed."""
+    first, rest = args[0], args[1:]
+    out = jax.block_until_ready(fn(first, *rest))
+    first = out if chained else first
     times = []
-    for _ in range(reps):
+    for _ in range(plan.reps):
         t0 = time.perf_counter()
-        carry = jax.block_until_ready(run(carry))
-        times.append((time.perf_counter() - t0) / iters)
+        for _ in range(plan.runs):
+            out = fn(first, *rest)
+            first = out if chained else first
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / (plan.runs * plan.unroll))
     return statistics.median(times)
 
 
-def torch_copy_seconds(nbytes, iters, reps):
+def op_gbs(op, bufs, impl, cfg, plan, row_bytes):
+    """GB/s of ``op`` (bytes read plus written per second)."""
+    fn, args, chained = program(op, bufs, impl, cfg, plan.unroll)
+    return moved_bytes(op, bufs.rows, row_bytes) / time_program(fn, args, chained, plan) / 1e9
+
+
+def torch_copy_seconds(nbytes, calls, reps):
     """Median seconds of one ``torch.Tensor.copy_`` of ``nbytes`` on the GPU."""
     import torch  # noqa: PLC0415  (optional yardstick, GPU machines only)
 
-    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(iters):
+        for _ in range(calls):
             dst.copy_(src)
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / iters)
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    del src, dst
+    torch.cuda.empty_cache()  # give the memory back before JAX fills the next size
     return statistics.median(times)
 
 
-def xla_copy_seconds(nbytes, iters, reps):
-    """Median seconds of XLA's best plain copy (``x + 1`` or a reverse) of ``nbytes``."""
-    x = jax.random.normal(jax.random.key(3), (nbytes // 4,), jnp.float32)
-    variants = (lambda i, y: y + 1, lambda i, y: y[::-1])
-    return min(time_loop(v, x, iters, reps) for v in variants)
+def xla_copy_seconds(bufs, plan):
+    """Median seconds of XLA's plain copy (``x + s``, one fused pass) of ``bufs.small``."""
+
+    def run(x, adds):
+        return tuple(x + s.astype(x.dtype) for s in adds)
+
+    args = (bufs.small, _scalars(range(1, plan.unroll + 1)))
+    return time_program(jax.jit(run), args, False, plan)
 
 
-def ceiling(nbytes, iters, reps):
-    """(GB/s, label) of the plain copy yardstick for a copy of ``nbytes``."""
+def torch_usable():
+    """Whether the torch yardstick can run (torch imports and JAX runs on a GPU)."""
     try:
-        import torch  # noqa: F401, PLC0415
-
-        usable = jax.default_backend() == "gpu" and torch.cuda.is_available()
+        import torch  # noqa: PLC0415
     except ImportError:
-        usable = False
-    if usable:
-        return 2 * nbytes / torch_copy_seconds(nbytes, iters, reps) / 1e9, "torch copy_"
-    return 2 * nbytes / xla_copy_seconds(nbytes, iters, reps) / 1e9, "best XLA copy"
+        return False
+    return jax.default_backend() == "gpu" and torch.cuda.is_available()
 
 
-def _iters(nbytes):
-    return int(np.clip(8 * 1024 * MIB // max(nbytes, 1), 4, 200))
+def ceiling(bufs, nbytes, plan):
+    """(GB/s, label) of the plain copy yardstick for a copy of ``nbytes``."""
+    if torch_usable():
+        seconds = torch_copy_seconds(nbytes, plan.unroll * plan.runs, plan.reps)
+        return 2 * nbytes / seconds / 1e9, "torch copy_"
+    return 2 * nbytes / xla_copy_seconds(bufs, plan) / 1e9, "best XLA copy"
 
 
 _START = time.perf_counter()
@@ -178,50 +271,59 @@ def _emit(line, lines):
     lines.append(line)
 
 
-def table_row(case, impl, gbs, ceil_gbs, xla_gbs):
-    """One markdown row: op, impl, rows x cols, dtype, payload, GB/s, of ceiling, vs xla."""
-    dtype = jnp.dtype(case.dtype)
-    payload = case.rows * case.cols * dtype.itemsize / MIB
-    vs = f"{gbs / xla_gbs:.2f}x" if xla_gbs else "-"
-    return (
-        f"| {case.op} | {impl} | {case.rows} x {case.cols} | {dtype.name} | "
-        f"{payload:.0f} | {gbs:.0f} | {gbs / ceil_gbs:.2f} | {vs} |"
-    )
-
-
 TABLE_HEAD = (
     "| op | impl | rows x cols | dtype | payload MiB | GB/s | of ceiling | vs xla |",
     "|---|---|---|---|---|---|---|---|",
 )
 
 
-def measure(size_bytes, cols, dtype, impl_names, reps, lines):
+def table_row(op, impl, rows, cols, dtype, gbs, ceil_gbs, xla_gbs):
+    """One markdown row: op, impl, rows x cols, dtype, payload, GB/s, of ceiling, vs xla."""
+    payload = rows * cols * dtype.itemsize / MIB
+    vs = f"{gbs / xla_gbs:.2f}x" if xla_gbs else "-"
+    return (
+        f"| {op} | {impl} | {rows} x {cols} | {dtype.name} | "
+        f"{payload:.0f} | {gbs:.0f} | {gbs / ceil_gbs:.2f} | {vs} |"
+    )
+
+
+def measure(size_bytes, cols, dtype, impl_names, args, lines):
     """Measures every op and impl at one size; emits the ceiling line and table rows."""
-    iters = _iters(size_bytes)
-    ceil_gbs, label = ceiling(size_bytes, iters, reps)
-    _emit(f"ceiling {size_bytes // MIB} MiB copy: {ceil_gbs:.0f} GB/s ({label})", lines)
+    bufs = make_buffers(size_bytes, cols, dtype)
+    row_bytes = cols * dtype.itemsize
+    payload = bufs.rows * row_bytes
+    plan = plan_for(2 * payload, args.iters, args.reps)
+    ceil_gbs, label = ceiling(bufs, payload, plan)
+    _emit(f"ceiling {payload // MIB} MiB copy: {ceil_gbs:.0f} GB/s ({label})", lines)
     xla = {}
     for impl in impl_names:
-        for case in cases(size_bytes, cols, dtype, impl):
-            step, init = case.make()
-            gbs = case.moved / time_loop(step, init, iters, reps) / 1e9
-            xla.setdefault(case.op, gbs if impl == "xla" else None)
-            _emit(table_row(case, impl, gbs, ceil_gbs, xla[case.op]), lines)
+        for op in OPS:
+            gbs = op_gbs(op, bufs, impl, None, plan, row_bytes)
+            xla.setdefault(op, gbs if impl == "xla" else None)
+            _emit(table_row(op, impl, bufs.rows, cols, dtype, gbs, ceil_gbs, xla[op]), lines)
 
 
-def sweep(size_bytes, cols, dtype, impl_names, reps, lines, ops):
-    """Emits ``sweep op impl block warps GB/s`` over the ``CopyConfig`` grid."""
-    iters = _iters(size_bytes)
+def sweep(size_bytes, cols, dtype, impl_names, args, lines):
+    """Times ``SWEEP_CONFIGS`` per kernel impl and op; emits points, then a best-of table."""
+    bufs = make_buffers(size_bytes, cols, dtype)
+    row_bytes = cols * dtype.itemsize
+    plan = plan_for(2 * bufs.rows * row_bytes, args.iters, args.reps)
+    ceil_gbs, label = ceiling(bufs, bufs.rows * row_bytes, plan)
+    _emit(f"sweep ceiling {size_bytes // MIB} MiB copy: {ceil_gbs:.0f} GB/s ({label})", lines)
+    best = {}
     for impl in (i for i in impl_names if i != "xla"):
-        for block in SWEEP_BLOCKS:
-            for warps in SWEEP_WARPS:
-                cfg = config_lib.CopyConfig(block_elems=block, num_warps=warps)
-                for case in cases(size_bytes, cols, dtype, impl, cfg):
-                    if case.op not in ops:
-                        continue
-                    step, init = case.make()
-                    gbs = case.moved / time_loop(step, init, iters, reps) / 1e9
-                    _emit(f"sweep {case.op} {impl} block={block} warps={warps}: {gbs:.0f}", lines)
+        for block, warps, evict in SWEEP_CONFIGS:
+            cfg = config_lib.CopyConfig(block_elems=block, num_warps=warps, eviction_policy=evict)
+            for op in args.sweep_ops.split(","):
+                gbs = op_gbs(op, bufs, impl, cfg, plan, row_bytes)
+                _emit(f"sweep {op} {impl} {cfg.describe()}: {gbs:.0f} GB/s", lines)
+                if gbs > best.get((op, impl), (0, None))[0]:
+                    best[op, impl] = (gbs, cfg)
+    _emit(f"best config per op and impl at {size_bytes // MIB} MiB:", lines)
+    _emit("| op | impl | best config | GB/s | of ceiling |", lines)
+    _emit("|---|---|---|---|---|", lines)
+    for (op, impl), (gbs, cfg) in best.items():
+        _emit(f"| {op} | {impl} | {cfg.describe()} | {gbs:.0f} | {gbs / ceil_gbs:.2f} |", lines)
 
 
 def _parse(argv):
@@ -230,15 +332,16 @@ def _parse(argv):
     p.add_argument("--cols", type=int, default=4096)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--impls", default=None, help="comma list; default: all available here")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=5, help="timed batches per case (median)")
+    p.add_argument("--iters", type=int, default=0, help="calls per timed batch (0: automatic)")
     p.add_argument("--sweep-mib", type=int, default=0, help="also sweep configs at this size")
-    p.add_argument("--sweep-ops", default="dp_memcpy(dst@off),slice_pad,merge_rows")
+    p.add_argument("--sweep-ops", default=SWEEP_OPS)
     p.add_argument("--out", default=None, help="also write the report to this file")
     return p.parse_args(argv)
 
 
 def main(argv):
-    """Prints the kernel bandwidth table (and an optional config sweep)."""
+    """Prints the kernel bandwidth table (and an optional config sweep with its summary)."""
     args = _parse(argv)
     dtype = jnp.dtype(args.dtype)
     platform = jax.default_backend()
@@ -248,16 +351,16 @@ def main(argv):
     lines = []
     _emit(
         f"date {datetime.date.today()}  device {jax.devices()[0].device_kind}  "
-        f"jax {jax.__version__}  default impl {impls_lib.resolve(None)}",
+        f"jax {jax.__version__}  default impl {impls_lib.resolve(None)}  "
+        f"default config {config_lib.SLICE_PAD.describe()}",
         lines,
     )
-    if args.sweep_mib:
-        ops = args.sweep_ops.split(",")
-        sweep(args.sweep_mib * MIB, args.cols, dtype, names, args.reps, lines, ops)
     for line in TABLE_HEAD:
         _emit(line, lines)
     for mib in map(int, filter(None, args.sizes_mib.split(","))):
-        measure(mib * MIB, args.cols, dtype, names, args.reps, lines)
+        measure(mib * MIB, args.cols, dtype, names, args, lines)
+    if args.sweep_mib:
+        sweep(args.sweep_mib * MIB, args.cols, dtype, names, args, lines)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
