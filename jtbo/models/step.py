@@ -128,13 +128,13 @@ def _contexts(per_rank, replicated, box, dispatchers, child_capacity):
     ]
 
 
-def _run_tbo(ops, delta, per_rank, contexts, child_capacity):
+def _run_tbo(ops, delta, per_rank, contexts, child_capacity, barriers):
     """Both micro-batches staggered; their logits merged back at the parent offsets."""
     t, n = per_rank["split_token_index"], per_rank["num_tokens"]
     inputs = dict(input_ids=per_rank["input_ids"], positions=per_rank["positions"])
     children = activations.split_inputs(inputs, t, n, child_capacity=child_capacity)
     outputs = operations.execute_overlapped_operations(
-        children, [ops, ops], [0, delta], contexts_arr=contexts, barriers=True
+        children, [ops, ops], [0, delta], contexts_arr=contexts, barriers=barriers
     )
     capacity = per_rank["input_ids"].shape[0]
     merged = activations.merge_outputs(*outputs, t, n, out_len=capacity)
@@ -169,7 +169,9 @@ def step_body(
         inputs = dict(input_ids=per_rank["input_ids"], positions=per_rank["positions"])
         logits = operations.execute_operations(inputs, ops, context=contexts[0])["logits"]
     else:
-        logits = _run_tbo(ops, delta, per_rank, contexts, child_capacity)
+        logits = _run_tbo(
+            ops, delta, per_rank, contexts, child_capacity, parallel.tbo_round_barriers
+        )
     # Summed over the EP group so every process reads the same counts (16 bytes; the one
     # collective outside both micro-batches).
     overflow = jax.lax.psum(jnp.stack(box.overflow), mesh_lib.TP_AXES)
