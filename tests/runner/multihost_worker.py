@@ -1,43 +1,55 @@
 """One process of the multi-host test: ``python -m tests.runner.multihost_worker ID N PORT OUT``.
 
-Sets up its own 4-device CPU platform and gloo collectives before jax loads, joins the
-``jax.distributed`` run at ``127.0.0.1:PORT`` as process ``ID`` of ``N``, runs the scenario
-(``multihost_scenario``: TBO off and on, then the refusal cases) and pickles its results to
-``OUT``.
+Sets up its own CPU platform (``TOTAL_DEVICES // N`` devices) before jax loads; with ``N > 1``
+it joins the ``jax.distributed`` run at ``127.0.0.1:PORT`` as process ``ID`` with gloo CPU
+collectives. It serves ``multihost_scenario`` (TBO off and on; with ``N > 1`` then the refusal
+cases) and pickles its results to ``OUT``. ``N = 1`` is the single-process reference run, with
+the same XLA flags as the processes it is compared with.
 """
 
 import os
 import pickle
 import sys
 
-LOCAL_DEVICES = 4
+TOTAL_DEVICES = 8
+# Cheaper CPU compiles: the test compiles the same handful of steps in three processes.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def xla_flags(num_processes: int) -> str:
+    """The ``XLA_FLAGS`` of one of ``num_processes`` processes sharing ``TOTAL_DEVICES``."""
+    count = TOTAL_DEVICES // num_processes
+    return f"--xla_force_host_platform_device_count={count} {FAST_COMPILE_FLAGS}"
 
 
 def main(argv: list[str]) -> None:
-    """Runs the scenario as one process of a ``jax.distributed`` run (see the module docstring).
+    """Runs the scenario as one process (see the module docstring).
 
     Args:
       argv: ``[process_id, num_processes, port, out_path]``.
     """
     process_id, num_processes, port, out_path = int(argv[0]), int(argv[1]), argv[2], argv[3]
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={LOCAL_DEVICES}"
+    os.environ["XLA_FLAGS"] = xla_flags(num_processes)
     import jax  # noqa: PLC0415 - only after the environment above is set
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=num_processes,
-        process_id=process_id,
-    )
+    if num_processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=num_processes,
+            process_id=process_id,
+        )
     from tests.runner import multihost_scenario  # noqa: PLC0415 - imports jax-using modules
 
     results, plain = multihost_scenario.serve(False)
     results.update(multihost_scenario.serve(True)[0])
-    results["refusals"] = multihost_scenario.refusals(plain)
+    if num_processes > 1:
+        results["refusals"] = multihost_scenario.refusals(plain)
     with open(out_path, "wb") as f:
         pickle.dump(results, f)
-    jax.distributed.shutdown()
+    if num_processes > 1:
+        jax.distributed.shutdown()
 
 
 if __name__ == "__main__":
