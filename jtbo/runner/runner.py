@@ -43,7 +43,14 @@ class ExpertCapacityError(ep_overflow.CapacityOverflowError):
 
 
 class ModelRunner:
-    """Runs a ``MoEModel`` with DP attention, EP or TP MoE, and optional two-batch overlap."""
+    """Runs a ``MoEModel`` with DP attention, EP or TP MoE, and optional two-batch overlap.
+
+    Attributes:
+      dp_rank_owners: per DP rank, the process that drives it (its mesh row's devices).
+      local_dp_ranks: the DP ranks this process drives, in rank order (``forward``'s batches).
+      multiprocess: whether the mesh spans other processes' devices (``jax.distributed``).
+      num_steps: device steps run; num_tbo_steps: those run with two-batch overlap.
+    """
 
     def __init__(
         self,
