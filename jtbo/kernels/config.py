@@ -88,11 +88,9 @@ class CopyConfig:
         return label
 
 
-# H200, bf16 (BENCHMARKS.md). 256 MiB, per-call-launch era: 4096 x 16 warps was the best
-# triton point measured, 16384 x 4 level with it; 16384 x 16 keeps 4 vectors per thread
-# in flight (see the module docstring) and block_for shrinks it for small copies. At
-# 1 MiB XLA's fused scatter beat both kernels on dp_memcpy(dst at offset), hence the
-# cut-over.
-DP_MEMCPY = CopyConfig(xla_below_bytes=1 << 20)
-SLICE_PAD = CopyConfig()
-MERGE_ROWS = CopyConfig()
+# H200, bf16, 256 MiB (BENCHMARKS.md, 2026-11-29 sweep with the in-kernel window): pallas
+# 4096 x 16 warps reached 0.98 of the copy ceiling on dp_memcpy and 0.97 on slice_pad;
+# merge_rows peaked at 8192 x 16 warps (0.95). block_for shrinks blocks for small copies.
+DP_MEMCPY = CopyConfig(block_elems=4096, num_warps=16)
+SLICE_PAD = CopyConfig(block_elems=4096, num_warps=16)
+MERGE_ROWS = CopyConfig(block_elems=8192, num_warps=16)
