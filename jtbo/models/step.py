@@ -296,6 +296,11 @@ class Step:
         )  # fmt: skip
         return self.jitted(key)(params, kv_cache, per_rank, replicated)
 
+    @property
+    def num_keys(self) -> int:
+        """Compile keys seen so far (each traced exactly once)."""
+        return len(self._jitted)
+
     def compile_count(self) -> int:
         """Programs compiled so far over every key."""
         return sum(jitted._cache_size() for jitted in self._jitted.values())

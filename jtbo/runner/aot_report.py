@@ -5,6 +5,33 @@ Builds the same jitted ``shard_map`` step the runner serves, for a mesh of descr
 arrays of a real host plan (``planning.plan_step`` over synthetic EXTEND or DECODE batches),
 then measures it with ``jtbo.overlap.report.overlap_report``. Needs the ``aot`` extra and
 ``JAX_PLATFORMS=cpu``.
+
+Findings (``MoEConfig.tiny()``, 4 x 2 H200 compile, 64 tokens / sequences per DP rank, bf16,
+``tbo_compiler_options``; every collective of the step is in the denominator):
+
+* Start: TBO only around the MoE layers - prefill 0.955, decode 0.907. Uncovered: the dense
+  layer's attention all-reduce over attn_tp (8 KiB, before the split: neither micro-batch's),
+  the 4-byte overflow psum after the merge, and in decode (``d = 2``) A's first MoE attention
+  all-reduce (A's lone stages) and B's last attn_tp all-gather after ``combine_b`` (B's lone
+  stages).
+* Fix 1, issue order / ownership (``jtbo.models.step_operations``): the embedding, dense
+  layers and LM head run per micro-batch; the dense layers are cut into stages so A's lone
+  decode stages hold no collective, and the LM head is a last stage so B's last collective
+  runs beside A's LM head.
+* The collectives EP dispatcher sent each dispatch as two all-to-alls (rows, then the int32
+  expert ids); XLA:GPU keeps one async collective in flight by default, and the extra one
+  left its neighbours uncovered (decode 0.659). Fix 2: the ids ride in the rows' all-to-all
+  as bitcast columns (``collectives.ep_dispatch``): prefill 1.000, decode 0.859.
+* Fix 3, no round barriers (``ParallelConfig.tbo_round_barriers=False``): with barriers,
+  B's two MoE attention all-reduces and A's first combine all-to-all stayed synchronous (the
+  barrier pins each round, and a round held two collectives where the overlap limit allows
+  one); without them XLA places every collective: prefill 1.000, decode 1.000 (0.9999: the
+  16-byte overflow psum, which stays outside both micro-batches so that every process reads
+  the same counts, is the only uncovered collective). Same for the Qwen3-style layout and for
+  8 x 1. (The toy stack of ``jtbo.overlap.report`` measured the opposite - barriers helped -
+  so this is per program; measure.)
+* At 8 tokens per DP rank (2 rows per device) XLA still left B's first MoE all-reduce and A's
+  first dispatch synchronous (0.879); from 16 tokens per rank on: 1.000.
 """
 
 import jax

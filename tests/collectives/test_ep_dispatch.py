@@ -196,6 +196,25 @@ def test_expert_inputs_are_capacity_slots_and_no_retrace():
         assert got == want, expert
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_narrow_rows_carry_their_expert_ids_bit_exact(dtype):
+    # The dense exchange bitcasts the int32 expert ids into extra row columns: every id,
+    # -1 (a NaN bit pattern in 16-bit floats) included, must come back exact.
+    rng = np.random.default_rng(11)
+    hidden, ids, weights, num_valid = routing(rng)
+    dispatcher = ep_config.create_ep_dispatcher(
+        harness.mesh(4, 2), num_experts=NUM_EXPERTS, num_tokens=TOKENS, top_k=TOP_K
+    )
+    narrow = hidden.astype(dtype)
+    out, overflow, _ = run(dispatcher, 4, True, narrow, ids, weights, num_valid)
+    want, want_overflow = reference(
+        np.asarray(narrow, np.float32), ids, weights, num_valid,
+        dispatcher.peer_capacity, dispatcher.expert_capacity, scale=True,
+    )  # fmt: skip
+    chex.assert_trees_all_close(np.asarray(out, np.float32), want, rtol=2e-2, atol=2e-2)
+    np.testing.assert_array_equal(overflow.reshape(NUM_DEVICES, 2), want_overflow)
+
+
 def test_ragged_on_cpu_is_a_clear_error():
     with pytest.raises(ValueError, match="ragged.*GPU"):
         ep_config.create_ep_dispatcher(

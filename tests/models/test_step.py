@@ -1,15 +1,22 @@
-"""Parameter sharding specs, layout options, and operation names vs the strategy layouts."""
+"""Parameter specs, layout options, strategy layouts, overlap coverage and the trace guard."""
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jtbo import aot
+from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import layer_ops, step
 from jtbo.models import model as model_lib
-from jtbo.overlap import strategy
+from jtbo.overlap import report, strategy
+from jtbo.runner import aot_report, planning
+from jtbo.runner import runner as runner_lib
 from jtbo.split import ForwardMode
+from tests.runner import helpers
 
 
 @pytest.mark.parametrize("backend", ["ep", "none"])
@@ -52,3 +59,41 @@ def test_parallel_config_rejects_bad_values():
         layer_ops.ParallelConfig("ep", 1, 8, ep_overflow_policy="drop")
     with pytest.raises(ValueError, match="ep_exchange"):
         layer_ops.ParallelConfig("ep", 1, 8, ep_exchange="sparse")
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_tbo_step_covers_its_collectives_on_an_h200_compile(mode):
+    # Issue 5's target (>= 0.95 of collective bytes under the other micro-batch's compute)
+    # for the model's own step; every collective counts, the overflow psum included.
+    if not aot.aot_available():
+        pytest.skip("needs the aot extra (jax-cuda12-plugin)")
+    rep = aot_report.model_overlap_report(
+        config_lib.MoEConfig.tiny(), dp_size=4, attn_tp_size=2, mode=mode, tokens_per_rank=16
+    )
+    assert rep.coverage >= 0.95, report.format_report(rep)
+    assert all(window.micro_batch for window in rep.windows if window.num_bytes > 16)
+
+
+def test_step_key_traces_once_and_a_retrace_fails_loudly():
+    config = config_lib.MoEConfig.tiny()
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    runner = runner_lib.ModelRunner(
+        model, mesh_lib.make_mesh(8, 1), max_total_tokens=32, max_running_requests=2,
+        token_buckets=(8,), dtype=jnp.float32,
+    )  # fmt: skip
+    batches = [helpers.Rank().extend({0: [3, 4, 5]})] + [None] * 7
+    runner.forward(batches)
+    runner.forward([helpers.Rank().extend({1: [6, 7]})] + [None] * 7)
+    assert runner._step.num_keys == 1  # and the guard let the second step through
+    plan = planning.plan_step([b or planning.idle_batch() for b in batches], runner.options)
+    built = runner._step
+    dispatchers = built.dispatchers.for_step(plan.capacity, plan.child_capacity)
+    key = built.key(
+        plan.per_rank, plan.replicated, mode=int(plan.mode), child_capacity=None,
+        dispatchers=dispatchers,
+    )  # fmt: skip
+    # Same key, but positions turned float: jit would silently retrace; the guard refuses.
+    bad = dict(plan.per_rank, positions=plan.per_rank["positions"].astype(np.float32))
+    cache = kv_cache_lib.KVCache(k=runner._k, v=runner._v, req_to_token=runner.req_to_token)
+    with pytest.raises(AssertionError, match="traced > 1 times"):
+        built.jitted(key)(runner._params, cache, bad, plan.replicated)
