@@ -139,6 +139,17 @@ def attention_operations(layer: model_lib.DecoderLayer, parallel: ParallelConfig
         )
         state.hidden_states_after_attn = out
 
+    return dict(
+        comm_prepare_attn=comm_prepare_attn,
+        attn_prepare=attn_prepare,
+        attn_core=attn_core,
+        comm_prepare_mlp=_comm_prepare_mlp(layer, parallel),
+    )
+
+
+def _comm_prepare_mlp(layer: model_lib.DecoderLayer, parallel: ParallelConfig):
+    """Output projection, its sum over attn_tp (all-reduce), residual add, post-attn norm."""
+
     def comm_prepare_mlp(state):
         out = layer.attn.output(state.pop("hidden_states_after_attn"))
         if parallel.attn_tp_size > 1:
@@ -147,12 +158,7 @@ def attention_operations(layer: model_lib.DecoderLayer, parallel: ParallelConfig
         state.residual_after_comm_pre_mlp = residual
         state.hidden_states_mlp_input = layer.post_attn_norm(residual)
 
-    return dict(
-        comm_prepare_attn=comm_prepare_attn,
-        attn_prepare=attn_prepare,
-        attn_core=attn_core,
-        comm_prepare_mlp=comm_prepare_mlp,
-    )
+    return comm_prepare_mlp
 
 
 def _postprocess(state, mlp_output):

@@ -44,7 +44,21 @@ def ep_operations(moe: model_lib.MoEBlock, attn_tp_size: int) -> dict:
     Returns:
       Operation name -> callable.
     """
-    tp = attn_tp_size
+
+    def experts_op(state):
+        inputs, dispatch_state = state.pop("dispatch_output")
+        outputs = experts.experts_ffn_slots(inputs, *moe.experts.weights)
+        state.expert_output = (outputs, dispatch_state)
+
+    return dict(
+        **_ep_dispatch_operations(attn_tp_size),
+        experts=experts_op,
+        **_ep_combine_operations(attn_tp_size),
+    )
+
+
+def _ep_dispatch_operations(tp: int) -> dict:
+    """``dispatch_a`` (issue; the exchange stays ``InFlight``) and ``dispatch_b`` (consume)."""
 
     def dispatch_a(state):
         x = _attn_tp_shard(state.hidden_states_mlp_input, tp)
@@ -61,10 +75,11 @@ def ep_operations(moe: model_lib.MoEBlock, attn_tp_size: int) -> dict:
         state.step_box.add_overflow(state.micro_batch, dispatch_state.overflow)
         state.dispatch_output = (inputs, dispatch_state)
 
-    def experts_op(state):
-        inputs, dispatch_state = state.pop("dispatch_output")
-        outputs = experts.experts_ffn_slots(inputs, *moe.experts.weights)
-        state.expert_output = (outputs, dispatch_state)
+    return dict(dispatch_a=dispatch_a, dispatch_b=dispatch_b)
+
+
+def _ep_combine_operations(tp: int) -> dict:
+    """``combine_a`` (issue the way back) and ``combine_b`` (weighted sum, attn_tp gather)."""
 
     def combine_a(state):
         outputs, dispatch_state = state.pop("expert_output")
@@ -77,13 +92,7 @@ def ep_operations(moe: model_lib.MoEBlock, attn_tp_size: int) -> dict:
             out = jax.lax.all_gather(out, mesh_lib.ATTN_TP_AXIS, axis=0, tiled=True)
         state.hidden_states_after_combine = out
 
-    return dict(
-        dispatch_a=dispatch_a,
-        dispatch_b=dispatch_b,
-        experts=experts_op,
-        combine_a=combine_a,
-        combine_b=combine_b,
-    )
+    return dict(combine_a=combine_a, combine_b=combine_b)
 
 
 def gather_operations(moe: model_lib.MoEBlock) -> dict:

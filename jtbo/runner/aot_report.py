@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jtbo import aot, split
+from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import layer_ops, step
@@ -114,29 +115,11 @@ def model_overlap_report(
         lambda: model_lib.cast(model_lib.MoEModel(config, rngs=nnx.Rngs(0)), dtype)
     )
     parallel = layer_ops.ParallelConfig(moe_a2a_backend, attn_tp_size, dp_size * attn_tp_size)
-    max_context = tokens_per_rank + 16
-    options = planning.PlanOptions(
-        attn_tp_size=attn_tp_size, token_buckets=(tokens_per_rank,), seq_capacity=tokens_per_rank,
-        max_context=max_context, enable_tbo=enable_tbo, threshold=0.48,
-    )  # fmt: skip
-    batches = [_synthetic(ForwardMode(mode), tokens_per_rank, 4)] * dp_size
-    plan = planning.plan_step(batches, options)
-    if enable_tbo and plan.child_capacity is None:
-        raise ValueError(f"the synthetic {ForwardMode(mode).name} plan cannot run TBO")
+    plan = _synthetic_plan(ForwardMode(mode), dp_size, attn_tp_size, tokens_per_rank, enable_tbo)
     _, params = nnx.split(model)
-    kv_shape = (dp_size, config.num_layers, max_context + 1, config.num_key_value_heads,
-                config.head_dim)  # fmt: skip
-    kv = step.KV_CACHE_SPEC.__class__(
-        k=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=NamedSharding(mesh, step.KV_CACHE_SPEC.k)),
-        v=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=NamedSharding(mesh, step.KV_CACHE_SPEC.v)),
-        req_to_token=jax.ShapeDtypeStruct(
-            (dp_size, tokens_per_rank, max_context), jnp.int32,
-            sharding=NamedSharding(mesh, step.KV_CACHE_SPEC.req_to_token),
-        ),
-    )  # fmt: skip
     args = (
         _abstract(params, mesh, step.param_specs(params, moe_a2a_backend)),
-        kv,
+        _abstract_kv_cache(config, mesh, dp_size, tokens_per_rank, dtype),
         _abstract(plan.per_rank, mesh, jax.tree.map(lambda _: P(mesh_lib.DP_AXIS), plan.per_rank)),
         _abstract(plan.replicated, mesh, jax.tree.map(lambda _: P(), plan.replicated)),
     )
@@ -148,3 +131,37 @@ def model_overlap_report(
     )  # fmt: skip
     compiler_options = xla_options.tbo_compiler_options() if enable_tbo else None
     return report.overlap_report(built.jitted(key), args, compiler_options=compiler_options)
+
+
+def _max_context(tokens_per_rank: int) -> int:
+    return tokens_per_rank + 16
+
+
+def _synthetic_plan(
+    mode: ForwardMode, dp_size: int, attn_tp_size: int, tokens_per_rank: int, enable_tbo: bool
+) -> planning.StepPlan:
+    """The host plan of every DP rank running the same synthetic batch."""
+    options = planning.PlanOptions(
+        attn_tp_size=attn_tp_size, token_buckets=(tokens_per_rank,), seq_capacity=tokens_per_rank,
+        max_context=_max_context(tokens_per_rank), enable_tbo=enable_tbo, threshold=0.48,
+    )  # fmt: skip
+    plan = planning.plan_step([_synthetic(mode, tokens_per_rank, 4)] * dp_size, options)
+    if enable_tbo and plan.child_capacity is None:
+        raise ValueError(f"the synthetic {mode.name} plan cannot run TBO")
+    return plan
+
+
+def _abstract_kv_cache(config, mesh, dp_size: int, tokens_per_rank: int, dtype):
+    """``ShapeDtypeStruct``s of the KV pools and page table, sharded like the runner's."""
+    max_context = _max_context(tokens_per_rank)
+    kv_shape = (dp_size, config.num_layers, max_context + 1, config.num_key_value_heads,
+                config.head_dim)  # fmt: skip
+    specs = step.KV_CACHE_SPEC
+    return kv_cache_lib.KVCache(
+        k=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=NamedSharding(mesh, specs.k)),
+        v=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=NamedSharding(mesh, specs.v)),
+        req_to_token=jax.ShapeDtypeStruct(
+            (dp_size, tokens_per_rank, max_context), jnp.int32,
+            sharding=NamedSharding(mesh, specs.req_to_token),
+        ),
+    )  # fmt: skip
