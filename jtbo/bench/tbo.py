@@ -42,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--attn-tp", type=int, default=1)
     parser.add_argument("--moe-a2a-backend", choices=("ep", "none"), default="ep")
     parser.add_argument("--ep-capacity-factor", type=float, default=4.0)
+    parser.add_argument(
+        "--ep-overflow-policy", choices=("rerun", "raise"), default="rerun",
+        help="a step that overflows EP capacity re-runs with the next bucket (warm-up absorbs it)",
+    )  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="MoEConfig.tiny() (smoke test)")
     return parser
 
@@ -108,7 +112,7 @@ def main(argv) -> None:
         model, mesh, moe_a2a_backend=args.moe_a2a_backend, max_total_tokens=largest + 1,
         max_running_requests=max(args.decode + [largest // args.prompt_len + 1]),
         token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.bfloat16,
-        ep_capacity_factor=args.ep_capacity_factor,
+        ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
     )  # fmt: skip
     del model
     print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; dp={args.dp}, "
