@@ -365,8 +365,12 @@ def main(argv):
     lines = []
     _emit(
         f"date {datetime.date.today()}  device {jax.devices()[0].device_kind}  "
-        f"jax {jax.__version__}  default impl {impls_lib.resolve(None)}  "
-        f"default config {config_lib.SLICE_PAD.describe()}",
+        f"jax {jax.__version__}  defaults (>= 1 MiB): "
+        + ", ".join(
+            f"{op} {impls_lib.resolve(None, op=op, payload_bytes=MIB)}" for op in impls_lib.FASTEST
+        )
+        + f"; configs dp_memcpy {config_lib.DP_MEMCPY.describe()}, slice_pad "
+        f"{config_lib.SLICE_PAD.describe()}, merge_rows {config_lib.MERGE_ROWS.describe()}",
         lines,
     )
     for line in TABLE_HEAD:

@@ -6,7 +6,7 @@ through the Triton lowering on GPUs and through the Pallas interpreter on the CP
 jax-triton is imported on first use, since it does not import on a CPU-only
 jaxlib. An impl asked for by name either serves the call or raises
 ``KernelUnavailableError``; ``impl=None`` takes the first available impl in the
-backend's order of measured speed (``FASTEST``).
+op's and backend's order of measured speed (``FASTEST``).
 """
 
 import functools
@@ -16,10 +16,20 @@ import jax
 
 IMPLS = ("xla", "pallas", "triton")
 
-# Fastest first, per backend. H200, bf16 (BENCHMARKS.md): pallas matched or beat triton
-# on every op at 256 MiB and on dp_memcpy at 16 MiB (triton led slice_pad / merge_rows
-# there by 5-10 %); on the CPU the interpreter is for testing only.
-FASTEST = {"gpu": ("pallas", "triton", "xla"), "cpu": ("xla",)}
+# Fastest first, per op and backend. H200, bf16, 2026-11-29 (BENCHMARKS.md): dp_memcpy's
+# pallas kernel ran at 0.94-0.98 of the copy ceiling, 7.5x XLA's row scatter. For
+# slice_pad and merge_rows XLA's own program measured *above* the copy ceiling (1.1-1.3x
+# at 256 MiB-1 GiB): XLA fuses the slice / pad / merge into neighbouring work and skips
+# the standalone copy, which no custom kernel can do, so xla stays their default and the
+# kernels (0.93-0.95 of the ceiling) serve explicit requests. On the CPU the Pallas
+# interpreter is for testing only.
+_GPU_KERNEL_FIRST = ("pallas", "triton", "xla")
+_GPU_XLA_FIRST = ("xla", "pallas", "triton")
+FASTEST = {
+    "dp_memcpy": {"gpu": _GPU_KERNEL_FIRST, "cpu": ("xla",)},
+    "slice_pad": {"gpu": _GPU_XLA_FIRST, "cpu": ("xla",)},
+    "merge_rows": {"gpu": _GPU_XLA_FIRST, "cpu": ("xla",)},
+}
 
 
 class KernelUnavailableError(RuntimeError):
@@ -51,11 +61,12 @@ def unavailable_reason(impl: str, platform: str) -> str | None:
     return None
 
 
-def resolve(impl: str | None, *, payload_bytes: int = 0, xla_below_bytes: int = 0) -> str:
+def resolve(impl: str | None, *, op: str, payload_bytes: int = 0, xla_below_bytes: int = 0) -> str:
     """Returns the impl that serves a call.
 
     Args:
-      impl: one of ``IMPLS`` or None for the fastest available on this backend.
+      impl: one of ``IMPLS`` or None for the fastest available for ``op`` on this backend.
+      op: the op's name, a key of ``FASTEST``.
       payload_bytes: the largest number of bytes the call can copy (static).
       xla_below_bytes: with ``impl=None``, payloads up to this size take ``"xla"``.
 
@@ -70,7 +81,7 @@ def resolve(impl: str | None, *, payload_bytes: int = 0, xla_below_bytes: int = 
     if impl is None and payload_bytes <= xla_below_bytes:
         return "xla"
     if impl is None:
-        order = FASTEST.get(platform, ("xla",))
+        order = FASTEST[op].get(platform, ("xla",))
         return next(name for name in order if unavailable_reason(name, platform) is None)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")

@@ -146,7 +146,10 @@ def dp_memcpy(dst, src, offset, size, *, offset_src, impl=None, config=None):
     cfg = config or config_lib.DP_MEMCPY
     payload = min(plain.shape[0], shifted.shape[0]) * ranges.row_elems(dst.shape)
     impl = impls.resolve(
-        impl, payload_bytes=payload * dst.dtype.itemsize, xla_below_bytes=cfg.xla_below_bytes
+        impl,
+        op="dp_memcpy",
+        payload_bytes=payload * dst.dtype.itemsize,
+        xla_below_bytes=cfg.xla_below_bytes,
     )
     if dst.size == 0 or src.size == 0:  # nothing can be copied; kernels need real buffers
         return dst

@@ -170,7 +170,7 @@ def merge_rows(parts, starts, lengths, *, out_len, impl=None, config=None):
     for k, part in enumerate(parts):
         ranges.check_pair(parts[0], part, "parts[0]", f"parts[{k}]")
     out_len = ranges.check_static_rows(out_len, "out_len")
-    impl = impls.resolve(impl)
+    impl = impls.resolve(impl, op="merge_rows")
     starts = _scalars(starts, len(parts), "starts")
     lengths = _scalars(lengths, len(parts), "lengths")
     cfg = config or config_lib.MERGE_ROWS

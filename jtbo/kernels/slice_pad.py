@@ -125,7 +125,7 @@ def slice_pad(x, start, length, *, capacity, impl=None, config=None):
     capacity = ranges.check_static_rows(capacity, "capacity")
     start = ranges.as_row_scalar(start, "start")
     length = ranges.as_row_scalar(length, "length")
-    impl = impls.resolve(impl)
+    impl = impls.resolve(impl, op="slice_pad")
     cfg = config or config_lib.SLICE_PAD
     if x.size == 0 or capacity == 0 or ranges.row_elems(x.shape) == 0:
         return jnp.zeros((capacity, *x.shape[1:]), x.dtype)  # nothing to copy

@@ -21,16 +21,25 @@ def test_triton_unavailable_on_cpu_names_impl_and_reason():
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU backend")
 def test_default_on_cpu_is_xla():
-    assert impls.resolve(None) == "xla"
+    assert all(impls.resolve(None, op=op) == "xla" for op in impls.FASTEST)
 
 
 def test_default_is_available_here():
-    assert impls.unavailable_reason(impls.resolve(None), jax.default_backend()) is None
+    for op in impls.FASTEST:
+        assert impls.unavailable_reason(impls.resolve(None, op=op), jax.default_backend()) is None
+
+
+def test_gpu_defaults_follow_measurement(monkeypatch):
+    monkeypatch.setattr(impls, "backend", lambda: "gpu")
+    monkeypatch.setattr(impls, "unavailable_reason", lambda impl, platform: None)
+    assert impls.resolve(None, op="dp_memcpy", payload_bytes=1 << 20) == "pallas"
+    assert impls.resolve(None, op="slice_pad") == "xla"
+    assert impls.resolve(None, op="merge_rows") == "xla"
 
 
 def test_unknown_impl_raises():
     with pytest.raises(ValueError, match="impl must be one of"):
-        impls.resolve("cuda")
+        impls.resolve("cuda", op="dp_memcpy")
 
 
 def test_pallas_int32_guard():
@@ -42,9 +51,10 @@ def test_pallas_int32_guard():
 def test_default_small_copies_take_xla(monkeypatch):
     monkeypatch.setattr(impls, "backend", lambda: "gpu")
     monkeypatch.setattr(impls, "unavailable_reason", lambda impl, platform: None)
-    assert impls.resolve(None, payload_bytes=4096, xla_below_bytes=1 << 20) == "xla"
+    small, large = {"payload_bytes": 4096}, {"payload_bytes": 2 << 20}
+    assert impls.resolve(None, op="dp_memcpy", **small, xla_below_bytes=1 << 20) == "xla"
     assert (
-        impls.resolve(None, payload_bytes=2 << 20, xla_below_bytes=1 << 20)
-        == impls.FASTEST["gpu"][0]
+        impls.resolve(None, op="dp_memcpy", **large, xla_below_bytes=1 << 20)
+        == impls.FASTEST["dp_memcpy"]["gpu"][0]
     )
-    assert impls.resolve("pallas", payload_bytes=4096, xla_below_bytes=1 << 20) == "pallas"
+    assert impls.resolve("pallas", op="dp_memcpy", **small, xla_below_bytes=1 << 20) == "pallas"
