@@ -226,6 +226,37 @@ def _sharded_step(graphdef, parallel, mesh, specs, params, kv_cache, per_rank, r
     )
 
 
+SINGLE_DEVICE_DOT_MERGER_MB = 1 << 20
+"""``xla_gpu_dot_merger_threshold_mb`` of a TBO step on a one-device mesh: merge at any size."""
+
+
+def step_compiler_options(mesh: jax.sharding.Mesh, *, tbo: bool) -> dict | None:
+    """XLA options a step of ``mesh`` compiles with (None: XLA's defaults).
+
+    A TBO step on a multi-GPU mesh takes ``xla_options.tbo_compiler_options()``: micro-batch
+    A's and B's matmuls and collectives must stay apart so that one's communication can hide
+    under the other's compute. On one GPU the step has no communication to hide, and keeping
+    the matmuls apart only costs: each micro-batch then reads every weight, which is most of
+    a decode step (measured on a 1 x H200 compile of ``MoEConfig.deepseek_v3_reduced()``,
+    decode 128: 41.6 GB of top-level kernel traffic vs 21.9 GB without TBO). There the dot
+    merger is let loose instead (XLA's default stops at 32 MB, below an expert weight), so
+    A's and B's matmuls over one weight become one matmul that reads it once (22.4 GB). The
+    rows of the two micro-batches stay separate, so the numbers are the same.
+
+    Args:
+      mesh: the step's mesh.
+      tbo: whether the step runs two micro-batches.
+
+    Returns:
+      The options dict, or None for a plain step or a non-GPU mesh.
+    """
+    if not tbo or mesh_lib.mesh_platform(mesh) not in ("gpu", "cuda"):
+        return None
+    if mesh.devices.size == 1:
+        return {"xla_gpu_dot_merger_threshold_mb": SINGLE_DEVICE_DOT_MERGER_MB}
+    return xla_options.tbo_compiler_options()
+
+
 @dataclasses.dataclass(frozen=True)
 class StepKey:
     """What selects one compiled program (every field is static under jit)."""
@@ -243,15 +274,15 @@ _STEP_IDS = itertools.count()
 class Step:
     """The model step, one jitted program per ``StepKey``, each traced at most once.
 
-    TBO programs compile with the TBO XLA options on GPU (XLA:GPU would otherwise merge the
-    micro-batches' matmuls and collectives back together).
+    TBO programs compile with ``step_compiler_options`` (on a multi-GPU mesh XLA:GPU would
+    otherwise merge the micro-batches' matmuls and collectives back together).
     """
 
     def __init__(self, sharded_step, mesh: jax.sharding.Mesh, table):
         """Args: sharded_step: ``_sharded_step`` bound to the model; mesh: its mesh; table:
         the ``ep_dispatchers.DispatcherTable`` of this step's EP dispatchers."""
         self._sharded_step = sharded_step
-        self._gpu = mesh_lib.mesh_platform(mesh) in ("gpu", "cuda")
+        self._mesh = mesh
         self._jitted: dict[StepKey, Any] = {}
         self.dispatchers = table
 
@@ -281,9 +312,7 @@ class Step:
         # (Step, key) its own count, so the guard reads "this key traced once".
         model_step.__name__ = f"model_step_{next(_STEP_IDS)}"
         guarded = chex.assert_max_traces(model_step, n=1)
-        options = None
-        if self._gpu and key.child_capacity is not None:
-            options = xla_options.tbo_compiler_options()
+        options = step_compiler_options(self._mesh, tbo=key.child_capacity is not None)
         return jax.jit(guarded, donate_argnames=("kv_cache",), compiler_options=options)
 
     def __call__(

@@ -47,7 +47,7 @@ from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import layer_ops, step
 from jtbo.models import model as model_lib
-from jtbo.overlap import report, xla_options
+from jtbo.overlap import report
 from jtbo.runner import planning
 
 ForwardMode = split.ForwardMode
@@ -129,7 +129,7 @@ def model_overlap_report(
         plan.per_rank, plan.replicated, mode=int(plan.mode), child_capacity=plan.child_capacity,
         dispatchers=dispatchers,
     )  # fmt: skip
-    compiler_options = xla_options.tbo_compiler_options() if enable_tbo else None
+    compiler_options = step.step_compiler_options(mesh, tbo=enable_tbo)
     return report.overlap_report(built.jitted(key), args, compiler_options=compiler_options)
 
 
