@@ -5,9 +5,19 @@ the sequence's KV positions in blocks of ``kv_block``: it looks the block's pool
 ``req_to_token``, gathers their K/V from the layer's pool, scores the tile against them and
 folds the block into running (max, sum, weighted-value) accumulators in float32 — the
 flash-attention recurrence, so nothing of size ``tokens x max_context x heads`` ever exists.
-All tiles advance together (a batch dimension), and the block loop runs only up to the longest
-visible KV length of the step (a traced trip count), so short steps do not pay for
-``max_context``.
+Tiles advance together in *chunks* of about ``chunk_rows`` query rows (a batch dimension),
+and only chunks up to the step's last real tile run (a traced trip count): the metadata is
+sized for the worst case a static capacity can hold (e.g. every sequence of
+``seq_capacity`` one token long), so most of its tiles are usually empty, and a TBO child
+holds as many tiles as the worst case of either child. Measured on a 1 x H200 compile of
+``MoEConfig.deepseek_v3_reduced()``, prefill of 2 x 2048 tokens with ``seq_capacity`` 256:
+the step's metadata holds 316 tiles for 64 real ones, each TBO child 285, and processing all
+of them was the bulk of both steps' attention (5.6 GB of f32 score traffic per KV block).
+Within a chunk the block loop runs only up to the chunk's furthest visible KV position
+(causal: the last query's position; custom mask: ``tile_kv_len``), so short steps and the
+early tiles of a causal prompt do not pay for ``max_context``. A skipped block is fully masked
+for every row, which leaves the online-softmax accumulators exactly unchanged, so the result
+does not depend on the chunking.
 
 Masking, per (query row ``r`` of tile ``t``, KV position ``j``):
 * ``j < tile_kv_len[t]`` and row ``r < tile_q_len[t]`` always;
@@ -34,14 +44,21 @@ class NativeAttentionConfig:
 
     Attributes:
       kv_block: KV positions processed per loop step; bounds the working set to
-        ``num_tiles x kv_block x kv_heads x head_dim`` gathered K/V plus the score block.
+        ``chunk tiles x kv_block x kv_heads x head_dim`` gathered K/V plus the score block.
+      chunk_rows: query rows per chunk of tiles (``chunk_rows // query_tile`` tiles, at
+        least 1, at most all); only chunks holding real tiles run.
     """
 
     kv_block: int = 128
+    chunk_rows: int = 1024
 
     def __post_init__(self):
         if self.kv_block < 1:
             raise ValueError(f"NativeAttentionConfig.kv_block must be >= 1, got {self.kv_block}")
+        if self.chunk_rows < 1:
+            raise ValueError(
+                f"NativeAttentionConfig.chunk_rows must be >= 1, got {self.chunk_rows}"
+            )
 
 
 DEFAULT_CONFIG = NativeAttentionConfig()
@@ -116,6 +133,54 @@ def attend(
       ``[token_capacity, q_heads, v_head_dim]`` in ``q.dtype``; zeros for rows without keys
       and rows past ``md.num_tokens``.
     """
+    num_tiles = md.capacity.num_tiles
+    chunk = min(num_tiles, max(1, config.chunk_rows // md.capacity.query_tile))
+    out = jnp.zeros((q.shape[0], q.shape[1], cache.v.shape[-1]), q.dtype)
+    if chunk == num_tiles:
+        return _attend_chunk(q, cache, layer_id, md, out, scaling=scaling, config=config)
+
+    def body(c, out):
+        # The last chunk is shifted back to stay in bounds; tiles it repeats write the same
+        # rows with the same values.
+        start = jnp.minimum(c * chunk, num_tiles - chunk)
+        sub = _tile_slice(md, start, chunk)
+        return _attend_chunk(q, cache, layer_id, sub, out, scaling=scaling, config=config)
+
+    tile_ids = jnp.arange(num_tiles, dtype=jnp.int32)
+    real_end = jnp.max(jnp.where(md.tile_q_len > 0, tile_ids + 1, 0))
+    return lax.fori_loop(0, (real_end + chunk - 1) // chunk, body, out)
+
+
+def _tile_slice(md: metadata_lib.AttentionMetadata, start, size: int):
+    """Tiles ``[start, start + size)`` of ``md`` (token-level fields unchanged)."""
+    capacity = dataclasses.replace(md.capacity, num_tiles=size)
+
+    def cut(x):
+        return lax.dynamic_slice_in_dim(x, start, size, axis=0)
+
+    mask = None if md.custom_mask is None else cut(md.custom_mask)
+    return dataclasses.replace(
+        md,
+        tile_req=cut(md.tile_req),
+        tile_q_start=cut(md.tile_q_start),
+        tile_q_len=cut(md.tile_q_len),
+        tile_q_pos=cut(md.tile_q_pos),
+        tile_kv_len=cut(md.tile_kv_len),
+        custom_mask=mask,
+        capacity=capacity,
+    )
+
+
+def _visible_end(md: metadata_lib.AttentionMetadata) -> jax.Array:
+    """One past the furthest KV position any real row of ``md``'s tiles may see."""
+    end = md.tile_kv_len
+    if md.custom_mask is None:  # causal: no row sees past its own position
+        end = jnp.minimum(end, md.tile_q_pos + md.tile_q_len)
+    return jnp.max(jnp.where(md.tile_q_len > 0, end, 0))
+
+
+def _attend_chunk(q, cache, layer_id, md, out, *, scaling, config) -> jax.Array:
+    """Attends the tiles of ``md`` and writes their rows into ``out``."""
     q_tiles, token, row_valid = _tile_queries(q, md, cache.k.shape[2])
     block = config.kv_block
 
@@ -130,12 +195,11 @@ def attend(
         scores = jnp.where(visible[:, None, None, :, :], scores * scaling, -jnp.inf)
         return _online_softmax_step(carry, scores, v_block)
 
-    # Only as many blocks as the longest visible sequence of this step needs.
-    longest = jnp.max(jnp.where(md.tile_q_len > 0, md.tile_kv_len, 0))
     init = _initial_carry(q_tiles.shape, cache.v.shape[-1])
-    _, denom, acc = lax.fori_loop(0, (longest + block - 1) // block, body, init)
+    trips = (_visible_end(md) + block - 1) // block
+    _, denom, acc = lax.fori_loop(0, trips, body, init)
     tile_out = _normalise(denom, acc).astype(q.dtype)
-    return _scatter_rows(tile_out, token, row_valid, md.num_tokens, q.shape[0])
+    return _scatter_rows(out, tile_out, token, row_valid, md.num_tokens)
 
 
 def _initial_carry(q_tiles_shape, dv: int):
@@ -156,11 +220,10 @@ def _normalise(denom, acc) -> jax.Array:
     return out.transpose(0, 3, 1, 2, 4).reshape(tiles, rows, kv_heads * group, dv)
 
 
-def _scatter_rows(tile_out, token, row_valid, num_tokens, capacity: int) -> jax.Array:
-    """Writes tile rows back to their flat token rows; everything else stays zero."""
+def _scatter_rows(out, tile_out, token, row_valid, num_tokens) -> jax.Array:
+    """Writes tile rows into their flat token rows of ``out``; other rows keep their value."""
     keep = row_valid & (token < num_tokens)
-    target = jnp.where(keep, token, capacity)  # out of range: dropped
-    out = jnp.zeros((capacity, *tile_out.shape[2:]), tile_out.dtype)
+    target = jnp.where(keep, token, out.shape[0])  # out of range: dropped
     return out.at[target.reshape(-1)].set(
         tile_out.reshape(-1, *tile_out.shape[2:]), mode="drop", unique_indices=True
     )

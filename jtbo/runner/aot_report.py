@@ -107,19 +107,73 @@ def model_overlap_report(
       jtbo.aot.AotUnavailableError: the ``aot`` extra is missing.
       ValueError: the plan cannot run TBO although asked to.
     """
+    mesh = h200_mesh(dp_size, attn_tp_size)
+    jitted, args = model_step_program(
+        config, mesh, mode=mode, tokens_per_rank=tokens_per_rank, enable_tbo=enable_tbo,
+        moe_a2a_backend=moe_a2a_backend, dtype=dtype,
+    )  # fmt: skip
+    compiler_options = step.step_compiler_options(mesh, tbo=enable_tbo)
+    return report.overlap_report(jitted, args, compiler_options=compiler_options)
+
+
+def h200_mesh(dp_size: int, attn_tp_size: int) -> jax.sharding.Mesh:
+    """A ``("dp", "attn_tp")`` mesh of described H200s with Auto axes (AOT compiles only)."""
     gpus = aot.gpu_mesh((dp_size, attn_tp_size), mesh_lib.TP_AXES)
-    mesh = jax.sharding.Mesh(
+    return jax.sharding.Mesh(
         gpus.devices, mesh_lib.TP_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2
     )
+
+
+def model_step_program(
+    config: config_lib.MoEConfig,
+    mesh: jax.sharding.Mesh,
+    *,
+    mode: ForwardMode,
+    tokens_per_rank: int,
+    enable_tbo: bool,
+    seq_capacity: int | None = None,
+    moe_a2a_backend: str = "ep",
+    ep_capacity_factor: float | None = None,
+    dtype=jnp.bfloat16,
+):
+    """The runner's jitted step and abstract arguments (no parameter memory) for one plan.
+
+    Every DP rank of ``mesh`` runs the same synthetic batch (``tokens_per_rank`` tokens in 4
+    sequences, or that many decode sequences).
+
+    Args:
+      config: the model shapes.
+      mesh: a ``("dp", "attn_tp")`` mesh (``h200_mesh`` for AOT, or real devices).
+      mode: EXTEND or DECODE.
+      tokens_per_rank: tokens or sequences per DP rank (also the token bucket).
+      enable_tbo: plan with two-batch overlap.
+      seq_capacity: sequences a step may hold (sizes the attention tiles); by default
+        ``tokens_per_rank``.
+      moe_a2a_backend: "ep" or "none".
+      ep_capacity_factor: EP capacity factor (None: worst case).
+      dtype: parameter / activation dtype.
+
+    Returns:
+      ``(jitted_step, abstract_args)``: lower and compile with ``jitted_step.lower(*args)``.
+
+    Raises:
+      ValueError: the plan cannot run TBO although asked to.
+    """
+    dp_size, attn_tp_size = mesh.shape[mesh_lib.DP_AXIS], mesh.shape[mesh_lib.ATTN_TP_AXIS]
     model = nnx.eval_shape(
         lambda: model_lib.cast(model_lib.MoEModel(config, rngs=nnx.Rngs(0)), dtype)
     )
-    parallel = layer_ops.ParallelConfig(moe_a2a_backend, attn_tp_size, dp_size * attn_tp_size)
-    plan = _synthetic_plan(ForwardMode(mode), dp_size, attn_tp_size, tokens_per_rank, enable_tbo)
+    parallel = layer_ops.ParallelConfig(
+        moe_a2a_backend, attn_tp_size, dp_size * attn_tp_size, ep_capacity_factor
+    )
+    plan = _synthetic_plan(
+        ForwardMode(mode), dp_size, attn_tp_size, tokens_per_rank, enable_tbo,
+        seq_capacity or tokens_per_rank,
+    )  # fmt: skip
     _, params = nnx.split(model)
     args = (
         _abstract(params, mesh, step.param_specs(params, moe_a2a_backend)),
-        _abstract_kv_cache(config, mesh, dp_size, tokens_per_rank, dtype),
+        _abstract_kv_cache(config, mesh, dp_size, plan.per_rank, dtype),
         _abstract(plan.per_rank, mesh, jax.tree.map(lambda _: P(mesh_lib.DP_AXIS), plan.per_rank)),
         _abstract(plan.replicated, mesh, jax.tree.map(lambda _: P(), plan.replicated)),
     )
@@ -129,8 +183,7 @@ def model_overlap_report(
         plan.per_rank, plan.replicated, mode=int(plan.mode), child_capacity=plan.child_capacity,
         dispatchers=dispatchers,
     )  # fmt: skip
-    compiler_options = step.step_compiler_options(mesh, tbo=enable_tbo)
-    return report.overlap_report(built.jitted(key), args, compiler_options=compiler_options)
+    return built.jitted(key), args
 
 
 def _max_context(tokens_per_rank: int) -> int:
@@ -138,11 +191,12 @@ def _max_context(tokens_per_rank: int) -> int:
 
 
 def _synthetic_plan(
-    mode: ForwardMode, dp_size: int, attn_tp_size: int, tokens_per_rank: int, enable_tbo: bool
-) -> planning.StepPlan:
+    mode: ForwardMode, dp_size: int, attn_tp_size: int, tokens_per_rank: int, enable_tbo: bool,
+    seq_capacity: int,
+) -> planning.StepPlan:  # fmt: skip
     """The host plan of every DP rank running the same synthetic batch."""
     options = planning.PlanOptions(
-        attn_tp_size=attn_tp_size, token_buckets=(tokens_per_rank,), seq_capacity=tokens_per_rank,
+        attn_tp_size=attn_tp_size, token_buckets=(tokens_per_rank,), seq_capacity=seq_capacity,
         max_context=_max_context(tokens_per_rank), enable_tbo=enable_tbo, threshold=0.48,
     )  # fmt: skip
     plan = planning.plan_step([_synthetic(mode, tokens_per_rank, 4)] * dp_size, options)
@@ -151,9 +205,11 @@ def _synthetic_plan(
     return plan
 
 
-def _abstract_kv_cache(config, mesh, dp_size: int, tokens_per_rank: int, dtype):
+def _abstract_kv_cache(config, mesh, dp_size: int, per_rank: dict, dtype):
     """``ShapeDtypeStruct``s of the KV pools and page table, sharded like the runner's."""
+    tokens_per_rank = per_rank["input_ids"].shape[1]
     max_context = _max_context(tokens_per_rank)
+    seq_capacity = per_rank["attn_metadata"].capacity.seq_capacity
     kv_shape = (dp_size, config.num_layers, max_context + 1, config.num_key_value_heads,
                 config.head_dim)  # fmt: skip
     specs = step.KV_CACHE_SPEC
@@ -161,7 +217,7 @@ def _abstract_kv_cache(config, mesh, dp_size: int, tokens_per_rank: int, dtype):
         k=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=NamedSharding(mesh, specs.k)),
         v=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=NamedSharding(mesh, specs.v)),
         req_to_token=jax.ShapeDtypeStruct(
-            (dp_size, tokens_per_rank, max_context), jnp.int32,
+            (dp_size, seq_capacity, max_context), jnp.int32,
             sharding=NamedSharding(mesh, specs.req_to_token),
         ),
     )  # fmt: skip

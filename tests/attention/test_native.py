@@ -104,6 +104,39 @@ def test_target_verify_random_custom_mask_matches_float64():
     _check(sc, md)
 
 
+@settings(max_examples=8, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 8), st.integers(1, 6)), min_size=1, max_size=SEQS),
+    chunk_rows=st.sampled_from([1, 4, 8, 12, 20]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_chunked_tiles_match_float64_and_the_unchunked_result_exactly(lens, chunk_rows, seed):
+    # EXTEND has 9 tiles of 4 rows: chunks of 1, 2, 3 and 5 tiles (the last one shifted back
+    # over tiles already done), run only up to the last real tile.
+    prefix, new = (np.array(x) for x in zip(*lens, strict=True))
+    sc = scenarios.make(np.random.default_rng(seed), prefix, new, token_capacity=TOKENS)
+    md = _extend_metadata(sc)
+    chunked = _check(sc, md, config=native.NativeAttentionConfig(kv_block=8, chunk_rows=chunk_rows))
+    whole = _check(sc, md, config=native.NativeAttentionConfig(kv_block=8, chunk_rows=10**6))
+    np.testing.assert_array_equal(np.asarray(chunked), np.asarray(whole))
+    assert not np.asarray(chunked[sc.num_tokens :]).any()
+
+
+def test_chunked_tiles_with_custom_mask_match_float64():
+    draft = 3
+    sc = scenarios.make(
+        np.random.default_rng(11), [4, 11, 0, 2], [draft] * 4, token_capacity=15,
+        custom_mask=True,
+    )  # fmt: skip
+    md = tiling.build_metadata(
+        metadata.verify_capacity(5, draft, CONTEXT),  # the 5th tile is empty
+        req=sc.req_pool_indices, q_start=np.arange(4) * draft, q_len=np.full(4, draft),
+        q_pos=sc.prefix_lens, kv_len=sc.prefix_lens + draft, out_cache_loc=sc.out_cache_loc,
+        num_tokens=12, mask_rows=sc.mask_rows,
+    )  # fmt: skip
+    _check(sc, md, config=native.NativeAttentionConfig(kv_block=8, chunk_rows=2 * draft))
+
+
 def test_bf16_pool_close_to_float64():
     sc = scenarios.make(np.random.default_rng(6), [7, 3], [5, 4], token_capacity=TOKENS)
     cache = jax.tree.map(lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x,
@@ -155,3 +188,5 @@ def test_shape_errors_are_value_errors():
         native.forward(sc.q[:, :3], sc.k, sc.v, 1, md, sc.cache)
     with pytest.raises(ValueError, match="kv_block"):
         native.NativeAttentionConfig(kv_block=0)
+    with pytest.raises(ValueError, match="chunk_rows"):
+        native.NativeAttentionConfig(chunk_rows=0)

@@ -1,5 +1,7 @@
 """Parameter specs, layout options, strategy layouts, overlap coverage and the trace guard."""
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -97,3 +99,52 @@ def test_step_key_traces_once_and_a_retrace_fails_loudly():
     cache = kv_cache_lib.KVCache(k=runner._k, v=runner._v, req_to_token=runner.req_to_token)
     with pytest.raises(AssertionError, match="traced > 1 times"):
         built.jitted(key)(runner._params, cache, bad, plan.replicated)
+
+
+def _pool_copies(hlo_text: str, pool_shape: str) -> int:
+    """Instructions of the entry computation that copy a whole KV pool."""
+    entry = hlo_text[hlo_text.index("\nENTRY") :]
+    return len(re.findall(rf"= {re.escape(pool_shape)}\{{[0-9,]+\}} copy\(", entry))
+
+
+def _weight_reads(hlo_text: str, weight: str) -> int:
+    """Kernels of the entry computation that take parameter ``weight`` as an operand."""
+    entry = hlo_text[hlo_text.index("\nENTRY") :]
+    name = re.search(rf"%({re.escape(weight)}[\w.]*) = \S+ parameter\(", entry).group(1)
+    return len(re.findall(rf"(?:fusion|custom-call)\([^)]*%{re.escape(name)}[,)]", entry))
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_one_h200_tbo_step_keeps_the_pool_in_place_and_reads_each_weight_once(mode):
+    # Issue 7's speed target (TBO / plain <= 1.05 on one H200) at compile level. Before the
+    # fixes the TBO program copied the KV pool (XLA could not order the other micro-batch's
+    # pool write after this attention's reads) and read every weight once per micro-batch.
+    if not aot.aot_available():
+        pytest.skip("needs the aot extra (jax-cuda12-plugin)")
+    config = config_lib.MoEConfig.tiny()
+    mesh = aot_report.h200_mesh(1, 1)
+    compiled = {}
+    for tbo in (False, True):
+        jitted, args = aot_report.model_step_program(
+            config, mesh, mode=mode, tokens_per_rank=64, enable_tbo=tbo, ep_capacity_factor=2.0
+        )
+        options = step.step_compiler_options(mesh, tbo=tbo)
+        compiled[tbo] = jitted.lower(*args).compile(compiler_options=options)
+    pool = args[1].k.shape[1:]  # [layers, slots, kv_heads, head_dim] of the one DP rank
+    pool_shape = f"bf16[{','.join(map(str, pool))}]"
+    text = {tbo: c.as_text() for tbo, c in compiled.items()}
+    assert _pool_copies(text[True], pool_shape) == 0
+    weight = "params__layers___1___moe____experts____w_gate"
+    assert _weight_reads(text[True], weight) == _weight_reads(text[False], weight) == 1
+
+
+def test_step_compiler_options_keep_micro_batches_apart_only_with_communication():
+    cpu = mesh_lib.make_mesh(1, 1)
+    assert step.step_compiler_options(cpu, tbo=True) is None
+    if not aot.aot_available():
+        pytest.skip("needs the aot extra (jax-cuda12-plugin)")
+    one, many = aot_report.h200_mesh(1, 1), aot_report.h200_mesh(4, 2)
+    assert step.step_compiler_options(one, tbo=False) is None
+    merged = step.step_compiler_options(one, tbo=True)["xla_gpu_dot_merger_threshold_mb"]
+    assert merged == step.SINGLE_DEVICE_DOT_MERGER_MB
+    assert step.step_compiler_options(many, tbo=True)["xla_gpu_dot_merger_threshold_mb"] == 0
