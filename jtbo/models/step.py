@@ -227,34 +227,42 @@ def _sharded_step(graphdef, parallel, mesh, specs, params, kv_cache, per_rank, r
 
 
 SINGLE_DEVICE_DOT_MERGER_MB = 1 << 20
-"""``xla_gpu_dot_merger_threshold_mb`` of a TBO step on a one-device mesh: merge at any size."""
+"""``xla_gpu_dot_merger_threshold_mb`` of a small TBO step on one device: merge at any size."""
+SINGLE_DEVICE_MERGE_MAX_ROWS = 1024
+"""Micro-batch rows up to which a one-device TBO step merges A's and B's matmuls."""
 
 
-def step_compiler_options(mesh: jax.sharding.Mesh, *, tbo: bool) -> dict | None:
+def step_compiler_options(mesh: jax.sharding.Mesh, child_capacity: int | None) -> dict | None:
     """XLA options a step of ``mesh`` compiles with (None: XLA's defaults).
 
     A TBO step on a multi-GPU mesh takes ``xla_options.tbo_compiler_options()``: micro-batch
     A's and B's matmuls and collectives must stay apart so that one's communication can hide
-    under the other's compute. On one GPU the step has no communication to hide, and keeping
-    the matmuls apart only costs: each micro-batch then reads every weight, which is most of
-    a decode step (measured on a 1 x H200 compile of ``MoEConfig.deepseek_v3_reduced()``,
-    decode 128: 41.6 GB of top-level kernel traffic vs 21.9 GB without TBO). There the dot
-    merger is let loose instead (XLA's default stops at 32 MB, below an expert weight), so
-    A's and B's matmuls over one weight become one matmul that reads it once (22.4 GB). The
-    rows of the two micro-batches stay separate, so the numbers are the same.
+    under the other's compute. On one GPU there is no communication to hide. Keeping the
+    matmuls apart then makes each micro-batch read every weight, which is most of a decode
+    step (measured on a 1 x H200 compile of ``MoEConfig.deepseek_v3_reduced()``, decode 128:
+    41.6 GB of top-level kernel traffic vs 21.9 GB without TBO). So small micro-batches (at
+    most ``SINGLE_DEVICE_MERGE_MAX_ROWS`` rows: weight-bandwidth bound) let the dot merger
+    loose (XLA's default stops at 32 MB, below an expert weight): A's and B's matmuls over one
+    weight become one matmul that reads it once (22.4 GB). Large ones (compute bound) keep
+    XLA's defaults: merging them reads the weights once but concatenates both micro-batches'
+    activations first, which cost more (prefill 16384: 282 GB merged vs 239 GB apart; 207 GB
+    without TBO). The rows of the two micro-batches stay separate either way, so the numbers
+    are the same.
 
     Args:
       mesh: the step's mesh.
-      tbo: whether the step runs two micro-batches.
+      child_capacity: TBO child rows, or None for a plain step.
 
     Returns:
-      The options dict, or None for a plain step or a non-GPU mesh.
+      The options dict, or None for a plain step, a non-GPU mesh or a large one-GPU step.
     """
-    if not tbo or mesh_lib.mesh_platform(mesh) not in ("gpu", "cuda"):
+    if child_capacity is None or mesh_lib.mesh_platform(mesh) not in ("gpu", "cuda"):
         return None
-    if mesh.devices.size == 1:
+    if mesh.devices.size > 1:
+        return xla_options.tbo_compiler_options()
+    if child_capacity <= SINGLE_DEVICE_MERGE_MAX_ROWS:
         return {"xla_gpu_dot_merger_threshold_mb": SINGLE_DEVICE_DOT_MERGER_MB}
-    return xla_options.tbo_compiler_options()
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +320,7 @@ class Step:
         # (Step, key) its own count, so the guard reads "this key traced once".
         model_step.__name__ = f"model_step_{next(_STEP_IDS)}"
         guarded = chex.assert_max_traces(model_step, n=1)
-        options = step_compiler_options(self._mesh, tbo=key.child_capacity is not None)
+        options = step_compiler_options(self._mesh, key.child_capacity)
         return jax.jit(guarded, donate_argnames=("kv_cache",), compiler_options=options)
 
     def __call__(

@@ -108,11 +108,10 @@ def model_overlap_report(
       ValueError: the plan cannot run TBO although asked to.
     """
     mesh = h200_mesh(dp_size, attn_tp_size)
-    jitted, args = model_step_program(
+    jitted, args, compiler_options = model_step_program(
         config, mesh, mode=mode, tokens_per_rank=tokens_per_rank, enable_tbo=enable_tbo,
         moe_a2a_backend=moe_a2a_backend, dtype=dtype,
     )  # fmt: skip
-    compiler_options = step.step_compiler_options(mesh, tbo=enable_tbo)
     return report.overlap_report(jitted, args, compiler_options=compiler_options)
 
 
@@ -154,7 +153,9 @@ def model_step_program(
       dtype: parameter / activation dtype.
 
     Returns:
-      ``(jitted_step, abstract_args)``: lower and compile with ``jitted_step.lower(*args)``.
+      ``(jitted_step, abstract_args, compiler_options)``: the runner compiles
+      ``jitted_step.lower(*abstract_args)`` with ``compiler_options``
+      (``step.step_compiler_options``).
 
     Raises:
       ValueError: the plan cannot run TBO although asked to.
@@ -183,7 +184,7 @@ def model_step_program(
         plan.per_rank, plan.replicated, mode=int(plan.mode), child_capacity=plan.child_capacity,
         dispatchers=dispatchers,
     )  # fmt: skip
-    return built.jitted(key), args
+    return built.jitted(key), args, step.step_compiler_options(mesh, plan.child_capacity)
 
 
 def _max_context(tokens_per_rank: int) -> int:

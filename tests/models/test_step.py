@@ -125,10 +125,9 @@ def test_one_h200_tbo_step_keeps_the_pool_in_place_and_reads_each_weight_once(mo
     mesh = aot_report.h200_mesh(1, 1)
     compiled = {}
     for tbo in (False, True):
-        jitted, args = aot_report.model_step_program(
+        jitted, args, options = aot_report.model_step_program(
             config, mesh, mode=mode, tokens_per_rank=64, enable_tbo=tbo, ep_capacity_factor=2.0
         )
-        options = step.step_compiler_options(mesh, tbo=tbo)
         compiled[tbo] = jitted.lower(*args).compile(compiler_options=options)
     pool = args[1].k.shape[1:]  # [layers, slots, kv_heads, head_dim] of the one DP rank
     pool_shape = f"bf16[{','.join(map(str, pool))}]"
@@ -139,12 +138,12 @@ def test_one_h200_tbo_step_keeps_the_pool_in_place_and_reads_each_weight_once(mo
 
 
 def test_step_compiler_options_keep_micro_batches_apart_only_with_communication():
-    cpu = mesh_lib.make_mesh(1, 1)
-    assert step.step_compiler_options(cpu, tbo=True) is None
+    assert step.step_compiler_options(mesh_lib.make_mesh(1, 1), 8) is None
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
     one, many = aot_report.h200_mesh(1, 1), aot_report.h200_mesh(4, 2)
-    assert step.step_compiler_options(one, tbo=False) is None
-    merged = step.step_compiler_options(one, tbo=True)["xla_gpu_dot_merger_threshold_mb"]
-    assert merged == step.SINGLE_DEVICE_DOT_MERGER_MB
-    assert step.step_compiler_options(many, tbo=True)["xla_gpu_dot_merger_threshold_mb"] == 0
+    assert step.step_compiler_options(one, None) is None
+    small = step.step_compiler_options(one, step.SINGLE_DEVICE_MERGE_MAX_ROWS)
+    assert small == {"xla_gpu_dot_merger_threshold_mb": step.SINGLE_DEVICE_DOT_MERGER_MB}
+    assert step.step_compiler_options(one, step.SINGLE_DEVICE_MERGE_MAX_ROWS + 1) is None
+    assert step.step_compiler_options(many, 8)["xla_gpu_dot_merger_threshold_mb"] == 0
