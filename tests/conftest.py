@@ -1,4 +1,8 @@
-"""Test set-up: the CPU with 8 virtual devices, configured before jax initialises."""
+"""Test set-up: the CPU with 8 virtual devices, configured before jax initialises.
+
+``JAX_PLATFORMS`` defaults to ``cpu`` here; on a GPU machine run pytest with
+``JAX_PLATFORMS=cuda`` to exercise the GPU paths (kernel impls, ragged EP exchange).
+"""
 
 import os
 
