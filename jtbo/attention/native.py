@@ -1,10 +1,12 @@
 """Native (pure jnp) paged attention: query tiles x KV blocks with an online softmax.
 
 For every query tile (``query_tile`` tokens of one sequence, see ``metadata``) the kernel walks
-the sequence's KV positions in blocks of ``kv_block``: it looks the block's pool slots up in
-``req_to_token``, gathers their K/V from the layer's pool, scores the tile against them and
-folds the block into running (max, sum, weighted-value) accumulators in float32 — the
-flash-attention recurrence, so nothing of size ``tokens x max_context x heads`` ever exists.
+the sequence's KV positions in blocks of ``kv_block`` (``decode_kv_block`` for one-row decode
+tiles, where a long block costs little and every loop step a fixed overhead): it looks the
+block's pool slots up in ``req_to_token``, gathers their K/V from the layer's pool, scores
+the tile against them and folds the block into running (max, sum, weighted-value)
+accumulators in float32 — the flash-attention recurrence, so nothing of size
+``tokens x max_context x heads`` ever exists.
 Tiles advance together in *chunks* of about ``chunk_rows`` query rows (a batch dimension),
 and only chunks up to the step's last real tile run (a traced trip count): the metadata is
 sized for the worst case a static capacity can hold (e.g. every sequence of
@@ -47,14 +49,28 @@ class NativeAttentionConfig:
         ``chunk tiles x kv_block x kv_heads x head_dim`` gathered K/V plus the score block.
       chunk_rows: query rows per chunk of tiles (``chunk_rows // query_tile`` tiles, at
         least 1, at most all); only chunks holding real tiles run.
+      decode_kv_block: KV positions per loop step when tiles hold one query row (decode).
+        A decode tile is one row, so a block costs ``rows x block`` scores where a prefill
+        tile's costs ``query_tile`` times more; every loop step, on the other hand, costs
+        its kernels (10 on XLA:GPU) plus a device-to-host read of the loop condition whatever
+        its size. Measured on a 1 x H200 compile of ``MoEConfig.deepseek_v3_reduced()`` at
+        decode 128, context 1024: 128-position blocks made 8 steps per layer, 352 of the
+        step's 513 kernels, and a TBO step runs two such loops per layer (960 kernels). The
+        block depends on the capacity only, so TBO children and the plain step, and every
+        chunking, fold the same blocks: the same numbers.
     """
 
     kv_block: int = 128
     chunk_rows: int = 1024
+    decode_kv_block: int = 1024
 
     def __post_init__(self):
         if self.kv_block < 1:
             raise ValueError(f"NativeAttentionConfig.kv_block must be >= 1, got {self.kv_block}")
+        if self.decode_kv_block < 1:
+            raise ValueError(
+                f"NativeAttentionConfig.decode_kv_block must be >= 1, got {self.decode_kv_block}"
+            )
         if self.chunk_rows < 1:
             raise ValueError(
                 f"NativeAttentionConfig.chunk_rows must be >= 1, got {self.chunk_rows}"
@@ -63,6 +79,17 @@ class NativeAttentionConfig:
 
 DEFAULT_CONFIG = NativeAttentionConfig()
 """The kernel knobs used when none are given."""
+
+
+def block_size(config: NativeAttentionConfig, capacity: metadata_lib.AttentionCapacity) -> int:
+    """KV positions per loop step for ``capacity``'s tiles (see the config).
+
+    One-row (decode) tiles take ``decode_kv_block``, at most ``max_context`` (no longer
+    than any sequence can be); other tiles ``kv_block``.
+    """
+    if capacity.query_tile == 1:
+        return min(config.decode_kv_block, capacity.max_context)
+    return config.kv_block
 
 
 def _tile_queries(q: jax.Array, md: metadata_lib.AttentionMetadata, kv_heads: int):
@@ -182,7 +209,7 @@ def _visible_end(md: metadata_lib.AttentionMetadata) -> jax.Array:
 def _attend_chunk(q, cache, layer_id, md, out, *, scaling, config) -> jax.Array:
     """Attends the tiles of ``md`` and writes their rows into ``out``."""
     q_tiles, token, row_valid = _tile_queries(q, md, cache.k.shape[2])
-    block = config.kv_block
+    block = block_size(config, md.capacity)
 
     def body(b, carry):
         pos = b * block + jnp.arange(block)

@@ -70,7 +70,10 @@ def test_kv_block_not_dividing_context_and_long_sequence():
     _check(sc, _extend_metadata(sc), config=native.NativeAttentionConfig(kv_block=5))
 
 
-def test_decode_matches_float64():
+@pytest.mark.parametrize("decode_kv_block", [5, 8, 1024])
+def test_decode_matches_float64(decode_kv_block):
+    # 5 and 8 split the 31-long sequence over several blocks; 1024 is one block (clamped to
+    # max_context).
     sc = scenarios.make(np.random.default_rng(4), [6, 0, 30, 12], [1, 1, 1, 1], token_capacity=4)
     md = tiling.build_metadata(
         metadata.decode_capacity(4, CONTEXT),
@@ -82,7 +85,16 @@ def test_decode_matches_float64():
         out_cache_loc=sc.out_cache_loc,
         num_tokens=4,
     )
-    _check(sc, md)
+    config = native.NativeAttentionConfig(kv_block=8, decode_kv_block=decode_kv_block)
+    _check(sc, md, config=config)
+
+
+def test_decode_tiles_take_the_decode_block_and_other_tiles_the_kv_block():
+    config = native.NativeAttentionConfig(kv_block=16, decode_kv_block=512)
+    assert native.block_size(config, metadata.decode_capacity(8, 4096)) == 512
+    assert native.block_size(config, metadata.decode_capacity(8, 100)) == 100
+    assert native.block_size(config, EXTEND) == 16
+    assert native.block_size(config, metadata.verify_capacity(4, 3, 4096)) == 16
 
 
 def test_target_verify_random_custom_mask_matches_float64():
@@ -190,3 +202,5 @@ def test_shape_errors_are_value_errors():
         native.NativeAttentionConfig(kv_block=0)
     with pytest.raises(ValueError, match="chunk_rows"):
         native.NativeAttentionConfig(chunk_rows=0)
+    with pytest.raises(ValueError, match="decode_kv_block"):
+        native.NativeAttentionConfig(decode_kv_block=0)
