@@ -8,7 +8,9 @@ hidden size and expert shape reduced to fit (``MoEConfig.deepseek_v3_reduced``: 
 For each case one ``ModelRunner`` plans the same batch twice (TBO on and off) and runs the two
 jitted steps; the time is the median of ``--iters`` runs after warm-up, device-synchronised,
 without host planning or copying logits back. Prints a markdown table (target: ratio <= 1.05
-at prefill >= 4096 tokens and decode >= 128 sequences).
+at prefill >= 4096 tokens and decode >= 128 sequences). ``--devices N`` runs DP attention
+over N devices (dp=N, EP over all of them: the multi-GPU measurement of issue 8), and
+``--barriers`` adds a column for TBO with round barriers (a second runner).
 """
 
 import argparse
@@ -38,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--context", type=int, default=1024, help="decode KV length")
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--devices", type=int, help="shorthand for --dp N --attn-tp 1")
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--attn-tp", type=int, default=1)
     parser.add_argument("--moe-a2a-backend", choices=("ep", "none"), default="ep")
@@ -47,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
         help="a step that overflows EP capacity re-runs with the next bucket (warm-up absorbs it)",
     )  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="MoEConfig.tiny() (smoke test)")
+    parser.add_argument(
+        "--barriers", action="store_true",
+        help="also time TBO with round barriers (a second runner; column 'TBO+barriers')",
+    )  # fmt: skip
     return parser
 
 
@@ -83,45 +90,58 @@ def _time(runner, plan, iters: int) -> float:
     return statistics.median(times)
 
 
-def _case(runner, batch, iters: int) -> tuple[float, float]:
+def _plan(runner, batch, tbo: bool):
     batches = [batch] * runner.dp_size
     for rank in range(runner.dp_size):
         runner.record(rank, batch)
-    times = {}
-    for tbo in (False, True):
-        options = dataclasses.replace(runner.options, enable_tbo=tbo)
-        plan = planning.plan_step(batches, options)
-        if tbo and plan.child_capacity is None:
-            raise ValueError(
-                f"{batch.forward_mode.name} batch of {batch.num_tokens} cannot run TBO"
-            )
-        times[tbo] = _time(runner, plan, iters)
-    return times[False], times[True]
+    plan = planning.plan_step(batches, dataclasses.replace(runner.options, enable_tbo=tbo))
+    if tbo and plan.child_capacity is None:
+        raise ValueError(f"{batch.forward_mode.name} batch of {batch.num_tokens} cannot run TBO")
+    return plan
+
+
+def _case(runners, batch, iters: int) -> list[float]:
+    """Seconds per step: plain, TBO, then TBO on each further runner (e.g. with barriers)."""
+    main_runner = runners[0]
+    times = [_time(main_runner, _plan(main_runner, batch, False), iters)]
+    for runner in runners:
+        times.append(_time(runner, _plan(runner, batch, True), iters))
+    return times
+
+
+def _runner(model, mesh, args, largest: int, barriers: bool):
+    return runner_lib.ModelRunner(
+        model, mesh, moe_a2a_backend=args.moe_a2a_backend, max_total_tokens=largest + 1,
+        max_running_requests=max(args.decode + [largest // args.prompt_len + 1]),
+        token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.bfloat16,
+        ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
+        tbo_round_barriers=barriers,
+    )  # fmt: skip
 
 
 def main(argv) -> None:
     """Runs the benchmark and prints the table (see the module docstring)."""
     args = _parser().parse_args(argv)
+    if args.devices is not None:
+        args.dp, args.attn_tp = args.devices, 1
     config = (
         config_lib.MoEConfig.tiny() if args.tiny else config_lib.MoEConfig.deepseek_v3_reduced()
     )
     mesh = mesh_lib.make_mesh(args.dp, args.attn_tp)
     largest = max(args.prefill + [s * args.context for s in args.decode] + [1])
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
-    runner = runner_lib.ModelRunner(
-        model, mesh, moe_a2a_backend=args.moe_a2a_backend, max_total_tokens=largest + 1,
-        max_running_requests=max(args.decode + [largest // args.prompt_len + 1]),
-        token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.bfloat16,
-        ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
-    )  # fmt: skip
+    runners = [_runner(model, mesh, args, largest, barriers=False)]
+    if args.barriers:
+        runners.append(_runner(model, mesh, args, largest, barriers=True))
     del model
     print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; dp={args.dp}, "
           f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}; jax {jax.__version__}")  # fmt: skip
-    print("| case | tokens/rank | no TBO (ms) | TBO (ms) | TBO / no TBO |")
-    print("|---|---|---|---|---|")
+    extra = " TBO+barriers (ms) | ratio |" if args.barriers else ""
+    print("| case | tokens/rank | no TBO (ms) | TBO (ms) | TBO / no TBO |" + extra)
+    print("|---|---|---|---|---|" + ("---|---|" if args.barriers else ""))
     cases = [("prefill", n, _prefill_batch(n, args.prompt_len)) for n in args.prefill]
     cases += [("decode", s, _decode_batch(s, args.context)) for s in args.decode]
     for name, size, batch in cases:
-        plain, tbo = _case(runner, batch, args.iters)
-        print(f"| {name} {size} | {batch.num_tokens} | {plain * 1e3:.2f} | {tbo * 1e3:.2f} | "
-              f"{tbo / plain:.3f} |", flush=True)  # fmt: skip
+        plain, *tbo_times = _case(runners, batch, args.iters)
+        cells = "".join(f" {t * 1e3:.2f} | {t / plain:.3f} |" for t in tbo_times)
+        print(f"| {name} {size} | {batch.num_tokens} | {plain * 1e3:.2f} |{cells}", flush=True)

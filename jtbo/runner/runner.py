@@ -66,6 +66,7 @@ class ModelRunner:
         dtype=jnp.bfloat16,
         ep_capacity_factor: float | None = None,
         ep_overflow_policy: str = "raise",
+        tbo_round_barriers: bool = False,
     ):
         """Places the model on the mesh and allocates every DP rank's KV pool.
 
@@ -84,6 +85,8 @@ class ModelRunner:
             None never drops a token (``layer_ops.ParallelConfig``).
           ep_overflow_policy: a step that overflowed EP capacity: "raise" (naming the capacity)
             or "rerun" (again with the next capacity bucket; ``collectives.resolve_overflow``).
+          tbo_round_barriers: pin each TBO round with optimization barriers that leave the
+            in-flight collective results out (``layer_ops.ParallelConfig``); off by default.
 
         Raises:
           ValueError: a mesh without the right axes, or shapes that do not divide over it.
@@ -105,7 +108,7 @@ class ModelRunner:
         self.max_total_tokens, self.max_running_requests = max_total_tokens, max_running_requests
         self.parallel = layer_ops.ParallelConfig(
             moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size,
-            ep_capacity_factor, ep_overflow_policy,
+            ep_capacity_factor, ep_overflow_policy, tbo_round_barriers=tbo_round_barriers,
         )  # fmt: skip
         buckets = token_buckets or split.default_token_buckets(max_total_tokens)
         self.options = planning.PlanOptions(
