@@ -10,7 +10,8 @@ jitted steps; the time is the median of ``--iters`` runs after warm-up, device-s
 without host planning or copying logits back. Prints a markdown table (target: ratio <= 1.05
 at prefill >= 4096 tokens and decode >= 128 sequences). ``--devices N`` runs DP attention
 over N devices (dp=N, EP over all of them: the multi-GPU measurement of issue 8), and
-``--barriers`` adds a column for TBO with round barriers (a second runner).
+``--barriers`` adds a column for TBO with round barriers (a second runner); ``--profile DIR``
+writes a ``jax.profiler`` trace of one TBO step of the first prefill and decode case.
 """
 
 import argparse
@@ -50,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
         help="a step that overflows EP capacity re-runs with the next bucket (warm-up absorbs it)",
     )  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="MoEConfig.tiny() (smoke test)")
+    parser.add_argument(
+        "--profile", metavar="DIR",
+        help="write a jax.profiler trace of one TBO step of the first prefill and decode case",
+    )  # fmt: skip
     parser.add_argument(
         "--barriers", action="store_true",
         help="also time TBO with round barriers (a second runner; column 'TBO+barriers')",
@@ -100,6 +105,14 @@ def _plan(runner, batch, tbo: bool):
     return plan
 
 
+def _profile(runner, batch, directory: str, name: str) -> None:
+    """Writes a ``jax.profiler`` trace of one (already compiled) TBO step to ``directory/name``."""
+    plan = _plan(runner, batch, True)
+    runner.run_plan(plan).block_until_ready()
+    with jax.profiler.trace(f"{directory}/{name}"):
+        runner.run_plan(plan).block_until_ready()
+
+
 def _case(runners, batch, iters: int) -> list[float]:
     """Seconds per step: plain, TBO, then TBO on each further runner (e.g. with barriers)."""
     main_runner = runners[0]
@@ -141,7 +154,11 @@ def main(argv) -> None:
     print("|---|---|---|---|---|" + ("---|---|" if args.barriers else ""))
     cases = [("prefill", n, _prefill_batch(n, args.prompt_len)) for n in args.prefill]
     cases += [("decode", s, _decode_batch(s, args.context)) for s in args.decode]
+    profiled = set()
     for name, size, batch in cases:
         plain, *tbo_times = _case(runners, batch, args.iters)
         cells = "".join(f" {t * 1e3:.2f} | {t / plain:.3f} |" for t in tbo_times)
         print(f"| {name} {size} | {batch.num_tokens} | {plain * 1e3:.2f} |{cells}", flush=True)
+        if args.profile and name not in profiled:
+            _profile(runners[0], batch, args.profile, f"tbo_{name}_{size}")
+            profiled.add(name)
