@@ -81,16 +81,16 @@ def resolve_overflow(
     if policy == "raise":
         raise CapacityOverflowError(_describe(dispatcher, peer, expert, slot_alignment))
     updated = dispatcher
-    if peer:
-        updated = _raised(updated, "peer_capacity", updated.worst_peer_capacity, slot_alignment)
-    if expert:
-        worst = updated.worst_expert_capacity
-        updated = _raised(updated, "expert_capacity", worst, slot_alignment)
+    for kind, count in (("peer", peer), ("expert", expert)):
+        if count:
+            updated = _raised(updated, kind, slot_alignment)
     return updated
 
 
-def _raised(dispatcher, field, worst, slot_alignment):
-    current = getattr(dispatcher, field)
+def _raised(dispatcher, kind, slot_alignment):
+    """``dispatcher`` with its ``{kind}_capacity`` raised to the next bucket."""
+    field = f"{kind}_capacity"
+    current, worst = getattr(dispatcher, field), getattr(dispatcher, f"worst_{kind}_capacity")
     if current >= worst:
         raise CapacityOverflowError(
             f"{field}={current} is already the worst case {worst} yet overflow was reported"
@@ -99,20 +99,18 @@ def _raised(dispatcher, field, worst, slot_alignment):
     return dataclasses.replace(dispatcher, **{field: bigger})
 
 
+def _overflow_line(dispatcher, kind, count, slot_alignment):
+    """One capacity's part of the overflow message; ``kind`` is "peer" or "expert"."""
+    current = getattr(dispatcher, f"{kind}_capacity")
+    worst = getattr(dispatcher, f"worst_{kind}_capacity")
+    nxt = next_capacity_bucket(current, worst, slot_alignment)
+    return (
+        f"{count} assignments overflowed {kind}_capacity={current}: raise {kind}_capacity "
+        f"(next bucket {nxt}, worst case {worst})"
+    )
+
+
 def _describe(dispatcher, peer, expert, slot_alignment):
-    parts = []
-    if peer:
-        worst = dispatcher.worst_peer_capacity
-        nxt = next_capacity_bucket(dispatcher.peer_capacity, worst, slot_alignment)
-        parts.append(
-            f"{peer} assignments overflowed peer_capacity={dispatcher.peer_capacity}: raise "
-            f"peer_capacity (next bucket {nxt}, worst case {worst})"
-        )
-    if expert:
-        worst = dispatcher.worst_expert_capacity
-        nxt = next_capacity_bucket(dispatcher.expert_capacity, worst, slot_alignment)
-        parts.append(
-            f"{expert} assignments overflowed expert_capacity={dispatcher.expert_capacity}: "
-            f"raise expert_capacity (next bucket {nxt}, worst case {worst})"
-        )
+    counts = (("peer", peer), ("expert", expert))
+    parts = [_overflow_line(dispatcher, k, n, slot_alignment) for k, n in counts if n]
     return "; ".join(parts) + " (or create the dispatcher with a larger capacity_factor)"
