@@ -58,7 +58,8 @@ def test_swiglu_matches_numpy():
     x, wg, wu, wd = (r.normal(size=s).astype(np.float32) for s in [(4, 8), (8, 6), (8, 6), (6, 8)])
     g = x.astype(np.float64) @ wg
     want = (g / (1 + np.exp(-g)) * (x.astype(np.float64) @ wu)) @ wd
-    chex.assert_trees_all_close(mlp.swiglu(x, wg, wu, wd), want, rtol=1e-5, atol=1e-5)
+    got = mlp.swiglu(x, np.stack([wg, wu], axis=1), wd)  # w_gate_up [H, 2, F]
+    chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_dense_attention_matches_numpy_gqa_and_empty_rows():

@@ -30,8 +30,8 @@ def test_param_specs(backend):
     tp_axes = mesh_lib.TP_AXES
     want_up = P(tp_axes, None, None) if backend == "ep" else P(None, None, tp_axes)
     assert moe["experts"]["w_up"].get_value() == want_up
-    assert moe["shared"]["w_up"].get_value() == P()  # the shared MLP is replicated
-    assert specs["layers"][0]["attn"]["wq"].get_value() == P(None, "attn_tp", None)
+    assert moe["shared"]["w_gate_up"].get_value() == P()  # the shared MLP is replicated
+    assert specs["layers"][0]["attn"]["wqkv"].get_value() == P(None, "attn_tp", None, None)
     assert specs["layers"][0]["attn"]["wo"].get_value() == P("attn_tp", None, None)
     assert specs["embed"]["table"].get_value() == P()
 
@@ -108,10 +108,12 @@ def _pool_copies(hlo_text: str, pool_shape: str) -> int:
 
 
 def _weight_reads(hlo_text: str, weight: str) -> int:
-    """Kernels of the entry computation that take parameter ``weight`` as an operand."""
+    """Kernels of the entry computation that take parameter ``weight`` (or a bitcast of it)."""
     entry = hlo_text[hlo_text.index("\nENTRY") :]
-    name = re.search(rf"%({re.escape(weight)}[\w.]*) = \S+ parameter\(", entry).group(1)
-    return len(re.findall(rf"(?:fusion|custom-call)\([^)]*%{re.escape(name)}[,)]", entry))
+    names = [re.search(rf"%({re.escape(weight)}[\w.]*) = \S+ parameter\(", entry).group(1)]
+    names += re.findall(rf"%([\w.]+) = \S+ bitcast\(%{re.escape(names[0])}\)", entry)
+    operand = "|".join(re.escape(name) for name in names)
+    return len(re.findall(rf"(?:fusion|custom-call)\([^)]*%(?:{operand})[,)]", entry))
 
 
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
@@ -133,8 +135,15 @@ def test_one_h200_tbo_step_keeps_the_pool_in_place_and_reads_each_weight_once(mo
     pool_shape = f"bf16[{','.join(map(str, pool))}]"
     text = {tbo: c.as_text() for tbo, c in compiled.items()}
     assert _pool_copies(text[True], pool_shape) == 0
-    weight = "params__layers___1___moe____experts____w_gate"
-    assert _weight_reads(text[True], weight) == _weight_reads(text[False], weight) == 1
+    # Each weight is read by one kernel with or without TBO: the fused Q/K/V and gate/up
+    # weights leave XLA's dot merger one pair to join, A's and B's matmul.
+    for weight in (
+        "params__layers___0___attn____wqkv",
+        "params__layers___0___mlp____w_gate_up",
+        "params__layers___1___moe____shared____w_gate_up",
+        "params__layers___1___moe____experts____w_gate",
+    ):
+        assert _weight_reads(text[True], weight) == _weight_reads(text[False], weight) == 1
 
 
 def test_step_compiler_options_keep_micro_batches_apart_only_with_communication():
@@ -142,8 +151,12 @@ def test_step_compiler_options_keep_micro_batches_apart_only_with_communication(
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
     one, many = aot_report.h200_mesh(1, 1), aot_report.h200_mesh(4, 2)
-    assert step.step_compiler_options(one, None) is None
+    graphs = {"xla_gpu_enable_command_buffer": step.GPU_COMMAND_BUFFER}
+    assert step.step_compiler_options(one, None) == graphs
     small = step.step_compiler_options(one, step.SINGLE_DEVICE_MERGE_MAX_ROWS)
-    assert small == {"xla_gpu_dot_merger_threshold_mb": step.SINGLE_DEVICE_DOT_MERGER_MB}
-    assert step.step_compiler_options(one, step.SINGLE_DEVICE_MERGE_MAX_ROWS + 1) is None
-    assert step.step_compiler_options(many, 8)["xla_gpu_dot_merger_threshold_mb"] == 0
+    assert small == graphs | {"xla_gpu_dot_merger_threshold_mb": step.SINGLE_DEVICE_DOT_MERGER_MB}
+    assert step.step_compiler_options(one, step.SINGLE_DEVICE_MERGE_MAX_ROWS + 1) == graphs
+    apart = step.step_compiler_options(many, 8)
+    assert apart["xla_gpu_dot_merger_threshold_mb"] == 0
+    assert apart["xla_gpu_enable_command_buffer"] == step.GPU_COMMAND_BUFFER
+    assert step.step_compiler_options(many, None) == graphs
