@@ -21,7 +21,10 @@ issues the reverse exchange; ``combine_b`` sums, per token, ``weight * output`` 
 ``top_k`` assignments (accumulated in float32). Padded tokens (rows at or past
 ``num_valid_tokens``), out-of-range expert ids and overflowed assignments contribute zero, and
 every overflowed assignment is counted exactly once in the dispatch state's ``overflow``
-(``[peer, expert]`` per device). Both exchanges give identical results.
+(``[peer, expert]`` per device). The state's ``peak_load`` holds the largest number of
+assignments one peer and one local expert were given (kept or not): the capacities this
+dispatch needed, from which the host sizes a re-run (``ep_overflow.resolve_overflow``). Both
+exchanges give identical results.
 """
 
 import dataclasses
@@ -43,6 +46,7 @@ class DispatchInFlight:
     send_counts: jax.Array  # [ep] int32 rows sent to each device
     topk_weights: jax.Array  # [T, top_k] routing weights
     peer_overflow: jax.Array  # [1] int32 assignments that did not fit peer_capacity
+    peer_peak: jax.Array  # [1] int32 most assignments bound for one peer (kept or not)
 
 
 @jax.tree_util.register_dataclass
@@ -56,6 +60,7 @@ class DispatchState:
     send_counts: jax.Array  # [ep] int32 rows sent to each device
     topk_weights: jax.Array  # [T, top_k] routing weights
     overflow: jax.Array  # [2] int32 assignments dropped for (peer_capacity, expert_capacity)
+    peak_load: jax.Array  # [2] int32 most assignments for one (peer, local expert), kept or not
 
 
 @jax.tree_util.register_dataclass
@@ -92,7 +97,7 @@ def dispatch_a(
       ValueError: shapes that do not match the dispatcher or the mesh.
     """
     _check_inputs(dispatcher, hidden_states, topk_ids, topk_weights)
-    send_slot, send_counts, peer_overflow = _assign_peer_slots(
+    send_slot, send_counts, peer_overflow, peer_peak = _assign_peer_slots(
         dispatcher, topk_ids, num_valid_tokens
     )
     send_hidden, send_expert = _fill_send_buffer(dispatcher, hidden_states, topk_ids, send_slot)
@@ -109,6 +114,7 @@ def dispatch_a(
         send_counts=send_counts,
         topk_weights=topk_weights,
         peer_overflow=peer_overflow.reshape(1),
+        peer_peak=peer_peak.reshape(1),
     )
 
 
@@ -131,6 +137,7 @@ def dispatch_b(
     rank = _rank_within_group(jnp.where(received, expert, num_local), num_local)
     kept = received & (rank < capacity)
     expert_overflow = jnp.sum(received & ~kept, dtype=jnp.int32)
+    expert_peak = _peak(rank, received)
     recv_expert_slot = jnp.where(kept, expert * capacity + rank, -1)
     rows = _invert_slots(recv_expert_slot, num_local * capacity)
     expert_inputs = _gather_rows(in_flight.recv_hidden, rows)
@@ -142,6 +149,7 @@ def dispatch_b(
         send_counts=in_flight.send_counts,
         topk_weights=in_flight.topk_weights,
         overflow=jnp.concatenate([in_flight.peer_overflow, expert_overflow.reshape(1)]),
+        peak_load=jnp.concatenate([in_flight.peer_peak, expert_peak.reshape(1)]),
     )
     return expert_inputs.reshape((num_local, capacity) + expert_inputs.shape[1:]), state
 
@@ -234,7 +242,12 @@ def _assign_peer_slots(dispatcher, topk_ids, num_valid_tokens):
         kept[:, None] & (peer[:, None] == jnp.arange(ep_size)[None, :]), axis=0, dtype=jnp.int32
     )
     peer_overflow = jnp.sum(routed & ~kept, dtype=jnp.int32)
-    return send_slot.reshape(ids.shape), send_counts, peer_overflow
+    return send_slot.reshape(ids.shape), send_counts, peer_overflow, _peak(rank, routed)
+
+
+def _peak(rank, counted):
+    """The largest group size: one more than the largest rank among ``counted`` items."""
+    return jnp.max(jnp.where(counted, rank + 1, 0), initial=0).astype(jnp.int32)
 
 
 def _invert_slots(slot_of_item, num_slots):

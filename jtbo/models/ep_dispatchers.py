@@ -71,12 +71,14 @@ class DispatcherTable:
             return (self.dispatcher(capacity // tp),)
         return (self.dispatcher(child_capacity // tp), self.dispatcher(child_capacity // tp))
 
-    def resolve(self, dispatchers: Dispatchers, overflow) -> Dispatchers | None:
+    def resolve(self, dispatchers: Dispatchers, overflow, peak_load=None) -> Dispatchers | None:
         """Applies the overflow policy to a step's counts.
 
         Args:
           dispatchers: the dispatchers the step ran with (``()``: no EP, nothing to resolve).
           overflow: the step's ``[len(dispatchers), 2]`` (peer, expert) counts.
+          peak_load: the step's ``[len(dispatchers), 2]`` (peer, expert) peak loads, or None
+            (a re-run then doubles the capacity instead of sizing it on the peak).
 
         Returns:
           None when the step's result stands; else the dispatchers to re-run it with (also
@@ -94,7 +96,8 @@ class DispatcherTable:
                 f"overflow shape {counts.shape} must end in ({len(dispatchers)}, 2) for "
                 f"{len(dispatchers)} dispatchers"
             )
-        resolved = _resolve_each(dispatchers, counts, self.parallel)
+        peaks = None if peak_load is None else np.asarray(peak_load)
+        resolved = _resolve_each(dispatchers, counts, peaks, self.parallel)
         if all(new is None for new in resolved):
             return None
         for new in resolved:
@@ -104,13 +107,14 @@ class DispatcherTable:
         return tuple(self._by_rows[dispatcher.num_tokens] for dispatcher in dispatchers)
 
 
-def _resolve_each(dispatchers: Sequence, counts: np.ndarray, parallel) -> list:
+def _resolve_each(dispatchers: Sequence, counts: np.ndarray, peaks, parallel) -> list:
     return [
         ep_overflow.resolve_overflow(
             dispatcher,
             counts[..., index, :],
             policy=parallel.ep_overflow_policy,
             slot_alignment=parallel.ep_slot_alignment,
+            peak_load=None if peaks is None else peaks[..., index, :],
         )
         for index, dispatcher in enumerate(dispatchers)
     ]

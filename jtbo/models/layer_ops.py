@@ -94,12 +94,15 @@ class StepBox:
       kv_cache: the DP rank's ``KVCache``; each attention replaces it with its updated copy.
       overflow: per micro-batch (EP dispatcher), ``[2]`` int32 (peer, expert) assignments
         dropped for lack of EP capacity, summed over layers.
+      peak_load: per micro-batch, ``[2]`` int32 (peer, expert) peak loads, max over layers
+        (the capacities the step needed; ``ep_dispatch.DispatchState.peak_load``).
     """
 
     def __init__(self, kv_cache, num_micro_batches: int):
         """Args: kv_cache: the step's input KV cache (local shard); num_micro_batches: 1 or 2."""
         self.kv_cache = kv_cache
         self.overflow = [jnp.zeros((2,), jnp.int32) for _ in range(num_micro_batches)]
+        self.peak_load = [jnp.zeros((2,), jnp.int32) for _ in range(num_micro_batches)]
 
     def after_attention(self, out: jax.Array, kv_cache) -> tuple[jax.Array, Any]:
         """Orders the next pool write after this attention's pool reads (TBO only).
@@ -124,9 +127,11 @@ class StepBox:
             return out, kv_cache
         return jax.lax.optimization_barrier((out, kv_cache))
 
-    def add_overflow(self, micro_batch: int, counts: jax.Array) -> None:
-        """Adds one dispatch's ``[2]`` overflow counts to micro-batch ``micro_batch``'s."""
+    def add_overflow(self, micro_batch: int, counts: jax.Array, peak_load: jax.Array) -> None:
+        """Adds one dispatch's ``[2]`` overflow counts and ``[2]`` peak loads to
+        micro-batch ``micro_batch``'s (sum and max)."""
         self.overflow[micro_batch] = self.overflow[micro_batch] + counts
+        self.peak_load[micro_batch] = jnp.maximum(self.peak_load[micro_batch], peak_load)
 
 
 def attention_operations(layer: model_lib.DecoderLayer, parallel: ParallelConfig) -> dict:

@@ -72,7 +72,9 @@ def _ep_dispatch_operations(tp: int) -> dict:
         inputs, dispatch_state = ep_dispatch.dispatch_b(
             state.ep_dispatcher, state.pop("dispatch_in_flight").value
         )
-        state.step_box.add_overflow(state.micro_batch, dispatch_state.overflow)
+        state.step_box.add_overflow(
+            state.micro_batch, dispatch_state.overflow, dispatch_state.peak_load
+        )
         state.dispatch_output = (inputs, dispatch_state)
 
     return dict(dispatch_a=dispatch_a, dispatch_b=dispatch_b)

@@ -18,7 +18,8 @@ attention heads over ``attn_tp``; routed experts over all devices by expert (``e
 their hidden width (``none``); everything else replicated. The step returns logits
 ``[dp, capacity, vocab]`` (float32), the updated KV cache and, per dispatcher, the
 (peer, expert) counts of routed assignments dropped for lack of EP capacity, summed over
-devices (the host applies ``collectives.resolve_overflow``; it never takes a step with any).
+devices, and their peak loads, max over devices (the host applies
+``collectives.resolve_overflow``; it never takes a step with any overflow).
 
 Compiles: one per (token bucket, attention kind, mode, TBO child capacity, dispatchers). Each
 such key gets its own jitted function guarded by ``chex.assert_max_traces(n=1)``, so a step
@@ -156,7 +157,8 @@ def step_body(
       replicated: the DP contexts.
 
     Returns:
-      ``(logits [1, capacity, vocab], kv_cache, overflow [micro-batches, 2])``.
+      ``(logits [1, capacity, vocab], kv_cache, overflow [micro-batches, 2],
+      peak_load [micro-batches, 2])``.
     """
     model = nnx.merge(graphdef, params)
     per_rank = _squeeze_rank(per_rank)
@@ -170,10 +172,11 @@ def step_body(
         logits = _run_tbo(
             ops, delta, per_rank, contexts, child_capacity, parallel.tbo_round_barriers
         )
-    # Summed over the EP group so every process reads the same counts (16 bytes; the one
-    # collective outside both micro-batches).
+    # Reduced over the EP group so every process reads the same counts (16 bytes each; the
+    # only collectives outside both micro-batches).
     overflow = jax.lax.psum(jnp.stack(box.overflow), mesh_lib.TP_AXES)
-    return _expand_rank(logits), _expand_rank(box.kv_cache), overflow
+    peak_load = jax.lax.pmax(jnp.stack(box.peak_load), mesh_lib.TP_AXES)
+    return _expand_rank(logits), _expand_rank(box.kv_cache), overflow, peak_load
 
 
 def make_step(
@@ -190,12 +193,13 @@ def make_step(
 
     Returns:
       A ``Step``: ``step(params, kv_cache, per_rank, replicated, *, mode, child_capacity,
-      dispatchers)`` -> ``(logits, kv_cache, overflow)``; ``kv_cache`` is donated.
+      dispatchers)`` -> ``(logits, kv_cache, overflow, peak_load)``; ``kv_cache`` is donated.
       ``per_rank`` holds ``input_ids``, ``positions`` ``[dp, capacity]``, ``num_tokens``
       ``[dp]``, ``attn_metadata`` (stacked) and, with TBO, ``split_token_index`` ``[dp]`` and
       ``child_metadata`` (A, B); ``replicated`` holds ``dp_context`` and, with TBO,
       ``child_dp_contexts`` (A, B). ``mode``, ``child_capacity`` (None: no TBO) and
-      ``dispatchers`` are static. ``overflow`` is ``[len(dispatchers), 2]`` (1 without EP).
+      ``dispatchers`` are static. ``overflow`` (dropped assignments) and ``peak_load`` (the
+      capacities needed) are ``[len(dispatchers), 2]`` (1 without EP).
     """
     graphdef, params = nnx.split(model)
     specs = param_specs(params, parallel.moe_a2a_backend)
@@ -218,6 +222,7 @@ def _sharded_step(graphdef, parallel, mesh, specs, params, kv_cache, per_rank, r
         P(mesh_lib.DP_AXIS),  # logits [dp, capacity, vocab]
         KV_CACHE_SPEC,  # the updated pools
         P(),  # overflow [micro-batches, 2], summed over every device
+        P(),  # peak_load [micro-batches, 2], max over every device
     )
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
         params, kv_cache, per_rank, replicated

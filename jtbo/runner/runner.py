@@ -296,24 +296,24 @@ class ModelRunner:
             )
         dispatchers = self._step.dispatchers.for_step(plan.capacity, plan.child_capacity)
         while dispatchers is not None:  # re-runs rewrite the same KV slots before reading them
-            logits, cache, overflow = self._step(
+            logits, cache, overflow, peak_load = self._step(
                 self._params, cache, per_rank, replicated, mode=int(plan.mode),
                 child_capacity=plan.child_capacity, dispatchers=dispatchers,
             )  # fmt: skip
             self._k, self._v, self._req_to_token_device = cache.k, cache.v, cache.req_to_token
-            dispatchers = self._resolve_overflow(dispatchers, overflow)
+            dispatchers = self._resolve_overflow(dispatchers, overflow, peak_load)
         self.num_steps += 1
         self.num_tbo_steps += plan.child_capacity is not None
         return logits
 
-    def _resolve_overflow(self, dispatchers, overflow):
+    def _resolve_overflow(self, dispatchers, overflow, peak_load):
         """The dispatchers to re-run the step with, or None when its result stands.
 
         Raises:
           ExpertCapacityError: policy "raise" and the step overflowed.
         """
         try:
-            return self._step.dispatchers.resolve(dispatchers, overflow)
+            return self._step.dispatchers.resolve(dispatchers, overflow, peak_load)
         except ep_overflow.CapacityOverflowError as error:
             raise ExpertCapacityError(
                 f"{error} [ep_capacity_factor={self.parallel.ep_capacity_factor}; None never "

@@ -1,5 +1,6 @@
 """EP dispatch/combine against a numpy model of routing, capacities and overflow."""
 
+import dataclasses
 import functools
 
 import chex
@@ -280,3 +281,55 @@ def test_dense_and_ragged_agree_on_gpu():
     want = (weights * (ids + 1)).sum(-1, keepdims=True) * hidden * valid.reshape(-1, 1)
     if results["dense"][1].sum() == 0:
         np.testing.assert_allclose(results["ragged"][0], want, rtol=1e-4, atol=1e-4)
+
+
+def _peak_step(dispatcher, hidden, ids, weights, num_valid):
+    in_flight = ep_dispatch.dispatch_a(dispatcher, hidden, ids, weights, num_valid[0])
+    _, state = ep_dispatch.dispatch_b(dispatcher, in_flight)
+    return state.peak_load
+
+
+def reference_peaks(ids, num_valid, peer_capacity):
+    """Per device: the most assignments bound for one peer, and received for one local expert."""
+    local = NUM_EXPERTS // NUM_DEVICES
+    peaks = np.zeros((NUM_DEVICES, 2), np.int64)
+    received = np.zeros((NUM_DEVICES, local), np.int64)
+    for d in range(NUM_DEVICES):
+        per_peer = np.zeros(NUM_DEVICES, np.int64)
+        for t in range(num_valid[d]):
+            for e in ids[d, t]:
+                if 0 <= e < NUM_EXPERTS:
+                    per_peer[e // local] += 1
+                    if per_peer[e // local] <= peer_capacity:  # kept: reaches the expert
+                        received[e // local, e % local] += 1
+        peaks[d, 0] = per_peer.max()
+    peaks[:, 1] = received.max(axis=1)
+    return peaks
+
+
+@pytest.mark.parametrize("skew, peer_capacity", [(False, 4), (True, 3), (True, None)])
+def test_peak_load_is_the_capacity_each_dispatch_needed(skew, peer_capacity):
+    rng = np.random.default_rng(7 + (peer_capacity or 0))
+    hidden, ids, weights, num_valid = routing(rng, skew=skew)
+    mesh = harness.mesh(8, 1)
+    dispatcher = ep_config.create_ep_dispatcher(
+        mesh, num_experts=NUM_EXPERTS, num_tokens=TOKENS, top_k=TOP_K,
+        worst_case=peer_capacity is None,
+    )  # fmt: skip
+    if peer_capacity is not None:
+        dispatcher = dataclasses.replace(dispatcher, peer_capacity=peer_capacity, expert_capacity=2)
+    shard = P(mesh_lib.TP_AXES)
+    step = jax.jit(
+        jax.shard_map(
+            functools.partial(_peak_step, dispatcher),
+            mesh=mesh,
+            in_specs=(shard, shard, shard, shard),  # hidden, topk ids, weights, valid counts
+            out_specs=shard,  # peak_load [2] per device
+            check_vma=False,
+        )
+    )
+    got = step(
+        hidden.reshape(-1, HIDDEN), ids.reshape(-1, TOP_K), weights.reshape(-1, TOP_K), num_valid
+    )
+    want = reference_peaks(ids, num_valid, dispatcher.peer_capacity)
+    np.testing.assert_array_equal(harness.per_device(got, NUM_DEVICES), want)

@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jtbo.collectives import ep_config, ep_overflow
 
@@ -34,6 +36,38 @@ def test_rerun_buckets_stop_at_the_worst_case():
     assert dispatcher.peer_capacity == dispatcher.worst_peer_capacity == 128
     with pytest.raises(ep_overflow.CapacityOverflowError, match="already the worst case 128"):
         ep_overflow.resolve_overflow(dispatcher, [1, 0])
+
+
+def test_rerun_sizes_the_capacity_on_the_reported_peak():
+    per_device = np.zeros((8, 2), np.int32)
+    per_device[2] = (0, 3)  # expert overflow
+    peaks = np.zeros((8, 2), np.int32)
+    peaks[:, 1] = 41
+    peaks[5, 1] = 61  # the max over devices counts
+    rerun = ep_overflow.resolve_overflow(BASE, per_device, peak_load=peaks)
+    assert (rerun.peer_capacity, rerun.expert_capacity) == (16, 64)  # 61 rounded to 8
+    peaks[5, 1] = 43  # just over the capacity: at least MIN_GROWTH * 40 = 50 -> 56
+    rerun = ep_overflow.resolve_overflow(BASE, per_device, peak_load=peaks)
+    assert rerun.expert_capacity == 56
+    with pytest.raises(ValueError, match="peak_load shape"):
+        ep_overflow.resolve_overflow(BASE, per_device, peak_load=[1, 2, 3])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    capacity=st.integers(1, 500),
+    extra=st.integers(1, 2000),
+    worst=st.integers(1, 3000),
+    alignment=st.sampled_from([1, 8, 16]),
+)
+def test_peak_bucket_covers_the_peak_and_grows(capacity, extra, worst, alignment):
+    peak = capacity + extra  # an overflow means the peak exceeded the capacity
+    bucket = ep_overflow.next_capacity_bucket(capacity, worst, alignment, peak)
+    assert bucket <= worst
+    if bucket < worst:
+        assert bucket >= peak and bucket >= ep_overflow.MIN_GROWTH * capacity
+        assert bucket % alignment == 0
+        assert bucket - max(peak, ep_overflow.MIN_GROWTH * capacity) < alignment
 
 
 def test_raise_names_the_capacity():

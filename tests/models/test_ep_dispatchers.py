@@ -50,6 +50,19 @@ def test_rerun_raises_only_the_overflowed_capacity_and_remembers_it():
         table.resolve(step, np.zeros((2,), np.int32))
 
 
+def test_rerun_sizes_on_the_step_peak_loads():
+    table = _table()
+    step = table.for_step(64, 34)  # two micro-batches of 17 rows per device
+    peer = step[0].peer_capacity
+    peaks = np.array([[peer + 2, 1], [peer - 1, 1]])  # A needed 2 peer slots more
+    rerun = table.resolve(step, np.array([[2, 0], [0, 0]]), peaks)
+    alignment = table.parallel.ep_slot_alignment
+    want = ep_overflow.next_capacity_bucket(peer, step[0].worst_peer_capacity, alignment, peer + 2)
+    doubled = ep_overflow.next_capacity_bucket(peer, step[0].worst_peer_capacity, alignment)
+    assert want < doubled  # sized on the peak, not doubled
+    assert [d.peer_capacity for d in rerun] == [want, want]
+
+
 def test_raise_names_the_capacity():
     table = _table(policy="raise")
     with pytest.raises(ep_overflow.CapacityOverflowError, match="peer_capacity=4"):
