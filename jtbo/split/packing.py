@@ -43,21 +43,20 @@ class PackLayout:
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[np.dtype, ...]
     lead_axes: int = 0
+    # Derived from ``shapes`` (computed once: the host packs every step).
+    sizes: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    offsets: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    width: int = dataclasses.field(init=False, repr=False, compare=False)
 
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """Per leaf, its int32 words per leading index (one word per element)."""
-        return tuple(math.prod(shape) for shape in self.shapes)
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        """Per leaf, the index of its first word along the buffer's last axis."""
-        return tuple(itertools.accumulate(self.sizes, initial=0))[:-1]
-
-    @property
-    def width(self) -> int:
-        """Words per leading index: the buffer's last axis."""
-        return sum(self.sizes)
+    def __post_init__(self):
+        """Derives ``sizes`` (words per leaf and leading index: one per element),
+        ``offsets`` (each leaf's first word on the buffer's last axis) and ``width`` (the
+        buffer's last axis)."""
+        sizes = tuple(math.prod(shape) for shape in self.shapes)
+        ends = tuple(itertools.accumulate(sizes, initial=0))
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "offsets", ends[:-1])
+        object.__setattr__(self, "width", ends[-1])
 
 
 def packable(dtype: np.dtype) -> bool:
@@ -71,13 +70,15 @@ def _leaf_path(tree: Any, index: int) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
-def _words(leaf: np.ndarray, lead_shape: tuple[int, ...]) -> np.ndarray:
-    """A leaf's elements as int32 words ``[*lead_shape, size]`` (bits unchanged; bool 0/1)."""
-    size = math.prod(leaf.shape[len(lead_shape) :])
-    flat = np.ascontiguousarray(leaf).reshape((*lead_shape, size))
+def _words(leaf: np.ndarray, lead_shape: tuple[int, ...], size: int) -> np.ndarray:
+    """A leaf's ``size`` elements per leading index as int32 words ``[*lead_shape, size]``
+    (bits unchanged; bool as 0/1)."""
+    flat = leaf.reshape((*lead_shape, size))  # a copy when the leaf is not contiguous
+    if flat.dtype == WORD:
+        return flat
     if flat.dtype == np.bool_:
         return flat.astype(WORD)
-    return flat.view(WORD)
+    return np.ascontiguousarray(flat).view(WORD)
 
 
 def pack(tree: Any, *, lead_axes: int = 0) -> tuple[np.ndarray, PackLayout]:
@@ -123,10 +124,10 @@ def pack(tree: Any, *, lead_axes: int = 0) -> tuple[np.ndarray, PackLayout]:
         dtypes=tuple(array.dtype for array in arrays),
         lead_axes=lead_axes,
     )
-    buffer = np.empty((*lead_shape, layout.width), WORD)
-    for array, start, size in zip(arrays, layout.offsets, layout.sizes, strict=True):
-        buffer[..., start : start + size] = _words(array, lead_shape)
-    return buffer, layout
+    if not arrays:
+        return np.empty((*lead_shape, 0), WORD), layout
+    words = [_words(a, lead_shape, size) for a, size in zip(arrays, layout.sizes, strict=True)]
+    return np.concatenate(words, axis=-1), layout
 
 
 def _leaf(words: jax.Array, dtype: np.dtype) -> jax.Array:

@@ -110,3 +110,10 @@ def test_unpack_refuses_a_buffer_the_layout_does_not_describe():
         packing.unpack(buffer[0], layout)
     with pytest.raises(ValueError, match="4 words per row, layout 3"):
         packing.unpack(np.zeros((2, 4), np.int32), layout)
+
+
+def test_pack_takes_strided_and_transposed_leaves():
+    base = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    tree = {"t": base.transpose(0, 2, 1), "s": base[:, :, ::2], "b": (base > 5)[:, ::2]}
+    buffer, layout = packing.pack(tree, lead_axes=1)
+    _assert_bitwise_equal(packing.unpack(buffer, layout), tree)
