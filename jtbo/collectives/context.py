@@ -39,7 +39,7 @@ class DpContext:
       attn_tp_size: devices per DP rank (checked against the mesh when used).
     """
 
-    global_num_tokens: jax.Array  # [dp] int32
+    global_num_tokens: np.ndarray | jax.Array  # [dp] int32: numpy on the host, traced in jit
     padding_mode: padding.DpPaddingMode = dataclasses.field(metadata=dict(static=True))
     local_capacity: int = dataclasses.field(metadata=dict(static=True))
     global_buffer_len: int = dataclasses.field(metadata=dict(static=True))
@@ -69,7 +69,9 @@ def create_dp_context(
         MAX_LEN and ``sum`` rounded up to ``attn_tp_size`` (at least one row) for SUM_LEN.
 
     Returns:
-      The context, with ``global_num_tokens`` as an int32 device array.
+      The context, with ``global_num_tokens`` as an int32 numpy array (a host value: a step
+      packs it with its other plan arrays for one host->device transfer, see
+      ``jtbo.split.packing``).
 
     Raises:
       ValueError: a count exceeds ``local_capacity``, the capacity does not split over
@@ -94,7 +96,7 @@ def create_dp_context(
         )
     _check_global_buffer_len(counts, padding_mode, local_capacity, global_buffer_len)
     return DpContext(
-        global_num_tokens=jnp.asarray(counts, dtype=jnp.int32),
+        global_num_tokens=counts.astype(np.int32),
         padding_mode=padding_mode,
         local_capacity=int(local_capacity),
         global_buffer_len=int(global_buffer_len),
@@ -169,7 +171,7 @@ def get_dp_local_info(context: DpContext) -> tuple[jax.Array, jax.Array]:
     """
     check_context_matches_mesh(context)
     dp_rank = jax.lax.axis_index(mesh_lib.DP_AXIS)
-    counts = context.global_num_tokens.astype(jnp.int32)
+    counts = jnp.asarray(context.global_num_tokens, jnp.int32)
     local_num_tokens = counts[dp_rank]
     if context.padding_mode.is_max_len():
         return (dp_rank * context.local_capacity).astype(jnp.int32), local_num_tokens

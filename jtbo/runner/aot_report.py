@@ -155,7 +155,8 @@ def model_step_program(
     Returns:
       ``(jitted_step, abstract_args, compiler_options)``: the runner compiles
       ``jitted_step.lower(*abstract_args)`` with ``compiler_options``
-      (``step.step_compiler_options``).
+      (``step.step_compiler_options``). The args are the parameters, the KV cache and the
+      plan's two packed buffers (``step.pack_step_inputs``), as the runner passes them.
 
     Raises:
       ValueError: the plan cannot run TBO although asked to.
@@ -172,18 +173,18 @@ def model_step_program(
         seq_capacity or tokens_per_rank,
     )  # fmt: skip
     _, params = nnx.split(model)
+    inputs = step.pack_step_inputs(plan.per_rank, plan.replicated)
     args = (
         _abstract(params, mesh, step.param_specs(params, moe_a2a_backend)),
         _abstract_kv_cache(config, mesh, dp_size, plan.per_rank, dtype),
-        _abstract(plan.per_rank, mesh, jax.tree.map(lambda _: P(mesh_lib.DP_AXIS), plan.per_rank)),
-        _abstract(plan.replicated, mesh, jax.tree.map(lambda _: P(), plan.replicated)),
+        _abstract(inputs.per_rank, mesh, P(mesh_lib.DP_AXIS)),  # [dp, n] int32
+        _abstract(inputs.replicated, mesh, P()),  # [m] int32
     )
     built = step.make_step(model, mesh, parallel)
     dispatchers = built.dispatchers.for_step(plan.capacity, plan.child_capacity)
     key = built.key(
-        plan.per_rank, plan.replicated, mode=int(plan.mode), child_capacity=plan.child_capacity,
-        dispatchers=dispatchers,
-    )  # fmt: skip
+        inputs, mode=int(plan.mode), child_capacity=plan.child_capacity, dispatchers=dispatchers
+    )
     return built.jitted(key), args, step.step_compiler_options(mesh, plan.child_capacity)
 
 

@@ -19,6 +19,7 @@ back from addressable shards, so each process gets its own ranks' outputs. A sin
 is the special case that owns every rank.
 """
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -289,15 +290,11 @@ class ModelRunner:
         if self._req_to_token_device is None:
             self._req_to_token_device = self._upload_page_table()
         cache = kv_cache_lib.KVCache(k=self._k, v=self._v, req_to_token=self._req_to_token_device)
-        per_rank, replicated = plan.per_rank, plan.replicated
-        if self.multiprocess:
-            per_rank, replicated = distributed.global_step_inputs(
-                self.mesh, per_rank, plan.ranks, replicated, self.dp_size
-            )
+        inputs = self._step_inputs(plan)
         dispatchers = self._step.dispatchers.for_step(plan.capacity, plan.child_capacity)
         while dispatchers is not None:  # re-runs rewrite the same KV slots before reading them
             logits, cache, overflow, peak_load = self._step(
-                self._params, cache, per_rank, replicated, mode=int(plan.mode),
+                self._params, cache, inputs, mode=int(plan.mode),
                 child_capacity=plan.child_capacity, dispatchers=dispatchers,
             )  # fmt: skip
             self._k, self._v, self._req_to_token_device = cache.k, cache.v, cache.req_to_token
@@ -305,6 +302,16 @@ class ModelRunner:
         self.num_steps += 1
         self.num_tbo_steps += plan.child_capacity is not None
         return logits
+
+    def _step_inputs(self, plan: planning.StepPlan) -> step.StepInputs:
+        """The plan's arrays on the mesh: two packed buffers, two host->device transfers."""
+        inputs = step.pack_step_inputs(plan.per_rank, plan.replicated)
+        if not self.multiprocess:
+            return self._step.put(inputs)
+        per_rank, replicated = distributed.global_step_inputs(
+            self.mesh, inputs.per_rank, plan.ranks, inputs.replicated, self.dp_size
+        )  # this process's rows of [dp, n] / its devices' copies of [m]
+        return dataclasses.replace(inputs, per_rank=per_rank, replicated=replicated)
 
     def _resolve_overflow(self, dispatchers, overflow, peak_load):
         """The dispatchers to re-run the step with, or None when its result stands.

@@ -1,7 +1,8 @@
-"""Parameter specs, layout options, strategy layouts, overlap coverage and the trace guard."""
+"""Parameter specs, layouts, strategy layouts, overlap coverage, packed inputs, trace guard."""
 
 import re
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from jtbo.models import model as model_lib
 from jtbo.overlap import report, strategy
 from jtbo.runner import aot_report, planning
 from jtbo.runner import runner as runner_lib
-from jtbo.split import ForwardMode
+from jtbo.split import ForwardMode, packing
 from tests.runner import helpers
 
 
@@ -90,15 +91,45 @@ def test_step_key_traces_once_and_a_retrace_fails_loudly():
     plan = planning.plan_step([b or planning.idle_batch() for b in batches], runner.options)
     built = runner._step
     dispatchers = built.dispatchers.for_step(plan.capacity, plan.child_capacity)
-    key = built.key(
-        plan.per_rank, plan.replicated, mode=int(plan.mode), child_capacity=None,
-        dispatchers=dispatchers,
+    inputs = step.pack_step_inputs(plan.per_rank, plan.replicated)
+    key = built.key(inputs, mode=int(plan.mode), child_capacity=None, dispatchers=dispatchers)
+    assert key in built._jitted  # the runner's steps had this key
+    # Float positions are another layout, hence another key (compiled once on its own)...
+    floats = dict(plan.per_rank, positions=plan.per_rank["positions"].astype(np.float32))
+    float_key = built.key(
+        step.pack_step_inputs(floats, plan.replicated), mode=int(plan.mode),
+        child_capacity=None, dispatchers=dispatchers,
     )  # fmt: skip
-    # Same key, but positions turned float: jit would silently retrace; the guard refuses.
-    bad = dict(plan.per_rank, positions=plan.per_rank["positions"].astype(np.float32))
+    assert float_key != key and float_key.layouts[0].dtypes != key.layouts[0].dtypes
+    # ...but buffers the key does not describe (the same words as float32): jit would
+    # silently retrace; the guard refuses.
     cache = kv_cache_lib.KVCache(k=runner._k, v=runner._v, req_to_token=runner.req_to_token)
     with pytest.raises(AssertionError, match="traced > 1 times"):
-        built.jitted(key)(runner._params, cache, bad, plan.replicated)
+        built.jitted(key)(
+            runner._params, cache, inputs.per_rank.view(np.float32), inputs.replicated
+        )
+
+
+def test_pack_step_inputs_packs_a_tbo_plan_into_two_buffers():
+    options = planning.PlanOptions(
+        attn_tp_size=1, token_buckets=(16,), seq_capacity=4, max_context=64, enable_tbo=True,
+        threshold=0.48,
+    )  # fmt: skip
+    batch = helpers.Rank().extend({0: [3, 4, 5, 6, 7, 8], 1: [1, 2, 3, 4, 5, 6]})
+    plan = planning.plan_step([batch, batch], options)
+    assert plan.child_capacity is not None
+    inputs = step.pack_step_inputs(plan.per_rank, plan.replicated)
+    per_rank_layout, replicated_layout = inputs.layouts
+    assert (per_rank_layout.treedef.num_leaves, replicated_layout.treedef.num_leaves) == (25, 3)
+    assert inputs.per_rank.shape == (2, per_rank_layout.width) and inputs.capacity == 16
+    assert inputs.replicated.shape == (replicated_layout.width,)
+    chex.assert_trees_all_equal(packing.unpack(inputs.per_rank, per_rank_layout), plan.per_rank)
+    chex.assert_trees_all_equal(
+        packing.unpack(inputs.replicated, replicated_layout), plan.replicated
+    )
+    wide = dict(plan.per_rank, positions=plan.per_rank["positions"].astype(np.int64))
+    with pytest.raises(ValueError, match=r"\['positions'\] of dtype int64"):
+        step.pack_step_inputs(wide, plan.replicated)
 
 
 def _pool_copies(hlo_text: str, pool_shape: str) -> int:

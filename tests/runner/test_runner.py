@@ -5,6 +5,7 @@ psum, capacity slots) give ~1e-6 differences, so atol = rtol = 2e-4.
 """
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -141,3 +142,35 @@ def test_qwen3_style_model_with_tbo_matches_reference():
         chex.assert_trees_all_close(outs[0][r], want, **TOL)
         chex.assert_trees_all_close(outs[1][r], want, **TOL)
     assert tbo.num_tbo_steps == 1
+
+
+def test_a_tbo_step_moves_its_plan_to_the_devices_in_two_buffers(monkeypatch):
+    # The plan's 28 leaves travel packed: one [dp, n] and one [m] int32 buffer (plus the page
+    # table, re-uploaded after ``record``); nothing reaches the devices implicitly.
+    config = config_lib.MoEConfig.tiny()
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    runner = runner_lib.ModelRunner(
+        model, mesh_lib.make_mesh(8, 1), enable_two_batch_overlap=True, max_total_tokens=64,
+        max_running_requests=4, token_buckets=(16,), dtype=jnp.float32,
+    )  # fmt: skip
+    rng = np.random.default_rng(5)
+    ranks = [helpers.Rank() for _ in range(8)]
+    runner.forward([r.extend(_prompts(rng, [6, 5])) for r in ranks])  # compiles the key
+    news = [{row + 2: tokens for row, tokens in _prompts(rng, [6, 5]).items()} for _ in ranks]
+    put, device_put = [], jax.device_put
+
+    def recording_put(x, *args, **kwargs):
+        put.append(x)
+        return device_put(x, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", recording_put)
+    with jax.transfer_guard_host_to_device("disallow"):
+        outs = runner.forward([r.extend(n) for r, n in zip(ranks, news, strict=True)])
+    assert runner.num_tbo_steps == 2 and runner._step.num_keys == 1
+    assert [jax.tree.structure(x).num_leaves for x in put] == [1, 2]  # page table, plan
+    per_rank, replicated = put[1]
+    assert per_rank.dtype == replicated.dtype == np.int32
+    assert per_rank.shape[0] == 8 and replicated.ndim == 1
+    for r, n in enumerate(news):
+        want = helpers.reference_new_rows(model, ranks[r], {k: len(v) for k, v in n.items()})
+        chex.assert_trees_all_close(outs[r], want, **TOL)
