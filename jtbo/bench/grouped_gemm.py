@@ -1,0 +1,432 @@
+"""One routed-expert FFN layer three ways: ``python -m jtbo.bench grouped_gemm [flags]``.
+
+``python -m jtbo.bench grouped_gemm [--tokens 128,256,4096,16384]
+[--impls capacity,ragged_dot,tokamax] [--capacity-factor 4] [--skew 0] [--iters 5] [--reps 5]
+[--small]``
+
+Question: jtbo's routed experts run as a capacity-slot batched matmul
+(``jtbo.models.experts.experts_capacity``) because ``jax.lax.ragged_dot`` ran 30x slower on
+the H200 (DESIGN.md Facts). Could a Pallas grouped GEMM (tokamax's ``ragged_dot``, Hopper
+kernel ``pallas_mosaic_gpu``) do better than the capacity slots, which compute
+``capacity_factor`` times the real work?
+
+Method: DeepSeek-V3-reduced expert shapes (``MoEConfig.deepseek_v3_reduced()``: H=7168,
+F=2048, E=64, top-8, bf16). For each token count T the tokens get uniform random *distinct*
+experts (``--skew S``: a fraction S of the tokens also picks expert 0) and random routing
+weights; every impl runs the same assignment through one whole layer: gate, up,
+``silu(gate) * up``, down, and the weighted sum over each token's k experts (the routing
+bookkeeping, sort / scatter / gather, is timed with it, since each layout needs its own).
+
+* ``capacity``: ``experts_capacity`` with ``capacity = ceil(--capacity-factor * T * k / E)``
+  slots per expert (the EP capacity of the tbo bench); pairs past an expert's capacity are
+  dropped (the ``dropped`` column; they show up in the error). It computes ``E * capacity``
+  rows whatever the routing: ``computed TF/s`` counts those rows, ``useful TF/s`` the real ones.
+* ``ragged_dot``: ``experts_ragged_dot_reference`` (pairs sorted by expert,
+  ``jax.lax.ragged_dot``, gate / up in float32).
+* ``tokamax``: the same sorted rows through ``tokamax.ragged_dot(...,
+  implementation="mosaic_gpu")`` (the ``pallas_mosaic_gpu`` kernels) with tokamax's own config
+  choice (tokamax 0.0.17 ships no H200 autotuning cache, so on the H200 that is its sm90
+  heuristic: 64 x 64 x 128 tiles, 2 stages). ``tokamax:h100`` passes the fastest configs of
+  tokamax's H100 cache for DeepSeek-V3's expert shapes (``H100_CONFIGS``);
+  ``tokamax:NAME`` runs ``implementation=NAME`` (e.g. ``triton``, ``xla``). tokamax's gate / up
+  come out in bf16 (its tuned path; float32 outputs halve its tile width), so silu runs on
+  bf16-rounded values: a small extra error.
+
+Timing: each impl is one jitted function of (tokens, ids, routing weights, expert weights);
+after ``--warmup`` calls, ``--reps`` batches of ``--iters`` calls are enqueued back to back and
+waited for (``block_until_ready``); the table gives the median per-call time. ``useful TF/s``
+= 2 * 3 * T * k * H * F / time; ``time / capacity`` is the impl's time over ``capacity``'s at
+the same T (< 1: faster). Numerics: ``rel err`` = ||out - ref|| / ||ref|| over ``--check-rows``
+tokens spread evenly over the batch (a token's output depends on its own row only), ``ref``
+being ``experts_ragged_dot_reference`` in float32 at ``highest`` matmul precision.
+
+tokamax is optional and imported only when a ``tokamax*`` impl is asked for; a failing impl
+(tokamax not importable, an unsupported kernel, ...) gets an ``error`` row and the run exits
+non-zero after the table. Installing it (needs jax >= 0.11.1, Python >= 3.12): ``pip install
+tokamax==0.0.17``. On a machine without a registry, carry the wheels and install them with
+``--no-deps``: tokamax-0.0.17, einshape, pydantic, pydantic-core, annotated-types,
+typing-inspection, typing-extensions >= 4.16 (pydantic-core imports ``Sentinel``), qwix,
+immutabledict, xprof, fire, termcolor (``import tokamax`` imports xprof's kernel-stats tool,
+which imports fire); jaxtyping, tqdm, absl-py, flax, six are needed too. tensorboardX is not
+(only ``tokamax.benchmarks`` imports it). With those wheels in ``.whl/``: ``python3 -m pip
+install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export
+PYTHONPATH=/tmp/site:$PWD``.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import functools
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtbo.models import config as config_lib
+from jtbo.models import experts
+
+IMPLS = ("capacity", "ragged_dot", "tokamax")
+TOKAMAX_WHEEL = "tokamax-0.0.17-py3-none-any.whl"
+# tokamax 0.0.17 data/autotuning/nvidia_h100_80gb_hbm3/pallas_mosaic_gpu_ragged_dot.json: the
+# fastest config for bf16[131072, 7168] x bf16[256, 7168, 1024] (gate / up: K = H) and for
+# bf16[131072, 1024] x bf16[256, 1024, 7168] (down: N = H), keyed here by "K = H or not".
+H100_CONFIGS = {
+    "k_is_hidden": dict(
+        block_m=128,
+        block_n=64,
+        block_k=128,
+        num_stages=4,
+        split_k=1,
+        persistent=True,
+        grid_minor_dim=1,
+        grid_tile_width=8,
+    ),
+    "n_is_hidden": dict(
+        block_m=128,
+        block_n=64,
+        block_k=128,
+        num_stages=2,
+        split_k=1,
+        persistent=False,
+        grid_minor_dim=0,
+        grid_tile_width=1,
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    """Expert-layer shapes.
+
+    Attributes:
+      hidden: H.
+      ffn: F (one expert's hidden width).
+      experts: E.
+      top_k: experts per token.
+    """
+
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+
+    def useful_flops(self, num_tokens: int) -> float:
+        """FLOPs of the real (token, expert) pairs: three matmuls of H x F each."""
+        return 2.0 * 3 * num_tokens * self.top_k * self.hidden * self.ffn
+
+    def slot_flops(self, rows: int) -> float:
+        """FLOPs of ``rows`` expert rows (the slots a capacity layout computes)."""
+        return 2.0 * 3 * rows * self.hidden * self.ffn
+
+
+def route(num_tokens: int, shapes: Shapes, skew: float, seed: int) -> tuple[np.ndarray, ...]:
+    """Random routing: ``(ids [T, k] int32 distinct per token, weights [T, k] float32)``.
+
+    A fraction ``skew`` of the tokens (chosen at random) also routes to expert 0.
+    """
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((num_tokens, shapes.experts)), axis=1)[:, : shapes.top_k]
+    for t in np.flatnonzero(rng.random(num_tokens) < skew):
+        row = ids[t]
+        if 0 not in row:
+            row[0] = 0
+    weights = rng.random((num_tokens, shapes.top_k)).astype(np.float32) + 0.1
+    weights /= weights.sum(axis=1, keepdims=True)
+    return ids.astype(np.int32), weights
+
+
+def capacity_for(num_tokens: int, shapes: Shapes, factor: float) -> int:
+    """Slots per expert: ``factor`` x the balanced load ``T * k / E`` (at least 1)."""
+    return max(1, math.ceil(factor * num_tokens * shapes.top_k / shapes.experts))
+
+
+def dropped_pairs(ids: np.ndarray, num_experts: int, capacity: int) -> int:
+    """Pairs past their expert's capacity (what ``experts_capacity`` drops)."""
+    loads = np.bincount(ids.reshape(-1), minlength=num_experts)
+    return int(np.maximum(loads - capacity, 0).sum())
+
+
+def experts_sorted(x, topk_ids, topk_weights, weights, dot, hidden_dtype=jnp.float32):
+    """Routed-expert output with pairs sorted by expert and a grouped GEMM ``dot``.
+
+    The layout of ``experts.experts_ragged_dot_reference`` with the grouped GEMM passed in:
+    ``dot(lhs [M, K], rhs [E, K, N], group_sizes [E], out_dtype) -> [M, N]``.
+
+    Args:
+      x: ``[T, H]``; topk_ids / topk_weights: ``[T, k]``; weights: ``(w_gate, w_up, w_down)``.
+      dot: the grouped GEMM.
+      hidden_dtype: output dtype asked of the gate / up GEMMs.
+
+    Returns:
+      ``[T, H]`` in ``x.dtype``.
+    """
+    w_gate, w_up, w_down = weights
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)
+    rows = x[order // top_k]
+    sizes = jnp.bincount(flat_ids, length=w_gate.shape[0]).astype(jnp.int32)
+    f32 = jnp.float32
+    gate = dot(rows, w_gate, sizes, hidden_dtype).astype(f32)
+    up = dot(rows, w_up, sizes, hidden_dtype).astype(f32)
+    hidden = (jax.nn.silu(gate) * up).astype(x.dtype)
+    out = dot(hidden, w_down, sizes, x.dtype).astype(f32)
+    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(num_tokens, top_k, -1)
+    return jnp.einsum("tkh,tk->th", unsorted, topk_weights.astype(f32)).astype(x.dtype)
+
+
+def import_tokamax():
+    """``tokamax``, or ImportError saying which wheel to install."""
+    try:
+        import tokamax  # noqa: PLC0415  (optional: GPU benchmark only)
+    except ImportError as e:
+        raise ImportError(
+            f"tokamax is not importable ({type(e).__name__}: {e}); install {TOKAMAX_WHEEL} "
+            "(pip install tokamax==0.0.17, or the carried wheels with --no-deps: see "
+            "python -m jtbo.bench grouped_gemm --help)"
+        ) from e
+    return tokamax
+
+
+def tokamax_dot(variant: str, hidden: int):
+    """The grouped GEMM of a ``tokamax[:variant]`` impl, as ``experts_sorted`` calls it.
+
+    Args:
+      variant: ``""`` (implementation ``mosaic_gpu``, its own config), ``"h100"`` (mosaic_gpu
+        with ``H100_CONFIGS``) or a tokamax implementation name.
+      hidden: H (picks the H100 config: contraction over H or output of width H).
+    """
+    tokamax = import_tokamax()
+    if variant != "h100":
+        implementation = variant or "mosaic_gpu"
+
+        def dot(lhs, rhs, sizes, out_dtype):
+            del out_dtype  # tokamax's tuned path: outputs in the input dtype (bf16)
+            return tokamax.ragged_dot(lhs, rhs, sizes, implementation=implementation)
+
+        return dot
+    from tokamax._src.ops.ragged_dot import api  # noqa: PLC0415
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as common  # noqa: PLC0415
+
+    ops = {
+        key: api.IMPLEMENTATIONS["mosaic_gpu"].replace(
+            config=common.Config(
+                **{**cfg, "grid_minor_dim": common.MatmulDimension(cfg["grid_minor_dim"])}
+            )
+        )
+        for key, cfg in H100_CONFIGS.items()
+    }
+
+    def dot(lhs, rhs, sizes, out_dtype):
+        del out_dtype
+        op = ops["k_is_hidden" if rhs.shape[1] == hidden else "n_is_hidden"]
+        return tokamax.ragged_dot(lhs, rhs, sizes, implementation=(op,))
+
+    return dot
+
+
+def layer_fn(impl: str, shapes: Shapes, capacity: int):
+    """The jitted layer ``(x, ids, routing weights, expert weights) -> [T, H]`` of ``impl``."""
+    if impl == "capacity":
+        return jax.jit(functools.partial(experts.experts_capacity, capacity=capacity))
+    if impl == "ragged_dot":
+        return jax.jit(experts.experts_ragged_dot_reference)
+    name, _, variant = impl.partition(":")
+    if name == "tokamax":
+        dot = tokamax_dot(variant, shapes.hidden)
+        return jax.jit(functools.partial(experts_sorted, dot=dot, hidden_dtype=None))
+    raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS} or tokamax:VARIANT")
+
+
+def time_fn(fn, args, *, warmup: int, iters: int, reps: int) -> float:
+    """Median seconds per call over ``reps`` batches of ``iters`` back-to-back calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / iters)
+    return statistics.median(times)
+
+
+def check_rows(num_tokens: int, count: int) -> np.ndarray:
+    """``count`` token indices spread evenly over ``[0, T)`` (all when T <= count)."""
+    return np.unique(np.linspace(0, num_tokens - 1, min(count, num_tokens)).astype(np.int32))
+
+
+def reference(x, ids, routing, weights, rows) -> jax.Array:
+    """float32 ``experts_ragged_dot_reference`` on ``rows`` at ``highest`` precision."""
+    f32 = [w.astype(jnp.float32) for w in weights]
+    with jax.default_matmul_precision("highest"):
+        fn = jax.jit(experts.experts_ragged_dot_reference)
+        return fn(x[rows].astype(jnp.float32), ids[rows], routing[rows], tuple(f32))
+
+
+def rel_error(out: jax.Array, ref: jax.Array) -> float:
+    """``||out - ref|| / ||ref||`` (Frobenius, float32)."""
+    diff = np.asarray(out, np.float32) - np.asarray(ref, np.float32)
+    return float(np.linalg.norm(diff) / max(np.linalg.norm(np.asarray(ref, np.float32)), 1e-30))
+
+
+def make_inputs(num_tokens: int, shapes: Shapes, dtype, key) -> tuple[jax.Array, tuple]:
+    """``(x [T, H], (w_gate, w_up, w_down))``: normal, weights scaled by 1/sqrt(fan-in)."""
+    k_x, k_g, k_u, k_d = jax.random.split(key, 4)
+    e, h, f = shapes.experts, shapes.hidden, shapes.ffn
+    x = jax.random.normal(k_x, (num_tokens, h), dtype)
+    w_gate = (jax.random.normal(k_g, (e, h, f), jnp.float32) / math.sqrt(h)).astype(dtype)
+    w_up = (jax.random.normal(k_u, (e, h, f), jnp.float32) / math.sqrt(h)).astype(dtype)
+    w_down = (jax.random.normal(k_d, (e, f, h), jnp.float32) / math.sqrt(f)).astype(dtype)
+    return x, (w_gate, w_up, w_down)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One table row; ``error`` set (and the numbers None) when the impl failed."""
+
+    tokens: int
+    impl: str
+    capacity: int | None
+    dropped: int | None
+    seconds: float | None = None
+    useful_flops: float = 0.0
+    computed_flops: float = 0.0
+    rel_err: float | None = None
+    error: str | None = None
+
+
+TABLE_HEAD = (
+    "| T | impl | capacity / expert | dropped pairs | ms | useful TF/s | computed TF/s "
+    "| time / capacity | rel err |",
+    "|---|---|---|---|---|---|---|---|---|",
+)
+
+
+def format_row(row: Row, capacity_seconds: float | None) -> str:
+    """The markdown line of ``row``."""
+    cap = "-" if row.capacity is None else str(row.capacity)
+    dropped = "-" if row.dropped is None else str(row.dropped)
+    if row.error is not None:
+        lead = f"| {row.tokens} | {row.impl} | {cap} | {dropped} |"
+        return f"{lead} error: {row.error} | - | - | - | - |"
+    vs = f"{row.seconds / capacity_seconds:.2f}" if capacity_seconds else "-"
+    return (
+        f"| {row.tokens} | {row.impl} | {cap} | {dropped} | {row.seconds * 1e3:.3f} | "
+        f"{row.useful_flops / row.seconds / 1e12:.4g} | "
+        f"{row.computed_flops / row.seconds / 1e12:.4g} | {vs} | {row.rel_err:.2e} |"
+    )
+
+
+_START = time.perf_counter()
+
+
+def _log(line: str) -> None:
+    print(f"{line}  [{time.perf_counter() - _START:.0f}s]", flush=True)
+
+
+def measure(num_tokens: int, impls: list[str], shapes: Shapes, args) -> list[Row]:
+    """Rows of every impl at ``num_tokens`` tokens (same routing and inputs for all)."""
+    ids_np, routing_np = route(num_tokens, shapes, args.skew, args.seed + num_tokens)
+    x, weights = make_inputs(num_tokens, shapes, jnp.dtype(args.dtype), jax.random.key(args.seed))
+    ids, routing = jnp.asarray(ids_np), jnp.asarray(routing_np)
+    rows = check_rows(num_tokens, args.check_rows)
+    ref = reference(x, ids, routing, weights, rows)
+    capacity = capacity_for(num_tokens, shapes, args.capacity_factor)
+    out_rows = []
+    for impl in impls:
+        is_cap = impl == "capacity"
+        base = dict(
+            tokens=num_tokens,
+            impl=impl,
+            capacity=capacity if is_cap else None,
+            dropped=dropped_pairs(ids_np, shapes.experts, capacity) if is_cap else None,
+        )
+        try:
+            fn = layer_fn(impl, shapes, capacity)
+            out = fn(x, ids, routing, weights)
+            err = rel_error(np.asarray(out)[rows], ref)
+            seconds = time_fn(
+                fn, (x, ids, routing, weights), warmup=args.warmup, iters=args.iters, reps=args.reps
+            )
+            computed_rows = shapes.experts * capacity if is_cap else num_tokens * shapes.top_k
+            row = Row(
+                **base,
+                seconds=seconds,
+                useful_flops=shapes.useful_flops(num_tokens),
+                computed_flops=shapes.slot_flops(computed_rows),
+                rel_err=err,
+            )
+        except Exception as e:  # noqa: BLE001  (reported as an error row, never skipped)
+            row = Row(**base, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        _log(format_row(row, None))
+        out_rows.append(row)
+    return out_rows
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    cfg = config_lib.MoEConfig.deepseek_v3_reduced()
+    p = argparse.ArgumentParser(
+        prog="python -m jtbo.bench grouped_gemm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--tokens", default="128,256,4096,16384", help="comma list of T")
+    p.add_argument("--impls", default=",".join(IMPLS), help="comma list; tokamax:VARIANT too")
+    p.add_argument("--capacity-factor", type=float, default=4.0)
+    p.add_argument("--skew", type=float, default=0.0, help="fraction of tokens also on expert 0")
+    p.add_argument("--hidden", type=int, default=cfg.hidden_size)
+    p.add_argument("--ffn", type=int, default=cfg.moe_intermediate_size)
+    p.add_argument("--experts", type=int, default=cfg.num_experts)
+    p.add_argument("--top-k", type=int, default=cfg.num_experts_per_tok)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5, help="calls per timed batch")
+    p.add_argument("--reps", type=int, default=5, help="timed batches (median)")
+    p.add_argument("--check-rows", type=int, default=2048, help="tokens checked vs float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
+    args = p.parse_args(argv)
+    if args.small:
+        args.hidden, args.ffn, args.experts, args.top_k = 64, 32, 8, 2
+        args.tokens = "16,64" if args.tokens == p.get_default("tokens") else args.tokens
+        args.warmup, args.iters, args.reps = 1, 2, 2
+    return args
+
+
+def main(argv: list[str]) -> None:
+    """Prints one row per (T, impl) as measured, then the markdown table.
+
+    Raises:
+      SystemExit: bad flags, or an impl failed (its rows say why).
+    """
+    args = _parse(argv)
+    shapes = Shapes(args.hidden, args.ffn, args.experts, args.top_k)
+    impls = [i for i in args.impls.split(",") if i]
+    tokens = [int(t) for t in args.tokens.split(",") if t]
+    versions = f"jax {jax.__version__}"
+    if any(i.startswith("tokamax") for i in impls):
+        with contextlib.suppress(ImportError):  # the tokamax rows report the ImportError
+            versions += f", tokamax {import_tokamax().__version__}"
+    header = (
+        f"date {datetime.date.today()}  device {jax.devices()[0].device_kind}  {versions}  "
+        f"H={shapes.hidden} F={shapes.ffn} E={shapes.experts} top-{shapes.top_k} {args.dtype}  "
+        f"capacity factor {args.capacity_factor:g}  skew {args.skew:g}  "
+        f"median of {args.reps} x {args.iters} calls"
+    )
+    _log(header)
+    rows = [row for t in tokens for row in measure(t, impls, shapes, args)]
+    cap_seconds = {r.tokens: r.seconds for r in rows if r.impl == "capacity" and r.seconds}
+    print()
+    print(header)
+    print("\n".join(TABLE_HEAD))
+    for row in rows:
+        print(format_row(row, cap_seconds.get(row.tokens)))
+    failed = [f"{r.impl} at T={r.tokens}: {r.error}" for r in rows if r.error is not None]
+    if failed:
+        raise SystemExit("grouped_gemm: impls failed:\n" + "\n".join(failed))

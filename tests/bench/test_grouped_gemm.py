@@ -1,0 +1,72 @@
+"""CPU smoke test of ``python -m jtbo.bench grouped_gemm`` (tables and numerics, no timings)."""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jtbo.bench import grouped_gemm
+from jtbo.models import experts
+
+SMALL = grouped_gemm.Shapes(hidden=64, ffn=32, experts=8, top_k=2)
+
+
+def _table(text: str) -> list[list[str]]:
+    """Cells of the final markdown table's data rows (after its header)."""
+    lines = text.splitlines()
+    start = max(i for i, line in enumerate(lines) if line.startswith("| T | impl |"))
+    rows = [line for line in lines[start + 2 :] if line.startswith("|")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows]
+
+
+def test_small_run_prints_both_impls_with_small_errors(capsys):
+    grouped_gemm.main(["--small", "--impls", "capacity,ragged_dot"])
+    rows = _table(capsys.readouterr().out)
+    assert [(r[0], r[1]) for r in rows] == [
+        ("16", "capacity"),
+        ("16", "ragged_dot"),
+        ("64", "capacity"),
+        ("64", "ragged_dot"),
+    ]
+    for row in rows:
+        assert float(row[4]) > 0  # ms
+        assert float(row[8]) < 2e-2, row  # rel err vs the float32 reference
+    assert all(r[7] == "1.00" for r in rows if r[1] == "capacity")
+    assert all(r[3] == "0" for r in rows if r[1] == "capacity")  # factor 4: nothing dropped
+
+
+def test_routing_is_distinct_and_skew_hits_expert_zero():
+    ids, weights = grouped_gemm.route(200, SMALL, skew=0.5, seed=0)
+    assert ids.shape == (200, 2) and ids.dtype == np.int32
+    assert all(len(set(row)) == 2 for row in ids.tolist())
+    np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
+    assert 80 < np.count_nonzero((ids == 0).any(axis=1)) < 150  # ~0.5 + 0.5 * 2/8 of tokens
+
+
+def test_capacity_and_dropped_pairs():
+    assert grouped_gemm.capacity_for(64, SMALL, 4.0) == 64
+    ids = np.array([[0, 1], [0, 2], [0, 3]], np.int32)
+    assert grouped_gemm.dropped_pairs(ids, 8, capacity=2) == 1
+
+
+def test_experts_sorted_with_lax_ragged_dot_matches_reference():
+    x, weights = grouped_gemm.make_inputs(24, SMALL, jnp.float32, jax.random.key(0))
+    ids, routing = map(jnp.asarray, grouped_gemm.route(24, SMALL, skew=0.0, seed=1))
+
+    def dot(lhs, rhs, sizes, out_dtype):
+        return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=out_dtype)
+
+    got = grouped_gemm.experts_sorted(x, ids, routing, weights, dot)
+    want = experts.experts_ragged_dot_reference(x, ids, routing, weights)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokamax") is not None, reason="tokamax installed")
+def test_missing_tokamax_is_an_error_row_naming_the_wheel(capsys):
+    with pytest.raises(SystemExit, match="tokamax"):
+        grouped_gemm.main(["--small", "--tokens", "16", "--impls", "capacity,tokamax"])
+    rows = _table(capsys.readouterr().out)
+    assert rows[0][1] == "capacity" and float(rows[0][4]) > 0
+    assert rows[1][1] == "tokamax" and grouped_gemm.TOKAMAX_WHEEL in rows[1][4]
