@@ -7,7 +7,10 @@ hidden size and expert shape reduced to fit (``MoEConfig.deepseek_v3_reduced``: 
 (prompts of ``--prompt-len`` tokens) and decode of 64-256 sequences (context ``--context``).
 For each case one ``ModelRunner`` plans the same batch twice (TBO on and off) and runs the two
 jitted steps; the time is the median of ``--iters`` runs after warm-up, device-synchronised,
-without host planning or copying logits back. Prints a markdown table (target: ratio <= 1.05
+without host planning or copying logits back. Decode sequences have their cached context
+in their own KV slots (``_decode_prefix``). The last column is the largest logit difference
+between the TBO and the plain step over the largest plain logit (bf16: the two programs group
+their matmuls differently). Prints a markdown table (target: ratio <= 1.05
 at prefill >= 4096 tokens and decode >= 128 sequences). ``--devices N`` runs DP attention
 over N devices (dp=N, EP over all of them: the multi-GPU measurement of issue 8), and
 ``--barriers`` adds a column for TBO with round barriers (a second runner); ``--profile DIR``
@@ -84,6 +87,24 @@ def _decode_batch(seqs: int, context: int) -> split.ForwardBatch:
     )  # fmt: skip
 
 
+def _decode_prefix(batch: split.ForwardBatch) -> split.ForwardBatch:
+    """The cached context of a ``_decode_batch``: positions ``0 .. context - 2`` of each
+    sequence in its own slots (``row * context + 1 + position``), recorded in the page table
+    and never run. Without it those positions map to the padding slot 0, which every padding
+    row of a step writes: a TBO step (whose children have padding rows) then attended over
+    different keys than the plain step, and its routing collapsed (61 of a micro-batch's 64
+    tokens on one expert, where the plain step's busiest expert had 17 of 64)."""
+    seqs, context = batch.batch_size, int(batch.seq_lens[0])
+    prefix = context - 1
+    slots = np.arange(seqs)[:, None] * context + 1 + np.arange(prefix)[None, :]
+    return split.ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=seqs, input_ids=np.zeros(seqs * prefix),
+        positions=np.tile(np.arange(prefix), seqs), out_cache_loc=slots.reshape(-1),
+        req_pool_indices=np.arange(seqs), seq_lens=np.full(seqs, prefix),
+        extend_seq_lens=np.full(seqs, prefix), extend_prefix_lens=np.zeros(seqs, np.int64),
+    )  # fmt: skip
+
+
 def _time(runner, plan, iters: int) -> float:
     for _ in range(2):
         runner.run_plan(plan).block_until_ready()
@@ -98,6 +119,8 @@ def _time(runner, plan, iters: int) -> float:
 def _plan(runner, batch, tbo: bool):
     batches = [batch] * runner.dp_size
     for rank in range(runner.dp_size):
+        if batch.forward_mode.is_decode() and batch.seq_lens[0] > 1:
+            runner.record(rank, _decode_prefix(batch))
         runner.record(rank, batch)
     plan = planning.plan_step(batches, dataclasses.replace(runner.options, enable_tbo=tbo))
     if tbo and plan.child_capacity is None:
@@ -113,13 +136,20 @@ def _profile(runner, batch, directory: str, name: str) -> None:
         runner.run_plan(plan).block_until_ready()
 
 
-def _case(runners, batch, iters: int) -> list[float]:
-    """Seconds per step: plain, TBO, then TBO on each further runner (e.g. with barriers)."""
+def _case(runners, batch, iters: int) -> tuple[list[float], float]:
+    """Seconds per step (plain, TBO, then TBO on each further runner, e.g. with barriers) and
+    the largest ``|TBO - plain|`` logit of the real rows over the largest ``|plain|`` one."""
     main_runner = runners[0]
-    times = [_time(main_runner, _plan(main_runner, batch, False), iters)]
+    plain_plan = _plan(main_runner, batch, False)
+    times = [_time(main_runner, plain_plan, iters)]
+    want = np.asarray(main_runner.run_plan(plain_plan))[:, : batch.num_tokens]
+    difference = 0.0
     for runner in runners:
-        times.append(_time(runner, _plan(runner, batch, True), iters))
-    return times
+        plan = _plan(runner, batch, True)
+        times.append(_time(runner, plan, iters))
+        got = np.asarray(runner.run_plan(plan))[:, : batch.num_tokens]
+        difference = max(difference, float(np.abs(got - want).max() / np.abs(want).max()))
+    return times, difference
 
 
 def _runner(model, mesh, args, largest: int, barriers: bool):
@@ -150,15 +180,20 @@ def main(argv) -> None:
     print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; dp={args.dp}, "
           f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}; jax {jax.__version__}")  # fmt: skip
     extra = " TBO+barriers (ms) | ratio |" if args.barriers else ""
-    print("| case | tokens/rank | no TBO (ms) | TBO (ms) | TBO / no TBO |" + extra)
-    print("|---|---|---|---|---|" + ("---|---|" if args.barriers else ""))
+    print(
+        "| case | tokens/rank | no TBO (ms) | TBO (ms) | TBO / no TBO |"
+        + extra
+        + " max |Δ logits| |"
+    )
+    print("|---|---|---|---|---|" + ("---|---|" if args.barriers else "") + "---|")
     cases = [("prefill", n, _prefill_batch(n, args.prompt_len)) for n in args.prefill]
     cases += [("decode", s, _decode_batch(s, args.context)) for s in args.decode]
     profiled = set()
     for name, size, batch in cases:
-        plain, *tbo_times = _case(runners, batch, args.iters)
+        (plain, *tbo_times), difference = _case(runners, batch, args.iters)
         cells = "".join(f" {t * 1e3:.2f} | {t / plain:.3f} |" for t in tbo_times)
-        print(f"| {name} {size} | {batch.num_tokens} | {plain * 1e3:.2f} |{cells}", flush=True)
+        print(f"| {name} {size} | {batch.num_tokens} | {plain * 1e3:.2f} |{cells} "
+              f"{difference:.1e} |", flush=True)  # fmt: skip
         if args.profile and name not in profiled:
             _profile(runners[0], batch, args.profile, f"tbo_{name}_{size}")
             profiled.add(name)
