@@ -8,9 +8,8 @@ hidden size and expert shape reduced to fit (``MoEConfig.deepseek_v3_reduced``: 
 For each case one ``ModelRunner`` plans the same batch twice (TBO on and off) and runs the two
 jitted steps; the time is the median of ``--iters`` runs after warm-up, device-synchronised,
 without host planning or copying logits back. Decode sequences have their cached context
-in their own KV slots (``_decode_prefix``). The last column is the largest logit difference
-between the TBO and the plain step over the largest plain logit (bf16: the two programs group
-their matmuls differently). Prints a markdown table (target: ratio <= 1.05
+in their own KV slots (``_decode_prefix``). The last column compares the TBO step's logits
+with the plain step's (``_agreement``). Prints a markdown table (target: ratio <= 1.05
 at prefill >= 4096 tokens and decode >= 128 sequences). ``--devices N`` runs DP attention
 over N devices (dp=N, EP over all of them: the multi-GPU measurement of issue 8), and
 ``--barriers`` adds a column for TBO with round barriers (a second runner); ``--profile DIR``
@@ -65,23 +64,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _prefill_batch(tokens: int, prompt_len: int) -> split.ForwardBatch:
+def _prefill_batch(tokens: int, prompt_len: int, vocab: int) -> split.ForwardBatch:
     lens = [prompt_len] * (tokens // prompt_len) + (
         [tokens % prompt_len] if tokens % prompt_len else []
     )
     n = len(lens)
     return split.ForwardBatch(
-        forward_mode=ForwardMode.EXTEND, batch_size=n, input_ids=np.arange(tokens) % 1000,
+        forward_mode=ForwardMode.EXTEND, batch_size=n, input_ids=np.arange(tokens) % vocab,
         positions=np.concatenate([np.arange(k) for k in lens]),
         out_cache_loc=np.arange(1, tokens + 1), req_pool_indices=np.arange(n), seq_lens=lens,
         extend_seq_lens=lens, extend_prefix_lens=[0] * n,
     )  # fmt: skip
 
 
-def _decode_batch(seqs: int, context: int) -> split.ForwardBatch:
+def _decode_batch(seqs: int, context: int, vocab: int) -> split.ForwardBatch:
     rows = np.arange(seqs)
     return split.ForwardBatch(
-        forward_mode=ForwardMode.DECODE, batch_size=seqs, input_ids=rows % 1000,
+        forward_mode=ForwardMode.DECODE, batch_size=seqs, input_ids=rows % vocab,
         positions=np.full(seqs, context - 1), out_cache_loc=rows * context + context,
         req_pool_indices=rows, seq_lens=np.full(seqs, context),
     )  # fmt: skip
@@ -136,20 +135,30 @@ def _profile(runner, batch, directory: str, name: str) -> None:
         runner.run_plan(plan).block_until_ready()
 
 
-def _case(runners, batch, iters: int) -> tuple[list[float], float]:
+def _case(runners, batch, iters: int) -> tuple[list[float], str]:
     """Seconds per step (plain, TBO, then TBO on each further runner, e.g. with barriers) and
-    the largest ``|TBO - plain|`` logit of the real rows over the largest ``|plain|`` one."""
+    how the first TBO step's logits compare with the plain step's (``_agreement``)."""
     main_runner = runners[0]
     plain_plan = _plan(main_runner, batch, False)
     times = [_time(main_runner, plain_plan, iters)]
     want = np.asarray(main_runner.run_plan(plain_plan))[:, : batch.num_tokens]
-    difference = 0.0
+    got = None
     for runner in runners:
         plan = _plan(runner, batch, True)
         times.append(_time(runner, plan, iters))
-        got = np.asarray(runner.run_plan(plan))[:, : batch.num_tokens]
-        difference = max(difference, float(np.abs(got - want).max() / np.abs(want).max()))
-    return times, difference
+        got = np.asarray(runner.run_plan(plan))[:, : batch.num_tokens] if got is None else got
+    return times, _agreement(got, want)
+
+
+def _agreement(got: np.ndarray, want: np.ndarray) -> str:
+    """Median over rows of ``max |got - want| / max |want|``, and the share of rows whose
+    greedy token agrees. The two programs round differently (merged matmuls, other GEMM
+    tilings; bf16, and TF32 for float32 dots on a GPU), and a routing near-tie can then pick
+    another expert for a few tokens: measured on one H200 in float32, decode 128 and prefill
+    4096 agreed to a median of 3e-4, with 2 / 128 and 13 / 4096 rows off by more than 5 %."""
+    rows = np.abs(got - want).max(axis=-1) / np.abs(want).max()
+    same = np.mean(got.argmax(axis=-1) == want.argmax(axis=-1))
+    return f"{np.median(rows):.1e} / {same:.3f}"
 
 
 def _runner(model, mesh, args, largest: int, barriers: bool):
@@ -183,17 +192,18 @@ def main(argv) -> None:
     print(
         "| case | tokens/rank | no TBO (ms) | TBO (ms) | TBO / no TBO |"
         + extra
-        + " max |Δ logits| |"
+        + " Δ logits (median row) / same token |"
     )
     print("|---|---|---|---|---|" + ("---|---|" if args.barriers else "") + "---|")
-    cases = [("prefill", n, _prefill_batch(n, args.prompt_len)) for n in args.prefill]
-    cases += [("decode", s, _decode_batch(s, args.context)) for s in args.decode]
+    vocab = config.vocab_size
+    cases = [("prefill", n, _prefill_batch(n, args.prompt_len, vocab)) for n in args.prefill]
+    cases += [("decode", s, _decode_batch(s, args.context, vocab)) for s in args.decode]
     profiled = set()
     for name, size, batch in cases:
-        (plain, *tbo_times), difference = _case(runners, batch, args.iters)
+        (plain, *tbo_times), agreement = _case(runners, batch, args.iters)
         cells = "".join(f" {t * 1e3:.2f} | {t / plain:.3f} |" for t in tbo_times)
         print(f"| {name} {size} | {batch.num_tokens} | {plain * 1e3:.2f} |{cells} "
-              f"{difference:.1e} |", flush=True)  # fmt: skip
+              f"{agreement} |", flush=True)  # fmt: skip
         if args.profile and name not in profiled:
             _profile(runners[0], batch, args.profile, f"tbo_{name}_{size}")
             profiled.add(name)
