@@ -9,7 +9,8 @@ For each case one ``ModelRunner`` plans the same batch twice (TBO on and off) an
 jitted steps; the time is the median of ``--iters`` runs after warm-up, device-synchronised,
 without host planning or copying logits back. Decode sequences have their cached context
 in their own KV slots (``_decode_prefix``). The last column compares the TBO step's logits
-with the plain step's (``_agreement``). Prints a markdown table (target: ratio <= 1.05
+with the plain step's (``_agreement``; ``--dtype float32`` takes bf16 rounding out). Prints a
+markdown table (target: ratio <= 1.05
 at prefill >= 4096 tokens and decode >= 128 sequences). ``--devices N`` runs DP attention
 over N devices (dp=N, EP over all of them: the multi-GPU measurement of issue 8), and
 ``--barriers`` adds a column for TBO with round barriers (a second runner); ``--profile DIR``
@@ -53,6 +54,10 @@ def _parser() -> argparse.ArgumentParser:
         help="a step that overflows EP capacity re-runs with the next bucket (warm-up absorbs it)",
     )  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="MoEConfig.tiny() (smoke test)")
+    parser.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+        help="parameter / activation dtype (float32: the agreement column without bf16 rounding)",
+    )  # fmt: skip
     parser.add_argument(
         "--profile", metavar="DIR",
         help="write a jax.profiler trace of one TBO step of the first prefill and decode case",
@@ -165,7 +170,7 @@ def _runner(model, mesh, args, largest: int, barriers: bool):
     return runner_lib.ModelRunner(
         model, mesh, moe_a2a_backend=args.moe_a2a_backend, max_total_tokens=largest + 1,
         max_running_requests=max(args.decode + [largest // args.prompt_len + 1]),
-        token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.bfloat16,
+        token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.dtype(args.dtype),
         ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
         tbo_round_barriers=barriers,
     )  # fmt: skip
