@@ -4,6 +4,13 @@ The runner owns it (SGLang's ``req_to_token_pool``): before a step, every new to
 (``out_cache_loc``) is recorded at its KV position — ``prefix + i`` for extend rows,
 ``seq_len - 1`` for a decode row, ``seq_len + i`` for the i-th draft token of a verify row —
 and the whole table travels to the device with the step.
+
+A row's positions that were never recorded hold slot 0, the padding slot, which every padding
+row of a step writes; attention over them would read whatever was written last. So the runner
+also keeps, per request row, how many leading positions are recorded (``filled``), and refuses
+a batch that writes a row past them (``check_context``): e.g. a decode of a request whose
+prompt never went through this runner (record its context first with an EXTEND batch). A
+batch that writes a row from position 0 starts a new request there.
 """
 
 import numpy as np
@@ -47,12 +54,72 @@ def kv_positions(batch: split.ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
     raise ValueError(f"forward_mode {mode.name} is not served by the runner")
 
 
-def record(table: np.ndarray, batch: split.ForwardBatch, num_slots: int) -> None:
-    """Writes a batch's new-token slots into one rank's ``[max_reqs, max_context]`` table.
+def write_ranges(batch: split.ForwardBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Request row and ``[start, end)`` KV positions each request of a host batch writes.
+
+    Returns:
+      ``(req_rows [batch_size], starts [batch_size], ends [batch_size])``.
 
     Raises:
-      ValueError: a request row, position or slot outside the table / pool (names the numbers).
+      ValueError: a mode without KV writes.
     """
+    mode = batch.forward_mode
+    if mode.is_idle() or batch.batch_size == 0:
+        return (np.zeros(0, np.int64),) * 3
+    req = np.asarray(batch.req_pool_indices, np.int64)
+    seq_lens = np.asarray(batch.seq_lens, np.int64)
+    if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
+        prefix = np.asarray(batch.extend_prefix_lens, np.int64)
+        return req, prefix, prefix + np.asarray(batch.extend_seq_lens, np.int64)
+    if mode.is_decode():
+        return req, seq_lens - 1, seq_lens
+    if mode.is_target_verify():
+        return req, seq_lens, seq_lens + batch.spec_info.draft_token_num
+    raise ValueError(f"forward_mode {mode.name} is not served by the runner")
+
+
+def check_context(filled: np.ndarray, batch: split.ForwardBatch) -> None:
+    """Refuses a batch that would attend over KV positions never recorded.
+
+    Args:
+      filled: ``[max_reqs]`` recorded leading positions per request row of the rank.
+      batch: the host batch about to be recorded.
+
+    Raises:
+      ValueError: a request row written from a position past its recorded context (names
+        the row and both numbers).
+    """
+    rows, starts, _ = write_ranges(batch)
+    if rows.size and (rows.min() < 0 or rows.max() >= filled.shape[0]):
+        raise ValueError(f"req_pool_indices max {rows.max()} outside [0, {filled.shape[0]})")
+    gap = (starts > 0) & (starts > filled[rows])
+    if gap.any():
+        row = int(np.flatnonzero(gap)[0])
+        raise ValueError(
+            f"request row {rows[row]} writes KV positions from {starts[row]} but only "
+            f"positions [0, {filled[rows[row]]}) of it are recorded: its attention would read "
+            "the padding slot; record the request's context first (an EXTEND batch)"
+        )
+
+
+def record(
+    table: np.ndarray, batch: split.ForwardBatch, num_slots: int, filled: np.ndarray | None = None
+) -> None:
+    """Writes a batch's new-token slots into one rank's ``[max_reqs, max_context]`` table.
+
+    Args:
+      table: the rank's page table.
+      batch: an unpadded host batch.
+      num_slots: KV-pool slots of the rank (slot 0 is the padding slot).
+      filled: the rank's ``[max_reqs]`` recorded leading positions (``check_context``), checked
+        and updated; None skips the check.
+
+    Raises:
+      ValueError: a request row, position or slot outside the table / pool (names the numbers),
+        or (with ``filled``) a write past a row's recorded context.
+    """
+    if filled is not None:
+        check_context(filled, batch)
     rows, positions = kv_positions(batch)
     if rows.size == 0:
         return
@@ -67,3 +134,6 @@ def record(table: np.ndarray, batch: split.ForwardBatch, num_slots: int) -> None
             "(slot 0 is the padding slot)"
         )
     table[rows, positions] = slots
+    if filled is not None:
+        req, starts, ends = write_ranges(batch)
+        filled[req] = np.where(starts == 0, ends, np.maximum(filled[req], ends))

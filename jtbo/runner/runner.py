@@ -155,18 +155,21 @@ class ModelRunner:
         self.req_to_token = np.zeros(
             (self.dp_size, self.max_running_requests, self.max_total_tokens), np.int32
         )
+        # Recorded leading KV positions per request row (kv_table.check_context).
+        self.kv_filled = np.zeros((self.dp_size, self.max_running_requests), np.int64)
         self._req_to_token_device = None  # uploaded copy; None when the host table changed
 
     def record(self, rank: int, batch: split.ForwardBatch) -> None:
         """Records a batch's new-token KV slots in rank ``rank``'s page table.
 
         Raises:
-          ValueError: a rank this process does not drive, or a request row, KV position or slot
-            outside the table / pool.
+          ValueError: a rank this process does not drive, a request row, KV position or slot
+            outside the table / pool, or a request row written past its recorded context
+            (``kv_table.check_context``: its attention would read the padding slot).
         """
         if rank not in self.local_dp_ranks:
             raise ValueError(f"DP rank {rank} is not driven by this process {self.local_dp_ranks}")
-        kv_table.record(self.req_to_token[rank], batch, self.num_slots)
+        kv_table.record(self.req_to_token[rank], batch, self.num_slots, self.kv_filled[rank])
         self._req_to_token_device = None
 
     @property
@@ -193,7 +196,8 @@ class ModelRunner:
           ranks. A step where every rank of every process is idle does no device work.
 
         Raises:
-          ValueError: wrong number of batches, a bad token id, a batch that does not fit; with
+          ValueError: wrong number of batches, a bad token id, a batch that does not fit, a
+            request written past its recorded KV context (``kv_table.check_context``); with
             several processes also ``step_exchange.StepRejectedError`` on every other process.
           ExpertCapacityError: the step dropped routed tokens (raise ``ep_capacity_factor``).
         """
@@ -262,6 +266,10 @@ class ModelRunner:
             )
         if ids.size and batch.positions is None:
             raise ValueError(f"rank {rank}: ForwardBatch.positions is required")
+        try:
+            kv_table.check_context(self.kv_filled[rank], batch)
+        except ValueError as error:
+            raise ValueError(f"rank {rank}: {error}") from error
 
     def _run(self, plan: planning.StepPlan) -> np.ndarray:
         """Runs a plan; returns the logits rows of ``plan.ranks`` as numpy."""

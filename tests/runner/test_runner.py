@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jtbo import split
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
@@ -111,6 +112,15 @@ def test_bad_batch_is_rejected_before_device_work():
     assert plain.num_steps == 0
     with pytest.raises(ValueError, match="7 batches"):
         plain.forward([None] * 7)
+    # A decode of a request whose prompt never went through the runner: its context is the
+    # padding slot. Refused on every rank's behalf, before device work.
+    unrecorded = split.ForwardBatch(
+        forward_mode=split.ForwardMode.DECODE, batch_size=1, input_ids=[3], positions=[5],
+        out_cache_loc=[9], req_pool_indices=[1], seq_lens=[6],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="rank 0: request row 1 writes KV positions from 5"):
+        plain.forward([unrecorded] + [None] * 7)
+    assert plain.num_steps == 0
 
 
 def test_dropped_expert_pairs_raise_instead_of_wrong_numbers():
