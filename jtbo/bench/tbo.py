@@ -10,11 +10,11 @@ jitted steps; the time is the median of ``--iters`` runs after warm-up, device-s
 without host planning or copying logits back. Decode sequences have their cached context
 in their own KV slots (``_decode_prefix``). The last column compares the TBO step's logits
 with the plain step's (``_agreement``; ``--dtype float32`` takes bf16 rounding out). Prints a
-markdown table (target: ratio <= 1.05
-at prefill >= 4096 tokens and decode >= 128 sequences). ``--devices N`` runs DP attention
-over N devices (dp=N, EP over all of them: the multi-GPU measurement of issue 8), and
-``--barriers`` adds a column for TBO with round barriers (a second runner); ``--profile DIR``
-writes a ``jax.profiler`` trace of one TBO step of the first prefill and decode case.
+markdown table (target: ratio <= 1.05 at prefill >= 4096 tokens and decode >= 128 sequences).
+``--devices N`` runs DP attention over N devices (dp=N, EP over all of them: the multi-GPU
+measurement of issue 8), and ``--barriers`` adds a column for TBO with round barriers (a second
+runner); ``--profile DIR`` writes a ``jax.profiler`` trace of one TBO step of the first prefill
+and decode case.
 """
 
 import argparse
