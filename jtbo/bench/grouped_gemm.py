@@ -150,35 +150,6 @@ def dropped_pairs(ids: np.ndarray, num_experts: int, capacity: int) -> int:
     return int(np.maximum(loads - capacity, 0).sum())
 
 
-def experts_sorted(x, topk_ids, topk_weights, weights, dot, hidden_dtype=jnp.float32):
-    """Routed-expert output with pairs sorted by expert and a grouped GEMM ``dot``.
-
-    The layout of ``experts.experts_ragged_dot_reference`` with the grouped GEMM passed in:
-    ``dot(lhs [M, K], rhs [E, K, N], group_sizes [E], out_dtype) -> [M, N]``.
-
-    Args:
-      x: ``[T, H]``; topk_ids / topk_weights: ``[T, k]``; weights: ``(w_gate, w_up, w_down)``.
-      dot: the grouped GEMM.
-      hidden_dtype: output dtype asked of the gate / up GEMMs.
-
-    Returns:
-      ``[T, H]`` in ``x.dtype``.
-    """
-    w_gate, w_up, w_down = weights
-    num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)
-    order = jnp.argsort(flat_ids, stable=True)
-    rows = x[order // top_k]
-    sizes = jnp.bincount(flat_ids, length=w_gate.shape[0]).astype(jnp.int32)
-    f32 = jnp.float32
-    gate = dot(rows, w_gate, sizes, hidden_dtype).astype(f32)
-    up = dot(rows, w_up, sizes, hidden_dtype).astype(f32)
-    hidden = (jax.nn.silu(gate) * up).astype(x.dtype)
-    out = dot(hidden, w_down, sizes, x.dtype).astype(f32)
-    unsorted = jnp.zeros_like(out).at[order].set(out).reshape(num_tokens, top_k, -1)
-    return jnp.einsum("tkh,tk->th", unsorted, topk_weights.astype(f32)).astype(x.dtype)
-
-
 def import_tokamax():
     """``tokamax``, or ImportError saying which wheel to install."""
     try:
@@ -193,7 +164,7 @@ def import_tokamax():
 
 
 def tokamax_dot(variant: str, hidden: int):
-    """The grouped GEMM of a ``tokamax[:variant]`` impl, as ``experts_sorted`` calls it.
+    """The grouped GEMM of a ``tokamax[:variant]`` impl, as ``experts.experts_sorted`` calls it.
 
     Args:
       variant: ``""`` (implementation ``mosaic_gpu``, its own config), ``"h100"`` (mosaic_gpu
@@ -238,7 +209,10 @@ def layer_fn(impl: str, shapes: Shapes, capacity: int):
     name, _, variant = impl.partition(":")
     if name == "tokamax":
         dot = tokamax_dot(variant, shapes.hidden)
-        return jax.jit(functools.partial(experts_sorted, dot=dot, hidden_dtype=None))
+        sorted_layer = functools.partial(
+            experts.experts_sorted, grouped_dot=dot, hidden_dtype=None, out_dtype=None
+        )
+        return jax.jit(sorted_layer)
     raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS} or tokamax:VARIANT")
 
 

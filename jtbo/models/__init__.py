@@ -7,7 +7,7 @@ step is one ``shard_map`` (``step``). ``reference_forward`` is the unsharded ora
 """
 
 from jtbo.models.config import MoEConfig
-from jtbo.models.experts import experts_capacity, experts_ragged_dot_reference
+from jtbo.models.experts import experts_capacity, experts_ragged_dot_reference, experts_sorted
 from jtbo.models.layer_ops import (
     ParallelConfig,
     attention_operations,
@@ -31,6 +31,7 @@ __all__ = [
     "dense_layer_operations",
     "experts_capacity",
     "experts_ragged_dot_reference",
+    "experts_sorted",
     "make_step",
     "moe_layer_operations",
     "param_specs",

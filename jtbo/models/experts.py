@@ -91,15 +91,31 @@ def experts_capacity(
     return jnp.einsum("tkh,tk->th", gathered.astype(jnp.float32), scale).astype(x.dtype)
 
 
-def experts_ragged_dot_reference(
+def experts_sorted(
     x: jax.Array,
     topk_ids: jax.Array,
     topk_weights: jax.Array,
     weights: tuple[jax.Array, jax.Array, jax.Array],
+    grouped_dot,
+    *,
+    hidden_dtype=jnp.float32,
+    out_dtype=jnp.float32,
 ) -> jax.Array:
-    """Exact routed-expert output with ``jax.lax.ragged_dot`` (pairs sorted by expert).
+    """Routed-expert output with the (token, choice) pairs sorted by expert and a grouped GEMM.
 
-    Args and Returns: as ``experts_capacity`` (no capacity: nothing is dropped).
+    Args:
+      x: ``[T, H]`` tokens.
+      topk_ids: ``[T, k]`` chosen experts (every id in ``[0, E)``).
+      topk_weights: ``[T, k]`` routing weights.
+      weights: ``(w_gate [E, H, F], w_up [E, H, F], w_down [E, F, H])``.
+      grouped_dot: ``grouped_dot(lhs [M, K], rhs [E, K, N], group_sizes [E], out_dtype)
+        -> [M, N]``, rows of group ``e`` times ``rhs[e]`` (``jax.lax.ragged_dot``, or a
+        Pallas grouped GEMM such as tokamax's).
+      hidden_dtype: ``out_dtype`` asked of the gate / up GEMMs.
+      out_dtype: ``out_dtype`` asked of the down GEMM.
+
+    Returns:
+      ``[T, H]`` in ``x.dtype`` (nothing is dropped).
     """
     w_gate, w_up, w_down = weights
     num_tokens, top_k = topk_ids.shape
@@ -108,12 +124,29 @@ def experts_ragged_dot_reference(
     rows = x[order // top_k]
     sizes = jnp.bincount(flat_ids, length=w_gate.shape[0]).astype(jnp.int32)
     f32 = jnp.float32
-    gate = jax.lax.ragged_dot(rows, w_gate, sizes, preferred_element_type=f32)
-    up = jax.lax.ragged_dot(rows, w_up, sizes, preferred_element_type=f32)
+    gate = grouped_dot(rows, w_gate, sizes, hidden_dtype).astype(f32)
+    up = grouped_dot(rows, w_up, sizes, hidden_dtype).astype(f32)
     hidden = (jax.nn.silu(gate) * up).astype(x.dtype)
-    out = jax.lax.ragged_dot(hidden, w_down, sizes, preferred_element_type=f32)
+    out = grouped_dot(hidden, w_down, sizes, out_dtype).astype(f32)
     unsorted = jnp.zeros_like(out).at[order].set(out).reshape(num_tokens, top_k, -1)
     return jnp.einsum("tkh,tk->th", unsorted, topk_weights.astype(f32)).astype(x.dtype)
+
+
+def _lax_ragged_dot(lhs, rhs, group_sizes, out_dtype):
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+
+
+def experts_ragged_dot_reference(
+    x: jax.Array,
+    topk_ids: jax.Array,
+    topk_weights: jax.Array,
+    weights: tuple[jax.Array, jax.Array, jax.Array],
+) -> jax.Array:
+    """Exact routed-expert output: ``experts_sorted`` over ``jax.lax.ragged_dot`` in float32.
+
+    Args and Returns: as ``experts_capacity`` (no capacity: nothing is dropped).
+    """
+    return experts_sorted(x, topk_ids, topk_weights, weights, _lax_ragged_dot)
 
 
 class RoutedExperts(nnx.Module):

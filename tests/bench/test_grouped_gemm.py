@@ -2,13 +2,10 @@
 
 import importlib.util
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jtbo.bench import grouped_gemm
-from jtbo.models import experts
 
 SMALL = grouped_gemm.Shapes(hidden=64, ffn=32, experts=8, top_k=2)
 
@@ -49,18 +46,6 @@ def test_capacity_and_dropped_pairs():
     assert grouped_gemm.capacity_for(64, SMALL, 4.0) == 64
     ids = np.array([[0, 1], [0, 2], [0, 3]], np.int32)
     assert grouped_gemm.dropped_pairs(ids, 8, capacity=2) == 1
-
-
-def test_experts_sorted_with_lax_ragged_dot_matches_reference():
-    x, weights = grouped_gemm.make_inputs(24, SMALL, jnp.float32, jax.random.key(0))
-    ids, routing = map(jnp.asarray, grouped_gemm.route(24, SMALL, skew=0.0, seed=1))
-
-    def dot(lhs, rhs, sizes, out_dtype):
-        return jax.lax.ragged_dot(lhs, rhs, sizes, preferred_element_type=out_dtype)
-
-    got = grouped_gemm.experts_sorted(x, ids, routing, weights, dot)
-    want = experts.experts_ragged_dot_reference(x, ids, routing, weights)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tokamax") is not None, reason="tokamax installed")

@@ -61,3 +61,18 @@ def test_padding_ids_take_no_slot_and_small_capacity_drops():
 def test_slot_positions_count_earlier_pairs():
     ids = jax.numpy.array([[0, 2], [2, 1], [0, 2]])
     np.testing.assert_array_equal(experts.slot_positions(ids, 3), [[0, 0], [1, 0], [1, 2]])
+
+
+def _grouped_dot_by_row(lhs, rhs, group_sizes, out_dtype):
+    """A grouped GEMM without ragged_dot: each row takes its group's matrix."""
+    group = np.searchsorted(np.cumsum(np.asarray(group_sizes)), np.arange(lhs.shape[0]), "right")
+    out = jax.numpy.einsum("mk,mkn->mn", lhs, rhs[group], preferred_element_type=out_dtype)
+    return out.astype(out_dtype)
+
+
+@settings(max_examples=5, deadline=None)
+@given(seed=st.integers(0, 1000), num_tokens=st.integers(1, 12))
+def test_sorted_layout_with_any_grouped_gemm_matches_numpy(seed, num_tokens):
+    weights, x, ids, w = _inputs(seed, num_tokens)
+    got = experts.experts_sorted(x, ids, w, weights, _grouped_dot_by_row)
+    chex.assert_trees_all_close(got, _numpy_experts(x, ids, w, weights), rtol=1e-4, atol=1e-4)
