@@ -75,6 +75,10 @@ def test_tbo_step_covers_its_collectives_on_an_h200_compile(mode):
     )
     assert rep.coverage >= 0.95, report.format_report(rep)
     assert all(window.micro_batch for window in rep.windows if window.num_bytes > 16)
+    # Only the 16-byte overflow / peak-load reductions may run synchronously: a larger one
+    # turning synchronous means something joined the two micro-batches (step.py's input
+    # barrier, for one).
+    assert all(window.is_async for window in rep.windows if window.num_bytes > 16)
 
 
 def test_step_key_traces_once_and_a_retrace_fails_loudly():
