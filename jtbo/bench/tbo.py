@@ -13,12 +13,15 @@ with the plain step's (``_agreement``; ``--dtype float32`` takes bf16 rounding o
 markdown table (target: ratio <= 1.05 at prefill >= 4096 tokens and decode >= 128 sequences).
 ``--devices N`` runs DP attention over N devices (dp=N, EP over all of them: the multi-GPU
 measurement of issue 8), and ``--barriers`` adds a column for TBO with round barriers (a second
-runner); ``--profile DIR`` writes a ``jax.profiler`` trace of one TBO step of the first prefill
-and decode case.
+runner); ``--profile DIR`` traces plain and TBO steps of the first prefill and decode case
+(``jax.profiler``, with the optimized HLO dumped beside them) and prints, on a GPU, their kernel
+time per model operation (``jtbo.bench.kernel_time``).
 """
 
 import argparse
 import dataclasses
+import glob
+import os
 import statistics
 import time
 
@@ -28,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 from jtbo import split
+from jtbo.bench import kernel_time
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
@@ -60,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--profile", metavar="DIR",
-        help="write a jax.profiler trace of one TBO step of the first prefill and decode case",
+        help="trace plain and TBO steps of the first prefill and decode case into DIR and "
+        "print their GPU time per operation (jtbo.bench.kernel_time)",
     )  # fmt: skip
     parser.add_argument(
         "--barriers", action="store_true",
@@ -132,12 +137,40 @@ def _plan(runner, batch, tbo: bool):
     return plan
 
 
+PROFILE_STEPS = 3
+"""Steps each ``--profile`` trace holds."""
+
+
+def _dump_step_hlo(directory: str) -> None:
+    """Has XLA dump the optimized HLO of every model step into ``directory/hlo`` (read by
+    ``kernel_time``); must run before the first backend use."""
+    flags = f"--xla_dump_to={directory}/hlo --xla_dump_hlo_module_re=model_step"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+
+
 def _profile(runner, batch, directory: str, name: str) -> None:
-    """Writes a ``jax.profiler`` trace of one (already compiled) TBO step to ``directory/name``."""
-    plan = _plan(runner, batch, True)
-    runner.run_plan(plan).block_until_ready()
-    with jax.profiler.trace(f"{directory}/{name}"):
+    """Traces ``PROFILE_STEPS`` plain and TBO steps (``jax.profiler``, into
+    ``directory/{name}_plain`` and ``_tbo``) and prints where their GPU time goes
+    (``kernel_time.compare_table``; on a GPU only)."""
+    traces = []
+    for tbo in (False, True):
+        plan = _plan(runner, batch, tbo)
         runner.run_plan(plan).block_until_ready()
+        folder = f"{directory}/{name}_{'tbo' if tbo else 'plain'}"
+        with jax.profiler.trace(folder):
+            for _ in range(PROFILE_STEPS):
+                runner.run_plan(plan).block_until_ready()
+        traces.append(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))
+    if jax.devices()[0].platform != "gpu":
+        print(f"{name}: traces written; kernel attribution needs a GPU trace")
+        return
+    plain, tbo = (
+        kernel_time.step_attribution(found[0], f"{directory}/hlo", PROFILE_STEPS)
+        for found in traces
+    )
+    print(
+        f"\n{name}: GPU kernel time per step by operation\n{kernel_time.compare_table(plain, tbo)}"
+    )
 
 
 def _case(runners, batch, iters: int) -> tuple[list[float], str]:
@@ -179,6 +212,8 @@ def _runner(model, mesh, args, largest: int, barriers: bool):
 def main(argv) -> None:
     """Runs the benchmark and prints the table (see the module docstring)."""
     args = _parser().parse_args(argv)
+    if args.profile:
+        _dump_step_hlo(args.profile)
     if args.devices is not None:
         args.dp, args.attn_tp = args.devices, 1
     config = (
@@ -210,5 +245,5 @@ def main(argv) -> None:
         print(f"| {name} {size} | {batch.num_tokens} | {plain * 1e3:.2f} |{cells} "
               f"{agreement} |", flush=True)  # fmt: skip
         if args.profile and name not in profiled:
-            _profile(runners[0], batch, args.profile, f"tbo_{name}_{size}")
+            _profile(runners[0], batch, args.profile, f"{name}_{size}")
             profiled.add(name)

@@ -25,3 +25,14 @@ def test_tiny_run_prints_every_case_with_agreement(capsys):
     for line in lines[1:]:
         median_row, same_token = line.split("|")[-2].split(" / ")
         assert float(median_row) < 1e-5 and float(same_token) == 1.0, line  # float32 on the CPU
+
+
+def test_profile_traces_plain_and_tbo_steps(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XLA_FLAGS", "")  # restored afterwards: --profile adds dump flags
+    tbo.main(["--tiny", "--prefill", "128", "--decode", "32", "--context", "8", "--iters", "1",
+              "--profile", str(tmp_path)])  # fmt: skip
+    for case in ("prefill_128", "decode_32"):
+        for kind in ("plain", "tbo"):
+            assert list((tmp_path / f"{case}_{kind}").glob("**/*.trace.json.gz")), (case, kind)
+    assert "--xla_dump_to" in tbo.os.environ["XLA_FLAGS"]
+    assert "kernel attribution needs a GPU trace" in capsys.readouterr().out  # CPU run

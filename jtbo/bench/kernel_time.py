@@ -1,0 +1,199 @@
+"""Where a step's GPU time goes: profiler kernel times attributed to the model's operations.
+
+A ``jax.profiler`` trace (its ``*.trace.json.gz``) lists every GPU kernel with its duration;
+the optimized HLO of the same compile (``--xla_dump_to``) names, for every fusion, the
+``op_name`` of the jax code it came from (``tbo_a/L2.attn_core/while/body/...``). Joining the
+two answers "which operation costs what", per step:
+
+* a kernel named like a fusion (``gemm_fusion_dot_141`` is HLO ``gemm_fusion_dot.141``) takes
+  that fusion's ``op_name``;
+* cuBLAS kernels (``nvjet_*``, ``sm90_xmma_*``, ...) carry no HLO name: the k-th of a step is
+  the k-th cuBLAS custom call of the entry computation, which is in schedule order;
+* the ``op_name`` becomes an operation: micro-batch prefix and layer index dropped
+  (``attn_core``, ``experts``, ``dispatch_b``, ``attn_core (loop)`` for a loop body), a
+  parameter's name for fusions XLA attributes to a weight (e.g. the input concatenation of
+  a merged matmul), else the kernel family.
+
+Built to find TBO's cost on one H200 (``BENCHMARKS.md``, "Second session"), where the joined
+table showed each micro-batch reading the Q/K/V weights on its own.
+"""
+
+import argparse
+import collections
+import dataclasses
+import gzip
+import json
+import os
+import re
+
+CUBLAS_PREFIXES = ("nvjet", "sm90_", "sm80_", "cutlass", "void cutlass", "gemv", "gemmk1")
+"""Kernel-name prefixes of cuBLAS / cuBLASLt kernels."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One GPU kernel execution of a trace."""
+
+    name: str  # kernel name as the profiler recorded it
+    module: str  # HLO module it belongs to ("" when the trace does not say)
+    microseconds: float  # duration
+
+
+def gpu_kernels(trace: dict) -> list[Kernel]:
+    """GPU kernel executions of a parsed ``*.trace.json`` in start order.
+
+    Args:
+      trace: the trace's JSON object (``{"traceEvents": [...]}``).
+
+    Returns:
+      Every complete event of a process whose name mentions a GPU.
+    """
+    events = trace["traceEvents"]
+    gpu_pids = {
+        event["pid"]
+        for event in events
+        if event.get("ph") == "M"
+        and event.get("name") == "process_name"
+        and "GPU" in event.get("args", {}).get("name", "")
+    }
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
+    kernels.sort(key=lambda event: event["ts"])
+    return [
+        Kernel(e["name"], str(e.get("args", {}).get("hlo_module", "")), float(e["dur"]))
+        for e in kernels
+    ]
+
+
+def read_trace(path: str) -> dict:
+    """Parses a ``*.trace.json.gz`` (or plain ``*.trace.json``) file."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as file:
+        return json.load(file)
+
+
+def hlo_op_names(hlo_text: str) -> tuple[dict[str, str], list[str]]:
+    """Kernel name -> ``op_name`` of every fusion, and the entry's cuBLAS calls in order.
+
+    Args:
+      hlo_text: an optimized, scheduled HLO module (``*after_optimizations.txt``).
+
+    Returns:
+      ``(by_kernel_name, cublas_op_names)``: fusion ``a.12`` is keyed ``a_12``.
+    """
+    by_name, cublas, in_entry = {}, [], False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY"):
+            in_entry = True
+        elif line.startswith("}"):
+            in_entry = False
+        match = re.match(r"\s*(?:ROOT )?%(\S+) = .*? (fusion|custom-call)\(", line)
+        if not match:
+            continue
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        op_name = op_name.group(1) if op_name else ""
+        if match.group(2) == "fusion":
+            by_name[match.group(1).replace(".", "_")] = op_name
+        elif in_entry and re.search(r'custom_call_target="__cublas', line):
+            cublas.append(op_name)
+    return by_name, cublas
+
+
+def operation(op_name: str, kernel_name: str) -> str:
+    """The operation an ``op_name`` belongs to (see the module docstring)."""
+    name = re.sub(r"jit\([^)]*\)/", "", op_name)
+    name = re.sub(r"^tbo_[ab]/", "", name)
+    layer = re.match(r"L\d+\.(\w+)", name)
+    if layer:
+        return layer.group(1) + (" (loop)" if "/while/" in name else "")
+    weight = re.findall(r"\[\\?'(\w+)\\?'\]", name)
+    if weight:
+        return "weight " + ".".join(part for part in weight if not part.isdigit())
+    if name:
+        return name.split("/")[0]
+    return re.sub(r"[._]\d+$", "", kernel_name)
+
+
+def attribute(kernels: list[Kernel], hlo_text: str, steps: int) -> dict[str, float]:
+    """Microseconds per step of every operation.
+
+    Args:
+      kernels: one module's kernel executions over ``steps`` steps (``gpu_kernels``).
+      hlo_text: that module's optimized HLO.
+      steps: how many steps the trace holds.
+
+    Returns:
+      operation -> microseconds per step (cuBLAS kernels that cannot be matched by order go
+      to "cuBLAS (unmatched)", other kernels without an HLO fusion to their family name).
+    """
+    by_name, cublas = hlo_op_names(hlo_text)
+    blas = [k for k in kernels if k.name.startswith(CUBLAS_PREFIXES)]
+    matched = bool(cublas) and len(blas) == steps * len(cublas)
+    totals, blas_index = collections.defaultdict(float), 0
+    for kernel in kernels:
+        if kernel.name.startswith(CUBLAS_PREFIXES):
+            key = "cuBLAS (unmatched)"
+            if matched:
+                key = operation(cublas[blas_index % len(cublas)], kernel.name)
+                blas_index += 1
+        else:
+            key = operation(by_name.get(kernel.name, ""), kernel.name)
+        totals[key] += kernel.microseconds / steps
+    return dict(totals)
+
+
+def compare_table(plain: dict[str, float], tbo: dict[str, float], top: int = 25) -> str:
+    """Markdown table of per-operation microseconds, largest TBO - plain difference first."""
+    keys = sorted(set(plain) | set(tbo), key=lambda k: -(tbo.get(k, 0.0) - plain.get(k, 0.0)))
+    lines = ["| operation | no TBO (us) | TBO (us) | TBO - no TBO |", "|---|---|---|---|"]
+    for key in keys[:top]:
+        a, b = plain.get(key, 0.0), tbo.get(key, 0.0)
+        lines.append(f"| {key} | {a:.1f} | {b:.1f} | {b - a:+.1f} |")
+    a, b = sum(plain.values()), sum(tbo.values())
+    lines.append(f"| **all kernels** | {a:.1f} | {b:.1f} | {b - a:+.1f} |")
+    return "\n".join(lines)
+
+
+def step_module(kernels: list[Kernel]) -> str:
+    """The HLO module most of a trace's kernel time belongs to (the profiled step)."""
+    time_by_module = collections.Counter()
+    for kernel in kernels:
+        time_by_module[kernel.module] += kernel.microseconds
+    if not time_by_module:
+        raise ValueError("the trace holds no GPU kernels (was it taken on a GPU?)")
+    return time_by_module.most_common(1)[0][0]
+
+
+def hlo_dump_of(dump_dir: str, module: str) -> str:
+    """The optimized HLO text of ``module`` in an ``--xla_dump_to`` folder.
+
+    Raises:
+      ValueError: none, or more than one, dump of that module.
+    """
+    pattern = re.compile(rf"module_\d+\.{re.escape(module)}\.\S*after_optimizations\.txt$")
+    matches = [name for name in sorted(os.listdir(dump_dir)) if pattern.search(name)]
+    if len(matches) != 1:
+        raise ValueError(f"{len(matches)} optimized-HLO dumps of {module} in {dump_dir}")
+    with open(os.path.join(dump_dir, matches[0])) as file:
+        return file.read()
+
+
+def step_attribution(trace_path: str, dump_dir: str, steps: int) -> dict[str, float]:
+    """``attribute`` of the profiled step's module, its HLO found in ``dump_dir``."""
+    kernels = gpu_kernels(read_trace(trace_path))
+    module = step_module(kernels)
+    mine = [kernel for kernel in kernels if kernel.module == module]
+    return attribute(mine, hlo_dump_of(dump_dir, module), steps)
+
+
+def main(argv: list[str]) -> None:
+    """``python -m jtbo.bench kernel_time --plain TRACE --tbo TRACE --hlo DIR [--steps N]``:
+    prints ``compare_table`` of two profiled steps (e.g. from ``bench tbo --profile``)."""
+    parser = argparse.ArgumentParser(prog="python -m jtbo.bench kernel_time")
+    parser.add_argument("--plain", required=True, help="trace of the step without TBO")
+    parser.add_argument("--tbo", required=True, help="trace of the TBO step")
+    parser.add_argument("--hlo", required=True, help="--xla_dump_to folder of both compiles")
+    parser.add_argument("--steps", type=int, default=1, help="steps each trace holds")
+    args = parser.parse_args(argv)
+    plain = step_attribution(args.plain, args.hlo, args.steps)
+    tbo = step_attribution(args.tbo, args.hlo, args.steps)
+    print(compare_table(plain, tbo))

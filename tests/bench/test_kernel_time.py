@@ -1,0 +1,96 @@
+"""Kernel-time attribution: a synthetic trace and HLO with known answers."""
+# ruff: noqa: E501 (HLO instructions are one line each, as XLA prints them)
+
+import gzip
+import json
+
+import pytest
+
+from jtbo.bench import kernel_time
+
+HLO = """HloModule jit_model_step_1, is_scheduled=true
+
+%body.1 (p: f32[4]) -> f32[4] {
+  %loop_add_fusion.2 = f32[4]{0} fusion(%p), kind=kLoop, calls=%f, metadata={op_name="jit(model_step_1)/tbo_a/L0.attn_core/while/body/add"}
+}
+
+ENTRY %main.1 (a: bf16[8,8]) -> bf16[8,8] {
+  %gemm_fusion_dot.3 = bf16[8,8]{1,0} fusion(%a), kind=kCustom, calls=%g, metadata={op_name="jit(model_step_1)/tbo_a/L2.attn_prepare/dot_general"}
+  %custom-call.7 = (bf16[8,8]{1,0}, s8[4]{0}) custom-call(%a, %a), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(model_step_1)/tbo_b/L1.experts/dot_general"}
+  %input_concatenate_fusion.1 = bf16[16,8]{1,0} fusion(%a), kind=kInput, calls=%c, metadata={op_name="params[\\'layers\\'][1][\\'moe\\'][\\'experts\\'][\\'w_gate\\'].value"}
+  %custom-call.8 = (bf16[8,8]{1,0}, s8[4]{0}) custom-call(%a, %a), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(model_step_1)/logits/dot_general"}
+}
+"""
+
+
+def _trace(kernels):
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+    ]
+    events = [
+        {"ph": "X", "pid": 1, "ts": i, "dur": dur, "name": name,
+         "args": {"hlo_module": "jit_model_step_1"}}
+        for i, (name, dur) in enumerate(kernels)
+    ]  # fmt: skip
+    host = [{"ph": "X", "pid": 2, "ts": 0, "dur": 99.0, "name": "gemm_fusion_dot_3"}]
+    return {"traceEvents": meta + events + host}
+
+
+STEP = [
+    ("gemm_fusion_dot_3", 10.0),
+    ("loop_add_fusion_2", 1.5),
+    ("loop_add_fusion_2", 2.5),
+    ("nvjet_sm90_tss_128x64", 20.0),
+    ("input_concatenate_fusion_1", 4.0),
+    ("sm90_xmma_gemm_bf16", 6.0),
+    ("memcpy32_post", 1.0),
+]
+
+
+def test_attribution_by_fusion_name_cublas_order_and_family():
+    kernels = kernel_time.gpu_kernels(_trace(STEP * 2))
+    assert len(kernels) == 14  # the host event is not a GPU kernel
+    got = kernel_time.attribute(kernels, HLO, steps=2)
+    assert got == {
+        "attn_prepare": 10.0,
+        "attn_core (loop)": 4.0,
+        "experts": 20.0,
+        "weight layers.moe.experts.w_gate": 4.0,
+        "logits": 6.0,
+        "memcpy32_post": 1.0,
+    }
+
+
+def test_cublas_kernels_that_do_not_fit_the_order_are_unmatched():
+    kernels = kernel_time.gpu_kernels(_trace(STEP + [("nvjet_extra", 3.0)]))
+    got = kernel_time.attribute(kernels, HLO, steps=1)
+    assert got["cuBLAS (unmatched)"] == 29.0 and "experts" not in got
+
+
+def test_compare_table_orders_by_difference_and_totals():
+    table = kernel_time.compare_table({"a": 10.0, "b": 5.0}, {"a": 11.0, "b": 9.0, "c": 1.0})
+    rows = table.splitlines()
+    assert rows[2].startswith("| b | 5.0 | 9.0 | +4.0 |")
+    assert rows[-1] == "| **all kernels** | 15.0 | 21.0 | +6.0 |"
+
+
+def test_main_reads_traces_and_the_dump_folder(tmp_path, capsys):
+    dump = tmp_path / "hlo"
+    dump.mkdir()
+    (dump / "module_0007.jit_model_step_1.sm_9.0a_gpu_after_optimizations.txt").write_text(HLO)
+    (dump / "module_0007.jit_model_step_1.before_optimizations.txt").write_text("HloModule x")
+    for name, kernels in (("plain", STEP[:1]), ("tbo", STEP)):
+        with gzip.open(tmp_path / f"{name}.trace.json.gz", "wt") as file:
+            json.dump(_trace(kernels), file)
+    kernel_time.main([
+        "--plain", str(tmp_path / "plain.trace.json.gz"),
+        "--tbo", str(tmp_path / "tbo.trace.json.gz"), "--hlo", str(dump),
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "| experts | 0.0 | 20.0 | +20.0 |" in out
+    assert "| **all kernels** | 10.0 | 45.0 | +35.0 |" in out
+    with pytest.raises(ValueError, match="0 optimized-HLO dumps of jit_other"):
+        kernel_time.hlo_dump_of(str(dump), "jit_other")
+    with pytest.raises(ValueError, match="no GPU kernels"):
+        kernel_time.step_module([])
