@@ -6,16 +6,16 @@ hidden size and expert shape reduced to fit (``MoEConfig.deepseek_v3_reduced``: 
 64 experts, top-8 + 1 shared, 4 layers, bf16). Cases: prefill of 4096-16384 tokens per DP rank
 (prompts of ``--prompt-len`` tokens) and decode of 64-256 sequences (context ``--context``).
 For each case one ``ModelRunner`` plans the same batch twice (TBO on and off) and runs the two
-jitted steps; the time is the median of ``--iters`` runs after warm-up, device-synchronised,
-without host planning or copying logits back. Decode sequences have their cached context
-in their own KV slots (``_decode_prefix``). The last column compares the TBO step's logits
-with the plain step's (``_agreement``; ``--dtype float32`` takes bf16 rounding out). Prints a
-markdown table (target: ratio <= 1.05 at prefill >= 4096 tokens and decode >= 128 sequences).
-``--devices N`` runs DP attention over N devices (dp=N, EP over all of them: the multi-GPU
-measurement of issue 8), and ``--barriers`` adds a column for TBO with round barriers (a second
-runner); ``--profile DIR`` traces plain and TBO steps of the first prefill and decode case
-(``jax.profiler``, with the optimized HLO dumped beside them) and prints, on a GPU, their kernel
-time per model operation (``jtbo.bench.kernel_time``).
+jitted steps in turn; the time is the median of ``--iters`` runs after warm-up,
+device-synchronised, without host planning or copying logits back. Decode sequences have
+their cached context in their own KV slots (``_decode_prefix``). The last column compares the
+TBO step's logits with the plain step's (``_agreement``; ``--dtype float32`` takes bf16
+rounding out). Prints a markdown table (target: ratio <= 1.05 at prefill >= 4096 tokens and
+decode >= 128 sequences). ``--devices N`` runs DP attention over N devices (dp=N, EP over all
+of them: the multi-GPU measurement of issue 8), and ``--barriers`` adds a column for TBO with
+round barriers (a second runner); ``--profile DIR`` traces plain and TBO steps of the first
+prefill and decode case (``jax.profiler``, with the optimized HLO dumped beside them) and
+prints, on a GPU, their kernel time per model operation (``jtbo.bench.kernel_time``).
 """
 
 import argparse
@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", type=int, nargs="*", default=[64, 128, 256])
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--context", type=int, default=1024, help="decode KV length")
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=15, help="timed steps per column")
     parser.add_argument("--devices", type=int, help="shorthand for --dp N --attn-tp 1")
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--attn-tp", type=int, default=1)
@@ -114,15 +114,20 @@ def _decode_prefix(batch: split.ForwardBatch) -> split.ForwardBatch:
     )  # fmt: skip
 
 
-def _time(runner, plan, iters: int) -> float:
-    for _ in range(2):
-        runner.run_plan(plan).block_until_ready()
-    times = []
+def _time_interleaved(steps, iters: int) -> list[float]:
+    """Median seconds of each ``(runner, plan)`` step, the steps taking turns ``iters`` times
+    (after two warm-up runs each, which also absorb EP re-runs): a drift of the machine (clocks,
+    a neighbour) then moves every column alike instead of one."""
+    for runner, plan in steps:
+        for _ in range(2):
+            runner.run_plan(plan).block_until_ready()
+    times = [[] for _ in steps]
     for _ in range(iters):
-        start = time.perf_counter()
-        runner.run_plan(plan).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for column, (runner, plan) in zip(times, steps, strict=True):
+            start = time.perf_counter()
+            runner.run_plan(plan).block_until_ready()
+            column.append(time.perf_counter() - start)
+    return [statistics.median(column) for column in times]
 
 
 def _plan(runner, batch, tbo: bool):
@@ -176,15 +181,12 @@ def _profile(runner, batch, directory: str, name: str) -> None:
 def _case(runners, batch, iters: int) -> tuple[list[float], str]:
     """Seconds per step (plain, TBO, then TBO on each further runner, e.g. with barriers) and
     how the first TBO step's logits compare with the plain step's (``_agreement``)."""
-    main_runner = runners[0]
-    plain_plan = _plan(main_runner, batch, False)
-    times = [_time(main_runner, plain_plan, iters)]
-    want = np.asarray(main_runner.run_plan(plain_plan))[:, : batch.num_tokens]
-    got = None
-    for runner in runners:
-        plan = _plan(runner, batch, True)
-        times.append(_time(runner, plan, iters))
-        got = np.asarray(runner.run_plan(plan))[:, : batch.num_tokens] if got is None else got
+    steps = [(runners[0], _plan(runners[0], batch, False))]
+    steps += [(runner, _plan(runner, batch, True)) for runner in runners]
+    times = _time_interleaved(steps, iters)
+    want, got = (
+        np.asarray(runner.run_plan(plan))[:, : batch.num_tokens] for runner, plan in steps[:2]
+    )
     return times, _agreement(got, want)
 
 
