@@ -19,6 +19,7 @@ table showed each micro-batch reading the Q/K/V weights on its own.
 """
 
 import argparse
+import bisect
 import collections
 import dataclasses
 import gzip
@@ -28,6 +29,10 @@ import re
 
 CUBLAS_PREFIXES = ("nvjet", "sm90_", "sm80_", "cutlass", "void cutlass", "gemv", "gemmk1")
 """Kernel-name prefixes of cuBLAS / cuBLASLt kernels."""
+NCCL_PREFIXES = ("nccl",)
+"""Kernel-name prefixes of NCCL collectives (communication)."""
+NOT_COMPUTE_PREFIXES = ("Memcpy", "Memset", "memcpy", "memset")
+"""Kernel-name prefixes that are data movement, neither communication nor compute."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +42,8 @@ class Kernel:
     name: str  # kernel name as the profiler recorded it
     module: str  # HLO module it belongs to ("" when the trace does not say)
     microseconds: float  # duration
+    device: int = 0  # the trace's process id of the GPU
+    start: float = 0.0  # start time in microseconds
 
 
 def gpu_kernels(trace: dict) -> list[Kernel]:
@@ -59,7 +66,13 @@ def gpu_kernels(trace: dict) -> list[Kernel]:
     kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids and "dur" in e]
     kernels.sort(key=lambda event: event["ts"])
     return [
-        Kernel(e["name"], str(e.get("args", {}).get("hlo_module", "")), float(e["dur"]))
+        Kernel(
+            e["name"],
+            str(e.get("args", {}).get("hlo_module", "")),
+            float(e["dur"]),
+            e["pid"],
+            float(e["ts"]),
+        )  # fmt: skip
         for e in kernels
     ]
 
@@ -185,6 +198,64 @@ def step_attribution(trace_path: str, dump_dir: str, steps: int) -> dict[str, fl
     return attribute(mine, hlo_dump_of(dump_dir, module), steps)
 
 
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of intervals as sorted, disjoint ``(start, end)`` pairs."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _overlap(start: float, end: float, union: list[tuple[float, float]]) -> float:
+    """Length of ``[start, end)`` covered by the sorted, disjoint ``union``."""
+    first = bisect.bisect_right(union, (start, float("inf"))) - 1
+    covered = 0.0
+    for low, high in union[max(first, 0) :]:
+        if low >= end:
+            break
+        covered += max(0.0, min(end, high) - max(start, low))
+    return covered
+
+
+def hidden_communication(kernels: list[Kernel]) -> tuple[float, float]:
+    """How much NCCL time runs while the same GPU computes (issue 8's "hidden" fraction).
+
+    Args:
+      kernels: a trace's GPU kernels (``gpu_kernels``), any number of devices.
+
+    Returns:
+      ``(hidden, total)`` microseconds summed over devices: ``total`` is the NCCL kernels'
+      time, ``hidden`` the part of it during which another (non-NCCL, non-copy) kernel of the
+      same GPU ran on another stream.
+    """
+    hidden = total = 0.0
+    for device in {kernel.device for kernel in kernels}:
+        mine = [kernel for kernel in kernels if kernel.device == device]
+        comm = [k for k in mine if k.name.startswith(NCCL_PREFIXES)]
+        compute = _merged([
+            (k.start, k.start + k.microseconds)
+            for k in mine
+            if not k.name.startswith(NCCL_PREFIXES + NOT_COMPUTE_PREFIXES)
+        ])  # fmt: skip
+        for kernel in comm:
+            total += kernel.microseconds
+            hidden += _overlap(kernel.start, kernel.start + kernel.microseconds, compute)
+    return hidden, total
+
+
+def communication_summary(trace_path: str) -> str:
+    """One line: NCCL time hidden under compute in a trace (``hidden_communication``)."""
+    hidden, total = hidden_communication(gpu_kernels(read_trace(trace_path)))
+    if total == 0:
+        return "no NCCL kernels in the trace"
+    return (
+        f"communication {total:.1f} us, of it under compute {hidden:.1f} us ({hidden / total:.3f})"
+    )
+
+
 def main(argv: list[str]) -> None:
     """``python -m jtbo.bench kernel_time --plain TRACE --tbo TRACE --hlo DIR [--steps N]``:
     prints ``compare_table`` of two profiled steps (e.g. from ``bench tbo --profile``)."""
@@ -197,3 +268,5 @@ def main(argv: list[str]) -> None:
     plain = step_attribution(args.plain, args.hlo, args.steps)
     tbo = step_attribution(args.tbo, args.hlo, args.steps)
     print(compare_table(plain, tbo))
+    for label, path in (("no TBO", args.plain), ("TBO", args.tbo)):
+        print(f"{label}: {communication_summary(path)}")

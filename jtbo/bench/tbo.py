@@ -176,6 +176,8 @@ def _profile(runner, batch, directory: str, name: str) -> None:
     print(
         f"\n{name}: GPU kernel time per step by operation\n{kernel_time.compare_table(plain, tbo)}"
     )
+    for label, found in (("no TBO", traces[0]), ("TBO", traces[1])):
+        print(f"{name} {label}: {kernel_time.communication_summary(found[0])}")
 
 
 def _case(runners, batch, iters: int) -> tuple[list[float], str]:

@@ -4,7 +4,10 @@
 import gzip
 import json
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jtbo.bench import kernel_time
 
@@ -94,3 +97,43 @@ def test_main_reads_traces_and_the_dump_folder(tmp_path, capsys):
         kernel_time.hlo_dump_of(str(dump), "jit_other")
     with pytest.raises(ValueError, match="no GPU kernels"):
         kernel_time.step_module([])
+
+
+def _k(name, start, duration, device=1):
+    return kernel_time.Kernel(name, "m", duration, device, start)
+
+
+def test_hidden_communication_counts_nccl_time_under_other_kernels_per_device():
+    kernels = [
+        _k("ncclDevKernel_AllGather", 0.0, 10.0),  # half under the gemm
+        _k("gemm_fusion_dot_1", 5.0, 10.0),
+        _k("ncclDevKernel_AllToAll", 20.0, 4.0),  # under two touching kernels: all of it
+        _k("loop_add_fusion", 19.0, 2.0),
+        _k("loop_mul_fusion", 21.0, 5.0),
+        _k("MemcpyD2D", 30.0, 5.0),  # a copy hides nothing
+        _k("ncclDevKernel_AllReduce", 31.0, 2.0),
+        _k("ncclDevKernel_AllGather", 0.0, 10.0, device=2),  # another GPU: its own compute
+        _k("gemm_fusion_dot_1", 8.0, 1.0, device=2),
+    ]
+    assert kernel_time.hidden_communication(kernels) == (5.0 + 4.0 + 0.0 + 1.0, 26.0)
+    assert kernel_time.hidden_communication(kernels[1:2]) == (0.0, 0.0)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    spans=st.lists(
+        st.tuples(st.booleans(), st.integers(0, 50), st.integers(1, 20)), min_size=1, max_size=12
+    )
+)
+def test_hidden_communication_matches_a_unit_grid(spans):
+    kernels = [
+        _k("nccl_x" if comm else "fusion", float(start), float(length))
+        for comm, start, length in spans
+    ]
+    busy = np.zeros(80, bool)
+    for comm, start, length in spans:
+        if not comm:
+            busy[start : start + length] = True
+    want_hidden = sum(busy[s : s + n].sum() for comm, s, n in spans if comm)
+    want_total = sum(n for comm, _, n in spans if comm)
+    assert kernel_time.hidden_communication(kernels) == (want_hidden, want_total)
