@@ -47,15 +47,20 @@ def total_overflow(overflow) -> tuple[int, int]:
     Raises:
       ValueError: the last axis is not 2.
     """
-    counts = np.asarray(overflow, dtype=np.int64)
-    if counts.ndim == 0 or counts.shape[-1] != 2:
-        raise ValueError(f"overflow shape {counts.shape} must end in 2 (peer, expert)")
-    totals = counts.reshape(-1, 2).sum(0)
+    totals = _pairs(overflow, "overflow").sum(0)
     return int(totals[0]), int(totals[1])
 
 
 MIN_GROWTH = 1.25
 """Smallest factor a re-run raises a capacity by when the step reported its peak load."""
+
+
+def _pairs(values, name: str) -> np.ndarray:
+    """``[..., 2]`` (peer, expert) values as ``[n, 2]`` int64; ``name`` is for the error."""
+    array = np.asarray(values, dtype=np.int64)
+    if array.ndim == 0 or array.shape[-1] != 2:
+        raise ValueError(f"{name} shape {array.shape} must end in 2 (peer, expert)")
+    return array.reshape(-1, 2)
 
 
 def next_capacity_bucket(
@@ -120,10 +125,7 @@ def resolve_overflow(
 
 def _max_peaks(peak_load) -> tuple[int, int]:
     """``(peer, expert)`` maxima of ``[..., 2]`` peak loads."""
-    peaks = np.asarray(peak_load, dtype=np.int64)
-    if peaks.ndim == 0 or peaks.shape[-1] != 2:
-        raise ValueError(f"peak_load shape {peaks.shape} must end in 2 (peer, expert)")
-    maxima = peaks.reshape(-1, 2).max(0, initial=0)
+    maxima = _pairs(peak_load, "peak_load").max(0, initial=0)
     return int(maxima[0]), int(maxima[1])
 
 

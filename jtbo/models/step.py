@@ -271,10 +271,10 @@ class StepInputs:
       capacity: token rows of every rank (``input_ids``' second dimension).
     """
 
-    per_rank: Any
-    replicated: Any
-    layouts: tuple[packing.PackLayout, packing.PackLayout]
-    capacity: int
+    per_rank: Any  # [rows, n] int32 (numpy on the host, a sharded array after ``put``)
+    replicated: Any  # [m] int32
+    layouts: tuple[packing.PackLayout, packing.PackLayout]  # (per_rank, replicated); static
+    capacity: int  # token rows of every rank
 
 
 def pack_step_inputs(per_rank: dict, replicated: dict) -> StepInputs:

@@ -33,25 +33,11 @@ def kv_positions(batch: split.ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
     Raises:
       ValueError: a mode without KV writes or a missing field.
     """
-    mode = batch.forward_mode
-    if mode.is_idle() or batch.batch_size == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    req = np.asarray(batch.req_pool_indices, np.int64)
-    seq_lens = np.asarray(batch.seq_lens, np.int64)
-    if mode in (ForwardMode.EXTEND, ForwardMode.MIXED):
-        new = np.asarray(batch.extend_seq_lens, np.int64)
-        prefix = np.asarray(batch.extend_prefix_lens, np.int64)
-        rows = np.repeat(req, new)
-        offsets = np.arange(rows.shape[0]) - np.repeat(np.cumsum(new) - new, new)
-        return rows, np.repeat(prefix, new) + offsets
-    if mode.is_decode():
-        return req, seq_lens - 1
-    if mode.is_target_verify():
-        draft = batch.spec_info.draft_token_num
-        return np.repeat(req, draft), np.repeat(seq_lens, draft) + np.tile(
-            np.arange(draft), len(req)
-        )
-    raise ValueError(f"forward_mode {mode.name} is not served by the runner")
+    req, starts, ends = write_ranges(batch)
+    new = ends - starts
+    rows = np.repeat(req, new)
+    offsets = np.arange(rows.shape[0]) - np.repeat(np.cumsum(new) - new, new)
+    return rows, np.repeat(starts, new) + offsets
 
 
 def write_ranges(batch: split.ForwardBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -86,3 +86,23 @@ def test_write_ranges_per_mode():
         split.ForwardBatch(forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=[])
     )
     assert all(part.size == 0 for part in idle)
+
+
+def test_kv_positions_per_mode_token_by_token():
+    # A two-request extend, a decode and a verify of 3 draft tokens, written out by hand.
+    extend = split.ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=2, input_ids=np.zeros(5), positions=None,
+        out_cache_loc=np.arange(1, 6), req_pool_indices=[3, 0], seq_lens=[4, 2],
+        extend_seq_lens=[3, 2], extend_prefix_lens=[1, 0],
+    )  # fmt: skip
+    rows, positions = kv_table.kv_positions(extend)
+    assert (rows.tolist(), positions.tolist()) == ([3, 3, 3, 0, 0], [1, 2, 3, 0, 1])
+    rows, positions = kv_table.kv_positions(_decode(2, 7))
+    assert (rows.tolist(), positions.tolist()) == ([2], [6])
+    verify = split.ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=2, input_ids=np.zeros(6),
+        req_pool_indices=[1, 2], seq_lens=[5, 9],
+        spec_info=split.SpecVerifyInput(draft_token_num=3),
+    )  # fmt: skip
+    rows, positions = kv_table.kv_positions(verify)
+    assert (rows.tolist(), positions.tolist()) == ([1, 1, 1, 2, 2, 2], [5, 6, 7, 9, 10, 11])
