@@ -108,12 +108,27 @@ class TboAttnBackend:
         primary = self.primary.init_forward_metadata(batch)
         if children is None:
             return TboAttnMetadata(primary=primary, children=None)
+        return TboAttnMetadata(primary=primary, children=self.init_children_metadata(children))
+
+    def init_children_metadata(
+        self, children: Sequence[batch_lib.ForwardBatch]
+    ) -> tuple[metadata_lib.AttentionMetadata, metadata_lib.AttentionMetadata]:
+        """Builds each child's metadata only (a step that runs every layer per micro-batch
+        never reads the primary's).
+
+        Args:
+          children: the two child batches from ``split_batch``.
+
+        Returns:
+          ``(A's metadata, B's metadata)``; an empty child gets empty metadata.
+
+        Raises:
+          ValueError: not two children, or a child that does not fit its backend.
+        """
         if len(children) != 2:
             raise ValueError(f"TBO needs 2 child batches, got {len(children)}")
         pairs = zip(self.children, children, strict=True)
-        return TboAttnMetadata(
-            primary=primary, children=tuple(self._child_metadata(c, b) for c, b in pairs)
-        )
+        return tuple(self._child_metadata(c, b) for c, b in pairs)
 
     def init_forward_metadata_for_replay(
         self, batch: batch_lib.ForwardBatch, *, tbo: bool = True

@@ -250,14 +250,14 @@ def rel_error(out: jax.Array, ref: jax.Array) -> float:
 
 
 def make_inputs(num_tokens: int, shapes: Shapes, dtype, key) -> tuple[jax.Array, tuple]:
-    """``(x [T, H], (w_gate, w_up, w_down))``: normal, weights scaled by 1/sqrt(fan-in)."""
-    k_x, k_g, k_u, k_d = jax.random.split(key, 4)
+    """``(x [T, H], (w_gate_up [E, H, 2, F], w_down [E, F, H]))``: normal, weights scaled by
+    1/sqrt(fan-in)."""
+    k_x, k_gu, k_d = jax.random.split(key, 3)
     e, h, f = shapes.experts, shapes.hidden, shapes.ffn
     x = jax.random.normal(k_x, (num_tokens, h), dtype)
-    w_gate = (jax.random.normal(k_g, (e, h, f), jnp.float32) / math.sqrt(h)).astype(dtype)
-    w_up = (jax.random.normal(k_u, (e, h, f), jnp.float32) / math.sqrt(h)).astype(dtype)
-    w_down = (jax.random.normal(k_d, (e, f, h), jnp.float32) / math.sqrt(f)).astype(dtype)
-    return x, (w_gate, w_up, w_down)
+    w_gate_up = jax.random.normal(k_gu, (e, h, 2, f), jnp.float32) / math.sqrt(h)
+    w_down = jax.random.normal(k_d, (e, f, h), jnp.float32) / math.sqrt(f)
+    return x, (w_gate_up.astype(dtype), w_down.astype(dtype))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,14 @@ token picks an expert at most once.
 
 Reference: ``experts_ragged_dot_reference`` sorts pairs by expert and runs ``jax.lax.ragged_dot``
 (exact, no capacity).
+
+Gate and up are one fused weight ``w_gate_up [E, H, 2, F]``, as in ``jtbo.models.mlp``. In a TBO
+step on one device XLA's dot merger joins micro-batch A's and B's expert matmuls (they share
+the weight, which a decode step is bound by reading), concatenating their slot rows. With two
+weights it joined the gate and the up matmuls separately, so both concatenations copied the
+same rows: on one H200 at decode 256 of ``MoEConfig.deepseek_v3_reduced`` XLA materialized each
+micro-batch's expert input and copied it twice per layer (112 us) where one concatenation fused
+with the dispatch gather does it in one pass.
 """
 
 import jax
@@ -38,22 +46,19 @@ def slot_positions(topk_ids: jax.Array, num_experts: int) -> jax.Array:
     return position.reshape(topk_ids.shape).astype(jnp.int32)
 
 
-def experts_ffn_slots(
-    x_slots: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
-) -> jax.Array:
+def experts_ffn_slots(x_slots: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """SwiGLU of every expert over its slots as batched matmuls.
 
     Args:
       x_slots: ``[E, C, H]`` rows per expert slot.
-      w_gate: ``[E, H, F]``; w_up: ``[E, H, F]``; w_down: ``[E, F, H]``.
+      w_gate_up: ``[E, H, 2, F]`` (gate at index 0, up at 1); w_down: ``[E, F, H]``.
 
     Returns:
       ``[E, C, H]`` in ``x_slots.dtype`` (partial sums when F is a shard).
     """
     f32 = jnp.float32
-    gate = jnp.einsum("ech,ehf->ecf", x_slots, w_gate, preferred_element_type=f32)
-    up = jnp.einsum("ech,ehf->ecf", x_slots, w_up, preferred_element_type=f32)
-    hidden = (jax.nn.silu(gate) * up).astype(x_slots.dtype)
+    gate_up = jnp.einsum("ech,ehsf->ecsf", x_slots, w_gate_up, preferred_element_type=f32)
+    hidden = (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]).astype(x_slots.dtype)
     out = jnp.einsum("ecf,efh->ech", hidden, w_down, preferred_element_type=f32)
     return out.astype(x_slots.dtype)
 
@@ -62,7 +67,7 @@ def experts_capacity(
     x: jax.Array,
     topk_ids: jax.Array,
     topk_weights: jax.Array,
-    weights: tuple[jax.Array, jax.Array, jax.Array],
+    weights: tuple[jax.Array, jax.Array],
     capacity: int | None = None,
 ) -> jax.Array:
     """Routed-expert output per token through the capacity-slot layout.
@@ -71,7 +76,7 @@ def experts_capacity(
       x: ``[T, H]`` tokens.
       topk_ids: ``[T, k]`` chosen experts (out-of-range ids take no slot and add nothing).
       topk_weights: ``[T, k]`` routing weights.
-      weights: ``(w_gate [E, H, F], w_up [E, H, F], w_down [E, F, H])``.
+      weights: ``(w_gate_up [E, H, 2, F], w_down [E, F, H])``.
       capacity: slots per expert; None means ``T`` (never drops).
 
     Returns:
@@ -95,7 +100,7 @@ def experts_sorted(
     x: jax.Array,
     topk_ids: jax.Array,
     topk_weights: jax.Array,
-    weights: tuple[jax.Array, jax.Array, jax.Array],
+    weights: tuple[jax.Array, jax.Array],
     grouped_dot,
     *,
     hidden_dtype=jnp.float32,
@@ -107,7 +112,7 @@ def experts_sorted(
       x: ``[T, H]`` tokens.
       topk_ids: ``[T, k]`` chosen experts (every id in ``[0, E)``).
       topk_weights: ``[T, k]`` routing weights.
-      weights: ``(w_gate [E, H, F], w_up [E, H, F], w_down [E, F, H])``.
+      weights: ``(w_gate_up [E, H, 2, F], w_down [E, F, H])``.
       grouped_dot: ``grouped_dot(lhs [M, K], rhs [E, K, N], group_sizes [E], out_dtype)
         -> [M, N]``, rows of group ``e`` times ``rhs[e]`` (``jax.lax.ragged_dot``, or a
         Pallas grouped GEMM such as tokamax's).
@@ -117,16 +122,17 @@ def experts_sorted(
     Returns:
       ``[T, H]`` in ``x.dtype`` (nothing is dropped).
     """
-    w_gate, w_up, w_down = weights
+    w_gate_up, w_down = weights
+    num_experts, hidden_size, _, ffn = w_gate_up.shape
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)
     rows = x[order // top_k]
-    sizes = jnp.bincount(flat_ids, length=w_gate.shape[0]).astype(jnp.int32)
+    sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
     f32 = jnp.float32
-    gate = grouped_dot(rows, w_gate, sizes, hidden_dtype).astype(f32)
-    up = grouped_dot(rows, w_up, sizes, hidden_dtype).astype(f32)
-    hidden = (jax.nn.silu(gate) * up).astype(x.dtype)
+    rhs = w_gate_up.reshape(num_experts, hidden_size, 2 * ffn)  # gate columns, then up
+    gate_up = grouped_dot(rows, rhs, sizes, hidden_dtype).astype(f32).reshape(-1, 2, ffn)
+    hidden = (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]).astype(x.dtype)
     out = grouped_dot(hidden, w_down, sizes, out_dtype).astype(f32)
     unsorted = jnp.zeros_like(out).at[order].set(out).reshape(num_tokens, top_k, -1)
     return jnp.einsum("tkh,tk->th", unsorted, topk_weights.astype(f32)).astype(x.dtype)
@@ -140,7 +146,7 @@ def experts_ragged_dot_reference(
     x: jax.Array,
     topk_ids: jax.Array,
     topk_weights: jax.Array,
-    weights: tuple[jax.Array, jax.Array, jax.Array],
+    weights: tuple[jax.Array, jax.Array],
 ) -> jax.Array:
     """Exact routed-expert output: ``experts_sorted`` over ``jax.lax.ragged_dot`` in float32.
 
@@ -150,16 +156,15 @@ def experts_ragged_dot_reference(
 
 
 class RoutedExperts(nnx.Module):
-    """Stacked expert weights ``gate/up [E, H, F]``, ``down [E, F, H]``."""
+    """Stacked expert weights ``gate_up [E, H, 2, F]``, ``down [E, F, H]``."""
 
     def __init__(self, config: config_lib.MoEConfig, *, rngs: nnx.Rngs):
         """Args: config: model config; rngs: parameter init keys."""
         e, h, f = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.w_gate = mlp.init_matrix(rngs, (e, h, f), h)  # [E, H, F]
-        self.w_up = mlp.init_matrix(rngs, (e, h, f), h)  # [E, H, F]
+        self.w_gate_up = mlp.init_matrix(rngs, (e, h, 2, f), h)  # [E, H, 2, F]
         self.w_down = mlp.init_matrix(rngs, (e, f, h), f)  # [E, F, H]
 
     @property
-    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """``(w_gate, w_up, w_down)`` as arrays (local shards inside a shard_map)."""
-        return self.w_gate[...], self.w_up[...], self.w_down[...]
+    def weights(self) -> tuple[jax.Array, jax.Array]:
+        """``(w_gate_up, w_down)`` as arrays (local shards inside a shard_map)."""
+        return self.w_gate_up[...], self.w_down[...]

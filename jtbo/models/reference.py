@@ -40,9 +40,9 @@ def moe_dense_reference(block: model_lib.MoEBlock, x: jax.Array, config) -> jax.
     tokens = jnp.arange(x.shape[0])[:, None]
     dense = jnp.zeros((x.shape[0], config.num_experts), jnp.float32)
     dense = dense.at[tokens, topk_ids].add(topk_weights)  # [T, E]
-    w_gate, w_up, w_down = block.experts.weights
-    gate = jnp.einsum("th,ehf->tef", x, w_gate)
-    up = jnp.einsum("th,ehf->tef", x, w_up)
+    w_gate_up, w_down = block.experts.weights
+    gate = jnp.einsum("th,ehf->tef", x, w_gate_up[:, :, 0])
+    up = jnp.einsum("th,ehf->tef", x, w_gate_up[:, :, 1])
     per_expert = jnp.einsum("tef,efh->teh", jax.nn.silu(gate) * up, w_down)
     out = jnp.einsum("teh,te->th", per_expert, dense)
     if block.shared is not None:

@@ -58,14 +58,12 @@ _HEAD_SPECS = {
 }
 _EXPERT_SPECS = {
     "ep": {  # whole experts per device
-        "w_gate": P(mesh_lib.TP_AXES, None, None),
-        "w_up": P(mesh_lib.TP_AXES, None, None),
-        "w_down": P(mesh_lib.TP_AXES, None, None),
+        "w_gate_up": P(mesh_lib.TP_AXES, None, None, None),  # [E, H, 2, F]
+        "w_down": P(mesh_lib.TP_AXES, None, None),  # [E, F, H]
     },
     "none": {  # every expert, a slice of its hidden width per device
-        "w_gate": P(None, None, mesh_lib.TP_AXES),
-        "w_up": P(None, None, mesh_lib.TP_AXES),
-        "w_down": P(None, mesh_lib.TP_AXES, None),
+        "w_gate_up": P(None, None, None, mesh_lib.TP_AXES),  # [E, H, 2, F]
+        "w_down": P(None, mesh_lib.TP_AXES, None),  # [E, F, H]
     },
 }
 KV_CACHE_SPEC = kv_cache_lib.KVCache(
@@ -202,11 +200,12 @@ def make_step(
       ``(logits, kv_cache, overflow, peak_load)``; ``kv_cache`` is donated; ``inputs`` is
       ``pack_step_inputs(per_rank, replicated)`` (host buffers, or placed with ``Step.put``).
       ``per_rank`` holds ``input_ids``, ``positions`` ``[dp, capacity]``, ``num_tokens``
-      ``[dp]``, ``attn_metadata`` (stacked) and, with TBO, ``split_token_index`` ``[dp]`` and
-      ``child_metadata`` (A, B); ``replicated`` holds ``dp_context`` and, with TBO,
-      ``child_dp_contexts`` (A, B). ``mode``, ``child_capacity`` (None: no TBO) and
-      ``dispatchers`` are static. ``overflow`` (dropped assignments) and ``peak_load`` (the
-      capacities needed) are ``[len(dispatchers), 2]`` (1 without EP).
+      ``[dp]`` and, without TBO, ``attn_metadata`` (stacked) or, with TBO,
+      ``split_token_index`` ``[dp]`` and ``child_metadata`` (A, B); ``replicated`` holds
+      ``dp_context`` and, with TBO, ``child_dp_contexts`` (A, B). ``mode``,
+      ``child_capacity`` (None: no TBO) and ``dispatchers`` are static. ``overflow``
+      (dropped assignments) and ``peak_load`` (the capacities needed) are
+      ``[len(dispatchers), 2]`` (1 without EP).
     """
     graphdef, params = nnx.split(model)
     specs = param_specs(params, parallel.moe_a2a_backend)

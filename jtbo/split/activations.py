@@ -44,6 +44,7 @@ def child_capacity(
     threshold: float = plan.DEFAULT_THRESHOLD,
     attn_tp_size: int = 1,
     token_num_per_seq: int = 1,
+    decode_like: bool = False,
 ) -> int:
     """Static row count that holds either TBO child of a parent of ``token_capacity`` rows.
 
@@ -53,9 +54,16 @@ def child_capacity(
       attn_tp_size: the result is a multiple of it (children are scattered over attn_tp).
       token_num_per_seq: tokens per sequence of decode-like steps (``draft_token_num`` for
         TARGET_VERIFY); 1 covers DECODE and EXTEND.
+      decode_like: the parent is a DECODE / TARGET_VERIFY step, whose split is always half
+        the sequences: only the decode bound applies. The general bound holds the balanced
+        EXTEND split too, which can leave ``floor(C * (1 - threshold))`` rows on one side:
+        66 of 128 at the default threshold, and every child operation of a decode step would
+        carry those padding rows (on one H200 the merged expert GEMM of a decode-128 TBO
+        step ran a 72-row tile per expert instead of 64).
 
     Returns:
-      The capacity (module docstring): max of the balanced, two-chunk and decode bounds.
+      The capacity (module docstring): max of the balanced, two-chunk and decode bounds, or
+      the decode bound alone when ``decode_like``.
 
     Raises:
       ValueError: a negative capacity, ``attn_tp_size`` or ``token_num_per_seq`` < 1, or a
@@ -71,6 +79,8 @@ def child_capacity(
     balanced = max(math.floor(c * (1 - threshold)), c - math.ceil(c * threshold))
     half = -(-c // 2)
     decode = -(-(c // token_num_per_seq) // 2) * token_num_per_seq
+    if decode_like:
+        return _round_up(decode, attn_tp_size)
     return _round_up(max(balanced, half, decode), attn_tp_size)
 
 

@@ -62,6 +62,8 @@ def _real_ranges(children):
 
 
 def _check_children_metadata(tbo, md, children):
+    # The children-only path (the runner's, for TBO steps) builds the same metadata.
+    chex.assert_trees_all_equal(tbo.init_children_metadata(children), md.children)
     for child_backend, child_md, child in zip(tbo.children, md.children, children, strict=True):
         direct = backend_lib.NativeAttnBackend(child_backend.capacity).init_forward_metadata(child)
         chex.assert_trees_all_equal(child_md, direct)
@@ -172,3 +174,5 @@ def test_delegation_and_errors():
     sc = scenarios.make(np.random.default_rng(6), [3], [1], token_capacity=4)
     with pytest.raises(ValueError, match="2 child batches"):
         tbo.init_forward_metadata(scenarios.decode_batch(sc), [scenarios.decode_batch(sc)])
+    with pytest.raises(ValueError, match="2 child batches"):
+        tbo.init_children_metadata([scenarios.decode_batch(sc)] * 3)

@@ -12,7 +12,8 @@ from jtbo.models import experts
 
 
 def _numpy_experts(x, ids, w, weights):
-    wg, wu, wd = (np.asarray(a, np.float64) for a in weights)
+    w_gate_up, wd = (np.asarray(a, np.float64) for a in weights)
+    wg, wu = w_gate_up[:, :, 0], w_gate_up[:, :, 1]
     out = np.zeros(x.shape, np.float64)
     for t in range(x.shape[0]):
         for j, e in enumerate(ids[t]):

@@ -41,8 +41,8 @@ def test_dense_moe_reference_equals_capacity_slots():
 def test_cast_changes_dtype_and_keeps_values():
     model = _model()
     half = model_lib.cast(model, jnp.bfloat16)
-    assert half.layers[1].moe.experts.w_up[...].dtype == jnp.bfloat16
-    assert model.layers[1].moe.experts.w_up[...].dtype == jnp.float32
+    assert half.layers[1].moe.experts.w_gate_up[...].dtype == jnp.bfloat16
+    assert model.layers[1].moe.experts.w_gate_up[...].dtype == jnp.float32
     chex.assert_trees_all_close(
         half.embed.table[...].astype(jnp.float32), model.embed.table[...], atol=1e-2, rtol=1e-2
     )

@@ -29,8 +29,8 @@ def test_param_specs(backend):
     specs = step.param_specs(params, backend)
     moe = specs["layers"][1]["moe"]
     tp_axes = mesh_lib.TP_AXES
-    want_up = P(tp_axes, None, None) if backend == "ep" else P(None, None, tp_axes)
-    assert moe["experts"]["w_up"].get_value() == want_up
+    want = P(tp_axes, None, None, None) if backend == "ep" else P(None, None, None, tp_axes)
+    assert moe["experts"]["w_gate_up"].get_value() == want
     assert moe["shared"]["w_gate_up"].get_value() == P()  # the shared MLP is replicated
     assert specs["layers"][0]["attn"]["wqkv"].get_value() == P(None, "attn_tp", None, None)
     assert specs["layers"][0]["attn"]["wo"].get_value() == P("attn_tp", None, None)
@@ -124,7 +124,10 @@ def test_pack_step_inputs_packs_a_tbo_plan_into_two_buffers():
     assert plan.child_capacity is not None
     inputs = step.pack_step_inputs(plan.per_rank, plan.replicated)
     per_rank_layout, replicated_layout = inputs.layouts
-    assert (per_rank_layout.treedef.num_leaves, replicated_layout.treedef.num_leaves) == (25, 3)
+    # ids, positions, num_tokens, split index and 7 metadata arrays per child: no whole-batch
+    # metadata, which a TBO step never reads.
+    assert "attn_metadata" not in plan.per_rank
+    assert (per_rank_layout.treedef.num_leaves, replicated_layout.treedef.num_leaves) == (18, 3)
     assert inputs.per_rank.shape == (2, per_rank_layout.width) and inputs.capacity == 16
     assert inputs.replicated.shape == (replicated_layout.width,)
     chex.assert_trees_all_equal(packing.unpack(inputs.per_rank, per_rank_layout), plan.per_rank)
@@ -176,7 +179,7 @@ def test_one_h200_tbo_step_keeps_the_pool_in_place_and_reads_each_weight_once(mo
         "params__layers___0___attn____wqkv",
         "params__layers___0___mlp____w_gate_up",
         "params__layers___1___moe____shared____w_gate_up",
-        "params__layers___1___moe____experts____w_gate",
+        "params__layers___1___moe____experts____w_gate_up",
     ):
         assert _weight_reads(text[True], weight) == _weight_reads(text[False], weight) == 1
 

@@ -103,6 +103,10 @@ def test_child_capacity_values():
     assert child_capacity(100, threshold=0.0) == 100  # a single 100-token prompt stays whole
     assert child_capacity(7, threshold=0.5) == 4  # two-chunk: ceil(7 / 2)
     assert child_capacity(12, token_num_per_seq=4) == 8  # 3 verify seqs: B gets 2 * 4
+    assert child_capacity(128) == 66  # a balanced EXTEND split may leave 66 on one side
+    assert child_capacity(128, decode_like=True) == 64
+    assert child_capacity(12, token_num_per_seq=4, decode_like=True) == 8
+    assert child_capacity(7, decode_like=True, attn_tp_size=4) == 4
     assert child_capacity(100, attn_tp_size=8) == 56
     assert child_capacity(0) == 0
     with pytest.raises(ValueError, match="threshold"):
@@ -142,3 +146,6 @@ def test_decode_like_plans_fit_child_capacity(bs, per_seq, slack):
     cap = child_capacity(n + slack, token_num_per_seq=per_seq)
     assert plan_fits_capacity(t, n, child_capacity=cap)
     assert cap <= math.ceil((n + slack) / 2) + per_seq
+    tight = child_capacity(n + slack, token_num_per_seq=per_seq, decode_like=True)
+    assert plan_fits_capacity(t, n, child_capacity=tight)
+    assert tight <= cap
