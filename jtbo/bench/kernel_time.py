@@ -114,6 +114,7 @@ def hlo_op_names(hlo_text: str) -> tuple[dict[str, str], list[str]]:
 def operation(op_name: str, kernel_name: str) -> str:
     """The operation an ``op_name`` belongs to (see the module docstring)."""
     name = re.sub(r"jit\([^)]*\)/", "", op_name)
+    name = re.sub(r"^(shard_map(/|$))+", "", name)  # multi-device steps nest in a shard_map
     name = re.sub(r"^tbo_[ab]/", "", name)
     layer = re.match(r"L\d+\.(\w+)", name)
     if layer:
@@ -127,17 +128,30 @@ def operation(op_name: str, kernel_name: str) -> str:
 
 
 def attribute(kernels: list[Kernel], hlo_text: str, steps: int) -> dict[str, float]:
-    """Microseconds per step of every operation.
+    """Microseconds per step and GPU of every operation.
 
     Args:
-      kernels: one module's kernel executions over ``steps`` steps (``gpu_kernels``).
+      kernels: one module's kernel executions over ``steps`` steps (``gpu_kernels``), on one
+        or several GPUs (each runs the whole step; the result is their mean).
       hlo_text: that module's optimized HLO.
       steps: how many steps the trace holds.
 
     Returns:
-      operation -> microseconds per step (cuBLAS kernels that cannot be matched by order go
-      to "cuBLAS (unmatched)", other kernels without an HLO fusion to their family name).
+      operation -> microseconds per step and GPU (cuBLAS kernels that cannot be matched by
+      order go to "cuBLAS (unmatched)", other kernels without an HLO fusion to their family
+      name).
     """
+    devices = sorted({kernel.device for kernel in kernels})
+    totals = collections.defaultdict(float)
+    for device in devices:
+        mine = [kernel for kernel in kernels if kernel.device == device]
+        for key, value in _attribute_one(mine, hlo_text, steps).items():
+            totals[key] += value / len(devices)
+    return dict(totals)
+
+
+def _attribute_one(kernels: list[Kernel], hlo_text: str, steps: int) -> dict[str, float]:
+    """``attribute`` for the kernels of one GPU (cuBLAS calls are matched in its order)."""
     by_name, cublas = hlo_op_names(hlo_text)
     blas = [k for k in kernels if k.name.startswith(CUBLAS_PREFIXES)]
     matched = bool(cublas) and len(blas) == steps * len(cublas)
@@ -246,6 +260,85 @@ def hidden_communication(kernels: list[Kernel]) -> tuple[float, float]:
     return hidden, total
 
 
+@dataclasses.dataclass(frozen=True)
+class BusyTimes:
+    """Where one GPU's step time goes, in microseconds per step (mean over GPUs).
+
+    ``max(compute, communication)`` bounds what perfect overlap could reach; ``span`` is what
+    the step took on the GPU, first kernel start to last kernel end (a plain step without
+    overlap comes close to ``compute + communication``).
+    """
+
+    compute: float  # time some compute kernel (not NCCL, not a copy) ran
+    communication: float  # time some NCCL kernel ran
+    span: float  # first kernel start to last kernel end
+
+
+def busy_times(kernels: list[Kernel], steps: int) -> BusyTimes:
+    """Compute, communication and span per step of a module's kernels (``BusyTimes``).
+
+    Args:
+      kernels: one module's kernel executions over ``steps`` identical steps, any number of
+        GPUs.
+      steps: how many steps the trace holds.
+
+    Returns:
+      The mean over GPUs and steps.
+
+    Raises:
+      ValueError: no kernels, or a GPU with fewer kernels than ``steps``.
+    """
+    devices = sorted({kernel.device for kernel in kernels})
+    if not devices:
+        raise ValueError("no kernels to time")
+    compute = communication = span = 0.0
+    for device in devices:
+        mine = [kernel for kernel in kernels if kernel.device == device]
+        for step in _split_steps(mine, steps):
+            compute += _union_length(step, lambda k: not k.name.startswith(_NOT_COMPUTE))
+            communication += _union_length(step, lambda k: k.name.startswith(NCCL_PREFIXES))
+            span += max(k.start + k.microseconds for k in step) - step[0].start
+    count = len(devices) * steps
+    return BusyTimes(compute / count, communication / count, span / count)
+
+
+_NOT_COMPUTE = NCCL_PREFIXES + NOT_COMPUTE_PREFIXES
+
+
+def _split_steps(kernels: list[Kernel], steps: int) -> list[list[Kernel]]:
+    """One GPU's kernels (in start order) cut into ``steps`` steps at the ``steps - 1``
+    longest idle gaps (between steps the GPU waits for the host; a profiler may drop a
+    kernel, so equal counts are not assumed)."""
+    if len(kernels) < steps:
+        raise ValueError(f"{len(kernels)} kernels cannot hold {steps} steps")
+    gaps, end = [], kernels[0].start
+    for index in range(1, len(kernels)):
+        end = max(end, kernels[index - 1].start + kernels[index - 1].microseconds)
+        gaps.append((kernels[index].start - end, index))
+    cuts = sorted(index for _, index in sorted(gaps, reverse=True)[: steps - 1])
+    bounds = [0, *cuts, len(kernels)]
+    return [kernels[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def _union_length(kernels: list[Kernel], keep) -> float:
+    """Length of the union of the kept kernels' intervals."""
+    union = _merged([(k.start, k.start + k.microseconds) for k in kernels if keep(k)])
+    return sum(end - start for start, end in union)
+
+
+def busy_summary(trace_path: str, steps: int) -> str:
+    """One line of ``busy_times`` for the profiled step's module of a trace, in ms."""
+    kernels = gpu_kernels(read_trace(trace_path))
+    module = step_module(kernels)
+    times = busy_times([k for k in kernels if k.module == module], steps)
+    bound = max(times.compute, times.communication)
+    return (
+        f"per GPU and step: compute {times.compute / 1e3:.2f} ms, communication "
+        f"{times.communication / 1e3:.2f} ms, span {times.span / 1e3:.2f} ms "
+        f"({times.span / bound:.3f} x max(compute, communication))"
+    )
+
+
 def communication_summary(trace_path: str) -> str:
     """One line: NCCL time hidden under compute in a trace (``hidden_communication``)."""
     hidden, total = hidden_communication(gpu_kernels(read_trace(trace_path)))
@@ -270,3 +363,4 @@ def main(argv: list[str]) -> None:
     print(compare_table(plain, tbo))
     for label, path in (("no TBO", args.plain), ("TBO", args.tbo)):
         print(f"{label}: {communication_summary(path)}")
+        print(f"{label}: {busy_summary(path, args.steps)}")

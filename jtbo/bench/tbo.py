@@ -178,6 +178,7 @@ def _profile(runner, batch, directory: str, name: str) -> None:
     )
     for label, found in (("no TBO", traces[0]), ("TBO", traces[1])):
         print(f"{name} {label}: {kernel_time.communication_summary(found[0])}")
+        print(f"{name} {label}: {kernel_time.busy_summary(found[0], PROFILE_STEPS)}")
 
 
 def _case(runners, batch, iters: int) -> tuple[list[float], str]:
@@ -242,12 +243,16 @@ def main(argv) -> None:
     vocab = config.vocab_size
     cases = [("prefill", n, _prefill_batch(n, args.prompt_len, vocab)) for n in args.prefill]
     cases += [("decode", s, _decode_batch(s, args.context, vocab)) for s in args.decode]
-    profiled = set()
     for name, size, batch in cases:
         (plain, *tbo_times), agreement = _case(runners, batch, args.iters)
         cells = "".join(f" {t * 1e3:.2f} | {t / plain:.3f} |" for t in tbo_times)
         print(f"| {name} {size} | {batch.num_tokens} | {plain * 1e3:.2f} |{cells} "
               f"{agreement} |", flush=True)  # fmt: skip
+    # Traces come after every timing: a trace may leave the profiler's per-kernel hooks in
+    # place, and the TBO step has more kernels (on one H200, runs that timed decode after
+    # tracing prefill measured decode-128 TBO / no TBO at 1.04-1.06, runs without at 1.03-1.04).
+    profiled = set()
+    for name, size, batch in cases:
         if args.profile and name not in profiled:
             _profile(runners[0], batch, args.profile, f"{name}_{size}")
             profiled.add(name)
