@@ -137,3 +137,51 @@ def test_hidden_communication_matches_a_unit_grid(spans):
     want_hidden = sum(busy[s : s + n].sum() for comm, s, n in spans if comm)
     want_total = sum(n for comm, _, n in spans if comm)
     assert kernel_time.hidden_communication(kernels) == (want_hidden, want_total)
+
+
+def test_multi_gpu_attribution_is_the_mean_per_gpu_and_reads_shard_map_names():
+    hlo = HLO.replace("jit(model_step_1)/tbo_a/L2", "jit(model_step_1)/shard_map/tbo_a/L2")
+    kernels = [
+        kernel_time.Kernel(name, "jit_model_step_1", dur * device, device, float(i))
+        for device in (1, 2)
+        for i, (name, dur) in enumerate(STEP)
+    ]
+    got = kernel_time.attribute(kernels, hlo, steps=1)
+    # cuBLAS calls match in each GPU's own order; GPU 2 ran everything twice as long.
+    assert got["attn_prepare"] == 15.0 and got["experts"] == 30.0 and got["logits"] == 9.0
+    assert kernel_time.operation("jit(step)/shard_map", "loop_add_fusion_3") == "loop_add_fusion"
+
+
+def test_busy_times_per_gpu_and_step():
+    step = [
+        ("gemm_fusion_dot_1", 0.0, 10.0),
+        ("ncclDevKernel_AllToAll", 5.0, 10.0),  # 5 us under the gemm
+        ("MemcpyD2D", 16.0, 2.0),  # neither compute nor communication
+        ("loop_add_fusion", 18.0, 2.0),
+    ]
+    kernels = []
+    for device, offset in ((1, 0.0), (1, 1000.0), (2, 0.0), (2, 1000.0)):
+        scale = 1.0 if device == 1 else 2.0
+        kernels += [
+            _k(name, offset + start * scale, duration * scale, device)
+            for name, start, duration in step
+        ]
+    got = kernel_time.busy_times(kernels, steps=2)
+    assert got == kernel_time.BusyTimes(compute=18.0, communication=15.0, span=30.0)
+    with pytest.raises(ValueError, match="cannot hold 3 steps"):
+        kernel_time.busy_times(kernels[:2], steps=3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 6), min_size=1, max_size=5), seed=st.integers(0, 99))
+def test_split_steps_cuts_at_the_idle_gaps_between_steps(sizes, seed):
+    rng = np.random.default_rng(seed)
+    kernels, start = [], 0.0
+    for size in sizes:
+        for _ in range(size):
+            duration = float(rng.uniform(1, 5))
+            kernels.append(_k("k", start, duration))
+            start += duration + float(rng.uniform(0, 2))  # small gaps inside a step
+        start += 100.0  # the host's turn between steps
+    steps = kernel_time._split_steps(kernels, len(sizes))
+    assert [len(step) for step in steps] == sizes
