@@ -88,3 +88,20 @@ def test_assemble_needs_children_for_a_tbo_step():
                                      None)  # fmt: skip
     with pytest.raises(ValueError, match="rank 0: a TBO step needs the rank's split children"):
         planning.assemble([no_children], (0,), decision, OPTIONS)
+
+
+def test_decode_steps_plan_children_of_half_the_sequences(monkeypatch):
+    # Every rank decodes or idles: the planner asks for the decode-only child bound.
+    asked = []
+    child_capacity = planning.split.child_capacity
+
+    def spy(*args, **kwargs):
+        asked.append(kwargs["decode_like"])
+        return child_capacity(*args, **kwargs)
+
+    monkeypatch.setattr(planning.split, "child_capacity", spy)
+    plan = planning.plan_step(_batches(["decode", None, "decode", "decode"], 1), OPTIONS)
+    assert plan.mode == planning.ForwardMode.DECODE and plan.child_capacity == 4
+    assert "attn_metadata" not in plan.per_rank  # a TBO step reads only the children's
+    planning.plan_step(_batches([[3, 5], None, [4, 4], [8]], 1), OPTIONS)
+    assert asked == [True, False]
