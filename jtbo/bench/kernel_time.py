@@ -204,12 +204,44 @@ def hlo_dump_of(dump_dir: str, module: str) -> str:
         return file.read()
 
 
-def step_attribution(trace_path: str, dump_dir: str, steps: int) -> dict[str, float]:
-    """``attribute`` of the profiled step's module, its HLO found in ``dump_dir``."""
+def step_summary(trace_path: str, dump_dir: str, steps: int) -> tuple[dict[str, float], list[str]]:
+    """Everything this module reports on one profiled step, reading its trace once.
+
+    Args:
+      trace_path: a ``*.trace.json.gz`` holding ``steps`` steps of one module.
+      dump_dir: the ``--xla_dump_to`` folder holding that module's optimized HLO.
+      steps: how many steps the trace holds.
+
+    Returns:
+      ``(attribution, lines)``: ``attribute`` of the profiled step's module, and the
+      ``communication_summary`` and ``busy_summary`` lines.
+    """
     kernels = gpu_kernels(read_trace(trace_path))
     module = step_module(kernels)
     mine = [kernel for kernel in kernels if kernel.module == module]
-    return attribute(mine, hlo_dump_of(dump_dir, module), steps)
+    attribution = attribute(mine, hlo_dump_of(dump_dir, module), steps)
+    return attribution, [communication_summary(kernels), busy_summary(mine, steps)]
+
+
+def _is_communication(kernel: Kernel) -> bool:
+    return kernel.name.startswith(NCCL_PREFIXES)
+
+
+def _is_compute(kernel: Kernel) -> bool:
+    return not kernel.name.startswith(NCCL_PREFIXES + NOT_COMPUTE_PREFIXES)
+
+
+def _by_device(kernels: list[Kernel]) -> dict[int, list[Kernel]]:
+    """Each GPU's kernels, in the order given."""
+    groups = collections.defaultdict(list)
+    for kernel in kernels:
+        groups[kernel.device].append(kernel)
+    return dict(sorted(groups.items()))
+
+
+def _intervals(kernels: list[Kernel], keep) -> list[tuple[float, float]]:
+    """The union of the kept kernels' ``[start, end)`` intervals (``_merged``)."""
+    return _merged([(k.start, k.start + k.microseconds) for k in kernels if keep(k)])
 
 
 def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -246,15 +278,9 @@ def hidden_communication(kernels: list[Kernel]) -> tuple[float, float]:
       same GPU ran on another stream.
     """
     hidden = total = 0.0
-    for device in {kernel.device for kernel in kernels}:
-        mine = [kernel for kernel in kernels if kernel.device == device]
-        comm = [k for k in mine if k.name.startswith(NCCL_PREFIXES)]
-        compute = _merged([
-            (k.start, k.start + k.microseconds)
-            for k in mine
-            if not k.name.startswith(NCCL_PREFIXES + NOT_COMPUTE_PREFIXES)
-        ])  # fmt: skip
-        for kernel in comm:
+    for mine in _by_device(kernels).values():
+        compute = _intervals(mine, _is_compute)
+        for kernel in filter(_is_communication, mine):
             total += kernel.microseconds
             hidden += _overlap(kernel.start, kernel.start + kernel.microseconds, compute)
     return hidden, total
@@ -288,21 +314,17 @@ def busy_times(kernels: list[Kernel], steps: int) -> BusyTimes:
     Raises:
       ValueError: no kernels, or a GPU with fewer kernels than ``steps``.
     """
-    devices = sorted({kernel.device for kernel in kernels})
+    devices = _by_device(kernels)
     if not devices:
         raise ValueError("no kernels to time")
     compute = communication = span = 0.0
-    for device in devices:
-        mine = [kernel for kernel in kernels if kernel.device == device]
+    for mine in devices.values():
         for step in _split_steps(mine, steps):
-            compute += _union_length(step, lambda k: not k.name.startswith(_NOT_COMPUTE))
-            communication += _union_length(step, lambda k: k.name.startswith(NCCL_PREFIXES))
+            compute += _union_length(step, _is_compute)
+            communication += _union_length(step, _is_communication)
             span += max(k.start + k.microseconds for k in step) - step[0].start
     count = len(devices) * steps
     return BusyTimes(compute / count, communication / count, span / count)
-
-
-_NOT_COMPUTE = NCCL_PREFIXES + NOT_COMPUTE_PREFIXES
 
 
 def _split_steps(kernels: list[Kernel], steps: int) -> list[list[Kernel]]:
@@ -322,15 +344,12 @@ def _split_steps(kernels: list[Kernel], steps: int) -> list[list[Kernel]]:
 
 def _union_length(kernels: list[Kernel], keep) -> float:
     """Length of the union of the kept kernels' intervals."""
-    union = _merged([(k.start, k.start + k.microseconds) for k in kernels if keep(k)])
-    return sum(end - start for start, end in union)
+    return sum(end - start for start, end in _intervals(kernels, keep))
 
 
-def busy_summary(trace_path: str, steps: int) -> str:
-    """One line of ``busy_times`` for the profiled step's module of a trace, in ms."""
-    kernels = gpu_kernels(read_trace(trace_path))
-    module = step_module(kernels)
-    times = busy_times([k for k in kernels if k.module == module], steps)
+def busy_summary(kernels: list[Kernel], steps: int) -> str:
+    """One line of ``busy_times`` of a module's kernels, in ms."""
+    times = busy_times(kernels, steps)
     bound = max(times.compute, times.communication)
     return (
         f"per GPU and step: compute {times.compute / 1e3:.2f} ms, communication "
@@ -339,9 +358,10 @@ def busy_summary(trace_path: str, steps: int) -> str:
     )
 
 
-def communication_summary(trace_path: str) -> str:
-    """One line: NCCL time hidden under compute in a trace (``hidden_communication``)."""
-    hidden, total = hidden_communication(gpu_kernels(read_trace(trace_path)))
+def communication_summary(kernels: list[Kernel]) -> str:
+    """One line: NCCL time hidden under compute among a trace's kernels
+    (``hidden_communication``)."""
+    hidden, total = hidden_communication(kernels)
     if total == 0:
         return "no NCCL kernels in the trace"
     return (
@@ -358,9 +378,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--hlo", required=True, help="--xla_dump_to folder of both compiles")
     parser.add_argument("--steps", type=int, default=1, help="steps each trace holds")
     args = parser.parse_args(argv)
-    plain = step_attribution(args.plain, args.hlo, args.steps)
-    tbo = step_attribution(args.tbo, args.hlo, args.steps)
+    (plain, plain_lines), (tbo, tbo_lines) = (
+        step_summary(path, args.hlo, args.steps) for path in (args.plain, args.tbo)
+    )
     print(compare_table(plain, tbo))
-    for label, path in (("no TBO", args.plain), ("TBO", args.tbo)):
-        print(f"{label}: {communication_summary(path)}")
-        print(f"{label}: {busy_summary(path, args.steps)}")
+    for label, lines in (("no TBO", plain_lines), ("TBO", tbo_lines)):
+        for line in lines:
+            print(f"{label}: {line}")

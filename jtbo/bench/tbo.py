@@ -169,16 +169,15 @@ def _profile(runner, batch, directory: str, name: str) -> None:
     if jax.devices()[0].platform != "gpu":
         print(f"{name}: traces written; kernel attribution needs a GPU trace")
         return
-    plain, tbo = (
-        kernel_time.step_attribution(found[0], f"{directory}/hlo", PROFILE_STEPS)
-        for found in traces
+    (plain, plain_lines), (tbo, tbo_lines) = (
+        kernel_time.step_summary(found[0], f"{directory}/hlo", PROFILE_STEPS) for found in traces
     )
     print(
         f"\n{name}: GPU kernel time per step by operation\n{kernel_time.compare_table(plain, tbo)}"
     )
-    for label, found in (("no TBO", traces[0]), ("TBO", traces[1])):
-        print(f"{name} {label}: {kernel_time.communication_summary(found[0])}")
-        print(f"{name} {label}: {kernel_time.busy_summary(found[0], PROFILE_STEPS)}")
+    for label, lines in (("no TBO", plain_lines), ("TBO", tbo_lines)):
+        for line in lines:
+            print(f"{name} {label}: {line}")
 
 
 def _case(runners, batch, iters: int) -> tuple[list[float], str]:
