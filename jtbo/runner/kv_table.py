@@ -33,7 +33,11 @@ def kv_positions(batch: split.ForwardBatch) -> tuple[np.ndarray, np.ndarray]:
     Raises:
       ValueError: a mode without KV writes or a missing field.
     """
-    req, starts, ends = write_ranges(batch)
+    return _token_positions(*write_ranges(batch))
+
+
+def _token_positions(req, starts, ends) -> tuple[np.ndarray, np.ndarray]:
+    """``kv_positions`` from ``write_ranges``' result."""
     new = ends - starts
     rows = np.repeat(req, new)
     offsets = np.arange(rows.shape[0]) - np.repeat(np.cumsum(new) - new, new)
@@ -75,7 +79,11 @@ def check_context(filled: np.ndarray, batch: split.ForwardBatch) -> None:
       ValueError: a request row written from a position past its recorded context (names
         the row and both numbers).
     """
-    rows, starts, _ = write_ranges(batch)
+    _check_ranges(filled, *write_ranges(batch))
+
+
+def _check_ranges(filled, rows, starts, _) -> None:
+    """``check_context`` on ``write_ranges``' result."""
     if rows.size and (rows.min() < 0 or rows.max() >= filled.shape[0]):
         raise ValueError(f"req_pool_indices max {rows.max()} outside [0, {filled.shape[0]})")
     gap = (starts > 0) & (starts > filled[rows])
@@ -104,9 +112,10 @@ def record(
       ValueError: a request row, position or slot outside the table / pool (names the numbers),
         or (with ``filled``) a write past a row's recorded context.
     """
+    ranges = write_ranges(batch)
     if filled is not None:
-        check_context(filled, batch)
-    rows, positions = kv_positions(batch)
+        _check_ranges(filled, *ranges)
+    rows, positions = _token_positions(*ranges)
     if rows.size == 0:
         return
     slots = np.asarray(batch.out_cache_loc, np.int64)
@@ -121,5 +130,5 @@ def record(
         )
     table[rows, positions] = slots
     if filled is not None:
-        req, starts, ends = write_ranges(batch)
+        req, starts, ends = ranges
         filled[req] = np.where(starts == 0, ends, np.maximum(filled[req], ends))
