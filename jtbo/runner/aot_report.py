@@ -174,17 +174,15 @@ def model_step_program(
     parallel = layer_ops.ParallelConfig(
         moe_a2a_backend, attn_tp_size, dp_size * attn_tp_size, ep_capacity_factor
     )
+    seq_capacity = seq_capacity or tokens_per_rank
     plan = _synthetic_plan(
-        ForwardMode(mode), dp_size, attn_tp_size, tokens_per_rank, enable_tbo,
-        seq_capacity or tokens_per_rank,
-    )  # fmt: skip
+        ForwardMode(mode), dp_size, attn_tp_size, tokens_per_rank, enable_tbo, seq_capacity
+    )
     _, params = nnx.split(model)
     inputs = step.pack_step_inputs(plan.per_rank, plan.replicated)
     args = (
         _abstract(params, mesh, step.param_specs(params, moe_a2a_backend)),
-        _abstract_kv_cache(
-            config, mesh, dp_size, plan.per_rank, seq_capacity or tokens_per_rank, dtype
-        ),  # fmt: skip
+        _abstract_kv_cache(config, mesh, dp_size, tokens_per_rank, seq_capacity, dtype),
         _abstract(inputs.per_rank, mesh, P(mesh_lib.DP_AXIS)),  # [dp, n] int32
         _abstract(inputs.replicated, mesh, P()),  # [m] int32
     )
@@ -215,9 +213,8 @@ def _synthetic_plan(
     return plan
 
 
-def _abstract_kv_cache(config, mesh, dp_size: int, per_rank: dict, seq_capacity: int, dtype):
+def _abstract_kv_cache(config, mesh, dp_size: int, tokens_per_rank: int, seq_capacity: int, dtype):
     """``ShapeDtypeStruct``s of the KV pools and page table, sharded like the runner's."""
-    tokens_per_rank = per_rank["input_ids"].shape[1]
     max_context = _max_context(tokens_per_rank)
     kv_shape = (dp_size, config.num_layers, max_context + 1, config.num_key_value_heads,
                 config.head_dim)  # fmt: skip
