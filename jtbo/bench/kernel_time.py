@@ -16,6 +16,9 @@ two answers "which operation costs what", per step:
 
 Built to find TBO's cost on one H200 (``BENCHMARKS.md``, "Second session"), where the joined
 table showed each micro-batch reading the Q/K/V weights on its own.
+
+``collective_bytes`` reads the other side of the same HLO: how many bytes each collective of
+a step moves on one device (for ``bench tbo``'s bytes per exchange and achieved GB/s).
 """
 
 import argparse
@@ -26,6 +29,8 @@ import gzip
 import json
 import os
 import re
+
+from jtbo.overlap import hlo_schedule
 
 CUBLAS_PREFIXES = ("nvjet", "sm90_", "sm80_", "cutlass", "void cutlass", "gemv", "gemmk1")
 """Kernel-name prefixes of cuBLAS / cuBLASLt kernels."""
@@ -367,6 +372,46 @@ def communication_summary(kernels: list[Kernel]) -> str:
     return (
         f"communication {total:.1f} us, of it under compute {hidden:.1f} us ({hidden / total:.3f})"
     )
+
+
+def collective_bytes(hlo_text: str) -> dict[str, list[int]]:
+    """Bytes each collective of one step moves on one device, by kind.
+
+    A collective's bytes are its larger buffer (the ``-done`` result or the start's operands,
+    each summed over tuple elements): the "size" of NCCL's own tests, e.g. an all-to-all's
+    whole send buffer (the device's own slice included), an all-gather's gathered result.
+
+    Args:
+      hlo_text: a compiled, scheduled HLO module (per-device shapes, as after SPMD
+        partitioning: ``*after_optimizations.txt`` or ``compile().as_text()``).
+
+    Returns:
+      kind (``"all-to-all"``, ``"all-reduce"``, ...) -> bytes of each of its collectives in
+      schedule order; every listed collective runs once per step.
+
+    Raises:
+      ValueError: no entry computation, or a collective outside it (in a loop body or a
+        branch: how often it runs per step is not in the text).
+    """
+    computations = hlo_schedule.parse_module(hlo_text)
+    by_kind = collections.defaultdict(list)
+    for window in hlo_schedule.collective_windows(hlo_text):
+        computation = computations[window.computation]
+        if not computation.is_entry:
+            raise ValueError(
+                f"{window.kind} {window.start} runs in {window.computation}, not the entry: "
+                "its count per step is unknown"
+            )
+        by_kind[window.kind].append(_buffer_bytes(computation, window.start, window.done))
+    return dict(by_kind)
+
+
+def _buffer_bytes(computation: hlo_schedule.Computation, start: str, done: str) -> int:
+    """The larger of a collective's summed operands (at ``start``) and result (``done``)."""
+    shapes = {instruction.name: instruction.shape for instruction in computation.instructions}
+    operands = next(i.operands for i in computation.instructions if i.name == start)
+    sent = sum(sum(hlo_schedule.shape_bytes(shapes[operand])) for operand in operands)
+    return max(sent, sum(hlo_schedule.shape_bytes(shapes[done])))
 
 
 def main(argv: list[str]) -> None:

@@ -13,9 +13,26 @@ TBO step's logits with the plain step's (``_agreement``; ``--dtype float32`` tak
 rounding out). Prints a markdown table (target: ratio <= 1.05 at prefill >= 4096 tokens and
 decode >= 128 sequences). ``--devices N`` runs DP attention over N devices (dp=N, EP over all
 of them: the multi-GPU measurement of issue 8), and ``--barriers`` adds a column for TBO with
-round barriers (a second runner); ``--profile DIR`` traces plain and TBO steps of the first
-prefill and decode case (``jax.profiler``, with the optimized HLO dumped beside them) and
-prints, on a GPU, their kernel time per model operation (``jtbo.bench.kernel_time``).
+round barriers (a second runner).
+
+After every timing, on a GPU, ``PROFILE_STEPS`` plain and TBO steps of every case are traced
+(``jax.profiler``, with the optimized HLO dumped beside them: into ``--profile DIR``, else a
+``tempfile.mkdtemp`` folder; ``--no-profile`` skips this) and a second table says what was
+hidden, per case and column (``OverlapRow``): the NCCL time under compute, compute and
+communication busy time, the measured step time over ``max(compute, communication)``, the
+bytes of one EP all-to-all per device and the achieved GB/s per GPU (collective bytes of the
+compiled step over NCCL busy time; ``kernel_time.collective_bytes``). ``--profile DIR`` also
+prints the kernel time per model operation (``kernel_time.compare_table``). On the CPU the
+trace has no NCCL kernels: one line says so.
+
+Environment (set at the top of ``main``, before the JAX backend starts; importing this module
+does not start it): ``--link host`` sets ``NCCL_P2P_DISABLE=1`` (SHM stays on), so NCCL moves
+data between the GPUs of one host through host memory, a stand-in for an inter-host link;
+``--link nvlink`` (default) leaves P2P on. ``NCCL_NVLS_ENABLE`` defaults to 0 (NVLink
+multicast stays off, as the lent machines require). ``--env K=V`` sets further variables, and
+``--xla-option K=V`` appends ``--K=V`` to ``XLA_FLAGS``: that reaches every compile, plain and
+TBO alike, and an option the step passes itself (``step.step_compiler_options``) keeps the
+step's value.
 """
 
 import argparse
@@ -23,7 +40,9 @@ import dataclasses
 import glob
 import os
 import statistics
+import tempfile
 import time
+from collections.abc import MutableMapping
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +54,20 @@ from jtbo.bench import kernel_time
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
+from jtbo.overlap import xla_options
 from jtbo.runner import planning
 from jtbo.runner import runner as runner_lib
 
 ForwardMode = split.ForwardMode
+
+LINK_ENVIRONMENT = {
+    "nvlink": {"NCCL_P2P_DISABLE": "0"},
+    "host": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "0"},
+}
+"""NCCL variables of each ``--link``: ``host`` turns NCCL's GPU peer-to-peer transport off, so
+the GPUs of one host exchange through shared host memory (SHM explicitly on)."""
+NVLS_ENVIRONMENT = ("NCCL_NVLS_ENABLE", "0")
+"""Default of NVLink multicast (NVLS): off, as the lent machines require."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,15 +92,85 @@ def _parser() -> argparse.ArgumentParser:
         help="parameter / activation dtype (float32: the agreement column without bf16 rounding)",
     )  # fmt: skip
     parser.add_argument(
-        "--profile", metavar="DIR",
-        help="trace plain and TBO steps of the first prefill and decode case into DIR and "
-        "print their GPU time per operation (jtbo.bench.kernel_time)",
-    )  # fmt: skip
-    parser.add_argument(
         "--barriers", action="store_true",
         help="also time TBO with round barriers (a second runner; column 'TBO+barriers')",
     )  # fmt: skip
+    _add_profile_arguments(parser)
+    _add_environment_arguments(parser)
     return parser
+
+
+def _add_profile_arguments(parser: argparse.ArgumentParser) -> None:
+    profile = parser.add_mutually_exclusive_group()
+    profile.add_argument(
+        "--profile", metavar="DIR",
+        help="trace every case into DIR (default: a fresh temporary folder) and also print "
+        "the GPU time per operation (jtbo.bench.kernel_time)",
+    )  # fmt: skip
+    profile.add_argument("--no-profile", action="store_true", help="no traces, no overlap table")
+
+
+def _add_environment_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--link", choices=tuple(LINK_ENVIRONMENT), default="nvlink",
+        help="host: NCCL_P2P_DISABLE=1 (SHM on), the GPUs exchange through host memory, a "
+        "stand-in for an inter-host link; nvlink: P2P on",
+    )  # fmt: skip
+    parser.add_argument(
+        "--env", metavar="K=V", type=_environment_pair, action="append", default=[],
+        help="set an environment variable before the JAX backend starts (repeatable)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--xla-option", metavar="K=V", type=xla_options.parse_option, action="append",
+        default=[],
+        help="append --K=V to XLA_FLAGS before the backend starts (repeatable): applies to "
+        "every compile, plain and TBO steps alike; an option the step passes itself "
+        "(step.step_compiler_options: the command-buffer list, on several GPUs the TBO "
+        "step's xla_options.tbo_compiler_options) keeps the step's value",
+    )  # fmt: skip
+
+
+def _environment_pair(text: str) -> tuple[str, str]:
+    """``K=V`` of ``--env`` as ``(K, V)``.
+
+    Raises:
+      argparse.ArgumentTypeError: no ``=`` or an empty name.
+    """
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"--env takes NAME=VALUE, got {text!r}")
+    return name.strip(), value
+
+
+def configure_environment(
+    args: argparse.Namespace, environ: MutableMapping[str, str], dump_dir: str | None
+) -> None:
+    """Sets what must be in place before the JAX backend starts (see the module docstring).
+
+    Args:
+      args: the parsed flags (``--link``, ``--env``, ``--xla-option``).
+      environ: the environment to change (``os.environ`` in ``main``).
+      dump_dir: folder for the step's optimized HLO (``_dump_flags``), or None for no dump.
+
+    Raises:
+      ValueError: ``--env`` names a variable that ``--link`` sets.
+    """
+    link = LINK_ENVIRONMENT[args.link]
+    clashes = sorted({name for name, _ in args.env} & set(link))
+    if clashes:
+        raise ValueError(f"--env {clashes} clash with --link {args.link}: use --link")
+    environ.update(link)
+    environ.update(dict(args.env))
+    environ.setdefault(*NVLS_ENVIRONMENT)
+    flags = [f"--{name}={_flag_value(value)}" for name, value in args.xla_option]
+    flags += _dump_flags(dump_dir) if dump_dir else []
+    if flags:
+        environ["XLA_FLAGS"] = " ".join([environ.get("XLA_FLAGS", ""), *flags]).strip()
+
+
+def _flag_value(value: str | int | bool | float) -> str:
+    """An ``xla_options.parse_option`` value as XLA's flag parser reads it (true / false)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _prefill_batch(tokens: int, prompt_len: int, vocab: int) -> split.ForwardBatch:
@@ -143,41 +242,204 @@ def _plan(runner, batch, tbo: bool):
 
 
 PROFILE_STEPS = 3
-"""Steps each ``--profile`` trace holds."""
+"""Steps each trace holds."""
 
 
-def _dump_step_hlo(directory: str) -> None:
-    """Has XLA dump the optimized HLO of every model step into ``directory/hlo`` (read by
-    ``kernel_time``); must run before the first backend use."""
-    flags = f"--xla_dump_to={directory}/hlo --xla_dump_hlo_module_re=model_step"
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()
+def _dump_flags(directory: str) -> list[str]:
+    """XLA flags that dump the optimized HLO of every model step into ``directory/hlo`` (read
+    by ``kernel_time``); they take effect only before the first backend use."""
+    return [f"--xla_dump_to={directory}/hlo", "--xla_dump_hlo_module_re=model_step"]
 
 
-def _profile(runner, batch, directory: str, name: str) -> None:
-    """Traces ``PROFILE_STEPS`` plain and TBO steps (``jax.profiler``, into
-    ``directory/{name}_plain`` and ``_tbo``) and prints where their GPU time goes
-    (``kernel_time.compare_table``; on a GPU only)."""
-    traces = []
-    for tbo in (False, True):
-        plan = _plan(runner, batch, tbo)
-        runner.run_plan(plan).block_until_ready()
-        folder = f"{directory}/{name}_{'tbo' if tbo else 'plain'}"
-        with jax.profiler.trace(folder):
-            for _ in range(PROFILE_STEPS):
-                runner.run_plan(plan).block_until_ready()
-        traces.append(glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True))
-    if jax.devices()[0].platform != "gpu":
-        print(f"{name}: traces written; kernel attribution needs a GPU trace")
+EXCHANGE_KINDS = ("all-to-all", "ragged-all-to-all")
+"""Collective kinds of the EP exchange (dispatch and combine)."""
+COLUMNS = ("no TBO", "TBO")
+"""The traced columns, in the order ``_trace_case`` returns them."""
+OVERLAP_FOOTNOTES = (
+    "NCCL under compute: share of the NCCL kernels' time during which a compute kernel ran on "
+    "the same GPU; compute / communication ms: busy time per GPU and step.",
+    "step: the measured median step time of the timing table, not the trace's span: traces "
+    "leave out kernels of loops recorded into CUDA graphs, which shows as gaps.",
+    "bytes/exchange: mean bytes of one EP all-to-all (dispatch or combine) per device; GB/s: "
+    "per GPU, bytes sent through NCCL / NCCL busy time (every collective of the compiled step).",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTrace:
+    """One traced step program."""
+
+    kernels: tuple[kernel_time.Kernel, ...]  # the step module's kernels, PROFILE_STEPS steps
+    hlo_text: str  # that module's optimized HLO
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlapRow:
+    """What one column of one case hid (a row of ``overlap_table``)."""
+
+    case: str  # e.g. "prefill 4096"
+    column: str  # "no TBO" or "TBO"
+    hidden_share: float | None  # NCCL time under compute / NCCL time; None: no NCCL kernels
+    compute_ms: float  # compute busy time per GPU and step
+    communication_ms: float  # NCCL busy time per GPU and step
+    step_ms: float  # the measured median step time
+    bytes_per_exchange: float | None  # mean bytes of one all-to-all per device; None: none
+    gigabytes_per_second: float | None  # collective bytes / NCCL busy time; None: no NCCL
+
+    @property
+    def bound_ratio(self) -> float:
+        """Step time over ``max(compute, communication)``, what perfect overlap could reach."""
+        return self.step_ms / max(self.compute_ms, self.communication_ms)
+
+
+def overlap_row(
+    case: str, column: str, kernels: list[kernel_time.Kernel], steps: int, step_seconds: float,
+    collectives: dict[str, list[int]],
+) -> OverlapRow:  # fmt: skip
+    """What a traced step hid, from its kernels and its compiled collectives.
+
+    Args:
+      case: the case's name, e.g. "prefill 4096".
+      column: "no TBO" or "TBO".
+      kernels: the step module's kernels over ``steps`` steps, on every GPU.
+      steps: how many steps the kernels hold.
+      step_seconds: the measured median step time.
+      collectives: ``kernel_time.collective_bytes`` of the step's optimized HLO.
+
+    Returns:
+      The ``OverlapRow``.
+
+    Raises:
+      ValueError: no kernels, or fewer on a GPU than ``steps`` (``kernel_time.busy_times``).
+    """
+    busy = kernel_time.busy_times(kernels, steps)
+    hidden, total = kernel_time.hidden_communication(kernels)
+    exchanges = [size for kind in EXCHANGE_KINDS for size in collectives.get(kind, [])]
+    step_bytes = sum(sum(sizes) for sizes in collectives.values())
+    return OverlapRow(
+        case=case, column=column, hidden_share=hidden / total if total else None,
+        compute_ms=busy.compute / 1e3, communication_ms=busy.communication / 1e3,
+        step_ms=step_seconds * 1e3,
+        bytes_per_exchange=statistics.mean(exchanges) if exchanges else None,
+        # bytes per microsecond are MB/s
+        gigabytes_per_second=step_bytes / busy.communication / 1e3 if busy.communication else None,
+    )  # fmt: skip
+
+
+def overlap_table(rows: list[OverlapRow]) -> str:
+    """The overlap table of ``bench tbo``.
+
+    Args:
+      rows: one ``OverlapRow`` per case and column.
+
+    Returns:
+      A markdown table, a blank line and the footnotes that define its columns.
+    """
+    lines = [
+        "| case | column | NCCL under compute | compute ms | communication ms "
+        "| step / max(compute, comm) | bytes/exchange | GB/s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [_overlap_line(row) for row in rows]
+    return "\n".join(lines + ["", *OVERLAP_FOOTNOTES])
+
+
+def _overlap_line(row: OverlapRow) -> str:
+    hidden = "-" if row.hidden_share is None else f"{row.hidden_share:.3f}"
+    exchange = "-" if row.bytes_per_exchange is None else _format_bytes(row.bytes_per_exchange)
+    rate = "-" if row.gigabytes_per_second is None else f"{row.gigabytes_per_second:.2f}"
+    return (
+        f"| {row.case} | {row.column} | {hidden} | {row.compute_ms:.2f} | "
+        f"{row.communication_ms:.2f} | {row.bound_ratio:.3f} | {exchange} | {rate} |"
+    )
+
+
+def _format_bytes(size: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size:.0f} B"
+
+
+def _trace(runner, plan, folder: str) -> str:
+    """Traces ``PROFILE_STEPS`` steps of a plan (after one untraced run) into ``folder``.
+
+    Returns:
+      The new ``*.trace.json.gz`` (a folder traced before keeps its older traces).
+
+    Raises:
+      ValueError: the trace did not write exactly one new trace file.
+    """
+    pattern = f"{folder}/**/*.trace.json.gz"
+    before = set(glob.glob(pattern, recursive=True))
+    runner.run_plan(plan).block_until_ready()
+    with jax.profiler.trace(folder):
+        for _ in range(PROFILE_STEPS):
+            runner.run_plan(plan).block_until_ready()
+    written = sorted(set(glob.glob(pattern, recursive=True)) - before)
+    if len(written) != 1:
+        raise ValueError(f"{len(written)} new trace files in {folder}, expected one")
+    return written[0]
+
+
+def _trace_case(runner, batch, directory: str, name: str) -> list[str]:
+    """Trace files of the plain and the TBO step (``directory/{name}_plain``, ``_tbo``)."""
+    return [
+        _trace(runner, _plan(runner, batch, tbo), f"{directory}/{name}_{'tbo' if tbo else 'plain'}")
+        for tbo in (False, True)
+    ]
+
+
+def _step_trace(trace_path: str, dump_dir: str) -> StepTrace:
+    """The kernels of a trace's step module (``kernel_time.step_module``) and its HLO."""
+    kernels = kernel_time.gpu_kernels(kernel_time.read_trace(trace_path))
+    module = kernel_time.step_module(kernels)
+    mine = tuple(kernel for kernel in kernels if kernel.module == module)
+    return StepTrace(mine, kernel_time.hlo_dump_of(dump_dir, module))
+
+
+def _case_overlap(runner, case, seconds, directory: str, per_operation: bool) -> list[OverlapRow]:
+    """Traces a case's plain and TBO steps on a GPU and returns their ``OverlapRow``s;
+    ``per_operation`` also prints their kernel time per model operation."""
+    name, size, batch = case
+    traces = [
+        _step_trace(path, f"{directory}/hlo")
+        for path in _trace_case(runner, batch, directory, f"{name}_{size}")
+    ]
+    if per_operation:
+        plain, tbo = (
+            kernel_time.attribute(list(t.kernels), t.hlo_text, PROFILE_STEPS) for t in traces
+        )
+        print(f"\n{name} {size}: GPU kernel time per step by operation")
+        print(kernel_time.compare_table(plain, tbo))
+    return [
+        overlap_row(
+            f"{name} {size}",
+            column,
+            list(trace.kernels),
+            PROFILE_STEPS,
+            step_seconds,
+            kernel_time.collective_bytes(trace.hlo_text),
+        )
+        for column, trace, step_seconds in zip(COLUMNS, traces, seconds, strict=True)
+    ]
+
+
+def _report_overlap(
+    runner, cases, step_times, directory: str, per_operation: bool, on_gpu: bool
+) -> None:
+    """Traces every case and prints the overlap table; without a GPU, one line (no NCCL
+    kernels) and, for ``--profile DIR`` (``per_operation``), the traces alone."""
+    if not on_gpu:
+        print("\noverlap table: needs a GPU (the CPU trace has no NCCL kernels)")
+        if per_operation:  # --profile DIR: the traces are still written, to be read by hand
+            for name, size, batch in cases:
+                _trace_case(runner, batch, directory, f"{name}_{size}")
         return
-    (plain, plain_lines), (tbo, tbo_lines) = (
-        kernel_time.step_summary(found[0], f"{directory}/hlo", PROFILE_STEPS) for found in traces
-    )
-    print(
-        f"\n{name}: GPU kernel time per step by operation\n{kernel_time.compare_table(plain, tbo)}"
-    )
-    for label, lines in (("no TBO", plain_lines), ("TBO", tbo_lines)):
-        for line in lines:
-            print(f"{name} {label}: {line}")
+    rows = []
+    for case, seconds in zip(cases, step_times, strict=True):
+        rows += _case_overlap(runner, case, seconds, directory, per_operation)
+    print(f"\nWhat was hidden (traces and HLO in {directory}):\n{overlap_table(rows)}")
 
 
 def _case(runners, batch, iters: int) -> tuple[list[float], str]:
@@ -213,25 +475,18 @@ def _runner(model, mesh, args, largest: int, barriers: bool):
     )  # fmt: skip
 
 
-def main(argv) -> None:
-    """Runs the benchmark and prints the table (see the module docstring)."""
-    args = _parser().parse_args(argv)
-    if args.profile:
-        _dump_step_hlo(args.profile)
-    if args.devices is not None:
-        args.dp, args.attn_tp = args.devices, 1
-    config = (
-        config_lib.MoEConfig.tiny() if args.tiny else config_lib.MoEConfig.deepseek_v3_reduced()
+def _header(args) -> str:
+    """The line above the timing table: devices, layout, link, extra XLA options."""
+    options = " ".join(f"--{name}={_flag_value(value)}" for name, value in args.xla_option)
+    return (
+        f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; dp={args.dp}, "
+        f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}; link {args.link}; "
+        f"jax {jax.__version__}" + (f"; XLA_FLAGS += {options}" if options else "")
     )
-    mesh = mesh_lib.make_mesh(args.dp, args.attn_tp)
-    largest = max(args.prefill + [s * args.context for s in args.decode] + [1])
-    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
-    runners = [_runner(model, mesh, args, largest, barriers=False)]
-    if args.barriers:
-        runners.append(_runner(model, mesh, args, largest, barriers=True))
-    del model
-    print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; dp={args.dp}, "
-          f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}; jax {jax.__version__}")  # fmt: skip
+
+
+def _time_cases(runners, cases, args) -> list[tuple[float, float]]:
+    """Prints the timing table; returns each case's (plain, TBO) median seconds."""
     extra = " TBO+barriers (ms) | ratio |" if args.barriers else ""
     print(
         "| case | tokens/rank | no TBO (ms) | TBO (ms) | TBO / no TBO |"
@@ -239,19 +494,48 @@ def main(argv) -> None:
         + " Δ logits (median row) / same token |"
     )
     print("|---|---|---|---|---|" + ("---|---|" if args.barriers else "") + "---|")
-    vocab = config.vocab_size
-    cases = [("prefill", n, _prefill_batch(n, args.prompt_len, vocab)) for n in args.prefill]
-    cases += [("decode", s, _decode_batch(s, args.context, vocab)) for s in args.decode]
+    step_times = []
     for name, size, batch in cases:
         (plain, *tbo_times), agreement = _case(runners, batch, args.iters)
         cells = "".join(f" {t * 1e3:.2f} | {t / plain:.3f} |" for t in tbo_times)
         print(f"| {name} {size} | {batch.num_tokens} | {plain * 1e3:.2f} |{cells} "
               f"{agreement} |", flush=True)  # fmt: skip
+        step_times.append((plain, tbo_times[0]))
+    return step_times
+
+
+def _runners(args, config) -> list:
+    """The plain / TBO runner and, with ``--barriers``, one with round barriers."""
+    mesh = mesh_lib.make_mesh(args.dp, args.attn_tp)
+    largest = max(args.prefill + [s * args.context for s in args.decode] + [1])
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    barriers = (False, True) if args.barriers else (False,)
+    return [_runner(model, mesh, args, largest, with_barriers) for with_barriers in barriers]
+
+
+def main(argv) -> None:
+    """Runs the benchmark and prints the tables (see the module docstring).
+
+    Raises:
+      ValueError: ``--env`` clashes with ``--link`` (``configure_environment``).
+    """
+    args = _parser().parse_args(argv)
+    directory = None if args.no_profile else args.profile or tempfile.mkdtemp(prefix="jtbo_tbo_")
+    configure_environment(args, os.environ, directory)  # before anything starts the backend
+    if args.devices is not None:
+        args.dp, args.attn_tp = args.devices, 1
+    config = (
+        config_lib.MoEConfig.tiny() if args.tiny else config_lib.MoEConfig.deepseek_v3_reduced()
+    )
+    runners = _runners(args, config)
+    print(_header(args))
+    vocab = config.vocab_size
+    cases = [("prefill", n, _prefill_batch(n, args.prompt_len, vocab)) for n in args.prefill]
+    cases += [("decode", s, _decode_batch(s, args.context, vocab)) for s in args.decode]
+    step_times = _time_cases(runners, cases, args)
     # Traces come after every timing: a trace may leave the profiler's per-kernel hooks in
     # place, and the TBO step has more kernels (on one H200, runs that timed decode after
     # tracing prefill measured decode-128 TBO / no TBO at 1.04-1.06, runs without at 1.03-1.04).
-    profiled = set()
-    for name, size, batch in cases:
-        if args.profile and name not in profiled:
-            _profile(runners[0], batch, args.profile, f"{name}_{size}")
-            profiled.add(name)
+    if directory is not None:
+        on_gpu = jax.devices()[0].platform == "gpu"
+        _report_overlap(runners[0], cases, step_times, directory, bool(args.profile), on_gpu)

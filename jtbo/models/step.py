@@ -131,22 +131,54 @@ def _contexts(per_rank, replicated, box, dispatchers, child_capacity):
     ]
 
 
-def _run_tbo(ops, delta, per_rank, contexts, child_capacity, barriers):
-    """Both micro-batches staggered; their logits merged back at the parent offsets."""
+def _run_tbo(operations_of, params, per_rank, contexts, child_capacity, barriers, isolate):
+    """Both micro-batches staggered; their logits merged back at the parent offsets.
+
+    ``operations_of(params) -> (ops, delta)`` builds one micro-batch's operation list over a
+    view of the parameters. ``isolate`` keeps the micro-batches apart where one's exchange
+    must run beside the other's compute (multi-device meshes):
+
+    * each micro-batch reads the parameters through its own ``optimization_barrier`` (tied
+      to its own inputs). Over shared parameter buffers XLA's sibling multi-output fusion
+      joined A's and B's small ops that read the same weight (routing, dispatch
+      bookkeeping), so A's dispatch depended on B's gate and routing, and no schedule could
+      put B's attention beside A's exchange;
+    * every collective-issuing operation (``*_a``) first passes both micro-batches' live
+      arrays, the other one's in-flight collective results included, through one barrier
+      (``execute_overlapped_operations(issue_barriers=True)``). The collective's input is
+      then ready before the other micro-batch's next stage starts, and the other's exchange
+      ends before this one is issued (XLA keeps one collective in flight anyway), so each
+      exchange window holds the other micro-batch's whole stage.
+
+    Measured on a 2 x 1 H200 compile (CPU, ``MoEConfig.deepseek_v3_reduced()``, prefill 4096):
+    other-micro-batch compute in each all-to-all window, estimated by
+    ``jtbo.overlap.schedule_costs.window_fill`` over NVLink, went from 0-0.3 of the exchange
+    (dispatch windows) to 2.4-22; on two H200s the share of NCCL time under compute went from
+    0.37 to 0.78 (BENCHMARKS.md, "Run-time overlap"). One device has nothing to hide, and
+    there A's and B's matmuls may merge (``step_compiler_options``).
+    """
     t, n = per_rank["split_token_index"], per_rank["num_tokens"]
     inputs = dict(input_ids=per_rank["input_ids"], positions=per_rank["positions"])
     children = activations.split_inputs(inputs, t, n, child_capacity=child_capacity)
+    views = [params, params]
+    if isolate:
+        pairs = [jax.lax.optimization_barrier((params, child)) for child in children]
+        views, children = [view for view, _ in pairs], [child for _, child in pairs]
+    built = [operations_of(view) for view in views]
+    delta = built[0][1]
     outputs = operations.execute_overlapped_operations(
-        children, [ops, ops], [0, delta], contexts_arr=contexts, barriers=barriers
-    )
+        children, [ops for ops, _ in built], [0, delta], contexts_arr=contexts, barriers=barriers,
+        issue_barriers=isolate,
+    )  # fmt: skip
     capacity = per_rank["input_ids"].shape[0]
     merged = activations.merge_outputs(*outputs, t, n, out_len=capacity)
     return merged["logits"]
 
 
 def step_body(
-    graphdef, parallel, mode, child_capacity, dispatchers, params, kv_cache, per_rank, replicated
-):
+    graphdef, parallel, mode, child_capacity, dispatchers, params, kv_cache, per_rank, replicated,
+    *, isolate_micro_batches: bool = False,
+):  # fmt: skip
     """One DP rank's forward over local shards (the ``shard_map`` body).
 
     Args:
@@ -159,23 +191,29 @@ def step_body(
       kv_cache: this rank's ``KVCache`` with a leading axis of 1.
       per_rank: this rank's inputs with a leading axis of 1 (see ``make_step``).
       replicated: the DP contexts.
+      isolate_micro_batches: keep A and B apart for run-time overlap (``_run_tbo``; TBO on
+        multi-device meshes).
 
     Returns:
       ``(logits [1, capacity, vocab], kv_cache, overflow [micro-batches, 2],
       peak_load [micro-batches, 2])``.
     """
-    model = nnx.merge(graphdef, params)
     per_rank = _squeeze_rank(per_rank)
     box = layer_ops.StepBox(_squeeze_rank(kv_cache), 1 if child_capacity is None else 2)
-    ops, delta = step_operations.step_operations(model, parallel, mode)
+
+    def operations_of(view):
+        return step_operations.step_operations(nnx.merge(graphdef, view), parallel, mode)
+
     contexts = _contexts(per_rank, replicated, box, dispatchers, child_capacity)
     if child_capacity is None:
+        ops, _ = operations_of(params)
         inputs = dict(input_ids=per_rank["input_ids"], positions=per_rank["positions"])
         logits = operations.execute_operations(inputs, ops, context=contexts[0])["logits"]
     else:
         logits = _run_tbo(
-            ops, delta, per_rank, contexts, child_capacity, parallel.tbo_round_barriers
-        )
+            operations_of, params, per_rank, contexts, child_capacity,
+            parallel.tbo_round_barriers, isolate_micro_batches,
+        )  # fmt: skip
     # Reduced over the EP group so every process reads the same counts (16 bytes each; the
     # only collectives outside both micro-batches).
     overflow = jax.lax.psum(jnp.stack(box.overflow), mesh_lib.TP_AXES)
@@ -237,7 +275,7 @@ def _sharded_step(
             per_rank, replicated = jax.lax.optimization_barrier((per_rank, replicated))
         return step_body(
             graphdef, parallel, key.mode, key.child_capacity, key.dispatchers, params,
-            kv_cache, per_rank, replicated,
+            kv_cache, per_rank, replicated, isolate_micro_batches=mesh.devices.size > 1,
         )  # fmt: skip
 
     in_specs = (

@@ -79,6 +79,7 @@ class Instruction:
     operands: tuple[str, ...]  # operand instruction names
     op_name: str | None  # the op_name metadata (the JAX name stack), if any
     callees: tuple[tuple[str, str], ...]  # (attribute, computation) pairs, e.g. ("calls", "f")
+    attributes: str = ""  # the text after the operand list (dims, configs, metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +169,7 @@ def _parse_instruction(line: str) -> Instruction | None:
         operands=tuple(re.findall(r"%([\w.\-]+)", operand_text)),
         op_name=op_name.group(1) if op_name else None,
         callees=tuple(callees),
+        attributes=rest[len(operand_text) + 1 :],
     )
 
 

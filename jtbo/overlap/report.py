@@ -12,9 +12,20 @@ abstract arguments' shardings name (an N x H200 host described to XLA from the C
 no micro-batches, so its coverage is 0 by definition; ``any_compute_coverage`` (any compute
 in the window) is printed beside it.
 
-``python -m jtbo.overlap.report`` does this for the toy DeepSeek-like stack
-(``toy_stack``); see ``--help``. Findings on 8 x H200 compiles (jax 0.12, the toy stack,
-``TBO_XLA_OPTIONS``) are printed by ``--help`` too (``FINDINGS``).
+Coverage cannot fail when a window holds one tiny fusion beside a 466 MiB exchange, so the
+report also prices every window (``schedule_costs.window_fill`` under a ``CostModel``):
+
+    fill = estimated other-micro-batch compute in the window / estimated exchange time
+    filled_coverage = bytes of collectives with fill >= 1 / bytes of all collectives
+
+and the lowest fill among collectives of at least ``LARGE_BYTES`` (a synchronous collective
+has fill 0). These are compile-time estimates (a roofline for compute, bytes over
+``CostModel.link_bytes_per_s`` for the exchange), not measurements.
+
+``python -m jtbo.overlap.report`` does this for the toy DeepSeek-like stack (``toy_stack``)
+or, with ``--model NAME``, for the model's own step (``jtbo.runner.aot_report``); see
+``--help``. Findings on 8 x H200 compiles (jax 0.12, the toy stack, ``TBO_XLA_OPTIONS``) are
+printed by ``--help`` too (``FINDINGS``).
 """
 
 import argparse
@@ -25,7 +36,10 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from jtbo.overlap import hlo_schedule, xla_options
+from jtbo.overlap import hlo_schedule, schedule_costs, xla_options
+
+LARGE_BYTES = 1 << 20  # smaller exchanges are launch-bound: their fill matters little
+DEFAULT_COST_MODEL = schedule_costs.CostModel()  # NVLink between two H200s
 
 FINDINGS = """\
 Measured with this CLI (8 x H200 AOT compile on the CPU, jax 0.12, defaults: 3 layers,
@@ -42,7 +56,21 @@ hidden 1024, 32 experts, top-4, bf16, 2048 tokens/GPU prefill, 128 decode):
   micro-batch's stage and gave 1.000 everywhere.
 - --default-xla-options --no-barriers on DP decode: 0.164 (the combiners merged A's and
   B's gathers: 6 collectives instead of 12).
+Window fill of the model step, --model deepseek_v3_reduced --devices 2 --tokens 4096
+--ep-capacity-factor 4 (the 2 x H200 bench case; 12 all-to-alls of 466 MiB): coverage
+1.000 either way; filled coverage 1.000 (min fill 2.14) priced at 600 GB/s, 0.417 (min fill
+0.15) at --link-gbps 40. Estimates, and the schedule moves with the step's code: re-run.
 """
+
+
+@dataclasses.dataclass(frozen=True)
+class FillSummary:
+    """How well the priced windows hide their exchanges (see ``fill_summary``)."""
+
+    filled_coverage: float  # bytes of collectives with fill >= 1 / all collective bytes
+    min_fill: float | None  # lowest fill of a collective of >= large_bytes (None: none)
+    min_fill_start: str | None  # that collective's start instruction
+    large_bytes: int  # the size threshold of min_fill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +82,19 @@ class OverlapReport:
     coverage: float  # covered bytes / all collective bytes (other micro-batch compute)
     any_compute_coverage: float  # same, counting any compute in the window
     hlo_text: str  # the compiled module
+    fills: tuple[schedule_costs.WindowFill, ...]  # one per window, same order
+    cost_model: schedule_costs.CostModel  # the figures the fills were priced with
+    fill_summary: FillSummary
+
+    @property
+    def filled_coverage(self) -> float:
+        """Share of collective bytes whose window fill is >= 1 (``FillSummary``)."""
+        return self.fill_summary.filled_coverage
+
+    @property
+    def min_fill(self) -> float | None:
+        """Lowest fill among the large collectives (``FillSummary``)."""
+        return self.fill_summary.min_fill
 
 
 def coverage(windows: Sequence[hlo_schedule.CollectiveWindow], *, any_compute=False) -> float:
@@ -72,11 +113,70 @@ def coverage(windows: Sequence[hlo_schedule.CollectiveWindow], *, any_compute=Fa
     return covered / total if total else 0.0
 
 
+def collective_fills(
+    text: str,
+    windows: Sequence[hlo_schedule.CollectiveWindow],
+    model: schedule_costs.CostModel,
+) -> tuple[schedule_costs.WindowFill, ...]:
+    """Prices every collective window of a compiled module.
+
+    Args:
+      text: the compiled module's text.
+      windows: its ``hlo_schedule.collective_windows``.
+      model: device and link figures.
+
+    Returns:
+      One ``WindowFill`` per window, in the order of ``windows``; a synchronous collective
+      (which ``window_fill`` leaves out) gets one with no compute beside it, fill 0, so that
+      its bytes count as exposed, as in ``coverage``.
+    """
+    priced = {fill.start: fill for fill in schedule_costs.window_fill(text, model)}
+    return tuple(priced.get(window.start) or _lone_fill(window, model) for window in windows)
+
+
+def _lone_fill(
+    window: hlo_schedule.CollectiveWindow, model: schedule_costs.CostModel
+) -> schedule_costs.WindowFill:
+    return schedule_costs.WindowFill(
+        start=window.start, kind=window.kind, micro_batch=window.micro_batch,
+        num_bytes=window.num_bytes,
+        exchange_us=schedule_costs.collective_us(window.num_bytes, model),
+        compute_us=0.0, other_micro_batch_us=0.0,
+    )  # fmt: skip
+
+
+def fill_summary(
+    fills: Sequence[schedule_costs.WindowFill], *, large_bytes: int = LARGE_BYTES
+) -> FillSummary:
+    """Byte-weighted filled coverage and the lowest fill of the large collectives.
+
+    Args:
+      fills: every collective of a step, priced (``collective_fills``).
+      large_bytes: ``min_fill`` looks at collectives of at least this many bytes.
+
+    Returns:
+      The summary; ``filled_coverage`` is 0 when there are no collective bytes, ``min_fill``
+      None when no collective is that large.
+    """
+    total = sum(fill.num_bytes for fill in fills)
+    filled = sum(fill.num_bytes for fill in fills if fill.fill >= 1.0)
+    large = [fill for fill in fills if fill.num_bytes >= large_bytes]
+    lowest = min(large, key=lambda fill: fill.fill, default=None)
+    return FillSummary(
+        filled_coverage=filled / total if total else 0.0,
+        min_fill=lowest.fill if lowest else None,
+        min_fill_start=lowest.start if lowest else None,
+        large_bytes=large_bytes,
+    )
+
+
 def overlap_report(
     step: Callable[..., Any],
     abstract_args: Sequence[Any],
     *,
     compiler_options: dict[str, Any] | None = None,
+    cost_model: schedule_costs.CostModel = DEFAULT_COST_MODEL,
+    large_bytes: int = LARGE_BYTES,
 ) -> OverlapReport:
     """Compiles ``step`` for ``abstract_args`` and measures its overlap.
 
@@ -84,6 +184,8 @@ def overlap_report(
       step: a ``jax.jit``-wrapped callable.
       abstract_args: ``jax.ShapeDtypeStruct``s (with shardings over the target mesh) or arrays.
       compiler_options: XLA options for the compile (e.g. ``xla_options.tbo_compiler_options()``).
+      cost_model: device and link figures the windows are priced with.
+      large_bytes: the size threshold of ``FillSummary.min_fill``.
 
     Returns:
       The report.
@@ -92,33 +194,82 @@ def overlap_report(
     compiled = step.lower(*abstract_args).compile(compiler_options=options or None)
     text = compiled.as_text()
     windows = tuple(hlo_schedule.collective_windows(text))
+    fills = collective_fills(text, windows, cost_model)
     return OverlapReport(
         windows=windows,
         compiler_options=options,
         coverage=coverage(windows),
         any_compute_coverage=coverage(windows, any_compute=True),
         hlo_text=text,
+        fills=fills,
+        cost_model=cost_model,
+        fill_summary=fill_summary(fills, large_bytes=large_bytes),
     )
 
 
 def format_report(report: OverlapReport, *, title: str = "") -> str:
-    """Renders the report: options, one line per collective, the coverages."""
+    """Renders the report: options, two lines per collective, the coverages and fills.
+
+    Args:
+      report: the report.
+      title: a first line (none when empty).
+
+    Returns:
+      The text, without a trailing newline.
+    """
     lines = [title] if title else []
     lines.append("compiler options: " + (_format_options(report.compiler_options) or "(none)"))
-    for window in report.windows:
-        other = window.other_micro_batch_compute()
-        lines.append(
-            f"  {window.kind:<15} {window.num_bytes:>12,d} B  by {window.micro_batch or '-':<6}"
-            f" {'async' if window.is_async else 'SYNC '}  {window.start} .. {window.done}:"
-            f" {len(window.between)} compute inside, {len(other)} of the other micro-batch"
-            + (f" ({_summary(window.between)})" if window.between else "")
-        )
+    for window, fill in zip(report.windows, report.fills, strict=True):
+        lines.append(_window_line(window))
+        lines.append(_fill_line(fill, report.fill_summary.large_bytes))
     lines.append(
         f"coverage (other micro-batch) = {report.coverage:.3f}; "
         f"any compute = {report.any_compute_coverage:.3f}; "
         f"{len(report.windows)} collectives, {sum(not w.is_async for w in report.windows)} sync"
     )
+    lines.extend(_summary_lines(report.fill_summary, report.cost_model))
     return "\n".join(lines)
+
+
+def _window_line(window: hlo_schedule.CollectiveWindow) -> str:
+    other = window.other_micro_batch_compute()
+    return (
+        f"  {window.kind:<15} {window.num_bytes:>12,d} B  by {window.micro_batch or '-':<6}"
+        f" {'async' if window.is_async else 'SYNC '}  {window.start} .. {window.done}:"
+        f" {len(window.between)} compute inside, {len(other)} of the other micro-batch"
+        + (f" ({_summary(window.between)})" if window.between else "")
+    )
+
+
+def _fill_line(fill: schedule_costs.WindowFill, large_bytes: int) -> str:
+    # Flag only large exchanges: a small one's time is mostly its launch cost.
+    exposed = fill.fill < 1.0 and fill.num_bytes >= large_bytes
+    return (
+        f"      est. exchange {fill.exchange_us:,.1f} us, other micro-batch compute "
+        f"{fill.other_micro_batch_us:,.1f} us (all compute {fill.compute_us:,.1f} us): "
+        f"fill {fill.fill:.2f}" + ("  <- EXPOSED" if exposed else "")
+    )
+
+
+def _summary_lines(summary: FillSummary, model: schedule_costs.CostModel) -> list[str]:
+    lowest = (
+        f"{summary.min_fill:.2f} ({summary.min_fill_start})"
+        if summary.min_fill is not None
+        else "n/a (none that large)"
+    )
+    return [
+        f"filled coverage (est. other micro-batch compute >= exchange) = "
+        f"{summary.filled_coverage:.3f}; min fill of collectives >= "
+        f"{_mib(summary.large_bytes)} = {lowest}",
+        f"priced with link {model.link_bytes_per_s / 1e9:g} GB/s "
+        f"+ {model.collective_launch_us:g} us per collective, matmul "
+        f"{model.matmul_flops_per_s / 1e12:g} TF/s, "
+        f"memory {model.memory_bytes_per_s / 1e12:g} TB/s",
+    ]
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.3g} MiB"
 
 
 def _format_options(options: dict[str, Any]) -> str:
@@ -153,7 +304,7 @@ def draw_timeline(report: OverlapReport, path: str) -> None:
             axes.barh(0, width, left=window.start_index, color=color, height=0.4, alpha=0.6)
     axes.set_yticks([0, 1, 1.5, 2], ["collectives", "B compute", "other", "A compute"])
     axes.set_xlabel("position in the compiled schedule")
-    axes.set_title(f"coverage {report.coverage:.3f}")
+    axes.set_title(f"coverage {report.coverage:.3f}, filled {report.filled_coverage:.3f}")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     pyplot.close(figure)
@@ -161,8 +312,19 @@ def draw_timeline(report: OverlapReport, path: str) -> None:
 
 def toy_report(
     args: argparse.Namespace,
+    cost_model: schedule_costs.CostModel = DEFAULT_COST_MODEL,
+    large_bytes: int = LARGE_BYTES,
 ) -> OverlapReport:
-    """Compiles the toy stack described by the parsed CLI ``args`` and reports it."""
+    """Compiles the toy stack described by the parsed CLI ``args`` and reports it.
+
+    Args:
+      args: the parsed CLI flags (``_parser``).
+      cost_model: device and link figures the windows are priced with.
+      large_bytes: the size threshold of ``FillSummary.min_fill``.
+
+    Returns:
+      The report.
+    """
     from jtbo import aot
     from jtbo.collectives import mesh as mesh_lib
     from jtbo.overlap import toy_stack
@@ -177,70 +339,178 @@ def toy_report(
         shared_experts=args.shared_experts,
         dtype=jnp.dtype(args.dtype),
     )
-    mode = toy_stack.strategy.ForwardMode[{"prefill": "EXTEND", "decode": "DECODE"}[args.mode]]
+    mode = toy_stack.strategy.ForwardMode[_FORWARD_MODES[args.mode]]
     options = toy_stack.ToyStepOptions(
         forward_mode=mode, enable_tbo=args.tbo, barriers=args.barriers
     )
     mesh = aot.gpu_mesh((args.num_devices, 1), (mesh_lib.DP_AXIS, mesh_lib.ATTN_TP_AXIS))
     step = toy_stack.make_step(mesh, config, options)
     abstract = toy_stack.abstract_step_args(mesh, config, tokens_per_rank=args.tokens)
+    compiler_options = _compiler_options(args, xla_options.tbo_compiler_options)
+    return overlap_report(
+        step, abstract, compiler_options=compiler_options, cost_model=cost_model,
+        large_bytes=large_bytes,
+    )  # fmt: skip
+
+
+_FORWARD_MODES = {"prefill": "EXTEND", "decode": "DECODE"}
+_MODEL_BACKENDS = {"ep": "ep", "dp": "none"}  # the CLI's --moe -> the model's moe_a2a_backend
+MODELS = ("tiny", "tiny_softmax", "deepseek_v3_reduced")  # MoEConfig constructors
+
+
+def _compiler_options(args: argparse.Namespace, defaults: Callable[..., dict]) -> dict[str, Any]:
+    """The program's own options with ``--xla-option`` on top (only those: ``--default-...``)."""
     overrides = dict(xla_options.parse_option(text) for text in args.xla_option)
-    compiler_options = xla_options.tbo_compiler_options(overrides=overrides)
     if args.default_xla_options:
-        compiler_options = overrides
-    return overlap_report(step, abstract, compiler_options=compiler_options)
+        return overrides
+    return defaults(overrides=overrides)
+
+
+def model_report(
+    args: argparse.Namespace,
+    cost_model: schedule_costs.CostModel = DEFAULT_COST_MODEL,
+    large_bytes: int = LARGE_BYTES,
+) -> OverlapReport:
+    """Compiles the model's own step (``aot_report.model_step_program``) and reports it.
+
+    Args:
+      args: the parsed CLI flags (``_parser``); ``--model`` names a ``MoEConfig`` constructor,
+        the mesh is ``num_devices / attn_tp`` DP ranks of ``attn_tp`` devices.
+      cost_model: device and link figures the windows are priced with.
+      large_bytes: the size threshold of ``FillSummary.min_fill``.
+
+    Returns:
+      The report.
+
+    Raises:
+      ValueError: ``--num-devices`` is not a multiple of ``--attn-tp``, or the plan cannot run
+        TBO although asked to.
+    """
+    from jtbo.models import config as config_lib
+    from jtbo.runner import aot_report
+
+    if args.num_devices % args.attn_tp:
+        raise ValueError(f"--num-devices {args.num_devices} is not a multiple of --attn-tp")
+    mesh = aot_report.h200_mesh(args.num_devices // args.attn_tp, args.attn_tp)
+    step, abstract, step_options = aot_report.model_step_program(
+        getattr(config_lib.MoEConfig, args.model)(), mesh,
+        mode=aot_report.ForwardMode[_FORWARD_MODES[args.mode]], tokens_per_rank=args.tokens,
+        enable_tbo=args.tbo, moe_a2a_backend=_MODEL_BACKENDS[args.moe],
+        ep_capacity_factor=args.ep_capacity_factor, dtype=jnp.dtype(args.dtype),
+    )  # fmt: skip
+    compiler_options = _compiler_options(
+        args, lambda overrides: {**(step_options or {}), **overrides}
+    )
+    return overlap_report(
+        step, abstract, compiler_options=compiler_options, cost_model=cost_model,
+        large_bytes=large_bytes,
+    )  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jtbo.overlap.report",
-        description="Overlap coverage of the toy DeepSeek-like stack on an N x H200 compile.",
+        description="Overlap coverage and window fill of the toy DeepSeek-like stack (or, with "
+        "--model, the model's own step) on an N x H200 compile.",
         epilog=FINDINGS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     flag = argparse.BooleanOptionalAction
     parser.add_argument("--mode", choices=("prefill", "decode"), default="prefill")
     parser.add_argument("--tbo", action=flag, default=True, help="two overlapped micro-batches")
-    parser.add_argument("--barriers", action=flag, default=True, help="round barriers")
+    parser.add_argument("--barriers", action=flag, default=True, help="round barriers (toy)")
     parser.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument(
         "--default-xla-options",
         action="store_true",
-        help="compile without TBO_XLA_OPTIONS (only --xla-option ones)",
+        help="compile without the program's own options (only --xla-option ones)",
     )
     parser.add_argument("--moe", choices=("ep", "dp"), default="ep", help="EP all-to-all or DP")
-    parser.add_argument("--shared-experts", action=flag, default=True)
-    parser.add_argument("--num-devices", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=None, help="tokens per GPU")
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=512)
-    parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--top-k", type=int, default=4)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-devices", "--devices", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per GPU (per DP rank)")
+    _add_pricing_flags(parser)
+    _add_model_flags(parser)
+    _add_toy_flags(parser)
     parser.add_argument("--dump-hlo", metavar="PATH")
     parser.add_argument("--png", metavar="PATH")
     return parser
 
 
-def main(argv: Sequence[str]) -> OverlapReport:
-    """CLI entry: compiles, prints the report, writes ``--dump-hlo`` / ``--png`` if asked."""
-    args = _parser().parse_args(list(argv))
-    if args.tokens is None:
-        args.tokens = 2048 if args.mode == "prefill" else 128
-    report = toy_report(args)
-    title = (
+def _add_pricing_flags(parser: argparse.ArgumentParser) -> None:
+    default = DEFAULT_COST_MODEL
+    parser.add_argument(
+        "--link-gbps", type=float, default=default.link_bytes_per_s / 1e9, metavar="G",
+        help="collective bytes per second through NCCL, in GB/s, that exchanges are priced "
+        "with (default: NVLink between two H200s; e.g. 40 for NCCL through host memory)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--large-mib", type=float, default=LARGE_BYTES / (1 << 20),
+        help="the minimum fill is taken over collectives of at least this many MiB",
+    )  # fmt: skip
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", choices=MODELS, default=None,
+        help="compile the model's own step with this MoEConfig instead of the toy stack",
+    )  # fmt: skip
+    parser.add_argument("--attn-tp", type=int, default=1, help="devices per DP rank (--model)")
+    parser.add_argument(
+        "--ep-capacity-factor", type=float, default=None,
+        help="EP capacity factor (--model; default: worst case)",
+    )  # fmt: skip
+
+
+def _add_toy_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shared-experts", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=512)
+    parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--dtype", default="bfloat16", help="parameter / activation dtype")
+
+
+def _title(args: argparse.Namespace) -> str:
+    if args.model:
+        return (
+            f"model step {args.model}: mode={args.mode} tbo={args.tbo} moe={args.moe} "
+            f"devices={args.num_devices} (dp={args.num_devices // args.attn_tp} x "
+            f"attn_tp={args.attn_tp}) tokens/DP rank={args.tokens} "
+            f"ep_capacity_factor={args.ep_capacity_factor} dtype={args.dtype}"
+        )
+    return (
         f"toy stack: mode={args.mode} tbo={args.tbo} barriers={args.barriers} moe={args.moe} "
         f"devices={args.num_devices} tokens/GPU={args.tokens} layers={args.layers} "
         f"hidden={args.hidden} experts={args.experts} top_k={args.top_k} dtype={args.dtype}"
     )
-    print(format_report(report, title=title))
+
+
+def main(argv: Sequence[str]) -> OverlapReport:
+    """CLI entry: compiles, prints the report, writes ``--dump-hlo`` / ``--png`` if asked.
+
+    Args:
+      argv: the flags (``--help`` lists them).
+
+    Returns:
+      The report.
+
+    Raises:
+      ValueError: see ``model_report``.
+    """
+    args = _parser().parse_args(list(argv))
+    if args.tokens is None:
+        args.tokens = 2048 if args.mode == "prefill" else 128
+    cost_model = schedule_costs.CostModel(link_bytes_per_s=args.link_gbps * 1e9)
+    build = model_report if args.model else toy_report
+    result = build(args, cost_model, large_bytes=int(args.large_mib * (1 << 20)))
+    print(format_report(result, title=_title(args)))
     if args.dump_hlo:
         with open(args.dump_hlo, "w") as handle:
-            handle.write(report.hlo_text)
+            handle.write(result.hlo_text)
     if args.png:
-        draw_timeline(report, args.png)
-    return report
+        draw_timeline(result, args.png)
+    return result
 
 
 if __name__ == "__main__":

@@ -185,3 +185,55 @@ def test_split_steps_cuts_at_the_idle_gaps_between_steps(sizes, seed):
         start += 100.0  # the host's turn between steps
     steps = kernel_time._split_steps(kernels, len(sizes))
     assert [len(step) for step in steps] == sizes
+
+
+COLLECTIVES_HLO = """HloModule jit_model_step_2, is_scheduled=true
+
+%body.2 (p: (s32[], f32[4])) -> (s32[], f32[4]) {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  ROOT %t = (s32[], f32[4]{0}) tuple(%p)
+}
+
+%cond.2 (p: (s32[], f32[4])) -> pred[] {
+  %p = (s32[], f32[4]{0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main.2 (a: bf16[132,66], b: bf16[40,64], c: f32[16], d: s32[2,2], e: s32[3]) -> bf16[132,66] {
+  %a = bf16[132,66]{1,0} parameter(0)
+  %b = bf16[40,64]{1,0} parameter(1)
+  %c = f32[16]{0} parameter(2)
+  %d = s32[2,2]{1,0} parameter(3)
+  %e = s32[3]{0} parameter(4)
+  %all-to-all-start.2 = ((bf16[132,66]{1,0}), bf16[132,66]{1,0}) all-to-all-start(%a), channel_id=1, dimensions={0}, metadata={op_name="jit(model_step_2)/shard_map/tbo_a/L0.dispatch_a/all_to_all"}
+  %fusion.1 = bf16[40,64]{1,0} fusion(%b), kind=kLoop, calls=%body.2
+  %all-to-all-done.2 = bf16[132,66]{1,0} all-to-all-done(%all-to-all-start.2)
+  %all_to_all.27 = bf16[40,64]{1,0} all-to-all(%fusion.1), channel_id=1, dimensions={0}
+  %all-gather-start = (f32[16]{0}, f32[64]{0}) all-gather-start(%c), dimensions={0}
+  %all-gather-done = f32[64]{0} all-gather-done(%all-gather-start)
+  %all-reduce-start = ((s32[2,2]{1,0}, s32[3]{0}), (s32[2,2]{1,0}, s32[3]{0})) all-reduce-start(%d, %e), to_apply=%cond.2
+  %all-reduce-done = (s32[2,2]{1,0}, s32[3]{0}) all-reduce-done(%all-reduce-start)
+  %w = (s32[], f32[4]{0}) while(%t0), condition=%cond.2, body=%body.2
+  ROOT %r = bf16[132,66]{1,0} copy(%all-to-all-done.2)
+}
+"""
+
+
+def test_collective_bytes_per_kind_from_per_device_shapes():
+    got = kernel_time.collective_bytes(COLLECTIVES_HLO)
+    assert got == {
+        "all-to-all": [132 * 66 * 2, 40 * 64 * 2],  # async pair, then a synchronous one
+        "all-gather": [64 * 4],  # the gathered result, the larger buffer
+        "all-reduce": [(4 + 3) * 4],  # a combined all-reduce: its tuple summed
+    }
+
+
+def test_collective_bytes_refuses_a_collective_in_a_loop_body():
+    in_loop = COLLECTIVES_HLO.replace(
+        "  ROOT %t = (s32[], f32[4]{0}) tuple(%p)",
+        "  %x = f32[4]{0} get-tuple-element(%p), index=1\n"
+        "  %ar = f32[4]{0} all-reduce(%x), to_apply=%cond.2\n"
+        "  ROOT %t = (s32[], f32[4]{0}) tuple(%p)",
+    )
+    with pytest.raises(ValueError, match="all-reduce ar runs in body.2"):
+        kernel_time.collective_bytes(in_loop)

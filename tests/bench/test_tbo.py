@@ -1,8 +1,16 @@
-"""``python -m jtbo.bench tbo``: the synthetic decode context and a CPU smoke run."""
+"""``python -m jtbo.bench tbo``: the synthetic decode context, the environment set before the
+backend starts, the overlap table from synthetic kernels, and CPU smoke runs."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 
-from jtbo.bench import tbo
+from jtbo.bench import kernel_time, tbo
 from jtbo.runner import kv_table
 
 
@@ -17,22 +25,212 @@ def test_decode_context_has_its_own_slots_never_the_padding_slot():
     assert len(np.unique(table[:, :context])) == seqs * context  # distinct, none is slot 0
 
 
-def test_tiny_run_prints_every_case_with_agreement(capsys):
+def _environment(argv, environ, dump_dir=None):
+    tbo.configure_environment(tbo._parser().parse_args(argv), environ, dump_dir)
+    return environ
+
+
+def test_link_host_disables_nccl_p2p_keeps_shm_and_nvls_off():
+    got = _environment(["--link", "host"], {"XLA_FLAGS": "--a=1"})
+    assert got == {
+        "XLA_FLAGS": "--a=1",
+        "NCCL_P2P_DISABLE": "1",
+        "NCCL_SHM_DISABLE": "0",
+        "NCCL_NVLS_ENABLE": "0",
+    }
+    assert _environment([], {})["NCCL_P2P_DISABLE"] == "0"  # nvlink, the default
+    assert _environment([], {"NCCL_NVLS_ENABLE": "7"})["NCCL_NVLS_ENABLE"] == "7"  # setdefault
+
+
+def test_env_and_xla_options_reach_the_environment_and_xla_flags(tmp_path):
+    argv = ["--env", "NCCL_DEBUG=INFO", "--env", "X_Y=a=b", "--xla-option", "xla_foo_mb=17",
+            "--xla-option", "xla_gpu_enable_latency_hiding_scheduler=True"]  # fmt: skip
+    got = _environment(argv, {"XLA_FLAGS": "--keep=3"}, dump_dir=str(tmp_path))
+    assert got["NCCL_DEBUG"] == "INFO" and got["X_Y"] == "a=b"
+    assert got["XLA_FLAGS"].split() == [
+        "--keep=3",
+        "--xla_foo_mb=17",
+        "--xla_gpu_enable_latency_hiding_scheduler=true",  # XLA's spelling of a bool
+        f"--xla_dump_to={tmp_path}/hlo",
+        "--xla_dump_hlo_module_re=model_step",
+    ]
+    assert "XLA_FLAGS" not in _environment([], {})  # nothing to add: left unset
+    with pytest.raises(ValueError, match="clash with --link host"):
+        _environment(["--link", "host", "--env", "NCCL_P2P_DISABLE=0"], {})
+    with pytest.raises(SystemExit):
+        tbo._parser().parse_args(["--env", "NO_EQUALS_SIGN"])
+    with pytest.raises(SystemExit):
+        tbo._parser().parse_args(["--profile", str(tmp_path), "--no-profile"])
+
+
+def test_importing_the_bench_does_not_start_the_backend():
+    code = (
+        "import jtbo.bench.__main__, jtbo.bench.tbo\n"
+        "from jax._src import xla_bridge\n"
+        "print(xla_bridge.backends_are_initialized())"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr  # main sets NCCL / XLA variables first
+
+
+def _kernel(name, start, duration, device):
+    return kernel_time.Kernel(name, "jit_model_step_1", duration, device, start)
+
+
+def test_overlap_row_of_an_nccl_kernel_half_under_compute():
+    kernels = [
+        _kernel("gemm_fusion_dot_1", 0.0, 50.0, 1),
+        _kernel("ncclDevKernel_AllToAll", 0.0, 100.0, 1),  # 50 of its 100 us under the gemm
+    ]
+    collectives = {"all-to-all": [4000, 6000], "all-reduce": [16]}
+    row = tbo.overlap_row("decode 8", "TBO", kernels, 1, 250e-6, collectives)
+    assert row == tbo.OverlapRow(
+        case="decode 8", column="TBO", hidden_share=0.5, compute_ms=0.05,
+        communication_ms=0.1, step_ms=0.25, bytes_per_exchange=5000.0,
+        gigabytes_per_second=10016 / 100 / 1e3,  # bytes per us / 1e3: GB/s
+    )  # fmt: skip
+    assert row.bound_ratio == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_overlap_row_of_random_steps_on_two_gpus(seed):
+    rng = np.random.default_rng(seed)
+    kernels, compute, nccl, hidden = [], [], [], []
+    for device in (1, 2):
+        for step in range(3):
+            offset = 1000.0 * step  # the host's turn between steps
+            busy, length = rng.uniform(20, 60), rng.uniform(80, 120)
+            under = rng.uniform(0, busy)  # the NCCL kernel starts `under` us before compute ends
+            kernels += [
+                _kernel("gemm_fusion_dot_1", offset, busy, device),
+                _kernel("ncclDevKernel_AllToAll", offset + busy - under, length, device),
+                _kernel("MemcpyD2D", offset + busy - under + length + 1, 5.0, device),
+            ]
+            compute.append(busy)
+            nccl.append(length)
+            hidden.append(under)
+    sizes = [int(size) for size in rng.integers(1, 1 << 20, size=4)]
+    row = tbo.overlap_row("prefill 64", "no TBO", kernels, 3, 0.002, {"all-to-all": sizes})
+    assert row.hidden_share == pytest.approx(sum(hidden) / sum(nccl))
+    assert row.compute_ms == pytest.approx(np.mean(compute) / 1e3)
+    assert row.communication_ms == pytest.approx(np.mean(nccl) / 1e3)
+    assert row.bytes_per_exchange == pytest.approx(np.mean(sizes))
+    assert row.gigabytes_per_second == pytest.approx(sum(sizes) / np.mean(nccl) / 1e3)
+    assert row.bound_ratio == pytest.approx(2.0 / max(np.mean(compute), np.mean(nccl)) * 1e3)
+
+
+def test_overlap_table_rows_and_footnotes_without_communication():
+    kernels = [_kernel("gemm_fusion_dot_1", 0.0, 40.0, 1)]  # one GPU: no NCCL, no exchange
+    row = tbo.overlap_row("decode 8", "no TBO", kernels, 1, 50e-6, {})
+    assert (row.hidden_share, row.bytes_per_exchange, row.gigabytes_per_second) == (None,) * 3
+    lines = tbo.overlap_table([row]).splitlines()
+    assert lines[2] == "| decode 8 | no TBO | - | 0.04 | 0.00 | 1.250 | - | - |"
+    assert any("not the trace's span" in line for line in lines[3:])
+    assert tbo._format_bytes(466 * (1 << 20)) == "466.0 MiB" and tbo._format_bytes(12) == "12 B"
+
+
+HLO = """HloModule jit_model_step_{n}, is_scheduled=true
+
+ENTRY %main (a: bf16[32,64]) -> bf16[32,64] {{
+  %a = bf16[32,64]{{1,0}} parameter(0)
+  %gemm_fusion_dot.1 = bf16[32,64]{{1,0}} fusion(%a), kind=kCustom, calls=%f, \
+metadata={{op_name="jit(model_step_{n})/shard_map/tbo_a/L1.experts/dot_general"}}
+  %all-to-all-start = ((bf16[32,64]{{1,0}}), bf16[32,64]{{1,0}}) all-to-all-start(%a), \
+dimensions={{0}}
+  %all-to-all-done = bf16[32,64]{{1,0}} all-to-all-done(%all-to-all-start)
+  ROOT %r = bf16[32,64]{{1,0}} copy(%all-to-all-done)
+}}
+"""
+
+
+def _write_trace(path, module, spans):
+    """A ``*.trace.json.gz`` of GPU kernels ``(name, start, duration)`` on GPUs 1 and 2."""
+    meta = [
+        {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"/device:GPU:{pid}"}}
+        for pid in (1, 2)
+    ]
+    events = [
+        {"ph": "X", "pid": pid, "ts": start, "dur": duration, "name": name,
+         "args": {"hlo_module": module}}
+        for pid in (1, 2) for name, start, duration in spans
+    ]  # fmt: skip
+    with gzip.open(path, "wt") as file:
+        json.dump({"traceEvents": meta + events}, file)
+
+
+def test_gpu_overlap_report_joins_traces_dumps_and_timings(tmp_path, monkeypatch, capsys):
+    rng = np.random.default_rng(3)
+    (tmp_path / "hlo").mkdir()
+    paths, under = [], []
+    for n, column in ((1, "plain"), (2, "tbo")):
+        (tmp_path / "hlo" / f"module_000{n}.jit_model_step_{n}.sm_9.0a_gpu_after_optimizations"
+         ".txt").write_text(HLO.format(n=n))  # fmt: skip
+        hidden = float(rng.uniform(5, 40))
+        spans = [
+            (name, 1000.0 * step + start, duration)
+            for step in range(tbo.PROFILE_STEPS)
+            for name, start, duration in (
+                ("gemm_fusion_dot_1", 0.0, 40.0),
+                ("ncclDevKernel_AllToAll", 40.0 - hidden, 100.0),
+            )
+        ]
+        paths.append(str(tmp_path / f"{column}.trace.json.gz"))
+        _write_trace(paths[-1], f"jit_model_step_{n}", spans)
+        under.append(hidden / 100.0)
+    monkeypatch.setattr(tbo, "_trace_case", lambda runner, batch, directory, name: paths)
+    cases = [("decode", 8, None)]
+    tbo._report_overlap(None, cases, [(2e-4, 3e-4)], str(tmp_path), True, on_gpu=True)
+    out = capsys.readouterr().out
+    assert "| experts | 40.0 | 40.0 | +0.0 |" in out  # --profile DIR: per operation too
+    rate = 32 * 64 * 2 / 100.0 / 1e3  # one all-to-all per step over 100 us of NCCL
+    for column, share, step_ms in zip(("no TBO", "TBO"), under, (0.2, 0.3), strict=True):
+        want = (f"| decode 8 | {column} | {share:.3f} | 0.04 | 0.10 | {step_ms / 0.1:.3f} "
+                f"| 4.0 KiB | {rate:.2f} |")  # fmt: skip
+        assert want in out, out
+
+
+@pytest.fixture
+def scratch_environment(monkeypatch, tmp_path):
+    """Keeps main's environment changes (NCCL variables, XLA_FLAGS) inside the test and its
+    default trace folder in ``tmp_path``."""
+    monkeypatch.setenv("XLA_FLAGS", "")  # read at backend start, long before these tests
+    for name in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(tbo.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
+    return tmp_path
+
+
+def test_tiny_run_prints_every_case_with_agreement(scratch_environment, capsys):
     tbo.main(["--tiny", "--prefill", "128", "--decode", "32", "--context", "8", "--iters", "1",
               "--dtype", "float32"])  # fmt: skip
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    out = capsys.readouterr().out
+    assert "link nvlink" in out.splitlines()[0]
+    lines = [line for line in out.splitlines() if line.startswith("| ")]
     assert [line.split("|")[1].strip() for line in lines[1:]] == ["prefill 128", "decode 32"]
     for line in lines[1:]:
         median_row, same_token = line.split("|")[-2].split(" / ")
         assert float(median_row) < 1e-5 and float(same_token) == 1.0, line  # float32 on the CPU
+    assert "overlap table: needs a GPU" in out  # the CPU trace has no NCCL kernels
+    assert not list(scratch_environment.glob("**/*.trace.json.gz"))  # no traces for nothing
+    assert tbo.os.environ["NCCL_NVLS_ENABLE"] == "0"
 
 
-def test_profile_traces_plain_and_tbo_steps(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("XLA_FLAGS", "")  # restored afterwards: --profile adds dump flags
-    tbo.main(["--tiny", "--prefill", "128", "--decode", "32", "--context", "8", "--iters", "1",
-              "--profile", str(tmp_path)])  # fmt: skip
-    for case in ("prefill_128", "decode_32"):
+def test_profile_traces_plain_and_tbo_steps_of_every_case(scratch_environment, capsys):
+    tmp_path = scratch_environment
+    tbo.main(["--tiny", "--prefill", "64", "--decode", "8", "--context", "8",
+              "--iters", "1", "--profile", str(tmp_path), "--link", "host"])  # fmt: skip
+    for case in ("prefill_64", "decode_8"):
         for kind in ("plain", "tbo"):
             assert list((tmp_path / f"{case}_{kind}").glob("**/*.trace.json.gz")), (case, kind)
     assert "--xla_dump_to" in tbo.os.environ["XLA_FLAGS"]
-    assert "kernel attribution needs a GPU trace" in capsys.readouterr().out  # CPU run
+    assert tbo.os.environ["NCCL_P2P_DISABLE"] == "1"
+    out = capsys.readouterr().out
+    assert "link host" in out.splitlines()[0] and "overlap table: needs a GPU" in out
+
+
+def test_no_profile_sets_no_dump_and_prints_no_overlap_line(scratch_environment, capsys):
+    tbo.main(["--tiny", "--prefill", "64", "--decode", "8", "--context", "8", "--iters", "1",
+              "--no-profile"])  # fmt: skip
+    assert "overlap table" not in capsys.readouterr().out
+    assert "--xla_dump_to" not in tbo.os.environ["XLA_FLAGS"]

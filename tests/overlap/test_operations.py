@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -163,3 +164,63 @@ def test_named_scopes_mark_micro_batches():
 
     text = jax.jit(run).lower(jnp.ones(2), jnp.ones(2)).as_text(debug_info=True)
     assert "tbo_a/square" in text and "tbo_b/square" in text
+
+
+def _issue_consume_ops():
+    """``x -> *_a`` issues (``InFlight``), ``*_b`` consumes after the yield."""
+
+    def work(state, x):
+        return dict(x=jnp.sin(x) * 3.0)
+
+    def exchange_a(state, x):
+        state.pending = operations.InFlight(x[::-1] * 2.0)  # stands for a collective
+        state.kept = x + 1.0
+        return None
+
+    def exchange_b(state):
+        return dict(x=state.pop("pending").value - state.pop("kept"))
+
+    layer = [work, exchange_a, operations.YieldOperation(), exchange_b, work]
+    return 2 * (layer + [operations.YieldOperation()])  # two layers
+
+
+@pytest.mark.parametrize("delta", [0, 1])
+def test_issue_barriers_pin_before_every_issuing_op_and_change_no_number(delta):
+    ops = _issue_consume_ops()
+
+    def run(a, b, issue_barriers):
+        outs = operations.execute_overlapped_operations(
+            [dict(x=a), dict(x=b)], [ops, ops], [0, delta], issue_barriers=issue_barriers
+        )
+        return outs[0]["x"], outs[1]["x"]
+
+    keys = jax.random.split(jax.random.key(delta), 2)
+    a, b = (jax.random.normal(k, (5,)) for k in keys)
+    pinned = jax.make_jaxpr(lambda a, b: run(a, b, True))(a, b).jaxpr
+    # one barrier before each `exchange_a` but B's last (A has nothing left to issue then)
+    assert len(_barrier_operands(pinned)) == 3
+    assert _barrier_operands(jax.make_jaxpr(lambda a, b: run(a, b, False))(a, b).jaxpr) == []
+    got = jax.jit(lambda a, b: run(a, b, True))(a, b)
+    want = run(a, b, False)
+    for g, w, x in zip(got, want, (a, b), strict=True):
+        y = np.sin(np.asarray(x, np.float64)) * 3.0
+        y = np.sin(y[::-1] * 2.0 - (y + 1.0)) * 3.0
+        y = np.sin(y) * 3.0
+        reference = np.sin(y[::-1] * 2.0 - (y + 1.0)) * 3.0
+        np.testing.assert_allclose(g, reference, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(g, w)
+
+
+def test_issue_barrier_pins_the_other_micro_batchs_in_flight_result():
+    ops = _issue_consume_ops()
+    x = jnp.arange(4.0)
+    jaxpr = jax.make_jaxpr(
+        lambda a, b: operations.execute_overlapped_operations(
+            [dict(x=a), dict(x=b)], [ops, ops], [0, 0], issue_barriers=True
+        )
+    )(x, x + 1).jaxpr
+    # delta 0: A's first issue pins its stage input and B's initial input (2); B's first issue
+    # pins its stage input and A's pending and kept values (3: the in-flight one included);
+    # A's second issue pins its stage input and B's layer output (2: B's exchange was
+    # consumed); B's second issue is not pinned (A has nothing left to issue)
+    assert _barrier_operands(jaxpr) == [2, 3, 2]
