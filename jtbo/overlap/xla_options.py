@@ -98,3 +98,34 @@ def _parse_value(raw: str) -> str | int | bool | float:
         except ValueError:
             continue
     return raw
+
+
+TBO_PROCESS_ENV = (("CUDA_DEVICE_MAX_CONNECTIONS", "1"),)
+"""Environment a multi-GPU TBO process should start with (read when CUDA starts: set it
+before JAX first touches a GPU).
+
+``CUDA_DEVICE_MAX_CONNECTIONS=1``: one hardware work queue per device. Measured on two H200s
+(jax 0.11.2, BENCHMARKS.md "Run-time overlap on two H200s"): with each 448 MiB all-to-all
+pinned beside a block of matmuls (``python -m jtbo.bench overlap``), the share of the shorter
+chain hidden rose from 0.21-0.33 to 0.57-0.69; in the TBO model step the share of NCCL time
+under compute rose from 0.60-0.79 to 0.81-0.88. Tried on the same probe and not kept: copy
+engines for local peers (``xla_gpu_use_memcpy_local_p2p``: 0.30, 0.14 with one connection),
+``NCCL_MAX_NCHANNELS=4`` (0.32, the exchange 3.7x slower).
+"""
+
+
+def process_env_advice(environ: Mapping[str, str]) -> list[str]:
+    """What a process environment lacks of ``TBO_PROCESS_ENV``, one sentence per variable.
+
+    Args:
+      environ: the environment to check (``os.environ``).
+
+    Returns:
+      An empty list when every variable has its recommended value.
+    """
+    return [
+        f"{name}={environ.get(name, '<unset>')}: set {name}={value} before JAX starts for "
+        "run-time overlap on multi-GPU TBO steps (jtbo.overlap.xla_options.TBO_PROCESS_ENV)"
+        for name, value in TBO_PROCESS_ENV
+        if environ.get(name) != value
+    ]

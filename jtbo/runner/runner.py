@@ -20,6 +20,8 @@ is the special case that owns every rank.
 """
 
 import dataclasses
+import os
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -33,6 +35,7 @@ from jtbo.collectives import ep_overflow
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import layer_ops, step
 from jtbo.models import model as model_lib
+from jtbo.overlap import xla_options
 from jtbo.runner import distributed, kv_table, multiprocess_generate, planning, step_exchange
 from jtbo.runner import generate as generate_lib
 
@@ -120,6 +123,7 @@ class ModelRunner:
             enable_tbo=enable_two_batch_overlap,
             threshold=tbo_token_distribution_threshold,
         )
+        _warn_about_process_env(mesh, enable_two_batch_overlap)
         served = model_lib.cast(model, dtype)
         self._step = step.make_step(served, mesh, self.parallel)
         _, params = nnx.split(served)
@@ -402,6 +406,22 @@ def _synthetic_batch(mode: ForwardMode, count: int) -> split.ForwardBatch:
         out_cache_loc=ids, req_pool_indices=ids[:1], seq_lens=np.array([count]),
         extend_seq_lens=np.array([count]), extend_prefix_lens=np.array([0]),
     )  # fmt: skip
+
+
+def _warn_about_process_env(mesh: jax.sharding.Mesh, enable_tbo: bool) -> None:
+    """Warns when a multi-GPU TBO runner's process lacks ``xla_options.TBO_PROCESS_ENV``.
+
+    A warning, not an error: the step is still right, only less of its communication runs
+    beside compute, and the variable cannot be changed once CUDA has started.
+    """
+    if (
+        not enable_tbo
+        or mesh.devices.size < 2
+        or mesh_lib.mesh_platform(mesh) not in ("gpu", "cuda")
+    ):
+        return
+    for advice in xla_options.process_env_advice(os.environ):
+        warnings.warn(advice, stacklevel=3)
 
 
 def _check_divisible(config, dp: int, tp: int, backend: str) -> None:

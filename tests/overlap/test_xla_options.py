@@ -47,3 +47,12 @@ def test_gpu_compiler_accepts_every_name():
     step.lower(arg).compile(compiler_options=options)
     with pytest.raises(Exception, match="No such compile option"):
         step.lower(arg).compile(compiler_options={"xla_gpu_all_to_all_combine_threshold_bytes": 0})
+
+
+def test_process_env_advice_names_every_missing_or_wrong_variable():
+    name, value = xla_options.TBO_PROCESS_ENV[0]
+    assert xla_options.process_env_advice({name: value}) == []
+    (unset,) = xla_options.process_env_advice({})
+    assert f"{name}=<unset>" in unset and f"set {name}={value}" in unset
+    (wrong,) = xla_options.process_env_advice({name: "32"})
+    assert f"{name}=32" in wrong
