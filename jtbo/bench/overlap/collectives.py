@@ -1,0 +1,101 @@
+"""The probed collectives: each one's chain step inside ``shard_map`` and its numpy twin.
+
+Each collective is split into its exchange and the elementwise step after it: pinned
+windows put a barrier between the two (see the package docstring).
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PROBE_AXIS = "x"
+"""The mesh axis every probe program runs its collectives over."""
+
+
+def _all_to_all_exchange(x: jax.Array) -> jax.Array:
+    return jax.lax.all_to_all(x, PROBE_AXIS, 0, 0, tiled=True)
+
+
+def _all_to_all_finish(received: jax.Array, ndev: int) -> jax.Array:
+    del ndev
+    # Negation is exact and keeps the values' spread, so a misplaced block always shows.
+    return -received
+
+
+def _all_to_all_reference(x: np.ndarray) -> np.ndarray:
+    ndev, rows, k = x.shape
+    blocks = x.reshape(ndev, ndev, rows // ndev, k).swapaxes(0, 1)  # [receiver, sender]
+    return -blocks.reshape(ndev, rows, k)
+
+
+def _chunk_weights(ndev: int) -> np.ndarray:
+    """Distinct weights 1..ndev: a weighted mean notices chunks in the wrong order."""
+    return np.arange(1, ndev + 1, dtype=np.float32)
+
+
+def _all_gather_exchange(x: jax.Array) -> jax.Array:
+    return jax.lax.all_gather(x, PROBE_AXIS, tiled=True)
+
+
+def _all_gather_finish(received: jax.Array, ndev: int) -> jax.Array:
+    gathered = received.reshape(ndev, received.shape[0] // ndev, *received.shape[1:])
+    weights = _chunk_weights(ndev)
+    # Reads every received byte and shrinks back to the input size for the next exchange.
+    # With bfloat16 inputs and integer weights, every product and partial sum is exact in
+    # float32 (up to 256 devices), so the sum is the same in any order or fusion: pinned
+    # and free windows give the same bits. Only the division by the weights' sum rounds.
+    total = (gathered.astype(jnp.float32) * jnp.asarray(weights)[:, None, None]).sum(axis=0)
+    return (total / weights.sum()).astype(received.dtype)
+
+
+def _all_gather_reference(x: np.ndarray) -> np.ndarray:
+    weights = _chunk_weights(x.shape[0])
+    mean = (x * weights[:, None, None]).sum(axis=0) / weights.sum()
+    return np.broadcast_to(mean, x.shape).copy()
+
+
+def _psum_scatter_exchange(x: jax.Array) -> jax.Array:
+    return jax.lax.psum_scatter(x, PROBE_AXIS, scatter_dimension=0, tiled=True)
+
+
+def _psum_scatter_finish(received: jax.Array, ndev: int) -> jax.Array:
+    # Back to the input size; dividing by ndev keeps the values in [1, 2).
+    return jnp.tile(received, (ndev, 1)) / jnp.asarray(ndev, received.dtype)
+
+
+def _psum_scatter_reference(x: np.ndarray) -> np.ndarray:
+    ndev, rows, k = x.shape
+    summed = x.reshape(ndev, ndev, rows // ndev, k).sum(axis=0)  # [receiver]: over senders
+    return np.tile(summed, (1, ndev, 1)) / ndev
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One probed collective: its chain step inside ``shard_map`` (the exchange, then an
+    elementwise finish) and its numpy twin."""
+
+    name: str
+    exchange: Callable[[jax.Array], jax.Array]  # x -> what this device received
+    finish: Callable[[jax.Array, int], jax.Array]  # (received, ndev) -> next x, x's shape
+    reference: Callable[[np.ndarray], np.ndarray]  # (ndev, rows, k) -> the same, on the host
+    input_is_shard: bool  # the input is bytes / ndev (all-gather), not bytes
+
+    def step(self, x: jax.Array, ndev: int) -> jax.Array:
+        """One link of the collective chain: the exchange and its elementwise finish."""
+        return self.finish(self.exchange(x), ndev)
+
+
+COLLECTIVES = {
+    c.name: c
+    for c in (
+        Collective("all_to_all", _all_to_all_exchange, _all_to_all_finish,
+                   _all_to_all_reference, False),
+        Collective("all_gather", _all_gather_exchange, _all_gather_finish,
+                   _all_gather_reference, True),
+        Collective("psum_scatter", _psum_scatter_exchange, _psum_scatter_finish,
+                   _psum_scatter_reference, False),
+    )
+}  # fmt: skip
