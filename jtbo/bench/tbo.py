@@ -15,6 +15,12 @@ decode >= 128 sequences). ``--devices N`` runs DP attention over N devices (dp=N
 of them: the multi-GPU measurement of issue 8), and ``--barriers`` adds a column for TBO with
 round barriers (a second runner).
 
+The ``auto`` columns are a third runner with ``enable_two_batch_overlap="auto"``: one
+``forward`` of the case's batch lets it time both programs and choose (``tbo_auto``, its
+default trials and margin), then its chosen step is timed in the same interleaved loop as the
+others. They show its time, that time over ``min(no TBO, TBO)`` (about 1.0 when it chose the
+faster program) and its choice with the TBO / plain ratio it measured.
+
 After every timing, on a GPU, ``PROFILE_STEPS`` plain and TBO steps of every case are traced
 (``jax.profiler``, with the optimized HLO dumped beside them: into ``--profile DIR``, else a
 ``tempfile.mkdtemp`` folder; ``--no-profile`` skips this) and a second table says what was
@@ -55,7 +61,7 @@ from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
 from jtbo.overlap import xla_options
-from jtbo.runner import planning
+from jtbo.runner import planning, tbo_auto
 from jtbo.runner import runner as runner_lib
 
 ForwardMode = split.ForwardMode
@@ -442,16 +448,27 @@ def _report_overlap(
     print(f"\nWhat was hidden (traces and HLO in {directory}):\n{overlap_table(rows)}")
 
 
-def _case(runners, batch, iters: int) -> tuple[list[float], str]:
-    """Seconds per step (plain, TBO, then TBO on each further runner, e.g. with barriers) and
-    how the first TBO step's logits compare with the plain step's (``_agreement``)."""
+def _case(runners, auto, batch, iters: int) -> tuple[list[float], str, tbo_auto.TboDecision]:
+    """Seconds per step (plain, TBO, then TBO on each further runner, e.g. with barriers, and
+    last the "auto" runner's chosen step), how the first TBO step's logits compare with the
+    plain step's (``_agreement``), and the auto runner's decision."""
     steps = [(runners[0], _plan(runners[0], batch, False))]
     steps += [(runner, _plan(runner, batch, True)) for runner in runners]
-    times = _time_interleaved(steps, iters)
+    auto_plan, decision = _auto_plan(auto, batch)
+    times = _time_interleaved(steps + [(auto, auto_plan)], iters)
     want, got = (
         np.asarray(runner.run_plan(plan))[:, : batch.num_tokens] for runner, plan in steps[:2]
     )
-    return times, _agreement(got, want)
+    return times, _agreement(got, want), decision
+
+
+def _auto_plan(runner, batch) -> tuple[planning.StepPlan, tbo_auto.TboDecision]:
+    """An "auto" runner's plan of the case after its first step of the shape decided it."""
+    tbo_plan = _plan(runner, batch, True)  # also records the batch (and a decode's context)
+    runner.forward([batch] * runner.dp_size)  # times both programs, keeps the faster
+    shape = tbo_auto.TboShape(tbo_plan.capacity, tbo_plan.mode)
+    decision = {d.shape: d for d in runner.tbo_decisions()}[shape]
+    return (tbo_plan if decision.use_tbo else _plan(runner, batch, False)), decision
 
 
 def _agreement(got: np.ndarray, want: np.ndarray) -> str:
@@ -465,9 +482,10 @@ def _agreement(got: np.ndarray, want: np.ndarray) -> str:
     return f"{np.median(rows):.1e} / {same:.3f}"
 
 
-def _runner(model, mesh, args, largest: int, barriers: bool):
+def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = False):
     return runner_lib.ModelRunner(
-        model, mesh, moe_a2a_backend=args.moe_a2a_backend, max_total_tokens=largest + 1,
+        model, mesh, enable_two_batch_overlap=tbo, moe_a2a_backend=args.moe_a2a_backend,
+        max_total_tokens=largest + 1,
         max_running_requests=max(args.decode + [largest // args.prompt_len + 1]),
         token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.dtype(args.dtype),
         ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
@@ -485,32 +503,48 @@ def _header(args) -> str:
     )
 
 
-def _time_cases(runners, cases, args) -> list[tuple[float, float]]:
+def _time_cases(runners, auto, cases, args) -> list[tuple[float, float]]:
     """Prints the timing table; returns each case's (plain, TBO) median seconds."""
     extra = " TBO+barriers (ms) | ratio |" if args.barriers else ""
     print(
         "| case | tokens/rank | no TBO (ms) | TBO (ms) | TBO / no TBO |"
         + extra
+        + " auto (ms) | auto / min | auto chose |"
         + " Δ logits (median row) / same token |"
     )
-    print("|---|---|---|---|---|" + ("---|---|" if args.barriers else "") + "---|")
+    print("|---|---|---|---|---|" + ("---|---|" if args.barriers else "") + "---|---|---|---|")
     step_times = []
     for name, size, batch in cases:
-        (plain, *tbo_times), agreement = _case(runners, batch, args.iters)
+        (plain, *tbo_times, auto_time), agreement, decision = _case(
+            runners, auto, batch, args.iters
+        )
         cells = "".join(f" {t * 1e3:.2f} | {t / plain:.3f} |" for t in tbo_times)
-        print(f"| {name} {size} | {batch.num_tokens} | {plain * 1e3:.2f} |{cells} "
-              f"{agreement} |", flush=True)  # fmt: skip
+        print(f"| {name} {size} | {batch.num_tokens} | {plain * 1e3:.2f} |{cells}"
+              f"{_auto_cells(auto_time, plain, tbo_times[0], decision)} {agreement} |",
+              flush=True)  # fmt: skip
         step_times.append((plain, tbo_times[0]))
     return step_times
 
 
-def _runners(args, config) -> list:
-    """The plain / TBO runner and, with ``--barriers``, one with round barriers."""
+def _auto_cells(auto_time: float, plain: float, tbo: float, decision) -> str:
+    """The auto columns: its time, that over ``min(plain, TBO)``, its choice and measured
+    TBO / plain ratio."""
+    choice = "TBO" if decision.use_tbo else "plain"
+    return (
+        f" {auto_time * 1e3:.2f} | {auto_time / min(plain, tbo):.3f} | "
+        f"{choice} ({decision.ratio:.2f}x) |"
+    )
+
+
+def _runners(args, config) -> tuple[list, runner_lib.ModelRunner]:
+    """The plain / TBO runner and, with ``--barriers``, one with round barriers; and the
+    "auto" runner."""
     mesh = mesh_lib.make_mesh(args.dp, args.attn_tp)
     largest = max(args.prefill + [s * args.context for s in args.decode] + [1])
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     barriers = (False, True) if args.barriers else (False,)
-    return [_runner(model, mesh, args, largest, with_barriers) for with_barriers in barriers]
+    runners = [_runner(model, mesh, args, largest, with_barriers) for with_barriers in barriers]
+    return runners, _runner(model, mesh, args, largest, False, tbo="auto")
 
 
 def main(argv) -> None:
@@ -527,12 +561,12 @@ def main(argv) -> None:
     config = (
         config_lib.MoEConfig.tiny() if args.tiny else config_lib.MoEConfig.deepseek_v3_reduced()
     )
-    runners = _runners(args, config)
+    runners, auto = _runners(args, config)
     print(_header(args))
     vocab = config.vocab_size
     cases = [("prefill", n, _prefill_batch(n, args.prompt_len, vocab)) for n in args.prefill]
     cases += [("decode", s, _decode_batch(s, args.context, vocab)) for s in args.decode]
-    step_times = _time_cases(runners, cases, args)
+    step_times = _time_cases(runners, auto, cases, args)
     # Traces come after every timing: a trace may leave the profiler's per-kernel hooks in
     # place, and the TBO step has more kernels (on one H200, runs that timed decode after
     # tracing prefill measured decode-128 TBO / no TBO at 1.04-1.06, runs without at 1.03-1.04).

@@ -1,11 +1,13 @@
-"""``python -m jtbo.demo``: serve random prompts with TBO off and on and compare.
+"""``python -m jtbo.demo``: serve random prompts with TBO off, on and "auto" and compare.
 
 On a CPU it uses 8 virtual devices (dp=4, attn_tp=2 unless flags say otherwise); on GPUs, all
 of them. It builds ``MoEConfig.tiny()`` with random weights, runs ``generate`` over a few dozen
-random prompts with two-batch overlap off and then on, and prints tokens generated, steps (and
-how many ran TBO), compile counts, tokens/s, the max |logits difference| of one shared step,
-whether the generated tokens match, and — with the ``aot`` extra — the overlap coverage of the
-model's prefill and decode steps compiled for 8 H200s. Exit code 1 if the runs disagree.
+random prompts with two-batch overlap off, on and "auto" (TBO per step shape where it was
+measured to pay), and prints tokens generated, steps (and how many ran TBO, and for "auto"
+why: ``ModelRunner.tbo_summary``), compile counts, tokens/s, the max |logits difference| of
+one shared step, whether the generated tokens match, and — with the ``aot`` extra — the
+overlap coverage of the model's prefill and decode steps compiled for 8 H200s. Exit code 1 if
+the runs disagree.
 """
 
 import argparse
@@ -44,7 +46,7 @@ def _layout(args) -> tuple[int, int]:
     return (args.dp or count // tp), tp
 
 
-def _serve(model, mesh, tbo: bool, prompts, args):
+def _serve(model, mesh, tbo: bool | str, prompts, args):
     runner = runner_lib.ModelRunner(
         model, mesh, enable_two_batch_overlap=tbo, moe_a2a_backend=args.moe_a2a_backend,
         max_total_tokens=256, max_running_requests=8, token_buckets=(8, 16, 32, 64),
@@ -104,18 +106,20 @@ def main(argv=None) -> int:
     print(f"devices: {len(jax.devices())} x {jax.devices()[0].platform}; dp={dp}, attn_tp={tp}, "
           f"MoE {args.moe_a2a_backend}; {len(prompts)} prompts")  # fmt: skip
     runs = {}
-    for tbo in (False, True):
+    for tbo in (False, True, "auto"):
         runner, results, seconds = _serve(model, mesh, tbo, prompts, args)
         made = sum(len(r.token_ids) for r in results)
-        print(f"TBO {'on ' if tbo else 'off'}: {made} tokens, {runner.num_steps} steps "
-              f"({runner.num_tbo_steps} with TBO), {runner.compile_count} compiles, "
-              f"{made / seconds:.1f} tokens/s (compiles included)")  # fmt: skip
+        label = {False: "off ", True: "on  ", "auto": "auto"}[tbo]
+        print(f"TBO {label}: {made} tokens, {runner.num_steps} steps, {runner.compile_count} "
+              f"compiles, {made / seconds:.1f} tokens/s (compiles and auto timing included)\n"
+              f"  {runner.tbo_summary()}")  # fmt: skip
         runs[tbo] = (runner, results)
     logits = [_shared_step_logits(runs[tbo][0], prompts) for tbo in (False, True)]
     diff = max(float(np.max(np.abs(a - b))) for a, b in zip(*logits, strict=True))
-    same = [a.token_ids for a in runs[False][1]] == [b.token_ids for b in runs[True][1]]
+    tokens = {tbo: [r.token_ids for r in results] for tbo, (_, results) in runs.items()}
+    same = tokens[False] == tokens[True] == tokens["auto"]
     print(f"max |logits difference| TBO vs plain: {diff:.3g} (tolerance {TOLERANCE})")
-    print(f"generated tokens identical: {same}")
+    print(f"generated tokens identical (off, on, auto): {same}")
     for line in _coverage_lines(dp, tp):
         print(line)
     return 0 if same and diff <= TOLERANCE else 1

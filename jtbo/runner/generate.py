@@ -186,7 +186,8 @@ def generate(
       max_new_tokens: tokens generated per prompt (>= 1).
       dp_rank_of: prompt index -> DP rank; round-robin when None.
       chunk_size: prompt tokens a rank prefills per step.
-      progress: print a progress line (tokens/s); None: only on a terminal.
+      progress: print a progress line (tokens/s) and, at the end, how many steps ran TBO
+        and why (``runner.tbo_summary()``); None: only on a terminal.
 
     Returns:
       One ``GenerationResult`` per prompt, in order.
@@ -223,5 +224,5 @@ def generate(
             rate = made / max(time.perf_counter() - start, 1e-9)
             print(f"\rgenerated {made} tokens, {rate:.1f} tokens/s", end="", file=sys.stderr)
     if show:
-        print(file=sys.stderr)
+        print(f"\n{runner.tbo_summary()}", file=sys.stderr)
     return results

@@ -39,6 +39,10 @@ class _LocalRanksView:
         """This process's part of one step (``ModelRunner.forward``)."""
         return self._runner.forward(batches)
 
+    def tbo_summary(self) -> str:
+        """How many steps ran TBO and why (``ModelRunner.tbo_summary``)."""
+        return self._runner.tbo_summary()
+
 
 def _assign(runner, prompts, max_new_tokens, dp_rank_of):
     """Per prompt: (DP rank, rejection reason or None), the same on every process."""

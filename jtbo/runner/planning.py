@@ -309,6 +309,20 @@ def decide(summaries: Sequence[RankSummary], options: PlanOptions) -> StepDecisi
     return StepDecision(kind, draft, capacity, child_cap, mode, counts, indices)
 
 
+def without_tbo(decision: StepDecision) -> StepDecision:
+    """The same step planned without two-batch overlap (what ``decide`` gives with TBO off).
+
+    Args:
+      decision: a step's decision, with or without TBO.
+
+    Returns:
+      The decision with no child capacity, no split and the plain step's mode (EXTEND).
+    """
+    return dataclasses.replace(
+        decision, child_capacity=None, mode=ForwardMode.EXTEND, split_token_index=None
+    )
+
+
 def plan_step(batches: Sequence[split.ForwardBatch], options: PlanOptions) -> StepPlan:
     """Plans one step for every DP rank (idle ranks given as ``idle_batch()``).
 

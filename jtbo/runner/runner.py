@@ -7,6 +7,11 @@ returns each rank's logits. The KV pools stay on the devices between steps (dona
 step, replaced by its output). One compile per (bucket, attention kind, TBO child capacity);
 ``warmup`` compiles them ahead of serving.
 
+``enable_two_batch_overlap="auto"`` decides TBO per step shape (bucket and agreed mode) from
+measured step times: the first TBO-able step of a shape times both programs on its own inputs
+and keeps the faster (``tbo_auto`` has the algorithm and why the step's result stays exact);
+a ``tbo_plan`` file (``tbo_plan_file``) decides shapes without timing.
+
 Multi-process (``jax.distributed``, one process per host, the mesh over every process's
 devices): each DP rank belongs to the process whose devices hold its mesh row
 (``distributed.dp_rank_owners``; ``local_dp_ranks`` lists this process's). Every process
@@ -36,7 +41,15 @@ from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import layer_ops, step
 from jtbo.models import model as model_lib
 from jtbo.overlap import xla_options
-from jtbo.runner import distributed, kv_table, multiprocess_generate, planning, step_exchange
+from jtbo.runner import (
+    distributed,
+    kv_table,
+    multiprocess_generate,
+    planning,
+    step_exchange,
+    tbo_auto,
+    tbo_plan_file,
+)
 from jtbo.runner import generate as generate_lib
 
 ForwardMode = split.ForwardMode
@@ -53,7 +66,9 @@ class ModelRunner:
       dp_rank_owners: per DP rank, the process that drives it (its mesh row's devices).
       local_dp_ranks: the DP ranks this process drives, in rank order (``forward``'s batches).
       multiprocess: whether the mesh spans other processes' devices (``jax.distributed``).
-      num_steps: device steps run; num_tbo_steps: those run with two-batch overlap.
+      num_steps: device steps run; num_tbo_steps: those run with two-batch overlap (an
+        "auto" shape's timing runs are not counted, its real step is).
+      enable_two_batch_overlap: True, False or "auto", as given.
     """
 
     def __init__(
@@ -61,7 +76,7 @@ class ModelRunner:
         model: model_lib.MoEModel,
         mesh: jax.sharding.Mesh,
         *,
-        enable_two_batch_overlap: bool = False,
+        enable_two_batch_overlap: bool | str = False,
         tbo_token_distribution_threshold: float = 0.48,
         moe_a2a_backend: str = "ep",
         max_total_tokens: int,
@@ -71,13 +86,19 @@ class ModelRunner:
         ep_capacity_factor: float | None = None,
         ep_overflow_policy: str = "raise",
         tbo_round_barriers: bool = False,
+        tbo_auto_trials: int = tbo_auto.DEFAULT_TRIALS,
+        tbo_auto_margin: float = tbo_auto.DEFAULT_MARGIN,
+        tbo_timer: tbo_auto.StepTimer | None = None,
+        tbo_plan: str | os.PathLike | None = None,
     ):
         """Places the model on the mesh and allocates every DP rank's KV pool.
 
         Args:
           model: the model (float32 parameters; cast to ``dtype`` here).
           mesh: a mesh with axes ``("dp", "attn_tp")`` (``jtbo.collectives.make_mesh``).
-          enable_two_batch_overlap: split eligible steps into two overlapped micro-batches.
+          enable_two_batch_overlap: True: split eligible steps into two overlapped
+            micro-batches; False: never; "auto": per step shape (bucket, agreed mode), only
+            where TBO was measured to be faster by ``tbo_auto_margin`` (``tbo_auto``).
           tbo_token_distribution_threshold: SGLang's split threshold, in [0, 0.5].
           moe_a2a_backend: "ep" (all-to-all) or "none" (DP gather + reduce-scatter).
           max_total_tokens: KV slots per DP rank (also the longest sequence).
@@ -91,10 +112,25 @@ class ModelRunner:
             or "rerun" (again with the next capacity bucket; ``collectives.resolve_overflow``).
           tbo_round_barriers: pin each TBO round with optimization barriers that leave the
             in-flight collective results out (``layer_ops.ParallelConfig``); off by default.
+          tbo_auto_trials: "auto": timed runs of each program of a new shape (after one
+            warm-up run each; the median counts).
+          tbo_auto_margin: "auto": TBO is kept only if ``tbo_ms <= (1 - margin) * plain_ms``.
+          tbo_timer: "auto": times one run (``tbo_auto.StepTimer``); None:
+            ``tbo_auto.wall_timer`` (device-synchronised wall time). Tests inject timings.
+          tbo_plan: "auto": a plan file (``save_tbo_plan``); its shapes are decided without
+            timing, shapes it does not list are still timed on first sight.
 
         Raises:
-          ValueError: a mesh without the right axes, or shapes that do not divide over it.
+          ValueError: a mesh without the right axes, shapes that do not divide over it, an
+            ``enable_two_batch_overlap`` other than True / False / "auto", auto options
+            without "auto", bad auto settings or a bad plan file (names the field).
         """
+        enable_tbo, auto = tbo_auto.parse_switch(enable_two_batch_overlap)
+        if not auto and (tbo_plan is not None or tbo_timer is not None):
+            raise ValueError(
+                "tbo_plan and tbo_timer need enable_two_batch_overlap='auto', got "
+                f"{enable_two_batch_overlap!r}"
+            )
         if tuple(mesh.axis_names) != mesh_lib.TP_AXES:
             raise ValueError(f"mesh axes {mesh.axis_names} != {mesh_lib.TP_AXES}")
         config = model.config
@@ -120,10 +156,17 @@ class ModelRunner:
             token_buckets=tuple(int(b) for b in buckets),
             seq_capacity=max_running_requests,
             max_context=max_total_tokens,
-            enable_tbo=enable_two_batch_overlap,
+            enable_tbo=enable_tbo,
             threshold=tbo_token_distribution_threshold,
         )
-        _warn_about_process_env(mesh, enable_two_batch_overlap)
+        _warn_about_process_env(mesh, enable_tbo)
+        self.enable_two_batch_overlap = enable_two_batch_overlap
+        self._tbo_auto = None
+        if auto:
+            known = () if tbo_plan is None else tbo_plan_file.load(tbo_plan)
+            self._tbo_auto = tbo_auto.TboAuto(
+                tbo_auto_trials, tbo_auto_margin, tbo_timer or tbo_auto.wall_timer, known
+            )
         served = model_lib.cast(model, dtype)
         self._step = step.make_step(served, mesh, self.parallel)
         _, params = nnx.split(served)
@@ -138,7 +181,8 @@ class ModelRunner:
         self._init_kv()
         self._fingerprint = step_exchange.fingerprint(
             self.options, self.parallel, config, jnp.dtype(dtype).name, mesh.devices.shape,
-            [d.id for d in mesh.devices.flat], self.dp_rank_owners,
+            [d.id for d in mesh.devices.flat], self.dp_rank_owners, enable_two_batch_overlap,
+            self.tbo_decisions(),
         )  # fmt: skip
         self._exchanges = 0
         self.num_steps = 0
@@ -152,7 +196,9 @@ class ModelRunner:
             self.config.num_key_value_heads,
             self.config.head_dim,
         )
-        kv_sharding = jax.sharding.NamedSharding(self.mesh, step.KV_CACHE_SPEC.k)
+        kv_sharding = jax.sharding.NamedSharding(
+            self.mesh, _trailing_none_dropped(step.KV_CACHE_SPEC.k)
+        )
         # Created in place on each device (also on other processes' devices).
         zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=kv_sharding)
         self._k, self._v = zeros(), zeros()
@@ -232,12 +278,75 @@ class ModelRunner:
         )
         if decision.all_idle:
             return [None] * len(batches), False
-        plan = planning.assemble(local, self.local_dp_ranks, decision, self.options)
-        logits = self._run(plan)
+        plan, logits = self._plan_and_run(local, decision)
         return [
             None if b is None else logits[i, : plan.num_tokens[rank]]
             for i, (rank, b) in enumerate(zip(plan.ranks, batches, strict=True))
         ], True
+
+    def _plan_and_run(self, local, decision) -> tuple[planning.StepPlan, np.ndarray]:
+        """Assembles the step (with "auto": in the shape's chosen mode) and runs it once."""
+        shape = None if self._tbo_auto is None else tbo_auto.shape_of(decision)
+        if shape is None:
+            return self._assemble_and_run(local, decision)
+        known = self._tbo_auto.decision(shape)
+        if known is None:
+            known = self._decide_shape(shape, local, decision)
+        return self._assemble_and_run(
+            local, decision if known.use_tbo else planning.without_tbo(decision)
+        )
+
+    def _assemble_and_run(self, local, decision) -> tuple[planning.StepPlan, np.ndarray]:
+        plan = planning.assemble(local, self.local_dp_ranks, decision, self.options)
+        return plan, self._run(plan)
+
+    def _decide_shape(self, shape, local, decision) -> tbo_auto.TboDecision:
+        """Times both programs of a new shape on this step's inputs (``tbo_auto``).
+
+        The trial runs change only the KV slots this step writes; the real run that follows
+        rewrites each of them before reading it, so the step's result is exactly one run of
+        the chosen program's.
+        """
+        ranks = self.local_dp_ranks
+        tbo_plan = planning.assemble(local, ranks, decision, self.options)
+        plain_plan = planning.assemble(local, ranks, planning.without_tbo(decision), self.options)
+        return self._tbo_auto.decide(
+            shape, lambda: self._execute(plain_plan), lambda: self._execute(tbo_plan)
+        )
+
+    def tbo_decisions(self) -> tuple[tbo_auto.TboDecision, ...]:
+        """An "auto" runner's TBO choice per step shape, with both programs' timings.
+
+        Returns:
+          One frozen ``tbo_auto.TboDecision`` per shape decided so far (timed or from the
+          plan file), by mode and then bucket; empty for a runner with TBO on or off.
+        """
+        return () if self._tbo_auto is None else self._tbo_auto.decisions()
+
+    def save_tbo_plan(self, path: str | os.PathLike) -> None:
+        """Writes ``tbo_decisions()`` as a plan file for ``ModelRunner(..., tbo_plan=path)``.
+
+        Args:
+          path: the JSON file to (over)write (``tbo_plan_file`` has the format).
+
+        Raises:
+          ValueError: the runner is not "auto" (it has no decisions to save).
+        """
+        if self._tbo_auto is None:
+            raise ValueError(
+                "save_tbo_plan needs enable_two_batch_overlap='auto', got "
+                f"{self.enable_two_batch_overlap!r}"
+            )
+        tbo_plan_file.save(path, list(self.tbo_decisions()))
+
+    def tbo_summary(self) -> str:
+        """How many steps ran TBO and why (``tbo_auto.steps_summary``), e.g. "TBO on 12 of 20
+        steps: decode bucket 8 plain (TBO 1.31x plain), extend bucket 64 TBO (TBO 0.97x
+        plain)"."""
+        return tbo_auto.steps_summary(
+            self.num_steps, self.num_tbo_steps, self.enable_two_batch_overlap,
+            self.tbo_decisions(),
+        )  # fmt: skip
 
     def _prepare_local(self, batches) -> list[planning.LocalRank]:
         """Validates and records this process's batches; returns their summaries."""
@@ -295,6 +404,13 @@ class ModelRunner:
           ValueError: a plan whose rows are not this process's ranks.
           ExpertCapacityError: the step dropped routed tokens.
         """
+        logits = self._execute(plan)
+        self.num_steps += 1
+        self.num_tbo_steps += plan.child_capacity is not None
+        return logits
+
+    def _execute(self, plan: planning.StepPlan) -> jax.Array:
+        """``run_plan`` without counting the step (also the runs that time an auto shape)."""
         if tuple(plan.ranks) != self.local_dp_ranks:
             raise ValueError(
                 f"plan rows {plan.ranks} != this process's ranks {self.local_dp_ranks}"
@@ -311,8 +427,6 @@ class ModelRunner:
             )  # fmt: skip
             self._k, self._v, self._req_to_token_device = cache.k, cache.v, cache.req_to_token
             dispatchers = self._resolve_overflow(dispatchers, overflow, peak_load)
-        self.num_steps += 1
-        self.num_tbo_steps += plan.child_capacity is not None
         return logits
 
     def _step_inputs(self, plan: planning.StepPlan) -> step.StepInputs:
@@ -372,7 +486,9 @@ class ModelRunner:
         With several processes, every process calls it with the same arguments.
 
         Runs a synthetic step (rank 0 busy, the rest idle) with the static keys a real step of
-        that many tokens in that mode has; its K/V writes go to the padding slot only.
+        that many tokens in that mode has; its K/V writes go to the padding slot only. An
+        "auto" runner compiles both the plain and the TBO program of each (it decides later,
+        on real steps).
 
         Args:
           token_counts: token counts whose buckets to compile.
@@ -381,16 +497,32 @@ class ModelRunner:
         Returns:
           The compile count afterwards.
         """
+        both = (False, True) if self._tbo_auto is not None else (self.options.enable_tbo,)
         for count in token_counts:
             for mode in modes:
-                self._run(self._warmup_plan(count, ForwardMode(mode)))
+                for tbo in both:
+                    self._run(self._warmup_plan(count, ForwardMode(mode), tbo))
         return self.compile_count
 
-    def _warmup_plan(self, count: int, mode: ForwardMode) -> planning.StepPlan:
+    def _warmup_plan(self, count: int, mode: ForwardMode, tbo: bool) -> planning.StepPlan:
         """A real plan for one synthetic batch on rank 0 that writes only the padding slot."""
         batch = _synthetic_batch(mode, count)
         batches = [batch] + [planning.idle_batch()] * (self.dp_size - 1)
-        return planning.plan_step_for_ranks(batches, self.local_dp_ranks, self.options)
+        options = dataclasses.replace(self.options, enable_tbo=tbo)
+        return planning.plan_step_for_ranks(batches, self.local_dp_ranks, options)
+
+
+def _trailing_none_dropped(spec: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec:
+    """``spec`` as the step spells its outputs' shardings (no trailing None).
+
+    An equal sharding spelled differently gives the first program that receives the initial
+    K/V pools a second dispatch-cache entry when it later receives the step's own output
+    (no second XLA compile, but ``compile_count`` counted it).
+    """
+    parts = list(spec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return jax.sharding.PartitionSpec(*parts)
 
 
 def _synthetic_batch(mode: ForwardMode, count: int) -> split.ForwardBatch:

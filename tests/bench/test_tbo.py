@@ -211,6 +211,12 @@ def test_tiny_run_prints_every_case_with_agreement(scratch_environment, capsys):
     for line in lines[1:]:
         median_row, same_token = line.split("|")[-2].split(" / ")
         assert float(median_row) < 1e-5 and float(same_token) == 1.0, line  # float32 on the CPU
+    header = [cell.strip() for cell in lines[0].split("|")]
+    assert header[6:9] == ["auto (ms)", "auto / min", "auto chose"]
+    for line in lines[2:]:  # the auto runner's time, its ratio to the faster column, its choice
+        cells = [cell.strip() for cell in line.split("|")]
+        assert float(cells[6]) > 0 and float(cells[7]) > 0, line
+        assert cells[8].split()[0] in ("TBO", "plain") and cells[8].endswith("x)"), line
     assert "overlap table: needs a GPU" in out  # the CPU trace has no NCCL kernels
     assert not list(scratch_environment.glob("**/*.trace.json.gz"))  # no traces for nothing
     assert tbo.os.environ["NCCL_NVLS_ENABLE"] == "0"

@@ -31,14 +31,46 @@ SCRIPT = (
 )
 
 
-def make_runner(tbo: bool, buckets=BUCKETS) -> runner_lib.ModelRunner:
+def make_runner(tbo: bool | str, buckets=BUCKETS, **kwargs) -> runner_lib.ModelRunner:
     """A float32 runner of the tiny model (seed 0) on a (4, 2) mesh of all devices."""
     model = model_lib.MoEModel(config_lib.MoEConfig.tiny(), rngs=nnx.Rngs(0))
     return runner_lib.ModelRunner(
         model, mesh_lib.make_mesh(DP, ATTN_TP), enable_two_batch_overlap=tbo,
         moe_a2a_backend="ep", max_total_tokens=64, max_running_requests=4,
-        token_buckets=buckets, dtype=jnp.float32,
+        token_buckets=buckets, dtype=jnp.float32, **kwargs,
     )  # fmt: skip
+
+
+# Per process, (plain ms, TBO ms) an "auto" runner's timer reports for each mode. Alone,
+# process 0 would keep TBO for EXTEND (9.0 <= 9.8) and process 1 would not (9.9 > 9.8): the
+# processes would run different programs. Agreed (max per program): EXTEND plain, DECODE TBO.
+AUTO_TIMINGS = {
+    "EXTEND": ((10.0, 9.0), (10.0, 9.9)),
+    "DECODE": ((10.0, 9.0), (9.0, 9.5)),
+}
+
+
+def process_timer(shape, use_tbo, run):
+    """A ``tbo_auto.StepTimer`` reporting this process's ``AUTO_TIMINGS`` (runs the step)."""
+    run()
+    return AUTO_TIMINGS[shape.mode.name][jax.process_index()][int(use_tbo)]
+
+
+def serve_auto() -> dict:
+    """The forward script on an "auto" runner whose processes time differently.
+
+    Returns:
+      ``{"auto/logits/<step>/<rank>": ..., "auto/decisions": [(mode, bucket, use_tbo,
+      plain_ms, tbo_ms)], "auto/tbo_steps": int}``.
+    """
+    runner = make_runner("auto", tbo_timer=process_timer, tbo_auto_trials=1)
+    out = {f"auto/{k}": v for k, v in forward_script(runner).items()}
+    out["auto/decisions"] = [
+        (d.shape.mode.name, d.shape.capacity, d.use_tbo, d.plain_ms, d.tbo_ms)
+        for d in runner.tbo_decisions()
+    ]
+    out["auto/tbo_steps"] = runner.num_tbo_steps
+    return out
 
 
 def _batches(ranks, step, rng):

@@ -3,8 +3,9 @@
 Sets up its own CPU platform (``TOTAL_DEVICES // N`` devices) before jax loads; with ``N > 1``
 it joins the ``jax.distributed`` run at ``127.0.0.1:PORT`` as process ``ID`` with gloo CPU
 collectives. It serves ``multihost_scenario`` (TBO off and on; with ``N > 1`` then the refusal
-cases) and pickles its results to ``OUT``. ``N = 1`` is the single-process reference run, with
-the same XLA flags as the processes it is compared with.
+cases and an "auto" runner whose processes time differently) and pickles its results to
+``OUT``. ``N = 1`` is the single-process reference run, with the same XLA flags as the
+processes it is compared with.
 """
 
 import os
@@ -46,6 +47,7 @@ def main(argv: list[str]) -> None:
     results.update(multihost_scenario.serve(True)[0])
     if num_processes > 1:
         results["refusals"] = multihost_scenario.refusals(plain)
+        results.update(multihost_scenario.serve_auto())
     with open(out_path, "wb") as f:
         pickle.dump(results, f)
     if num_processes > 1:

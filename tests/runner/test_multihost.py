@@ -5,7 +5,8 @@ gloo CPU collectives and serve ``multihost_scenario`` (a forward script and gree
 TBO off and on) over a ``(4, 2)`` mesh spanning both; each passes only its own DP ranks'
 batches. A third child serves the same scenario alone on 8 devices (same XLA flags; this test
 process's jax is already set up by conftest). Together the two processes' outputs must equal
-the single process's; then the refusal cases must have raised on both processes. Every child
+the single process's; then the refusal cases must have raised on both processes, and "auto"
+runners whose processes time the programs differently must have made one choice. Every child
 is killed in a ``finally``, on timeout or on any failure.
 """
 
@@ -132,3 +133,17 @@ def test_a_refused_batch_raises_on_every_process(runs):
     # Both processes keep serving; rank 0 and rank 2 ran the same 3-token prompt.
     assert a["after"].shape == (3, 128) and np.isfinite(a["after"]).all()
     np.testing.assert_array_equal(a["after"], b["after"])
+
+
+def test_auto_runners_of_every_process_make_the_same_choice(runs):
+    (first, second), single = runs
+    # Agreed from both processes' timings (multihost_scenario.AUTO_TIMINGS): the max of each.
+    want = [("EXTEND", 32, False, 10.0, 9.9), ("DECODE", 32, True, 10.0, 9.5)]
+    assert first["auto/decisions"] == second["auto/decisions"] == want
+    assert first["auto/tbo_steps"] == second["auto/tbo_steps"] == 2  # the two decode steps
+    for results in (first, second):  # extend ran plain, decode TBO: each fixed mode's logits
+        for key, value in results.items():
+            if key.startswith("auto/logits/"):
+                step = int(key.split("/")[2])
+                fixed = single[f"{step >= 2}/logits/{key.split('/', 2)[2]}"]
+                chex.assert_trees_all_close(value, fixed, **TOL)
