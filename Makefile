@@ -1,17 +1,27 @@
 # Two commands do everything on a fresh machine: `make demo` and `make test`.
+# GPU=auto (default) installs the GPU set-up (the `cuda12` extra) where `nvidia-smi -L` lists
+# an NVIDIA GPU, else the CPU one; GPU=1 / GPU=0 force the choice (jtbo/info/accelerator.py).
 PYTHON ?= python3
+GPU ?= auto
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+DETECT := $(PYTHON) -m jtbo.info.accelerator --gpu $(GPU)
+ACCEL := $(shell $(DETECT) --print accelerator)
+EXTRAS := $(shell $(PYTHON) -m jtbo.info.accelerator --gpu $(if $(filter gpu,$(ACCEL)),1,0) --print extras)
+# One stamp per set-up, so switching GPU=... reinstalls.
+STAMP := $(VENV)/.installed-$(ACCEL)
+EXPECT_GPU := $(if $(filter gpu,$(ACCEL)),1,0)
 
 .PHONY: demo test install lint
 
 $(STAMP): pyproject.toml
+	@echo "jtbo set-up: $(ACCEL) ($(shell $(DETECT) --print reason)); extras [$(EXTRAS)]"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,aot]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
 	$(PY) -c "import jax, jax_plugins.xla_cuda12 as p, importlib.metadata as m; \
 	  v = m.version('jax-cuda12-plugin'); assert v == jax.__version__, (v, jax.__version__)"
+	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -21,7 +31,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check jtbo tests
 
 demo: $(STAMP)
-	$(PY) -m jtbo.demo
+	JTBO_EXPECT_GPU=$(EXPECT_GPU) $(PY) -m jtbo.demo
 
 test: lint
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile

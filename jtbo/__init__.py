@@ -8,7 +8,7 @@ layer loop, overlap report), ``jtbo.models`` (a Flax MoE model) and ``jtbo.runne
 (``ModelRunner``).
 """
 
-__version__ = "0.1.0"
+import importlib.metadata
 
 __all__ = ["ModelRunner"]
 
@@ -16,6 +16,10 @@ __all__ = ["ModelRunner"]
 def __getattr__(name: str):
     # Lazy so that `import jtbo` does not import jax: entry points such as `python -m
     # jtbo.demo` must set JAX_PLATFORMS / XLA_FLAGS before jax reads them.
+    # __version__ is pyproject.toml's one version string, read from the installed metadata
+    # on access (a source tree that is not installed still imports).
+    if name == "__version__":
+        return importlib.metadata.version("jtbo")
     if name == "ModelRunner":
         from jtbo.runner import runner
 

@@ -11,10 +11,8 @@ Tiles advance together in *chunks* of about ``chunk_rows`` query rows (a batch d
 and only chunks up to the step's last real tile run (a traced trip count): the metadata is
 sized for the worst case a static capacity can hold (e.g. every sequence of
 ``seq_capacity`` one token long), so most of its tiles are usually empty, and a TBO child
-holds as many tiles as the worst case of either child. Measured on a 1 x H200 compile of
-``MoEConfig.deepseek_v3_reduced()``, prefill of 2 x 2048 tokens with ``seq_capacity`` 256:
-the step's metadata holds 316 tiles for 64 real ones, each TBO child 285, and processing all
-of them was the bulk of both steps' attention (5.6 GB of f32 score traffic per KV block).
+holds as many tiles as the worst case of either child; processing all of them was the bulk
+of both steps' attention (BENCHMARKS.md, "TBO step cost on one GPU").
 Within a chunk the block loop runs only up to the chunk's furthest visible KV position
 (causal: the last query's position; custom mask: ``tile_kv_len``), so short steps and the
 early tiles of a causal prompt do not pay for ``max_context``. A skipped block is fully masked

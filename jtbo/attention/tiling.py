@@ -10,6 +10,7 @@ once, on small integers, so the device kernel can trust the metadata.
 import numpy as np
 
 from jtbo.attention import metadata as metadata_lib
+from jtbo.split import arith
 
 
 def _check_le(name: str, values: np.ndarray, limit: int, what: str) -> None:
@@ -43,7 +44,7 @@ def _validate(capacity, req, q_start, q_len, q_pos, kv_len, num_tokens) -> None:
 
 def _tile_rows(q_len: np.ndarray, query_tile: int) -> tuple[np.ndarray, np.ndarray]:
     """Returns (sequence of each tile, query offset of each tile inside its sequence)."""
-    tiles_per_seq = -(-q_len // query_tile)
+    tiles_per_seq = arith.ceil_div(q_len, query_tile)
     tile_seq = np.repeat(np.arange(q_len.shape[0]), tiles_per_seq)
     first_tile = np.cumsum(tiles_per_seq) - tiles_per_seq
     tile_offset = (np.arange(tile_seq.shape[0]) - first_tile[tile_seq]) * query_tile

@@ -5,10 +5,10 @@
 [--small]``
 
 Question: jtbo's routed experts run as a capacity-slot batched matmul
-(``jtbo.models.experts.experts_capacity``) because ``jax.lax.ragged_dot`` ran 30x slower on
-the H200 (DESIGN.md Facts). Could a Pallas grouped GEMM (tokamax's ``ragged_dot``, Hopper
-kernel ``pallas_mosaic_gpu``) do better than the capacity slots, which compute
-``capacity_factor`` times the real work?
+(``jtbo.models.experts.experts_capacity``) because ``jax.lax.ragged_dot`` ran far slower on
+the H200 (BENCHMARKS.md, "Grouped GEMM for the routed experts"). Could a Pallas grouped GEMM
+(tokamax's ``ragged_dot``, Hopper kernel ``pallas_mosaic_gpu``) do better than the capacity
+slots, which compute ``capacity_factor`` times the real work?
 
 Method: DeepSeek-V3-reduced expert shapes (``MoEConfig.deepseek_v3_reduced()``: H=7168,
 F=2048, E=64, top-8, bf16). For each token count T the tokens get uniform random *distinct*

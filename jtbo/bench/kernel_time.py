@@ -14,8 +14,9 @@ two answers "which operation costs what", per step:
   parameter's name for fusions XLA attributes to a weight (e.g. the input concatenation of
   a merged matmul), else the kernel family.
 
-Built to find TBO's cost on one H200 (``BENCHMARKS.md``, "Second session"), where the joined
-table showed each micro-batch reading the Q/K/V weights on its own.
+Built to find TBO's cost on one H200, where the joined table showed each micro-batch reading
+the Q/K/V weights on its own (BENCHMARKS.md, "TBO step cost on one H200, 2026-11-29 (fused
+weights, one CUDA graph per step)").
 
 ``collective_bytes`` reads the other side of the same HLO: how many bytes each collective of
 a step moves on one device (for ``bench tbo``'s bytes per exchange and achieved GB/s).

@@ -64,6 +64,8 @@ from jtbo.overlap import xla_options
 from jtbo.runner import planning, tbo_auto
 from jtbo.runner import runner as runner_lib
 
+CONFIGURES_JAX = True  # main sets XLA / NCCL variables before the backend starts
+
 ForwardMode = split.ForwardMode
 
 LINK_ENVIRONMENT = {

@@ -28,6 +28,7 @@ from jax.experimental import multihost_utils
 
 from jtbo.collectives import context as context_lib
 from jtbo.collectives import padding
+from jtbo.split import arith
 from jtbo.split import forward_mode as forward_mode_lib
 from jtbo.split import padding as split_padding
 
@@ -226,7 +227,7 @@ def _bucket(rows, attn_tp_size, token_buckets):
     rows = max(rows, 1)  # no zero-sized buffers, even when every rank is idle
     if token_buckets is not None:
         rows = split_padding.token_bucket(rows, token_buckets)
-    return -(-rows // attn_tp_size) * attn_tp_size
+    return arith.round_up(rows, attn_tp_size)
 
 
 def _buffer_lengths(counts, mode, attn_tp_size, token_buckets):

@@ -24,6 +24,7 @@ import numpy as np
 
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.collectives import padding
+from jtbo.split import arith
 
 
 @jax.tree_util.register_dataclass
@@ -125,7 +126,7 @@ def default_global_buffer_len(
     if padding.DpPaddingMode(padding_mode).is_max_len():
         return len(global_num_tokens) * local_capacity
     total = max(int(sum(global_num_tokens)), 1)
-    return -(-total // attn_tp_size) * attn_tp_size
+    return arith.round_up(total, attn_tp_size)
 
 
 def _check_global_buffer_len(counts, padding_mode, local_capacity, global_buffer_len):

@@ -28,6 +28,7 @@ import math
 import jax
 
 from jtbo.collectives import mesh as mesh_lib
+from jtbo.split import arith
 
 EXCHANGES = ("dense", "ragged")
 
@@ -155,4 +156,4 @@ def create_ep_dispatcher(
 
 def round_up(value: int, multiple: int) -> int:
     """``value`` rounded up to a multiple of ``multiple`` (at least ``multiple``)."""
-    return max(1, -(-value // multiple)) * multiple
+    return max(1, arith.ceil_div(value, multiple)) * multiple

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jtbo.collectives import ep_config
+from jtbo.collectives import rows as rows_lib
 
 
 @jax.tree_util.register_dataclass
@@ -134,7 +135,7 @@ def dispatch_b(
     num_local, capacity = dispatcher.num_local_experts, dispatcher.expert_capacity
     expert = in_flight.recv_local_expert
     received = expert >= 0
-    rank = _rank_within_group(jnp.where(received, expert, num_local), num_local)
+    rank = rows_lib.rank_within_group(jnp.where(received, expert, num_local), num_local)
     kept = received & (rank < capacity)
     expert_overflow = jnp.sum(received & ~kept, dtype=jnp.int32)
     expert_peak = _peak(rank, received)
@@ -221,21 +222,13 @@ def _check_inputs(dispatcher, hidden_states, topk_ids, topk_weights):
         )
 
 
-def _rank_within_group(group, num_groups):
-    """For each element, how many earlier elements share its group (``group == num_groups``
-    means none; its rank is meaningless)."""
-    one_hot = group[:, None] == jnp.arange(num_groups, dtype=group.dtype)[None, :]
-    earlier = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32) - one_hot
-    return jnp.sum(jnp.where(one_hot, earlier, 0), axis=1)
-
-
 def _assign_peer_slots(dispatcher, topk_ids, num_valid_tokens):
     ep_size, capacity = dispatcher.ep_size, dispatcher.peer_capacity
     ids = topk_ids.astype(jnp.int32)
     is_token = jnp.arange(dispatcher.num_tokens, dtype=jnp.int32)[:, None] < num_valid_tokens
     routed = (is_token & (ids >= 0) & (ids < dispatcher.num_experts)).reshape(-1)
     peer = jnp.where(routed, _div(ids.reshape(-1), dispatcher.num_local_experts), ep_size)
-    rank = _rank_within_group(peer, ep_size)
+    rank = rows_lib.rank_within_group(peer, ep_size)
     kept = routed & (rank < capacity)
     send_slot = jnp.where(kept, peer * capacity + rank, -1)
     send_counts = jnp.sum(
@@ -263,8 +256,8 @@ def _div(value, divisor: int):
     Divided as uint32: a constant unsigned division is a shift or a multiply, where int32
     ``//`` (and even truncating ``lax.div``) adds sign corrections. XLA fuses this index
     arithmetic into the row gathers that read it and redoes it for every element of every
-    row (on one H200, decode 128 of ``MoEConfig.deepseek_v3_reduced``: the TBO step's
-    concatenation of both micro-batches' expert inputs took 82 us per layer).
+    row (BENCHMARKS.md, "TBO step cost on one H200, 2026-11-29 (decode-sized children,
+    unsigned EP indices)", point 2).
     """
     quotient = jax.lax.div(value.astype(jnp.uint32), jnp.uint32(divisor))
     return quotient.astype(jnp.int32)

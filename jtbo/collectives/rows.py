@@ -1,4 +1,4 @@
-"""Small row helpers shared by the DP collectives (inside ``jax.shard_map``)."""
+"""Small row helpers shared by the DP and EP collectives, the expert layouts and the toy stack."""
 
 import jax
 import jax.numpy as jnp
@@ -37,3 +37,23 @@ def attn_tp_shard(x: jax.Array, attn_tp_size: int, attn_tp_rank: jax.Array) -> j
         raise ValueError(f"rows={x.shape[0]} do not split over attn_tp_size={attn_tp_size}")
     shard_rows = x.shape[0] // attn_tp_size
     return jax.lax.dynamic_slice_in_dim(x, attn_tp_rank * shard_rows, shard_rows, axis=0)
+
+
+def rank_within_group(group: jax.Array, num_groups: int) -> jax.Array:
+    """For each element, how many earlier elements share its group (an exclusive running count).
+
+    This is the slot of a (token, choice) pair in its expert's (or its peer's) buffer: EP
+    dispatch ranks pairs within their peer and expert, the capacity-slot expert layout and the
+    toy stack within their expert.
+
+    Args:
+      group: ``[N]`` integer group of each element; a value outside ``[0, num_groups)`` (e.g.
+        ``num_groups`` or -1 for "no group") counts for no group.
+      num_groups: number of groups.
+
+    Returns:
+      ``[N]`` int32 ranks; 0 for elements outside every group.
+    """
+    one_hot = group[:, None] == jnp.arange(num_groups, dtype=group.dtype)[None, :]
+    earlier = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32) - one_hot
+    return jnp.sum(jnp.where(one_hot, earlier, 0), axis=1)

@@ -88,9 +88,8 @@ class CopyConfig:
         return label
 
 
-# H200, bf16, 256 MiB (BENCHMARKS.md, 2026-11-29 sweep with the in-kernel window): pallas
-# 4096 x 16 warps reached 0.98 of the copy ceiling on dp_memcpy and 0.97 on slice_pad;
-# merge_rows peaked at 8192 x 16 warps (0.95). block_for shrinks blocks for small copies.
+# The best configs of the H200 sweep at 256 MiB (BENCHMARKS.md, "Kernels", config sweep).
+# block_for shrinks blocks for small copies.
 DP_MEMCPY = CopyConfig(block_elems=4096, num_warps=16)
 SLICE_PAD = CopyConfig(block_elems=4096, num_warps=16)
 MERGE_ROWS = CopyConfig(block_elems=8192, num_warps=16)

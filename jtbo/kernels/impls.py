@@ -16,13 +16,10 @@ import jax
 
 IMPLS = ("xla", "pallas", "triton")
 
-# Fastest first, per op and backend. H200, bf16, 2026-11-29 (BENCHMARKS.md): dp_memcpy's
-# pallas kernel ran at 0.94-0.98 of the copy ceiling, 7.5x XLA's row scatter. For
-# slice_pad and merge_rows XLA's own program measured *above* the copy ceiling (1.1-1.3x
-# at 256 MiB-1 GiB): XLA fuses the slice / pad / merge into neighbouring work and skips
-# the standalone copy, which no custom kernel can do, so xla stays their default and the
-# kernels (0.93-0.95 of the ceiling) serve explicit requests. On the CPU the Pallas
-# interpreter is for testing only.
+# Fastest first, per op and backend (measured: BENCHMARKS.md, "Kernels"). dp_memcpy's kernel
+# beats XLA's row scatter; XLA fuses slice_pad and merge_rows into neighbouring work, which
+# no standalone kernel can, so xla stays their default and the kernels serve explicit
+# requests. On the CPU the Pallas interpreter is for testing only.
 _GPU_KERNEL_FIRST = ("pallas", "triton", "xla")
 _GPU_XLA_FIRST = ("xla", "pallas", "triton")
 FASTEST = {

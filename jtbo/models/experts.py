@@ -4,9 +4,9 @@ Default: the *capacity-slot* layout. Every (token, choice) pair gets a slot
 ``(expert, position)``, where ``position`` counts earlier pairs routed to the same expert; rows
 are scattered into an ``[E, capacity, H]`` buffer, one batched matmul runs all experts, and each
 token sums its slots' outputs times its routing weights. This is the layout the dense all-to-all
-dispatch produces, and on the H200 it ran at dense-matmul speed (DESIGN.md Facts: 675 TF/s vs
-23 TF/s for ``jax.lax.ragged_dot``). ``capacity = num_tokens`` can never drop a pair, since a
-token picks an expert at most once.
+dispatch produces, and on the H200 it ran at dense-matmul speed, far faster than
+``jax.lax.ragged_dot`` (BENCHMARKS.md, "Grouped GEMM for the routed experts").
+``capacity = num_tokens`` can never drop a pair, since a token picks an expert at most once.
 
 Reference: ``experts_ragged_dot_reference`` sorts pairs by expert and runs ``jax.lax.ragged_dot``
 (exact, no capacity).
@@ -15,15 +15,16 @@ Gate and up are one fused weight ``w_gate_up [E, H, 2, F]``, as in ``jtbo.models
 step on one device XLA's dot merger joins micro-batch A's and B's expert matmuls (they share
 the weight, which a decode step is bound by reading), concatenating their slot rows. With two
 weights it joined the gate and the up matmuls separately, so both concatenations copied the
-same rows: on one H200 at decode 256 of ``MoEConfig.deepseek_v3_reduced`` XLA materialized each
-micro-batch's expert input and copied it twice per layer (112 us) where one concatenation fused
-with the dispatch gather does it in one pass.
+same rows: XLA materialized each micro-batch's expert input and copied it twice per layer where
+one concatenation fused with the dispatch gather does it in one pass (BENCHMARKS.md, "TBO step
+cost on one H200, 2026-11-29 (decode-sized children, unsigned EP indices)", point 3).
 """
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jtbo.collectives import rows as rows_lib
 from jtbo.models import config as config_lib
 from jtbo.models import mlp
 
@@ -39,10 +40,7 @@ def slot_positions(topk_ids: jax.Array, num_experts: int) -> jax.Array:
     Returns:
       ``[T, k]`` int32 positions (undefined for pairs that take no slot).
     """
-    flat = topk_ids.reshape(-1)
-    one_hot = (flat[:, None] == jnp.arange(num_experts)[None, :]).astype(jnp.int32)
-    before = jnp.cumsum(one_hot, axis=0) - one_hot  # pairs of the same expert earlier
-    position = jnp.sum(before * one_hot, axis=1)
+    position = rows_lib.rank_within_group(topk_ids.reshape(-1), num_experts)
     return position.reshape(topk_ids.shape).astype(jnp.int32)
 
 

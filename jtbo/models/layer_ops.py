@@ -61,6 +61,11 @@ class ParallelConfig:
         default: on a 4 x 2 H200 compile of ``MoEConfig.tiny()`` the model's decode step
         covered 0.859 of its collective bytes with barriers and 1.000 without (prefill 1.000
         both ways); see ``jtbo.runner.aot_report``.
+      tbo_issue_barriers: on multi-device meshes, pin both micro-batches' live arrays before
+        every collective-issuing operation (``jtbo.models.step._run_tbo``). On by default:
+        on two H200s (dp=2, EP) it raised the share of NCCL time under compute from 0.37 to
+        0.64-0.86 (BENCHMARKS.md, "Run-time overlap on two H200s (issue 14)"); on CPU
+        compiles of other layouts its estimated effect is mixed (same section).
     """
 
     moe_a2a_backend: Literal["ep", "none"]
@@ -71,6 +76,7 @@ class ParallelConfig:
     ep_exchange: str = "dense"
     ep_slot_alignment: int = 1
     tbo_round_barriers: bool = False
+    tbo_issue_barriers: bool = True
 
     def __post_init__(self):
         if self.ep_capacity_factor is not None and self.ep_capacity_factor <= 0:
@@ -109,9 +115,8 @@ class StepBox:
 
         With one micro-batch the next layer's K/V write already depends on this attention's
         output. With two, the other micro-batch's write does not, and XLA can then only keep
-        the attention's reads valid by copying the whole pool before the write (measured on
-        a 1 x H200 compile of ``MoEConfig.deepseek_v3_reduced()`` at decode 128: four copies
-        of a 2.1 GB pool, temp 0.13 GB -> 4.35 GB). Passing the output and the pool through
+        the attention's reads valid by copying the whole pool before the write, several times
+        a step (BENCHMARKS.md, "TBO step cost on one GPU"). Passing the output and the pool through
         one ``optimization_barrier`` makes the pool handed on depend on the attention having
         finished, so the write can run in place. The output is no collective result, so no
         in-flight collective is pinned by it.

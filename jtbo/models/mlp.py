@@ -3,9 +3,9 @@
 Gate and up are one fused weight ``w_gate_up [H, 2, F]`` (SGLang's ``gate_up_proj``), so a call
 runs one matmul per weight. With two weights XLA's dot merger joins a micro-batch's gate and up
 matmuls (they share the activations) instead of micro-batch A's and B's (they share the
-weight), and each micro-batch then reads the weight on its own: on one H200 the dense layer of
-``MoEConfig.deepseek_v3_reduced()`` took 2 x 190 us per TBO decode-128 step against 136 us
-without TBO, and in prefill XLA concatenated the two weights at run time every step.
+weight), and each micro-batch then reads the weight on its own; in prefill XLA concatenated
+the two weights at run time every step (BENCHMARKS.md, "TBO step cost on one H200, 2026-11-29
+(fused weights, one CUDA graph per step)", "GPU time").
 
 The hidden width may be sharded (tensor parallel, the ``F`` axis): each shard then returns a
 partial sum that the caller reduces, which is why ``swiglu`` takes the weights as arguments.

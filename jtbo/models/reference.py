@@ -17,6 +17,7 @@ from flax import nnx
 
 from jtbo.models import model as model_lib
 from jtbo.models import norm, router, self_attention
+from jtbo.split import arith
 
 
 def causal_mask(length: int) -> np.ndarray:
@@ -94,7 +95,7 @@ def reference_forward_padded(
       ``[L, V]`` numpy logits of the real rows.
     """
     length = len(input_ids)
-    padded = -(-length // multiple) * multiple
+    padded = arith.round_up(length, multiple)
     ids = np.zeros(padded, np.int32)
     pos = np.zeros(padded, np.int32)
     full_mask = np.zeros((padded, padded), bool)

@@ -5,9 +5,9 @@ The Q, K and V projections are one fused weight, ``wqkv [H, kv_heads, group + 2,
 then its value. One matmul per call matters for two-batch overlap: with three weights, XLA's
 dot merger joins a micro-batch's Q, K and V matmuls (they share the activations) and so can no
 longer join micro-batch A's and B's (they share a weight), and each micro-batch reads the
-weight on its own (measured on one H200, ``MoEConfig.deepseek_v3_reduced()`` decode 128: 4 x
-68 us of extra projection per TBO step); in prefill XLA concatenated the three weights at run
-time, every step (0.27 ms per plain step, 0.54 ms per TBO step). Query head ``j`` lives at
+weight on its own; in prefill XLA concatenated the three weights at run time, every step
+(BENCHMARKS.md, "TBO step cost on one H200, 2026-11-29 (fused weights, one CUDA graph per
+step)", "GPU time"). Query head ``j`` lives at
 ``(j // group, j % group)``, the usual GQA order, so sharding the ``kv_heads`` axis over
 ``attn_tp`` gives each rank ``kv_heads / attn_tp`` KV heads with their own query heads.
 ``wo [heads, D, H]`` keeps the head axis explicit; ``output`` returns a partial sum over the

@@ -24,8 +24,9 @@ devices, and their peak loads, max over devices (the host applies
 The host plan reaches the step packed (``pack_step_inputs``, ``jtbo.split.packing``): the
 per-rank arrays as one ``[dp, n]`` int32 buffer (sharded over ``"dp"``), the replicated ones as
 one ``[m]`` buffer, so a step makes two host->device transfers instead of one per leaf (11
-without TBO, 28 with it; 0.28 / 0.56 ms of a ~8.5 / ~10 ms decode step on one H200). Each DP
-rank unpacks its row inside the ``shard_map`` body with static slices and bitcasts.
+without TBO, 28 with it; their cost: BENCHMARKS.md, "TBO step cost on one H200, 2026-11-29
+(fused weights, one CUDA graph per step)"). Each DP rank unpacks its row inside the
+``shard_map`` body with static slices and bitcasts.
 
 Compiles: one per (token bucket, plan layouts, mode, TBO child capacity, dispatchers). Each
 such key gets its own jitted function guarded by ``chex.assert_max_traces(n=1)``, so a step
@@ -131,7 +132,9 @@ def _contexts(per_rank, replicated, box, dispatchers, child_capacity):
     ]
 
 
-def _run_tbo(operations_of, params, per_rank, contexts, child_capacity, barriers, isolate):
+def _run_tbo(
+    operations_of, params, per_rank, contexts, child_capacity, barriers, isolate, issue_barriers
+):
     """Both micro-batches staggered; their logits merged back at the parent offsets.
 
     ``operations_of(params) -> (ops, delta)`` builds one micro-batch's operation list over a
@@ -150,12 +153,10 @@ def _run_tbo(operations_of, params, per_rank, contexts, child_capacity, barriers
       ends before this one is issued (XLA keeps one collective in flight anyway), so each
       exchange window holds the other micro-batch's whole stage.
 
-    Measured on a 2 x 1 H200 compile (CPU, ``MoEConfig.deepseek_v3_reduced()``, prefill 4096):
-    other-micro-batch compute in each all-to-all window, estimated by
-    ``jtbo.overlap.schedule_costs.window_fill`` over NVLink, went from 0-0.3 of the exchange
-    (dispatch windows) to 2.4-22; on two H200s the share of NCCL time under compute went from
-    0.37 to 0.78 (BENCHMARKS.md, "Run-time overlap"). One device has nothing to hide, and
-    there A's and B's matmuls may merge (``step_compiler_options``).
+    Both fill each exchange window with the other micro-batch's compute, in the compiled
+    schedule and at run time (BENCHMARKS.md, "Run-time overlap on two H200s (issue 14)"). One
+    device has nothing to hide, and there A's and B's matmuls may merge
+    (``step_compiler_options``).
     """
     t, n = per_rank["split_token_index"], per_rank["num_tokens"]
     inputs = dict(input_ids=per_rank["input_ids"], positions=per_rank["positions"])
@@ -168,7 +169,7 @@ def _run_tbo(operations_of, params, per_rank, contexts, child_capacity, barriers
     delta = built[0][1]
     outputs = operations.execute_overlapped_operations(
         children, [ops for ops, _ in built], [0, delta], contexts_arr=contexts, barriers=barriers,
-        issue_barriers=isolate,
+        issue_barriers=isolate and issue_barriers,
     )  # fmt: skip
     capacity = per_rank["input_ids"].shape[0]
     merged = activations.merge_outputs(*outputs, t, n, out_len=capacity)
@@ -212,7 +213,7 @@ def step_body(
     else:
         logits = _run_tbo(
             operations_of, params, per_rank, contexts, child_capacity,
-            parallel.tbo_round_barriers, isolate_micro_batches,
+            parallel.tbo_round_barriers, isolate_micro_batches, parallel.tbo_issue_barriers,
         )  # fmt: skip
     # Reduced over the EP group so every process reads the same counts (16 bytes each; the
     # only collectives outside both micro-batches).
@@ -349,13 +350,12 @@ XLA:GPU records runs of kernels into CUDA graphs (command buffers), but by defau
 ``while`` loop (the attention's block and chunk loops) stays outside: each iteration reads its
 condition back to the host, which splits the step into one graph per stretch between loops
 and stalls the GPU at every read. With ``WHILE`` and ``CONDITIONAL`` the loops become
-conditional graph nodes and the whole step is one graph (a 1 x H200 compile of
-``MoEConfig.deepseek_v3_reduced()``, decode 128: 5 graphs and 4 host-read loops without TBO,
-9 and 8 with TBO -> 1 graph each). Measured on one H200 in the same run (ms per step, plain
-/ TBO): decode 128 8.78 / 10.83 -> 8.78 / 10.67, prefill 4096 90.95 / 96.83 -> 88.23 /
-93.75. The other names are XLA's defaults (they must be listed: the option is a list). On
-multi-GPU meshes the collectives stay outside the graphs (``COLLECTIVES`` is not listed): on two
-H200s a step ran as 4 graphs (BENCHMARKS.md, "Two H200s").
+conditional graph nodes and the whole step is one graph, which made both steps faster on one
+H200 (BENCHMARKS.md, "TBO step cost on one H200, 2026-11-29 (fused weights, one CUDA graph per
+step)", "While loops"). The other names are XLA's defaults (they must be listed: the option is
+a list). On multi-GPU meshes the collectives stay outside the graphs (``COLLECTIVES`` is not
+listed): a step runs as a few graphs split at the collectives (BENCHMARKS.md, "Two H200s,
+2026-11-29 (TBO step and overlap at dp=2)").
 """
 
 
@@ -367,15 +367,13 @@ def step_compiler_options(mesh: jax.sharding.Mesh, child_capacity: int | None) -
     A's and B's matmuls and collectives must stay apart so that one's communication can hide
     under the other's compute. On one GPU there is no communication to hide. Keeping the
     matmuls apart then makes each micro-batch read every weight, which is most of a decode
-    step (measured on a 1 x H200 compile of ``MoEConfig.deepseek_v3_reduced()``, decode 128:
-    41.6 GB of top-level kernel traffic vs 21.9 GB without TBO). So small micro-batches (at
-    most ``SINGLE_DEVICE_MERGE_MAX_ROWS`` rows: weight-bandwidth bound) let the dot merger
-    loose (XLA's default stops at 32 MB, below an expert weight): A's and B's matmuls over one
-    weight become one matmul that reads it once (22.4 GB). Large ones (compute bound) keep
-    XLA's defaults: merging them reads the weights once but concatenates both micro-batches'
-    activations first, which cost more (prefill 16384: 282 GB merged vs 239 GB apart; 207 GB
-    without TBO). The rows of the two micro-batches stay separate either way, so the numbers
-    are the same.
+    step. So small micro-batches (at most ``SINGLE_DEVICE_MERGE_MAX_ROWS`` rows: weight-
+    bandwidth bound) let the dot merger loose (XLA's default stops at 32 MB, below an expert
+    weight): A's and B's matmuls over one weight become one matmul that reads it once. Large
+    ones (compute bound) keep XLA's defaults: merging them reads the weights once but
+    concatenates both micro-batches' activations first, which costs more traffic
+    (BENCHMARKS.md, "TBO step cost on one GPU"). The rows of the two micro-batches stay
+    separate either way, so the numbers are the same.
 
     Args:
       mesh: the step's mesh.

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jtbo.collectives import mesh as mesh_lib
+from jtbo.collectives import rows as rows_lib
 from jtbo.overlap import layer_loop, operations, strategy
 
 DP_AXIS = mesh_lib.DP_AXIS
@@ -261,8 +262,7 @@ def _ep_operations(weights: ToyLayerWeights, config: ToyStackConfig) -> dict:
 
 def _expert_slots(topk_ids: jax.Array, num_experts: int) -> jax.Array:
     """Slot of each (token, choice) in its expert's buffer: its rank among that expert's choices."""
-    one_hot = jax.nn.one_hot(topk_ids.reshape(-1), num_experts, dtype=jnp.int32)
-    return jnp.sum((jnp.cumsum(one_hot, axis=0) - 1) * one_hot, axis=-1)  # [tokens * top_k]
+    return rows_lib.rank_within_group(topk_ids.reshape(-1), num_experts)  # [tokens * top_k]
 
 
 def _dp_operations(weights: ToyLayerWeights, config: ToyStackConfig) -> dict:

@@ -3,14 +3,13 @@
 Two-batch overlap relies on the two micro-batches staying independent dataflow until XLA's
 latency-hiding scheduler has placed one's asynchronous collectives over the other's compute.
 Passes that merge independent work fuse them back together (measured on 8xH200 compiles of
-toy MoE stacks, DESIGN.md "Facts"):
+toy MoE stacks: BENCHMARKS.md, "Overlap coverage (8xH200 compile on the CPU)"):
 
-- the dot merger joins A's and B's matmuls that share a weight into one matmul (coverage
-  0.25; 1.0 with ``xla_gpu_dot_merger_threshold_mb=0``);
+- the dot merger joins A's and B's matmuls that share a weight into one matmul;
 - the all-gather / reduce-scatter combiners join A's and B's collectives into one, which
-  then has nothing independent left to overlap and turns synchronous (coverage 0.02; 0.98
-  with both combine thresholds at 0). The all-reduce combiner does the same to ``psum``
-  (SUM_LEN DP gathers), and the collective-permute combiner to ring exchanges.
+  then has nothing independent left to overlap and turns synchronous. The all-reduce
+  combiner does the same to ``psum`` (SUM_LEN DP gathers), and the collective-permute
+  combiner to ring exchanges.
 
 The names are XLA ``DebugOptions`` fields, accepted by ``compile(compiler_options=...)``; an
 unknown name is rejected by the compiler ("No such compile option"), and the tests compile
@@ -104,13 +103,10 @@ TBO_PROCESS_ENV = (("CUDA_DEVICE_MAX_CONNECTIONS", "1"),)
 """Environment a multi-GPU TBO process should start with (read when CUDA starts: set it
 before JAX first touches a GPU).
 
-``CUDA_DEVICE_MAX_CONNECTIONS=1``: one hardware work queue per device. Measured on two H200s
-(jax 0.11.2, BENCHMARKS.md "Run-time overlap on two H200s"): with each 448 MiB all-to-all
-pinned beside a block of matmuls (``python -m jtbo.bench overlap``), the share of the shorter
-chain hidden rose from 0.21-0.33 to 0.57-0.69; in the TBO model step the share of NCCL time
-under compute rose from 0.60-0.79 to 0.81-0.88. Tried on the same probe and not kept: copy
-engines for local peers (``xla_gpu_use_memcpy_local_p2p``: 0.30, 0.14 with one connection),
-``NCCL_MAX_NCHANNELS=4`` (0.32, the exchange 3.7x slower).
+``CUDA_DEVICE_MAX_CONNECTIONS=1``: one hardware work queue per device. On two H200s it let
+an exchange and the compute beside it share the GPU far better, in the overlap probe and in
+the TBO model step; copy engines for local peers and fewer NCCL channels, tried on the same
+probe, did not (BENCHMARKS.md, "Run-time overlap on two H200s (issue 14)").
 """
 
 

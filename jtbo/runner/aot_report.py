@@ -6,38 +6,11 @@ arrays of a real host plan (``planning.plan_step`` over synthetic EXTEND or DECO
 then measures it with ``jtbo.overlap.report.overlap_report``. Needs the ``aot`` extra and
 ``JAX_PLATFORMS=cpu``.
 
-Findings (``MoEConfig.tiny()``, 4 x 2 H200 compile, 64 tokens / sequences per DP rank, bf16,
-``tbo_compiler_options``; every collective of the step is in the denominator):
-
-* Start: TBO only around the MoE layers - prefill 0.955, decode 0.907. Uncovered: the dense
-  layer's attention all-reduce over attn_tp (8 KiB, before the split: neither micro-batch's),
-  the 4-byte overflow psum after the merge, and in decode (``d = 2``) A's first MoE attention
-  all-reduce (A's lone stages) and B's last attn_tp all-gather after ``combine_b`` (B's lone
-  stages).
-* Fix 1, issue order / ownership (``jtbo.models.step_operations``): the embedding, dense
-  layers and LM head run per micro-batch; the dense layers are cut into stages so A's lone
-  decode stages hold no collective, and the LM head is a last stage so B's last collective
-  runs beside A's LM head.
-* The collectives EP dispatcher sent each dispatch as two all-to-alls (rows, then the int32
-  expert ids); XLA:GPU keeps one async collective in flight by default, and the extra one
-  left its neighbours uncovered (decode 0.659). Fix 2: the ids ride in the rows' all-to-all
-  as bitcast columns (``collectives.ep_dispatch``): prefill 1.000, decode 0.859.
-* Fix 3, no round barriers (``ParallelConfig.tbo_round_barriers=False``): with barriers,
-  B's two MoE attention all-reduces and A's first combine all-to-all stayed synchronous (the
-  barrier pins each round, and a round held two collectives where the overlap limit allows
-  one); without them XLA places every collective: prefill 1.000, decode 1.000 (0.9999: the
-  16-byte overflow psum, which stays outside both micro-batches so that every process reads
-  the same counts, is the only uncovered collective). Same for the Qwen3-style layout and for
-  8 x 1. (The toy stack of ``jtbo.overlap.report`` measured the opposite - barriers helped -
-  so this is per program; measure.)
-* At 8 tokens per DP rank (2 rows per device) XLA still left B's first MoE all-reduce and A's
-  first dispatch synchronous (0.879); from 16 tokens per rank on: 1.000.
-* Later (second session): the step also reduces the EP peak loads (a 16-byte ``pmax`` beside
-  the overflow ``psum``), and XLA keeps one of the two synchronous: 0.9998 at 64 tokens per
-  rank. Packing the plan into one buffer (``jtbo.split.packing``) first dropped decode to
-  0.953: A's and B's small ops read the same packed operand, XLA's sibling multi-output
-  fusion joined them, and two attn_tp all-gathers turned synchronous; an optimization
-  barrier over the unpacked inputs (multi-device meshes) restored 0.9998.
+With ``tbo_round_barriers=False`` and the step's per-micro-batch embedding, dense layers and
+LM head, TBO covers every collective of the step from 16 tokens per DP rank on, except one of
+the small overflow / peak-load reductions, which stay outside both micro-batches so that every
+process reads the same counts. The figures and the fixes that got there: BENCHMARKS.md, "The
+model's own step (4 x 2 H200 compile on the CPU, 2026-11-29)".
 """
 
 import jax
@@ -140,6 +113,7 @@ def model_step_program(
     moe_a2a_backend: str = "ep",
     ep_capacity_factor: float | None = None,
     dtype=jnp.bfloat16,
+    tbo_issue_barriers: bool = True,
 ):
     """The runner's jitted step and abstract arguments (no parameter memory) for one plan.
 
@@ -157,6 +131,7 @@ def model_step_program(
       moe_a2a_backend: "ep" or "none".
       ep_capacity_factor: EP capacity factor (None: worst case).
       dtype: parameter / activation dtype.
+      tbo_issue_barriers: ``layer_ops.ParallelConfig.tbo_issue_barriers``.
 
     Returns:
       ``(jitted_step, abstract_args, compiler_options)``: the runner compiles
@@ -172,8 +147,9 @@ def model_step_program(
         lambda: model_lib.cast(model_lib.MoEModel(config, rngs=nnx.Rngs(0)), dtype)
     )
     parallel = layer_ops.ParallelConfig(
-        moe_a2a_backend, attn_tp_size, dp_size * attn_tp_size, ep_capacity_factor
-    )
+        moe_a2a_backend, attn_tp_size, dp_size * attn_tp_size, ep_capacity_factor,
+        tbo_issue_barriers=tbo_issue_barriers,
+    )  # fmt: skip
     seq_capacity = seq_capacity or tokens_per_rank
     plan = _synthetic_plan(
         ForwardMode(mode), dp_size, attn_tp_size, tokens_per_rank, enable_tbo, seq_capacity
@@ -205,7 +181,8 @@ def _synthetic_plan(
     """The host plan of every DP rank running the same synthetic batch."""
     options = planning.PlanOptions(
         attn_tp_size=attn_tp_size, token_buckets=(tokens_per_rank,), seq_capacity=seq_capacity,
-        max_context=_max_context(tokens_per_rank), enable_tbo=enable_tbo, threshold=0.48,
+        max_context=_max_context(tokens_per_rank), enable_tbo=enable_tbo,
+        threshold=split.plan.DEFAULT_THRESHOLD,
     )  # fmt: skip
     plan = planning.plan_step([_synthetic(mode, tokens_per_rank, 4)] * dp_size, options)
     if enable_tbo and plan.child_capacity is None:

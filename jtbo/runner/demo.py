@@ -8,9 +8,15 @@ why: ``ModelRunner.tbo_summary``), compile counts, tokens/s, the max |logits dif
 one shared step, whether the generated tokens match, and — with the ``aot`` extra — the
 overlap coverage of the model's prefill and decode steps compiled for 8 H200s. Exit code 1 if
 the runs disagree.
+
+Its first line is ``jtbo.info.summary_line()``, the next the platform jax runs on. With
+``--expect-gpu`` (or ``JTBO_EXPECT_GPU=1``, which ``make demo`` sets where it installed the GPU
+set-up) a run that finds jax on another platform says so on stderr and exits 3 without
+running: it presents no CPU figures as GPU ones.
 """
 
 import argparse
+import os
 import sys
 import time
 
@@ -19,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jtbo import aot, split
+from jtbo import aot, info, split
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
@@ -27,6 +33,7 @@ from jtbo.runner import aot_report
 from jtbo.runner import runner as runner_lib
 
 TOLERANCE = 1e-3  # max |logits difference| allowed between TBO and plain (float32)
+EXIT_NOT_ON_GPU = 3  # exit code: a GPU was expected but jax runs elsewhere
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,7 +44,34 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--moe-a2a-backend", choices=("ep", "none"), default="ep")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--expect-gpu", action="store_true", default=os.environ.get("JTBO_EXPECT_GPU") == "1",
+        help="refuse to run unless jax runs on a GPU (default: env JTBO_EXPECT_GPU=1)",
+    )  # fmt: skip
     return parser
+
+
+def _platform_check(expect_gpu: bool) -> int | None:
+    """Prints the platform; returns ``EXIT_NOT_ON_GPU`` when a GPU was expected but is absent.
+
+    Args:
+      expect_gpu: whether a GPU was asked for (``--expect-gpu`` / ``JTBO_EXPECT_GPU=1``).
+
+    Returns:
+      None to go on, or the exit code to stop with.
+    """
+    platform = jax.default_backend()
+    print(f"platform: {platform} ({jax.devices()[0].device_kind})")
+    if not expect_gpu or platform == "gpu":
+        return None
+    print(
+        f"\n*** GPU EXPECTED, BUT JAX RUNS ON {platform.upper()} ***\n"
+        "The GPU set-up was installed or asked for (make demo GPU=1 / JTBO_EXPECT_GPU=1 / "
+        "--expect-gpu), but jax found no GPU: check `python -m jtbo.info` (CUDA plugin version, "
+        "JAX_PLATFORMS, drivers). Refusing to present CPU figures as GPU figures.",
+        file=sys.stderr,
+    )
+    return EXIT_NOT_ON_GPU
 
 
 def _layout(args) -> tuple[int, int]:
@@ -94,8 +128,12 @@ def _coverage_lines(dp: int, tp: int) -> list[str]:
 
 
 def main(argv=None) -> int:
-    """Runs the demo; returns the exit code (0: TBO and plain agree)."""
+    """Runs the demo; returns the exit code (0: TBO and plain agree, 3: no GPU as expected)."""
     args = _parser().parse_args(argv)
+    print(info.summary_line())
+    stop = _platform_check(args.expect_gpu)
+    if stop is not None:
+        return stop
     dp, tp = _layout(args)
     mesh = mesh_lib.make_mesh(dp, tp)
     config = config_lib.MoEConfig.tiny()

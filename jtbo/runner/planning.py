@@ -41,6 +41,7 @@ from jtbo.attention import metadata as metadata_lib
 from jtbo.attention import tbo_backend
 from jtbo.collectives import context as context_lib
 from jtbo.collectives import padding
+from jtbo.split import arith
 from jtbo.split import forward_mode as forward_mode_lib
 
 ForwardMode = forward_mode_lib.ForwardMode
@@ -98,10 +99,6 @@ def idle_batch() -> split.ForwardBatch:
     return split.ForwardBatch(
         forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=np.zeros((0,), np.int32)
     )
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,14 +188,12 @@ def summarize(batch: split.ForwardBatch, options: PlanOptions) -> LocalRank:
     seq_index = split.compute_split_seq_index(
         mode, batch.num_tokens, lens, per_seq, threshold=options.threshold
     )
-    token_index = split.compute_split_token_index(
-        seq_index, mode, lens, per_seq, threshold=options.threshold
-    )
     children = split.split_batch(
         dataclasses.replace(batch, tbo_split_seq_index=seq_index),
         attn_tp_size=options.attn_tp_size,
         threshold=options.threshold,
     )
+    token_index = int(children[0].tbo_parent_token_range[1])  # split_batch's token split
     summary = RankSummary(mode, batch.num_tokens, draft, seq_index, token_index)
     return LocalRank(batch, summary, children)
 
@@ -291,7 +286,9 @@ def decide(summaries: Sequence[RankSummary], options: PlanOptions) -> StepDecisi
     kind = _attention_kind(summaries, draft)
     counts = tuple(int(s.num_tokens) for s in summaries)
     multiple = math.lcm(options.attn_tp_size, draft or 1)
-    capacity = _round_up(split.token_bucket(max(max(counts), 1), options.token_buckets), multiple)
+    capacity = arith.round_up(
+        split.token_bucket(max(max(counts), 1), options.token_buckets), multiple
+    )
     mode = _tbo_mode(summaries) if options.enable_tbo else None
     child_cap, indices = None, None
     if mode is not None:
@@ -302,7 +299,7 @@ def decide(summaries: Sequence[RankSummary], options: PlanOptions) -> StepDecisi
             token_num_per_seq=draft or 1,
             decode_like=mode.is_decode() or mode.is_target_verify(),
         )
-        child_cap = _round_up(child_cap, multiple)
+        child_cap = arith.round_up(child_cap, multiple)
         indices = _split_indices(summaries, child_cap)
     if indices is None:
         child_cap, mode = None, ForwardMode.EXTEND

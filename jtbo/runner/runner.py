@@ -77,7 +77,7 @@ class ModelRunner:
         mesh: jax.sharding.Mesh,
         *,
         enable_two_batch_overlap: bool | str = False,
-        tbo_token_distribution_threshold: float = 0.48,
+        tbo_token_distribution_threshold: float = split.plan.DEFAULT_THRESHOLD,
         moe_a2a_backend: str = "ep",
         max_total_tokens: int,
         max_running_requests: int,
@@ -86,6 +86,7 @@ class ModelRunner:
         ep_capacity_factor: float | None = None,
         ep_overflow_policy: str = "raise",
         tbo_round_barriers: bool = False,
+        tbo_issue_barriers: bool = True,
         tbo_auto_trials: int = tbo_auto.DEFAULT_TRIALS,
         tbo_auto_margin: float = tbo_auto.DEFAULT_MARGIN,
         tbo_timer: tbo_auto.StepTimer | None = None,
@@ -112,6 +113,9 @@ class ModelRunner:
             or "rerun" (again with the next capacity bucket; ``collectives.resolve_overflow``).
           tbo_round_barriers: pin each TBO round with optimization barriers that leave the
             in-flight collective results out (``layer_ops.ParallelConfig``); off by default.
+          tbo_issue_barriers: on multi-device meshes, pin both micro-batches before every
+            collective-issuing operation so each exchange window holds the other micro-batch's
+            next stage (``layer_ops.ParallelConfig``); on by default.
           tbo_auto_trials: "auto": timed runs of each program of a new shape (after one
             warm-up run each; the median counts).
           tbo_auto_margin: "auto": TBO is kept only if ``tbo_ms <= (1 - margin) * plain_ms``.
@@ -149,6 +153,7 @@ class ModelRunner:
         self.parallel = layer_ops.ParallelConfig(
             moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size,
             ep_capacity_factor, ep_overflow_policy, tbo_round_barriers=tbo_round_barriers,
+            tbo_issue_barriers=tbo_issue_barriers,
         )  # fmt: skip
         buckets = token_buckets or split.default_token_buckets(max_total_tokens)
         self.options = planning.PlanOptions(

@@ -5,6 +5,7 @@
 * ``filter``: ``split_batch``, the pure split of a host batch into TBO children.
 * ``padding``: static-capacity form for jit and token buckets.
 * ``activations``: in-graph split/merge of activations at a traced token index.
+* ``arith``: ``ceil_div`` / ``round_up``, the integer rounding the planners and buffers share.
 """
 
 from jtbo.split.activations import child_capacity, merge_outputs, plan_fits_capacity, split_inputs

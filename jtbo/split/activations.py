@@ -31,11 +31,7 @@ from typing import Any
 import jax
 
 from jtbo import kernels
-from jtbo.split import plan
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
+from jtbo.split import arith, plan
 
 
 def child_capacity(
@@ -77,11 +73,11 @@ def child_capacity(
                          f"{token_num_per_seq} must be >= 1")  # fmt: skip
     c = token_capacity
     balanced = max(math.floor(c * (1 - threshold)), c - math.ceil(c * threshold))
-    half = -(-c // 2)
-    decode = -(-(c // token_num_per_seq) // 2) * token_num_per_seq
+    half = arith.ceil_div(c, 2)
+    decode = arith.ceil_div(c // token_num_per_seq, 2) * token_num_per_seq
     if decode_like:
-        return _round_up(decode, attn_tp_size)
-    return _round_up(max(balanced, half, decode), attn_tp_size)
+        return arith.round_up(decode, attn_tp_size)
+    return arith.round_up(max(balanced, half, decode), attn_tp_size)
 
 
 def plan_fits_capacity(split_token_index: int, num_tokens: int, *, child_capacity: int) -> bool:

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from jtbo.split import arith, plan, spec
 from jtbo.split import batch as batch_lib
 from jtbo.split import forward_mode as forward_mode_lib
-from jtbo.split import plan, spec
 
 ForwardMode = forward_mode_lib.ForwardMode
 _TWO_CHUNK_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED)
@@ -57,7 +57,7 @@ def padded_len(num_tokens: int, attn_tp_size: int) -> int:
     Returns:
       The smallest multiple of ``attn_tp_size`` that is >= ``num_tokens``.
     """
-    return -(-num_tokens // attn_tp_size) * attn_tp_size
+    return arith.round_up(num_tokens, attn_tp_size)
 
 
 def _seq_field(batch: batch_lib.ForwardBatch, name: str, rows: _ChildRange) -> Any:
@@ -194,7 +194,10 @@ def plan_tbo_split(
 
 
 def split_batch(
-    batch: batch_lib.ForwardBatch, *, attn_tp_size: int = 1, threshold: float = 0.48
+    batch: batch_lib.ForwardBatch,
+    *,
+    attn_tp_size: int = 1,
+    threshold: float = plan.DEFAULT_THRESHOLD,
 ) -> tuple[batch_lib.ForwardBatch, batch_lib.ForwardBatch]:
     """Splits a host batch at ``batch.tbo_split_seq_index`` into TBO children A and B.
 

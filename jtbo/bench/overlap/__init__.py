@@ -99,6 +99,8 @@ from jtbo.bench.overlap.timing import (
 )
 from jtbo.bench.overlap.variants import Variant, format_option_value, parse_variant, variants_of
 
+CONFIGURES_JAX = True  # main sets jax options (CPU devices, collectives) before backend start
+
 __all__ = [
     "BOTH_BODIES",
     "CHECK_COLUMNS",
