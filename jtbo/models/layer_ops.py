@@ -62,10 +62,12 @@ class ParallelConfig:
         covered 0.859 of its collective bytes with barriers and 1.000 without (prefill 1.000
         both ways); see ``jtbo.runner.aot_report``.
       tbo_issue_barriers: on multi-device meshes, pin both micro-batches' live arrays before
-        every collective-issuing operation (``jtbo.models.step._run_tbo``). On by default:
-        on two H200s (dp=2, EP) it raised the share of NCCL time under compute from 0.37 to
-        0.64-0.86 (BENCHMARKS.md, "Run-time overlap on two H200s (issue 14)"); on CPU
-        compiles of other layouts its estimated effect is mixed (same section).
+        every collective-issuing (``*_a``) operation (``jtbo.models.step._run_tbo``). None
+        (default): on where attention has no tensor parallelism (``attn_tp_size == 1``). On
+        two H200s (dp=2, EP) they raised the share of NCCL time under compute from 0.37 to
+        0.64-0.86; they order only the ``*_a`` exchanges, and on CPU compiles of layouts with
+        ``attn_tp`` collectives the estimate prefers XLA's own placement (BENCHMARKS.md,
+        "Run-time overlap on two H200s (issue 14)").
     """
 
     moe_a2a_backend: Literal["ep", "none"]
@@ -76,7 +78,14 @@ class ParallelConfig:
     ep_exchange: str = "dense"
     ep_slot_alignment: int = 1
     tbo_round_barriers: bool = False
-    tbo_issue_barriers: bool = True
+    tbo_issue_barriers: bool | None = None
+
+    @property
+    def issue_barriers(self) -> bool:
+        """Whether TBO steps on multi-device meshes use issue barriers (see the field)."""
+        if self.tbo_issue_barriers is None:
+            return self.attn_tp_size == 1
+        return self.tbo_issue_barriers
 
     def __post_init__(self):
         if self.ep_capacity_factor is not None and self.ep_capacity_factor <= 0:

@@ -213,7 +213,7 @@ def step_body(
     else:
         logits = _run_tbo(
             operations_of, params, per_rank, contexts, child_capacity,
-            parallel.tbo_round_barriers, isolate_micro_batches, parallel.tbo_issue_barriers,
+            parallel.tbo_round_barriers, isolate_micro_batches, parallel.issue_barriers,
         )  # fmt: skip
     # Reduced over the EP group so every process reads the same counts (16 bytes each; the
     # only collectives outside both micro-batches).

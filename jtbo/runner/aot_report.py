@@ -113,7 +113,7 @@ def model_step_program(
     moe_a2a_backend: str = "ep",
     ep_capacity_factor: float | None = None,
     dtype=jnp.bfloat16,
-    tbo_issue_barriers: bool = True,
+    tbo_issue_barriers: bool | None = None,
 ):
     """The runner's jitted step and abstract arguments (no parameter memory) for one plan.
 

@@ -86,7 +86,7 @@ class ModelRunner:
         ep_capacity_factor: float | None = None,
         ep_overflow_policy: str = "raise",
         tbo_round_barriers: bool = False,
-        tbo_issue_barriers: bool = True,
+        tbo_issue_barriers: bool | None = None,
         tbo_auto_trials: int = tbo_auto.DEFAULT_TRIALS,
         tbo_auto_margin: float = tbo_auto.DEFAULT_MARGIN,
         tbo_timer: tbo_auto.StepTimer | None = None,
@@ -115,7 +115,7 @@ class ModelRunner:
             in-flight collective results out (``layer_ops.ParallelConfig``); off by default.
           tbo_issue_barriers: on multi-device meshes, pin both micro-batches before every
             collective-issuing operation so each exchange window holds the other micro-batch's
-            next stage (``layer_ops.ParallelConfig``); on by default.
+            next stage (``layer_ops.ParallelConfig``); None: on where ``attn_tp_size == 1``.
           tbo_auto_trials: "auto": timed runs of each program of a new shape (after one
             warm-up run each; the median counts).
           tbo_auto_margin: "auto": TBO is kept only if ``tbo_ms <= (1 - margin) * plain_ms``.

@@ -75,14 +75,11 @@ def test_tbo_step_covers_its_collectives_on_an_h200_compile(mode):
     )
     assert rep.coverage >= 0.95, report.format_report(rep)
     assert all(window.micro_batch for window in rep.windows if window.num_bytes > 16)
-    # Only the 16-byte overflow / peak-load reductions and, in decode, one 1 KiB attn_tp
-    # all-reduce of B's lone last stages (the issue barriers order A's last stages before it,
-    # so nothing is left beside it) may run synchronously: a larger one turning synchronous
-    # means something joined the two micro-batches (step.py's input barrier, for one).
-    assert all(window.is_async for window in rep.windows if window.num_bytes > 1024)
-    assert sum(not window.is_async for window in rep.windows if window.num_bytes > 16) <= (
-        mode == ForwardMode.DECODE
-    )
+    # Only the 16-byte overflow / peak-load reductions may run synchronously: a larger one
+    # turning synchronous means something joined the two micro-batches (step.py's input
+    # barrier, for one) or pinned them too tightly (issue barriers with attn_tp > 1, which
+    # ParallelConfig leaves off by default).
+    assert all(window.is_async for window in rep.windows if window.num_bytes > 16)
 
 
 def test_step_key_traces_once_and_a_retrace_fails_loudly():
@@ -230,3 +227,10 @@ def test_two_gpu_exchange_windows_hold_the_other_micro_batchs_compute(mode, toke
         return
     # decode: B's last dispatch has only its own shared experts beside it (d = 2: A is done)
     assert sum(fill < 1.0 for fill in fills) <= (mode == ForwardMode.DECODE), fills
+
+
+def test_issue_barriers_default_on_only_without_attention_tensor_parallelism():
+    assert layer_ops.ParallelConfig("ep", 1, 2).issue_barriers
+    assert not layer_ops.ParallelConfig("ep", 2, 8).issue_barriers
+    assert layer_ops.ParallelConfig("ep", 2, 8, tbo_issue_barriers=True).issue_barriers
+    assert not layer_ops.ParallelConfig("ep", 1, 2, tbo_issue_barriers=False).issue_barriers
