@@ -34,4 +34,5 @@ demo: $(STAMP)
 	JTBO_EXPECT_GPU=$(EXPECT_GPU) $(PY) -m jtbo.demo
 
 test: lint
+	$(PY) tools/unused_exports.py
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile
