@@ -63,11 +63,9 @@ class ParallelConfig:
         both ways); see ``jtbo.runner.aot_report``.
       tbo_issue_barriers: on multi-device meshes, pin both micro-batches' live arrays before
         every collective-issuing (``*_a``) operation (``jtbo.models.step._run_tbo``). None
-        (default): on where attention has no tensor parallelism (``attn_tp_size == 1``). On
-        two H200s (dp=2, EP) they raised the share of NCCL time under compute from 0.37 to
-        0.64-0.86; they order only the ``*_a`` exchanges, and on CPU compiles of layouts with
-        ``attn_tp`` collectives the estimate prefers XLA's own placement (BENCHMARKS.md,
-        "Run-time overlap on two H200s (issue 14)").
+        (default): on where attention has no tensor parallelism (``attn_tp_size == 1``): they
+        order only the ``*_a`` exchanges, not ``attn_tp`` collectives (measurements:
+        BENCHMARKS.md, "Run-time overlap on two H200s (issue 14)").
     """
 
     moe_a2a_backend: Literal["ep", "none"]

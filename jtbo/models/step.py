@@ -138,16 +138,17 @@ def _run_tbo(
     """Both micro-batches staggered; their logits merged back at the parent offsets.
 
     ``operations_of(params) -> (ops, delta)`` builds one micro-batch's operation list over a
-    view of the parameters. ``isolate`` keeps the micro-batches apart where one's exchange
-    must run beside the other's compute (multi-device meshes):
+    view of the parameters. Where one micro-batch's exchange must run beside the other's
+    compute (multi-device meshes):
 
-    * each micro-batch reads the parameters through its own ``optimization_barrier`` (tied
-      to its own inputs). Over shared parameter buffers XLA's sibling multi-output fusion
-      joined A's and B's small ops that read the same weight (routing, dispatch
-      bookkeeping), so A's dispatch depended on B's gate and routing, and no schedule could
-      put B's attention beside A's exchange;
-    * every collective-issuing operation (``*_a``) first passes both micro-batches' live
-      arrays, the other one's in-flight collective results included, through one barrier
+    * ``isolate``: each micro-batch reads the parameters through its own
+      ``optimization_barrier`` (tied to its own inputs). Over shared parameter buffers XLA's
+      sibling multi-output fusion joined A's and B's small ops that read the same weight
+      (routing, dispatch bookkeeping), so A's dispatch depended on B's gate and routing, and
+      no schedule could put B's attention beside A's exchange;
+    * ``issue_barriers`` (only with ``isolate``): every collective-issuing operation
+      (``*_a``) first passes both micro-batches' live arrays, the other one's in-flight
+      collective results included, through one barrier
       (``execute_overlapped_operations(issue_barriers=True)``). The collective's input is
       then ready before the other micro-batch's next stage starts, and the other's exchange
       ends before this one is issued (XLA keeps one collective in flight anyway), so each
@@ -161,11 +162,12 @@ def _run_tbo(
     t, n = per_rank["split_token_index"], per_rank["num_tokens"]
     inputs = dict(input_ids=per_rank["input_ids"], positions=per_rank["positions"])
     children = activations.split_inputs(inputs, t, n, child_capacity=child_capacity)
-    views = [params, params]
     if isolate:
         pairs = [jax.lax.optimization_barrier((params, child)) for child in children]
-        views, children = [view for view, _ in pairs], [child for _, child in pairs]
-    built = [operations_of(view) for view in views]
+        built = [operations_of(view) for view, _ in pairs]
+        children = [child for _, child in pairs]
+    else:
+        built = [operations_of(params)] * 2  # one operation list serves both micro-batches
     delta = built[0][1]
     outputs = operations.execute_overlapped_operations(
         children, [ops for ops, _ in built], [0, delta], contexts_arr=contexts, barriers=barriers,

@@ -345,9 +345,8 @@ def _pin_before_issue(executors: Sequence[_StageExecutor]) -> None:
 
     Skipped once the other micro-batch has no collective left to issue: its remaining work
     then needs no order against this collective, and pinning it would only keep it out of
-    the window (measured on a 4 x 2 H200 compile of ``MoEConfig.tiny()``, decode: with the
-    pin B's last dispatch and combine turned synchronous, since A's last stages were forced
-    before them; coverage 0.81 instead of 0.999).
+    the window (in decode, where B's last stages run alone, B's last exchanges would then have
+    nothing beside them and XLA makes them synchronous).
     """
     if all(executor.issues_ahead() for executor in executors):
         _pin_round(executors, in_flight=True)

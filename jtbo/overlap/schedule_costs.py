@@ -5,8 +5,7 @@ XLA's latency-hiding scheduler decides how much compute to place between a colle
 instruction runs. Whatever it decides, the GPU then runs the schedule in order on one compute
 stream: an exchange hides only under the compute placed inside its window. The coverage of
 ``jtbo.overlap.report`` counts a window as covered when any other-micro-batch compute is
-inside, so one small fusion beside a 466 MiB all-to-all passes it (the 2 x 1 H200 prefill
-compile did exactly that, and on the GPUs the exchange ran alone).
+inside, so one small fusion beside a 466 MiB all-to-all passes it.
 
 This module prices every instruction from its shapes - a roofline: matmul FLOPs over the
 matmul rate, bytes read and written over the memory bandwidth, plus a launch cost; a loop as
@@ -15,12 +14,8 @@ dependent, as the attention loops' are) - and every collective from its bytes ov
 bandwidth. ``window_fill`` then gives, for each collective, the estimated compute of the other
 micro-batch inside its window against the exchange's estimated time: below 1.0 the exchange
 outlasts the compute beside it. The figures are estimates for comparing schedules, not
-predictions of step times.
-
-Tried and not kept: handing XLA these estimates as a profile-guided latency-estimator input
-(``xla_gpu_pgle_profile_file_or_directory_path``) did not widen the windows of the TBO step -
-its micro-batches' dataflow was joined by XLA's fusions, so B's compute could not move into
-A's window whatever the estimates (``jtbo.models.step._run_tbo`` keeps them apart instead).
+predictions of step times (BENCHMARKS.md, "Run-time overlap on two H200s (issue 14)", compares
+them with the GPU profiles).
 """
 
 import dataclasses
@@ -39,9 +34,8 @@ _SHAPE_DIMS = re.compile(r"\[([\d,]*)\]")
 class CostModel:
     """The device and link figures the estimates are made from.
 
-    Defaults: one H200 as measured here (bf16 matmuls near 700 TF/s at model sizes, XLA's
-    own fusions 2.2-3.0 TB/s) and NCCL over NVLink between two H200s (a 466 MiB all-to-all
-    in about 0.8 ms of NCCL kernel time in a prefill step's profile).
+    Defaults: one H200 and NCCL over NVLink between two H200s, rounded from the measured
+    figures in BENCHMARKS.md ("Kernels", "Run-time overlap on two H200s (issue 14)").
     """
 
     matmul_flops_per_s: float = 700e12  # dense bf16 matmul rate
