@@ -8,12 +8,14 @@ Dispatch:
 1. ``dispatch_a`` (issue, on the sender): number each (token, k) assignment within its
    destination device in token order; the first ``peer_capacity`` go into that peer's slots of
    a ``[ep, peer_capacity, H]`` send buffer together with their local expert id (-1 marks an
-   empty slot); the rest are counted as peer overflow. Then it *issues* the exchange - dense:
-   ``lax.all_to_all`` of the fixed slots; ragged: a small all-to-all of the slot counts, then
+   empty slot); the rest are counted as peer overflow. The ids ride in trailing columns of the
+   rows (bitcast, one payload). Then it *issues* the exchange - dense: ``lax.all_to_all`` of
+   the fixed slots; ragged: a small all-to-all of the slot counts, then
    ``lax.ragged_all_to_all`` of only the filled slots into the same receive layout - and
    returns without reading the result, so the exchange can overlap the other micro-batch.
-2. ``dispatch_b`` (consume, on the receiver): number the received rows within their local
-   expert in (source, slot) order; the first ``expert_capacity`` fill that expert's slots of
+2. ``dispatch_b`` (consume, on the receiver): split the received payload into rows and ids,
+   number the received rows within their local expert in (source, slot) order; the first
+   ``expert_capacity`` fill that expert's slots of
    ``[num_local_experts, expert_capacity, H]`` (zeros elsewhere), the rest are expert overflow.
 
 Combine runs the same way back: ``combine_a`` picks each received row's expert output and
@@ -41,8 +43,12 @@ from jtbo.collectives import rows as rows_lib
 class DispatchInFlight:
     """``dispatch_a``'s result: the exchange in flight and the sender's routing."""
 
-    recv_hidden: jax.Array  # [ep * peer_capacity, H] rows by source device (in flight)
-    recv_local_expert: jax.Array  # [ep * peer_capacity] int32 local expert, -1 empty (in flight)
+    # [ep * peer_capacity, H + id columns] rows by source device, each with its int32 local
+    # expert id (-1 empty) bitcast into trailing columns (in flight). Kept packed until
+    # dispatch_b: a TBO issue barrier pins in-flight values, and a slice taken here would be
+    # pinned as its own copy of every received row instead of fusing into dispatch_b's gather.
+    recv_payload: jax.Array
+    hidden_width: int = dataclasses.field(metadata=dict(static=True))  # H
     send_slot: jax.Array  # [T, top_k] int32 send-buffer slot of each assignment, -1 none
     send_counts: jax.Array  # [ep] int32 rows sent to each device
     topk_weights: jax.Array  # [T, top_k] routing weights
@@ -102,15 +108,16 @@ def dispatch_a(
         dispatcher, topk_ids, num_valid_tokens
     )
     send_hidden, send_expert = _fill_send_buffer(dispatcher, hidden_states, topk_ids, send_slot)
+    payload = pack_ids(send_hidden, send_expert)
     if dispatcher.exchange == "dense":
-        recv_hidden, recv_expert = _all_to_all_with_ids(dispatcher, send_hidden, send_expert)
+        received = _all_to_all(dispatcher, payload)
     else:
         recv_counts = _all_to_all(dispatcher, send_counts)
-        recv_hidden = _ragged_exchange(dispatcher, send_hidden, send_counts, recv_counts, 0)
-        recv_expert = _ragged_exchange(dispatcher, send_expert, send_counts, recv_counts, -1)
+        empty = pack_ids(jnp.zeros_like(send_hidden), jnp.full_like(send_expert, -1))
+        received = _ragged_exchange(dispatcher, payload, send_counts, recv_counts, empty)
     return DispatchInFlight(
-        recv_hidden=recv_hidden,
-        recv_local_expert=recv_expert,
+        recv_payload=received,
+        hidden_width=hidden_states.shape[1],
         send_slot=send_slot,
         send_counts=send_counts,
         topk_weights=topk_weights,
@@ -133,7 +140,7 @@ def dispatch_b(
       slots) and the state ``combine_a`` needs.
     """
     num_local, capacity = dispatcher.num_local_experts, dispatcher.expert_capacity
-    expert = in_flight.recv_local_expert
+    recv_hidden, expert = unpack_ids(in_flight.recv_payload, in_flight.hidden_width)
     received = expert >= 0
     rank = rows_lib.rank_within_group(jnp.where(received, expert, num_local), num_local)
     kept = received & (rank < capacity)
@@ -141,7 +148,7 @@ def dispatch_b(
     expert_peak = _peak(rank, received)
     recv_expert_slot = jnp.where(kept, expert * capacity + rank, -1)
     rows = _invert_slots(recv_expert_slot, num_local * capacity)
-    expert_inputs = _gather_rows(in_flight.recv_hidden, rows)
+    expert_inputs = _gather_rows(recv_hidden, rows)
     rows_per_peer = received.reshape(dispatcher.ep_size, dispatcher.peer_capacity)
     state = DispatchState(
         recv_expert_slot=recv_expert_slot,
@@ -180,7 +187,9 @@ def combine_a(
         returned = _all_to_all(dispatcher, back)
     else:
         # Reverse roles: send what was received, receive what was sent.
-        returned = _ragged_exchange(dispatcher, back, state.recv_counts, state.send_counts, 0)
+        returned = _ragged_exchange(
+            dispatcher, back, state.recv_counts, state.send_counts, jnp.zeros_like(back)
+        )
     return CombineInFlight(
         returned=returned, send_slot=state.send_slot, topk_weights=state.topk_weights
     )
@@ -288,33 +297,50 @@ def _all_to_all(dispatcher, x):
     return jax.lax.all_to_all(x, dispatcher.axis_names, 0, 0, tiled=True)
 
 
-def _all_to_all_with_ids(dispatcher, hidden, ids):
-    """Rows and their int32 ids in ONE all-to-all: the ids ride as extra columns, bitcast.
+def pack_ids(rows: jax.Array, ids: jax.Array) -> jax.Array:
+    """Rows with their int32 ids bitcast into trailing columns: one exchange carries both.
 
     Two exchanges would each need a slot of XLA:GPU's async-collective overlap limit (one in
     flight at a time by default): measured on a 4 x 2 H200 compile of the model's decode
-    step, the separate id all-to-all left the row exchanges beside it uncovered. A bitcast
-    moves the bits unchanged. Row dtypes wider than 4 bytes keep two exchanges.
+    step, a separate id all-to-all left the row exchanges beside it uncovered. A bitcast
+    moves the bits unchanged.
+
+    Args:
+      rows: ``[N, H]`` rows of any dtype.
+      ids: ``[N]`` integer ids that fit in int32.
+
+    Returns:
+      ``[N, H + c]`` in ``rows.dtype``: ``c = 4 // itemsize`` columns for dtypes of at most
+      4 bytes, one column (the id widened to the row's width) for wider ones.
     """
-    itemsize = jnp.dtype(hidden.dtype).itemsize
-    if itemsize > 4:
-        return _all_to_all(dispatcher, hidden), _all_to_all(dispatcher, ids)
-    id_columns = jax.lax.bitcast_convert_type(ids.astype(jnp.int32), hidden.dtype)
-    id_columns = id_columns.reshape(ids.shape[0], 4 // itemsize)
-    received = _all_to_all(dispatcher, jnp.concatenate([hidden, id_columns], axis=1))
-    width = hidden.shape[1]
-    back = received[:, width:]
-    if itemsize == 4:
-        back = back[:, 0]
-    return received[:, :width], jax.lax.bitcast_convert_type(back, jnp.int32)
+    itemsize = jnp.dtype(rows.dtype).itemsize
+    if itemsize <= 4:
+        columns = jax.lax.bitcast_convert_type(ids.astype(jnp.int32), rows.dtype)
+    else:
+        wide = jnp.dtype(f"int{8 * itemsize}")
+        columns = jax.lax.bitcast_convert_type(ids.astype(wide), rows.dtype)
+    return jnp.concatenate([rows, columns.reshape(ids.shape[0], -1)], axis=1)
 
 
-def _ragged_exchange(dispatcher, operand, send_sizes, recv_sizes, fill):
-    """Moves only the filled leading rows of each peer block into the fixed block layout."""
+def unpack_ids(payload: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+    """Inverse of ``pack_ids``: ``([N, width] rows, [N] int32 ids)``."""
+    columns = payload[:, width:]
+    itemsize = jnp.dtype(payload.dtype).itemsize
+    if itemsize >= 4:
+        columns = columns[:, 0]
+    id_dtype = jnp.int32 if itemsize <= 4 else jnp.dtype(f"int{8 * itemsize}")
+    ids = jax.lax.bitcast_convert_type(columns, id_dtype)
+    return payload[:, :width], ids.astype(jnp.int32)
+
+
+def _ragged_exchange(dispatcher, operand, send_sizes, recv_sizes, output):
+    """Moves only the filled leading rows of each peer block into ``output``'s block layout.
+
+    ``output`` is what rows not received keep.
+    """
     block = dispatcher.peer_capacity
     peers = jnp.arange(dispatcher.ep_size, dtype=jnp.int32)
     me = jax.lax.axis_index(dispatcher.axis_names).astype(jnp.int32)
-    output = jnp.full_like(operand, fill)
     return jax.lax.ragged_all_to_all(
         operand,
         output,

@@ -227,6 +227,27 @@ def test_two_gpu_exchange_windows_hold_the_other_micro_batchs_compute(mode, toke
         return
     # decode: B's last dispatch has only its own shared experts beside it (d = 2: A is done)
     assert sum(fill < 1.0 for fill in fills) <= (mode == ForwardMode.DECODE), fills
+    # The issue barriers pin the received payload whole: no copy of its rows may be made
+    # between the exchange and the expert gather (it was a 466 MiB slice per layer and
+    # micro-batch while dispatch_a sliced the rows from their id columns).
+    assert not _copies_of_exchange_results(text)
+
+
+def _copies_of_exchange_results(text: str) -> list[str]:
+    """Entry fusions that read only an all-to-all result and write at least half its bytes."""
+    entry = next(c for c in hlo_schedule.parse_module(text).values() if c.is_entry)
+    done = {
+        i.name: sum(hlo_schedule.shape_bytes(i.shape))
+        for i in entry.instructions
+        if i.opcode == "all-to-all-done"
+    }
+    return [
+        i.name
+        for i in entry.instructions
+        if i.opcode == "fusion"
+        and i.operands in {(name,) for name in done}
+        and 2 * sum(hlo_schedule.shape_bytes(i.shape)) >= done[i.operands[0]]
+    ]
 
 
 def test_issue_barriers_default_on_only_without_attention_tensor_parallelism():
