@@ -68,7 +68,8 @@ def summary_line(start_backend: bool = True) -> str:
     Returns:
       E.g. ``"jtbo 0.1.0 | jax 0.12.0.1 | cpu x8 | impls: xla, pallas(interpret)"``.
     """
-    head = f"jtbo {packages.package('jtbo').version} | jax {packages.package('jax').version}"
+    # Run from a checkout without installing, jtbo has no metadata: say so, not "jtbo None".
+    head = f"{packages.package('jtbo').describe()} | {packages.package('jax').describe()}"
     if not start_backend:
         return f"{head} | devices: not started yet (jax is configured first)"
     where = _backend_lines(lambda: [devices.platform_phrase()])[0]

@@ -27,6 +27,17 @@ def test_summary_line_names_versions_devices_and_impls():
     assert "not started" in report.summary_line(start_backend=False)
 
 
+def test_summary_line_says_when_jtbo_runs_uninstalled(monkeypatch):
+    real = report.packages.package
+    monkeypatch.setattr(
+        report.packages,
+        "package",
+        lambda name: report.packages.Package(name, None) if name == "jtbo" else real(name),
+    )
+    line = report.summary_line(start_backend=False)
+    assert line.startswith("jtbo not installed | jax "), line
+
+
 def _only_jax(monkeypatch):
     real = importlib.metadata.version
 
