@@ -1,4 +1,4 @@
-"""Tuning knobs of the grouped expert GEMM kernels (``jtbo.kernels.grouped_ffn``).
+"""Tuning knobs of the grouped expert GEMM kernels (``jtbo.kernels.grouped_gemm``).
 
 One program computes a ``block_m x block_n`` output tile of one expert's rows, looping over
 the contraction in steps of ``block_k`` (a loop Triton software-pipelines over ``num_stages``
