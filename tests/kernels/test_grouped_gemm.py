@@ -5,6 +5,8 @@ H = 64); bfloat16 inputs round the hidden activation to bfloat16 in both impls a
 accumulate in float32, so they are held to 3e-2 of the output's scale against float64.
 """
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jtbo import kernels
+from jtbo import aot, kernels
 from jtbo.kernels import gemm_config, grouped_gemm
 
 E, H, F = 4, 64, 32
@@ -165,3 +167,24 @@ def test_gemm_config_fits_blocks():
     assert gemm_config.fit(128, 7168) == 128 and gemm_config.fit(128, 96) == 32
     cfg = gemm_config.GemmConfig(block_m=128)
     assert cfg.rows_block(5) == 16 and cfg.rows_block(40) == 64 and cfg.rows_block(999) == 128
+
+
+def test_kernels_compile_for_an_h200_on_the_cpu():
+    # The Triton lowering and XLA's Triton compile of both kernels at DeepSeek-V3's expert
+    # shapes (H 7168, F 2048, bf16, default config), for a described H200 (jtbo.aot).
+    if not aot.aot_available():
+        pytest.skip("needs the aot extra (jax-cuda12-plugin)")
+    sharding = jax.sharding.NamedSharding(aot.gpu_mesh((1,), ("x",)), jax.sharding.PartitionSpec())
+    shapes = [((4, 96, 7168), jnp.bfloat16), ((4,), jnp.int32)]
+    shapes += [((4, 7168, 2, 2048), jnp.bfloat16), ((4, 2048, 7168), jnp.bfloat16)]
+    args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
+    kernel = functools.partial(
+        grouped_gemm.grouped_ffn_pallas, max_rows=200, cfg=gemm_config.GROUPED_FFN, interpret=False
+    )
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    abstract = jax.sharding.AbstractMesh(
+        (1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=h200
+    )
+    with jax.sharding.use_abstract_mesh(abstract):  # Pallas asks it which GPU it lowers for
+        hlo = jax.jit(kernel).lower(*args).compile().as_text()
+    assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 2
