@@ -28,7 +28,9 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
   block_k, warps, pipeline stages, row-tile group; omitted parts keep the defaults), e.g.
   ``pallas:128x64x64w8s3/128x128x64w8s3``. Before timing, the kernel alone is checked on the
   first two experts' slots against ``grouped_ffn_reference`` (float32, exact count) and its
-  padding slots must come out zero (a log line; a failure is an error row).
+  padding slots must come out zero (a log line; a failure is an error row). Each ``pallas``
+  row is followed by ``pallas (kernel)``: ``kernels.grouped_ffn`` alone on slots laid out
+  beforehand, without the layer's scatter into slots and gather out of them.
 * ``dense``: the yardstick of the issue-15 target, not a routed layer: one dense SwiGLU
   (``[T * k, H] @ [H, 2F]``, ``silu * up``, ``@ [F, H]``, bf16 hidden, float32 accumulate)
   over as many rows as the routed pairs, with one expert's weights. Its useful TF/s is the
@@ -422,6 +424,37 @@ def check_pallas_kernel(variant: str, x, ids_np, weights, capacity: int) -> floa
     return rel_error(out, ref)
 
 
+def slot_inputs(x, ids, num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """``(x_slots [E, C, H], counts [E])`` laid out as ``experts_capacity`` lays them."""
+    position = experts.slot_positions(ids, num_experts)
+    expert = jnp.where(position < capacity, ids, num_experts)  # past capacity: dropped
+    token = jnp.broadcast_to(jnp.arange(x.shape[0])[:, None], ids.shape)
+    slots = jnp.zeros((num_experts, capacity, x.shape[1]), x.dtype)
+    slots = slots.at[expert, position].set(x[token], mode="drop")
+    counts = jnp.minimum(jnp.bincount(ids.reshape(-1), length=num_experts), capacity)
+    return slots, counts.astype(jnp.int32)
+
+
+def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Row:
+    """``IMPL (kernel)``: ``kernels.grouped_ffn`` alone on ready slots (no routing bookkeeping)."""
+    x, ids_np, ids, _, weights, _, _ = inputs
+    slots, counts = slot_inputs(x, ids, shapes.experts, capacity)
+    pairs = num_tokens * shapes.top_k
+    fn = jax.jit(
+        functools.partial(
+            kernels.grouped_ffn, impl="pallas", config=pallas_config(impl.partition(":")[2]),
+            max_rows=min(shapes.experts * capacity, pairs),
+        )
+    )  # fmt: skip
+    timing = dict(warmup=args.warmup, iters=args.iters, reps=args.reps)
+    return Row(
+        tokens=num_tokens, impl=f"{impl} (kernel)", capacity=None, dropped=None,
+        seconds=time_fn(fn, (slots, counts, *weights), **timing),
+        useful_flops=shapes.useful_flops(num_tokens), computed_flops=shapes.slot_flops(pairs),
+        weight_bytes=shapes.weight_bytes(len(np.unique(ids_np)), jnp.dtype(args.dtype).itemsize),
+    )  # fmt: skip
+
+
 def _impl_row(impl, num_tokens, shapes, capacity, inputs, args) -> Row:
     """Measures one impl (any failure becomes an error row)."""
     x, ids_np, ids, routing, weights, rows, ref = inputs
@@ -479,6 +512,10 @@ def measure(num_tokens: int, impls: list[str], shapes: Shapes, args) -> list[Row
         row = _impl_row(impl, num_tokens, shapes, capacity, inputs, args)
         _log(format_row(row, None))
         out_rows.append(row)
+        if impl.partition(":")[0] == "pallas" and row.error is None:
+            row = kernel_row(impl, num_tokens, shapes, capacity, inputs, args)
+            _log(format_row(row, None))
+            out_rows.append(row)
     return out_rows
 
 

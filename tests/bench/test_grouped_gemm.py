@@ -43,6 +43,7 @@ def test_pallas_and_dense_rows_with_ratios(capsys):
     rows = {r[1]: r for r in _table(out)}
     assert float(rows["pallas:16x16x32w4s2"][8]) < 2e-2  # rel err vs the float32 reference
     assert rows["dense"][8] == "-" and rows["dense"][9] == "1.00"  # the yardstick itself
+    assert float(rows["pallas:16x16x32w4s2 (kernel)"][4]) > 0  # the kernel alone, timed
     for row in rows.values():
         assert float(row[9]) > 0 and float(row[10]) > 0 and float(row[11]) > 0
 
