@@ -4,6 +4,8 @@ Tolerance: float32 end to end through 3 layers; different summation orders (shar
 psum, capacity slots) give ~1e-6 differences, so atol = rtol = 2e-4.
 """
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -190,11 +192,12 @@ def test_pallas_experts_match_xla_end_to_end():
     # moe_runner_backend="pallas" (the grouped GEMM kernel; the Pallas interpreter here) must
     # give the logits of the default capacity einsum (EP over 2 devices, 4 local experts;
     # tests/models/test_experts.py covers the gathered-experts path's experts_capacity).
-    model = model_lib.MoEModel(config_lib.MoEConfig.tiny(), rngs=nnx.Rngs(3))
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(3))
     dp = 2
     make = lambda impl: runner_lib.ModelRunner(  # noqa: E731
         model, mesh_lib.make_mesh(dp, 1), moe_a2a_backend="ep",
-        max_total_tokens=32, max_running_requests=2, token_buckets=(16,), dtype=jnp.float32,
+        max_total_tokens=16, max_running_requests=2, token_buckets=(16,), dtype=jnp.float32,
         moe_runner_backend=impl,
     )  # fmt: skip
     new = [_prompts(np.random.default_rng(r), [7, 6]) for r in range(dp)]
