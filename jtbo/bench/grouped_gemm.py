@@ -1,8 +1,8 @@
 """One routed-expert FFN layer three ways: ``python -m jtbo.bench grouped_gemm [flags]``.
 
 ``python -m jtbo.bench grouped_gemm [--tokens 128,256,4096,16384]
-[--impls capacity,ragged_dot,tokamax] [--capacity-factor 4] [--skew 0] [--iters 5] [--reps 5]
-[--small]``
+[--impls capacity,dense,pallas,ragged_dot,tokamax] [--capacity-factor 4] [--skew 0] [--iters 5]
+[--reps 5] [--small] [--no-copy-ceiling]``
 
 Question: jtbo's routed experts run as a capacity-slot batched matmul
 (``jtbo.models.experts.experts_capacity``) because ``jax.lax.ragged_dot`` ran far slower on
@@ -21,6 +21,20 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
   slots per expert (the EP capacity of the tbo bench); pairs past an expert's capacity are
   dropped (the ``dropped`` column; they show up in the error). It computes ``E * capacity``
   rows whatever the routing: ``computed TF/s`` counts those rows, ``useful TF/s`` the real ones.
+* ``pallas``: ``experts_capacity`` with ``impl="pallas"``: the same slots, but the grouped
+  GEMM kernel (``jtbo.kernels.grouped_gemm``) computes only the filled ones (rows padded to
+  its row block per expert). ``pallas:SPEC`` sets its launch shapes: ``SPEC`` is
+  ``MxNxK[wW][sS][gG]`` for both kernels or ``GATE_UP/DOWN`` for each (block_m x block_n x
+  block_k, warps, pipeline stages, row-tile group; omitted parts keep the defaults), e.g.
+  ``pallas:128x64x64w8s3/128x128x64w8s3``. Before timing, the kernel alone is checked on the
+  first two experts' slots against ``grouped_ffn_reference`` (float32, exact count) and its
+  padding slots must come out zero (a log line; a failure is an error row). Each ``pallas``
+  row is followed by ``pallas (kernel)``: ``kernels.grouped_ffn`` alone on slots laid out
+  beforehand, without the layer's scatter into slots and gather out of them.
+* ``dense``: the yardstick of the issue-15 target, not a routed layer: one dense SwiGLU
+  (``[T * k, H] @ [H, 2F]``, ``silu * up``, ``@ [F, H]``, bf16 hidden, float32 accumulate)
+  over as many rows as the routed pairs, with one expert's weights. Its useful TF/s is the
+  denominator of every row's ``vs dense``.
 * ``ragged_dot``: ``experts_ragged_dot_reference`` (pairs sorted by expert,
   ``jax.lax.ragged_dot``, gate / up in float32).
 * ``tokamax``: the same sorted rows through ``tokamax.ragged_dot(...,
@@ -36,9 +50,14 @@ Timing: each impl is one jitted function of (tokens, ids, routing weights, exper
 after ``--warmup`` calls, ``--reps`` batches of ``--iters`` calls are enqueued back to back and
 waited for (``block_until_ready``); the table gives the median per-call time. ``useful TF/s``
 = 2 * 3 * T * k * H * F / time; ``time / capacity`` is the impl's time over ``capacity``'s at
-the same T (< 1: faster). Numerics: ``rel err`` = ||out - ref|| / ||ref|| over ``--check-rows``
-tokens spread evenly over the batch (a token's output depends on its own row only), ``ref``
-being ``experts_ragged_dot_reference`` in float32 at ``highest`` matmul precision.
+the same T (< 1: faster); ``vs dense`` = the dense row's time over the impl's (its useful TF/s
+as a fraction of dense; target >= 0.75 at 4096-16384 tokens). ``weight GB/s`` = the bytes of
+the routed experts' weights (every expert that got a pair, 3 * H * F each) per second;
+``of copy`` divides it by the device's copy bandwidth (read + write bytes per second of a
+1 GiB ``torch`` ``copy_``, or of XLA's ``x + s`` without torch), measured once at the start
+(target >= 0.85 at 128-256 tokens). Numerics: ``rel err`` = ||out - ref|| / ||ref|| over
+``--check-rows`` tokens spread evenly over the batch (a token's output depends on its own row
+only), ``ref`` being ``experts_ragged_dot_reference`` in float32 at ``highest`` precision.
 
 tokamax is optional and imported only when a ``tokamax*`` impl is asked for; a failing impl
 (tokamax not importable, an unsupported kernel, ...) gets an ``error`` row and the run exits
@@ -59,6 +78,7 @@ import dataclasses
 import datetime
 import functools
 import math
+import re
 import statistics
 import time
 
@@ -66,10 +86,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jtbo import kernels
+from jtbo.bench import kernels as kernels_bench
+from jtbo.kernels import grouped_gemm
 from jtbo.models import config as config_lib
 from jtbo.models import experts
 
-IMPLS = ("capacity", "ragged_dot", "tokamax")
+IMPLS = ("capacity", "dense", "pallas", "ragged_dot", "tokamax")
+GIB = 1 << 30
 TOKAMAX_WHEEL = "tokamax-0.0.17-py3-none-any.whl"
 # tokamax 0.0.17 data/autotuning/nvidia_h100_80gb_hbm3/pallas_mosaic_gpu_ragged_dot.json: the
 # fastest config for bf16[131072, 7168] x bf16[256, 7168, 1024] (gate / up: K = H) and for
@@ -121,6 +145,10 @@ class Shapes:
     def slot_flops(self, rows: int) -> float:
         """FLOPs of ``rows`` expert rows (the slots a capacity layout computes)."""
         return 2.0 * 3 * rows * self.hidden * self.ffn
+
+    def weight_bytes(self, num_experts: int, itemsize: int) -> float:
+        """Bytes of ``num_experts`` experts' gate, up and down weights."""
+        return 3.0 * num_experts * self.hidden * self.ffn * itemsize
 
 
 def route(num_tokens: int, shapes: Shapes, skew: float, seed: int) -> tuple[np.ndarray, ...]:
@@ -200,10 +228,52 @@ def tokamax_dot(variant: str, hidden: int):
     return dot
 
 
+_GEMM_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:w(\d+))?(?:s(\d+))?(?:g(\d+))?")
+
+
+def parse_gemm_config(spec: str) -> kernels.GemmConfig:
+    """``MxNxK[wW][sS][gG]`` -> ``GemmConfig`` (omitted parts keep the defaults).
+
+    Raises:
+      ValueError: a spec that does not match, or values ``GemmConfig`` rejects.
+    """
+    match = _GEMM_SPEC.fullmatch(spec)
+    if match is None:
+        raise ValueError(f"gemm config {spec!r}: expected MxNxK[wW][sS][gG], e.g. 64x128x64w4s4")
+    names = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "group_m")
+    return kernels.GemmConfig(
+        **{name: int(v) for name, v in zip(names, match.groups(), strict=True) if v is not None}
+    )
+
+
+def pallas_config(variant: str) -> kernels.GroupedFfnConfig | None:
+    """The ``GroupedFfnConfig`` of ``pallas:VARIANT`` (None for the default)."""
+    if not variant:
+        return None
+    gate_up, _, down = variant.partition("/")
+    return kernels.GroupedFfnConfig(
+        gate_up=parse_gemm_config(gate_up), down=parse_gemm_config(down or gate_up)
+    )
+
+
+def dense_layer(x_rows, w_gate_up, w_down) -> jax.Array:
+    """The dense yardstick: one SwiGLU over ``x_rows [M, H]`` with ``[H, 2, F]``, ``[F, H]``."""
+    f32 = jnp.float32
+    gate_up = jnp.einsum("mh,hsf->msf", x_rows, w_gate_up, preferred_element_type=f32)
+    hidden = (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]).astype(x_rows.dtype)
+    return jnp.dot(hidden, w_down, preferred_element_type=f32).astype(x_rows.dtype)
+
+
 def layer_fn(impl: str, shapes: Shapes, capacity: int):
     """The jitted layer ``(x, ids, routing weights, expert weights) -> [T, H]`` of ``impl``."""
     if impl == "capacity":
         return jax.jit(functools.partial(experts.experts_capacity, capacity=capacity))
+    if impl.partition(":")[0] == "pallas":
+        layer = functools.partial(
+            experts.experts_capacity, capacity=capacity, impl="pallas",
+            config=pallas_config(impl.partition(":")[2]),
+        )  # fmt: skip
+        return jax.jit(layer)
     if impl == "ragged_dot":
         return jax.jit(experts.experts_ragged_dot_reference)
     name, _, variant = impl.partition(":")
@@ -213,7 +283,9 @@ def layer_fn(impl: str, shapes: Shapes, capacity: int):
             experts.experts_sorted, grouped_dot=dot, hidden_dtype=None, out_dtype=None
         )
         return jax.jit(sorted_layer)
-    raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS} or tokamax:VARIANT")
+    raise ValueError(
+        f"unknown impl {impl!r}; expected one of {IMPLS}, pallas:SPEC or tokamax:VARIANT"
+    )
 
 
 def time_fn(fn, args, *, warmup: int, iters: int, reps: int) -> float:
@@ -272,28 +344,42 @@ class Row:
     useful_flops: float = 0.0
     computed_flops: float = 0.0
     rel_err: float | None = None
+    weight_bytes: float = 0.0
     error: str | None = None
 
 
 TABLE_HEAD = (
     "| T | impl | capacity / expert | dropped pairs | ms | useful TF/s | computed TF/s "
-    "| time / capacity | rel err |",
-    "|---|---|---|---|---|---|---|---|---|",
+    "| time / capacity | rel err | vs dense | weight GB/s | of copy |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
 )
 
 
-def format_row(row: Row, capacity_seconds: float | None) -> str:
+def _ratio(numerator: float | None, denominator: float | None) -> str:
+    return f"{numerator / denominator:.2f}" if numerator and denominator else "-"
+
+
+def format_row(
+    row: Row,
+    capacity_seconds: float | None,
+    dense_seconds: float | None = None,
+    copy_gbs: float | None = None,
+) -> str:
     """The markdown line of ``row``."""
     cap = "-" if row.capacity is None else str(row.capacity)
     dropped = "-" if row.dropped is None else str(row.dropped)
     if row.error is not None:
         lead = f"| {row.tokens} | {row.impl} | {cap} | {dropped} |"
-        return f"{lead} error: {row.error} | - | - | - | - |"
-    vs = f"{row.seconds / capacity_seconds:.2f}" if capacity_seconds else "-"
+        return f"{lead} error: {row.error} | - | - | - | - | - | - | - |"
+    err = "-" if row.rel_err is None else f"{row.rel_err:.2e}"
+    weight_gbs = row.weight_bytes / row.seconds / 1e9 if row.weight_bytes else None
     return (
         f"| {row.tokens} | {row.impl} | {cap} | {dropped} | {row.seconds * 1e3:.3f} | "
         f"{row.useful_flops / row.seconds / 1e12:.4g} | "
-        f"{row.computed_flops / row.seconds / 1e12:.4g} | {vs} | {row.rel_err:.2e} |"
+        f"{row.computed_flops / row.seconds / 1e12:.4g} | "
+        f"{_ratio(row.seconds, capacity_seconds)} | {err} | "
+        f"{_ratio(dense_seconds, row.seconds)} | "
+        f"{'-' if weight_gbs is None else f'{weight_gbs:.4g}'} | {_ratio(weight_gbs, copy_gbs)} |"
     )
 
 
@@ -304,6 +390,114 @@ def _log(line: str) -> None:
     print(f"{line}  [{time.perf_counter() - _START:.0f}s]", flush=True)
 
 
+def copy_ceiling(dtype, args) -> tuple[float, str]:
+    """(GB/s read + written, label) of a 1 GiB device copy: torch ``copy_``, else XLA."""
+    nbytes = GIB if not args.small else 1 << 20
+    if kernels_bench.torch_usable():
+        seconds = kernels_bench.torch_copy_seconds(nbytes, args.iters * 4, args.reps)
+        return 2 * nbytes / seconds / 1e9, "torch copy_"
+    x = jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype)
+    fn = jax.jit(lambda x, s: x + s.astype(x.dtype))
+    seconds = time_fn(fn, (x, jnp.float32(1)), warmup=1, iters=args.iters * 4, reps=args.reps)
+    return 2 * nbytes / seconds / 1e9, "XLA x + s"
+
+
+def check_pallas_kernel(variant: str, x, ids_np, weights, capacity: int) -> float:
+    """The kernel alone on the first two experts' slots: rel err vs ``grouped_ffn_reference``.
+
+    Raises:
+      AssertionError: a padding slot (past its expert's count) is not zero.
+    """
+    counts = np.minimum(np.bincount(ids_np.reshape(-1), minlength=2)[:2], capacity)
+    slots = jax.random.normal(jax.random.key(1), (2, capacity, x.shape[1]), x.dtype)
+    w2 = tuple(w[:2] for w in weights)
+    counts_arr = jnp.asarray(counts, jnp.int32)
+    fn = jax.jit(
+        functools.partial(kernels.grouped_ffn, impl="pallas", config=pallas_config(variant))
+    )
+    out = np.asarray(fn(slots, counts_arr, *w2), np.float32)
+    with jax.default_matmul_precision("highest"):
+        ref = grouped_gemm.grouped_ffn_reference(slots, counts_arr, *w2)
+    for e, count in enumerate(counts):
+        if out[e, count:].any():
+            raise AssertionError(f"expert {e}: slots past its count {count} are not zero")
+    return rel_error(out, ref)
+
+
+def slot_inputs(x, ids, num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """``(x_slots [E, C, H], counts [E])`` laid out as ``experts_capacity`` lays them."""
+    position = experts.slot_positions(ids, num_experts)
+    expert = jnp.where(position < capacity, ids, num_experts)  # past capacity: dropped
+    token = jnp.broadcast_to(jnp.arange(x.shape[0])[:, None], ids.shape)
+    slots = jnp.zeros((num_experts, capacity, x.shape[1]), x.dtype)
+    slots = slots.at[expert, position].set(x[token], mode="drop")
+    counts = jnp.minimum(jnp.bincount(ids.reshape(-1), length=num_experts), capacity)
+    return slots, counts.astype(jnp.int32)
+
+
+def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Row:
+    """``IMPL (kernel)``: ``kernels.grouped_ffn`` alone on ready slots (no routing bookkeeping)."""
+    x, ids_np, ids, _, weights, _, _ = inputs
+    slots, counts = slot_inputs(x, ids, shapes.experts, capacity)
+    pairs = num_tokens * shapes.top_k
+    fn = jax.jit(
+        functools.partial(
+            kernels.grouped_ffn, impl="pallas", config=pallas_config(impl.partition(":")[2]),
+            max_rows=min(shapes.experts * capacity, pairs),
+        )
+    )  # fmt: skip
+    timing = dict(warmup=args.warmup, iters=args.iters, reps=args.reps)
+    return Row(
+        tokens=num_tokens, impl=f"{impl} (kernel)", capacity=None, dropped=None,
+        seconds=time_fn(fn, (slots, counts, *weights), **timing),
+        useful_flops=shapes.useful_flops(num_tokens), computed_flops=shapes.slot_flops(pairs),
+        weight_bytes=shapes.weight_bytes(len(np.unique(ids_np)), jnp.dtype(args.dtype).itemsize),
+    )  # fmt: skip
+
+
+def _impl_row(impl, num_tokens, shapes, capacity, inputs, args) -> Row:
+    """Measures one impl (any failure becomes an error row)."""
+    x, ids_np, ids, routing, weights, rows, ref = inputs
+    is_cap = impl == "capacity"
+    base = dict(
+        tokens=num_tokens,
+        impl=impl,
+        capacity=capacity if is_cap else None,
+        dropped=dropped_pairs(ids_np, shapes.experts, capacity) if is_cap else None,
+    )
+    pairs = num_tokens * shapes.top_k
+    itemsize = jnp.dtype(args.dtype).itemsize
+    timing = dict(warmup=args.warmup, iters=args.iters, reps=args.reps)
+    try:
+        if impl == "dense":
+            fn = jax.jit(dense_layer)
+            dense_args = (jnp.tile(x, (shapes.top_k, 1)), weights[0][0], weights[1][0])
+            return Row(
+                **base, seconds=time_fn(fn, dense_args, **timing),
+                useful_flops=shapes.useful_flops(num_tokens),
+                computed_flops=shapes.slot_flops(pairs),
+                weight_bytes=shapes.weight_bytes(1, itemsize),
+            )  # fmt: skip
+        name, _, variant = impl.partition(":")
+        if name == "pallas":
+            kernel_err = check_pallas_kernel(variant, x, ids_np, weights, capacity)
+            _log(f"{impl} T={num_tokens}: kernel alone vs grouped_ffn_reference {kernel_err:.2e}")
+        fn = layer_fn(impl, shapes, capacity)
+        err = rel_error(np.asarray(fn(x, ids, routing, weights))[rows], ref)
+        computed_rows = shapes.experts * capacity if is_cap else pairs
+        touched = shapes.experts if is_cap else len(np.unique(ids_np))
+        return Row(
+            **base,
+            seconds=time_fn(fn, (x, ids, routing, weights), **timing),
+            useful_flops=shapes.useful_flops(num_tokens),
+            computed_flops=shapes.slot_flops(computed_rows),
+            rel_err=err,
+            weight_bytes=shapes.weight_bytes(touched, itemsize),
+        )
+    except Exception as e:  # noqa: BLE001  (reported as an error row, never skipped)
+        return Row(**base, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+
+
 def measure(num_tokens: int, impls: list[str], shapes: Shapes, args) -> list[Row]:
     """Rows of every impl at ``num_tokens`` tokens (same routing and inputs for all)."""
     ids_np, routing_np = route(num_tokens, shapes, args.skew, args.seed + num_tokens)
@@ -312,34 +506,16 @@ def measure(num_tokens: int, impls: list[str], shapes: Shapes, args) -> list[Row
     rows = check_rows(num_tokens, args.check_rows)
     ref = reference(x, ids, routing, weights, rows)
     capacity = capacity_for(num_tokens, shapes, args.capacity_factor)
+    inputs = (x, ids_np, ids, routing, weights, rows, ref)
     out_rows = []
     for impl in impls:
-        is_cap = impl == "capacity"
-        base = dict(
-            tokens=num_tokens,
-            impl=impl,
-            capacity=capacity if is_cap else None,
-            dropped=dropped_pairs(ids_np, shapes.experts, capacity) if is_cap else None,
-        )
-        try:
-            fn = layer_fn(impl, shapes, capacity)
-            out = fn(x, ids, routing, weights)
-            err = rel_error(np.asarray(out)[rows], ref)
-            seconds = time_fn(
-                fn, (x, ids, routing, weights), warmup=args.warmup, iters=args.iters, reps=args.reps
-            )
-            computed_rows = shapes.experts * capacity if is_cap else num_tokens * shapes.top_k
-            row = Row(
-                **base,
-                seconds=seconds,
-                useful_flops=shapes.useful_flops(num_tokens),
-                computed_flops=shapes.slot_flops(computed_rows),
-                rel_err=err,
-            )
-        except Exception as e:  # noqa: BLE001  (reported as an error row, never skipped)
-            row = Row(**base, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        row = _impl_row(impl, num_tokens, shapes, capacity, inputs, args)
         _log(format_row(row, None))
         out_rows.append(row)
+        if impl.partition(":")[0] == "pallas" and row.error is None:
+            row = kernel_row(impl, num_tokens, shapes, capacity, inputs, args)
+            _log(format_row(row, None))
+            out_rows.append(row)
     return out_rows
 
 
@@ -365,6 +541,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--check-rows", type=int, default=2048, help="tokens checked vs float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
+    p.add_argument(
+        "--no-copy-ceiling", action="store_true", help="skip the copy yardstick (no 'of copy')"
+    )
     args = p.parse_args(argv)
     if args.small:
         args.hidden, args.ffn, args.experts, args.top_k = 64, 32, 8, 2
@@ -393,14 +572,19 @@ def main(argv: list[str]) -> None:
         f"capacity factor {args.capacity_factor:g}  skew {args.skew:g}  "
         f"median of {args.reps} x {args.iters} calls"
     )
+    copy_gbs = None
+    if not args.no_copy_ceiling:
+        copy_gbs, label = copy_ceiling(jnp.dtype(args.dtype), args)
+        header += f"  copy {copy_gbs:.0f} GB/s ({label})"
     _log(header)
     rows = [row for t in tokens for row in measure(t, impls, shapes, args)]
     cap_seconds = {r.tokens: r.seconds for r in rows if r.impl == "capacity" and r.seconds}
+    dense_seconds = {r.tokens: r.seconds for r in rows if r.impl == "dense" and r.seconds}
     print()
     print(header)
     print("\n".join(TABLE_HEAD))
     for row in rows:
-        print(format_row(row, cap_seconds.get(row.tokens)))
+        print(format_row(row, cap_seconds.get(row.tokens), dense_seconds.get(row.tokens), copy_gbs))
     failed = [f"{r.impl} at T={r.tokens}: {r.error}" for r in rows if r.error is not None]
     if failed:
         raise SystemExit("grouped_gemm: impls failed:\n" + "\n".join(failed))

@@ -91,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--moe-a2a-backend", choices=("ep", "none"), default="ep")
     parser.add_argument("--ep-capacity-factor", type=float, default=4.0)
     parser.add_argument(
+        "--moe-runner-backend", choices=("xla", "pallas"), default="xla",
+        help="routed experts' FFN: batched matmul over every slot, or the grouped GEMM kernel",
+    )  # fmt: skip
+    parser.add_argument(
         "--ep-overflow-policy", choices=("rerun", "raise"), default="rerun",
         help="a step that overflows EP capacity re-runs with the next bucket (warm-up absorbs it)",
     )  # fmt: skip
@@ -491,7 +495,7 @@ def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = F
         max_running_requests=max(args.decode + [largest // args.prompt_len + 1]),
         token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.dtype(args.dtype),
         ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
-        tbo_round_barriers=barriers,
+        tbo_round_barriers=barriers, moe_runner_backend=args.moe_runner_backend,
     )  # fmt: skip
 
 
@@ -500,7 +504,8 @@ def _header(args) -> str:
     options = " ".join(f"--{name}={_flag_value(value)}" for name, value in args.xla_option)
     return (
         f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; dp={args.dp}, "
-        f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}; link {args.link}; "
+        f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}, experts "
+        f"{args.moe_runner_backend}; link {args.link}; "
         f"jax {jax.__version__}" + (f"; XLA_FLAGS += {options}" if options else "")
     )
 

@@ -3,6 +3,8 @@
 * ``dp_memcpy``: SGLang's DP memcpy, rows to or from a traced row offset.
 * ``slice_pad``: a TBO child's rows sliced out of the parent into a zero buffer.
 * ``merge_rows``: TBO children's rows written back at their parent offsets.
+* ``grouped_ffn``: the routed experts' SwiGLU over exactly each expert's filled capacity
+  slots (a grouped GEMM; tuning knobs in ``GroupedFfnConfig``).
 
 Each op takes ``impl`` (``"xla"``, ``"pallas"``, ``"triton"`` or None for the fastest
 available) and ``config`` (a ``CopyConfig``). All impls share one out-of-range rule
@@ -11,6 +13,8 @@ written, and nothing is shifted to fit.
 """
 
 from jtbo.kernels.config import CopyConfig
+from jtbo.kernels.gemm_config import GemmConfig, GroupedFfnConfig
+from jtbo.kernels.grouped_gemm import grouped_ffn
 from jtbo.kernels.impls import IMPLS, KernelUnavailableError
 from jtbo.kernels.memcpy import dp_memcpy
 from jtbo.kernels.merge import merge_rows
@@ -19,8 +23,11 @@ from jtbo.kernels.slice_pad import slice_pad
 __all__ = [
     "IMPLS",
     "CopyConfig",
+    "GemmConfig",
+    "GroupedFfnConfig",
     "KernelUnavailableError",
     "dp_memcpy",
+    "grouped_ffn",
     "merge_rows",
     "slice_pad",
 ]

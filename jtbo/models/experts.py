@@ -8,6 +8,11 @@ dispatch produces, and on the H200 it ran at dense-matmul speed, far faster than
 ``jax.lax.ragged_dot`` (BENCHMARKS.md, "Grouped GEMM for the routed experts").
 ``capacity = num_tokens`` can never drop a pair, since a token picks an expert at most once.
 
+The slot FFN takes each expert's row count and an ``impl`` (``jtbo.kernels.grouped_gemm``):
+``"xla"`` runs the batched matmul over every slot; ``"pallas"`` runs a grouped GEMM kernel over
+the filled slots only (padding slots cost neither loads nor matmuls, and come out zero as
+they do in the batched matmul, whose padding rows are zero inputs).
+
 Reference: ``experts_ragged_dot_reference`` sorts pairs by expert and runs ``jax.lax.ragged_dot``
 (exact, no capacity).
 
@@ -25,6 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtbo.collectives import rows as rows_lib
+from jtbo.kernels import gemm_config, grouped_gemm
 from jtbo.models import config as config_lib
 from jtbo.models import mlp
 
@@ -44,21 +50,37 @@ def slot_positions(topk_ids: jax.Array, num_experts: int) -> jax.Array:
     return position.reshape(topk_ids.shape).astype(jnp.int32)
 
 
-def experts_ffn_slots(x_slots: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU of every expert over its slots as batched matmuls.
+def experts_ffn_slots(
+    x_slots: jax.Array,
+    counts: jax.Array,
+    weights: tuple[jax.Array, jax.Array],
+    *,
+    impl: str = "xla",
+    max_rows: int | None = None,
+    config: gemm_config.GroupedFfnConfig | None = None,
+) -> jax.Array:
+    """SwiGLU of every expert over its first ``counts[e]`` slots (``kernels.grouped_gemm``).
 
     Args:
       x_slots: ``[E, C, H]`` rows per expert slot.
-      w_gate_up: ``[E, H, 2, F]`` (gate at index 0, up at 1); w_down: ``[E, F, H]``.
+      counts: ``[E]`` int32 rows per expert (its first slots; clipped to ``[0, C]``).
+      weights: ``(w_gate_up [E, H, 2, F] (gate at index 0, up at 1), w_down [E, F, H])``.
+      impl: ``"xla"`` (batched einsum over all ``C`` slots) or ``"pallas"`` (the exact-count
+        grouped GEMM kernel), as ``ParallelConfig.moe_runner_backend`` names it.
+      max_rows: static bound on the total rows (see ``kernels.grouped_gemm``); None: ``E * C``.
+      config: the kernel's launch shapes; None for the default.
 
     Returns:
-      ``[E, C, H]`` in ``x_slots.dtype`` (partial sums when F is a shard).
+      ``[E, C, H]`` in ``x_slots.dtype``, zero in slots past ``counts`` (partial sums when F
+      is a shard).
+
+    Raises:
+      ValueError: shapes that do not fit, an unknown impl.
+      KernelUnavailableError: the impl cannot run here.
     """
-    f32 = jnp.float32
-    gate_up = jnp.einsum("ech,ehsf->ecsf", x_slots, w_gate_up, preferred_element_type=f32)
-    hidden = (jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]).astype(x_slots.dtype)
-    out = jnp.einsum("ecf,efh->ech", hidden, w_down, preferred_element_type=f32)
-    return out.astype(x_slots.dtype)
+    return grouped_gemm.grouped_ffn(
+        x_slots, counts, *weights, impl=impl, config=config, max_rows=max_rows
+    )
 
 
 def experts_capacity(
@@ -67,6 +89,9 @@ def experts_capacity(
     topk_weights: jax.Array,
     weights: tuple[jax.Array, jax.Array],
     capacity: int | None = None,
+    *,
+    impl: str = "xla",
+    config: gemm_config.GroupedFfnConfig | None = None,
 ) -> jax.Array:
     """Routed-expert output per token through the capacity-slot layout.
 
@@ -76,6 +101,8 @@ def experts_capacity(
       topk_weights: ``[T, k]`` routing weights.
       weights: ``(w_gate_up [E, H, 2, F], w_down [E, F, H])``.
       capacity: slots per expert; None means ``T`` (never drops).
+      impl: the slot FFN's impl (``experts_ffn_slots``): "xla" or "pallas".
+      config: the kernel's launch shapes (``impl="pallas"``); None for the default.
 
     Returns:
       ``[T, H]`` in ``x.dtype``; pairs beyond ``capacity`` are dropped.
@@ -88,7 +115,11 @@ def experts_capacity(
     token = jnp.broadcast_to(jnp.arange(x.shape[0])[:, None], topk_ids.shape)
     slots = jnp.zeros((num_experts, capacity, x.shape[1]), x.dtype)
     slots = slots.at[expert, position].set(x[token], mode="drop")
-    out_slots = experts_ffn_slots(slots, *weights)
+    counts = jnp.bincount(expert.reshape(-1), length=num_experts + 1)[:num_experts]
+    max_rows = min(num_experts * capacity, topk_ids.size)  # a pair fills at most one slot
+    out_slots = experts_ffn_slots(
+        slots, counts.astype(jnp.int32), weights, impl=impl, max_rows=max_rows, config=config
+    )
     gathered = out_slots.at[expert, position].get(mode="fill", fill_value=0)  # [T, k, H]
     scale = jnp.where(valid, topk_weights, 0.0).astype(jnp.float32)
     return jnp.einsum("tkh,tk->th", gathered.astype(jnp.float32), scale).astype(x.dtype)

@@ -38,6 +38,7 @@ from jtbo.models import model as model_lib
 from jtbo.models import moe_exchange, router
 
 MOE_BACKENDS = ("ep", "none")
+MOE_RUNNER_BACKENDS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,9 @@ class ParallelConfig:
         (default): on where attention has no tensor parallelism (``attn_tp_size == 1``): they
         order only the ``*_a`` exchanges, not ``attn_tp`` collectives (measurements:
         BENCHMARKS.md, "Run-time overlap on two H200s (issue 14)").
+      moe_runner_backend: impl of the routed experts' FFN (SGLang's ``--moe-runner-backend``):
+        "xla" (batched matmul over every capacity slot) or "pallas" (grouped GEMM over the
+        filled slots only; ``jtbo.kernels.grouped_gemm``).
     """
 
     moe_a2a_backend: Literal["ep", "none"]
@@ -77,6 +81,7 @@ class ParallelConfig:
     ep_slot_alignment: int = 1
     tbo_round_barriers: bool = False
     tbo_issue_barriers: bool | None = None
+    moe_runner_backend: str = "xla"
 
     @property
     def issue_barriers(self) -> bool:
@@ -98,6 +103,10 @@ class ParallelConfig:
             raise ValueError(f"ep_exchange={self.ep_exchange!r}: expected {ep_config.EXCHANGES}")
         if self.ep_slot_alignment < 1:
             raise ValueError(f"ep_slot_alignment={self.ep_slot_alignment} must be >= 1")
+        if self.moe_runner_backend not in MOE_RUNNER_BACKENDS:
+            raise ValueError(
+                f"moe_runner_backend={self.moe_runner_backend!r}: expected {MOE_RUNNER_BACKENDS}"
+            )
 
 
 class StepBox:
@@ -261,9 +270,11 @@ def moe_layer_operations(
     """
     moe = layer.moe
     if parallel.moe_a2a_backend == "ep":
-        exchange_ops = moe_exchange.ep_operations(moe, parallel.attn_tp_size)
+        exchange_ops = moe_exchange.ep_operations(
+            moe, parallel.attn_tp_size, parallel.moe_runner_backend
+        )
     else:
-        exchange_ops = moe_exchange.gather_operations(moe)
+        exchange_ops = moe_exchange.gather_operations(moe, parallel.moe_runner_backend)
     return dict(
         attention_operations(layer, parallel),
         **_routing_operations(moe, config),

@@ -7,15 +7,17 @@ Two backends, as SGLang's DP-attention MoE has:
   ``ep_dispatcher`` context entry; ``jtbo.models.ep_dispatchers``). ``dispatch_a`` and
   ``combine_a`` issue the all-to-alls and leave their results ``InFlight`` across the yield
   (so round barriers leave them out); ``dispatch_b`` / ``combine_b`` consume them. The local
-  experts run as one batched matmul over their capacity slots. ``combine_b`` all-gathers the
-  blocks back over ``attn_tp``. Overflow counts go to the step box under the micro-batch's
-  index.
+  experts run over their capacity slots (``experts.experts_ffn_slots``: a batched matmul over
+  every slot, or with ``moe_runner_backend="pallas"`` a grouped GEMM over the filled ones).
+  ``combine_b`` all-gathers the blocks back over ``attn_tp``. Overflow counts go to the step
+  box under the micro-batch's index.
 * ``"none"``: ``dispatch_a`` DP-gathers rows and routing to every device; every device runs
   all experts on its slice of the expert hidden width; ``combine_a`` reduce-scatters the
   partial sums back to the DP ranks.
 """
 
 import jax
+import jax.numpy as jnp
 
 from jtbo.collectives import ep_dispatch, gather, rows, scatter
 from jtbo.collectives import mesh as mesh_lib
@@ -34,12 +36,25 @@ def _valid_rows_of_shard(num_tokens: jax.Array, shard_rows: int, tp: int) -> jax
     return jax.numpy.clip(num_tokens - start, 0, shard_rows) if tp > 1 else num_tokens
 
 
-def ep_operations(moe: model_lib.MoEBlock, attn_tp_size: int) -> dict:
+def expert_counts(recv_expert_slot: jax.Array, num_local: int, capacity: int) -> jax.Array:
+    """``[num_local]`` int32 filled slots per local expert, from ``DispatchState``'s slots.
+
+    ``dispatch_b`` fills each local expert's slots from slot 0 up, so its rows are its first
+    ``count`` slots.
+    """
+    expert = jnp.where(recv_expert_slot >= 0, recv_expert_slot // capacity, num_local)
+    return jnp.bincount(expert, length=num_local + 1)[:num_local].astype(jnp.int32)
+
+
+def ep_operations(
+    moe: model_lib.MoEBlock, attn_tp_size: int, moe_runner_backend: str = "xla"
+) -> dict:
     """``dispatch_a`` .. ``combine_b`` over the micro-batch's EP dispatcher.
 
     Args:
       moe: the layer's MoE block (local expert shards).
       attn_tp_size: devices per DP rank.
+      moe_runner_backend: the expert FFN's impl, "xla" or "pallas" (``experts_ffn_slots``).
 
     Returns:
       Operation name -> callable.
@@ -47,7 +62,12 @@ def ep_operations(moe: model_lib.MoEBlock, attn_tp_size: int) -> dict:
 
     def experts_op(state):
         inputs, dispatch_state = state.pop("dispatch_output")
-        outputs = experts.experts_ffn_slots(inputs, *moe.experts.weights)
+        num_local, capacity = inputs.shape[:2]
+        counts = expert_counts(dispatch_state.recv_expert_slot, num_local, capacity)
+        outputs = experts.experts_ffn_slots(
+            inputs, counts, moe.experts.weights, impl=moe_runner_backend,
+            max_rows=min(num_local * capacity, dispatch_state.recv_expert_slot.shape[0]),
+        )  # fmt: skip
         state.expert_output = (outputs, dispatch_state)
 
     return dict(
@@ -97,11 +117,12 @@ def _ep_combine_operations(tp: int) -> dict:
     return dict(combine_a=combine_a, combine_b=combine_b)
 
 
-def gather_operations(moe: model_lib.MoEBlock) -> dict:
+def gather_operations(moe: model_lib.MoEBlock, moe_runner_backend: str = "xla") -> dict:
     """``dispatch_a`` .. ``combine_b`` over DP gather + reduce-scatter (no EP).
 
     Args:
       moe: the layer's MoE block (every expert, a slice of its hidden width).
+      moe_runner_backend: the expert FFN's impl, "xla" or "pallas" (``experts_ffn_slots``).
 
     Returns:
       Operation name -> callable.
@@ -122,7 +143,9 @@ def gather_operations(moe: model_lib.MoEBlock) -> dict:
     def experts_op(state):
         x, ids, weights = state.pop("dispatch_output")
         # Every device holds all experts' slice of the hidden width: a partial sum per row.
-        state.expert_output = experts.experts_capacity(x, ids, weights, moe.experts.weights)
+        state.expert_output = experts.experts_capacity(
+            x, ids, weights, moe.experts.weights, impl=moe_runner_backend
+        )
 
     def combine_a(state):
         reduced = scatter.dp_reduce_scatter_tensor(state.pop("expert_output"), state.dp_context)

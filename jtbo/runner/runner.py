@@ -91,6 +91,7 @@ class ModelRunner:
         tbo_auto_margin: float = tbo_auto.DEFAULT_MARGIN,
         tbo_timer: tbo_auto.StepTimer | None = None,
         tbo_plan: str | os.PathLike | None = None,
+        moe_runner_backend: str = "xla",
     ):
         """Places the model on the mesh and allocates every DP rank's KV pool.
 
@@ -123,6 +124,9 @@ class ModelRunner:
             ``tbo_auto.wall_timer`` (device-synchronised wall time). Tests inject timings.
           tbo_plan: "auto": a plan file (``save_tbo_plan``); its shapes are decided without
             timing, shapes it does not list are still timed on first sight.
+          moe_runner_backend: the routed experts' FFN impl, "xla" (batched matmul over every
+            capacity slot) or "pallas" (grouped GEMM over the filled slots;
+            ``layer_ops.ParallelConfig``).
 
         Raises:
           ValueError: a mesh without the right axes, shapes that do not divide over it, an
@@ -153,7 +157,7 @@ class ModelRunner:
         self.parallel = layer_ops.ParallelConfig(
             moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size,
             ep_capacity_factor, ep_overflow_policy, tbo_round_barriers=tbo_round_barriers,
-            tbo_issue_barriers=tbo_issue_barriers,
+            tbo_issue_barriers=tbo_issue_barriers, moe_runner_backend=moe_runner_backend,
         )  # fmt: skip
         buckets = token_buckets or split.default_token_buckets(max_total_tokens)
         self.options = planning.PlanOptions(

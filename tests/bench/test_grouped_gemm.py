@@ -34,6 +34,30 @@ def test_small_run_prints_both_impls_with_small_errors(capsys):
     assert all(r[3] == "0" for r in rows if r[1] == "capacity")  # factor 4: nothing dropped
 
 
+def test_pallas_and_dense_rows_with_ratios(capsys):
+    grouped_gemm.main(
+        ["--small", "--tokens", "16", "--impls", "capacity,dense,pallas:16x16x32w4s2"]
+    )
+    out = capsys.readouterr().out
+    assert "kernel alone vs grouped_ffn_reference" in out
+    rows = {r[1]: r for r in _table(out)}
+    assert float(rows["pallas:16x16x32w4s2"][8]) < 2e-2  # rel err vs the float32 reference
+    assert rows["dense"][8] == "-" and rows["dense"][9] == "1.00"  # the yardstick itself
+    assert float(rows["pallas:16x16x32w4s2 (kernel)"][4]) > 0  # the kernel alone, timed
+    for row in rows.values():
+        assert float(row[9]) > 0 and float(row[10]) > 0 and float(row[11]) > 0
+
+
+def test_pallas_spec_parses_per_kernel_configs():
+    cfg = grouped_gemm.pallas_config("128x64x32w8s3/64x128x64g4")
+    assert (cfg.gate_up.block_m, cfg.gate_up.block_n, cfg.gate_up.block_k) == (128, 64, 32)
+    assert (cfg.gate_up.num_warps, cfg.gate_up.num_stages) == (8, 3)
+    assert cfg.down.group_m == 4 and cfg.down.num_warps == 4  # default warps
+    assert grouped_gemm.pallas_config("") is None
+    with pytest.raises(ValueError, match="MxNxK"):
+        grouped_gemm.pallas_config("64x64")
+
+
 def test_routing_is_distinct_and_skew_hits_expert_zero():
     ids, weights = grouped_gemm.route(200, SMALL, skew=0.5, seed=0)
     assert ids.shape == (200, 2) and ids.dtype == np.int32

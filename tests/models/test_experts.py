@@ -59,6 +59,20 @@ def test_padding_ids_take_no_slot_and_small_capacity_drops():
     np.testing.assert_array_equal(np.asarray(dropped[4:]), 0.0)
 
 
+def test_pallas_slot_ffn_with_padding_and_dropped_pairs_matches_numpy():
+    # The grouped GEMM kernel (Pallas interpreter on the CPU) behind experts_capacity: a
+    # padding pair, then a capacity that drops pairs (expert 0 and 1 keep 4 rows each).
+    weights, x, ids, w = _inputs(5, 9)
+    ids[3] = -1
+    got = experts.experts_capacity(x, ids, w, weights, impl="pallas")
+    chex.assert_trees_all_close(got, _numpy_experts(x, ids, w, weights), rtol=1e-4, atol=1e-4)
+    ids[:] = np.array([0, 1])
+    dropped = experts.experts_capacity(x, ids, w, weights, capacity=4, impl="pallas")
+    kept = _numpy_experts(x[:4], ids[:4], w[:4], weights)
+    chex.assert_trees_all_close(dropped[:4], kept, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(dropped[4:]), 0.0)
+
+
 def test_slot_positions_count_earlier_pairs():
     ids = jax.numpy.array([[0, 2], [2, 1], [0, 2]])
     np.testing.assert_array_equal(experts.slot_positions(ids, 3), [[0, 0], [1, 0], [1, 2]])

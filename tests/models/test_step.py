@@ -54,6 +54,8 @@ def test_operations_fill_the_strategy_layout(factory, mode):
 
 
 def test_parallel_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="moe_runner_backend"):
+        layer_ops.ParallelConfig("ep", 1, 8, moe_runner_backend="triton")
     with pytest.raises(ValueError, match="moe_a2a_backend"):
         layer_ops.ParallelConfig("deepep", 1, 8)
     with pytest.raises(ValueError, match="ep_capacity_factor"):

@@ -4,6 +4,8 @@ Tolerance: float32 end to end through 3 layers; different summation orders (shar
 psum, capacity slots) give ~1e-6 differences, so atol = rtol = 2e-4.
 """
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -184,3 +186,25 @@ def test_a_tbo_step_moves_its_plan_to_the_devices_in_two_buffers(monkeypatch):
     for r, n in enumerate(news):
         want = helpers.reference_new_rows(model, ranks[r], {k: len(v) for k, v in n.items()})
         chex.assert_trees_all_close(outs[r], want, **TOL)
+
+
+def test_pallas_experts_match_xla_end_to_end():
+    # moe_runner_backend="pallas" (the grouped GEMM kernel; the Pallas interpreter here) must
+    # give the logits of the default capacity einsum (EP over 2 devices, 4 local experts;
+    # tests/models/test_experts.py covers the gathered-experts path's experts_capacity).
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(3))
+    dp = 2
+    make = lambda impl: runner_lib.ModelRunner(  # noqa: E731
+        model, mesh_lib.make_mesh(dp, 1), moe_a2a_backend="ep",
+        max_total_tokens=16, max_running_requests=2, token_buckets=(16,), dtype=jnp.float32,
+        moe_runner_backend=impl,
+    )  # fmt: skip
+    new = [_prompts(np.random.default_rng(r), [7, 6]) for r in range(dp)]
+    outs = [
+        runner.forward([helpers.Rank().extend(n) for n in new])
+        for runner in (make("xla"), make("pallas"))
+    ]
+    for want, got in zip(*outs, strict=True):
+        chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+        assert np.abs(want).max() > 0

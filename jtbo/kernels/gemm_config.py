@@ -1,0 +1,98 @@
+"""Tuning knobs of the grouped expert GEMM kernels (``jtbo.kernels.grouped_gemm``).
+
+One program computes a ``block_m x block_n`` output tile of one expert's rows, looping over
+the contraction in steps of ``block_k`` (a loop Triton software-pipelines over ``num_stages``
+buffers). Tiles are launched in groups of ``group_m`` row tiles that walk the column tiles
+together, so the weight columns a group reads stay in L2 while its row tiles reuse them (the
+grouped ordering of Triton's matmul tutorial and of SGLang's ``fused_moe``).
+
+Block sizes are upper bounds: ``fit`` shrinks a block to the largest power of two dividing
+the dimension it tiles (contraction and column dimensions must be tiled exactly) and
+``rows_block`` shrinks ``block_m`` to the row count rounded up to a power of two (at least
+16, Triton's smallest matmul tile).
+"""
+
+import dataclasses
+
+MIN_DOT_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value >= 1 and not value & (value - 1)
+
+
+def fit(block: int, dim: int) -> int:
+    """The largest power of two that is at most ``block`` and divides ``dim``."""
+    largest_divisor = dim & -dim  # the lowest set bit: the largest power of two dividing dim
+    return min(block, largest_divisor)
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """Launch shape of one grouped GEMM kernel.
+
+    Attributes:
+      block_m: rows per tile (a power of two, >= 16).
+      block_n: output columns per tile (a power of two, >= 16).
+      block_k: contraction step of the inner loop (a power of two, >= 16).
+      group_m: row tiles launched together over all column tiles (>= 1).
+      num_warps: warps per program (a power of two).
+      num_stages: software-pipelining stages of the contraction loop (>= 1).
+    """
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if not _is_power_of_two(value):
+                raise ValueError(f"GemmConfig.{name} must be a power of two, got {value}")
+        for name in ("block_m", "block_n", "block_k"):
+            if getattr(self, name) < MIN_DOT_BLOCK:
+                raise ValueError(
+                    f"GemmConfig.{name} must be >= {MIN_DOT_BLOCK}, got {getattr(self, name)}"
+                )
+        for name in ("group_m", "num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GemmConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    def rows_block(self, rows: int) -> int:
+        """``block_m``, or less when ``rows`` fit a smaller power of two (>= 16)."""
+        needed = MIN_DOT_BLOCK
+        while needed < rows:
+            needed *= 2
+        return min(self.block_m, needed)
+
+    def describe(self) -> str:
+        """Short label for tables: ``MxNxK wW sS gG``."""
+        return (
+            f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} "
+            f"s{self.num_stages} g{self.group_m}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedFfnConfig:
+    """Launch shapes of the two kernels of the grouped expert FFN.
+
+    Attributes:
+      gate_up: the gate / up GEMM with the SiLU-times-up epilogue (contraction over H,
+        columns over F; each program keeps a gate and an up accumulator).
+      down: the down GEMM (contraction over F, columns over H).
+    """
+
+    gate_up: GemmConfig = GemmConfig(block_m=64, block_n=64, block_k=64)
+    down: GemmConfig = GemmConfig(block_m=64, block_n=128, block_k=64)
+
+    def describe(self) -> str:
+        """Short label for tables: ``gate_up <label> / down <label>``."""
+        return f"gate_up {self.gate_up.describe()} / down {self.down.describe()}"
+
+
+# Default launch shapes, before any H200 sweep (BENCHMARKS.md will hold the measured ones).
+GROUPED_FFN = GroupedFfnConfig()

@@ -1,0 +1,334 @@
+"""Routed-expert SwiGLU FFN over exactly each expert's rows (a grouped GEMM).
+
+``grouped_ffn(x_slots, counts, w_gate_up, w_down)`` computes, for every expert ``e`` and each
+of its first ``counts[e]`` slots, ``(silu(x @ gate_e) * (x @ up_e)) @ down_e``; slots at or past
+``counts[e]`` are not read and come out zero. ``x_slots [E, C, H]`` is the capacity-slot layout
+the dense EP all-to-all produces: expert ``e``'s rows fill its first slots, the rest is padding
+(zeros), so a batched matmul over all ``C`` slots computes every padding row too (at the EP
+capacity factor of 4, four times the useful rows).
+
+Kernel (``impl="pallas"``, Pallas with the Triton lowering; the Pallas interpreter on the CPU):
+the rows are seen as one flat ``[E * C, H]`` array and the work as a list of *row tiles*, each
+``block_m`` rows of one expert: expert ``e`` contributes ``ceil(counts[e] / block_m)`` tiles
+starting at row ``e * C``. XLA builds the list (a few small integer ops) as ``[3, num_tiles]``
+``(expert, first row, end row)``, live tiles first; a tile past the live ones has expert -1.
+``num_tiles`` is static: every tile possible, or fewer when the caller bounds the total rows
+(``max_rows``), which keeps the grid near the useful work. Two kernels, each one program per
+(row tile, column tile), a 1-D grid in grouped order (``gemm_config``):
+
+1. gate / up: ``x [tile rows, H] @ w_gate_up[e]`` into a gate and an up accumulator (float32),
+   a ``block_k`` loop over H that Triton pipelines; the epilogue writes ``silu(gate) * up`` in
+   the input dtype to the ``[E * C, F]`` intermediate, rows before the tile's end row only.
+2. down: ``hidden [tile rows, F] @ w_down[e]`` (float32 accumulate) into the output, which is
+   a zero buffer aliased to the result, so rows no tile writes stay zero.
+
+A dead tile (expert -1) returns after reading its table entry: no loads, no matmul. Rows
+past the end row inside a live tile are masked on load (read as zero) and on store. The
+intermediate is rounded to the input dtype as in the ``"xla"`` impl.
+
+``impl="xla"`` is the capacity-slot batched einsum over all ``C`` slots (the CPU path and
+the measured alternative), with the hidden rows past ``counts`` set to zero so that both impls
+mean the same thing. ``grouped_ffn_reference`` is the exact-count definition in float32:
+the live rows compacted and run through ``jax.lax.ragged_dot``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jtbo.kernels import gemm_config, impls
+
+_F32 = jnp.float32
+
+
+def _tile_at(pid, *, num_tiles: int, num_n: int, group_m: int):
+    """(row tile, column tile) of program ``pid``: ``group_m`` row tiles walk the columns."""
+    per_group = group_m * num_n
+    first = (pid // per_group) * group_m
+    size = jnp.minimum(num_tiles - first, group_m)
+    within = pid % per_group
+    return first + within % size, within // size
+
+
+def _tile_rows(tiles_ref, tile, block_m: int):
+    """(expert, first row, ``[block_m, 1]`` mask of the rows before the end row)."""
+    start, end = tiles_ref[1, tile], tiles_ref[2, tile]
+    live = (start + jnp.arange(block_m, dtype=jnp.int32) < end)[:, None]
+    return start, live
+
+
+def _gate_up_kernel(
+    tiles_ref, x_ref, w_ref, h_ref, *, num_tiles, num_n, group_m, block_m, block_n, block_k,
+    ffn,
+):  # fmt: skip
+    # tiles_ref: [3, num_tiles] int32 (expert or -1, first row, end row); x_ref: [R, H];
+    # w_ref: [E, H, 2 * F] (gate columns, then up columns); h_ref: [R, F].
+    tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
+    expert = tiles_ref[0, tile]
+
+    @pl.when(expert >= 0)
+    def _compute():
+        start, live = _tile_rows(tiles_ref, tile, block_m)
+        x_mask = jnp.broadcast_to(live, (block_m, block_k))
+        n0 = pl.multiple_of(col * block_n, block_n)
+
+        def step(i, acc):
+            k0 = pl.multiple_of(i * block_k, block_k)
+            x = plgpu.load(
+                x_ref.at[pl.ds(start, block_m), pl.ds(k0, block_k)], mask=x_mask, other=0
+            )
+            gate = w_ref[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)]
+            up = w_ref[expert, pl.ds(k0, block_k), pl.ds(ffn + n0, block_n)]
+            return (
+                acc[0] + jnp.dot(x, gate, preferred_element_type=_F32),
+                acc[1] + jnp.dot(x, up, preferred_element_type=_F32),
+            )
+
+        zeros = jnp.zeros((block_m, block_n), _F32)
+        gate, up = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros, zeros))
+        hidden = (gate * jax.nn.sigmoid(gate) * up).astype(h_ref.dtype)
+        h_mask = jnp.broadcast_to(live, (block_m, block_n))
+        plgpu.store(h_ref.at[pl.ds(start, block_m), pl.ds(n0, block_n)], hidden, mask=h_mask)
+
+
+def _down_kernel(
+    tiles_ref, h_ref, w_ref, zeros_ref, out_ref, *, num_tiles, num_n, group_m, block_m,
+    block_n, block_k,
+):  # fmt: skip
+    # tiles_ref: [3, num_tiles] int32; h_ref: [R, F]; w_ref: [E, F, H];
+    # zeros_ref, out_ref: [R, H], the same buffer (aliased; rows no tile writes stay zero).
+    del zeros_ref
+    tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
+    expert = tiles_ref[0, tile]
+
+    @pl.when(expert >= 0)
+    def _compute():
+        start, live = _tile_rows(tiles_ref, tile, block_m)
+        h_mask = jnp.broadcast_to(live, (block_m, block_k))
+        n0 = pl.multiple_of(col * block_n, block_n)
+
+        def step(i, acc):
+            k0 = pl.multiple_of(i * block_k, block_k)
+            h = plgpu.load(
+                h_ref.at[pl.ds(start, block_m), pl.ds(k0, block_k)], mask=h_mask, other=0
+            )
+            w = w_ref[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)]
+            return acc + jnp.dot(h, w, preferred_element_type=_F32)
+
+        acc = jnp.zeros((block_m, block_n), _F32)
+        acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, acc)
+        out_mask = jnp.broadcast_to(live, (block_m, block_n))
+        out = acc.astype(out_ref.dtype)
+        plgpu.store(out_ref.at[pl.ds(start, block_m), pl.ds(n0, block_n)], out, mask=out_mask)
+
+
+def row_tiles(
+    group_start: jax.Array, group_size: jax.Array, block_m: int, num_tiles: int
+) -> jax.Array:
+    """The tile table: ``block_m``-row tiles of every group, live tiles first.
+
+    Args:
+      group_start: ``[E]`` int32 first row of each group in the flat row array.
+      group_size: ``[E]`` int32 rows of each group (>= 0).
+      block_m: rows per tile.
+      num_tiles: table length (static); tiles past it are not listed.
+
+    Returns:
+      ``[3, num_tiles]`` int32: expert (-1 past the live tiles), first row, end row (the
+      group's end, so the last tile of a group masks its rows past it).
+    """
+    blocks = (group_size + block_m - 1) // block_m
+    ends = jnp.cumsum(blocks)
+    index = jnp.arange(num_tiles, dtype=jnp.int32)
+    group = jnp.searchsorted(ends, index, side="right", method="compare_all")
+    group = jnp.minimum(group, group_size.shape[0] - 1).astype(jnp.int32)
+    live = index < ends[-1]
+    start = group_start[group] + (index - (ends[group] - blocks[group])) * block_m
+    end = group_start[group] + group_size[group]
+    table = [jnp.where(live, group, -1), jnp.where(live, start, 0), jnp.where(live, end, 0)]
+    return jnp.stack(table).astype(jnp.int32)
+
+
+def _launch(rows: int, k_dim: int, n_dim: int, cfg: gemm_config.GemmConfig, interpret: bool):
+    """(block_m, block_n, block_k) of one kernel; raises when Triton cannot tile the shape."""
+    blocks = (cfg.rows_block(rows), gemm_config.fit(cfg.block_n, n_dim))
+    blocks += (gemm_config.fit(cfg.block_k, k_dim),)
+    if not interpret and min(blocks) < gemm_config.MIN_DOT_BLOCK:
+        raise impls.KernelUnavailableError(
+            f"impl='pallas' tiles by powers of two >= {gemm_config.MIN_DOT_BLOCK}: contraction "
+            f"{k_dim} and columns {n_dim} give blocks {blocks[1:]}; use impl='xla'"
+        )
+    return blocks
+
+
+def _max_tiles(num_groups: int, group_rows: int, block_m: int, max_rows: int | None) -> int:
+    """Tiles the table needs: every possible tile, or fewer under a bound on the total rows."""
+    every = num_groups * pl.cdiv(group_rows, block_m)
+    if max_rows is None:
+        return every
+    # sum_e ceil(n_e / b) <= (sum_e n_e + E * (b - 1)) / b
+    return max(1, min(every, (max_rows + num_groups * (block_m - 1)) // block_m))
+
+
+def _gate_up_call(x_rows, w_gate_up, group_start, counts, *, rows, max_rows, cfg, interpret):
+    """Kernel 1 over flat rows ``[R, H]``: the ``[R, F]`` hidden rows of every live tile."""
+    num_experts, hidden, _, ffn = w_gate_up.shape
+    block_m, block_n, block_k = _launch(rows, hidden, ffn, cfg, interpret)
+    num_tiles = _max_tiles(num_experts, rows, block_m, max_rows)
+    num_n = ffn // block_n
+    kernel = functools.partial(
+        _gate_up_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
+        block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn,
+    )  # fmt: skip
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((x_rows.shape[0], ffn), x_rows.dtype),
+        grid=(num_tiles * num_n,),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )(
+        row_tiles(group_start, counts, block_m, num_tiles),
+        x_rows,
+        w_gate_up.reshape(num_experts, hidden, 2 * ffn),
+    )
+
+
+def _down_call(h_rows, w_down, group_start, counts, *, rows, max_rows, cfg, interpret):
+    """Kernel 2 over flat hidden rows ``[R, F]``: ``[R, H]``, zero outside the live rows."""
+    num_experts, ffn, hidden = w_down.shape
+    block_m, block_n, block_k = _launch(rows, ffn, hidden, cfg, interpret)
+    num_tiles = _max_tiles(num_experts, rows, block_m, max_rows)
+    num_n = hidden // block_n
+    kernel = functools.partial(
+        _down_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
+        block_m=block_m, block_n=block_n, block_k=block_k,
+    )  # fmt: skip
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((h_rows.shape[0], hidden), h_rows.dtype),
+        grid=(num_tiles * num_n,),
+        input_output_aliases={3: 0},  # the zero buffer is the output
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+    )(
+        row_tiles(group_start, counts, block_m, num_tiles),
+        h_rows,
+        w_down,
+        jnp.zeros((h_rows.shape[0], hidden), h_rows.dtype),
+    )
+
+
+def grouped_ffn_pallas(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, interpret):
+    """Pallas impl over the capacity-slot layout (``counts`` already clipped to ``[0, C]``)."""
+    num_experts, capacity, hidden = x_slots.shape
+    group_start = jnp.arange(num_experts, dtype=jnp.int32) * capacity
+    common = dict(rows=capacity, max_rows=max_rows, interpret=interpret)
+    x_rows = x_slots.reshape(num_experts * capacity, hidden)
+    h_rows = _gate_up_call(x_rows, w_gate_up, group_start, counts, cfg=cfg.gate_up, **common)
+    out = _down_call(h_rows, w_down, group_start, counts, cfg=cfg.down, **common)
+    return out.reshape(x_slots.shape[:2] + (w_down.shape[2],))
+
+
+def grouped_ffn_xla(x_slots, counts, w_gate_up, w_down):
+    """XLA impl: batched einsums over all ``C`` slots, hidden rows past ``counts`` zeroed."""
+    gate_up = jnp.einsum("ech,ehsf->ecsf", x_slots, w_gate_up, preferred_element_type=_F32)
+    hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
+    live = jnp.arange(x_slots.shape[1], dtype=jnp.int32)[None, :] < counts[:, None]
+    hidden = jnp.where(live[..., None], hidden, 0.0).astype(x_slots.dtype)
+    out = jnp.einsum("ecf,efh->ech", hidden, w_down, preferred_element_type=_F32)
+    return out.astype(x_slots.dtype)
+
+
+def _check_inputs(x_slots, counts, w_gate_up, w_down) -> None:
+    if x_slots.ndim != 3:
+        raise ValueError(f"x_slots must be [E, C, H], got shape {x_slots.shape}")
+    num_experts, _, hidden = x_slots.shape
+    if w_gate_up.ndim != 4 or w_gate_up.shape[:3] != (num_experts, hidden, 2):
+        raise ValueError(
+            f"w_gate_up shape {w_gate_up.shape} must be [E={num_experts}, H={hidden}, 2, F]"
+        )
+    want_down = (num_experts, w_gate_up.shape[3], hidden)
+    if w_down.shape != want_down:
+        raise ValueError(f"w_down shape {w_down.shape} must be [E, F, H] = {want_down}")
+    if counts.shape != (num_experts,) or not jnp.issubdtype(counts.dtype, jnp.integer):
+        raise ValueError(
+            f"counts must be [{num_experts}] integers, got {counts.shape} {counts.dtype}"
+        )
+    dtypes = {x_slots.dtype, w_gate_up.dtype, w_down.dtype}
+    if len(dtypes) != 1:
+        raise ValueError(f"x_slots, w_gate_up and w_down must share a dtype, got {dtypes}")
+
+
+def grouped_ffn(
+    x_slots: jax.Array,
+    counts: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    impl: str | None = None,
+    config: gemm_config.GroupedFfnConfig | None = None,
+    max_rows: int | None = None,
+) -> jax.Array:
+    """SwiGLU of every expert over its first ``counts[e]`` slots.
+
+    Args:
+      x_slots: ``[E, C, H]`` rows per expert slot; expert ``e``'s rows are its first
+        ``counts[e]`` slots.
+      counts: ``[E]`` integer rows per expert (may be traced); clipped to ``[0, C]``.
+      w_gate_up: ``[E, H, 2, F]`` (gate at index 0, up at 1).
+      w_down: ``[E, F, H]``.
+      impl: ``"xla"`` (batched einsum over all slots), ``"pallas"`` (the kernel) or None
+        (the fastest measured on this backend, ``impls.FASTEST``).
+      config: the kernel's launch shapes; None for ``gemm_config.GROUPED_FFN``.
+      max_rows: static bound on ``sum(min(counts, C))`` that the caller guarantees (e.g. the
+        rows an exchange can deliver); the kernel's grid then covers only that many rows'
+        tiles. A larger sum leaves the tiles past the bound zero. None: no bound (``E * C``).
+
+    Returns:
+      ``[E, C, H]`` in ``x_slots.dtype``, zero in slots at or past ``counts[e]`` (partial sums
+      when F is a shard of the experts' hidden width).
+
+    Raises:
+      ValueError: shapes or dtypes that do not fit together, an unknown impl, a bad max_rows.
+      KernelUnavailableError: the impl cannot run here or cannot tile these shapes.
+    """
+    _check_inputs(x_slots, counts, w_gate_up, w_down)
+    if max_rows is not None and max_rows < 0:
+        raise ValueError(f"max_rows must be >= 0 or None, got {max_rows}")
+    impl = impls.resolve(impl, op="grouped_ffn")
+    counts = jnp.clip(counts.astype(jnp.int32), 0, x_slots.shape[1])
+    if impl == "triton":
+        raise impls.KernelUnavailableError("grouped_ffn has no impl='triton'; use 'pallas'")
+    if impl == "xla" or x_slots.size == 0:
+        return grouped_ffn_xla(x_slots, counts, w_gate_up, w_down)
+    return grouped_ffn_pallas(
+        x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
+        cfg=config or gemm_config.GROUPED_FFN, interpret=impls.backend() == "cpu",
+    )  # fmt: skip
+
+
+def grouped_ffn_reference(
+    x_slots: jax.Array, counts: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
+) -> jax.Array:
+    """Exact-count definition in float32: live rows compacted, ``jax.lax.ragged_dot``.
+
+    Args and Returns: as ``grouped_ffn`` (float32 result; the hidden activation is not
+    rounded to the input dtype).
+    """
+    num_experts, capacity, hidden = x_slots.shape
+    ffn = w_gate_up.shape[3]
+    counts = jnp.clip(counts.astype(jnp.int32), 0, capacity)
+    live = (jnp.arange(capacity)[None, :] < counts[:, None]).reshape(-1)
+    order = jnp.argsort(~live, stable=True)  # live rows first, in expert order
+    rows = x_slots.reshape(-1, hidden).astype(_F32)[order]
+    w_gu = w_gate_up.astype(_F32).reshape(num_experts, hidden, 2 * ffn)
+    precision = jax.lax.Precision.HIGHEST
+    gate_up = jax.lax.ragged_dot(rows, w_gu, counts, precision=precision).reshape(-1, 2, ffn)
+    h = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+    out = jax.lax.ragged_dot(h, w_down.astype(_F32), counts, precision=precision)
+    out = jnp.where(live[order][:, None], out, 0.0)  # rows past every group stay zero
+    flat = jnp.zeros_like(out).at[order].set(out)
+    return flat.reshape(num_experts, capacity, -1)
