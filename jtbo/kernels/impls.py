@@ -26,6 +26,9 @@ FASTEST = {
     "dp_memcpy": {"gpu": _GPU_KERNEL_FIRST, "cpu": ("xla",)},
     "slice_pad": {"gpu": _GPU_XLA_FIRST, "cpu": ("xla",)},
     "merge_rows": {"gpu": _GPU_XLA_FIRST, "cpu": ("xla",)},
+    # jtbo.attention.paged: "xla" is the native attention; the kernel serves explicit
+    # requests until the H200 benchmark ranks it (BENCHMARKS.md, "Attention").
+    "paged_attention": {"gpu": ("xla", "pallas"), "cpu": ("xla",)},
 }
 
 

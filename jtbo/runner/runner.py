@@ -91,6 +91,7 @@ class ModelRunner:
         tbo_auto_margin: float = tbo_auto.DEFAULT_MARGIN,
         tbo_timer: tbo_auto.StepTimer | None = None,
         tbo_plan: str | os.PathLike | None = None,
+        attention_backend: str = "native",
     ):
         """Places the model on the mesh and allocates every DP rank's KV pool.
 
@@ -123,6 +124,9 @@ class ModelRunner:
             ``tbo_auto.wall_timer`` (device-synchronised wall time). Tests inject timings.
           tbo_plan: "auto": a plan file (``save_tbo_plan``); its shapes are decided without
             timing, shapes it does not list are still timed on first sight.
+          attention_backend: "native" (blocked jnp attention, the exact reference) or
+            "pallas" (the paged kernel, ``jtbo.attention.paged``; the Pallas interpreter on
+            the CPU), for the whole batch and both TBO micro-batches.
 
         Raises:
           ValueError: a mesh without the right axes, shapes that do not divide over it, an
@@ -153,7 +157,7 @@ class ModelRunner:
         self.parallel = layer_ops.ParallelConfig(
             moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size,
             ep_capacity_factor, ep_overflow_policy, tbo_round_barriers=tbo_round_barriers,
-            tbo_issue_barriers=tbo_issue_barriers,
+            tbo_issue_barriers=tbo_issue_barriers, attention_backend=attention_backend,
         )  # fmt: skip
         buckets = token_buckets or split.default_token_buckets(max_total_tokens)
         self.options = planning.PlanOptions(
@@ -163,6 +167,7 @@ class ModelRunner:
             max_context=max_total_tokens,
             enable_tbo=enable_tbo,
             threshold=tbo_token_distribution_threshold,
+            attention_backend=attention_backend,
         )
         _warn_about_process_env(mesh, enable_tbo)
         self.enable_two_batch_overlap = enable_two_batch_overlap
