@@ -4,6 +4,8 @@ Tolerance: float32 end to end through 3 layers; different summation orders (shar
 psum, capacity slots) give ~1e-6 differences, so atol = rtol = 2e-4.
 """
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -184,3 +186,29 @@ def test_a_tbo_step_moves_its_plan_to_the_devices_in_two_buffers(monkeypatch):
     for r, n in enumerate(news):
         want = helpers.reference_new_rows(model, ranks[r], {k: len(v) for k, v in n.items()})
         chex.assert_trees_all_close(outs[r], want, **TOL)
+
+
+def test_pallas_attention_backend_matches_native_with_and_without_tbo():
+    # attention_backend="pallas" (the paged kernel; the Pallas interpreter here) reaches the
+    # whole batch and both TBO micro-batches: its prefill and decode logits, TBO off and on,
+    # equal the native backend's without TBO. One layer keeps the three compiles short.
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=1)
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    mesh = mesh_lib.make_mesh(2, 1)
+    outs = {}
+    for tbo, attn in ((False, "native"), (False, "pallas"), (True, "pallas")):
+        runner = runner_lib.ModelRunner(
+            model, mesh, enable_two_batch_overlap=tbo, max_total_tokens=32,
+            max_running_requests=4, token_buckets=(8, 16), dtype=jnp.float32,
+            attention_backend=attn,
+        )  # fmt: skip
+        rng, ranks = np.random.default_rng(3), [helpers.Rank(), helpers.Rank()]
+        prompts = [_prompts(rng, [5, 3, 6]), _prompts(rng, [4, 7])]
+        steps = [runner.forward([r.extend(p) for r, p in zip(ranks, prompts, strict=True)])]
+        for _ in range(2):
+            tokens = [{k: int(rng.integers(128)) for k in p} for p in prompts]
+            steps.append(runner.forward([r.decode(t) for r, t in zip(ranks, tokens, strict=True)]))
+        outs[tbo, attn] = steps
+        assert runner.num_tbo_steps == (3 if tbo else 0)
+    chex.assert_trees_all_close(outs[False, "pallas"], outs[False, "native"], atol=1e-5, rtol=1e-5)
+    chex.assert_trees_all_close(outs[True, "pallas"], outs[False, "native"], atol=1e-5, rtol=1e-5)
