@@ -40,12 +40,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as _pallas_tpu  # noqa: F401 (see the comment below)
 from jax.experimental.pallas import triton as plgpu
 
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.attention import metadata as metadata_lib
 from jtbo.attention import native
 from jtbo.kernels import impls
+
+# The Pallas interpreter's first lowering imports this module, which registers a jax config
+# option: jax's tracing context changes after that first lowering, so every jitted function
+# traced before it is traced again on its next call (the runner's steps guard against that
+# with chex.assert_max_traces). Importing it here fixes the context before any trace.
+del _pallas_tpu
 
 OP = "paged_attention"
 """This op's key in ``jtbo.kernels.impls.FASTEST``."""

@@ -6,7 +6,10 @@ Shapes are tiny but the launch knobs are shrunk with them, so the cases still co
 KV blocks per split, several splits, several row blocks and padded rows.
 """
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -241,3 +244,28 @@ def _largest_result(hlo: str) -> int:
         for dims in re.findall(r"\[([\d,]*)\]", match.group(1)):
             largest = max(largest, int(np.prod([int(x) for x in dims.split(",") if x])))
     return largest
+
+
+def test_a_jitted_caller_traces_once_in_a_fresh_process():
+    # The interpreter's first lowering must not change jax's tracing context (module
+    # comment in paged.py): a fresh process, one program, called twice, traced once.
+    code = """
+import jax, jax.numpy as jnp
+from jtbo.attention import kv_cache, metadata, paged
+cap = metadata.decode_capacity(2, 32)
+md = metadata.empty_metadata(cap)
+cache = kv_cache.init_kv_cache(
+    num_layers=1, num_slots=4, kv_heads=1, head_dim=16, max_reqs=2, max_context=32,
+    dtype=jnp.float32)
+traces = []
+def attend(q, c):
+    traces.append(1)
+    return paged.paged_attention(q, c, 0, md, scaling=1.0, impl="pallas")
+step = jax.jit(attend)
+q = jnp.ones((2, 1, 16))
+step(q, cache).block_until_ready()
+step(q, cache).block_until_ready()
+assert len(traces) == 1, f"traced {len(traces)} times"
+"""
+    env = dict(os.environ, JAX_PLATFORMS=jax.default_backend())
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
