@@ -33,7 +33,7 @@ from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.bench import kernels as kernels_bench
 
 CASES = ("extend", "decode", "verify")
-CEILING_BYTES = 1 << 30  # size of the copy yardstick
+CEILING_BYTES = 1 << 30  # size of the copy yardstick (16 MiB with --small)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -64,6 +64,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
             help=f"pallas: PagedAttentionConfig.{name}",
         )  # fmt: skip
     parser.add_argument("--iters", type=int, default=10)
+    parser.set_defaults(ceiling_bytes=CEILING_BYTES)
     args = parser.parse_args(argv)
     args.cases, args.backends = args.cases.split(","), args.backends.split(",")
     for name in args.cases:
@@ -76,7 +77,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.decode_seqs, args.decode_context = 16, 128
         args.q_heads, args.kv_heads, args.head_dim = 4, 2, 32
         args.dtype, args.query_tile, args.kv_block, args.iters = "float32", 32, 64, 2
-        args.block_kv, args.min_split_kv = 32, 32
+        args.block_kv, args.min_split_kv, args.ceiling_bytes = 32, 32, 1 << 24
     return args
 
 
@@ -218,20 +219,20 @@ def _run_case(args, case, backend_name: str) -> tuple[dict, jax.Array]:
     return result, out
 
 
-def _ceiling_gbs(iters: int) -> tuple[float, str]:
-    """(GB/s, label) of a plain device copy of ``CEILING_BYTES`` (bytes read + written)."""
+def _ceiling_gbs(iters: int, nbytes: int) -> tuple[float, str]:
+    """(GB/s, label) of a plain device copy of ``nbytes`` (bytes read + written)."""
     calls = max(iters, 2)
     if kernels_bench.torch_usable():
-        seconds = kernels_bench.torch_copy_seconds(CEILING_BYTES, calls, 3)
-        return 2 * CEILING_BYTES / seconds / 1e9, "torch copy_"
-    x = jnp.ones((CEILING_BYTES // 2,), jnp.bfloat16)
+        seconds = kernels_bench.torch_copy_seconds(nbytes, calls, 3)
+        return 2 * nbytes / seconds / 1e9, "torch copy_"
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     copy = jax.jit(lambda x: x + jnp.bfloat16(1))
     copy(x).block_until_ready()
     start = time.perf_counter()
     for _ in range(calls):
         y = copy(x)
     y.block_until_ready()
-    return 2 * CEILING_BYTES * calls / (time.perf_counter() - start) / 1e9, "XLA copy"
+    return 2 * nbytes * calls / (time.perf_counter() - start) / 1e9, "XLA copy"
 
 
 def _line(result: dict, ceiling: tuple[float, str]) -> str:
@@ -264,11 +265,11 @@ def main(argv: list[str]) -> None:
     args = _parse(argv)
     args.dtype = jnp.dtype(args.dtype)
     builders = dict(extend=_extend_case, decode=_decode_case, verify=_verify_case)
-    ceiling = _ceiling_gbs(args.iters)
+    ceiling = _ceiling_gbs(args.iters, args.ceiling_bytes)
     print(
         f"device: {jax.devices()[0].device_kind}, dtype {args.dtype}, native kv_block "
         f"{args.kv_block}, pallas {_paged_config(args)}; copy ceiling {ceiling[0]:.0f} GB/s "
-        f"({ceiling[1]}, {CEILING_BYTES >> 20} MiB)"
+        f"({ceiling[1]}, {args.ceiling_bytes >> 20} MiB)"
     )
     for name in args.cases:
         case, first = builders[name](args), None
