@@ -200,6 +200,7 @@ def test_config_errors_name_the_field(field, value):
         paged.PagedAttentionConfig(**{field: value})
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="compiles for an H200 on the CPU")
 @pytest.mark.parametrize("kind", ["decode", "verify"])
 def test_lowers_for_an_h200_without_a_gathered_kv_copy(kind):
     # Compiled for an H200 on the CPU: the Triton kernel is one custom call, and no other
@@ -267,5 +268,4 @@ step(q, cache).block_until_ready()
 step(q, cache).block_until_ready()
 assert len(traces) == 1, f"traced {len(traces)} times"
 """
-    env = dict(os.environ, JAX_PLATFORMS=jax.default_backend())
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ), timeout=120)

@@ -136,8 +136,9 @@ def test_decode_split_equals_parent(kind):
 def test_replay_verify_children_from_padded_buffers(kind):
     draft = 2
     sc = scenarios.make(
-        np.random.default_rng(3), [5, 0, 12], [draft] * 3, token_capacity=8, custom_mask=True
-    )
+        np.random.default_rng(3), [5, 0, 12], [draft] * 3, token_capacity=8, custom_mask=True,
+        head_dim=16,
+    )  # fmt: skip
     padded = scenarios.verify_batch(sc, draft, padded_seqs=1)  # a captured bucket of 4 seqs
     tbo = _backend(
         metadata.verify_capacity(4, draft, CONTEXT),
