@@ -1,6 +1,7 @@
-"""jtbo.attention: paged KV cache, native attention (extend/decode/verify), TBO backend."""
+"""jtbo.attention: paged KV cache, native and Pallas paged attention (extend/decode/verify),
+TBO backend."""
 
-from jtbo.attention.backend import NativeAttnBackend
+from jtbo.attention.backend import NativeAttnBackend, PallasAttnBackend
 from jtbo.attention.batch_metadata import forward_batch_metadata
 from jtbo.attention.kv_cache import PADDING_SLOT, KVCache, init_kv_cache, write_kv
 from jtbo.attention.metadata import (
@@ -12,6 +13,7 @@ from jtbo.attention.metadata import (
     verify_capacity,
 )
 from jtbo.attention.native import NativeAttentionConfig, attend, forward
+from jtbo.attention.paged import PagedAttentionConfig, paged_attention
 from jtbo.attention.reference import attend_reference
 from jtbo.attention.replay import split_replay_batch
 from jtbo.attention.tbo_backend import TboAttnBackend, TboAttnMetadata
@@ -24,6 +26,8 @@ __all__ = [
     "KVCache",
     "NativeAttentionConfig",
     "NativeAttnBackend",
+    "PagedAttentionConfig",
+    "PallasAttnBackend",
     "TboAttnBackend",
     "TboAttnMetadata",
     "attend",
@@ -35,6 +39,7 @@ __all__ = [
     "forward",
     "forward_batch_metadata",
     "init_kv_cache",
+    "paged_attention",
     "split_replay_batch",
     "verify_capacity",
     "write_kv",

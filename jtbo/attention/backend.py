@@ -1,14 +1,21 @@
-"""The native attention backend: host metadata construction + the jittable forward.
+"""Attention backends: host metadata construction + the jittable forward.
 
 SGLang's backends keep per-step metadata as mutable state; under ``jit`` the metadata must be
 an input, so ``init_forward_metadata`` *returns* it (a numpy pytree to pass into the jitted
 step) and ``forward`` takes it as an argument. The backend object itself holds only static
 configuration (capacity, kernel knobs, score scale) and may be closed over by jitted code.
+
+Two backends share the metadata and differ in the forward (``ATTENTION_BACKENDS``):
+``"native"`` (``NativeAttnBackend``: blocked jnp attention, the exact reference and the CPU
+path) and ``"pallas"`` (``PallasAttnBackend``: the paged kernel of ``jtbo.attention.paged``,
+which reads K/V through the page table; the Pallas interpreter on the CPU).
 """
+
+from collections.abc import Callable
 
 import jax
 
-from jtbo.attention import batch_metadata, native
+from jtbo.attention import batch_metadata, native, paged
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.attention import metadata as metadata_lib
 from jtbo.split import batch as batch_lib
@@ -110,3 +117,77 @@ class NativeAttnBackend:
         return native.forward(
             q, k, v, layer_id, metadata, kv_cache, scaling=self.scaling, config=self.config
         )
+
+
+class PallasAttnBackend(NativeAttnBackend):
+    """``NativeAttnBackend``'s metadata with the paged Pallas kernel as the forward.
+
+    Attributes:
+      capacity: the static sizes of the metadata this backend builds and consumes.
+      config: the paged kernel's launch shape.
+      scaling: score scale, or None for ``head_dim ** -0.5``.
+    """
+
+    def __init__(
+        self,
+        capacity: metadata_lib.AttentionCapacity,
+        config: paged.PagedAttentionConfig = paged.DEFAULT_CONFIG,
+        scaling: float | None = None,
+    ):
+        """Creates the backend.
+
+        Args:
+          capacity: static sizes (one compile per distinct value).
+          config: the paged kernel's launch shape.
+          scaling: score scale; None means ``head_dim ** -0.5``.
+        """
+        super().__init__(capacity, scaling=scaling)
+        self.config = config
+
+    def forward(
+        self,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        layer_id: int | jax.Array,
+        metadata: metadata_lib.AttentionMetadata,
+        kv_cache: kv_cache_lib.KVCache,
+    ) -> tuple[jax.Array, kv_cache_lib.KVCache]:
+        """Writes the new K/V at ``out_cache_loc`` and attends with the paged kernel.
+
+        Args and returns as ``NativeAttnBackend.forward``.
+
+        Raises:
+          ValueError: the metadata was built for another capacity, or shapes disagree.
+          KernelUnavailableError: the kernel cannot run these shapes on this platform.
+        """
+        if metadata.capacity != self.capacity:
+            raise ValueError(f"metadata capacity {metadata.capacity} != backend {self.capacity}")
+        return paged.forward(
+            q, k, v, layer_id, metadata, kv_cache, scaling=self.scaling, impl="pallas",
+            config=self.config,
+        )  # fmt: skip
+
+
+ATTENTION_BACKENDS: dict[str, Callable[[metadata_lib.AttentionCapacity], NativeAttnBackend]] = {
+    "native": NativeAttnBackend,
+    "pallas": PallasAttnBackend,
+}
+"""Backend name (``ModelRunner(attention_backend=...)``) -> backend class."""
+
+
+def backend_class(name: str) -> Callable[[metadata_lib.AttentionCapacity], NativeAttnBackend]:
+    """Returns the backend class called ``name`` (a creator for ``TboAttnBackend.init_new``).
+
+    Args:
+      name: a key of ``ATTENTION_BACKENDS``.
+
+    Returns:
+      The class; ``cls(capacity)`` builds a backend with default knobs.
+
+    Raises:
+      ValueError: an unknown name.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend={name!r}: expected one of {tuple(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name]

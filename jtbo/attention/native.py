@@ -284,12 +284,42 @@ def forward(
       ValueError: token counts disagree with the capacity, or q heads are not a multiple of
         the KV heads.
     """
+    cache = write_step_kv(q, k, v, layer_id, md, cache)
+    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
+    return attend(q, cache, layer_id, md, scaling=scaling, config=config), cache
+
+
+def write_step_kv(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    layer_id: int | jax.Array,
+    md: metadata_lib.AttentionMetadata,
+    cache: kv_cache_lib.KVCache,
+) -> kv_cache_lib.KVCache:
+    """Checks the step's shapes and writes its real tokens' K/V at ``out_cache_loc``.
+
+    Padded rows (at or past ``md.num_tokens``) write to the padding slot. Every attention
+    impl writes this way before it attends.
+
+    Args:
+      q: queries, ``[token_capacity, q_heads, head_dim]`` (shape-checked only).
+      k: new keys, ``[token_capacity, kv_heads, head_dim]``.
+      v: new values, ``[token_capacity, kv_heads, v_head_dim]``.
+      layer_id: layer index.
+      md: the step's metadata.
+      cache: the KV cache.
+
+    Returns:
+      The cache holding the step's K/V.
+
+    Raises:
+      ValueError: as ``forward``.
+    """
     _check_shapes(q, k, cache, md)
     valid = jnp.arange(q.shape[0]) < md.num_tokens
     loc = jnp.where(valid, md.out_cache_loc, kv_cache_lib.PADDING_SLOT)
-    cache = kv_cache_lib.write_kv(cache, layer_id, loc, k, v)
-    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
-    return attend(q, cache, layer_id, md, scaling=scaling, config=config), cache
+    return kv_cache_lib.write_kv(cache, layer_id, loc, k, v)
 
 
 def _check_shapes(q, k, cache, md) -> None:

@@ -1,14 +1,22 @@
-"""Native paged attention throughput: ``python -m jtbo.bench attention [--small] [flags]``.
+"""Paged attention throughput: ``python -m jtbo.bench attention [--small] [flags]``.
 
-Two cases on one device, each jitted once (KV cache donated, as the runner does) and timed
-over ``--iters`` steps after a warm-up:
+Cases on one device, each jitted once per backend (KV cache donated, as the runner does) and
+timed over ``--iters`` steps after a warm-up (``--cases``, default extend and decode):
 
 * extend: ``--extend-tokens`` new tokens (default 8192) in ``--extend-seqs`` prompts, no prefix;
-* decode: ``--decode-seqs`` sequences (default 256) at ``--decode-context`` tokens (4096).
+* decode: ``--decode-seqs`` sequences (default 256) at ``--decode-context`` tokens (4096);
+* verify: ``--decode-seqs`` sequences at ``--decode-context`` tokens, the last ``--draft``
+  of them draft tokens verified with a causal EAGLE mask (TARGET_VERIFY).
 
-Prints tokens/s and the memory high-water mark from ``device.memory_stats()`` where the
-platform reports it (GPU), plus XLA's compiled temp-buffer size, and one JSON line per case.
-``--small`` shrinks everything so the benchmark runs on a CPU in seconds.
+``--backends`` picks the attention backends ("native", "pallas"; default both), and the
+Pallas kernel's launch shape comes from the ``--block-kv`` .. ``--num-stages`` flags. Prints
+tokens/s and the memory high-water mark from ``device.memory_stats()`` where the platform
+reports it (GPU), plus XLA's compiled temp-buffer size; for decode and verify also the K/V
+bytes the step must read (every sequence's context, K and V, all KV heads) per second and
+their fraction of the device's copy bandwidth, measured in the same run (torch ``copy_`` of
+1 GiB where torch sees the GPU, else a fused XLA copy). Each later backend's output is
+compared with the first one's (max abs difference), and one JSON line per (case, backend)
+follows. ``--small`` shrinks everything so the benchmark runs on a CPU in seconds.
 """
 
 import argparse
@@ -20,30 +28,65 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtbo import attention
+from jtbo.attention import backend as backend_lib
 from jtbo.attention import kv_cache as kv_cache_lib
+from jtbo.bench import kernels as kernels_bench
+
+CASES = ("extend", "decode", "verify")
+CEILING_BYTES = 1 << 30  # size of the copy yardstick (16 MiB with --small)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jtbo.bench attention")
     parser.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
+    parser.add_argument("--cases", default="extend,decode", help=f"comma list of {CASES}")
+    parser.add_argument(
+        "--backends",
+        default="native,pallas",
+        help=f"comma list of {tuple(backend_lib.ATTENTION_BACKENDS)}",
+    )
     parser.add_argument("--extend-tokens", type=int, default=8192)
     parser.add_argument("--extend-seqs", type=int, default=4)
     parser.add_argument("--decode-seqs", type=int, default=256)
     parser.add_argument("--decode-context", type=int, default=4096)
+    parser.add_argument("--draft", type=int, default=4, help="verify: draft tokens per sequence")
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--query-tile", type=int, default=64)
-    parser.add_argument("--kv-block", type=int, default=256)
+    parser.add_argument("--kv-block", type=int, default=256, help="native: KV block")
+    defaults = attention.PagedAttentionConfig()
+    for name in ("block_kv", "block_rows", "max_kv_splits", "min_programs", "min_split_kv",
+                 "num_warps", "num_stages"):  # fmt: skip
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name),
+            help=f"pallas: PagedAttentionConfig.{name}",
+        )  # fmt: skip
     parser.add_argument("--iters", type=int, default=10)
+    parser.set_defaults(ceiling_bytes=CEILING_BYTES)
     args = parser.parse_args(argv)
+    args.cases, args.backends = args.cases.split(","), args.backends.split(",")
+    for name in args.cases:
+        if name not in CASES:
+            parser.error(f"--cases: {name!r} is not one of {CASES}")
+    for name in args.backends:
+        backend_lib.backend_class(name)  # ValueError naming the backend
     if args.small:
         args.extend_tokens, args.extend_seqs = 256, 2
         args.decode_seqs, args.decode_context = 16, 128
         args.q_heads, args.kv_heads, args.head_dim = 4, 2, 32
         args.dtype, args.query_tile, args.kv_block, args.iters = "float32", 32, 64, 2
+        args.block_kv, args.min_split_kv, args.ceiling_bytes = 32, 32, 1 << 24
     return args
+
+
+def _paged_config(args) -> attention.PagedAttentionConfig:
+    return attention.PagedAttentionConfig(
+        block_kv=args.block_kv, block_rows=args.block_rows, max_kv_splits=args.max_kv_splits,
+        min_programs=args.min_programs, min_split_kv=args.min_split_kv,
+        num_warps=args.num_warps, num_stages=args.num_stages,
+    )  # fmt: skip
 
 
 def _cache(args, num_seqs: int, seq_len: int) -> attention.KVCache:
@@ -102,19 +145,55 @@ def _decode_case(args):
     return "decode", capacity, md, cache, n
 
 
+def _verify_case(args):
+    n, context, draft = args.decode_seqs, args.decode_context, args.draft
+    capacity = attention.verify_capacity(n, draft, context)
+    cache = _cache(args, n, context)
+    prefix = context - draft
+    # A chain of drafts: draft i sees the prefix and drafts 0..i (causal among themselves).
+    rows = np.arange(context)[None, :] <= prefix + np.arange(draft)[:, None]
+    md = attention.build_metadata(
+        capacity,
+        req=np.arange(n),
+        q_start=np.arange(n) * draft,
+        q_len=np.full(n, draft),
+        q_pos=np.full(n, prefix),
+        kv_len=np.full(n, context),
+        out_cache_loc=np.asarray(cache.req_to_token)[:, prefix:].reshape(-1),
+        num_tokens=n * draft,
+        mask_rows=[rows] * n,
+    )
+    return "verify", capacity, md, cache, n * draft
+
+
+def _kv_read_bytes(md, cache) -> int:
+    """K/V bytes the step must read: every real tile's context, all KV heads, K and V."""
+    kv_len = np.where(np.asarray(md.tile_q_len) > 0, np.asarray(md.tile_kv_len), 0)
+    per_token = cache.k.shape[2] * (cache.k.shape[3] + cache.v.shape[3]) * cache.k.dtype.itemsize
+    return int(kv_len.sum()) * per_token
+
+
 def _peak_bytes(device) -> int | None:
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return None if not stats else stats.get("peak_bytes_in_use")
 
 
-def _run_case(args, case) -> dict:
-    name, capacity, md, cache, num_tokens = case
-    backend = attention.NativeAttnBackend(
+def _backend(args, name: str, capacity):
+    if name == "pallas":
+        return backend_lib.PallasAttnBackend(capacity, _paged_config(args))
+    return backend_lib.NativeAttnBackend(
         capacity, attention.NativeAttentionConfig(kv_block=args.kv_block)
     )
+
+
+def _run_case(args, case, backend_name: str) -> tuple[dict, jax.Array]:
+    name, capacity, md, cache, num_tokens = case
+    backend = _backend(args, backend_name, capacity)
     step = jax.jit(backend.forward, static_argnums=(3,), donate_argnums=(5,))
     q, k, v = _qkv(args, capacity.token_capacity)
+    kv_bytes = _kv_read_bytes(md, cache) if name != "extend" else None
     md = jax.device_put(md)
+    cache = jax.tree.map(jnp.copy, cache)  # the case's cache serves every backend
     compiled = step.lower(q, k, v, 0, md, cache).compile()
     analysis = compiled.memory_analysis()
     out, cache = step(q, k, v, 0, md, cache)
@@ -124,20 +203,58 @@ def _run_case(args, case) -> dict:
         out, cache = step(q, k, v, 0, md, cache)
     out.block_until_ready()
     seconds = (time.perf_counter() - start) / args.iters
-    return dict(
+    result = dict(
         case=name,
+        backend=backend_name,
         tokens=num_tokens,
         step_ms=seconds * 1e3,
         tokens_per_s=num_tokens / seconds,
+        kv_read_bytes=kv_bytes,
+        kv_gb_per_s=None if kv_bytes is None else kv_bytes / seconds / 1e9,
         peak_bytes_in_use=_peak_bytes(jax.devices()[0]),
         compiled_temp_bytes=None if analysis is None else analysis.temp_size_in_bytes,
         kv_pool_bytes=int(cache.k.nbytes + cache.v.nbytes),
         finite=bool(jnp.isfinite(out).all()),
     )
+    return result, out
+
+
+def _ceiling_gbs(iters: int, nbytes: int) -> tuple[float, str]:
+    """(GB/s, label) of a plain device copy of ``nbytes`` (bytes read + written)."""
+    calls = max(iters, 2)
+    if kernels_bench.torch_usable():
+        seconds = kernels_bench.torch_copy_seconds(nbytes, calls, 3)
+        return 2 * nbytes / seconds / 1e9, "torch copy_"
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    copy = jax.jit(lambda x: x + jnp.bfloat16(1))
+    copy(x).block_until_ready()
+    start = time.perf_counter()
+    for _ in range(calls):
+        y = copy(x)
+    y.block_until_ready()
+    return 2 * nbytes * calls / (time.perf_counter() - start) / 1e9, "XLA copy"
+
+
+def _line(result: dict, ceiling: tuple[float, str]) -> str:
+    peak = result["peak_bytes_in_use"]
+    line = (
+        f"{result['case']:>6} {result['backend']:>6}: {result['tokens']} tokens, "
+        f"{result['step_ms']:.3f} ms/step, {result['tokens_per_s']:.1f} tokens/s, peak "
+        f"{'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'}, compiled temp "
+        f"{(result['compiled_temp_bytes'] or 0) / 2**20:.1f} MiB, KV pool "
+        f"{result['kv_pool_bytes'] / 2**20:.1f} MiB"
+    )
+    if result["kv_gb_per_s"] is not None:
+        line += (
+            f", KV read {result['kv_read_bytes'] / 2**20:.1f} MiB at "
+            f"{result['kv_gb_per_s']:.0f} GB/s = {result['kv_gb_per_s'] / ceiling[0]:.2f} of "
+            f"the {ceiling[1]} ceiling"
+        )
+    return line
 
 
 def main(argv: list[str]) -> None:
-    """Runs the extend and decode cases and prints one summary and one JSON line each.
+    """Runs the chosen cases on every chosen backend; prints a summary and a JSON line each.
 
     Args:
       argv: command-line flags (see ``--help``).
@@ -147,17 +264,23 @@ def main(argv: list[str]) -> None:
     """
     args = _parse(argv)
     args.dtype = jnp.dtype(args.dtype)
-    print(f"device: {jax.devices()[0].device_kind}, dtype {args.dtype}, kv_block {args.kv_block}")
-    for case in (_extend_case(args), _decode_case(args)):
-        result = _run_case(args, case)
-        peak = result["peak_bytes_in_use"]
-        print(
-            f"{result['case']:>6}: {result['tokens']} tokens, {result['step_ms']:.3f} ms/step, "
-            f"{result['tokens_per_s']:.1f} tokens/s, peak "
-            f"{'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'}, compiled temp "
-            f"{(result['compiled_temp_bytes'] or 0) / 2**20:.1f} MiB, KV pool "
-            f"{result['kv_pool_bytes'] / 2**20:.1f} MiB"
-        )
-        print(json.dumps(result))
-        if not result["finite"]:
-            raise SystemExit(f"{result['case']}: non-finite attention output")
+    builders = dict(extend=_extend_case, decode=_decode_case, verify=_verify_case)
+    ceiling = _ceiling_gbs(args.iters, args.ceiling_bytes)
+    print(
+        f"device: {jax.devices()[0].device_kind}, dtype {args.dtype}, native kv_block "
+        f"{args.kv_block}, pallas {_paged_config(args)}; copy ceiling {ceiling[0]:.0f} GB/s "
+        f"({ceiling[1]}, {args.ceiling_bytes >> 20} MiB)"
+    )
+    for name in args.cases:
+        case, first = builders[name](args), None
+        for backend_name in args.backends:
+            result, out = _run_case(args, case, backend_name)
+            if first is None:
+                first = (backend_name, out)
+            else:
+                diff = jnp.abs(out.astype(jnp.float32) - first[1].astype(jnp.float32)).max()
+                result[f"max_abs_diff_vs_{first[0]}"] = float(diff)
+            print(_line(result, ceiling))
+            print(json.dumps(result))
+            if not result["finite"]:
+                raise SystemExit(f"{name} {backend_name}: non-finite attention output")

@@ -56,6 +56,7 @@ import numpy as np
 from flax import nnx
 
 from jtbo import split
+from jtbo.attention import backend as attn_backend_lib
 from jtbo.bench import kernel_time
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
@@ -99,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
         help="a step that overflows EP capacity re-runs with the next bucket (warm-up absorbs it)",
     )  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="MoEConfig.tiny() (smoke test)")
+    parser.add_argument(
+        "--attention-backend", choices=tuple(attn_backend_lib.ATTENTION_BACKENDS),
+        default="native", help="ModelRunner(attention_backend=...) of every runner",
+    )  # fmt: skip
     parser.add_argument(
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16",
         help="parameter / activation dtype (float32: the agreement column without bf16 rounding)",
@@ -496,6 +501,7 @@ def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = F
         token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.dtype(args.dtype),
         ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
         tbo_round_barriers=barriers, moe_runner_backend=args.moe_runner_backend,
+        attention_backend=args.attention_backend,
     )  # fmt: skip
 
 
@@ -505,7 +511,7 @@ def _header(args) -> str:
     return (
         f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; dp={args.dp}, "
         f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}, experts "
-        f"{args.moe_runner_backend}; link {args.link}; "
+        f"{args.moe_runner_backend}; attention {args.attention_backend}; link {args.link}; "
         f"jax {jax.__version__}" + (f"; XLA_FLAGS += {options}" if options else "")
     )
 

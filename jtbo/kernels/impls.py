@@ -28,6 +28,9 @@ FASTEST = {
     "merge_rows": {"gpu": _GPU_XLA_FIRST, "cpu": ("xla",)},
     # Not measured yet against the capacity einsum: xla until BENCHMARKS.md says otherwise.
     "grouped_ffn": {"gpu": ("xla", "pallas"), "cpu": ("xla",)},
+    # jtbo.attention.paged: "xla" is the native attention; the kernel serves explicit
+    # requests until the H200 benchmark ranks it (BENCHMARKS.md, "Attention").
+    "paged_attention": {"gpu": ("xla", "pallas"), "cpu": ("xla",)},
 }
 
 

@@ -10,8 +10,9 @@ Layout of activations: every layer keeps ``hidden_states`` and ``residual`` in S
 TP_ATTN_FULL scatter mode (each attn_tp device holds all rows of its DP rank), with the residual
 add fused into the next norm as SGLang does (``residual += hidden; hidden = norm(residual)``).
 
-* ``attn_*``: Q/K/V of the local heads, RoPE, paged attention through the KV cache
-  (``jtbo.attention.native``); ``comm_prepare_mlp`` sums the row-parallel output projection
+* ``attn_*``: Q/K/V of the local heads, RoPE, paged attention through the KV cache (the
+  backend named by ``ParallelConfig.attention_backend``, ``jtbo.attention.backend``);
+  ``comm_prepare_mlp`` sums the row-parallel output projection
   over ``attn_tp`` (all-reduce) before the post-attention norm.
 * MoE: ``gate`` / ``select_experts`` route the rows; the exchange (``dispatch_a`` ..
   ``combine_b``) is ``jtbo.models.moe_exchange``: expert parallel through the micro-batch's
@@ -30,7 +31,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 
-from jtbo.attention import native
+from jtbo.attention import backend as attn_backend_lib
 from jtbo.collectives import ep_config, ep_overflow
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
@@ -70,6 +71,9 @@ class ParallelConfig:
       moe_runner_backend: impl of the routed experts' FFN (SGLang's ``--moe-runner-backend``):
         "xla" (batched matmul over every capacity slot) or "pallas" (grouped GEMM over the
         filled slots only; ``jtbo.kernels.grouped_gemm``).
+      attention_backend: the attention forward, a key of
+        ``jtbo.attention.backend.ATTENTION_BACKENDS`` ("native" or "pallas"); each
+        micro-batch runs it at its own metadata's capacity.
     """
 
     moe_a2a_backend: Literal["ep", "none"]
@@ -82,6 +86,7 @@ class ParallelConfig:
     tbo_round_barriers: bool = False
     tbo_issue_barriers: bool | None = None
     moe_runner_backend: str = "xla"
+    attention_backend: str = "native"
 
     @property
     def issue_barriers(self) -> bool:
@@ -107,6 +112,7 @@ class ParallelConfig:
             raise ValueError(
                 f"moe_runner_backend={self.moe_runner_backend!r}: expected {MOE_RUNNER_BACKENDS}"
             )
+        attn_backend_lib.backend_class(self.attention_backend)  # ValueError naming the field
 
 
 class StepBox:
@@ -182,8 +188,9 @@ def attention_operations(layer: model_lib.DecoderLayer, parallel: ParallelConfig
 
     def attn_core(state):
         q, k, v = state.pop("attn_qkv")
-        box = state.step_box
-        out, cache = native.forward(q, k, v, layer.layer_id, state.attn_metadata, box.kv_cache)
+        box, md = state.step_box, state.attn_metadata
+        backend = attn_backend_lib.backend_class(parallel.attention_backend)(md.capacity)
+        out, cache = backend.forward(q, k, v, layer.layer_id, md, box.kv_cache)
         state.hidden_states_after_attn, box.kv_cache = box.after_attention(out, cache)
 
     return dict(

@@ -60,6 +60,8 @@ class PlanOptions:
       enable_tbo: whether two-batch overlap may run.
       threshold: SGLang's ``tbo_token_distribution_threshold``.
       query_tile: query rows per attention tile for extend steps.
+      attention_backend: the backend whose metadata the steps carry (a key of
+        ``jtbo.attention.backend.ATTENTION_BACKENDS``; they share one metadata layout).
     """
 
     attn_tp_size: int
@@ -69,6 +71,7 @@ class PlanOptions:
     enable_tbo: bool
     threshold: float
     query_tile: int = 64
+    attention_backend: str = "native"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,7 +409,9 @@ def _assemble(batches, ranks, options, decision: StepDecision, children) -> Step
         full_cap if child_cap is None else attention_capacity(kind, child_cap, options, draft)
     )
     backend = tbo_backend.TboAttnBackend.init_new(
-        backend_lib.NativeAttnBackend, capacity=full_cap, child_capacity=small_cap
+        backend_lib.backend_class(options.attention_backend),
+        capacity=full_cap,
+        child_capacity=small_cap,
     )
     per_rank = dict(
         input_ids=np.stack([_pad(b.input_ids, capacity) for b in batches]),

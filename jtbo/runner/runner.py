@@ -92,6 +92,7 @@ class ModelRunner:
         tbo_timer: tbo_auto.StepTimer | None = None,
         tbo_plan: str | os.PathLike | None = None,
         moe_runner_backend: str = "xla",
+        attention_backend: str = "native",
     ):
         """Places the model on the mesh and allocates every DP rank's KV pool.
 
@@ -127,6 +128,9 @@ class ModelRunner:
           moe_runner_backend: the routed experts' FFN impl, "xla" (batched matmul over every
             capacity slot) or "pallas" (grouped GEMM over the filled slots;
             ``layer_ops.ParallelConfig``).
+          attention_backend: "native" (blocked jnp attention, the exact reference) or
+            "pallas" (the paged kernel, ``jtbo.attention.paged``; the Pallas interpreter on
+            the CPU), for the whole batch and both TBO micro-batches.
 
         Raises:
           ValueError: a mesh without the right axes, shapes that do not divide over it, an
@@ -158,6 +162,7 @@ class ModelRunner:
             moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size,
             ep_capacity_factor, ep_overflow_policy, tbo_round_barriers=tbo_round_barriers,
             tbo_issue_barriers=tbo_issue_barriers, moe_runner_backend=moe_runner_backend,
+            attention_backend=attention_backend,
         )  # fmt: skip
         buckets = token_buckets or split.default_token_buckets(max_total_tokens)
         self.options = planning.PlanOptions(
@@ -167,6 +172,7 @@ class ModelRunner:
             max_context=max_total_tokens,
             enable_tbo=enable_tbo,
             threshold=tbo_token_distribution_threshold,
+            attention_backend=attention_backend,
         )
         _warn_about_process_env(mesh, enable_tbo)
         self.enable_two_batch_overlap = enable_two_batch_overlap

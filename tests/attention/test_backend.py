@@ -1,11 +1,12 @@
 """NativeAttnBackend: per-rank metadata stacked along dp and run under shard_map."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jtbo.attention import backend, metadata, native
+from jtbo.attention import backend, kv_cache, metadata, native
 from jtbo.collectives import mesh as mesh_lib
 from tests.attention import scenarios
 
@@ -58,3 +59,18 @@ def test_forward_rejects_metadata_of_another_capacity():
     md = backend.NativeAttnBackend(other).init_forward_metadata(scenarios.extend_batch(sc))
     with pytest.raises(ValueError, match="capacity"):
         BACKEND.forward(sc.q, sc.k, sc.v, 1, md, sc.cache)
+
+
+def test_backend_names_and_the_pallas_backend_checks_its_capacity():
+    assert backend.backend_class("native") is backend.NativeAttnBackend
+    assert backend.backend_class("pallas") is backend.PallasAttnBackend
+    with pytest.raises(ValueError, match="attention_backend='flash'"):
+        backend.backend_class("flash")
+    pallas = backend.PallasAttnBackend(metadata.decode_capacity(4, 32))
+    other = metadata.empty_metadata(metadata.decode_capacity(2, 32))
+    x = jnp.zeros((4, 2, 16), jnp.float32)
+    cache = kv_cache.init_kv_cache(
+        num_layers=1, num_slots=4, kv_heads=2, head_dim=16, max_reqs=2, max_context=32
+    )
+    with pytest.raises(ValueError, match="metadata capacity"):
+        pallas.forward(x, x, x, 0, other, cache)

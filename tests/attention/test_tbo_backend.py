@@ -10,19 +10,24 @@ import pytest
 
 from jtbo import split
 from jtbo.attention import backend as backend_lib
-from jtbo.attention import metadata, native, tbo_backend
+from jtbo.attention import metadata, native, paged, tbo_backend
 from tests.attention import scenarios
 
 ForwardMode = split.ForwardMode
 CONTEXT = 32
 CONFIG = native.NativeAttentionConfig(kv_block=8)
+CREATORS = {
+    "native": lambda c: backend_lib.NativeAttnBackend(c, CONFIG),
+    # Small blocks and up to 2 splits so the tiny children still run a multi-block grid.
+    "pallas": lambda c: backend_lib.PallasAttnBackend(
+        c, paged.PagedAttentionConfig(block_kv=16, block_rows=16, max_kv_splits=2, min_split_kv=8)
+    ),
+}
 
 
-def _backend(capacity, child_capacity):
+def _backend(capacity, child_capacity, kind="native"):
     return tbo_backend.TboAttnBackend.init_new(
-        lambda c: backend_lib.NativeAttnBackend(c, CONFIG),
-        capacity=capacity,
-        child_capacity=child_capacity,
+        CREATORS[kind], capacity=capacity, child_capacity=child_capacity
     )
 
 
@@ -116,24 +121,29 @@ def test_balanced_extend_split_with_padding_rows():
     _check_tbo(sc, tbo, md, ranges)
 
 
-def test_decode_split_equals_parent():
+@pytest.mark.parametrize("kind", ["native", "pallas"])
+def test_decode_split_equals_parent(kind):
     sc = scenarios.make(np.random.default_rng(2), [3, 9, 0, 20, 6], [1] * 5, token_capacity=5)
     parent = dataclasses.replace(scenarios.decode_batch(sc), tbo_split_seq_index=2)
     children = split.split_batch(parent)
-    tbo = _backend(metadata.decode_capacity(5, CONTEXT), metadata.decode_capacity(3, CONTEXT))
+    tbo = _backend(metadata.decode_capacity(5, CONTEXT), metadata.decode_capacity(3, CONTEXT), kind)
     md = tbo.init_forward_metadata(parent, children)
     _check_children_metadata(tbo, md, children)
     _check_tbo(sc, tbo, md, [(0, 2), (2, 5)])
 
 
-def test_replay_verify_children_from_padded_buffers():
+@pytest.mark.parametrize("kind", ["native", "pallas"])
+def test_replay_verify_children_from_padded_buffers(kind):
     draft = 2
     sc = scenarios.make(
-        np.random.default_rng(3), [5, 0, 12], [draft] * 3, token_capacity=8, custom_mask=True
-    )
+        np.random.default_rng(3), [5, 0, 12], [draft] * 3, token_capacity=8, custom_mask=True,
+        head_dim=16,
+    )  # fmt: skip
     padded = scenarios.verify_batch(sc, draft, padded_seqs=1)  # a captured bucket of 4 seqs
     tbo = _backend(
-        metadata.verify_capacity(4, draft, CONTEXT), metadata.verify_capacity(2, draft, CONTEXT)
+        metadata.verify_capacity(4, draft, CONTEXT),
+        metadata.verify_capacity(2, draft, CONTEXT),
+        kind,
     )
     md = tbo.init_forward_metadata_for_replay(padded)
     # Child B holds the third real sequence and the padded one, whose rows stay empty.

@@ -257,3 +257,8 @@ def test_issue_barriers_default_on_only_without_attention_tensor_parallelism():
     assert not layer_ops.ParallelConfig("ep", 2, 8).issue_barriers
     assert layer_ops.ParallelConfig("ep", 2, 8, tbo_issue_barriers=True).issue_barriers
     assert not layer_ops.ParallelConfig("ep", 1, 2, tbo_issue_barriers=False).issue_barriers
+
+
+def test_unknown_attention_backend_names_the_field():
+    with pytest.raises(ValueError, match="attention_backend='flash'"):
+        layer_ops.ParallelConfig("ep", 1, 8, attention_backend="flash")

@@ -1,0 +1,378 @@
+"""Paged attention that reads K/V straight from the pool: a Pallas kernel and its wrapper.
+
+Same inputs, masking rules and result as ``native.attend`` (which is this op's ``impl="xla"``
+and the reference the kernel is tested against), without the native backend's gathered K/V
+copy: each kernel program loads a block of pool slots from the page table and then the K/V
+rows of those slots, so K/V bytes cross memory once.
+
+Grid: one program per (query tile, KV head x row block, KV split).
+
+* **Rows.** A program's matrix rows are (query row of the tile, query head of the KV head's
+  group) pairs, row ``r`` = query ``r // group``, head ``r % group``: GQA folds the group's
+  heads into the rows, so a decode tile (one query) of group 8 has 8 rows and shares each
+  K/V load between them. Rows are padded to a power of two of at least 16 (the tensor-core
+  minimum) and cut into row blocks of at most ``block_rows`` (extend and verify tiles hold
+  ``query_tile x group`` rows).
+* **KV loop.** A program walks its split of the visible KV positions in blocks of
+  ``block_kv``: slots ``req_to_token[req, pos]`` (positions past the sequence read the padding
+  slot), K/V rows ``pool[layer, slot, head]``, scores in float32, and the online-softmax
+  recurrence (running max, denominator, weighted values) in float32.
+* **Visibility** (per row and KV position, as in ``native``): the position is below the
+  tile's ``kv_len``; causal capacities also need ``pos <= q_pos + query``; custom-mask
+  capacities (TARGET_VERIFY) read the EAGLE bit instead. A program runs only up to the
+  furthest position one of its rows may see, so empty tiles and the early tiles of a causal
+  prompt cost no K/V reads.
+* **Split-K.** Long contexts with few tiles leave SMs idle, so the context of each tile is
+  cut into ``splits`` (static) equal parts of its own visible length, rounded to whole
+  blocks. Each split writes its normalised partial output and log-sum-exp; the wrapper merges
+  them (``o = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M)``, ``M = max_s lse_s``), which
+  is exact.
+
+Rows that see no key come out as zeros (their log-sum-exp is ``-inf``), as do rows past
+``num_tokens``. On the CPU the kernel runs in the Pallas interpreter (tests); on GPUs through
+the Pallas Triton lowering.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as _pallas_tpu  # noqa: F401 (see the comment below)
+from jax.experimental.pallas import triton as plgpu
+
+from jtbo.attention import kv_cache as kv_cache_lib
+from jtbo.attention import metadata as metadata_lib
+from jtbo.attention import native
+from jtbo.kernels import impls
+
+# The Pallas interpreter's first lowering imports this module, which registers a jax config
+# option: jax's tracing context changes after that first lowering, so every jitted function
+# traced before it is traced again on its next call (the runner's steps guard against that
+# with chex.assert_max_traces). Importing it here fixes the context before any trace.
+del _pallas_tpu
+
+OP = "paged_attention"
+"""This op's key in ``jtbo.kernels.impls.FASTEST``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionConfig:
+    """Launch shape of the paged attention kernel.
+
+    Attributes:
+      block_kv: KV positions per loop step (a power of two, at least 16).
+      block_rows: most matrix rows (query rows x group heads) per program (a power of two,
+        at least 16); more rows make more row blocks.
+      max_kv_splits: most parts a tile's context is split into.
+      min_programs: splits grow (up to ``max_kv_splits``) until the grid has at least this
+        many programs, so a small batch still fills the GPU.
+      min_split_kv: KV positions a split covers at least (of ``max_context``), so a split's
+        fixed cost (its output and the merge) stays small next to its K/V reads.
+      num_warps: warps per program (a power of two).
+      num_stages: software-pipelining stages Triton may use for the KV loop.
+    """
+
+    block_kv: int = 64
+    block_rows: int = 64
+    max_kv_splits: int = 16
+    min_programs: int = 1024
+    min_split_kv: int = 256
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_kv", "block_rows", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"PagedAttentionConfig.{name} must be a power of two, got {value}")
+        for name in ("block_kv", "block_rows"):
+            if getattr(self, name) < 16:
+                raise ValueError(
+                    f"PagedAttentionConfig.{name} must be >= 16, got {getattr(self, name)}"
+                )
+        for name in ("max_kv_splits", "min_programs", "min_split_kv", "num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"PagedAttentionConfig.{name} must be >= 1, got {getattr(self, name)}"
+                )
+
+
+DEFAULT_CONFIG = PagedAttentionConfig()
+"""The kernel knobs used when none are given."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """Static launch shape of one call (derived from the capacity, heads and config)."""
+
+    group: int  # query heads per KV head
+    rows: int  # real matrix rows of a tile: query_tile * group
+    block_rows: int
+    row_blocks: int
+    splits: int
+
+
+def _launch(config, capacity: metadata_lib.AttentionCapacity, kv_heads, group) -> _Launch:
+    rows = capacity.query_tile * group
+    block_rows = min(config.block_rows, max(16, pl.next_power_of_2(rows)))
+    row_blocks = pl.cdiv(rows, block_rows)
+    programs = capacity.num_tiles * kv_heads * row_blocks
+    splits = min(
+        config.max_kv_splits,
+        max(1, capacity.max_context // config.min_split_kv),
+        max(1, pl.cdiv(config.min_programs, programs)),
+    )
+    return _Launch(group, rows, block_rows, row_blocks, splits)
+
+
+def _visible_range(q_len, q_pos, kv_len, row0, launch: _Launch, causal: bool):
+    """One past the furthest KV position a row of the block starting at ``row0`` may see."""
+    last_query = jnp.minimum(q_len, lax.div(row0 + launch.block_rows - 1, launch.group) + 1)
+    end = jnp.minimum(kv_len, q_pos + last_query) if causal else kv_len
+    return jnp.where(lax.div(row0, launch.group) < q_len, end, 0)
+
+
+def _dot(a, b, *, contract_b: int):
+    """``a @ b`` (``contract_b=0``) or ``a @ b.T`` (``1``) with float32 accumulation.
+
+    The Triton lowering runs float32 operands in IEEE precision (no TF32), bf16 on the
+    tensor cores.
+    """
+    dims = (((1,), (contract_b,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _paged_attention_kernel(
+    layer_ref, tile_req_ref, tile_q_len_ref, tile_q_pos_ref, tile_kv_len_ref, req_to_token_ref,
+    q_ref, k_ref, v_ref, *refs, launch: _Launch, block_kv: int, scaling: float,
+):  # fmt: skip
+    # layer_ref: [1]; tile_*_ref: [num_tiles]; req_to_token_ref: [max_reqs, max_context];
+    # q_ref: [num_tiles, kv_heads, row_blocks, block_rows, head_dim];
+    # k_ref: [num_layers, num_slots, kv_heads, head_dim]; v_ref: [..., v_head_dim];
+    # refs: (mask_ref [num_tiles, query_tile, max_context] int8,)? then
+    # o_ref: [num_tiles, kv_heads, row_blocks, splits, block_rows, v_head_dim] f32,
+    # lse_ref: [num_tiles, kv_heads, row_blocks, splits, block_rows] f32.
+    mask_ref, o_ref, lse_ref = refs if len(refs) == 3 else (None, *refs)
+    tile, s = pl.program_id(0), pl.program_id(2)
+    head, rb = (
+        lax.div(pl.program_id(1), launch.row_blocks),
+        lax.rem(pl.program_id(1), launch.row_blocks),
+    )
+    layer, req = layer_ref[0], tile_req_ref[tile]
+    q_len, q_pos, kv_len = tile_q_len_ref[tile], tile_q_pos_ref[tile], tile_kv_len_ref[tile]
+    max_context = req_to_token_ref.shape[1]
+    row0 = rb * launch.block_rows
+    query = lax.div(row0 + jnp.arange(launch.block_rows, dtype=jnp.int32), launch.group)
+    row_ok = query < q_len  # [block_rows]
+    end = _visible_range(q_len, q_pos, kv_len, row0, launch, mask_ref is None)
+    split_len = pl.cdiv(pl.cdiv(end, launch.splits), block_kv) * block_kv
+    start = s * split_len
+    stop = jnp.minimum(start + split_len, end)
+    q = q_ref[tile, head, rb]  # [block_rows, head_dim]
+
+    def body(b, carry):
+        m, denom, acc = carry
+        pos = start + b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+        column = jnp.minimum(pos, max_context - 1)
+        in_range = pos < stop
+        slots = jnp.where(in_range, req_to_token_ref[req, column], kv_cache_lib.PADDING_SLOT)
+        k = k_ref[layer, slots, head, :]  # [block_kv, head_dim]
+        v = v_ref[layer, slots, head, :]  # [block_kv, v_head_dim]
+        scores = _dot(q, k.astype(q.dtype), contract_b=1) * scaling  # [block_rows, block_kv]
+        visible = row_ok[:, None] & in_range[None, :]
+        if mask_ref is None:
+            visible = visible & (pos[None, :] <= q_pos + query[:, None])
+        else:
+            row = jnp.minimum(query, mask_ref.shape[1] - 1)
+            visible = visible & (mask_ref[tile, row[:, None], column[None, :]] != 0)
+        scores = jnp.where(visible, scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(axis=1))
+        # A row that has seen no visible key keeps max -inf; shift it by 0 to avoid inf - inf.
+        m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(scores - m_shift[:, None])
+        correction = jnp.exp(m - m_shift)
+        pv = _dot(p.astype(v.dtype), v, contract_b=0)  # [block_rows, v_head_dim]
+        return m_new, denom * correction + p.sum(axis=1), acc * correction[:, None] + pv
+
+    init = (
+        jnp.full((launch.block_rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((launch.block_rows,), jnp.float32),
+        jnp.zeros((launch.block_rows, o_ref.shape[-1]), jnp.float32),
+    )
+    trips = pl.cdiv(jnp.maximum(stop - start, 0), block_kv)
+    m, denom, acc = lax.fori_loop(0, trips, body, init)
+    seen = denom > 0
+    safe = jnp.where(seen, denom, 1.0)
+    o_ref[tile, head, rb, s] = jnp.where(seen[:, None], acc / safe[:, None], 0.0)
+    lse_ref[tile, head, rb, s] = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+
+
+def _tile_queries(q, md: metadata_lib.AttentionMetadata, kv_heads: int, launch: _Launch):
+    """Queries per tile and KV head as matrix rows: ``[tiles, kvh, row_blocks, block_rows, d]``."""
+    tiles, query_tile = md.capacity.num_tiles, md.capacity.query_tile
+    token = jnp.minimum(md.tile_q_start[:, None] + jnp.arange(query_tile), q.shape[0] - 1)
+    q_tiles = q[token].reshape(tiles, query_tile, kv_heads, launch.group, q.shape[-1])
+    rows = q_tiles.transpose(0, 2, 1, 3, 4).reshape(tiles, kv_heads, launch.rows, q.shape[-1])
+    pad = launch.row_blocks * launch.block_rows - launch.rows
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, pad), (0, 0)))
+    return rows.reshape(tiles, kv_heads, launch.row_blocks, launch.block_rows, q.shape[-1])
+
+
+def _merge_splits(o, lse):
+    """Log-sum-exp merge over the split axis (3): ``[tiles, kvh, row_blocks, rows, dv]``."""
+    if o.shape[3] == 1:
+        return o[:, :, :, 0]
+    top = lse.max(axis=3, keepdims=True)
+    weight = jnp.exp(lse - jnp.where(top == -jnp.inf, 0.0, top))  # 0 for empty splits
+    total = weight.sum(axis=3)
+    merged = (o * weight[..., None]).sum(axis=3)
+    return jnp.where(total[..., None] > 0, merged / jnp.where(total > 0, total, 1.0)[..., None], 0)
+
+
+def _scatter_rows(q, out_rows, md: metadata_lib.AttentionMetadata, launch: _Launch, kv_heads):
+    """Writes the tiles' rows back to flat tokens: ``[token_capacity, q_heads, dv]``."""
+    tiles, query_tile = md.capacity.num_tiles, md.capacity.query_tile
+    dv = out_rows.shape[-1]
+    rows = out_rows.reshape(tiles, kv_heads, -1, dv)[:, :, : launch.rows]
+    rows = rows.reshape(tiles, kv_heads, query_tile, launch.group, dv).transpose(0, 2, 1, 3, 4)
+    row = jnp.arange(query_tile)
+    token = md.tile_q_start[:, None] + row[None, :]
+    keep = (row[None, :] < md.tile_q_len[:, None]) & (token < md.num_tokens)
+    target = jnp.where(keep, token, q.shape[0]).reshape(-1)  # out of range: dropped
+    out = jnp.zeros((q.shape[0], q.shape[1], dv), q.dtype)
+    values = rows.reshape(-1, q.shape[1], dv).astype(q.dtype)
+    return out.at[target].set(values, mode="drop", unique_indices=True)
+
+
+def paged_attention_pallas(q, cache, layer_id, md, *, scaling, config, interpret):
+    """Pallas impl: the kernel, the split merge and the row scatter (see the module docstring)."""
+    kv_heads, dv = cache.k.shape[2], cache.v.shape[-1]
+    launch = _launch(config, md.capacity, kv_heads, q.shape[1] // kv_heads)
+    q_rows = _tile_queries(q, md, kv_heads, launch)
+    lead = (md.capacity.num_tiles, kv_heads, launch.row_blocks, launch.splits, launch.block_rows)
+    inputs = [
+        jnp.asarray(layer_id, jnp.int32).reshape(1),
+        *(x.astype(jnp.int32) for x in (md.tile_req, md.tile_q_len, md.tile_q_pos, md.tile_kv_len)),
+        cache.req_to_token, q_rows, cache.k, cache.v,
+    ]  # fmt: skip
+    if md.custom_mask is not None:
+        inputs.append(md.custom_mask.astype(jnp.int8))
+    kernel = functools.partial(
+        _paged_attention_kernel, launch=launch, block_kv=config.block_kv, scaling=scaling
+    )
+    o, lse = pl.pallas_call(
+        kernel,
+        out_shape=(
+            jax.ShapeDtypeStruct((*lead, dv), jnp.float32),
+            jax.ShapeDtypeStruct(lead, jnp.float32),
+        ),
+        grid=(md.capacity.num_tiles, kv_heads * launch.row_blocks, launch.splits),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.num_warps, num_stages=config.num_stages
+        ),
+        name="jtbo_paged_attention",
+    )(*inputs)
+    return _scatter_rows(q, _merge_splits(o, lse), md, launch, kv_heads)
+
+
+def _gpu_unavailable_reason(q, cache) -> str | None:
+    """Why the Triton lowering cannot take these shapes (its blocks are powers of two >= 16)."""
+    for name, size in (("head_dim", q.shape[-1]), ("v_head_dim", cache.v.shape[-1])):
+        if size < 16 or size & (size - 1):
+            return f"{name} = {size} is not a power of two >= 16"
+    return None
+
+
+def paged_attention(
+    q: jax.Array,
+    cache: kv_cache_lib.KVCache,
+    layer_id: int | jax.Array,
+    md: metadata_lib.AttentionMetadata,
+    *,
+    scaling: float,
+    impl: str | None = None,
+    config: PagedAttentionConfig = DEFAULT_CONFIG,
+    native_config: native.NativeAttentionConfig = native.DEFAULT_CONFIG,
+) -> jax.Array:
+    """Attends every tile's queries over its sequence's cached K/V (already written).
+
+    Args:
+      q: queries, ``[token_capacity, q_heads, head_dim]``.
+      cache: the KV cache, holding this step's new tokens already.
+      layer_id: layer whose pool is read (static int or traced scalar).
+      md: the step's metadata.
+      scaling: factor applied to ``q . k``.
+      impl: ``"xla"`` (the native backend's blocked jnp attention, the reference),
+        ``"pallas"`` (this module's kernel; the interpreter on the CPU) or None (the fastest
+        available, ``jtbo.kernels.impls.FASTEST``). There is no ``"triton"`` kernel.
+      config: the kernel's launch shape (``"pallas"``).
+      native_config: the native attention's knobs (``"xla"``).
+
+    Returns:
+      ``[token_capacity, q_heads, v_head_dim]`` in ``q.dtype``; zeros for rows without keys
+      and rows past ``md.num_tokens``.
+
+    Raises:
+      ValueError: an unknown impl, or q heads not a multiple of the KV heads.
+      KernelUnavailableError: the named impl cannot serve this call here.
+    """
+    if q.shape[1] % cache.k.shape[2]:
+        raise ValueError(
+            f"q_heads = {q.shape[1]} is not a multiple of kv_heads = {cache.k.shape[2]}"
+        )
+    impl = impls.resolve(impl, op=OP)
+    if impl == "triton":
+        raise impls.KernelUnavailableError(
+            "impl='triton' is unavailable: paged attention has no jax-triton kernel"
+        )
+    if impl == "xla":
+        return native.attend(q, cache, layer_id, md, scaling=scaling, config=native_config)
+    interpret = impls.backend() == "cpu"
+    reason = None if interpret else _gpu_unavailable_reason(q, cache)
+    if reason is not None:
+        raise impls.KernelUnavailableError(f"impl='pallas' is unavailable: {reason}")
+    return paged_attention_pallas(
+        q, cache, layer_id, md, scaling=scaling, config=config, interpret=interpret
+    )
+
+
+def forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    layer_id: int | jax.Array,
+    md: metadata_lib.AttentionMetadata,
+    cache: kv_cache_lib.KVCache,
+    *,
+    scaling: float | None = None,
+    impl: str | None = None,
+    config: PagedAttentionConfig = DEFAULT_CONFIG,
+) -> tuple[jax.Array, kv_cache_lib.KVCache]:
+    """Writes the step's K/V at ``out_cache_loc`` and attends with ``paged_attention``.
+
+    Args:
+      q: queries, ``[token_capacity, q_heads, head_dim]``.
+      k: new keys, ``[token_capacity, kv_heads, head_dim]``.
+      v: new values, ``[token_capacity, kv_heads, v_head_dim]``.
+      layer_id: layer index.
+      md: the step's metadata.
+      cache: the KV cache (donate it to update in place).
+      scaling: score scale; ``head_dim ** -0.5`` when None.
+      impl: as ``paged_attention``.
+      config: the kernel's launch shape.
+
+    Returns:
+      ``(out [token_capacity, q_heads, v_head_dim], new cache)``.
+
+    Raises:
+      ValueError: shapes that disagree (``native.write_step_kv``) or an unknown impl.
+      KernelUnavailableError: the named impl cannot serve this call here.
+    """
+    cache = native.write_step_kv(q, k, v, layer_id, md, cache)
+    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
+    out = paged_attention(q, cache, layer_id, md, scaling=scaling, impl=impl, config=config)
+    return out, cache

@@ -1,0 +1,271 @@
+"""The paged attention kernel against the native attention and an independent float64 reference.
+
+On the CPU ``impl="pallas"`` runs the kernel in the Pallas interpreter (the interpret-mode
+twin of every case); on a GPU (``JAX_PLATFORMS=cuda``) the same tests run the Triton kernel.
+Shapes are tiny but the launch knobs are shrunk with them, so the cases still cover several
+KV blocks per split, several splits, several row blocks and padded rows.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jtbo import aot
+from jtbo.attention import kv_cache as kv_cache_lib
+from jtbo.attention import metadata, paged, tiling
+from jtbo.kernels import impls
+from tests.attention import scenarios
+
+TOKENS, SEQS, CONTEXT, HEAD_DIM = 24, 4, 32, 16
+ONE_SPLIT = paged.PagedAttentionConfig(block_kv=16, block_rows=16, max_kv_splits=1)
+# 32 positions / 8 = up to 4 splits; the grid stays below min_programs, so all 3 are used.
+THREE_SPLITS = paged.PagedAttentionConfig(
+    block_kv=16, block_rows=16, max_kv_splits=3, min_split_kv=8
+)
+
+
+def _make(seed, prefix, new, **kwargs):
+    kwargs.setdefault("token_capacity", TOKENS)
+    return scenarios.make(np.random.default_rng(seed), prefix, new, head_dim=HEAD_DIM, **kwargs)
+
+
+@jax.jit
+def _written(sc_cache, k, v, loc):
+    return kv_cache_lib.write_kv(sc_cache, 1, loc, k, v)
+
+
+def _pool_with_step(sc, md):
+    """The scenario's pool with its new tokens written (what every impl attends over)."""
+    loc = jnp.where(jnp.arange(sc.q.shape[0]) < sc.num_tokens, md.out_cache_loc, 0)
+    return _written(sc.cache, jnp.asarray(sc.k), jnp.asarray(sc.v), loc)
+
+
+_attend = jax.jit(paged.paged_attention, static_argnames=("scaling", "impl", "config"))
+
+
+def _check(sc, md, config=ONE_SPLIT, atol=2e-5):
+    """pallas == float64 reference and == native (xla impl); returns the kernel's output."""
+    cache = _pool_with_step(sc, md)
+    scale = HEAD_DIM**-0.5
+    out = _attend(jnp.asarray(sc.q), cache, 1, md, scaling=scale, impl="pallas", config=config)
+    ref = _attend(jnp.asarray(sc.q), cache, 1, md, scaling=scale, impl="xla")
+    np.testing.assert_allclose(np.asarray(out, np.float64), sc.expected, atol=atol, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=atol, rtol=1e-5)
+    return out
+
+
+def _decode_md(sc, seqs=None):
+    n = sc.prefix_lens.shape[0]
+    return tiling.build_metadata(
+        metadata.decode_capacity(seqs or n, CONTEXT),
+        req=sc.req_pool_indices, q_start=np.arange(n), q_len=np.ones(n, int),
+        q_pos=sc.prefix_lens, kv_len=sc.prefix_lens + 1, out_cache_loc=sc.out_cache_loc,
+        num_tokens=n,
+    )  # fmt: skip
+
+
+def _extend_md(sc, query_tile=4):
+    starts = np.cumsum(sc.extend_lens) - sc.extend_lens
+    return tiling.build_metadata(
+        metadata.extend_capacity(TOKENS, SEQS, CONTEXT, query_tile=query_tile),
+        req=sc.req_pool_indices, q_start=starts, q_len=sc.extend_lens, q_pos=sc.prefix_lens,
+        kv_len=sc.prefix_lens + sc.extend_lens, out_cache_loc=sc.out_cache_loc,
+        num_tokens=sc.num_tokens,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("config", [ONE_SPLIT, THREE_SPLITS], ids=["one_split", "three_splits"])
+def test_decode_scattered_pages_one_token_and_max_context(config):
+    # Slots are a random permutation of the pool; sequence 1 is one token long (no prefix),
+    # sequence 2 fills max_context; 6 tiles for 4 sequences leave padded tiles.
+    sc = _make(4, [6, 0, CONTEXT - 1, 12], [1, 1, 1, 1], token_capacity=6)
+    out = _check(sc, _decode_md(sc, seqs=6), config=config)
+    assert not np.asarray(out[sc.num_tokens :]).any()
+
+
+def test_empty_metadata_gives_zeros():
+    sc = _make(6, [3, 5], [1, 1], token_capacity=4)
+    md = metadata.empty_metadata(metadata.decode_capacity(4, CONTEXT))
+    out = _attend(jnp.asarray(sc.q), sc.cache, 1, md, scaling=0.25, impl="pallas", config=ONE_SPLIT)
+    assert out.shape == (4, 4, HEAD_DIM)
+    assert not np.asarray(out).any()
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads"), [(4, 4), (6, 2)])  # 8:1 in the row-block test
+def test_gqa_ratios(q_heads, kv_heads):
+    sc = _make(q_heads * 10 + kv_heads, [5, 0, 9], [1, 1, 1], token_capacity=3,
+               q_heads=q_heads, kv_heads=kv_heads)  # fmt: skip
+    _check(sc, _decode_md(sc))
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 8), st.integers(1, 6)), min_size=1, max_size=SEQS),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_extend_ragged_with_prefixes(lens, seed):
+    # query_tile 4 x group 2 = 8 rows per tile, padded to one 16-row block.
+    prefix, new = (np.array(x) for x in zip(*lens, strict=True))
+    sc = _make(seed, prefix, new)
+    out = _check(sc, _extend_md(sc), config=THREE_SPLITS)
+    assert not np.asarray(out[sc.num_tokens :]).any()
+
+
+def test_extend_rows_over_several_row_blocks():
+    # query_tile 4 x group 8 = 32 rows: two row blocks of 16, each with its own causal end.
+    sc = _make(12, [5, 0], [7, 9], q_heads=8, kv_heads=1)
+    _check(sc, _extend_md(sc))
+
+
+@pytest.mark.parametrize("draft", [2, 4])
+def test_verify_causal_among_drafts(draft):
+    # Each sequence verifies `draft` tokens after its prefix, causal among themselves: the
+    # causal rule on tiles of `draft` rows.
+    n = 3
+    sc = _make(20 + draft, [4, 11, 0], [draft] * n)
+    md = tiling.build_metadata(
+        metadata.extend_capacity(TOKENS, SEQS, CONTEXT, query_tile=draft),
+        req=sc.req_pool_indices, q_start=np.arange(n) * draft, q_len=np.full(n, draft),
+        q_pos=sc.prefix_lens, kv_len=sc.prefix_lens + draft, out_cache_loc=sc.out_cache_loc,
+        num_tokens=n * draft,
+    )  # fmt: skip
+    _check(sc, md, config=THREE_SPLITS)
+
+
+@pytest.mark.parametrize("draft", [3])
+def test_verify_custom_mask(draft):
+    # TARGET_VERIFY metadata: random EAGLE masks over prefix + drafts; 4 tiles, 3 real.
+    n = 3
+    sc = _make(30 + draft, [4, 11, 0], [draft] * n, token_capacity=4 * draft, custom_mask=True)
+    md = tiling.build_metadata(
+        metadata.verify_capacity(4, draft, CONTEXT),
+        req=sc.req_pool_indices, q_start=np.arange(n) * draft, q_len=np.full(n, draft),
+        q_pos=sc.prefix_lens, kv_len=sc.prefix_lens + draft, out_cache_loc=sc.out_cache_loc,
+        num_tokens=n * draft, mask_rows=sc.mask_rows,
+    )  # fmt: skip
+    _check(sc, md, config=THREE_SPLITS)
+
+
+def test_bf16_pool_close_to_float64_and_native():
+    sc = _make(7, [7, 3, 30], [1, 1, 1], token_capacity=3)
+    md = _decode_md(sc)
+    cache = jax.tree.map(
+        lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, _pool_with_step(sc, md)
+    )
+    q = jnp.asarray(sc.q, jnp.bfloat16)
+    out = _attend(q, cache, 1, md, scaling=0.25, impl="pallas", config=THREE_SPLITS)
+    ref = _attend(q, cache, 1, md, scaling=0.25, impl="xla")
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float64), sc.expected, atol=5e-2)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2)
+
+
+def test_forward_writes_the_step_and_takes_a_traced_layer():
+    sc = _make(8, [2, 5], [1, 1], token_capacity=2)
+    md = _decode_md(sc)
+    fwd = jax.jit(paged.forward, static_argnames=("impl", "config"))
+    out, cache = fwd(sc.q, sc.k, sc.v, jnp.int32(1), md, sc.cache, impl="pallas", config=ONE_SPLIT)
+    np.testing.assert_allclose(np.asarray(out, np.float64), sc.expected, atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(cache.k[1, sc.out_cache_loc]), sc.k)
+
+
+def test_impl_choice_and_errors():
+    sc = _make(9, [2], [1], token_capacity=1)
+    md = _decode_md(sc)
+    q = jnp.asarray(sc.q)
+    if jax.default_backend() == "cpu":
+        assert impls.resolve(None, op=paged.OP) == "xla"
+    with pytest.raises(impls.KernelUnavailableError, match="impl='triton'"):
+        paged.paged_attention(q, sc.cache, 1, md, scaling=0.25, impl="triton")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        paged.paged_attention(q, sc.cache, 1, md, scaling=0.25, impl="cuda")
+    with pytest.raises(ValueError, match="kv_heads"):
+        paged.paged_attention(q[:, :3], sc.cache, 1, md, scaling=0.25, impl="pallas")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("block_kv", 24), ("block_kv", 8), ("block_rows", 8), ("num_warps", 3),
+                         ("max_kv_splits", 0), ("num_stages", 0)],
+)  # fmt: skip
+def test_config_errors_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"PagedAttentionConfig.{field}"):
+        paged.PagedAttentionConfig(**{field: value})
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="compiles for an H200 on the CPU")
+@pytest.mark.parametrize("kind", ["decode", "verify"])
+def test_lowers_for_an_h200_without_a_gathered_kv_copy(kind):
+    # Compiled for an H200 on the CPU: the Triton kernel is one custom call, and no other
+    # instruction of the program is anywhere near the size of the K/V it reads.
+    mesh = aot.gpu_mesh((1,), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    n, ctx, kv_heads, d = 64, 1024, 8, 128
+
+    def spec(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    capacity = metadata.decode_capacity(n, ctx)
+    if kind == "verify":
+        capacity = metadata.verify_capacity(n, 4, ctx)
+    pool = spec((1, n * ctx + 1, kv_heads, d), jnp.bfloat16)
+    cache = kv_cache_lib.KVCache(k=pool, v=pool, req_to_token=spec((n, ctx), jnp.int32))
+    tiles = [spec((capacity.num_tiles,), jnp.int32) for _ in range(5)]
+    mask = spec((n, 4, ctx), jnp.bool_) if capacity.custom_mask else None
+    md = metadata.AttentionMetadata(
+        *tiles, out_cache_loc=spec((capacity.token_capacity,), jnp.int32),
+        num_tokens=spec((), jnp.int32), custom_mask=mask, capacity=capacity,
+    )  # fmt: skip
+    q = spec((capacity.token_capacity, 32, d), jnp.bfloat16)
+    fn = jax.jit(
+        lambda q, cache, md: paged.paged_attention_pallas(
+            q, cache, 0, md, scaling=d**-0.5, config=paged.DEFAULT_CONFIG, interpret=False
+        )
+    )
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        hlo = fn.lower(q, cache, md).compile().as_text()
+    assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 1
+    assert _largest_result(hlo) < n * ctx * kv_heads * d // 16
+
+
+def _largest_result(hlo: str) -> int:
+    """Elements of the largest array an instruction other than a parameter produces."""
+    largest = 0
+    for line in hlo.splitlines():
+        match = re.match(r"\s*(?:ROOT )?%\S+ = (.*?) [\w-]+\(", line)
+        if match is None or "parameter(" in line:
+            continue
+        for dims in re.findall(r"\[([\d,]*)\]", match.group(1)):
+            largest = max(largest, int(np.prod([int(x) for x in dims.split(",") if x])))
+    return largest
+
+
+def test_a_jitted_caller_traces_once_in_a_fresh_process():
+    # The interpreter's first lowering must not change jax's tracing context (module
+    # comment in paged.py): a fresh process, one program, called twice, traced once.
+    code = """
+import jax, jax.numpy as jnp
+from jtbo.attention import kv_cache, metadata, paged
+cap = metadata.decode_capacity(2, 32)
+md = metadata.empty_metadata(cap)
+cache = kv_cache.init_kv_cache(
+    num_layers=1, num_slots=4, kv_heads=1, head_dim=16, max_reqs=2, max_context=32,
+    dtype=jnp.float32)
+traces = []
+def attend(q, c):
+    traces.append(1)
+    return paged.paged_attention(q, c, 0, md, scaling=1.0, impl="pallas")
+step = jax.jit(attend)
+q = jnp.ones((2, 1, 16))
+step(q, cache).block_until_ready()
+step(q, cache).block_until_ready()
+assert len(traces) == 1, f"traced {len(traces)} times"
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ), timeout=120)

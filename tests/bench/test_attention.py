@@ -1,0 +1,25 @@
+"""``python -m jtbo.bench attention``: flags, K/V bytes and the backend comparison (CPU smoke)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from jtbo.bench import attention
+
+
+def test_small_decode_run_reports_kv_bandwidth_and_agreement(capsys):
+    attention.main(["--small", "--cases", "decode", "--iters", "1"])
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
+    native, pallas = results
+    assert (native["backend"], pallas["backend"]) == ("native", "pallas")
+    # 16 sequences x 128 positions x 2 KV heads x (32 + 32) dims x 4 bytes.
+    assert native["kv_read_bytes"] == pallas["kv_read_bytes"] == 16 * 128 * 2 * 64 * 4
+    assert pallas["max_abs_diff_vs_native"] < 1e-5
+    assert np.isclose(pallas["kv_gb_per_s"], pallas["kv_read_bytes"] / pallas["step_ms"] / 1e6)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--cases", "prefill"), ("--backends", "flash")])
+def test_unknown_case_or_backend_is_rejected(flag, value):
+    with pytest.raises((SystemExit, ValueError)):
+        attention.main([flag, value])
