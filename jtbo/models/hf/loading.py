@@ -92,19 +92,24 @@ def from_pretrained(
 
 
 def _pending(recipe: tensor_map.Recipe, value: jax.Array) -> list[safetensors_io.PendingTensor]:
-    """The checkpoint tensors of one parameter, converted from the device when written."""
+    """The checkpoint tensors of one parameter, written in order: the parameter is copied to
+    the host for its first tensor and dropped after its last, so the host holds one parameter
+    at a time."""
     dtype = safetensors_io.dtype_name(value.dtype)
-    cache: dict[int, list[np.ndarray]] = {}  # one row (expert) or the whole parameter
+    host: list[np.ndarray] = []
 
     def produce(position: int):
-        row, offset = divmod(position, recipe.per_expert) if recipe.per_expert else (-1, position)
-
         def produce_one() -> np.ndarray:
-            if row not in cache:
-                cache.clear()  # the previous row's tensors are all written by now
-                host = np.asarray(value[row] if row >= 0 else value)
-                cache[row] = recipe.to_hf(host)
-            return cache[row][offset]
+            if not host:
+                host.append(np.asarray(value))
+            if recipe.per_expert:
+                row, offset = divmod(position, recipe.per_expert)
+                tensor = recipe.to_hf(host[0][row])[offset]
+            else:
+                tensor = recipe.to_hf(host[0])[position]
+            if position == len(recipe.sources) - 1:
+                host.clear()
+            return tensor
 
         return produce_one
 
