@@ -26,13 +26,26 @@ class MoEConfig:
     num_key_value_heads: int = _field(4, "key/value heads (GQA: query heads share them)")
     head_dim: int = _field(8, "width of one attention head")
     rope_theta: float = _field(10000.0, "RoPE base frequency")
+    rope_scaling_factor: float = _field(
+        1.0, "linear RoPE scaling: positions are divided by it (Hugging Face rope_type 'linear')"
+    )
     rms_norm_eps: float = _field(1e-6, "epsilon inside every RMSNorm")
     first_k_dense: int = _field(1, "the first k layers use a dense MLP instead of the MoE")
+    decoder_sparse_step: int = _field(
+        1, "past first_k_dense, layer i is a MoE layer only where (i + 1) % step == 0 (Qwen-MoE)"
+    )
+    mlp_only_layers: tuple[int, ...] = _field((), "layers that use a dense MLP (Qwen-MoE)")
     intermediate_size: int = _field(96, "hidden width of the dense MLP layers")
     num_experts: int = _field(8, "routed experts per MoE layer")
     num_experts_per_tok: int = _field(2, "routed experts chosen per token (top-k)")
     moe_intermediate_size: int = _field(32, "hidden width of one routed expert")
     num_shared_experts: int = _field(1, "shared experts (0: none); they form one wider MLP")
+    shared_expert_intermediate_size: int | None = _field(
+        None, "hidden width of the shared-expert MLP; None: num_shared_experts * moe width"
+    )
+    shared_expert_gate: bool = _field(
+        False, "scale the shared experts' output per token by sigmoid(x @ w) (Qwen2-MoE)"
+    )
     scoring_func: Literal["softmax", "sigmoid"] = _field(
         "sigmoid", "router scores: softmax (Qwen-style) or sigmoid (DeepSeek-V3)"
     )
@@ -44,6 +57,8 @@ class MoEConfig:
     norm_topk_prob: bool = _field(True, "renormalise the chosen experts' weights to sum to 1")
     routed_scaling_factor: float = _field(1.0, "multiplier on the routed experts' weights")
     tie_word_embeddings: bool = _field(False, "LM head reuses the embedding matrix")
+    qk_norm: bool = _field(False, "per-head RMSNorm of queries and keys before RoPE (Qwen3)")
+    qkv_bias: bool = _field(False, "a learned bias on the query, key and value projections")
 
     def __post_init__(self):
         _check_positive(self)
@@ -63,11 +78,28 @@ class MoEConfig:
             raise ValueError(f"scoring_func={self.scoring_func!r}: expected softmax or sigmoid")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        _check_layer_kinds(self)
+        if self.shared_expert_gate and not self.shared_width:
+            raise ValueError("shared_expert_gate=True needs shared experts (num_shared_experts=0)")
 
     @property
     def is_moe_layer(self) -> tuple[bool, ...]:
         """Per layer: True for a MoE layer, False for a dense-MLP layer."""
-        return tuple(i >= self.first_k_dense for i in range(self.num_layers))
+        return tuple(
+            i >= self.first_k_dense
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+            for i in range(self.num_layers)
+        )
+
+    @property
+    def shared_width(self) -> int:
+        """Hidden width of the shared-expert MLP (0: no shared experts)."""
+        if not self.num_shared_experts:
+            return 0
+        if self.shared_expert_intermediate_size is not None:
+            return self.shared_expert_intermediate_size
+        return self.num_shared_experts * self.moe_intermediate_size
 
     @classmethod
     def tiny(cls) -> "MoEConfig":
@@ -138,6 +170,25 @@ def _check_positive(config: MoEConfig) -> None:
             raise ValueError(f"{name}={getattr(config, name)} must be positive")
     if config.num_shared_experts < 0:
         raise ValueError(f"num_shared_experts={config.num_shared_experts} must be >= 0")
+    if config.shared_expert_intermediate_size is not None and (
+        config.shared_expert_intermediate_size <= 0
+    ):
+        raise ValueError(
+            f"shared_expert_intermediate_size={config.shared_expert_intermediate_size} must be "
+            "positive (None: num_shared_experts * moe_intermediate_size)"
+        )
+    if config.rope_scaling_factor <= 0:
+        raise ValueError(f"rope_scaling_factor={config.rope_scaling_factor} must be positive")
+
+
+def _check_layer_kinds(config: MoEConfig) -> None:
+    if config.decoder_sparse_step < 1:
+        raise ValueError(f"decoder_sparse_step={config.decoder_sparse_step} must be >= 1")
+    if not isinstance(config.mlp_only_layers, tuple):
+        raise ValueError(f"mlp_only_layers={config.mlp_only_layers!r} must be a tuple")
+    outside = [i for i in config.mlp_only_layers if not 0 <= i < config.num_layers]
+    if outside:
+        raise ValueError(f"mlp_only_layers {outside} outside [0, {config.num_layers})")
 
 
 def _check_groups(config: MoEConfig) -> None:

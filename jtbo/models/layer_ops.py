@@ -309,7 +309,7 @@ def _output_operations(moe: model_lib.MoEBlock) -> dict:
     """``shared_experts`` (DeepSeek layout only), ``output`` and ``comm_postprocess_layer``."""
 
     def shared_experts(state):
-        state.shared_output = moe.shared(state.hidden_states_mlp_input)
+        state.shared_output = moe.shared_output(state.hidden_states_mlp_input)
 
     def output(state):
         routed = state.pop("hidden_states_after_combine")

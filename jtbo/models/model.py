@@ -2,11 +2,14 @@
 
 A decoder layer is ``x + attn(norm(x))`` followed by ``x + ffn(norm(x))``, where ``ffn`` is a
 dense SwiGLU MLP for the first ``first_k_dense`` layers and a MoE block (router, routed experts,
-optional shared experts) afterwards. How the layer runs (sharded, as operations, with TBO)
+optional shared experts, the latter optionally gated per token) afterwards; which layers are
+MoE layers is ``MoEConfig.is_moe_layer``. With tied embeddings the LM head is the embedding
+table (``MoEModel.logits``). How the layer runs (sharded, as operations, with TBO)
 lives in ``jtbo.models.layer_ops`` and ``jtbo.models.step``; this module only holds parameters.
 """
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jtbo.models import config as config_lib
@@ -20,8 +23,22 @@ class MoEBlock(nnx.Module):
         """Args: config: model config; rngs: parameter init keys."""
         self.router = router.Router(config, rngs=rngs)
         self.experts = experts.RoutedExperts(config, rngs=rngs)
-        width = config.num_shared_experts * config.moe_intermediate_size
+        width = config.shared_width
         self.shared = mlp.MLP(config.hidden_size, width, rngs=rngs) if width else None
+        self.shared_gate = (
+            mlp.init_matrix(rngs, (config.hidden_size,), config.hidden_size)  # [H]
+            if config.shared_expert_gate
+            else None
+        )
+
+    def shared_output(self, x: jax.Array) -> jax.Array:
+        """The shared experts' output for ``x [T, H]`` (times ``sigmoid(x @ gate)`` if gated)."""
+        out = self.shared(x)
+        if self.shared_gate is None:
+            return out
+        f32 = jnp.float32
+        scale = jax.nn.sigmoid(jnp.dot(x, self.shared_gate[...], preferred_element_type=f32))
+        return (out.astype(f32) * scale[:, None]).astype(out.dtype)
 
 
 class DecoderLayer(nnx.Module):
@@ -55,7 +72,19 @@ class MoEModel(nnx.Module):
             [DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)]
         )
         self.final_norm = norm.RMSNorm(config.hidden_size, eps=config.rms_norm_eps, rngs=rngs)
-        self.lm_head = embed.LMHead(config.hidden_size, config.vocab_size, rngs=rngs)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else embed.LMHead(config.hidden_size, config.vocab_size, rngs=rngs)
+        )
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Float32 logits ``[T, V]`` of final-normed ``hidden [T, H]`` (the LM head, or the
+        embedding table when the embeddings are tied)."""
+        if self.lm_head is None:
+            table = self.embed.table[...]
+            return jnp.einsum("th,vh->tv", hidden, table, preferred_element_type=jnp.float32)
+        return self.lm_head(hidden)
 
 
 def cast(model: MoEModel, dtype) -> MoEModel:

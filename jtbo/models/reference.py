@@ -47,7 +47,7 @@ def moe_dense_reference(block: model_lib.MoEBlock, x: jax.Array, config) -> jax.
     per_expert = jnp.einsum("tef,efh->teh", jax.nn.silu(gate) * up, w_down)
     out = jnp.einsum("teh,te->th", per_expert, dense)
     if block.shared is not None:
-        out = out + block.shared(x)
+        out = out + block.shared_output(x)
     return out
 
 
@@ -75,7 +75,7 @@ def reference_forward(model: model_lib.MoEModel, input_ids, positions, mask) -> 
             hidden = hidden + moe_dense_reference(layer.moe, normed, config)
         else:
             hidden = hidden + layer.mlp(normed)
-    return model.lm_head(norm.rms_norm(hidden, model.final_norm.weight[...], config.rms_norm_eps))
+    return model.logits(norm.rms_norm(hidden, model.final_norm.weight[...], config.rms_norm_eps))
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -13,6 +13,11 @@ step)", "GPU time"). Query head ``j`` lives at
 ``wo [heads, D, H]`` keeps the head axis explicit; ``output`` returns a partial sum over the
 rank's heads, which the caller reduces over ``attn_tp``.
 
+Options of some families (``MoEConfig``): ``qkv_bias`` adds ``bqkv [kv_heads, group + 2, D]``
+(Qwen2) in the same head layout, so it shards with ``wqkv``; ``qk_norm`` applies a per-head
+RMSNorm (one ``[D]`` weight for all query heads, one for all key heads; Qwen3) to queries and
+keys before RoPE.
+
 ``dense_attention`` is the plain-jnp core over a full context with an explicit mask: the
 unsharded reference uses it, and it defines what the paged-KV backends must reproduce.
 """
@@ -22,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtbo.models import config as config_lib
-from jtbo.models import mlp, rope
+from jtbo.models import mlp, norm, rope
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -57,16 +62,29 @@ class SelfAttention(nnx.Module):
         nq, nkv = config.num_attention_heads, config.num_key_value_heads
         self.wqkv = mlp.init_matrix(rngs, (h, nkv, nq // nkv + 2, d), h)  # [H, kv_heads, g+2, D]
         self.wo = mlp.init_matrix(rngs, (nq, d, h), nq * d)  # [heads, D, H]
+        self.bqkv = (
+            nnx.Param(0.1 * jax.random.normal(rngs.params(), (nkv, nq // nkv + 2, d)))
+            if config.qkv_bias
+            else None
+        )  # [kv_heads, group + 2, D]
+        eps = config.rms_norm_eps
+        self.q_norm = norm.RMSNorm(d, eps=eps, rngs=rngs) if config.qk_norm else None
+        self.k_norm = norm.RMSNorm(d, eps=eps, rngs=rngs) if config.qk_norm else None
         self.rope_theta = config.rope_theta
+        self.rope_scaling_factor = config.rope_scaling_factor
 
     def qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Projects ``x [T, H]`` to ``q [T, heads, D]``, ``k, v [T, kv_heads, D]``; RoPE on q, k."""
         qkv = jnp.einsum("th,hngd->tngd", x, self.wqkv[...])  # [T, kv_heads, group + 2, D]
+        if self.bqkv is not None:
+            qkv = qkv + self.bqkv[...].astype(qkv.dtype)
         group = qkv.shape[2] - 2
         q = qkv[:, :, :group].reshape(qkv.shape[0], -1, qkv.shape[3])  # [T, heads, D]
         k, v = qkv[:, :, group], qkv[:, :, group + 1]  # [T, kv_heads, D] each
-        q = rope.apply_rope(q, positions, self.rope_theta)
-        k = rope.apply_rope(k, positions, self.rope_theta)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope.apply_rope(q, positions, self.rope_theta, self.rope_scaling_factor)
+        k = rope.apply_rope(k, positions, self.rope_theta, self.rope_scaling_factor)
         return q, k, v
 
     def output(self, attn: jax.Array) -> jax.Array:

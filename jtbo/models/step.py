@@ -56,6 +56,7 @@ ATTN_TP = mesh_lib.ATTN_TP_AXIS
 _HEAD_SPECS = {
     "wqkv": P(None, ATTN_TP, None, None),  # [H, kv_heads, group + 2, D]
     "wo": P(ATTN_TP, None, None),  # [heads, D, H]
+    "bqkv": P(ATTN_TP, None, None),  # [kv_heads, group + 2, D]
 }
 _EXPERT_SPECS = {
     "ep": {  # whole experts per device

@@ -12,13 +12,15 @@ decode. So the step runs *everything* per micro-batch, SGLang's layer layouts un
 MoE layers, with work that needs no communication placed where the other micro-batch's
 collectives need cover:
 
-* prologue: the embedding and the first ``first_k_dense`` (dense) layers, each cut as
+* prologue: the embedding and the dense layers before the first MoE layer, each cut as
   ``comm_prepare_attn, attn_prepare | attn_core | comm_prepare_mlp, mlp,
   comm_postprocess_layer |`` (the embedding joins the first stage). A's lone stages are then
   compute only, and A's first all-reduce runs beside B's QKV projection. (SGLang runs the
   dense layers before the split; running them per micro-batch costs nothing numerically,
   since every operation is row-wise or per-sequence attention.)
-* MoE layers: ``jtbo.overlap.strategy`` layouts of the global forward mode.
+* MoE layers: ``jtbo.overlap.strategy`` layouts of the global forward mode; a dense layer
+  after the first MoE layer (Qwen-MoE's ``decoder_sparse_step`` / ``mlp_only_layers``) keeps
+  the prologue's dense layout in place.
 * epilogue: final norm and LM head, one stage (``final_norm, logits``), or two
   (``final_norm | logits``) for layouts whose last stage still communicates (Qwen3-style
   decode ends with ``combine_b``), so B's last collective runs beside A's LM head.
@@ -49,10 +51,22 @@ def layer_family(config: config_lib.MoEConfig) -> strategy.LayerFamily:
     return strategy.LayerFamily.QWEN3_MOE
 
 
+def _leading_dense(model: model_lib.MoEModel) -> int:
+    """How many layers come before the first MoE layer."""
+    kinds = [layer.is_moe for layer in model.layers]
+    return kinds.index(True) if True in kinds else len(kinds)
+
+
+def _dense_operations(layer, parallel) -> tuple[operations.Operation, ...]:
+    named = layer_ops.dense_layer_operations(layer, parallel)
+    return strategy.layer_operations(layer.layer_id, named, DENSE_LAYOUT)
+
+
 def prologue_operations(
     model: model_lib.MoEModel, parallel: layer_ops.ParallelConfig
 ) -> list[operations.Operation]:
-    """Embedding and dense layers in ``DENSE_LAYOUT`` stages (embedding alone without them).
+    """Embedding and the leading dense layers in ``DENSE_LAYOUT`` stages (embedding alone
+    without them).
 
     Args:
       model: the model (local shards).
@@ -67,27 +81,41 @@ def prologue_operations(
         return dict(hidden_states=hidden, residual=jnp.zeros_like(hidden), positions=positions)
 
     ops: list[operations.Operation] = [operations.ExecutionOperation("embed", embed)]
-    dense = [layer for layer in model.layers if not layer.is_moe]
+    dense = model.layers[: _leading_dense(model)]
     if not dense:
         return ops + [operations.YieldOperation()]
     for layer in dense:
-        named = layer_ops.dense_layer_operations(layer, parallel)
-        ops += strategy.layer_operations(layer.layer_id, named, DENSE_LAYOUT)
+        ops += _dense_operations(layer, parallel)
     return ops
 
 
 def moe_operations(
     model: model_lib.MoEModel, parallel: layer_ops.ParallelConfig, mode
 ) -> strategy.OperationsStrategy | None:
-    """The MoE layers in the strategy layout of the global ``mode`` (None: no MoE layer)."""
-    layers = [
-        layer_ops.moe_layer_operations(layer, model.config, parallel)
-        for layer in model.layers
-        if layer.is_moe
-    ]
-    if not layers:
+    """The layers from the first MoE layer on (None: no MoE layer).
+
+    Each run of consecutive MoE layers takes the strategy layout of the global ``mode``; a
+    dense layer between or after them (``decoder_sparse_step``, ``mlp_only_layers``) takes
+    ``DENSE_LAYOUT``, which ends with a yield, so the stage structure stays a list of whole
+    stages.
+    """
+    rest = model.layers[_leading_dense(model) :]
+    if not rest:
         return None
-    return strategy.OperationsStrategy.init_new_tbo(layers, mode, layer_family(model.config))
+    family = layer_family(model.config)
+    ops: list[operations.Operation] = []
+    delta, run = 0, []
+    for layer in [*rest, None]:
+        if layer is not None and layer.is_moe:
+            run.append(layer_ops.moe_layer_operations(layer, model.config, parallel))
+            continue
+        if run:
+            built = strategy.OperationsStrategy.init_new_tbo(run, mode, family)
+            ops += built.operations
+            delta, run = built.tbo_delta_stages, []
+        if layer is not None:
+            ops += _dense_operations(layer, parallel)
+    return strategy.OperationsStrategy(tuple(ops), delta)
 
 
 def epilogue_operations(model: model_lib.MoEModel, two_stages: bool) -> list:
@@ -99,7 +127,7 @@ def epilogue_operations(model: model_lib.MoEModel, two_stages: bool) -> list:
         return dict(hidden_states=norm.rms_norm(hidden_states + residual, weight, eps))
 
     def logits(state, hidden_states):
-        return dict(logits=model.lm_head(hidden_states))
+        return dict(logits=model.logits(hidden_states))
 
     middle = [operations.YieldOperation()] if two_stages else []
     return [

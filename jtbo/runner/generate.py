@@ -1,12 +1,13 @@
-"""A small greedy serving loop over many requests (``ModelRunner.generate``).
+"""A small serving loop over many requests (``ModelRunner.generate``), greedy by default.
 
 Each DP rank has its own page-table rows and KV slots. A request is admitted when a row and
 ``len(prompt) + max_new_tokens`` slots are free (reserved up front, so no preemption). Every
 step, each rank either prefills (chunked: at most ``chunk_size`` prompt tokens over its
 admitted requests, so a long prompt spans several EXTEND steps), or decodes all its running
 requests, or idles; ranks decide independently, so EXTEND ranks meet DECODE and IDLE ranks in
-one step. The greedy token is the argmax of the last row of a request's chunk (prefill done)
-or of its decode row. Bad requests are rejected before any device work; the rest keep going.
+one step. The next token comes from the last row of a request's chunk (prefill done) or from
+its decode row: the argmax, or a sample (``jtbo.runner.sampling``: temperature, top-p, a seeded
+generator per request). Bad requests are rejected before any device work; the rest keep going.
 """
 
 import collections
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jtbo import split
+from jtbo.runner import sampling
 
 ForwardMode = split.ForwardMode
 
@@ -43,6 +45,7 @@ class _Request:
     slots: np.ndarray
     prefilled: int = 0
     generated: list[int] = dataclasses.field(default_factory=list)
+    generator: np.random.Generator | None = None  # sampling only
 
 
 class _Rank:
@@ -147,8 +150,9 @@ def _plan_rank(rank: _Rank, chunk_size: int):
     return decoded[0], ("decode", decoded[1])
 
 
-def _apply(rank: _Rank, logits: np.ndarray, work, max_new_tokens: int, results) -> int:
-    """Records greedy tokens from one rank's logits; returns how many tokens it generated."""
+def _apply(rank: _Rank, logits: np.ndarray, work, max_new_tokens: int, results, pick) -> int:
+    """Records the next tokens from one rank's logits (``pick(request, row)`` chooses each);
+    returns how many tokens it generated."""
     kind, items = work
     made = 0
     if kind == "extend":
@@ -157,11 +161,11 @@ def _apply(rank: _Rank, logits: np.ndarray, work, max_new_tokens: int, results) 
             row += n
             request.prefilled += n
             if request.prefilled == len(request.prompt):
-                request.generated.append(int(np.argmax(logits[row - 1])))
+                pick(request, logits[row - 1])
                 made += 1
     elif kind == "decode":
         for row, request in enumerate(items):
-            request.generated.append(int(np.argmax(logits[row])))
+            pick(request, logits[row])
             made += 1
     for request in [r for r in rank.running if len(r.generated) >= max_new_tokens]:
         results[request.index] = GenerationResult(request.generated[:max_new_tokens])
@@ -177,8 +181,10 @@ def generate(
     dp_rank_of: Callable[[int], int] | None = None,
     chunk_size: int = 32,
     progress: bool | None = None,
+    sampling_params: sampling.SamplingParams = sampling.GREEDY,
+    on_token: Callable[[int, int], None] | None = None,
 ) -> list[GenerationResult]:
-    """Greedy generation for many prompts over all DP ranks (see the module docstring).
+    """Generation for many prompts over all DP ranks (see the module docstring).
 
     Args:
       runner: a ``ModelRunner``.
@@ -188,6 +194,9 @@ def generate(
       chunk_size: prompt tokens a rank prefills per step.
       progress: print a progress line (tokens/s) and, at the end, how many steps ran TBO
         and why (``runner.tbo_summary()``); None: only on a terminal.
+      sampling_params: greedy (default) or temperature / top-p sampling with a seed.
+      on_token: called as ``on_token(prompt_index, token_id)`` for every token as soon as it
+        is generated (streaming).
 
     Returns:
       One ``GenerationResult`` per prompt, in order.
@@ -210,6 +219,15 @@ def generate(
         else:
             ranks[rank].waiting.append((index, np.asarray(prompt, np.int32)))
     show = sys.stderr.isatty() if progress is None else progress
+
+    def pick(request: _Request, row: np.ndarray) -> None:
+        if request.generator is None and not sampling_params.greedy:
+            request.generator = sampling.request_generator(sampling_params, request.index)
+        token = sampling.next_token(row, sampling_params, request.generator)
+        request.generated.append(token)
+        if on_token is not None and len(request.generated) <= max_new_tokens:
+            on_token(request.index, token)
+
     made, start = 0, time.perf_counter()
     while any(r.waiting or r.running for r in ranks):
         for rank in ranks:
@@ -219,7 +237,7 @@ def generate(
             raise RuntimeError("no rank can make progress (a request cannot be admitted)")
         logits = runner.forward([batch for batch, _ in planned])
         for rank, out, (_, work) in zip(ranks, logits, planned, strict=True):
-            made += _apply(rank, out, work, max_new_tokens, results)
+            made += _apply(rank, out, work, max_new_tokens, results, pick)
         if show:
             rate = made / max(time.perf_counter() - start, 1e-9)
             print(f"\rgenerated {made} tokens, {rate:.1f} tokens/s", end="", file=sys.stderr)

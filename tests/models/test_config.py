@@ -33,8 +33,29 @@ def test_presets_are_valid_and_frozen():
         (dict(hidden_size=0), "hidden_size"),
         (dict(scoring_func="relu"), "scoring_func"),
         (dict(head_dim=7), "head_dim"),
+        (dict(decoder_sparse_step=0), "decoder_sparse_step"),
+        (dict(mlp_only_layers=(3,)), "mlp_only_layers"),
+        (dict(mlp_only_layers=[1]), "mlp_only_layers"),
+        (dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
+        (dict(num_shared_experts=0, shared_expert_gate=True), "shared_expert_gate"),
+        (dict(rope_scaling_factor=0.0), "rope_scaling_factor"),
     ],
 )
 def test_bad_config_names_the_field(changes, field):
     with pytest.raises(ValueError, match=field):
         config_lib.MoEConfig(**changes)
+
+
+def test_layer_kinds_follow_the_qwen_moe_rule():
+    # Layer i is MoE iff i >= first_k_dense, i not in mlp_only_layers, (i + 1) % step == 0.
+    config = config_lib.MoEConfig(
+        num_layers=6, first_k_dense=0, decoder_sparse_step=2, mlp_only_layers=(3,)
+    )
+    assert config.is_moe_layer == (False, True, False, False, False, True)
+    assert config_lib.MoEConfig(first_k_dense=2).is_moe_layer == (False, False, True)
+
+
+def test_shared_width_defaults_to_the_shared_experts_times_the_expert_width():
+    assert config_lib.MoEConfig(num_shared_experts=2).shared_width == 64
+    assert config_lib.MoEConfig(shared_expert_intermediate_size=40).shared_width == 40
+    assert config_lib.MoEConfig(num_shared_experts=0).shared_width == 0

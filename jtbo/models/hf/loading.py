@@ -1,0 +1,163 @@
+"""``from_pretrained`` / ``save_pretrained``: a Hugging Face model directory <-> ``MoEModel``.
+
+Loading reads ``config.json`` (``families`` maps it to a ``MoEConfig``), the safetensors
+headers (``checkpoint``), checks every tensor against the model's recipes (``tensor_map``,
+``placement.check_tensors``) and only then builds the parameters one at a time, each straight
+into its place (``placement.place``; sharded by ``jtbo.models.param_specs`` when a mesh is
+given), into the state of an abstract ``MoEModel`` (``nnx.eval_shape``: no random weights are
+drawn). Saving writes the same layout back: ``config.json`` of the family and the tensors,
+one parameter's worth at a time, as ``model.safetensors`` or shards with their index.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jtbo.models import model as model_lib
+from jtbo.models import step
+from jtbo.models.hf import checkpoint, families, placement, safetensors_io, tensor_map
+
+
+def _state_path(path) -> tuple:
+    """A state leaf's key path as plain keys, e.g. ``("layers", 0, "attn", "wqkv")``."""
+    return tuple(key.key for key in path if isinstance(key, jax.tree_util.DictKey))
+
+
+def _read_config(path: str | os.PathLike) -> tuple[families.Family, dict]:
+    """The family and the raw ``config.json`` of a model directory.
+
+    Raises:
+      ValueError: no ``config.json``, or an unsupported ``model_type``.
+    """
+    config_path = Path(path) / "config.json"
+    if not config_path.exists():
+        raise ValueError(f"{path}: no config.json (not a Hugging Face model directory)")
+    raw = json.loads(config_path.read_text())
+    return families.family_of(raw), raw
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype=jnp.bfloat16,
+    mesh: jax.sharding.Mesh | None = None,
+    moe_a2a_backend: str = "ep",
+) -> model_lib.MoEModel:
+    """Loads a Hugging Face MoE checkpoint (``qwen3_moe``, ``qwen2_moe``, ``mixtral``).
+
+    Args:
+      path: the model directory (``config.json`` and ``model.safetensors``, or shards with
+        ``model.safetensors.index.json``).
+      dtype: the parameters' dtype.
+      mesh: a ``("dp", "attn_tp")`` mesh to place the parameters on, sharded as the step
+        shards them (``jtbo.models.param_specs``); None: the default device.
+      moe_a2a_backend: with a mesh, the MoE backend whose expert sharding to use ("ep":
+        whole experts per device, "none": every expert's hidden width split).
+
+    Returns:
+      The ``MoEModel`` (``model.config`` is the mapped ``MoEConfig``).
+
+    Raises:
+      ValueError: an unsupported ``model_type`` or config field, a missing or extra tensor, a
+        tensor of the wrong shape or dtype (each names the field or tensor with the expected
+        and found values), or no weights in the directory.
+    """
+    family, raw = _read_config(path)
+    config = family.to_moe_config(raw)
+    table = checkpoint.read_tensor_table(Path(path))
+    recipes = {recipe.path: recipe for recipe in tensor_map.recipes(config, family)}
+    placement.check_tensors(list(recipes.values()), table)
+    abstract = nnx.eval_shape(lambda: model_lib.MoEModel(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    views = safetensors_io.FileViews()
+
+    def build(key_path, leaf, spec=None):
+        sharding = None if mesh is None else jax.sharding.NamedSharding(mesh, spec)
+        recipe = recipes.pop(_state_path(key_path))
+        return placement.place(recipe, views, table, leaf.shape, dtype, sharding)
+
+    if mesh is None:
+        state = jax.tree_util.tree_map_with_path(build, state)
+    else:
+        specs = step.param_specs(state, moe_a2a_backend)
+        state = jax.tree_util.tree_map_with_path(build, state, specs)
+    if recipes:
+        raise AssertionError(f"recipes without a model parameter: {sorted(recipes)}")
+    return nnx.merge(graphdef, state)
+
+
+def _pending(recipe: tensor_map.Recipe, value: jax.Array) -> list[safetensors_io.PendingTensor]:
+    """The checkpoint tensors of one parameter, written in order: the parameter is copied to
+    the host for its first tensor and dropped after its last, so the host holds one parameter
+    at a time."""
+    dtype = safetensors_io.dtype_name(value.dtype)
+    host: list[np.ndarray] = []
+
+    def produce(position: int):
+        def produce_one() -> np.ndarray:
+            if not host:
+                host.append(np.asarray(value))
+            if recipe.per_expert:
+                row, offset = divmod(position, recipe.per_expert)
+                tensor = recipe.to_hf(host[0][row])[offset]
+            else:
+                tensor = recipe.to_hf(host[0])[position]
+            if position == len(recipe.sources) - 1:
+                host.clear()
+            return tensor
+
+        return produce_one
+
+    return [
+        safetensors_io.PendingTensor(name, dtype, shape, produce(position))
+        for position, (name, shape) in enumerate(
+            zip(recipe.sources, recipe.source_shapes, strict=True)
+        )
+    ]
+
+
+def save_pretrained(
+    model: model_lib.MoEModel,
+    path: str | os.PathLike,
+    *,
+    model_type: str | None = None,
+    max_shard_size: int = checkpoint.DEFAULT_MAX_SHARD_SIZE,
+) -> None:
+    """Writes ``model`` as a Hugging Face model directory that ``from_pretrained`` (and
+    transformers) load back exactly.
+
+    Args:
+      model: the model (parameters anywhere: host, one device, or sharded on a mesh).
+      path: the output directory (created if needed; existing files of the same names are
+        replaced).
+      model_type: the family to write; None picks the one that can express ``model.config``.
+      max_shard_size: bytes per safetensors file; more than one file adds the index.
+
+    Raises:
+      ValueError: an unknown ``model_type``, or a config the family cannot express (names the
+        ``MoEConfig`` field).
+    """
+    config = model.config
+    if model_type is None:
+        family = families.family_for(config)
+    else:
+        family = families.family_of(dict(model_type=model_type))
+    raw = family.to_hf_config(config)
+    _, state = nnx.split(model)
+    leaves = dict(
+        (_state_path(key_path), leaf)
+        for key_path, leaf in jax.tree_util.tree_leaves_with_path(state)
+    )
+    tensors = []
+    for recipe in tensor_map.recipes(config, family):
+        tensors += _pending(recipe, leaves[recipe.path])
+    raw["dtype"] = jnp.dtype(leaves[("embed", "table")].dtype).name
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    checkpoint.write_tensors(directory, tensors, max_shard_size)
+    (directory / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")

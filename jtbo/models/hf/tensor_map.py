@@ -1,0 +1,192 @@
+"""Which Hugging Face tensors make each ``MoEModel`` parameter, and how.
+
+jtbo fuses what transformers keeps apart (``jtbo.models.self_attention`` and ``mlp`` say
+why): ``wqkv [H, kv_heads, group + 2, D]`` holds, per KV head, its query heads, then its key
+and value rows of ``q_proj`` / ``k_proj`` / ``v_proj`` (torch ``Linear`` weights are
+``[out, in]``); ``w_gate_up [.., H, 2, F]`` stacks ``gate`` and ``up``; matrices are stored
+``[in, out]``; routed experts are stacked on a leading expert axis. Each ``Recipe`` names the
+checkpoint tensors of one parameter with their expected shapes, and the two pure maps between
+them. Both maps only transpose, reshape, stack and split, so a round trip is exact.
+
+Routed-expert recipes are per expert (``per_expert`` tensors each, expert-major), so a device
+that holds some experts reads only theirs (``placement``).
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from jtbo.models import config as config_lib
+from jtbo.models.hf import families
+
+Path = tuple  # a parameter's path in the model's nnx state, e.g. ("layers", 0, "attn", "wqkv")
+Arrays = list[np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """How one ``MoEModel`` parameter is made from checkpoint tensors and back.
+
+    Attributes:
+      path: the parameter's path in the model's state.
+      sources: checkpoint tensor names (for expert recipes, ``per_expert`` per expert, in
+        expert order).
+      source_shapes: the expected shape of each source.
+      to_jtbo: sources (one expert's, for expert recipes) -> the parameter (one expert's row).
+      to_hf: the parameter (one expert's row) -> its sources.
+      per_expert: 0, or how many sources each expert has.
+    """
+
+    path: Path
+    sources: tuple[str, ...]
+    source_shapes: tuple[tuple[int, ...], ...]
+    to_jtbo: Callable[[Arrays], np.ndarray]
+    to_hf: Callable[[np.ndarray], Arrays]
+    per_expert: int = 0
+
+    def expert_sources(self, expert: int) -> tuple[str, ...]:
+        """The source names of one expert (expert recipes only)."""
+        return self.sources[expert * self.per_expert : (expert + 1) * self.per_expert]
+
+
+def _same(path, name, shape) -> Recipe:
+    return Recipe(path, (name,), (shape,), lambda t: t[0], lambda a: [a])
+
+
+def _transposed(path, name, shape) -> Recipe:
+    return Recipe(path, (name,), (shape,), lambda t: t[0].T, lambda a: [a.T])
+
+
+def _gate_up(hidden: int, width: int) -> tuple:
+    """(to_jtbo, to_hf, shapes) of a gate/up pair of ``[F, H]`` weights <-> ``[H, 2, F]``."""
+    return (
+        lambda t: np.stack([t[0].T, t[1].T], axis=1),
+        lambda a: [a[:, 0].T, a[:, 1].T],
+        ((width, hidden), (width, hidden)),
+    )
+
+
+def _mlp(path: Path, prefix: str, names: tuple[str, str, str], hidden: int, width: int):
+    """The ``w_gate_up`` and ``w_down`` recipes of one SwiGLU MLP."""
+    gate, up, down = (f"{prefix}.{name}.weight" for name in names)
+    to_jtbo, to_hf, shapes = _gate_up(hidden, width)
+    return [
+        Recipe((*path, "w_gate_up"), (gate, up), shapes, to_jtbo, to_hf),
+        _transposed((*path, "w_down"), down, (hidden, width)),
+    ]
+
+
+def _attention(config: config_lib.MoEConfig, layer: int) -> list[Recipe]:
+    prefix, path = f"model.layers.{layer}.self_attn", ("layers", layer, "attn")
+    h, d = config.hidden_size, config.head_dim
+    nq, nkv = config.num_attention_heads, config.num_key_value_heads
+    group = nq // nkv
+    names = tuple(f"{prefix}.{p}_proj.weight" for p in "qkv")
+
+    def qkv_to_jtbo(t):
+        q, k, v = (x.reshape(nkv, -1, d, h) for x in t)
+        return np.concatenate([q, k, v], axis=1).transpose(3, 0, 1, 2)
+
+    def qkv_to_hf(a):
+        per_head = a.transpose(1, 2, 3, 0)  # [kv_heads, group + 2, D, H]
+        return [per_head[:, :group].reshape(nq * d, h)] + [
+            per_head[:, i].reshape(nkv * d, h) for i in (group, group + 1)
+        ]
+
+    shapes = ((nq * d, h), (nkv * d, h), (nkv * d, h))
+    recipes = [
+        Recipe((*path, "wqkv"), names, shapes, qkv_to_jtbo, qkv_to_hf),
+        Recipe(
+            (*path, "wo"), (f"{prefix}.o_proj.weight",), ((h, nq * d),),
+            lambda t: t[0].T.reshape(nq, d, h), lambda a: [a.reshape(nq * d, h).T],
+        ),
+    ]  # fmt: skip
+    if config.qkv_bias:
+        bias_names = tuple(f"{prefix}.{p}_proj.bias" for p in "qkv")
+        recipes.append(
+            Recipe(
+                (*path, "bqkv"), bias_names, ((nq * d,), (nkv * d,), (nkv * d,)),
+                lambda t: np.concatenate([x.reshape(nkv, -1, d) for x in t], axis=1),
+                lambda a: [a[:, :group].reshape(-1), a[:, group].reshape(-1),
+                           a[:, group + 1].reshape(-1)],
+            )
+        )  # fmt: skip
+    if config.qk_norm:
+        for which in ("q_norm", "k_norm"):
+            recipes.append(_same((*path, which, "weight"), f"{prefix}.{which}.weight", (d,)))
+    return recipes
+
+
+def _experts(config: config_lib.MoEConfig, family: families.Family, layer: int) -> list[Recipe]:
+    prefix = f"model.layers.{layer}.{family.moe_prefix}.experts"
+    path = ("layers", layer, "moe", "experts")
+    h, f, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    gate, up, down = family.expert_projections
+    to_jtbo, to_hf, shapes = _gate_up(h, f)
+    gate_up_names = tuple(f"{prefix}.{i}.{name}.weight" for i in range(e) for name in (gate, up))
+    return [
+        Recipe((*path, "w_gate_up"), gate_up_names, shapes * e, to_jtbo, to_hf, per_expert=2),
+        Recipe(
+            (*path, "w_down"), tuple(f"{prefix}.{i}.{down}.weight" for i in range(e)),
+            ((h, f),) * e, lambda t: t[0].T, lambda a: [a.T], per_expert=1,
+        ),
+    ]  # fmt: skip
+
+
+def _moe(config: config_lib.MoEConfig, family: families.Family, layer: int) -> list[Recipe]:
+    prefix, path = f"model.layers.{layer}.{family.moe_prefix}", ("layers", layer, "moe")
+    h = config.hidden_size
+    recipes = [
+        _transposed((*path, "router", "weight"), f"{prefix}.gate.weight", (config.num_experts, h)),
+        *_experts(config, family, layer),
+    ]
+    if config.shared_width:
+        names = ("gate_proj", "up_proj", "down_proj")
+        shared_prefix = f"{prefix}.shared_expert"
+        recipes += _mlp((*path, "shared"), shared_prefix, names, h, config.shared_width)
+    if config.shared_expert_gate:
+        recipes.append(
+            Recipe(
+                (*path, "shared_gate"), (f"{prefix}.shared_expert_gate.weight",), ((1, h),),
+                lambda t: t[0][0], lambda a: [a[None]],
+            )
+        )  # fmt: skip
+    return recipes
+
+
+def _layer(config: config_lib.MoEConfig, family: families.Family, layer: int) -> list[Recipe]:
+    prefix, path, h = f"model.layers.{layer}", ("layers", layer), config.hidden_size
+    recipes = [
+        _same((*path, "input_norm", "weight"), f"{prefix}.input_layernorm.weight", (h,)),
+        _same(
+            (*path, "post_attn_norm", "weight"), f"{prefix}.post_attention_layernorm.weight", (h,)
+        ),
+        *_attention(config, layer),
+    ]
+    if config.is_moe_layer[layer]:
+        return recipes + _moe(config, family, layer)
+    names = ("gate_proj", "up_proj", "down_proj")
+    return recipes + _mlp((*path, "mlp"), f"{prefix}.mlp", names, h, config.intermediate_size)
+
+
+def recipes(config: config_lib.MoEConfig, family: families.Family) -> list[Recipe]:
+    """Every parameter's recipe for a model of ``config`` in ``family``'s layout.
+
+    Args:
+      config: the model's config.
+      family: the checkpoint family (tensor names of the MoE block and its experts).
+
+    Returns:
+      One recipe per parameter of ``MoEModel(config)``.
+    """
+    v, h = config.vocab_size, config.hidden_size
+    out = [
+        _same(("embed", "table"), "model.embed_tokens.weight", (v, h)),
+        _same(("final_norm", "weight"), "model.norm.weight", (h,)),
+    ]
+    if not config.tie_word_embeddings:
+        out.append(_transposed(("lm_head", "weight"), "lm_head.weight", (v, h)))
+    for layer in range(config.num_layers):
+        out += _layer(config, family, layer)
+    return out
