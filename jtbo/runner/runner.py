@@ -430,6 +430,17 @@ class ModelRunner:
             )
         if ids.size and batch.positions is None:
             raise ValueError(f"rank {rank}: ForwardBatch.positions is required")
+        if not batch.forward_mode.is_idle() and (batch.batch_size == 0 or ids.size == 0):
+            raise ValueError(
+                f"rank {rank}: a {batch.forward_mode.name} batch with no work (batch_size="
+                f"{batch.batch_size}, len(input_ids)={ids.size}); pass None for an idle rank"
+            )
+        positions = np.asarray(batch.positions if ids.size else [0])
+        if positions.min() < 0 or positions.max() >= self.max_total_tokens:
+            raise ValueError(
+                f"rank {rank}: positions span [{positions.min()}, {positions.max()}], outside "
+                f"[0, max_total_tokens={self.max_total_tokens})"
+            )
         try:
             kv_table.check_context(self.kv_filled[rank], batch)
         except ValueError as error:
