@@ -34,6 +34,7 @@ class _LocalRanksView:
         self.max_running_requests = runner.max_running_requests
         self.max_total_tokens = runner.max_total_tokens
         self.num_slots = runner.num_slots
+        self.options = runner.options
 
     def forward(self, batches):
         """This process's part of one step (``ModelRunner.forward``)."""

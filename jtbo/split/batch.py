@@ -70,8 +70,8 @@ def _check_dtypes(owner: str, fields: tuple[str, ...], obj: Any, kinds: str = "i
     """Host arrays of index / length fields must be integers (``kinds``: numpy dtype kinds)."""
     for name in fields:
         value = getattr(obj, name)
-        if not isinstance(value, np.ndarray) or value.dtype.kind in kinds:
-            continue
+        if not isinstance(value, np.ndarray) or value.dtype.kind in kinds or value.size == 0:
+            continue  # an empty array holds no wrong value (np.zeros(0) is float64)
         detail = ""
         if value.dtype.kind in "fc" and not np.isfinite(value).all():
             bad = int(np.flatnonzero(~np.isfinite(value.reshape(-1)))[0])
