@@ -12,10 +12,10 @@ their cached context in their own KV slots (``_decode_prefix``). The "Δ logits"
 the TBO step's logits with the plain step's (``_agreement``; ``--dtype float32`` takes bf16
 rounding out); the last column is what the runner's numerics guard adds to a step (the
 on-device finiteness flags of the plain step's logits and their read-back, ``_guard_time``:
-what ``ModelRunner(check_finite_logits=False)`` saves). Prints a markdown table (target: ratio <= 1.05 at prefill >= 4096 tokens and
-decode >= 128 sequences). ``--devices N`` runs DP attention over N devices (dp=N, EP over all
-of them: the multi-GPU measurement of issue 8), and ``--barriers`` adds a column for TBO with
-round barriers (a second runner).
+what ``ModelRunner(check_finite_logits=False)`` saves). Prints a markdown table (target:
+ratio <= 1.05 at prefill >= 4096 tokens and decode >= 128 sequences). ``--devices N`` runs
+DP attention over N devices (dp=N, EP over all of them: the multi-GPU measurement of issue 8),
+and ``--barriers`` adds a column for TBO with round barriers (a second runner).
 
 The ``auto`` columns are a third runner with ``enable_two_batch_overlap="auto"``: one
 ``forward`` of the case's batch lets it time both programs and choose (``tbo_auto``, its
