@@ -16,3 +16,9 @@ if "xla_force_host_platform_device_count" not in _flags:
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+from hypothesis import settings  # noqa: E402
+
+# `pytest --hypothesis-profile=long` runs the fuzz tests (tests/runner/test_fuzz_batches.py)
+# with many more examples than `make test` does.
+settings.register_profile("long", max_examples=5000, deadline=None)

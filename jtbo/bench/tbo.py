@@ -8,12 +8,14 @@ hidden size and expert shape reduced to fit (``MoEConfig.deepseek_v3_reduced``: 
 For each case one ``ModelRunner`` plans the same batch twice (TBO on and off) and runs the two
 jitted steps in turn; the time is the median of ``--iters`` runs after warm-up,
 device-synchronised, without host planning or copying logits back. Decode sequences have
-their cached context in their own KV slots (``_decode_prefix``). The last column compares the
-TBO step's logits with the plain step's (``_agreement``; ``--dtype float32`` takes bf16
-rounding out). Prints a markdown table (target: ratio <= 1.05 at prefill >= 4096 tokens and
-decode >= 128 sequences). ``--devices N`` runs DP attention over N devices (dp=N, EP over all
-of them: the multi-GPU measurement of issue 8), and ``--barriers`` adds a column for TBO with
-round barriers (a second runner).
+their cached context in their own KV slots (``_decode_prefix``). The "Δ logits" column compares
+the TBO step's logits with the plain step's (``_agreement``; ``--dtype float32`` takes bf16
+rounding out); the last column is what the runner's numerics guard adds to a step (the
+on-device finiteness flags of the plain step's logits and their read-back, ``_guard_time``:
+what ``ModelRunner(check_finite_logits=False)`` saves). Prints a markdown table (target:
+ratio <= 1.05 at prefill >= 4096 tokens and decode >= 128 sequences). ``--devices N`` runs
+DP attention over N devices (dp=N, EP over all of them: the multi-GPU measurement of issue 8),
+and ``--barriers`` adds a column for TBO with round barriers (a second runner).
 
 The ``auto`` columns are a third runner with ``enable_two_batch_overlap="auto"``: one
 ``forward`` of the case's batch lets it time both programs and choose (``tbo_auto``, its
@@ -62,7 +64,7 @@ from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
 from jtbo.overlap import xla_options
-from jtbo.runner import planning, tbo_auto
+from jtbo.runner import numerics, planning, tbo_auto
 from jtbo.runner import runner as runner_lib
 
 CONFIGURES_JAX = True  # main sets XLA / NCCL variables before the backend starts
@@ -223,7 +225,8 @@ def _decode_prefix(batch: split.ForwardBatch) -> split.ForwardBatch:
     prefix = context - 1
     slots = np.arange(seqs)[:, None] * context + 1 + np.arange(prefix)[None, :]
     return split.ForwardBatch(
-        forward_mode=ForwardMode.EXTEND, batch_size=seqs, input_ids=np.zeros(seqs * prefix),
+        forward_mode=ForwardMode.EXTEND, batch_size=seqs,
+        input_ids=np.zeros(seqs * prefix, np.int32),
         positions=np.tile(np.arange(prefix), seqs), out_cache_loc=slots.reshape(-1),
         req_pool_indices=np.arange(seqs), seq_lens=np.full(seqs, prefix),
         extend_seq_lens=np.full(seqs, prefix), extend_prefix_lens=np.zeros(seqs, np.int64),
@@ -523,9 +526,9 @@ def _time_cases(runners, auto, cases, args) -> list[tuple[float, float]]:
         "| case | tokens/rank | no TBO (ms) | TBO (ms) | TBO / no TBO |"
         + extra
         + " auto (ms) | auto / min | auto chose |"
-        + " Δ logits (median row) / same token |"
+        + " Δ logits (median row) / same token | numerics guard (ms) |"
     )
-    print("|---|---|---|---|---|" + ("---|---|" if args.barriers else "") + "---|---|---|---|")
+    print("|---|---|---|---|---|" + ("---|---|" if args.barriers else "") + "---|---|---|---|---|")
     step_times = []
     for name, size, batch in cases:
         (plain, *tbo_times, auto_time), agreement, decision = _case(
@@ -533,10 +536,24 @@ def _time_cases(runners, auto, cases, args) -> list[tuple[float, float]]:
         )
         cells = "".join(f" {t * 1e3:.2f} | {t / plain:.3f} |" for t in tbo_times)
         print(f"| {name} {size} | {batch.num_tokens} | {plain * 1e3:.2f} |{cells}"
-              f"{_auto_cells(auto_time, plain, tbo_times[0], decision)} {agreement} |",
-              flush=True)  # fmt: skip
+              f"{_auto_cells(auto_time, plain, tbo_times[0], decision)} {agreement} | "
+              f"{_guard_time(runners[0], batch, args.iters) * 1e3:.3f} |", flush=True)  # fmt: skip
         step_times.append((plain, tbo_times[0]))
     return step_times
+
+
+def _guard_time(runner, batch, iters: int) -> float:
+    """Median seconds the runner's numerics guard adds to a step of ``batch``: the on-device
+    finiteness flags of the plain step's logits and their read-back (``numerics``; what
+    ``ModelRunner(check_finite_logits=False)`` saves)."""
+    logits = runner.run_plan(_plan(runner, batch, False))
+    np.asarray(numerics.finite_rows(logits))  # compiled before timing
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        np.asarray(numerics.finite_rows(logits))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _auto_cells(auto_time: float, plain: float, tbo: float, decision) -> str:

@@ -36,16 +36,17 @@ def _synthetic(mode: ForwardMode, tokens: int, num_seqs: int) -> split.ForwardBa
     if mode.is_decode():
         seq = np.arange(tokens)
         return split.ForwardBatch(
-            forward_mode=mode, batch_size=tokens, input_ids=np.zeros(tokens), positions=seq,
+            forward_mode=mode, batch_size=tokens, input_ids=np.zeros(tokens, np.int32),
+            positions=seq,
             out_cache_loc=seq + 1, req_pool_indices=seq, seq_lens=np.full(tokens, 8),
         )  # fmt: skip
     lens = np.full(num_seqs, tokens // num_seqs)
     lens[0] += tokens - lens.sum()
     return split.ForwardBatch(
-        forward_mode=mode, batch_size=num_seqs, input_ids=np.zeros(tokens),
+        forward_mode=mode, batch_size=num_seqs, input_ids=np.zeros(tokens, np.int32),
         positions=np.arange(tokens), out_cache_loc=np.arange(tokens) + 1,
         req_pool_indices=np.arange(num_seqs), seq_lens=lens, extend_seq_lens=lens,
-        extend_prefix_lens=np.zeros(num_seqs),
+        extend_prefix_lens=np.zeros(num_seqs, np.int32),
     )  # fmt: skip
 
 

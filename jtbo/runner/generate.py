@@ -1,16 +1,16 @@
 """A small serving loop over many requests (``ModelRunner.generate``), greedy by default.
 
-Each DP rank has its own page-table rows and KV slots. A request is admitted when a row and
-``len(prompt) + max_new_tokens`` slots are free (reserved up front, so no preemption). Every
-step, each rank either prefills (chunked: at most ``chunk_size`` prompt tokens over its
-admitted requests, so a long prompt spans several EXTEND steps), or decodes all its running
-requests, or idles; ranks decide independently, so EXTEND ranks meet DECODE and IDLE ranks in
+Each DP rank has its own page-table rows and KV slots. Requests wait in a FIFO queue per rank
+and are admitted when a row and ``len(prompt) + max_new_tokens`` slots are free (reserved up
+front, so no preemption; ``jtbo.runner.admission``); one that could never fit is refused in
+its result. Every step, each rank either prefills (chunked: at most ``chunk_size`` prompt
+tokens over its admitted requests, so a long prompt spans several EXTEND steps), or decodes
+all its running requests, or idles; ranks decide independently, so EXTEND ranks meet DECODE and IDLE ranks in
 one step. The next token comes from the last row of a request's chunk (prefill done) or from
 its decode row: the argmax, or a sample (``jtbo.runner.sampling``: temperature, top-p, a seeded
 generator per request). Bad requests are rejected before any device work; the rest keep going.
 """
 
-import collections
 import dataclasses
 import sys
 import time
@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jtbo import split
-from jtbo.runner import sampling
+from jtbo.runner import admission, sampling
 
 ForwardMode = split.ForwardMode
 
@@ -35,42 +35,6 @@ class GenerationResult:
 
     token_ids: list[int]
     error: str | None = None
-
-
-@dataclasses.dataclass
-class _Request:
-    index: int
-    prompt: np.ndarray
-    row: int
-    slots: np.ndarray
-    prefilled: int = 0
-    generated: list[int] = dataclasses.field(default_factory=list)
-    generator: np.random.Generator | None = None  # sampling only
-
-
-class _Rank:
-    """One DP rank's free rows/slots, waiting queue and running requests."""
-
-    def __init__(self, max_reqs: int, num_slots: int):
-        self.free_rows = list(range(max_reqs))
-        self.free_slots = collections.deque(range(1, num_slots))
-        self.waiting: collections.deque = collections.deque()
-        self.running: list[_Request] = []
-
-    def admit(self, max_new_tokens: int) -> None:
-        while self.waiting and self.free_rows:
-            index, prompt = self.waiting[0]
-            need = len(prompt) + max_new_tokens
-            if need > len(self.free_slots):
-                return
-            self.waiting.popleft()
-            slots = np.array([self.free_slots.popleft() for _ in range(need)], np.int32)
-            self.running.append(_Request(index, prompt, self.free_rows.pop(0), slots))
-
-    def release(self, request: _Request) -> None:
-        self.running.remove(request)
-        self.free_rows.append(request.row)
-        self.free_slots.extend(request.slots.tolist())
 
 
 def validate_prompt(prompt, vocab_size: int, max_new_tokens: int, max_tokens: int) -> str | None:
@@ -95,7 +59,7 @@ def validate_prompt(prompt, vocab_size: int, max_new_tokens: int, max_tokens: in
     return None
 
 
-def _extend_batch(rank: _Rank, chunk_size: int):
+def _extend_batch(rank: admission.RankQueue, chunk_size: int):
     """Chunks of the rank's unfinished prompts: (batch, [(request, chunk_len)])."""
     chunks, budget = [], chunk_size
     for request in rank.running:
@@ -124,7 +88,7 @@ def _extend_batch(rank: _Rank, chunk_size: int):
     ), chunks
 
 
-def _decode_batch(rank: _Rank):
+def _decode_batch(rank: admission.RankQueue):
     requests = [r for r in rank.running if r.generated]
     if not requests:
         return None
@@ -140,7 +104,7 @@ def _decode_batch(rank: _Rank):
     ), requests
 
 
-def _plan_rank(rank: _Rank, chunk_size: int):
+def _plan_rank(rank: admission.RankQueue, chunk_size: int):
     batch, chunks = _extend_batch(rank, chunk_size)
     if batch is not None:
         return batch, ("extend", chunks)
@@ -150,7 +114,9 @@ def _plan_rank(rank: _Rank, chunk_size: int):
     return decoded[0], ("decode", decoded[1])
 
 
-def _apply(rank: _Rank, logits: np.ndarray, work, max_new_tokens: int, results, pick) -> int:
+def _apply(
+    rank: admission.RankQueue, logits: np.ndarray, work, max_new_tokens: int, results, pick
+) -> int:
     """Records the next tokens from one rank's logits (``pick(request, row)`` chooses each);
     returns how many tokens it generated."""
     kind, items = work
@@ -206,7 +172,11 @@ def generate(
     """
     if max_new_tokens < 1 or chunk_size < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}, chunk_size={chunk_size} must be >= 1")
-    ranks = [_Rank(runner.max_running_requests, runner.num_slots) for _ in range(runner.dp_size)]
+    limit = admission.running_limit(runner.max_running_requests, runner.options.token_buckets)
+    ranks = [
+        admission.RankQueue(runner.max_running_requests, runner.num_slots, limit)
+        for _ in range(runner.dp_size)
+    ]
     results: list[GenerationResult | None] = [None] * len(prompts)
     for index, prompt in enumerate(prompts):
         rank = index % runner.dp_size if dp_rank_of is None else dp_rank_of(index)
@@ -220,7 +190,7 @@ def generate(
             ranks[rank].waiting.append((index, np.asarray(prompt, np.int32)))
     show = sys.stderr.isatty() if progress is None else progress
 
-    def pick(request: _Request, row: np.ndarray) -> None:
+    def pick(request: admission.Request, row: np.ndarray) -> None:
         if request.generator is None and not sampling_params.greedy:
             request.generator = sampling.request_generator(sampling_params, request.index)
         token = sampling.next_token(row, sampling_params, request.generator)

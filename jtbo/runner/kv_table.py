@@ -85,7 +85,9 @@ def check_context(filled: np.ndarray, batch: split.ForwardBatch) -> None:
 def _check_ranges(filled, rows, starts, _) -> None:
     """``check_context`` on ``write_ranges``' result."""
     if rows.size and (rows.min() < 0 or rows.max() >= filled.shape[0]):
-        raise ValueError(f"req_pool_indices max {rows.max()} outside [0, {filled.shape[0]})")
+        raise ValueError(
+            f"req_pool_indices span [{rows.min()}, {rows.max()}], outside [0, {filled.shape[0]})"
+        )
     gap = (starts > 0) & (starts > filled[rows])
     if gap.any():
         row = int(np.flatnonzero(gap)[0])
@@ -120,7 +122,9 @@ def record(
         return
     slots = np.asarray(batch.out_cache_loc, np.int64)
     if rows.max() >= table.shape[0] or rows.min() < 0:
-        raise ValueError(f"req_pool_indices max {rows.max()} outside [0, {table.shape[0]})")
+        raise ValueError(
+            f"req_pool_indices span [{rows.min()}, {rows.max()}], outside [0, {table.shape[0]})"
+        )
     if positions.max() >= table.shape[1]:
         raise ValueError(f"KV position {positions.max()} >= max_context {table.shape[1]}")
     if slots.min() < 1 or slots.max() >= num_slots:
@@ -128,7 +132,20 @@ def record(
             f"out_cache_loc range [{slots.min()}, {slots.max()}] outside [1, {num_slots}) "
             "(slot 0 is the padding slot)"
         )
+    _check_distinct_slots(slots)
     table[rows, positions] = slots
     if filled is not None:
         req, starts, ends = ranges
         filled[req] = np.where(starts == 0, ends, np.maximum(filled[req], ends))
+
+
+def _check_distinct_slots(slots: np.ndarray) -> None:
+    """Two new tokens of one batch (of one request or of two) must not share a KV slot."""
+    order = np.argsort(slots, kind="stable")
+    same = np.flatnonzero(slots[order][1:] == slots[order][:-1])
+    if same.size:
+        first, second = sorted(int(i) for i in order[same[0] : same[0] + 2])
+        raise ValueError(
+            f"out_cache_loc gives slot {slots[first]} to token rows {first} and {second}: "
+            "a KV slot holds one token (the later write would overwrite the other request's K/V)"
+        )

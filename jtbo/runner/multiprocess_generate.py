@@ -34,6 +34,7 @@ class _LocalRanksView:
         self.max_running_requests = runner.max_running_requests
         self.max_total_tokens = runner.max_total_tokens
         self.num_slots = runner.num_slots
+        self.options = runner.options
 
     def forward(self, batches):
         """This process's part of one step (``ModelRunner.forward``)."""
@@ -98,23 +99,25 @@ def generate(
     assigned = _assign(runner, prompts, max_new_tokens, dp_rank_of)
     local = {rank: i for i, rank in enumerate(runner.local_dp_ranks)}
     mine = [i for i, (rank, error) in enumerate(assigned) if error is None and rank in local]
-    served = generate_lib.generate(
-        _LocalRanksView(runner),
-        [prompts[i] for i in mine],
-        max_new_tokens=max_new_tokens,
-        dp_rank_of=lambda j: local[assigned[mine[j]][0]],
-        chunk_size=chunk_size,
-        progress=progress,
-    )
-    while runner.step_idle():  # other processes still serve: take part in their steps
-        pass
-    tokens = np.zeros((len(prompts), max_new_tokens), np.int32)
-    for i, result in zip(mine, served, strict=True):
-        tokens[i] = result.token_ids
-    owners = np.asarray(
-        [runner.dp_rank_owners[rank] if error is None else -1 for rank, error in assigned]
-    )
-    tokens = _gather_tokens(tokens, owners)
+    with runner.failure_phase("generate loop", collective=False):
+        served = generate_lib.generate(
+            _LocalRanksView(runner),
+            [prompts[i] for i in mine],
+            max_new_tokens=max_new_tokens,
+            dp_rank_of=lambda j: local[assigned[mine[j]][0]],
+            chunk_size=chunk_size,
+            progress=progress,
+        )
+        while runner.step_idle():  # other processes still serve: take part in their steps
+            pass
+        tokens = np.zeros((len(prompts), max_new_tokens), np.int32)
+        for i, result in zip(mine, served, strict=True):
+            tokens[i] = result.token_ids
+        owners = np.asarray(
+            [runner.dp_rank_owners[rank] if error is None else -1 for rank, error in assigned]
+        )
+    with runner.failure_phase("gather results", collective=True):
+        tokens = _gather_tokens(tokens, owners)
     return [
         generate_lib.GenerationResult([], error)
         if error is not None

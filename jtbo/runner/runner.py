@@ -24,6 +24,7 @@ back from addressable shards, so each process gets its own ranks' outputs. A sin
 is the special case that owns every rank.
 """
 
+import contextlib
 import dataclasses
 import os
 import warnings
@@ -43,8 +44,10 @@ from jtbo.models import model as model_lib
 from jtbo.overlap import xla_options
 from jtbo.runner import (
     distributed,
+    failure,
     kv_table,
     multiprocess_generate,
+    numerics,
     planning,
     step_exchange,
     tbo_auto,
@@ -93,6 +96,8 @@ class ModelRunner:
         tbo_plan: str | os.PathLike | None = None,
         moe_runner_backend: str = "xla",
         attention_backend: str = "native",
+        peer_timeout_s: float = failure.DEFAULT_TIMEOUT_S,
+        check_finite_logits: bool = True,
     ):
         """Places the model on the mesh and allocates every DP rank's KV pool.
 
@@ -131,6 +136,11 @@ class ModelRunner:
           attention_backend: "native" (blocked jnp attention, the exact reference) or
             "pallas" (the paged kernel, ``jtbo.attention.paged``; the Pallas interpreter on
             the CPU), for the whole batch and both TBO micro-batches.
+          peer_timeout_s: several processes: a process whose heartbeat stopped this long ago
+            counts as failed and every other process ends (``jtbo.runner.failure``).
+          check_finite_logits: raise ``NonFiniteLogitsError`` (naming the DP rank and the
+            request) when a step's logits hold a NaN or an infinity; off saves a scan of the
+            logits per step (``python -m jtbo.bench tbo --no-numerics-guard``).
 
         Raises:
           ValueError: a mesh without the right axes, shapes that do not divide over it, an
@@ -200,6 +210,8 @@ class ModelRunner:
             self.tbo_decisions(),
         )  # fmt: skip
         self._exchanges = 0
+        self._monitor = failure.monitor(peer_timeout_s) if self.multiprocess else None
+        self.check_finite_logits = check_finite_logits
         self.num_steps = 0
         self.num_tbo_steps = 0
 
@@ -279,43 +291,75 @@ class ModelRunner:
         """
         return self._forward([None] * len(self.local_dp_ranks))[1]
 
+    def _phase(self, step, name: str, *, collective: bool, agreed: tuple[type, ...] = ()):
+        """A ``failure.FailureMonitor`` phase (multi-process), else a no-op context."""
+        if self._monitor is None:
+            return contextlib.nullcontext()
+        return self._monitor.phase(step, name, collective=collective, agreed=agreed)
+
+    def failure_phase(self, name: str, *, collective: bool):
+        """A context in which an exception counts as this process's failure (several processes).
+
+        Code that runs between steps in lockstep with other processes (the greedy loop of
+        ``generate``) runs in one, so that its errors end the other processes in bounded time
+        instead of leaving them in the next step's collectives (``jtbo.runner.failure``).
+
+        Args:
+          name: the phase's name in messages.
+          collective: whether the body waits on other processes.
+
+        Returns:
+          A context manager (a no-op for a single process).
+        """
+        return self._phase(lambda: self._exchanges, name, collective=collective)
+
     def _forward(self, batches) -> tuple[list[np.ndarray | None], bool]:
+        step = self._exchanges
         local, error = [], None
         try:
             local = self._prepare_local(batches)
         except Exception as exc:  # noqa: BLE001 - re-raised on every process by the exchange
             error = exc
         summaries = {r: item.summary for r, item in zip(self.local_dp_ranks, local, strict=False)}
-        report = step_exchange.LocalReport(self._exchanges, self._fingerprint, summaries, error)
+        report = step_exchange.LocalReport(step, self._fingerprint, summaries, error)
         self._exchanges += 1  # counts refused steps too: every process took part in them
-        decision = planning.decide(
-            step_exchange.exchange(report, self.dp_rank_owners), self.options
-        )
+        # Raised alike on every process (a refused batch, a plan no rank can run): no failure.
+        agreed = (ValueError, step_exchange.ProcessFailedError, type(error or ValueError()))
+        with self._phase(step, "exchange", collective=True, agreed=agreed):
+            decision = planning.decide(
+                step_exchange.exchange(report, self.dp_rank_owners), self.options
+            )
         if decision.all_idle:
             return [None] * len(batches), False
-        plan, logits = self._plan_and_run(local, decision)
-        return [
+        plan, logits, finite = self._plan_and_run(local, decision, step)
+        out = [
             None if b is None else logits[i, : plan.num_tokens[rank]]
             for i, (rank, b) in enumerate(zip(plan.ranks, batches, strict=True))
-        ], True
+        ]
+        if finite is not None:
+            with self._phase(step, "numerics guard", collective=False):
+                numerics.check_finite(finite, plan.ranks, batches, plan.num_tokens)
+        return out, True
 
-    def _plan_and_run(self, local, decision) -> tuple[planning.StepPlan, np.ndarray]:
-        """Assembles the step (with "auto": in the shape's chosen mode) and runs it once."""
+    def _plan_and_run(self, local, decision, step: int):
+        """Assembles the step (with "auto": in the shape's chosen mode) and runs it once.
+
+        Returns:
+          ``(plan, logits rows of plan.ranks, finite rows or None)``.
+        """
         shape = None if self._tbo_auto is None else tbo_auto.shape_of(decision)
-        if shape is None:
-            return self._assemble_and_run(local, decision)
-        known = self._tbo_auto.decision(shape)
-        if known is None:
-            known = self._decide_shape(shape, local, decision)
-        return self._assemble_and_run(
-            local, decision if known.use_tbo else planning.without_tbo(decision)
-        )
+        if shape is not None:
+            known = self._tbo_auto.decision(shape)
+            if known is None:
+                known = self._decide_shape(shape, local, decision, step)
+            decision = decision if known.use_tbo else planning.without_tbo(decision)
+        with self._phase(step, "assemble", collective=False):
+            plan = planning.assemble(local, self.local_dp_ranks, decision, self.options)
+        with self._phase(step, "device step", collective=True, agreed=(ExpertCapacityError,)):
+            logits, finite = self._run(plan, self.check_finite_logits)
+        return plan, logits, finite
 
-    def _assemble_and_run(self, local, decision) -> tuple[planning.StepPlan, np.ndarray]:
-        plan = planning.assemble(local, self.local_dp_ranks, decision, self.options)
-        return plan, self._run(plan)
-
-    def _decide_shape(self, shape, local, decision) -> tbo_auto.TboDecision:
+    def _decide_shape(self, shape, local, decision, step: int) -> tbo_auto.TboDecision:
         """Times both programs of a new shape on this step's inputs (``tbo_auto``).
 
         The trial runs change only the KV slots this step writes; the real run that follows
@@ -323,11 +367,13 @@ class ModelRunner:
         the chosen program's.
         """
         ranks = self.local_dp_ranks
-        tbo_plan = planning.assemble(local, ranks, decision, self.options)
-        plain_plan = planning.assemble(local, ranks, planning.without_tbo(decision), self.options)
-        return self._tbo_auto.decide(
-            shape, lambda: self._execute(plain_plan), lambda: self._execute(tbo_plan)
-        )
+        with self._phase(step, "assemble", collective=False):
+            tbo_plan = planning.assemble(local, ranks, decision, self.options)
+            plain = planning.assemble(local, ranks, planning.without_tbo(decision), self.options)
+        with self._phase(step, "timing TBO", collective=True):
+            return self._tbo_auto.decide(
+                shape, lambda: self._execute(plain), lambda: self._execute(tbo_plan)
+            )
 
     def tbo_decisions(self) -> tuple[tbo_auto.TboDecision, ...]:
         """An "auto" runner's TBO choice per step shape, with both programs' timings.
@@ -394,17 +440,31 @@ class ModelRunner:
             )
         if ids.size and batch.positions is None:
             raise ValueError(f"rank {rank}: ForwardBatch.positions is required")
+        if not batch.forward_mode.is_idle() and (batch.batch_size == 0 or ids.size == 0):
+            raise ValueError(
+                f"rank {rank}: a {batch.forward_mode.name} batch with no work (batch_size="
+                f"{batch.batch_size}, len(input_ids)={ids.size}); pass None for an idle rank"
+            )
+        positions = np.asarray(batch.positions if ids.size else [0])
+        if positions.min() < 0 or positions.max() >= self.max_total_tokens:
+            raise ValueError(
+                f"rank {rank}: positions span [{positions.min()}, {positions.max()}], outside "
+                f"[0, max_total_tokens={self.max_total_tokens})"
+            )
         try:
             kv_table.check_context(self.kv_filled[rank], batch)
         except ValueError as error:
             raise ValueError(f"rank {rank}: {error}") from error
 
-    def _run(self, plan: planning.StepPlan) -> np.ndarray:
-        """Runs a plan; returns the logits rows of ``plan.ranks`` as numpy."""
+    def _run(self, plan: planning.StepPlan, check_finite: bool = False):
+        """Runs a plan; returns the logits rows of ``plan.ranks`` as numpy and, when
+        ``check_finite``, whether each of those rows is finite (``[ranks, capacity]`` bool)."""
         logits = self.run_plan(plan)
+        finite = numerics.finite_rows(logits) if check_finite else None
         if self.multiprocess:
-            return distributed.local_rank_rows(logits, plan.ranks)
-        return np.asarray(logits)
+            rows = distributed.local_rank_rows(logits, plan.ranks)
+            return rows, None if finite is None else distributed.local_rank_rows(finite, plan.ranks)
+        return np.asarray(logits), None if finite is None else np.asarray(finite)
 
     def run_plan(self, plan: planning.StepPlan) -> jax.Array:
         """Runs a planned step (``planning.plan_step``) and returns the device logits.
@@ -441,6 +501,8 @@ class ModelRunner:
                 child_capacity=plan.child_capacity, dispatchers=dispatchers,
             )  # fmt: skip
             self._k, self._v, self._req_to_token_device = cache.k, cache.v, cache.req_to_token
+            if self.multiprocess:  # waits with the GIL released: the failure monitor runs
+                jax.block_until_ready((logits, overflow, peak_load))
             dispatchers = self._resolve_overflow(dispatchers, overflow, peak_load)
         return logits
 
@@ -516,7 +578,9 @@ class ModelRunner:
         for count in token_counts:
             for mode in modes:
                 for tbo in both:
-                    self._run(self._warmup_plan(count, ForwardMode(mode), tbo))
+                    self._run(
+                        self._warmup_plan(count, ForwardMode(mode), tbo), self.check_finite_logits
+                    )
         return self.compile_count
 
     def _warmup_plan(self, count: int, mode: ForwardMode, tbo: bool) -> planning.StepPlan:

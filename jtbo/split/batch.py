@@ -53,10 +53,33 @@ def _static(**kwargs: Any) -> Any:
 
 
 def _as_host_array(value: Any, dtype: Any) -> Any:
-    """Lists/tuples become numpy arrays; anything else (numpy, jax, tracers, None) is kept."""
+    """Lists/tuples become numpy arrays; anything else (numpy, jax, tracers, None) is kept.
+
+    A list of non-integers (floats, NaN) keeps its own dtype, so that ``validate`` names the
+    field instead of numpy failing (or truncating) in the cast.
+    """
     if isinstance(value, list | tuple):
-        return np.asarray(value, dtype=dtype)
+        array = np.asarray(value)
+        if array.size and array.dtype.kind not in "biu":
+            return array
+        return array.astype(dtype)
     return value
+
+
+def _check_dtypes(owner: str, fields: tuple[str, ...], obj: Any, kinds: str = "iu") -> None:
+    """Host arrays of index / length fields must be integers (``kinds``: numpy dtype kinds)."""
+    for name in fields:
+        value = getattr(obj, name)
+        if not isinstance(value, np.ndarray) or value.dtype.kind in kinds or value.size == 0:
+            continue  # an empty array holds no wrong value (np.zeros(0) is float64)
+        detail = ""
+        if value.dtype.kind in "fc" and not np.isfinite(value).all():
+            bad = int(np.flatnonzero(~np.isfinite(value.reshape(-1)))[0])
+            detail = f"; non-finite value {value.reshape(-1)[bad]} at index {bad}"
+        raise ValueError(
+            f"{owner}.{name} has dtype {value.dtype}, expected "
+            f"{'bool or ' if 'b' in kinds else ''}integers{detail}"
+        )
 
 
 def _rows(name: str, value: Any) -> int:
@@ -139,8 +162,17 @@ class SpecVerifyInput:
                 value = _as_host_array(getattr(self, field.name), dtype)
                 object.__setattr__(self, field.name, value)
 
+    def check_dtypes(self) -> None:
+        """Checks that host index fields hold integers and the mask bools or integers.
+
+        Raises:
+          ValueError: naming the field, its dtype and its first non-finite value, if any.
+        """
+        _check_dtypes("spec_info", (*SPEC_TOKEN_FIELDS, *SPEC_SEQ_FIELDS), self)
+        _check_dtypes("spec_info", ("custom_mask",), self, kinds="biu")
+
     def validate(self, *, num_tokens: int, batch_size: int, padded: bool = False) -> None:
-        """Checks sizes against the owning batch.
+        """Checks dtypes and sizes against the owning batch.
 
         Args:
           num_tokens: token rows of the owning batch.
@@ -153,6 +185,7 @@ class SpecVerifyInput:
         """
         if self.draft_token_num < 1:
             raise ValueError(f"spec_info.draft_token_num must be >= 1, got {self.draft_token_num}")
+        self.check_dtypes()
         _check_rows("spec_info", SPEC_TOKEN_FIELDS, self, num_tokens, "token rows of the batch")
         _check_rows("spec_info", SPEC_SEQ_FIELDS, self, batch_size, "batch_size")
         _check_non_negative("spec_info", ("seq_lens",), self)
@@ -261,6 +294,9 @@ class ForwardBatch:
             raise ValueError("input_ids is required (it defines the token rows)")
         if self.batch_size < 0:
             raise ValueError(f"batch_size must be >= 0, got {self.batch_size}")
+        _check_dtypes("ForwardBatch", (*TOKEN_FIELDS, *SEQ_FIELDS, *SEQ_DERIVED_FIELDS), self)
+        if self.spec_info is not None:
+            self.spec_info.check_dtypes()
         n = _rows("input_ids", self.input_ids)
         _check_rows("ForwardBatch", TOKEN_FIELDS, self, n, "len(input_ids)")
         _check_rows("ForwardBatch", SEQ_FIELDS + SEQ_DERIVED_FIELDS, self, self.batch_size,

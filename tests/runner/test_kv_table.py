@@ -15,7 +15,7 @@ NUM_SLOTS = MAX_REQS * MAX_CONTEXT + 1
 
 def _extend(row: int, prefix: int, new: int) -> split.ForwardBatch:
     return split.ForwardBatch(
-        forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=np.zeros(new),
+        forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=np.zeros(new, np.int32),
         positions=prefix + np.arange(new), out_cache_loc=_slots(row, prefix, prefix + new),
         req_pool_indices=[row], seq_lens=[prefix + new], extend_seq_lens=[new],
         extend_prefix_lens=[prefix],
@@ -91,7 +91,8 @@ def test_write_ranges_per_mode():
 def test_kv_positions_per_mode_token_by_token():
     # A two-request extend, a decode and a verify of 3 draft tokens, written out by hand.
     extend = split.ForwardBatch(
-        forward_mode=ForwardMode.EXTEND, batch_size=2, input_ids=np.zeros(5), positions=None,
+        forward_mode=ForwardMode.EXTEND, batch_size=2, input_ids=np.zeros(5, np.int32),
+        positions=None,
         out_cache_loc=np.arange(1, 6), req_pool_indices=[3, 0], seq_lens=[4, 2],
         extend_seq_lens=[3, 2], extend_prefix_lens=[1, 0],
     )  # fmt: skip
@@ -100,7 +101,7 @@ def test_kv_positions_per_mode_token_by_token():
     rows, positions = kv_table.kv_positions(_decode(2, 7))
     assert (rows.tolist(), positions.tolist()) == ([2], [6])
     verify = split.ForwardBatch(
-        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=2, input_ids=np.zeros(6),
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=2, input_ids=np.zeros(6, np.int32),
         req_pool_indices=[1, 2], seq_lens=[5, 9],
         spec_info=split.SpecVerifyInput(draft_token_num=3),
     )  # fmt: skip

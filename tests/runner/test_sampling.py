@@ -65,6 +65,7 @@ class _FakeRunner:
         self.dp_size, self.max_running_requests, self.num_slots = dp_size, 4, 200
         self.max_total_tokens = 199
         self.config = types.SimpleNamespace(vocab_size=VOCAB)
+        self.options = types.SimpleNamespace(token_buckets=(64,))
 
     def forward(self, batches):
         return [None if b is None else self._logits(b) for b in batches]

@@ -1,0 +1,81 @@
+"""One process of the fault test: ``python -m tests.runner.fault_worker ID N PORT FAULT``.
+
+Joins a ``jax.distributed`` run of ``N`` processes (gloo, ``TOTAL_DEVICES // N`` CPU devices
+each) and runs greedy generation on a ``(4, 2)`` mesh over all of them. On process 1 it injects
+``FAULT`` (``FAULTS``): a ``kill -9`` of itself in the first prefill or decode step, or an
+exception in ``planning.assemble`` or in the greedy loop. Prints ``generated`` and exits 0 when
+no fault fired; the test checks that every process ends in time with the right message.
+"""
+
+import os
+import signal
+import sys
+import time
+
+from tests.runner import multihost_worker
+
+PEER_TIMEOUT_S = 4.0
+FAULT_PROCESS = 1
+FAULTS = ("kill_prefill", "kill_decode", "raise_assemble", "raise_generate", "none")
+
+
+def _inject(fault: str) -> None:
+    """Wraps ``planning.assemble`` or the greedy loop's ``_apply`` to fire ``fault``."""
+    from jtbo.runner import generate, planning  # noqa: PLC0415 - after jax is set up
+
+    assemble, apply = planning.assemble, generate._apply
+    calls = {"apply": 0}
+
+    def faulty_assemble(local, ranks, decision, options):
+        modes = {item.batch.forward_mode.name for item in local}
+        if (
+            fault == "kill_prefill"
+            and "EXTEND" in modes
+            or (fault == "kill_decode" and "DECODE" in modes)
+        ):
+            print(f"fault at {time.time()}: kill -9 in a step of {sorted(modes)}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "raise_assemble" and "DECODE" in modes:
+            print(f"fault at {time.time()}: raise in assemble", flush=True)
+            raise RuntimeError("injected fault in planning.assemble")
+        return assemble(local, ranks, decision, options)
+
+    def faulty_apply(*args, **kwargs):
+        calls["apply"] += 1
+        if fault == "raise_generate" and calls["apply"] == 3:
+            print(f"fault at {time.time()}: raise in the greedy loop", flush=True)
+            raise RuntimeError("injected fault in the greedy loop")
+        return apply(*args, **kwargs)
+
+    planning.assemble, generate._apply = faulty_assemble, faulty_apply
+
+
+def main(argv: list[str]) -> None:
+    """Runs one process (see the module docstring).
+
+    Args:
+      argv: ``[process_id, num_processes, port, fault]``.
+    """
+    process_id, num_processes, port, fault = int(argv[0]), int(argv[1]), argv[2], argv[3]
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["XLA_FLAGS"] = multihost_worker.xla_flags(num_processes)
+    import jax  # noqa: PLC0415 - only after the environment above is set
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=num_processes,
+        process_id=process_id,
+    )
+    from tests.runner import multihost_scenario  # noqa: PLC0415 - imports jax-using modules
+
+    if process_id == FAULT_PROCESS:
+        _inject(fault)
+    runner = multihost_scenario.make_runner(False, buckets=(16,), peer_timeout_s=PEER_TIMEOUT_S)
+    prompts = multihost_scenario.prompts()[:4]
+    results = runner.generate(prompts, max_new_tokens=3, chunk_size=8)
+    print("generated", [r.token_ids for r in results], flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
