@@ -94,8 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--moe-a2a-backend", choices=("ep", "none"), default="ep")
     parser.add_argument("--ep-capacity-factor", type=float, default=4.0)
     parser.add_argument(
-        "--moe-runner-backend", choices=("xla", "pallas"), default="xla",
-        help="routed experts' FFN: batched matmul over every slot, or the grouped GEMM kernel",
+        "--moe-runner-backend", choices=("xla", "pallas"), default=None,
+        help="routed experts' FFN: batched matmul over every slot, or the grouped GEMM kernel "
+        "(default: the runner's, the fastest on this platform)",
     )  # fmt: skip
     parser.add_argument(
         "--ep-overflow-policy", choices=("rerun", "raise"), default="rerun",
@@ -104,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tiny", action="store_true", help="MoEConfig.tiny() (smoke test)")
     parser.add_argument(
         "--attention-backend", choices=tuple(attn_backend_lib.ATTENTION_BACKENDS),
-        default="native", help="ModelRunner(attention_backend=...) of every runner",
+        default=None,
+        help="ModelRunner(attention_backend=...) of every runner (default: the runner's)",
     )  # fmt: skip
     parser.add_argument(
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -592,6 +594,8 @@ def main(argv) -> None:
         config_lib.MoEConfig.tiny() if args.tiny else config_lib.MoEConfig.deepseek_v3_reduced()
     )
     runners, auto = _runners(args, config)
+    args.moe_runner_backend = runners[0].parallel.moe_runner_backend  # as resolved
+    args.attention_backend = runners[0].parallel.attention_backend
     print(_header(args))
     vocab = config.vocab_size
     cases = [("prefill", n, _prefill_batch(n, args.prompt_len, vocab)) for n in args.prefill]

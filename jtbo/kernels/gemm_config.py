@@ -86,13 +86,17 @@ class GroupedFfnConfig:
       down: the down GEMM (contraction over F, columns over H).
     """
 
-    gate_up: GemmConfig = GemmConfig(block_m=64, block_n=64, block_k=64)
-    down: GemmConfig = GemmConfig(block_m=64, block_n=128, block_k=64)
+    # The fastest of the shapes swept on one H200 at 4096 tokens (BENCHMARKS.md, "Grouped GEMM
+    # for the routed experts"); the gate/up tile is 2 x block_n wide (two accumulators).
+    gate_up: GemmConfig = GemmConfig(
+        block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3
+    )
+    down: GemmConfig = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
 
     def describe(self) -> str:
         """Short label for tables: ``gate_up <label> / down <label>``."""
         return f"gate_up {self.gate_up.describe()} / down {self.down.describe()}"
 
 
-# Default launch shapes, before any H200 sweep (BENCHMARKS.md will hold the measured ones).
+# Default launch shapes (measured: see GroupedFfnConfig).
 GROUPED_FFN = GroupedFfnConfig()

@@ -26,11 +26,12 @@ FASTEST = {
     "dp_memcpy": {"gpu": _GPU_KERNEL_FIRST, "cpu": ("xla",)},
     "slice_pad": {"gpu": _GPU_XLA_FIRST, "cpu": ("xla",)},
     "merge_rows": {"gpu": _GPU_XLA_FIRST, "cpu": ("xla",)},
-    # Not measured yet against the capacity einsum: xla until BENCHMARKS.md says otherwise.
-    "grouped_ffn": {"gpu": ("xla", "pallas"), "cpu": ("xla",)},
-    # jtbo.attention.paged: "xla" is the native attention; the kernel serves explicit
-    # requests until the H200 benchmark ranks it (BENCHMARKS.md, "Attention").
-    "paged_attention": {"gpu": ("xla", "pallas"), "cpu": ("xla",)},
+    # The grouped GEMM skips empty capacity slots: faster from prefill sizes on, even at
+    # decode sizes (BENCHMARKS.md, "Grouped GEMM for the routed experts").
+    "grouped_ffn": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
+    # jtbo.attention.paged: "xla" is the native attention, which the paged kernel beats in
+    # decode and extend (BENCHMARKS.md, "Attention: the paged kernel").
+    "paged_attention": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
 }
 
 
@@ -70,7 +71,8 @@ def resolve(impl: str | None, *, op: str, payload_bytes: int = 0, xla_below_byte
       impl: one of ``IMPLS`` or None for the fastest available for ``op`` on this backend.
       op: the op's name, a key of ``FASTEST``.
       payload_bytes: the largest number of bytes the call can copy (static).
-      xla_below_bytes: with ``impl=None``, payloads up to this size take ``"xla"``.
+      xla_below_bytes: with ``impl=None``, payloads up to this size take ``"xla"`` (0: no
+        such rule, the op's ``FASTEST`` order decides).
 
     Returns:
       The impl name.
@@ -80,7 +82,7 @@ def resolve(impl: str | None, *, op: str, payload_bytes: int = 0, xla_below_byte
       KernelUnavailableError: the named impl cannot run on this backend.
     """
     platform = backend()
-    if impl is None and payload_bytes <= xla_below_bytes:
+    if impl is None and xla_below_bytes > 0 and payload_bytes <= xla_below_bytes:
         return "xla"
     if impl is None:
         order = FASTEST[op].get(platform, ("xla",))

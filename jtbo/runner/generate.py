@@ -5,10 +5,11 @@ and are admitted when a row and ``len(prompt) + max_new_tokens`` slots are free 
 front, so no preemption; ``jtbo.runner.admission``); one that could never fit is refused in
 its result. Every step, each rank either prefills (chunked: at most ``chunk_size`` prompt
 tokens over its admitted requests, so a long prompt spans several EXTEND steps), or decodes
-all its running requests, or idles; ranks decide independently, so EXTEND ranks meet DECODE and IDLE ranks in
-one step. The next token comes from the last row of a request's chunk (prefill done) or from
-its decode row: the argmax, or a sample (``jtbo.runner.sampling``: temperature, top-p, a seeded
-generator per request). Bad requests are rejected before any device work; the rest keep going.
+all its running requests, or idles; ranks decide independently, so EXTEND ranks meet DECODE
+and IDLE ranks in one step. The next token comes from the last row of a request's chunk
+(prefill done) or from its decode row: the argmax, or a sample (``jtbo.runner.sampling``:
+temperature, top-p, a seeded generator per request). Bad requests are rejected before any
+device work; the rest keep going.
 """
 
 import dataclasses

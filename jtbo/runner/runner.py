@@ -45,6 +45,7 @@ from jtbo.overlap import xla_options
 from jtbo.runner import (
     distributed,
     failure,
+    kernel_backends,
     kv_table,
     multiprocess_generate,
     numerics,
@@ -94,8 +95,8 @@ class ModelRunner:
         tbo_auto_margin: float = tbo_auto.DEFAULT_MARGIN,
         tbo_timer: tbo_auto.StepTimer | None = None,
         tbo_plan: str | os.PathLike | None = None,
-        moe_runner_backend: str = "xla",
-        attention_backend: str = "native",
+        moe_runner_backend: str | None = None,
+        attention_backend: str | None = None,
         peer_timeout_s: float = failure.DEFAULT_TIMEOUT_S,
         check_finite_logits: bool = True,
     ):
@@ -132,10 +133,12 @@ class ModelRunner:
             timing, shapes it does not list are still timed on first sight.
           moe_runner_backend: the routed experts' FFN impl, "xla" (batched matmul over every
             capacity slot) or "pallas" (grouped GEMM over the filled slots;
-            ``layer_ops.ParallelConfig``).
+            ``layer_ops.ParallelConfig``); None: the fastest here ("pallas" on GPUs, "xla" on
+            the CPU; ``jtbo.runner.kernel_backends``).
           attention_backend: "native" (blocked jnp attention, the exact reference) or
             "pallas" (the paged kernel, ``jtbo.attention.paged``; the Pallas interpreter on
-            the CPU), for the whole batch and both TBO micro-batches.
+            the CPU), for the whole batch and both TBO micro-batches; None: the fastest here
+            ("pallas" on GPUs, "native" on the CPU).
           peer_timeout_s: several processes: a process whose heartbeat stopped this long ago
             counts as failed and every other process ends (``jtbo.runner.failure``).
           check_finite_logits: raise ``NonFiniteLogitsError`` (naming the DP rank and the
@@ -168,6 +171,8 @@ class ModelRunner:
         self.local_dp_ranks = distributed.local_dp_ranks(self.dp_rank_owners)
         self.multiprocess = distributed.is_multiprocess(mesh)
         self.max_total_tokens, self.max_running_requests = max_total_tokens, max_running_requests
+        moe_runner_backend = kernel_backends.moe_runner_backend(moe_runner_backend)
+        attention_backend = kernel_backends.attention_backend(attention_backend)
         self.parallel = layer_ops.ParallelConfig(
             moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size,
             ep_capacity_factor, ep_overflow_policy, tbo_round_barriers=tbo_round_barriers,

@@ -32,6 +32,12 @@ THREE_SPLITS = paged.PagedAttentionConfig(
 )
 
 
+# float32 dots run in TF32 on NVIDIA GPUs (XLA's default precision, Triton's tl.dot): about
+# 1e-3 relative there (measured up to 6e-4 on an H200), float32 rounding in the interpreter.
+_ON_CPU = jax.default_backend() == "cpu"
+F32_ATOL, F32_RTOL = (2e-5, 1e-5) if _ON_CPU else (3e-3, 3e-3)
+
+
 def _make(seed, prefix, new, **kwargs):
     kwargs.setdefault("token_capacity", TOKENS)
     return scenarios.make(np.random.default_rng(seed), prefix, new, head_dim=HEAD_DIM, **kwargs)
@@ -51,14 +57,15 @@ def _pool_with_step(sc, md):
 _attend = jax.jit(paged.paged_attention, static_argnames=("scaling", "impl", "config"))
 
 
-def _check(sc, md, config=ONE_SPLIT, atol=2e-5):
+def _check(sc, md, config=ONE_SPLIT, atol=None):
     """pallas == float64 reference and == native (xla impl); returns the kernel's output."""
     cache = _pool_with_step(sc, md)
     scale = HEAD_DIM**-0.5
     out = _attend(jnp.asarray(sc.q), cache, 1, md, scaling=scale, impl="pallas", config=config)
     ref = _attend(jnp.asarray(sc.q), cache, 1, md, scaling=scale, impl="xla")
-    np.testing.assert_allclose(np.asarray(out, np.float64), sc.expected, atol=atol, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=atol, rtol=1e-5)
+    atol = F32_ATOL if atol is None else atol
+    np.testing.assert_allclose(np.asarray(out, np.float64), sc.expected, atol=atol, rtol=F32_RTOL)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=atol, rtol=F32_RTOL)
     return out
 
 
@@ -173,7 +180,7 @@ def test_forward_writes_the_step_and_takes_a_traced_layer():
     md = _decode_md(sc)
     fwd = jax.jit(paged.forward, static_argnames=("impl", "config"))
     out, cache = fwd(sc.q, sc.k, sc.v, jnp.int32(1), md, sc.cache, impl="pallas", config=ONE_SPLIT)
-    np.testing.assert_allclose(np.asarray(out, np.float64), sc.expected, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(out, np.float64), sc.expected, atol=F32_ATOL)
     np.testing.assert_array_equal(np.asarray(cache.k[1, sc.out_cache_loc]), sc.k)
 
 

@@ -26,6 +26,13 @@ SMALL = gemm_config.GroupedFfnConfig(
 )
 
 
+# float32 matmuls run in TF32 on NVIDIA GPUs (XLA's default precision, Triton's tl.dot): about
+# 1e-3 relative there, against float32 rounding in the CPU interpreter.
+F32_TOL = (
+    dict(atol=1e-4, rtol=1e-4) if jax.default_backend() == "cpu" else dict(atol=3e-3, rtol=3e-3)
+)
+
+
 def _impls():
     return ("xla", "pallas")
 
@@ -55,7 +62,7 @@ def test_matches_numpy_float32(impl, seed, counts):
     x, w_gate_up, w_down = _inputs(seed, 21)
     counts = np.asarray(counts, np.int32)
     out = kernels.grouped_ffn(x, jnp.asarray(counts), w_gate_up, w_down, impl=impl, config=SMALL)
-    chex.assert_trees_all_close(out, _numpy_ffn(x, counts, w_gate_up, w_down), atol=1e-4, rtol=1e-4)
+    chex.assert_trees_all_close(out, _numpy_ffn(x, counts, w_gate_up, w_down), **F32_TOL)
 
 
 @pytest.mark.parametrize("impl", _impls())
@@ -77,7 +84,7 @@ def test_reference_matches_numpy():
     counts = np.array([3, 0, 21, 9], np.int32)
     x, w_gate_up, w_down = _inputs(3, 21)
     ref = grouped_gemm.grouped_ffn_reference(x, jnp.asarray(counts), w_gate_up, w_down)
-    chex.assert_trees_all_close(ref, _numpy_ffn(x, counts, w_gate_up, w_down), atol=1e-4, rtol=1e-4)
+    chex.assert_trees_all_close(ref, _numpy_ffn(x, counts, w_gate_up, w_down), **F32_TOL)
 
 
 @pytest.mark.parametrize("impl", _impls())
@@ -90,7 +97,7 @@ def test_padding_slots_do_not_leak(impl):
     out = kernels.grouped_ffn(
         poisoned, jnp.asarray(counts), w_gate_up, w_down, impl=impl, config=SMALL
     )
-    chex.assert_trees_all_close(out, _numpy_ffn(x, counts, w_gate_up, w_down), atol=1e-4, rtol=1e-4)
+    chex.assert_trees_all_close(out, _numpy_ffn(x, counts, w_gate_up, w_down), **F32_TOL)
 
 
 def test_max_rows_bounds_the_grid_without_changing_results():
@@ -99,7 +106,7 @@ def test_max_rows_bounds_the_grid_without_changing_results():
     out = kernels.grouped_ffn(
         x, jnp.asarray(counts), w_gate_up, w_down, impl="pallas", config=SMALL, max_rows=29
     )
-    chex.assert_trees_all_close(out, _numpy_ffn(x, counts, w_gate_up, w_down), atol=1e-4, rtol=1e-4)
+    chex.assert_trees_all_close(out, _numpy_ffn(x, counts, w_gate_up, w_down), **F32_TOL)
 
 
 def test_row_tiles_lists_live_tiles_first():

@@ -35,6 +35,10 @@ def test_gpu_defaults_follow_measurement(monkeypatch):
     assert impls.resolve(None, op="dp_memcpy", payload_bytes=1 << 20) == "pallas"
     assert impls.resolve(None, op="slice_pad") == "xla"
     assert impls.resolve(None, op="merge_rows") == "xla"
+    assert impls.resolve(None, op="grouped_ffn") == "pallas"
+    assert impls.resolve(None, op="paged_attention") == "pallas"
+    # A small-copy threshold sends small payloads to XLA; 0 means there is none.
+    assert impls.resolve(None, op="dp_memcpy", payload_bytes=10, xla_below_bytes=64) == "xla"
 
 
 def test_unknown_impl_raises():
