@@ -1,19 +1,12 @@
-"""DP-attention collectives, scatter modes, expert-parallel dispatch/combine, TBO agreement.
+"""DP-attention collectives, scatter modes and expert-parallel dispatch/combine.
+
+The step's TBO decision across DP ranks (SGLang's ``TboDPAttentionPreparer`` rules) is made by
+the runner's planner, ``jtbo.runner.planning.decide``.
 
 In-graph pieces work on local shards inside ``jax.shard_map`` over the ``("dp", "attn_tp")``
 mesh (``make_mesh``) with ``check_vma=False``; host pieces are plain Python on small integers.
 """
 
-from jtbo.collectives.agreement import (
-    IDLE_RANK,
-    DeepEPMode,
-    LocalTboInfo,
-    TboDpPlan,
-    agree_tbo_dp,
-    agree_tbo_dp_multiprocess,
-    compute_local_tbo_info,
-    dp_context_for,
-)
 from jtbo.collectives.context import (
     DpContext,
     create_dp_context,
@@ -57,33 +50,25 @@ __all__ = [
     "ATTN_TP_AXIS",
     "DP_AXIS",
     "TP_AXES",
-    "IDLE_RANK",
     "CapacityOverflowError",
     "CombineInFlight",
-    "DeepEPMode",
     "DispatchInFlight",
     "DispatchState",
     "DpContext",
     "DpPaddingMode",
     "EpDispatcher",
-    "LocalTboInfo",
     "ScatterMode",
-    "TboDpPlan",
-    "agree_tbo_dp",
-    "agree_tbo_dp_multiprocess",
     "combine_a",
     "combine_b",
     "communicate_simple",
     "communicate_summable_tensor_pair",
     "communicate_with_all_reduce_and_layernorm",
     "compute_dp_attention_world_info",
-    "compute_local_tbo_info",
     "create_dp_context",
     "create_ep_dispatcher",
     "default_global_buffer_len",
     "dispatch_a",
     "dispatch_b",
-    "dp_context_for",
     "dp_gather_partial",
     "dp_gather_replicate",
     "dp_gather_varlen",

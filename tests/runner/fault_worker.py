@@ -3,8 +3,11 @@
 Joins a ``jax.distributed`` run of ``N`` processes (gloo, ``TOTAL_DEVICES // N`` CPU devices
 each) and runs greedy generation on a ``(4, 2)`` mesh over all of them. On process 1 it injects
 ``FAULT`` (``FAULTS``): a ``kill -9`` of itself in the first prefill or decode step, or an
-exception in ``planning.assemble`` or in the greedy loop. Prints ``generated`` and exits 0 when
-no fault fired; the test checks that every process ends in time with the right message.
+exception in ``planning.assemble`` or in the greedy loop. With ``raise_generate_stay`` the
+process catches its own error and stays alive for ``STAY_S`` (a caller that keeps the process
+up: its peers cannot learn of the failure from a closed connection), then exits
+``STAY_EXIT_CODE``. Prints ``generated`` and exits 0 when no fault fired; the test checks
+that every process ends in time with the right message.
 """
 
 import os
@@ -16,7 +19,12 @@ from tests.runner import multihost_worker
 
 PEER_TIMEOUT_S = 4.0
 FAULT_PROCESS = 1
-FAULTS = ("kill_prefill", "kill_decode", "raise_assemble", "raise_generate", "none")
+FAULTS = (
+    "kill_prefill", "kill_decode", "raise_assemble", "raise_generate", "raise_generate_stay",
+    "none",
+)  # fmt: skip
+STAY_S = 40.0
+STAY_EXIT_CODE = 5
 
 
 def _inject(fault: str) -> None:
@@ -42,7 +50,7 @@ def _inject(fault: str) -> None:
 
     def faulty_apply(*args, **kwargs):
         calls["apply"] += 1
-        if fault == "raise_generate" and calls["apply"] == 3:
+        if fault.startswith("raise_generate") and calls["apply"] == 3:
             print(f"fault at {time.time()}: raise in the greedy loop", flush=True)
             raise RuntimeError("injected fault in the greedy loop")
         return apply(*args, **kwargs)
@@ -73,6 +81,13 @@ def main(argv: list[str]) -> None:
         _inject(fault)
     runner = multihost_scenario.make_runner(False, buckets=(16,), peer_timeout_s=PEER_TIMEOUT_S)
     prompts = multihost_scenario.prompts()[:4]
+    if fault.endswith("_stay"):
+        try:
+            runner.generate(prompts, max_new_tokens=3, chunk_size=8)
+        except RuntimeError as err:
+            print(f"caught {err!r}; staying alive for {STAY_S} s", flush=True)
+            time.sleep(STAY_S)
+            os._exit(STAY_EXIT_CODE)
     results = runner.generate(prompts, max_new_tokens=3, chunk_size=8)
     print("generated", [r.token_ids for r in results], flush=True)
 

@@ -1,10 +1,11 @@
 """Bounded failure across 2 processes x 4 CPU devices (gloo): one process fails, all end in time.
 
-Four runs of ``fault_worker`` start at once, one per fault on process 1: ``kill -9`` during a
-prefill step and during a decode step, an exception in ``planning.assemble`` and one in the
-greedy loop. In each, process 0 (the survivor) must exit with ``PEER_FAILED_EXIT_CODE`` and a
-message naming process 1 and the step, within ``PEER_TIMEOUT_S`` plus slack of the fault;
-process 1 must exit non-zero too. Every child is killed in a ``finally``.
+Five runs of ``fault_worker`` start at once, one per fault on process 1: ``kill -9`` during a
+prefill step and during a decode step, an exception in ``planning.assemble``, one in the
+greedy loop, and one in the greedy loop that the process survives (it stays up). In each,
+process 0 (the survivor) must exit with ``PEER_FAILED_EXIT_CODE`` and a message naming
+process 1 and the step, within ``PEER_TIMEOUT_S`` plus slack of the fault; process 1 must
+exit non-zero too. Every child is killed in a ``finally``.
 """
 
 import os
@@ -30,6 +31,7 @@ FAULTS = {
     "kill_decode": r"process 1 stopped responding during .* of step \d+",
     "raise_assemble": r"process 1 failed in assemble of step \d+: RuntimeError: injected",
     "raise_generate": r"process 1 failed in generate loop of step \d+: RuntimeError: injected",
+    "raise_generate_stay": r"process 1 failed in generate loop of step \d+: RuntimeError: inj",
 }
 
 
@@ -91,6 +93,8 @@ def test_the_survivor_exits_in_time_naming_the_failed_process_and_step(runs, fau
     assert failed_ended is not None and failed_code != 0, failed_log[-3000:]
     if fault.startswith("kill"):
         assert failed_code == -9
+    elif fault.endswith("_stay"):  # caught its error and stayed up; the survivor left anyway
+        assert failed_code == fault_worker.STAY_EXIT_CODE
     else:  # its own error, then out without waiting for jax's shutdown barrier
         assert failed_code == failure.OWN_FAILURE_EXIT_CODE
         assert "jtbo: process 1 failed in" in failed_log
