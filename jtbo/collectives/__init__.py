@@ -1,4 +1,4 @@
-"""DP-attention collectives, scatter modes and expert-parallel dispatch/combine.
+"""DP-attention collectives and expert-parallel dispatch/combine.
 
 The step's TBO decision across DP ranks (SGLang's ``TboDPAttentionPreparer`` rules) is made by
 the runner's planner, ``jtbo.runner.planning.decide``.
@@ -39,12 +39,6 @@ from jtbo.collectives.mesh import (
 )
 from jtbo.collectives.padding import DpPaddingMode, select_dp_padding_mode
 from jtbo.collectives.scatter import dp_reduce_scatter_tensor, dp_scatter
-from jtbo.collectives.scatter_mode import (
-    ScatterMode,
-    communicate_simple,
-    communicate_summable_tensor_pair,
-    communicate_with_all_reduce_and_layernorm,
-)
 
 __all__ = [
     "ATTN_TP_AXIS",
@@ -57,12 +51,8 @@ __all__ = [
     "DpContext",
     "DpPaddingMode",
     "EpDispatcher",
-    "ScatterMode",
     "combine_a",
     "combine_b",
-    "communicate_simple",
-    "communicate_summable_tensor_pair",
-    "communicate_with_all_reduce_and_layernorm",
     "compute_dp_attention_world_info",
     "create_dp_context",
     "create_ep_dispatcher",

@@ -1,4 +1,4 @@
-"""Small row helpers shared by the DP and EP collectives, the expert layouts and the toy stack."""
+"""Small row helpers shared by the DP and EP collectives and the expert layouts."""
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +43,8 @@ def rank_within_group(group: jax.Array, num_groups: int) -> jax.Array:
     """For each element, how many earlier elements share its group (an exclusive running count).
 
     This is the slot of a (token, choice) pair in its expert's (or its peer's) buffer: EP
-    dispatch ranks pairs within their peer and expert, the capacity-slot expert layout and the
-    toy stack within their expert.
+    dispatch ranks pairs within their peer and expert, the capacity-slot expert layout within
+    their expert.
 
     Args:
       group: ``[N]`` integer group of each element; a value outside ``[0, num_groups)`` (e.g.
@@ -57,3 +57,39 @@ def rank_within_group(group: jax.Array, num_groups: int) -> jax.Array:
     one_hot = group[:, None] == jnp.arange(num_groups, dtype=group.dtype)[None, :]
     earlier = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32) - one_hot
     return jnp.sum(jnp.where(one_hot, earlier, 0), axis=1)
+
+
+def pack_int32_columns(rows: jax.Array, values: jax.Array) -> jax.Array:
+    """``rows`` with 4-byte ``values`` bitcast into trailing columns: one collective moves both.
+
+    Every collective takes a slot of XLA:GPU's async-collective overlap limit and a window of
+    its own; small side arrays (expert ids, routing weights) riding in the rows' buffer need
+    neither. A bitcast moves the bits unchanged.
+
+    Args:
+      rows: ``[N, H]`` rows of a dtype of at most 4 bytes.
+      values: ``[N, k]`` int32 or float32.
+
+    Returns:
+      ``[N, H + k * 4 // itemsize]`` in ``rows.dtype``.
+
+    Raises:
+      ValueError: wider rows, or values that are not 4 bytes wide.
+    """
+    itemsize = jnp.dtype(rows.dtype).itemsize
+    if itemsize > 4 or jnp.dtype(values.dtype).itemsize != 4:
+        raise ValueError(
+            f"pack_int32_columns needs rows of at most 4 bytes and 4-byte values, got "
+            f"{rows.dtype} and {values.dtype}"
+        )
+    columns = jax.lax.bitcast_convert_type(values, rows.dtype)
+    return jnp.concatenate([rows, columns.reshape(rows.shape[0], -1)], axis=1)
+
+
+def unpack_int32_columns(payload: jax.Array, width: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """Inverse of ``pack_int32_columns``: ``([N, width] rows, [N, k] values of dtype)``."""
+    per_value = 4 // jnp.dtype(payload.dtype).itemsize
+    columns = payload[:, width:]
+    if per_value > 1:
+        columns = columns.reshape(payload.shape[0], -1, per_value)
+    return payload[:, :width], jax.lax.bitcast_convert_type(columns, dtype)

@@ -11,7 +11,8 @@ Two backends, as SGLang's DP-attention MoE has:
   every slot, or with ``moe_runner_backend="pallas"`` a grouped GEMM over the filled ones).
   ``combine_b`` all-gathers the blocks back over ``attn_tp``. Overflow counts go to the step
   box under the micro-batch's index.
-* ``"none"``: ``dispatch_a`` DP-gathers rows and routing to every device; every device runs
+* ``"none"``: ``dispatch_a`` DP-gathers rows and routing to every device (one gather: the
+  expert ids and weights ride in the rows, ``rows.pack_int32_columns``); every device runs
   all experts on its slice of the expert hidden width; ``combine_a`` reduce-scatters the
   partial sums back to the DP ranks.
 """
@@ -129,16 +130,25 @@ def gather_operations(moe: model_lib.MoEBlock, moe_runner_backend: str = "xla") 
     """
 
     def dispatch_a(state):
-        ctx = state.dp_context
-        gathered = (
-            gather.dp_gather_replicate(state.hidden_states_mlp_input, ctx),
-            gather.dp_gather_replicate(state.pop("topk_ids_local") + 1, ctx) - 1,
-            gather.dp_gather_replicate(state.pop("topk_weights_local"), ctx),
+        # One gather: the ids (+1, so that rows past a rank's tokens read -1) and the routing
+        # weights ride in trailing columns of the hidden rows; unpacked in dispatch_b, so the
+        # gathered buffer stays whole while in flight.
+        x = state.hidden_states_mlp_input
+        ids = state.pop("topk_ids_local").astype(jnp.int32) + 1
+        weights = state.pop("topk_weights_local").astype(jnp.float32)
+        side = jnp.concatenate([ids, jax.lax.bitcast_convert_type(weights, jnp.int32)], axis=1)
+        payload = rows.pack_int32_columns(x, side)
+        state.dispatch_in_flight = operations.InFlight(
+            gather.dp_gather_replicate(payload, state.dp_context)
         )
-        state.dispatch_in_flight = operations.InFlight(gathered)
 
     def dispatch_b(state):
-        state.dispatch_output = state.pop("dispatch_in_flight").value
+        hidden = moe.experts.weights[0].shape[1]
+        x, side = rows.unpack_int32_columns(
+            state.pop("dispatch_in_flight").value, hidden, jnp.int32
+        )
+        ids, weights = jnp.split(side, 2, axis=1)
+        state.dispatch_output = (x, ids - 1, jax.lax.bitcast_convert_type(weights, jnp.float32))
 
     def experts_op(state):
         x, ids, weights = state.pop("dispatch_output")

@@ -2,7 +2,6 @@
 loop, the XLA options that keep micro-batches apart, and the overlap report."""
 
 from jtbo.overlap.hlo_schedule import CollectiveWindow, ComputeSlot, collective_windows
-from jtbo.overlap.layer_loop import ScatterModes, TboSplit, model_forward_maybe_tbo
 from jtbo.overlap.operations import (
     MICRO_BATCH_SCOPES,
     ExecutionOperation,
@@ -30,8 +29,6 @@ __all__ = [
     "OperationState",
     "OperationsStrategy",
     "OverlapReport",
-    "ScatterModes",
-    "TboSplit",
     "TboXlaOptions",
     "YieldOperation",
     "collective_windows",
@@ -40,7 +37,6 @@ __all__ = [
     "execute_operations",
     "execute_overlapped_operations",
     "format_report",
-    "model_forward_maybe_tbo",
     "overlap_report",
     "tbo_compiler_options",
 ]

@@ -22,10 +22,11 @@ and the lowest fill among collectives of at least ``LARGE_BYTES`` (a synchronous
 has fill 0). These are compile-time estimates (a roofline for compute, bytes over
 ``CostModel.link_bytes_per_s`` for the exchange), not measurements.
 
-``python -m jtbo.overlap.report`` does this for the toy DeepSeek-like stack (``toy_stack``)
-or, with ``--model NAME``, for the model's own step (``jtbo.runner.aot_report``); see
-``--help``. Findings on 8 x H200 compiles (jax 0.12, the toy stack, ``TBO_XLA_OPTIONS``) are
-printed by ``--help`` too (``FINDINGS``).
+``python -m jtbo.overlap.report`` does this for the model's own step, the program
+``ModelRunner`` serves (``jtbo.runner.aot_report``): ``--model NAME`` names a ``MoEConfig``
+constructor, otherwise the size flags (``--layers``, ``--hidden``, ``--experts`` ...) describe a
+DeepSeek-like stack (``flag_config``); see ``--help``. Findings are in BENCHMARKS.md
+("Overlap coverage (8xH200 compile on the CPU)", "Run-time overlap on two H200s").
 """
 
 import argparse
@@ -40,27 +41,6 @@ from jtbo.overlap import hlo_schedule, schedule_costs, xla_options
 
 LARGE_BYTES = 1 << 20  # smaller exchanges are launch-bound: their fill matters little
 DEFAULT_COST_MODEL = schedule_costs.CostModel()  # NVLink between two H200s
-
-FINDINGS = """\
-Measured with this CLI (8 x H200 AOT compile on the CPU, jax 0.12, defaults: 3 layers,
-hidden 1024, 32 experts, top-4, bf16, 2048 tokens/GPU prefill, 128 decode):
-- with TBO_XLA_OPTIONS and round barriers (the default): coverage 1.000 for EP (all-to-all)
-  and DP (all-gather / reduce-scatter), prefill and decode, DeepSeek and Qwen3 layouts;
-  no TBO: 0.000 (no other micro-batch; 'any compute' 0.5, half the collectives synchronous).
-- without barriers: EP prefill/decode 1.000, DP prefill 1.000, but DP decode 0.587 (XLA put
-  only the issuing micro-batch's own gemm inside three reduce-scatters and one all-gather),
-  Qwen3 decode 0.750 (first dispatch and last combine synchronous), Qwen3 prefill 0.917.
-  Raising xla_gpu_experimental_parallel_collective_overlap_limit to 2 made it worse
-  (DP decode 0.503, Qwen3 decode 0.667); 6 layers or 512 tokens/GPU gave 1.000. Round
-  barriers (in-flight *_a results left out) pin every collective's window over the other
-  micro-batch's stage and gave 1.000 everywhere.
-- --default-xla-options --no-barriers on DP decode: 0.164 (the combiners merged A's and
-  B's gathers: 6 collectives instead of 12).
-Window fill of the model step, --model deepseek_v3_reduced --devices 2 --tokens 4096
---ep-capacity-factor 4 (the 2 x H200 bench case; 12 all-to-alls of 466 MiB): coverage
-1.000 either way; filled coverage 1.000 (min fill 2.14) priced at 600 GB/s, 0.417 (min fill
-0.15) at --link-gbps 40. Estimates, and the schedule moves with the step's code: re-run.
-"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,49 +290,6 @@ def draw_timeline(report: OverlapReport, path: str) -> None:
     pyplot.close(figure)
 
 
-def toy_report(
-    args: argparse.Namespace,
-    cost_model: schedule_costs.CostModel = DEFAULT_COST_MODEL,
-    large_bytes: int = LARGE_BYTES,
-) -> OverlapReport:
-    """Compiles the toy stack described by the parsed CLI ``args`` and reports it.
-
-    Args:
-      args: the parsed CLI flags (``_parser``).
-      cost_model: device and link figures the windows are priced with.
-      large_bytes: the size threshold of ``FillSummary.min_fill``.
-
-    Returns:
-      The report.
-    """
-    from jtbo import aot
-    from jtbo.collectives import mesh as mesh_lib
-    from jtbo.overlap import toy_stack
-
-    config = toy_stack.ToyStackConfig(
-        num_layers=args.layers,
-        hidden_size=args.hidden,
-        moe_intermediate_size=args.intermediate,
-        num_experts=args.experts,
-        top_k=args.top_k,
-        moe=args.moe,
-        shared_experts=args.shared_experts,
-        dtype=jnp.dtype(args.dtype),
-    )
-    mode = toy_stack.strategy.ForwardMode[_FORWARD_MODES[args.mode]]
-    options = toy_stack.ToyStepOptions(
-        forward_mode=mode, enable_tbo=args.tbo, barriers=args.barriers
-    )
-    mesh = aot.gpu_mesh((args.num_devices, 1), (mesh_lib.DP_AXIS, mesh_lib.ATTN_TP_AXIS))
-    step = toy_stack.make_step(mesh, config, options)
-    abstract = toy_stack.abstract_step_args(mesh, config, tokens_per_rank=args.tokens)
-    compiler_options = _compiler_options(args, xla_options.tbo_compiler_options)
-    return overlap_report(
-        step, abstract, compiler_options=compiler_options, cost_model=cost_model,
-        large_bytes=large_bytes,
-    )  # fmt: skip
-
-
 _FORWARD_MODES = {"prefill": "EXTEND", "decode": "DECODE"}
 _MODEL_BACKENDS = {"ep": "ep", "dp": "none"}  # the CLI's --moe -> the model's moe_a2a_backend
 MODELS = ("tiny", "tiny_softmax", "deepseek_v3_reduced")  # MoEConfig constructors
@@ -366,6 +303,25 @@ def _compiler_options(args: argparse.Namespace, defaults: Callable[..., dict]) -
     return defaults(overrides=overrides)
 
 
+def flag_config(args: argparse.Namespace):
+    """The ``MoEConfig`` the size flags describe: every layer MoE, DeepSeek-like routing.
+
+    Attention has heads of 128 (one head below a hidden size of 128), as many KV heads as
+    query heads; the shared expert (``--shared-experts``) and the routed experts share
+    ``--intermediate``; routing is plain sigmoid top-k (one expert group).
+    """
+    from jtbo.models import config as config_lib
+
+    heads = max(args.hidden // 128, 1)
+    return config_lib.MoEConfig(
+        vocab_size=1024, hidden_size=args.hidden, num_layers=args.layers,
+        num_attention_heads=heads, num_key_value_heads=heads, head_dim=args.hidden // heads,
+        first_k_dense=0, intermediate_size=args.intermediate, num_experts=args.experts,
+        num_experts_per_tok=args.top_k, moe_intermediate_size=args.intermediate,
+        num_shared_experts=1 if args.shared_experts else 0, n_group=1, topk_group=1,
+    )  # fmt: skip
+
+
 def model_report(
     args: argparse.Namespace,
     cost_model: schedule_costs.CostModel = DEFAULT_COST_MODEL,
@@ -374,8 +330,9 @@ def model_report(
     """Compiles the model's own step (``aot_report.model_step_program``) and reports it.
 
     Args:
-      args: the parsed CLI flags (``_parser``); ``--model`` names a ``MoEConfig`` constructor,
-        the mesh is ``num_devices / attn_tp`` DP ranks of ``attn_tp`` devices.
+      args: the parsed CLI flags (``_parser``); ``--model`` names a ``MoEConfig`` constructor
+        (without it, ``flag_config``), the mesh is ``num_devices / attn_tp`` DP ranks of
+        ``attn_tp`` devices.
       cost_model: device and link figures the windows are priced with.
       large_bytes: the size threshold of ``FillSummary.min_fill``.
 
@@ -391,12 +348,14 @@ def model_report(
 
     if args.num_devices % args.attn_tp:
         raise ValueError(f"--num-devices {args.num_devices} is not a multiple of --attn-tp")
+    config = getattr(config_lib.MoEConfig, args.model)() if args.model else flag_config(args)
     mesh = aot_report.h200_mesh(args.num_devices // args.attn_tp, args.attn_tp)
     step, abstract, step_options = aot_report.model_step_program(
-        getattr(config_lib.MoEConfig, args.model)(), mesh,
+        config, mesh,
         mode=aot_report.ForwardMode[_FORWARD_MODES[args.mode]], tokens_per_rank=args.tokens,
         enable_tbo=args.tbo, moe_a2a_backend=_MODEL_BACKENDS[args.moe],
         ep_capacity_factor=args.ep_capacity_factor, dtype=jnp.dtype(args.dtype),
+        tbo_round_barriers=args.barriers,
     )  # fmt: skip
     compiler_options = _compiler_options(
         args, lambda overrides: {**(step_options or {}), **overrides}
@@ -410,15 +369,17 @@ def model_report(
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jtbo.overlap.report",
-        description="Overlap coverage and window fill of the toy DeepSeek-like stack (or, with "
-        "--model, the model's own step) on an N x H200 compile.",
-        epilog=FINDINGS,
+        description="Overlap coverage and window fill of the model's own step on an N x H200 "
+        "compile: a MoEConfig constructor (--model) or the stack the size flags describe.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     flag = argparse.BooleanOptionalAction
     parser.add_argument("--mode", choices=("prefill", "decode"), default="prefill")
     parser.add_argument("--tbo", action=flag, default=True, help="two overlapped micro-batches")
-    parser.add_argument("--barriers", action=flag, default=True, help="round barriers (toy)")
+    parser.add_argument(
+        "--barriers", action=flag, default=False,
+        help="round barriers (ParallelConfig.tbo_round_barriers; off as in ModelRunner)",
+    )  # fmt: skip
     parser.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument(
         "--default-xla-options",
@@ -430,7 +391,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=None, help="tokens per GPU (per DP rank)")
     _add_pricing_flags(parser)
     _add_model_flags(parser)
-    _add_toy_flags(parser)
+    _add_size_flags(parser)
     parser.add_argument("--dump-hlo", metavar="PATH")
     parser.add_argument("--png", metavar="PATH")
     return parser
@@ -452,16 +413,16 @@ def _add_pricing_flags(parser: argparse.ArgumentParser) -> None:
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", choices=MODELS, default=None,
-        help="compile the model's own step with this MoEConfig instead of the toy stack",
+        help="this MoEConfig constructor instead of the size flags",
     )  # fmt: skip
-    parser.add_argument("--attn-tp", type=int, default=1, help="devices per DP rank (--model)")
+    parser.add_argument("--attn-tp", type=int, default=1, help="devices per DP rank")
     parser.add_argument(
         "--ep-capacity-factor", type=float, default=None,
-        help="EP capacity factor (--model; default: worst case)",
+        help="EP capacity factor (default: worst case)",
     )  # fmt: skip
 
 
-def _add_toy_flags(parser: argparse.ArgumentParser) -> None:
+def _add_size_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-experts", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -472,17 +433,15 @@ def _add_toy_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _title(args: argparse.Namespace) -> str:
-    if args.model:
-        return (
-            f"model step {args.model}: mode={args.mode} tbo={args.tbo} moe={args.moe} "
-            f"devices={args.num_devices} (dp={args.num_devices // args.attn_tp} x "
-            f"attn_tp={args.attn_tp}) tokens/DP rank={args.tokens} "
-            f"ep_capacity_factor={args.ep_capacity_factor} dtype={args.dtype}"
-        )
+    name = args.model or (
+        f"of the size flags (layers={args.layers} hidden={args.hidden} experts={args.experts} "
+        f"top_k={args.top_k})"
+    )
     return (
-        f"toy stack: mode={args.mode} tbo={args.tbo} barriers={args.barriers} moe={args.moe} "
-        f"devices={args.num_devices} tokens/GPU={args.tokens} layers={args.layers} "
-        f"hidden={args.hidden} experts={args.experts} top_k={args.top_k} dtype={args.dtype}"
+        f"model step {name}: mode={args.mode} tbo={args.tbo} barriers={args.barriers} "
+        f"moe={args.moe} devices={args.num_devices} (dp={args.num_devices // args.attn_tp} x "
+        f"attn_tp={args.attn_tp}) tokens/DP rank={args.tokens} "
+        f"ep_capacity_factor={args.ep_capacity_factor} dtype={args.dtype}"
     )
 
 
@@ -502,8 +461,7 @@ def main(argv: Sequence[str]) -> OverlapReport:
     if args.tokens is None:
         args.tokens = 2048 if args.mode == "prefill" else 128
     cost_model = schedule_costs.CostModel(link_bytes_per_s=args.link_gbps * 1e9)
-    build = model_report if args.model else toy_report
-    result = build(args, cost_model, large_bytes=int(args.large_mib * (1 << 20)))
+    result = model_report(args, cost_model, large_bytes=int(args.large_mib * (1 << 20)))
     print(format_report(result, title=_title(args)))
     if args.dump_hlo:
         with open(args.dump_hlo, "w") as handle:
