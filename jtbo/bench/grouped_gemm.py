@@ -356,7 +356,11 @@ TABLE_HEAD = (
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> str:
-    return f"{numerator / denominator:.2f}" if numerator and denominator else "-"
+    if not (numerator and denominator):
+        return "-"
+    ratio = numerator / denominator
+    # Tiny ratios (CPU smoke runs) keep a significant digit instead of printing 0.00.
+    return f"{ratio:.2f}" if ratio >= 0.005 else f"{ratio:.1e}"
 
 
 def format_row(

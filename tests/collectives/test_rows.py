@@ -34,3 +34,23 @@ def test_rank_within_group_example(dtype):
     group = jnp.asarray([2, 0, 2, 3, 2, 0], dtype)  # 3 == num_groups: no group
     got = rows.rank_within_group(group, 3)
     np.testing.assert_array_equal(np.asarray(got), [0, 0, 1, 0, 2, 1])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32, jnp.int8])
+def test_pack_int32_columns_round_trip_is_bit_exact(dtype):
+    # Ids and float32 weights (NaN and -0.0 bit patterns included) come back bit for bit.
+    rng = np.random.default_rng(2)
+    rows_in = jnp.asarray(rng.integers(-50, 50, (5, 3)), dtype)
+    ids = np.array([[-1, 7], [2**31 - 1, 0], [-(2**31), 3], [12, -12], [1, 1]], np.int32)
+    weights = np.array([[0.5, np.nan], [-0.0, 1e-30], [3.0, -2.5], [np.inf, 1], [0, 2]], np.float32)
+    side = np.concatenate([ids, weights.view(np.int32)], axis=1)
+    payload = rows.pack_int32_columns(rows_in, jnp.asarray(side))
+    assert payload.shape == (5, 3 + 4 * (4 // jnp.dtype(dtype).itemsize)) and payload.dtype == dtype
+    got_rows, got_side = rows.unpack_int32_columns(payload, 3, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(got_side), side)
+    np.testing.assert_array_equal(np.asarray(got_rows), np.asarray(rows_in))
+
+
+def test_pack_int32_columns_refuses_wide_rows_and_narrow_values():
+    with pytest.raises(ValueError, match="at most 4 bytes"):
+        rows.pack_int32_columns(jnp.zeros((2, 3), jnp.int8), jnp.zeros((2, 1), jnp.int16))

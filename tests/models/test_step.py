@@ -222,13 +222,16 @@ def test_two_gpu_exchange_windows_hold_the_other_micro_batchs_compute(mode, toke
     )  # fmt: skip
     text = jitted.lower(*args).compile(compiler_options=options).as_text()
     windows = [w for w in hlo_schedule.collective_windows(text) if w.kind == "all-to-all"]
-    assert len(windows) == 12 and all(w.is_async for w in windows)
     fills = [f.fill for f in schedule_costs.window_fill(text) if f.kind == "all-to-all"]
-    if not issue_barriers:
-        assert sum(fill < 1.0 for fill in fills) >= 3, fills  # A's dispatch windows at least
+    assert len(windows) == 12
+    if not issue_barriers:  # nearly empty or synchronous (no window at all) exchanges
+        assert sum(fill < 1.0 for fill in fills) + sum(not w.is_async for w in windows) >= 3
         return
-    # decode: B's last dispatch has only its own shared experts beside it (d = 2: A is done)
-    assert sum(fill < 1.0 for fill in fills) <= (mode == ForwardMode.DECODE), fills
+    assert all(w.is_async for w in windows)
+    if mode == ForwardMode.EXTEND:
+        assert min(fills) >= 1.0, fills
+    else:  # the last layer's tail: little of A is left beside B's last exchanges
+        assert sum(fill < 1.0 for fill in fills) <= 2 and min(fills) >= 0.5, fills
     # The issue barriers pin the received payload whole: no copy of its rows may be made
     # between the exchange and the expert gather (it was a 466 MiB slice per layer and
     # micro-batch while dispatch_a sliced the rows from their id columns).
