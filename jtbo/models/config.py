@@ -29,6 +29,22 @@ class MoEConfig:
     rope_scaling_factor: float = _field(
         1.0, "linear RoPE scaling: positions are divided by it (Hugging Face rope_type 'linear')"
     )
+    rope_scaling_type: Literal["linear", "yarn"] = _field(
+        "linear",
+        "how rope_scaling_factor applies: 'linear' divides positions; 'yarn' blends "
+        "interpolated and extrapolated frequencies (DeepSeek's YaRN; the rope_yarn_* fields)",
+    )
+    rope_yarn_original_max_position: int = _field(
+        4096, "YaRN: the context length the model was pre-trained at"
+    )
+    rope_yarn_beta_fast: float = _field(32.0, "YaRN: rotations where interpolation ends")
+    rope_yarn_beta_slow: float = _field(1.0, "YaRN: rotations where interpolation begins")
+    rope_yarn_mscale: float = _field(
+        0.0, "YaRN: mscale of the rotated dims (0: unset, as a missing config field)"
+    )
+    rope_yarn_mscale_all_dim: float = _field(
+        0.0, "YaRN: mscale of the softmax scale, applied squared (0: unset)"
+    )
     rms_norm_eps: float = _field(1e-6, "epsilon inside every RMSNorm")
     first_k_dense: int = _field(1, "the first k layers use a dense MLP instead of the MoE")
     decoder_sparse_step: int = _field(
@@ -59,6 +75,18 @@ class MoEConfig:
     tie_word_embeddings: bool = _field(False, "LM head reuses the embedding matrix")
     qk_norm: bool = _field(False, "per-head RMSNorm of queries and keys before RoPE (Qwen3)")
     qkv_bias: bool = _field(False, "a learned bias on the query, key and value projections")
+    attention_kind: Literal["gqa", "mla"] = _field(
+        "gqa",
+        "'gqa': fused Q/K/V heads (num_key_value_heads, head_dim); 'mla': DeepSeek's multi-head "
+        "latent attention (the q_lora_rank .. v_head_dim fields; a latent KV cache)",
+    )
+    q_lora_rank: int | None = _field(
+        None, "MLA: rank of the low-rank query projection (None: one full projection, V2-Lite)"
+    )
+    kv_lora_rank: int = _field(16, "MLA: width of the compressed KV latent")
+    qk_nope_head_dim: int = _field(8, "MLA: query/key head dims without RoPE")
+    qk_rope_head_dim: int = _field(4, "MLA: query/key head dims with RoPE (key shared by heads)")
+    v_head_dim: int = _field(8, "MLA: value head width")
 
     def __post_init__(self):
         _check_positive(self)
@@ -78,6 +106,8 @@ class MoEConfig:
             raise ValueError(f"scoring_func={self.scoring_func!r}: expected softmax or sigmoid")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        _check_attention_kind(self)
+        _check_rope_scaling(self)
         _check_layer_kinds(self)
         if self.shared_expert_gate and not self.shared_width:
             raise ValueError("shared_expert_gate=True needs shared experts (num_shared_experts=0)")
@@ -91,6 +121,23 @@ class MoEConfig:
             and (i + 1) % self.decoder_sparse_step == 0
             for i in range(self.num_layers)
         )
+
+    @property
+    def qk_head_dim(self) -> int:
+        """MLA: query/key head width, ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_head_dim(self) -> tuple[int, int]:
+        """Per token and KV head of one rank's pool: ``(key width, value width)``.
+
+        GQA stores ``(head_dim, head_dim)`` per KV head; MLA stores one latent row of
+        ``kv_lora_rank + qk_rope_head_dim`` as its key and no separate value (0): the values
+        are the latent's first ``kv_lora_rank`` columns.
+        """
+        if self.attention_kind == "mla":
+            return self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.head_dim, self.head_dim
 
     @property
     def shared_width(self) -> int:
@@ -179,6 +226,35 @@ def _check_positive(config: MoEConfig) -> None:
         )
     if config.rope_scaling_factor <= 0:
         raise ValueError(f"rope_scaling_factor={config.rope_scaling_factor} must be positive")
+
+
+def _check_attention_kind(config: MoEConfig) -> None:
+    if config.attention_kind not in ("gqa", "mla"):
+        raise ValueError(f"attention_kind={config.attention_kind!r}: expected 'gqa' or 'mla'")
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(config, name) <= 0:
+            raise ValueError(f"{name}={getattr(config, name)} must be positive")
+    if config.q_lora_rank is not None and config.q_lora_rank <= 0:
+        raise ValueError(f"q_lora_rank={config.q_lora_rank} must be positive or None")
+    if config.qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim={config.qk_rope_head_dim} must be even for RoPE")
+    if config.attention_kind == "mla" and (config.qk_norm or config.qkv_bias):
+        raise ValueError(
+            f"attention_kind='mla' has no qk_norm / qkv_bias (found qk_norm={config.qk_norm}, "
+            f"qkv_bias={config.qkv_bias})"
+        )
+
+
+def _check_rope_scaling(config: MoEConfig) -> None:
+    if config.rope_scaling_type not in ("linear", "yarn"):
+        raise ValueError(
+            f"rope_scaling_type={config.rope_scaling_type!r}: expected 'linear' or 'yarn'"
+        )
+    if config.rope_yarn_original_max_position <= 0:
+        raise ValueError(
+            f"rope_yarn_original_max_position={config.rope_yarn_original_max_position} "
+            "must be positive"
+        )
 
 
 def _check_layer_kinds(config: MoEConfig) -> None:

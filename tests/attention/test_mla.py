@@ -1,0 +1,142 @@
+"""MLA over the latent pool: both forms vs float64 references, and absorbed == decompressed."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jtbo.attention import kv_cache as kv_cache_lib
+from jtbo.attention import metadata, mla, mla_reference, native, tiling
+
+RANK, ROPE, NOPE, V, HEADS = 12, 4, 6, 5, 4
+CONTEXT, SLOTS, LAYERS = 32, 96, 2
+SCALE = 0.3
+CONFIG = native.NativeAttentionConfig(kv_block=8, decode_kv_block=8)
+_forward = jax.jit(mla.forward, static_argnames=("scaling", "absorbed", "config"))
+
+
+@dataclasses.dataclass
+class Case:
+    """A batch over a latent pool and its float64 reference per sequence."""
+
+    md: metadata.AttentionMetadata
+    cache: kv_cache_lib.KVCache
+    q_nope: np.ndarray  # [T, heads, nope]
+    q_pe: np.ndarray  # [T, heads, rope]
+    latent: np.ndarray  # [T, rank + rope]
+    w_kv_b: np.ndarray  # [rank, heads, nope + v]
+    expected: np.ndarray  # [T, heads, v] float64
+    num_tokens: int
+
+
+def _case(rng, prefix, new, capacity, token_capacity, tree=None) -> Case:
+    """Random prefixes in the pool at shuffled slots, ``new`` tokens per sequence."""
+    prefix, new = np.asarray(prefix), np.asarray(new)
+    n, total = len(prefix), int(new.sum())
+    slots = rng.permutation(np.arange(1, SLOTS))
+    pool = rng.normal(size=(LAYERS, SLOTS, 1, RANK + ROPE)).astype(np.float32)
+    table = np.zeros((8, CONTEXT), np.int32)
+    reqs = rng.permutation(8)[:n]
+    q_nope = rng.normal(size=(token_capacity, HEADS, NOPE)).astype(np.float32)
+    q_pe = rng.normal(size=(token_capacity, HEADS, ROPE)).astype(np.float32)
+    latent = rng.normal(size=(token_capacity, RANK + ROPE)).astype(np.float32)
+    w = (0.4 * rng.normal(size=(RANK, HEADS, NOPE + V))).astype(np.float32)
+    expected = np.zeros((token_capacity, HEADS, V))
+    locs, starts, used, masks = [], np.cumsum(new) - new, 0, []
+    for i in range(n):
+        seq_slots = slots[used : used + prefix[i] + new[i]]
+        used += prefix[i] + new[i]
+        table[reqs[i], : len(seq_slots)] = seq_slots
+        locs.append(seq_slots[prefix[i] :])
+        rows = slice(starts[i], starts[i] + new[i])
+        context = np.concatenate([pool[1, seq_slots[: prefix[i]], 0], latent[rows]])
+        if tree is None:
+            mask = np.arange(len(seq_slots))[None] <= prefix[i] + np.arange(new[i])[:, None]
+        else:
+            mask = np.concatenate([np.ones((new[i], prefix[i]), bool), tree], axis=1)
+            masks.append(mask)
+        expected[rows] = mla_reference.decompressed(
+            q_nope[rows], q_pe[rows], context, w, mask, SCALE
+        )
+    md = tiling.build_metadata(
+        capacity, req=reqs, q_start=starts, q_len=new, q_pos=prefix, kv_len=prefix + new,
+        out_cache_loc=np.concatenate(locs), num_tokens=total, mask_rows=masks or None,
+    )  # fmt: skip
+    cache = kv_cache_lib.KVCache(
+        k=jnp.asarray(pool), v=jnp.zeros((LAYERS, SLOTS, 1, 0)), req_to_token=jnp.asarray(table)
+    )
+    return Case(md, cache, q_nope, q_pe, latent, w, expected, total)
+
+
+def _run(case: Case, absorbed: bool):
+    return _forward(
+        case.q_nope, case.q_pe, case.latent, case.w_kv_b, 1, case.md, case.cache,
+        scaling=SCALE, absorbed=absorbed, config=CONFIG,
+    )  # fmt: skip
+
+
+def _extend_case(seed):
+    capacity = metadata.extend_capacity(24, 4, CONTEXT, query_tile=4)
+    return _case(np.random.default_rng(seed), [0, 5, 9], [6, 3, 7], capacity, 24)
+
+
+def _decode_case(seed):
+    capacity = metadata.decode_capacity(4, CONTEXT)
+    return _case(np.random.default_rng(seed), [7, 1, 20], [1, 1, 1], capacity, 4)
+
+
+def _verify_case(seed):
+    tree = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
+    capacity = metadata.verify_capacity(3, 3, CONTEXT)
+    return _case(np.random.default_rng(seed), [4, 11], [3, 3], capacity, 9, tree=tree)
+
+
+@pytest.mark.parametrize("make", [_extend_case, _decode_case, _verify_case])
+@pytest.mark.parametrize("absorbed", [False, True])
+def test_both_forms_match_the_float64_reference(make, absorbed):
+    case = make(3)
+    out, cache = _run(case, absorbed)
+    n = case.num_tokens
+    np.testing.assert_allclose(np.asarray(out[:n], np.float64), case.expected[:n], atol=3e-5)
+    assert not np.asarray(out[n:]).any()  # padded rows are zeros
+    # The step's latent rows landed in layer 1's pool at out_cache_loc, layer 0 untouched.
+    loc = np.asarray(case.md.out_cache_loc[:n])
+    np.testing.assert_array_equal(np.asarray(cache.k[1, loc, 0]), case.latent[:n])
+    np.testing.assert_array_equal(np.asarray(cache.k[0]), np.asarray(case.cache.k[0]))
+
+
+@pytest.mark.parametrize("make", [_extend_case, _decode_case])
+def test_absorbed_equals_decompressed_within_float32_rounding(make):
+    case = make(11)
+    absorbed, _ = _run(case, True)
+    decompressed, _ = _run(case, False)
+    scale = np.abs(case.expected).max()
+    np.testing.assert_allclose(np.asarray(absorbed), np.asarray(decompressed), atol=1e-5 * scale)
+
+
+def test_float64_references_agree():
+    rng = np.random.default_rng(0)
+    q_nope, q_pe = rng.normal(size=(5, HEADS, NOPE)), rng.normal(size=(5, HEADS, ROPE))
+    latent, w = rng.normal(size=(9, RANK + ROPE)), rng.normal(size=(RANK, HEADS, NOPE + V))
+    mask = rng.random((5, 9)) < 0.6
+    mask[0] = False  # a row that sees nothing gives zeros in both forms
+    args = (q_nope, q_pe, latent, w, mask, SCALE)
+    np.testing.assert_allclose(
+        mla_reference.absorbed(*args), mla_reference.decompressed(*args), atol=1e-12
+    )
+    assert not mla_reference.absorbed(*args)[0].any()
+
+
+def test_uses_absorbed_for_decode_and_verify_only():
+    assert mla.uses_absorbed(metadata.decode_capacity(4, CONTEXT))
+    assert mla.uses_absorbed(metadata.verify_capacity(3, 3, CONTEXT))
+    assert not mla.uses_absorbed(metadata.extend_capacity(24, 4, CONTEXT))
+
+
+def test_a_gqa_cache_is_refused():
+    case = _decode_case(0)
+    gqa = dataclasses.replace(case.cache, v=case.cache.k)
+    with pytest.raises(ValueError, match="latent cache"):
+        mla.write_latent(jnp.asarray(case.latent), 1, case.md, gqa)
