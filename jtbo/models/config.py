@@ -127,17 +127,24 @@ class MoEConfig:
         """MLA: query/key head width, ``qk_nope_head_dim + qk_rope_head_dim``."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
-    @property
-    def kv_cache_head_dim(self) -> tuple[int, int]:
-        """Per token and KV head of one rank's pool: ``(key width, value width)``.
+    def kv_pool_heads(self, attn_tp_size: int) -> tuple[int, int, int]:
+        """The KV pool's per-token layout over one DP rank: ``(heads, key width, value width)``.
 
-        GQA stores ``(head_dim, head_dim)`` per KV head; MLA stores one latent row of
-        ``kv_lora_rank + qk_rope_head_dim`` as its key and no separate value (0): the values
-        are the latent's first ``kv_lora_rank`` columns.
+        GQA stores ``num_key_value_heads`` heads of ``head_dim`` keys and values, split over
+        ``attn_tp``. MLA stores one latent row of ``kv_lora_rank + qk_rope_head_dim`` as its
+        key and no separate value (width 0: the values are the latent's first
+        ``kv_lora_rank`` columns); every ``attn_tp`` rank needs the whole latent, so the pool
+        holds one copy per rank (``attn_tp_size`` heads, one per rank after the split).
+
+        Args:
+          attn_tp_size: devices per DP rank.
+
+        Returns:
+          ``(heads, key width, value width)`` of the pool before the ``attn_tp`` split.
         """
         if self.attention_kind == "mla":
-            return self.kv_lora_rank + self.qk_rope_head_dim, 0
-        return self.head_dim, self.head_dim
+            return attn_tp_size, self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.num_key_value_heads, self.head_dim, self.head_dim
 
     @property
     def shared_width(self) -> int:
@@ -162,6 +169,23 @@ class MoEConfig:
             topk_group=1,
             use_score_correction_bias=False,
             num_shared_experts=0,
+        )
+
+    @classmethod
+    def tiny_mla(cls) -> "MoEConfig":
+        """``tiny`` with DeepSeek's MLA attention (low-rank queries) and YaRN RoPE."""
+        return cls(
+            attention_kind="mla",
+            q_lora_rank=12,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=6,
+            rope_scaling_type="yarn",
+            rope_scaling_factor=4.0,
+            rope_yarn_original_max_position=16,
+            rope_yarn_mscale=0.9,
+            rope_yarn_mscale_all_dim=0.7,
         )
 
     @classmethod

@@ -57,6 +57,9 @@ _HEAD_SPECS = {
     "wqkv": P(None, ATTN_TP, None, None),  # [H, kv_heads, group + 2, D]
     "wo": P(ATTN_TP, None, None),  # [heads, D, H]
     "bqkv": P(ATTN_TP, None, None),  # [kv_heads, group + 2, D]
+    "wq": P(None, ATTN_TP, None),  # MLA [H, heads, nope + rope]
+    "wq_b": P(None, ATTN_TP, None),  # MLA [q_lora_rank, heads, nope + rope]
+    "wkv_b": P(None, ATTN_TP, None),  # MLA [kv_lora_rank, heads, nope + v]
 }
 _EXPERT_SPECS = {
     "ep": {  # whole experts per device
