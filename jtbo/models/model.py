@@ -4,8 +4,8 @@ A decoder layer is ``x + attn(norm(x))`` (GQA, ``self_attention``, or DeepSeek's
 ``mla_attention``, by ``MoEConfig.attention_kind``) followed by ``x + ffn(norm(x))``, where
 ``ffn`` is a dense SwiGLU MLP for the first ``first_k_dense`` layers and a MoE block (router,
 routed experts, optional shared experts, the latter optionally gated per token) afterwards;
-which layers are MoE layers is ``MoEConfig.is_moe_layer``. With tied embeddings the LM head is the embedding
-table (``MoEModel.logits``). How the layer runs (sharded, as operations, with TBO)
+which layers are MoE layers is ``MoEConfig.is_moe_layer``. With tied embeddings the LM head is
+the embedding table (``MoEModel.logits``). How the layer runs (sharded, as operations, with TBO)
 lives in ``jtbo.models.layer_ops`` and ``jtbo.models.step``; this module only holds parameters.
 """
 
