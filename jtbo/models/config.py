@@ -65,6 +65,12 @@ class MoEConfig:
     scoring_func: Literal["softmax", "sigmoid"] = _field(
         "sigmoid", "router scores: softmax (Qwen-style) or sigmoid (DeepSeek-V3)"
     )
+    topk_method: Literal["greedy", "group_limited_greedy", "noaux_tc"] | None = _field(
+        None,
+        "expert choice (DeepSeek's topk_method): 'greedy' plain top-k; 'group_limited_greedy' "
+        "keeps the topk_group groups with the best single score (V2); 'noaux_tc' keeps those "
+        "with the best two biased scores (V3); None: greedy for softmax, noaux_tc for sigmoid",
+    )
     n_group: int = _field(4, "expert groups for grouped top-k (1: plain top-k)")
     topk_group: int = _field(2, "groups kept per token by grouped top-k")
     use_score_correction_bias: bool = _field(
@@ -104,6 +110,11 @@ class MoEConfig:
             raise ValueError(f"first_k_dense={self.first_k_dense} not in [0, {self.num_layers}]")
         if self.scoring_func not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring_func={self.scoring_func!r}: expected softmax or sigmoid")
+        if self.topk_method not in (None, "greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(
+                f"topk_method={self.topk_method!r}: expected None, 'greedy', "
+                "'group_limited_greedy' or 'noaux_tc'"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         _check_attention_kind(self)
@@ -121,6 +132,13 @@ class MoEConfig:
             and (i + 1) % self.decoder_sparse_step == 0
             for i in range(self.num_layers)
         )
+
+    @property
+    def router_topk_method(self) -> str:
+        """``topk_method``, with None resolved by ``scoring_func``."""
+        if self.topk_method is not None:
+            return self.topk_method
+        return "greedy" if self.scoring_func == "softmax" else "noaux_tc"
 
     @property
     def qk_head_dim(self) -> int:
@@ -299,7 +317,7 @@ def _check_groups(config: MoEConfig) -> None:
     if config.topk_group > config.n_group:
         raise ValueError(f"topk_group={config.topk_group} > n_group={config.n_group}")
     per_group = config.num_experts // config.n_group
-    if config.n_group > 1 and per_group < 2:
+    if config.router_topk_method == "noaux_tc" and config.n_group > 1 and per_group < 2:
         raise ValueError(
             f"grouped top-k scores a group by its best 2 experts; num_experts/n_group={per_group}"
         )
