@@ -48,7 +48,8 @@ def from_pretrained(
     mesh: jax.sharding.Mesh | None = None,
     moe_a2a_backend: str = "ep",
 ) -> model_lib.MoEModel:
-    """Loads a Hugging Face MoE checkpoint (``qwen3_moe``, ``qwen2_moe``, ``mixtral``).
+    """Loads a Hugging Face MoE checkpoint (``qwen3_moe``, ``qwen2_moe``, ``mixtral``,
+    ``deepseek_v2``, ``deepseek_v3``; ``jtbo.models.hf.families``).
 
     Args:
       path: the model directory (``config.json`` and ``model.safetensors``, or shards with
@@ -70,6 +71,7 @@ def from_pretrained(
     family, raw = _read_config(path)
     config = family.to_moe_config(raw)
     table = checkpoint.read_tensor_table(Path(path))
+    table = {name: info for name, info in table.items() if not family.skipped_tensor(name, raw)}
     recipes = {recipe.path: recipe for recipe in tensor_map.recipes(config, family)}
     placement.check_tensors(list(recipes.values()), table)
     abstract = nnx.eval_shape(lambda: model_lib.MoEModel(config, rngs=nnx.Rngs(0)))
