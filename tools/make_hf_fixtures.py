@@ -11,9 +11,10 @@ encodings; the CLI test reads it).
 
 Weights are drawn again after construction (transformers' initialiser draws std 0.02, which
 leaves every router near a tie): matrices ``N(0, 1 / fan_in)``, router gates four times wider
-(clear top-k margins), DeepSeek-V3's score-correction bias ``N(0, 0.3^2)``, norms ``1 + N(0, 0.1^2)``, biases ``N(0, 0.1^2)``, embeddings
-``N(0, 1)`` (``N(0, 0.1^2)`` when tied to the LM head: a large table makes every prompt's
-greedy continuation repeat its last token).
+(clear top-k margins), DeepSeek-V3's score-correction bias ``N(0, 0.3^2)``, norms
+``1 + N(0, 0.1^2)``, biases ``N(0, 0.1^2)``, embeddings ``N(0, 1)`` (``N(0, 0.1^2)`` when
+tied to the LM head: a large table makes every prompt's greedy continuation repeat its last
+token).
 
 Run it outside jtbo's venv, in one that has a CPU torch and transformers::
 

@@ -5,8 +5,9 @@ Families: ``qwen3_moe`` (Qwen3-MoE: per-head q/k RMSNorm, no shared expert), ``q
 ``mixtral``, and ``deepseek_v2`` / ``deepseek_v3`` (MLA attention, ``n_shared_experts`` shared
 experts, ``first_k_dense_replace`` dense layers, DeepSeek's ``topk_method`` and
 ``routed_scaling_factor``, V3's ``e_score_correction_bias``, YaRN RoPE; FP8 block-quantized
-checkpoints (a ``quantization_config``) are refused: dequantize them first). The first three route with a softmax top-k; Qwen renormalises the chosen weights only
-with ``norm_topk_prob``, Mixtral always. Qwen's ``decoder_sparse_step`` / ``mlp_only_layers``
+checkpoints (a ``quantization_config``) are refused: dequantize them first). The first three
+route with a softmax top-k; Qwen renormalises the chosen weights only with ``norm_topk_prob``,
+Mixtral always. Qwen's ``decoder_sparse_step`` / ``mlp_only_layers``
 make some layers dense (``MoEConfig.is_moe_layer`` reproduces the rule).
 
 Every field of ``config.json`` is accounted for: mapped to a ``MoEConfig`` field, checked
