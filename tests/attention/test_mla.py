@@ -1,4 +1,5 @@
-"""MLA over the latent pool: both forms vs float64 references, and absorbed == decompressed."""
+"""MLA over the latent pool: both forms vs float64 references, absorbed == decompressed, and
+the TBO backend's children (eager and replay metadata) equal the parent."""
 
 import dataclasses
 
@@ -7,8 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jtbo import split
+from jtbo.attention import backend as backend_lib
 from jtbo.attention import kv_cache as kv_cache_lib
-from jtbo.attention import metadata, mla, mla_reference, native, tiling
+from jtbo.attention import metadata, mla, mla_reference, native, tbo_backend, tiling
+from jtbo.kernels import impls
+from tests.attention import scenarios
 
 RANK, ROPE, NOPE, V, HEADS = 12, 4, 6, 5, 4
 CONTEXT, SLOTS, LAYERS = 32, 96, 2
@@ -140,3 +145,84 @@ def test_a_gqa_cache_is_refused():
     gqa = dataclasses.replace(case.cache, v=case.cache.k)
     with pytest.raises(ValueError, match="latent cache"):
         mla.write_latent(jnp.asarray(case.latent), 1, case.md, gqa)
+
+
+def _tbo_mla(sc, tbo, md, ranges, rng):
+    """MLA through the parent backend and through both children (latent threaded A -> B).
+
+    Returns the children's merged output and child B's output over the pool *before* A's
+    writes (what B would see if the latent were not threaded).
+    """
+    width = RANK + ROPE
+    pool = rng.normal(size=(LAYERS, sc.cache.num_slots, 1, width)).astype(np.float32)
+    initial = kv_cache_lib.KVCache(
+        k=jnp.asarray(pool), v=jnp.zeros((*pool.shape[:3], 0)), req_to_token=sc.cache.req_to_token
+    )
+    t = sc.q.shape[0]
+    inputs = [rng.normal(size=(t, *shape)).astype(np.float32)
+              for shape in ((HEADS, NOPE), (HEADS, ROPE), (width,))]  # fmt: skip
+    w = (0.4 * rng.normal(size=(RANK, HEADS, NOPE + V))).astype(np.float32)
+    run = jax.jit(lambda b, *a: b.forward_mla(*a, scaling=SCALE), static_argnums=0)
+    parent, parent_cache = run(tbo, *inputs, w, 1, md.primary, initial)
+    merged, cache = np.zeros_like(np.asarray(parent)), initial
+    for child, child_md, (start, end) in zip(tbo.children, md.children, ranges, strict=True):
+        rows = [_pad_rows(x[start:end], child.capacity.token_capacity) for x in inputs]
+        stale, _ = run(child, *rows, w, 1, child_md, initial)
+        out, cache = run(child, *rows, w, 1, child_md, cache)
+        merged[start:end] = np.asarray(out)[: end - start]
+    np.testing.assert_allclose(merged, np.asarray(parent), atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cache.k)[:, 1:], np.asarray(parent_cache.k)[:, 1:])
+    return merged, np.asarray(stale)
+
+
+def _pad_rows(x, rows):
+    out = np.zeros((rows, *x.shape[1:]), x.dtype)
+    out[: x.shape[0]] = x
+    return out
+
+
+def _tbo(capacity, child_capacity):
+    return tbo_backend.TboAttnBackend.init_new(
+        lambda c: backend_lib.NativeAttnBackend(c, CONFIG),
+        capacity=capacity, child_capacity=child_capacity,
+    )  # fmt: skip
+
+
+def test_tbo_children_of_a_two_chunk_extend_equal_the_parent():
+    sc = scenarios.make(np.random.default_rng(0), [2, 5], [3, 20], token_capacity=24)
+    parent = scenarios.extend_batch(sc)
+    index = split.compute_split_seq_index(split.ForwardMode.EXTEND, sc.num_tokens, [3, 20], None)
+    children = split.split_batch(dataclasses.replace(parent, tbo_split_seq_index=index))
+    tbo = _tbo(
+        metadata.extend_capacity(24, 4, CONTEXT, 4),
+        metadata.extend_capacity(split.child_capacity(24), 4, CONTEXT, 4),
+    )
+    md = tbo.init_forward_metadata(parent, children)
+    starts = [int(c.tbo_parent_token_range[0]) for c in children]
+    ranges = [(s, s + c.num_valid_tokens) for s, c in zip(starts, children, strict=True)]
+    merged, stale = _tbo_mla(sc, tbo, md, ranges, np.random.default_rng(1))
+    # B's rows continue A's part of the same prompt: they must read A's latent rows.
+    b_start, b_end = ranges[1]
+    assert not np.allclose(stale[: b_end - b_start], merged[b_start:b_end], atol=1e-3)
+
+
+def test_tbo_replay_verify_children_equal_the_parent():
+    draft = 2
+    sc = scenarios.make(
+        np.random.default_rng(3), [5, 0, 12], [draft] * 3, token_capacity=8, custom_mask=True
+    )
+    padded = scenarios.verify_batch(sc, draft, padded_seqs=1)  # a captured bucket of 4 seqs
+    tbo = _tbo(
+        metadata.verify_capacity(4, draft, CONTEXT), metadata.verify_capacity(2, draft, CONTEXT)
+    )
+    md = tbo.init_forward_metadata_for_replay(padded)
+    _tbo_mla(sc, tbo, md, [(0, 4), (4, 8)], np.random.default_rng(4))
+
+
+def test_pallas_backend_refuses_mla():
+    case = _decode_case(0)
+    backend = backend_lib.PallasAttnBackend(case.md.capacity)
+    with pytest.raises(impls.KernelUnavailableError, match="attention_backend='native'"):
+        backend.forward_mla(
+            case.q_nope, case.q_pe, case.latent, case.w_kv_b, 1, case.md, case.cache, scaling=SCALE
+        )
