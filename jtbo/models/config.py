@@ -191,8 +191,10 @@ class MoEConfig:
 
     @classmethod
     def tiny_mla(cls) -> "MoEConfig":
-        """``tiny`` with DeepSeek's MLA attention (low-rank queries) and YaRN RoPE."""
+        """``tiny`` with DeepSeek's MLA attention (low-rank queries), YaRN RoPE and 2 layers
+        (one dense, one MoE: fewer compiled layers for the end-to-end tests)."""
         return cls(
+            num_layers=2,
             attention_kind="mla",
             q_lora_rank=12,
             kv_lora_rank=16,
