@@ -1,10 +1,11 @@
 """Model configuration: one frozen, typed dataclass describing a DeepSeek/Qwen-style MoE model.
 
-Every field carries a description in its ``metadata`` (``describe()`` lists them). Two presets:
+Every field carries a description in its ``metadata`` (``describe()`` lists them). Presets:
 ``MoEConfig.tiny()`` (tests, demo: shapes that divide evenly over 8 devices in any of the
 layouts (dp, attn_tp) in {(8, 1), (4, 2), (2, 4)}) and ``MoEConfig.deepseek_v3_reduced()``
 (the benchmark: DeepSeek-V3's hidden size and expert shape, fewer experts and layers so that it
-fits on one H200).
+fits on one H200); ``tiny_softmax`` / ``tiny_mla`` and ``deepseek_v3_mla_reduced`` vary them
+(Qwen-style routing; DeepSeek's MLA attention).
 """
 
 import dataclasses
@@ -231,6 +232,32 @@ class MoEConfig:
             n_group=8,
             topk_group=4,
             routed_scaling_factor=2.5,
+        )
+
+    @classmethod
+    def deepseek_v3_mla_reduced(cls) -> "MoEConfig":
+        """``deepseek_v3_reduced`` with DeepSeek-V3's own attention: MLA with its dimensions.
+
+        128 heads, ``q_lora_rank`` 1536, ``kv_lora_rank`` 512, ``qk_nope_head_dim`` 128,
+        ``qk_rope_head_dim`` 64, ``v_head_dim`` 128, and V3's YaRN RoPE (factor 40 over 4096
+        pre-training positions, mscale 1). The KV cache holds 576 values per token and layer
+        where the GQA preset holds ``2 x 8 x 128 = 2048``.
+        """
+        return dataclasses.replace(
+            cls.deepseek_v3_reduced(),
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            attention_kind="mla",
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            rope_scaling_type="yarn",
+            rope_scaling_factor=40.0,
+            rope_yarn_original_max_position=4096,
+            rope_yarn_mscale=1.0,
+            rope_yarn_mscale_all_dim=1.0,
         )
 
     @classmethod
