@@ -72,8 +72,9 @@ _EXPERT_SPECS = {
     },
 }
 KV_CACHE_SPEC = kv_cache_lib.KVCache(
+    # GQA: kv heads over attn_tp. MLA: one latent copy per attn_tp rank ("heads" = attn_tp).
     k=P(mesh_lib.DP_AXIS, None, None, ATTN_TP, None),  # [dp, layers, slots, kv_heads, D]
-    v=P(mesh_lib.DP_AXIS, None, None, ATTN_TP, None),  # [dp, layers, slots, kv_heads, D]
+    v=P(mesh_lib.DP_AXIS, None, None, ATTN_TP, None),  # [dp, layers, slots, kv_heads, Dv]
     req_to_token=P(mesh_lib.DP_AXIS),  # [dp, max_reqs, max_context]
 )
 

@@ -158,6 +158,11 @@ class ModelRunner:
         config = model.config
         self.dp_size, self.attn_tp_size = mesh.shape["dp"], mesh.shape["attn_tp"]
         _check_divisible(config, self.dp_size, self.attn_tp_size, moe_a2a_backend)
+        if config.attention_kind == "mla" and attention_backend != "native":
+            raise ValueError(
+                f"attention_backend={attention_backend!r} has no MLA kernel; a model with "
+                "attention_kind='mla' needs attention_backend='native'"
+            )
         if max_total_tokens < 1 or max_running_requests < 1:
             raise ValueError(
                 f"max_total_tokens={max_total_tokens} and max_running_requests="

@@ -11,6 +11,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jtbo.collectives import mesh as mesh_lib
@@ -89,3 +90,12 @@ def test_mla_extend_decode_verify_with_tbo_on_and_off_match_float64():
             for out, expected in zip(got[name][0], want, strict=True):
                 chex.assert_trees_all_close(out[r], expected, **TOL)
     assert tbo.num_tbo_steps == 3 and plain.num_tbo_steps == 0
+
+
+def test_an_mla_model_needs_the_native_attention_backend():
+    model = model_lib.MoEModel(config_lib.MoEConfig.tiny_mla(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="attention_backend='pallas' has no MLA kernel"):
+        runner_lib.ModelRunner(
+            model, mesh_lib.make_mesh(8, 1), attention_backend="pallas", max_total_tokens=8,
+            max_running_requests=2, token_buckets=(8,),
+        )  # fmt: skip
