@@ -5,7 +5,8 @@ Families: ``qwen3_moe`` (Qwen3-MoE: per-head q/k RMSNorm, no shared expert), ``q
 ``mixtral``, and ``deepseek_v2`` / ``deepseek_v3`` (MLA attention, ``n_shared_experts`` shared
 experts, ``first_k_dense_replace`` dense layers, DeepSeek's ``topk_method`` and
 ``routed_scaling_factor``, V3's ``e_score_correction_bias``, YaRN RoPE; FP8 block-quantized
-checkpoints (a ``quantization_config``) are refused: dequantize them first). The first three
+weights (``quantization_config.quant_method: fp8``) are dequantized while loading,
+``jtbo.models.hf.fp8``). The first three
 route with a softmax top-k; Qwen renormalises the chosen weights only with ``norm_topk_prob``,
 Mixtral always. Qwen's ``decoder_sparse_step`` / ``mlp_only_layers``
 make some layers dense (``MoEConfig.is_moe_layer`` reproduces the rule).
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jtbo.models import config as config_lib
+from jtbo.models.hf import fp8
 
 IGNORED_FIELDS = frozenset(
     {
@@ -215,11 +217,7 @@ def _deepseek_common(fields: _Fields) -> dict:
         )
     quantization = fields.get("quantization_config", None)
     if quantization is not None:
-        raise ValueError(
-            f"unsupported config field quantization_config={quantization!r}: jtbo does not "
-            "load FP8 block-quantized weights (weight_scale_inv); dequantize the checkpoint "
-            "to bf16 first"
-        )
+        fp8.block_size(quantization)  # FP8 blocks are dequantized while loading; others raise
     fields.expect("attention_bias", (False,), False, "attention projection biases")
     fields.expect("moe_layer_freq", (1,), 1, "every layer past first_k_dense_replace is MoE")
     fields.expect("pretraining_tp", (1,), 1, "a training-time tensor-parallel split")
