@@ -196,6 +196,9 @@ class MoEConfig:
         (one dense, one MoE: fewer compiled layers for the end-to-end tests)."""
         return cls(
             num_layers=2,
+            num_key_value_heads=8,  # MLA leaves the GQA fields unused; these are what a
+            head_dim=4,  # DeepSeek config.json implies, so a save / load round trip is exact
+            topk_method="noaux_tc",
             attention_kind="mla",
             q_lora_rank=12,
             kv_lora_rank=16,
