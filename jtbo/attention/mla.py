@@ -11,8 +11,9 @@ Two exact ways to attend, chosen by the metadata's shape (``uses_absorbed``):
 
 * **Decompressed** (EXTEND / MIXED): every pool block the kernel gathers (the step's own
   tokens and the prefix alike) is up-projected to per-head keys ``[nope + rope]`` and values
-  ``[v]``, and the queries ``[q_nope, q_pe]`` attend as in plain multi-head attention. Many
-  query rows share each block, so the up-projection is paid once per block and tile.
+  ``[v]``, and the queries ``[q_nope, q_pe]`` attend as in plain multi-head attention. The
+  up-projection is paid once per (tile, block) pair and shared by the tile's query rows; a
+  block read by several tiles (a long prompt's prefix) is up-projected by each of them.
 * **Absorbed** (DECODE / TARGET_VERIFY): ``q_nope . (c W_UK[h]) = (q_nope W_UK[h]^T) . c``,
   so the query is folded into latent space, ``[q_nope W_UK^T, q_pe]`` of width
   ``rank + rope``, and attends the latent rows directly as one shared key head; the softmax-
