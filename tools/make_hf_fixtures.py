@@ -1,6 +1,7 @@
 """Build the transformers reference fixtures under ``tests/fixtures/hf/<family>/``.
 
-For each supported family (``qwen3_moe``, ``qwen2_moe``, ``mixtral``) this builds a tiny
+For each supported family (``qwen3_moe``, ``qwen2_moe``, ``mixtral``, ``deepseek_v2``,
+``deepseek_v3``) this builds a tiny
 random model with transformers, saves it with ``save_pretrained`` (safetensors), and records
 what the tests compare jtbo against: transformers' float32 logits of a few fixed prompts
 (``reference_logits.npz``) and its greedy ``generate`` tokens (``reference.json``, which also
@@ -10,9 +11,10 @@ encodings; the CLI test reads it).
 
 Weights are drawn again after construction (transformers' initialiser draws std 0.02, which
 leaves every router near a tie): matrices ``N(0, 1 / fan_in)``, router gates four times wider
-(clear top-k margins), norms ``1 + N(0, 0.1^2)``, biases ``N(0, 0.1^2)``, embeddings
-``N(0, 1)`` (``N(0, 0.1^2)`` when tied to the LM head: a large table makes every prompt's
-greedy continuation repeat its last token).
+(clear top-k margins), DeepSeek-V3's score-correction bias ``N(0, 0.3^2)``, norms
+``1 + N(0, 0.1^2)``, biases ``N(0, 0.1^2)``, embeddings ``N(0, 1)`` (``N(0, 0.1^2)`` when
+tied to the LM head: a large table makes every prompt's greedy continuation repeat its last
+token).
 
 Run it outside jtbo's venv, in one that has a CPU torch and transformers::
 
@@ -62,6 +64,25 @@ COMMON = dict(
     num_key_value_heads=2,
 )
 
+DEEPSEEK = dict(
+    COMMON,
+    num_key_value_heads=4,  # MLA: every head has its own key and value
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    moe_intermediate_size=16,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    max_position_embeddings=64,
+)
+
 
 def family_configs() -> dict[str, transformers.PreTrainedConfig]:
     """The tiny config of each family (each exercises that family's particular features)."""
@@ -105,6 +126,37 @@ def family_configs() -> dict[str, transformers.PreTrainedConfig]:
             num_local_experts=8,
             num_experts_per_tok=2,
         ),  # fmt: skip
+        # DeepSeek-V2-Lite style MLA: no low-rank query (q_proj), softmax router with
+        # group_limited_greedy, two shared experts, a dense first layer, interleaved RoPE.
+        "deepseek_v2": transformers.DeepseekV2Config(
+            **DEEPSEEK,
+            q_lora_rank=None,
+            n_shared_experts=2,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5,
+            norm_topk_prob=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),  # fmt: skip
+        # DeepSeek-V3 style: low-rank query with its norm, sigmoid router with noaux_tc and the
+        # score-correction bias, YaRN RoPE whose mscale differs from mscale_all_dim (so both
+        # the rotated values and the softmax scale change).
+        "deepseek_v3": transformers.DeepseekV3Config(
+            **DEEPSEEK,
+            q_lora_rank=16,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=0.8,
+            ),
+        ),  # fmt: skip
     }
 
 
@@ -139,6 +191,10 @@ def redraw_weights(model: torch.nn.Module, seed: int) -> None:
                 scale = 4.0 if name.endswith("mlp.gate.weight") else 1.0
                 value = scale * noise / param.shape[-1] ** 0.5
             param.copy_(value)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: a buffer, not a param
+                noise = torch.randn(buffer.shape, generator=generator, dtype=torch.float32)
+                buffer.copy_(0.3 * noise)
 
 
 def reference_outputs(model, prompt_ids: list[list[int]]) -> tuple[dict, list[list[int]]]:
@@ -196,10 +252,12 @@ def main(argv=None) -> None:
     """Builds every family's fixture."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("tests/fixtures/hf"))
+    parser.add_argument("--only", nargs="*", help="families to build (default: all)")
     args = parser.parse_args(argv)
     tokenizer = train_tokenizer()
     for seed, (name, config) in enumerate(family_configs().items()):
-        build_family(name, config, tokenizer, args.out, seed)
+        if not args.only or name in args.only:
+            build_family(name, config, tokenizer, args.out, seed)
 
 
 if __name__ == "__main__":

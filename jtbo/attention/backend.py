@@ -15,9 +15,10 @@ from collections.abc import Callable
 
 import jax
 
-from jtbo.attention import batch_metadata, native, paged
+from jtbo.attention import batch_metadata, mla, native, paged
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.attention import metadata as metadata_lib
+from jtbo.kernels import impls
 from jtbo.split import batch as batch_lib
 
 
@@ -118,6 +119,46 @@ class NativeAttnBackend:
             q, k, v, layer_id, metadata, kv_cache, scaling=self.scaling, config=self.config
         )
 
+    def forward_mla(
+        self,
+        q_nope: jax.Array,
+        q_pe: jax.Array,
+        latent: jax.Array,
+        w_kv_b: jax.Array,
+        layer_id: int | jax.Array,
+        metadata: metadata_lib.AttentionMetadata,
+        kv_cache: kv_cache_lib.KVCache,
+        *,
+        scaling: float,
+    ) -> tuple[jax.Array, kv_cache_lib.KVCache]:
+        """Writes the step's MLA latent rows and attends (``jtbo.attention.mla``; jittable).
+
+        Extend metadata attends in the decompressed form, decode and verify metadata in the
+        absorbed form (``mla.uses_absorbed``).
+
+        Args:
+          q_nope: ``[token_capacity, heads, qk_nope_head_dim]``.
+          q_pe: ``[token_capacity, heads, qk_rope_head_dim]`` (RoPE applied).
+          latent: ``[token_capacity, kv_lora_rank + qk_rope_head_dim]``.
+          w_kv_b: ``[kv_lora_rank, heads, qk_nope_head_dim + v_head_dim]``.
+          layer_id: layer index.
+          metadata: from ``init_forward_metadata``.
+          kv_cache: the latent cache; donate it to update in place.
+          scaling: softmax scale.
+
+        Returns:
+          ``(out [token_capacity, heads, v_head_dim], new kv_cache)``.
+
+        Raises:
+          ValueError: the metadata was built for another capacity, or a non-latent cache.
+        """
+        if metadata.capacity != self.capacity:
+            raise ValueError(f"metadata capacity {metadata.capacity} != backend {self.capacity}")
+        return mla.forward(
+            q_nope, q_pe, latent, w_kv_b, layer_id, metadata, kv_cache, scaling=scaling,
+            absorbed=mla.uses_absorbed(self.capacity), config=self.config,
+        )  # fmt: skip
+
 
 class PallasAttnBackend(NativeAttnBackend):
     """``NativeAttnBackend``'s metadata with the paged Pallas kernel as the forward.
@@ -167,6 +208,17 @@ class PallasAttnBackend(NativeAttnBackend):
             q, k, v, layer_id, metadata, kv_cache, scaling=self.scaling, impl="pallas",
             config=self.config,
         )  # fmt: skip
+
+    def forward_mla(self, *args, **kwargs):
+        """MLA is not implemented by the paged Pallas kernel.
+
+        Raises:
+          KernelUnavailableError: always; use ``attention_backend="native"`` for MLA models.
+        """
+        raise impls.KernelUnavailableError(
+            "attention_backend='pallas' has no MLA (latent KV) kernel; use "
+            "attention_backend='native' for attention_kind='mla'"
+        )
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[metadata_lib.AttentionCapacity], NativeAttnBackend]] = {

@@ -5,7 +5,9 @@ Layout (the contract the model and runner code against):
 * ``k`` and ``v`` are ``[num_layers, num_slots, kv_heads, head_dim]`` arrays, one stacked
   array each rather than a tuple per layer, so that a layer loop written with ``lax.scan`` or
   a Python loop indexes them the same way and the runner donates two buffers, not 2 x layers.
-  ``v`` may have its own head dim (``v_head_dim``), which leaves room for MLA-style layers.
+  ``v`` may have its own head dim (``v_head_dim``). An MLA model (``jtbo.attention.mla``)
+  keeps one latent row per token in ``k`` (``[.., slots, 1, kv_lora_rank + qk_rope_head_dim]``
+  on each rank) and a ``v`` of width 0: its values are the latent's first columns.
 * ``req_to_token`` is ``[max_reqs, max_context]`` int32: row ``r`` lists, position by
   position, the pool slot that holds request ``r``'s token. The scheduler fills it for every
   token of the step *before* the forward (the prefix, the new extend tokens and, for

@@ -26,9 +26,15 @@ Masking, per (query row ``r`` of tile ``t``, KV position ``j``):
 
 GQA is handled by grouping ``q_heads // kv_heads`` query heads per KV head. Rows with no
 visible key, and rows past ``num_tokens``, come out as zeros.
+
+A ``KVView`` turns each gathered pool block into the keys and values the scores use (MLA,
+``jtbo.attention.mla``: the latent read as one shared key head, or up-projected to per-head
+K/V); without one the pool's K/V are used as stored.
 """
 
 import dataclasses
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +83,22 @@ class NativeAttentionConfig:
 
 DEFAULT_CONFIG = NativeAttentionConfig()
 """The kernel knobs used when none are given."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KVView:
+    """How the kernel reads a pool block as keys and values.
+
+    Attributes:
+      kv_heads: key/value heads after ``expand`` (query heads are grouped over them).
+      v_head_dim: value width after ``expand`` (the output width).
+      expand: ``(k_block [tiles, block, pool_heads, dk], v_block [..., dv]) ->
+        (keys [tiles, block, kv_heads, dq], values [tiles, block, kv_heads, v_head_dim])``.
+    """
+
+    kv_heads: int
+    v_head_dim: int
+    expand: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
 def block_size(config: NativeAttentionConfig, capacity: metadata_lib.AttentionCapacity) -> int:
@@ -143,6 +165,7 @@ def attend(
     *,
     scaling: float,
     config: NativeAttentionConfig = DEFAULT_CONFIG,
+    view: KVView | None = None,
 ) -> jax.Array:
     """Attends every tile's queries over its sequence's cached K/V (already written).
 
@@ -153,23 +176,27 @@ def attend(
       md: the step's metadata.
       scaling: factor applied to ``q . k``.
       config: kernel knobs.
+      view: how pool blocks become keys and values; None: as stored.
 
     Returns:
       ``[token_capacity, q_heads, v_head_dim]`` in ``q.dtype``; zeros for rows without keys
       and rows past ``md.num_tokens``.
     """
+    if view is None:
+        view = KVView(cache.k.shape[2], cache.v.shape[-1], lambda k, v: (k, v))
     num_tiles = md.capacity.num_tiles
     chunk = min(num_tiles, max(1, config.chunk_rows // md.capacity.query_tile))
-    out = jnp.zeros((q.shape[0], q.shape[1], cache.v.shape[-1]), q.dtype)
+    out = jnp.zeros((q.shape[0], q.shape[1], view.v_head_dim), q.dtype)
+    attend_chunk = functools.partial(_attend_chunk, scaling=scaling, config=config, view=view)
     if chunk == num_tiles:
-        return _attend_chunk(q, cache, layer_id, md, out, scaling=scaling, config=config)
+        return attend_chunk(q, cache, layer_id, md, out)
 
     def body(c, out):
         # The last chunk is shifted back to stay in bounds; tiles it repeats write the same
         # rows with the same values.
         start = jnp.minimum(c * chunk, num_tiles - chunk)
         sub = _tile_slice(md, start, chunk)
-        return _attend_chunk(q, cache, layer_id, sub, out, scaling=scaling, config=config)
+        return attend_chunk(q, cache, layer_id, sub, out)
 
     tile_ids = jnp.arange(num_tiles, dtype=jnp.int32)
     real_end = jnp.max(jnp.where(md.tile_q_len > 0, tile_ids + 1, 0))
@@ -204,14 +231,14 @@ def _visible_end(md: metadata_lib.AttentionMetadata) -> jax.Array:
     return jnp.max(jnp.where(md.tile_q_len > 0, end, 0))
 
 
-def _attend_chunk(q, cache, layer_id, md, out, *, scaling, config) -> jax.Array:
+def _attend_chunk(q, cache, layer_id, md, out, *, scaling, config, view) -> jax.Array:
     """Attends the tiles of ``md`` and writes their rows into ``out``."""
-    q_tiles, token, row_valid = _tile_queries(q, md, cache.k.shape[2])
+    q_tiles, token, row_valid = _tile_queries(q, md, view.kv_heads)
     block = block_size(config, md.capacity)
 
     def body(b, carry):
         pos = b * block + jnp.arange(block)
-        k_block, v_block = _gather_block(cache, layer_id, md, pos)
+        k_block, v_block = view.expand(*_gather_block(cache, layer_id, md, pos))
         scores = jnp.einsum(
             "tqhgd,tkhd->thgqk", q_tiles, k_block.astype(q.dtype),
             preferred_element_type=jnp.float32,
@@ -220,7 +247,7 @@ def _attend_chunk(q, cache, layer_id, md, out, *, scaling, config) -> jax.Array:
         scores = jnp.where(visible[:, None, None, :, :], scores * scaling, -jnp.inf)
         return _online_softmax_step(carry, scores, v_block)
 
-    init = _initial_carry(q_tiles.shape, cache.v.shape[-1])
+    init = _initial_carry(q_tiles.shape, view.v_head_dim)
     trips = (_visible_end(md) + block - 1) // block
     _, denom, acc = lax.fori_loop(0, trips, body, init)
     tile_out = _normalise(denom, acc).astype(q.dtype)

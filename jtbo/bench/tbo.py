@@ -3,7 +3,9 @@
 TBO's cost when there is nothing to hide: on one H200 the step has no communication, so TBO
 can only lose (two half-size micro-batches, split/merge copies). The model is DeepSeek-V3's
 hidden size and expert shape reduced to fit (``MoEConfig.deepseek_v3_reduced``: hidden 7168,
-64 experts, top-8 + 1 shared, 4 layers, bf16). Cases: prefill of 4096-16384 tokens per DP rank
+64 experts, top-8 + 1 shared, 4 layers, bf16); ``--mla`` swaps its GQA attention for
+DeepSeek-V3's MLA (``MoEConfig.deepseek_v3_mla_reduced``; the header line names the KV-cache
+bytes per token). Cases: prefill of 4096-16384 tokens per DP rank
 (prompts of ``--prompt-len`` tokens) and decode of 64-256 sequences (context ``--context``).
 For each case one ``ModelRunner`` plans the same batch twice (TBO on and off) and runs the two
 jitted steps in turn; the time is the median of ``--iters`` runs after warm-up,
@@ -103,6 +105,11 @@ def _parser() -> argparse.ArgumentParser:
         help="a step that overflows EP capacity re-runs with the next bucket (warm-up absorbs it)",
     )  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="MoEConfig.tiny() (smoke test)")
+    parser.add_argument(
+        "--mla", action="store_true",
+        help="DeepSeek's MLA attention: MoEConfig.deepseek_v3_mla_reduced() (tiny_mla() "
+        "with --tiny) instead of the GQA preset",
+    )  # fmt: skip
     parser.add_argument(
         "--attention-backend", choices=tuple(attn_backend_lib.ATTENTION_BACKENDS),
         default=None,
@@ -510,6 +517,24 @@ def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = F
     )  # fmt: skip
 
 
+def _config(args) -> config_lib.MoEConfig:
+    """The benchmark's model: ``--tiny`` / ``--mla`` pick among the four presets."""
+    presets = {
+        (False, False): config_lib.MoEConfig.deepseek_v3_reduced,
+        (False, True): config_lib.MoEConfig.deepseek_v3_mla_reduced,
+        (True, False): config_lib.MoEConfig.tiny,
+        (True, True): config_lib.MoEConfig.tiny_mla,
+    }
+    return presets[args.tiny, args.mla]()
+
+
+def _kv_bytes(config: config_lib.MoEConfig, dtype: str) -> str:
+    """KV-cache bytes per token (all layers, one DP rank, before the attn_tp split)."""
+    heads, k_dim, v_dim = config.kv_pool_heads(1)
+    per_token = config.num_layers * heads * (k_dim + v_dim) * jnp.dtype(dtype).itemsize
+    return f"attention {config.attention_kind}, KV cache {per_token} bytes/token"
+
+
 def _header(args) -> str:
     """The line above the timing table: devices, layout, link, extra XLA options."""
     options = " ".join(f"--{name}={_flag_value(value)}" for name, value in args.xla_option)
@@ -590,13 +615,11 @@ def main(argv) -> None:
     configure_environment(args, os.environ, directory)  # before anything starts the backend
     if args.devices is not None:
         args.dp, args.attn_tp = args.devices, 1
-    config = (
-        config_lib.MoEConfig.tiny() if args.tiny else config_lib.MoEConfig.deepseek_v3_reduced()
-    )
+    config = _config(args)
     runners, auto = _runners(args, config)
     args.moe_runner_backend = runners[0].parallel.moe_runner_backend  # as resolved
     args.attention_backend = runners[0].parallel.attention_backend
-    print(_header(args))
+    print(_header(args) + "; " + _kv_bytes(config, args.dtype))
     vocab = config.vocab_size
     cases = [("prefill", n, _prefill_batch(n, args.prompt_len, vocab)) for n in args.prefill]
     cases += [("decode", s, _decode_batch(s, args.context, vocab)) for s in args.decode]

@@ -1,10 +1,11 @@
 """Model configuration: one frozen, typed dataclass describing a DeepSeek/Qwen-style MoE model.
 
-Every field carries a description in its ``metadata`` (``describe()`` lists them). Two presets:
+Every field carries a description in its ``metadata`` (``describe()`` lists them). Presets:
 ``MoEConfig.tiny()`` (tests, demo: shapes that divide evenly over 8 devices in any of the
 layouts (dp, attn_tp) in {(8, 1), (4, 2), (2, 4)}) and ``MoEConfig.deepseek_v3_reduced()``
 (the benchmark: DeepSeek-V3's hidden size and expert shape, fewer experts and layers so that it
-fits on one H200).
+fits on one H200); ``tiny_softmax`` / ``tiny_mla`` and ``deepseek_v3_mla_reduced`` vary them
+(Qwen-style routing; DeepSeek's MLA attention).
 """
 
 import dataclasses
@@ -29,6 +30,22 @@ class MoEConfig:
     rope_scaling_factor: float = _field(
         1.0, "linear RoPE scaling: positions are divided by it (Hugging Face rope_type 'linear')"
     )
+    rope_scaling_type: Literal["linear", "yarn"] = _field(
+        "linear",
+        "how rope_scaling_factor applies: 'linear' divides positions; 'yarn' blends "
+        "interpolated and extrapolated frequencies (DeepSeek's YaRN; the rope_yarn_* fields)",
+    )
+    rope_yarn_original_max_position: int = _field(
+        4096, "YaRN: the context length the model was pre-trained at"
+    )
+    rope_yarn_beta_fast: float = _field(32.0, "YaRN: rotations where interpolation ends")
+    rope_yarn_beta_slow: float = _field(1.0, "YaRN: rotations where interpolation begins")
+    rope_yarn_mscale: float = _field(
+        0.0, "YaRN: mscale of the rotated dims (0: unset, as a missing config field)"
+    )
+    rope_yarn_mscale_all_dim: float = _field(
+        0.0, "YaRN: mscale of the softmax scale, applied squared (0: unset)"
+    )
     rms_norm_eps: float = _field(1e-6, "epsilon inside every RMSNorm")
     first_k_dense: int = _field(1, "the first k layers use a dense MLP instead of the MoE")
     decoder_sparse_step: int = _field(
@@ -49,6 +66,12 @@ class MoEConfig:
     scoring_func: Literal["softmax", "sigmoid"] = _field(
         "sigmoid", "router scores: softmax (Qwen-style) or sigmoid (DeepSeek-V3)"
     )
+    topk_method: Literal["greedy", "group_limited_greedy", "noaux_tc"] | None = _field(
+        None,
+        "expert choice (DeepSeek's topk_method): 'greedy' plain top-k; 'group_limited_greedy' "
+        "keeps the topk_group groups with the best single score (V2); 'noaux_tc' keeps those "
+        "with the best two biased scores (V3); None: greedy for softmax, noaux_tc for sigmoid",
+    )
     n_group: int = _field(4, "expert groups for grouped top-k (1: plain top-k)")
     topk_group: int = _field(2, "groups kept per token by grouped top-k")
     use_score_correction_bias: bool = _field(
@@ -59,6 +82,18 @@ class MoEConfig:
     tie_word_embeddings: bool = _field(False, "LM head reuses the embedding matrix")
     qk_norm: bool = _field(False, "per-head RMSNorm of queries and keys before RoPE (Qwen3)")
     qkv_bias: bool = _field(False, "a learned bias on the query, key and value projections")
+    attention_kind: Literal["gqa", "mla"] = _field(
+        "gqa",
+        "'gqa': fused Q/K/V heads (num_key_value_heads, head_dim); 'mla': DeepSeek's multi-head "
+        "latent attention (the q_lora_rank .. v_head_dim fields; a latent KV cache)",
+    )
+    q_lora_rank: int | None = _field(
+        None, "MLA: rank of the low-rank query projection (None: one full projection, V2-Lite)"
+    )
+    kv_lora_rank: int = _field(16, "MLA: width of the compressed KV latent")
+    qk_nope_head_dim: int = _field(8, "MLA: query/key head dims without RoPE")
+    qk_rope_head_dim: int = _field(4, "MLA: query/key head dims with RoPE (key shared by heads)")
+    v_head_dim: int = _field(8, "MLA: value head width")
 
     def __post_init__(self):
         _check_positive(self)
@@ -76,8 +111,15 @@ class MoEConfig:
             raise ValueError(f"first_k_dense={self.first_k_dense} not in [0, {self.num_layers}]")
         if self.scoring_func not in ("softmax", "sigmoid"):
             raise ValueError(f"scoring_func={self.scoring_func!r}: expected softmax or sigmoid")
+        if self.topk_method not in (None, "greedy", "group_limited_greedy", "noaux_tc"):
+            raise ValueError(
+                f"topk_method={self.topk_method!r}: expected None, 'greedy', "
+                "'group_limited_greedy' or 'noaux_tc'"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        _check_attention_kind(self)
+        _check_rope_scaling(self)
         _check_layer_kinds(self)
         if self.shared_expert_gate and not self.shared_width:
             raise ValueError("shared_expert_gate=True needs shared experts (num_shared_experts=0)")
@@ -91,6 +133,37 @@ class MoEConfig:
             and (i + 1) % self.decoder_sparse_step == 0
             for i in range(self.num_layers)
         )
+
+    @property
+    def router_topk_method(self) -> str:
+        """``topk_method``, with None resolved by ``scoring_func``."""
+        if self.topk_method is not None:
+            return self.topk_method
+        return "greedy" if self.scoring_func == "softmax" else "noaux_tc"
+
+    @property
+    def qk_head_dim(self) -> int:
+        """MLA: query/key head width, ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def kv_pool_heads(self, attn_tp_size: int) -> tuple[int, int, int]:
+        """The KV pool's per-token layout over one DP rank: ``(heads, key width, value width)``.
+
+        GQA stores ``num_key_value_heads`` heads of ``head_dim`` keys and values, split over
+        ``attn_tp``. MLA stores one latent row of ``kv_lora_rank + qk_rope_head_dim`` as its
+        key and no separate value (width 0: the values are the latent's first
+        ``kv_lora_rank`` columns); every ``attn_tp`` rank needs the whole latent, so the pool
+        holds one copy per rank (``attn_tp_size`` heads, one per rank after the split).
+
+        Args:
+          attn_tp_size: devices per DP rank.
+
+        Returns:
+          ``(heads, key width, value width)`` of the pool before the ``attn_tp`` split.
+        """
+        if self.attention_kind == "mla":
+            return attn_tp_size, self.kv_lora_rank + self.qk_rope_head_dim, 0
+        return self.num_key_value_heads, self.head_dim, self.head_dim
 
     @property
     def shared_width(self) -> int:
@@ -118,6 +191,28 @@ class MoEConfig:
         )
 
     @classmethod
+    def tiny_mla(cls) -> "MoEConfig":
+        """``tiny`` with DeepSeek's MLA attention (low-rank queries), YaRN RoPE and 2 layers
+        (one dense, one MoE: fewer compiled layers for the end-to-end tests)."""
+        return cls(
+            num_layers=2,
+            num_key_value_heads=8,  # MLA leaves the GQA fields unused; these are what a
+            head_dim=4,  # DeepSeek config.json implies, so a save / load round trip is exact
+            topk_method="noaux_tc",
+            attention_kind="mla",
+            q_lora_rank=12,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=6,
+            rope_scaling_type="yarn",
+            rope_scaling_factor=4.0,
+            rope_yarn_original_max_position=16,
+            rope_yarn_mscale=0.9,
+            rope_yarn_mscale_all_dim=0.7,
+        )
+
+    @classmethod
     def deepseek_v3_reduced(cls) -> "MoEConfig":
         """DeepSeek-V3's hidden size and routed-expert shape, 64 experts and 4 layers.
 
@@ -140,6 +235,32 @@ class MoEConfig:
             n_group=8,
             topk_group=4,
             routed_scaling_factor=2.5,
+        )
+
+    @classmethod
+    def deepseek_v3_mla_reduced(cls) -> "MoEConfig":
+        """``deepseek_v3_reduced`` with DeepSeek-V3's own attention: MLA with its dimensions.
+
+        128 heads, ``q_lora_rank`` 1536, ``kv_lora_rank`` 512, ``qk_nope_head_dim`` 128,
+        ``qk_rope_head_dim`` 64, ``v_head_dim`` 128, and V3's YaRN RoPE (factor 40 over 4096
+        pre-training positions, mscale 1). The KV cache holds 576 values per token and layer
+        where the GQA preset holds ``2 x 8 x 128 = 2048``.
+        """
+        return dataclasses.replace(
+            cls.deepseek_v3_reduced(),
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            attention_kind="mla",
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            rope_scaling_type="yarn",
+            rope_scaling_factor=40.0,
+            rope_yarn_original_max_position=4096,
+            rope_yarn_mscale=1.0,
+            rope_yarn_mscale_all_dim=1.0,
         )
 
     @classmethod
@@ -181,6 +302,35 @@ def _check_positive(config: MoEConfig) -> None:
         raise ValueError(f"rope_scaling_factor={config.rope_scaling_factor} must be positive")
 
 
+def _check_attention_kind(config: MoEConfig) -> None:
+    if config.attention_kind not in ("gqa", "mla"):
+        raise ValueError(f"attention_kind={config.attention_kind!r}: expected 'gqa' or 'mla'")
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(config, name) <= 0:
+            raise ValueError(f"{name}={getattr(config, name)} must be positive")
+    if config.q_lora_rank is not None and config.q_lora_rank <= 0:
+        raise ValueError(f"q_lora_rank={config.q_lora_rank} must be positive or None")
+    if config.qk_rope_head_dim % 2:
+        raise ValueError(f"qk_rope_head_dim={config.qk_rope_head_dim} must be even for RoPE")
+    if config.attention_kind == "mla" and (config.qk_norm or config.qkv_bias):
+        raise ValueError(
+            f"attention_kind='mla' has no qk_norm / qkv_bias (found qk_norm={config.qk_norm}, "
+            f"qkv_bias={config.qkv_bias})"
+        )
+
+
+def _check_rope_scaling(config: MoEConfig) -> None:
+    if config.rope_scaling_type not in ("linear", "yarn"):
+        raise ValueError(
+            f"rope_scaling_type={config.rope_scaling_type!r}: expected 'linear' or 'yarn'"
+        )
+    if config.rope_yarn_original_max_position <= 0:
+        raise ValueError(
+            f"rope_yarn_original_max_position={config.rope_yarn_original_max_position} "
+            "must be positive"
+        )
+
+
 def _check_layer_kinds(config: MoEConfig) -> None:
     if config.decoder_sparse_step < 1:
         raise ValueError(f"decoder_sparse_step={config.decoder_sparse_step} must be >= 1")
@@ -199,7 +349,7 @@ def _check_groups(config: MoEConfig) -> None:
     if config.topk_group > config.n_group:
         raise ValueError(f"topk_group={config.topk_group} > n_group={config.n_group}")
     per_group = config.num_experts // config.n_group
-    if config.n_group > 1 and per_group < 2:
+    if config.router_topk_method == "noaux_tc" and config.n_group > 1 and per_group < 2:
         raise ValueError(
             f"grouped top-k scores a group by its best 2 experts; num_experts/n_group={per_group}"
         )

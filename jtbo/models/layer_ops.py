@@ -187,10 +187,10 @@ def attention_operations(layer: model_lib.DecoderLayer, parallel: ParallelConfig
         state.attn_qkv = layer.attn.qkv(hidden, state.positions)
 
     def attn_core(state):
-        q, k, v = state.pop("attn_qkv")
+        qkv = state.pop("attn_qkv")
         box, md = state.step_box, state.attn_metadata
         backend = attn_backend_lib.backend_class(parallel.attention_backend)(md.capacity)
-        out, cache = backend.forward(q, k, v, layer.layer_id, md, box.kv_cache)
+        out, cache = layer.attn.attend(backend, qkv, layer.layer_id, md, box.kv_cache)
         state.hidden_states_after_attn, box.kv_cache = box.after_attention(out, cache)
 
     return dict(

@@ -1,10 +1,11 @@
 """The MoE model as flax.nnx modules: embedding, decoder layers, final norm, LM head.
 
-A decoder layer is ``x + attn(norm(x))`` followed by ``x + ffn(norm(x))``, where ``ffn`` is a
-dense SwiGLU MLP for the first ``first_k_dense`` layers and a MoE block (router, routed experts,
-optional shared experts, the latter optionally gated per token) afterwards; which layers are
-MoE layers is ``MoEConfig.is_moe_layer``. With tied embeddings the LM head is the embedding
-table (``MoEModel.logits``). How the layer runs (sharded, as operations, with TBO)
+A decoder layer is ``x + attn(norm(x))`` (GQA, ``self_attention``, or DeepSeek's MLA,
+``mla_attention``, by ``MoEConfig.attention_kind``) followed by ``x + ffn(norm(x))``, where
+``ffn`` is a dense SwiGLU MLP for the first ``first_k_dense`` layers and a MoE block (router,
+routed experts, optional shared experts, the latter optionally gated per token) afterwards;
+which layers are MoE layers is ``MoEConfig.is_moe_layer``. With tied embeddings the LM head is
+the embedding table (``MoEModel.logits``). How the layer runs (sharded, as operations, with TBO)
 lives in ``jtbo.models.layer_ops`` and ``jtbo.models.step``; this module only holds parameters.
 """
 
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtbo.models import config as config_lib
-from jtbo.models import embed, experts, mlp, norm, router, self_attention
+from jtbo.models import embed, experts, mla_attention, mlp, norm, router, self_attention
 
 
 class MoEBlock(nnx.Module):
@@ -50,7 +51,10 @@ class DecoderLayer(nnx.Module):
         self.is_moe = config.is_moe_layer[layer_id]
         eps = config.rms_norm_eps
         self.input_norm = norm.RMSNorm(config.hidden_size, eps=eps, rngs=rngs)
-        self.attn = self_attention.SelfAttention(config, rngs=rngs)
+        if config.attention_kind == "mla":
+            self.attn = mla_attention.MLAttention(config, rngs=rngs)
+        else:
+            self.attn = self_attention.SelfAttention(config, rngs=rngs)
         self.post_attn_norm = norm.RMSNorm(config.hidden_size, eps=eps, rngs=rngs)
         if self.is_moe:
             self.moe = MoEBlock(config, rngs=rngs)

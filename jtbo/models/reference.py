@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from jtbo.models import model as model_lib
-from jtbo.models import norm, router, self_attention
+from jtbo.models import norm, router
 from jtbo.split import arith
 
 
@@ -68,8 +68,8 @@ def reference_forward(model: model_lib.MoEModel, input_ids, positions, mask) -> 
     positions, mask = jnp.asarray(positions), jnp.asarray(mask)
     for layer in model.layers:
         normed = layer.input_norm(hidden)
-        q, k, v = layer.attn.qkv(normed, positions)
-        hidden = hidden + layer.attn.output(self_attention.dense_attention(q, k, v, mask))
+        qkv = layer.attn.qkv(normed, positions)
+        hidden = hidden + layer.attn.output(layer.attn.dense(qkv, mask))
         normed = layer.post_attn_norm(hidden)
         if layer.is_moe:
             hidden = hidden + moe_dense_reference(layer.moe, normed, config)

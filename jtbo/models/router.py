@@ -1,12 +1,15 @@
 """MoE router: gate logits -> (expert ids, weights) per token.
 
-Two scoring rules:
+Scores are ``softmax`` (Qwen/Mixtral, DeepSeek-V2) probabilities over all experts or
+``sigmoid`` (DeepSeek-V3) independent scores. The *choice* (DeepSeek's ``topk_method``) uses the
+scores plus the optional per-expert correction bias:
 
-* ``softmax`` (Qwen/Mixtral): probabilities over all experts, keep the top-k.
-* ``sigmoid`` (DeepSeek-V3): independent sigmoid scores. The *choice* uses scores plus a
-  per-expert correction bias; experts are grouped, each group is rated by the sum of its two best
-  biased scores, only the ``topk_group`` best groups stay eligible, and the top-k is taken among
-  them. The *weights* are the unbiased sigmoid scores of the chosen experts.
+* ``greedy``: the top-k over all experts;
+* ``group_limited_greedy`` (V2): experts fall into ``n_group`` contiguous groups, each rated by
+  its best score; only the ``topk_group`` best groups stay eligible for the top-k;
+* ``noaux_tc`` (V3): the same, with a group rated by the sum of its two best biased scores.
+
+The *weights* are the unbiased scores of the chosen experts.
 
 Either way the weights are optionally renormalised to sum to one, then multiplied by
 ``routed_scaling_factor``.
@@ -27,16 +30,22 @@ def softmax_topk(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def grouped_topk(
-    scores: jax.Array, bias: jax.Array, top_k: int, n_group: int, topk_group: int
+    scores: jax.Array,
+    bias: jax.Array,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    group_rating: str = "top2_sum",
 ) -> tuple[jax.Array, jax.Array]:
-    """DeepSeek-V3 group-limited top-k over biased scores.
+    """Group-limited top-k over biased scores (DeepSeek ``noaux_tc`` / ``group_limited_greedy``).
 
     Args:
-      scores: ``[T, E]`` float32 sigmoid scores.
+      scores: ``[T, E]`` float32 scores.
       bias: ``[E]`` score-correction bias (only affects which experts are chosen).
       top_k: experts per token.
       n_group: groups the experts fall into (contiguous, ``E / n_group`` each).
       topk_group: groups kept per token.
+      group_rating: "top2_sum" (a group's two best biased scores, V3) or "max" (its best, V2).
 
     Returns:
       ``(weights [T, k], ids [T, k] int32)``; weights are the unbiased scores.
@@ -44,8 +53,11 @@ def grouped_topk(
     num_tokens, num_experts = scores.shape
     biased = scores + bias[None, :]
     grouped = biased.reshape(num_tokens, n_group, num_experts // n_group)
-    group_rating = jnp.sum(jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0], axis=-1)
-    _, kept_groups = jax.lax.top_k(group_rating, topk_group)  # [T, topk_group]
+    if group_rating == "max":
+        group_rating_value = jnp.max(grouped, axis=-1)
+    else:
+        group_rating_value = jnp.sum(jax.lax.top_k(grouped, min(2, grouped.shape[-1]))[0], axis=-1)
+    _, kept_groups = jax.lax.top_k(group_rating_value, topk_group)  # [T, topk_group]
     group_mask = (
         jnp.zeros((num_tokens, n_group), bool)
         .at[jnp.arange(num_tokens)[:, None], kept_groups]
@@ -70,14 +82,20 @@ def select_experts(
     Returns:
       ``(topk_weights [T, k] float32, topk_ids [T, k] int32)``.
     """
-    k = config.num_experts_per_tok
-    if config.scoring_func == "softmax":
+    k, method = config.num_experts_per_tok, config.router_topk_method
+    if config.scoring_func == "softmax" and method == "greedy" and bias is None:
         weights, ids = softmax_topk(logits, k)
     else:
-        scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+        logits = logits.astype(jnp.float32)
+        if config.scoring_func == "softmax":
+            scores = jax.nn.softmax(logits, axis=-1)
+        else:
+            scores = jax.nn.sigmoid(logits)
         zero = jnp.zeros((scores.shape[-1],), jnp.float32)
         bias32 = zero if bias is None else bias.astype(jnp.float32)
-        weights, ids = grouped_topk(scores, bias32, k, config.n_group, config.topk_group)
+        groups = (1, 1) if method == "greedy" else (config.n_group, config.topk_group)
+        rating = "max" if method == "group_limited_greedy" else "top2_sum"
+        weights, ids = grouped_topk(scores, bias32, k, *groups, group_rating=rating)
     if config.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights * config.routed_scaling_factor, ids

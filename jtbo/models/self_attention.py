@@ -30,21 +30,26 @@ from jtbo.models import config as config_lib
 from jtbo.models import mlp, norm, rope
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Masked softmax attention with GQA head sharing, in float32.
+def dense_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scaling: float | None = None
+) -> jax.Array:
+    """Masked softmax attention with GQA head sharing, in float32 (or wider inputs' dtype).
 
     Args:
       q: ``[L, heads, D]`` queries.
-      k: ``[S, kv_heads, D]`` keys; v: ``[S, kv_heads, D]`` values.
+      k: ``[S, kv_heads, D]`` keys; v: ``[S, kv_heads, Dv]`` values.
       mask: ``[L, S]`` bool, True where query ``l`` may attend to key ``s``.
+      scaling: softmax scale; None: ``D ** -0.5``.
 
     Returns:
-      ``[L, heads, D]`` in ``q.dtype``; a row with no allowed key returns zeros.
+      ``[L, heads, Dv]`` in ``q.dtype``; a row with no allowed key returns zeros.
     """
+    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
     group = q.shape[1] // k.shape[1]
-    k = jnp.repeat(k.astype(jnp.float32), group, axis=1)
-    v = jnp.repeat(v.astype(jnp.float32), group, axis=1)
-    scores = jnp.einsum("lhd,shd->hls", q.astype(jnp.float32), k) * q.shape[-1] ** -0.5
+    wide = jnp.promote_types(q.dtype, jnp.float32)
+    k = jnp.repeat(k.astype(wide), group, axis=1)
+    v = jnp.repeat(v.astype(wide), group, axis=1)
+    scores = jnp.einsum("lhd,shd->hls", q.astype(wide), k) * scaling
     scores = jnp.where(mask[None], scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     probs = jnp.exp(scores - jnp.where(jnp.isfinite(row_max), row_max, 0.0))
@@ -86,6 +91,14 @@ class SelfAttention(nnx.Module):
         q = rope.apply_rope(q, positions, self.rope_theta, self.rope_scaling_factor)
         k = rope.apply_rope(k, positions, self.rope_theta, self.rope_scaling_factor)
         return q, k, v
+
+    def attend(self, backend, qkv, layer_id, metadata, kv_cache):
+        """Paged attention of ``qkv`` through ``backend.forward``; returns ``(out, kv_cache)``."""
+        return backend.forward(*qkv, layer_id, metadata, kv_cache)
+
+    def dense(self, qkv, mask: jax.Array) -> jax.Array:
+        """``dense_attention`` over all of ``qkv``'s tokens (the reference forward's path)."""
+        return dense_attention(*qkv, mask)
 
     def output(self, attn: jax.Array) -> jax.Array:
         """Projects ``attn [T, heads, D]`` back to ``[T, H]`` (partial sum over local heads)."""

@@ -57,6 +57,9 @@ _HEAD_SPECS = {
     "wqkv": P(None, ATTN_TP, None, None),  # [H, kv_heads, group + 2, D]
     "wo": P(ATTN_TP, None, None),  # [heads, D, H]
     "bqkv": P(ATTN_TP, None, None),  # [kv_heads, group + 2, D]
+    "wq": P(None, ATTN_TP, None),  # MLA [H, heads, nope + rope]
+    "wq_b": P(None, ATTN_TP, None),  # MLA [q_lora_rank, heads, nope + rope]
+    "wkv_b": P(None, ATTN_TP, None),  # MLA [kv_lora_rank, heads, nope + v]
 }
 _EXPERT_SPECS = {
     "ep": {  # whole experts per device
@@ -69,8 +72,9 @@ _EXPERT_SPECS = {
     },
 }
 KV_CACHE_SPEC = kv_cache_lib.KVCache(
+    # GQA: kv heads over attn_tp. MLA: one latent copy per attn_tp rank ("heads" = attn_tp).
     k=P(mesh_lib.DP_AXIS, None, None, ATTN_TP, None),  # [dp, layers, slots, kv_heads, D]
-    v=P(mesh_lib.DP_AXIS, None, None, ATTN_TP, None),  # [dp, layers, slots, kv_heads, D]
+    v=P(mesh_lib.DP_AXIS, None, None, ATTN_TP, None),  # [dp, layers, slots, kv_heads, Dv]
     req_to_token=P(mesh_lib.DP_AXIS),  # [dp, max_reqs, max_context]
 )
 

@@ -196,12 +196,12 @@ def _synthetic_plan(
 def _abstract_kv_cache(config, mesh, dp_size: int, tokens_per_rank: int, seq_capacity: int, dtype):
     """``ShapeDtypeStruct``s of the KV pools and page table, sharded like the runner's."""
     max_context = _max_context(tokens_per_rank)
-    kv_shape = (dp_size, config.num_layers, max_context + 1, config.num_key_value_heads,
-                config.head_dim)  # fmt: skip
+    heads, k_dim, v_dim = config.kv_pool_heads(mesh.shape["attn_tp"])
+    pool = (dp_size, config.num_layers, max_context + 1, heads)
     specs = step.KV_CACHE_SPEC
     return kv_cache_lib.KVCache(
-        k=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=NamedSharding(mesh, specs.k)),
-        v=jax.ShapeDtypeStruct(kv_shape, dtype, sharding=NamedSharding(mesh, specs.v)),
+        k=jax.ShapeDtypeStruct((*pool, k_dim), dtype, sharding=NamedSharding(mesh, specs.k)),
+        v=jax.ShapeDtypeStruct((*pool, v_dim), dtype, sharding=NamedSharding(mesh, specs.v)),
         req_to_token=jax.ShapeDtypeStruct(
             (dp_size, seq_capacity, max_context), jnp.int32,
             sharding=NamedSharding(mesh, specs.req_to_token),

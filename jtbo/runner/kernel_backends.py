@@ -18,8 +18,19 @@ def moe_runner_backend(name: str | None) -> str:
     return name if name is not None else impls.resolve(None, op="grouped_ffn")
 
 
-def attention_backend(name: str | None) -> str:
-    """``name``, or the fastest attention backend here ("native" or "pallas")."""
+def attention_backend(name: str | None, attention_kind: str = "gqa") -> str:
+    """``name``, or the fastest attention backend here for ``attention_kind``.
+
+    Args:
+      name: a backend name (kept as given) or None.
+      attention_kind: the model's ``MoEConfig.attention_kind``; MLA has only the native
+        backend.
+
+    Returns:
+      "native" or "pallas".
+    """
     if name is not None:
         return name
+    if attention_kind == "mla":
+        return "native"
     return _ATTENTION_BACKEND_OF_IMPL[impls.resolve(None, op="paged_attention")]

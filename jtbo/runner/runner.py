@@ -161,6 +161,15 @@ class ModelRunner:
         config = model.config
         self.dp_size, self.attn_tp_size = mesh.shape["dp"], mesh.shape["attn_tp"]
         _check_divisible(config, self.dp_size, self.attn_tp_size, moe_a2a_backend)
+        moe_runner_backend = kernel_backends.moe_runner_backend(moe_runner_backend)
+        attention_backend = kernel_backends.attention_backend(
+            attention_backend, config.attention_kind
+        )
+        if config.attention_kind == "mla" and attention_backend != "native":
+            raise ValueError(
+                f"attention_backend={attention_backend!r} has no MLA kernel; a model with "
+                "attention_kind='mla' needs attention_backend='native'"
+            )
         if max_total_tokens < 1 or max_running_requests < 1:
             raise ValueError(
                 f"max_total_tokens={max_total_tokens} and max_running_requests="
@@ -171,8 +180,6 @@ class ModelRunner:
         self.local_dp_ranks = distributed.local_dp_ranks(self.dp_rank_owners)
         self.multiprocess = distributed.is_multiprocess(mesh)
         self.max_total_tokens, self.max_running_requests = max_total_tokens, max_running_requests
-        moe_runner_backend = kernel_backends.moe_runner_backend(moe_runner_backend)
-        attention_backend = kernel_backends.attention_backend(attention_backend)
         self.parallel = layer_ops.ParallelConfig(
             moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size,
             ep_capacity_factor, ep_overflow_policy, tbo_round_barriers=tbo_round_barriers,
@@ -221,19 +228,17 @@ class ModelRunner:
         self.num_tbo_steps = 0
 
     def _init_kv(self) -> None:
-        shape = (
-            self.dp_size,
-            self.config.num_layers,
-            self.max_total_tokens + 1,  # slot 0 is the padding slot
-            self.config.num_key_value_heads,
-            self.config.head_dim,
-        )
+        heads, k_dim, v_dim = self.config.kv_pool_heads(self.attn_tp_size)
+        # Slot 0 is the padding slot.
+        shape = (self.dp_size, self.config.num_layers, self.max_total_tokens + 1, heads)
         kv_sharding = jax.sharding.NamedSharding(
             self.mesh, _trailing_none_dropped(step.KV_CACHE_SPEC.k)
         )
-        # Created in place on each device (also on other processes' devices).
-        zeros = jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=kv_sharding)
-        self._k, self._v = zeros(), zeros()
+
+        def zeros(dim):  # created in place on each device (also other processes' devices)
+            return jax.jit(lambda: jnp.zeros((*shape, dim), self.dtype), out_shardings=kv_sharding)
+
+        self._k, self._v = zeros(k_dim)(), zeros(v_dim)()
         self.req_to_token = np.zeros(
             (self.dp_size, self.max_running_requests, self.max_total_tokens), np.int32
         )
@@ -644,8 +649,9 @@ def _check_divisible(config, dp: int, tp: int, backend: str) -> None:
     devices = dp * tp
     checks = [
         ("num_attention_heads", config.num_attention_heads, tp),
-        ("num_key_value_heads", config.num_key_value_heads, tp),
     ]
+    if config.attention_kind == "gqa":
+        checks.append(("num_key_value_heads", config.num_key_value_heads, tp))
     if backend == "ep":
         checks.append(("num_experts", config.num_experts, devices))
     else:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jtbo.bench import kernel_time, tbo
+from jtbo.models import config as config_lib
 from jtbo.runner import kv_table
 
 
@@ -241,3 +242,15 @@ def test_no_profile_sets_no_dump_and_prints_no_overlap_line(scratch_environment,
               "--no-profile"])  # fmt: skip
     assert "overlap table" not in capsys.readouterr().out
     assert "--xla_dump_to" not in tbo.os.environ["XLA_FLAGS"]
+
+
+def test_mla_flag_picks_the_mla_preset_and_kv_bytes_per_token():
+    parse = tbo._parser().parse_args
+    assert tbo._config(parse([])) == config_lib.MoEConfig.deepseek_v3_reduced()
+    mla = tbo._config(parse(["--mla"]))
+    assert mla == config_lib.MoEConfig.deepseek_v3_mla_reduced()
+    assert tbo._config(parse(["--tiny", "--mla"])).attention_kind == "mla"
+    # V3's latent: 512 + 64 values per token and layer; GQA: 2 x 8 heads x 128.
+    assert tbo._kv_bytes(mla, "bfloat16").endswith(f"{4 * 576 * 2} bytes/token")
+    gqa = tbo._config(parse([]))
+    assert tbo._kv_bytes(gqa, "bfloat16").endswith(f"{4 * 2 * 8 * 128 * 2} bytes/token")

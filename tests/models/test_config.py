@@ -59,3 +59,31 @@ def test_shared_width_defaults_to_the_shared_experts_times_the_expert_width():
     assert config_lib.MoEConfig(num_shared_experts=2).shared_width == 64
     assert config_lib.MoEConfig(shared_expert_intermediate_size=40).shared_width == 40
     assert config_lib.MoEConfig(num_shared_experts=0).shared_width == 0
+
+
+def test_mla_presets_and_kv_pool_layout():
+    gqa = config_lib.MoEConfig.deepseek_v3_reduced()
+    assert gqa.attention_kind == "gqa" and gqa.kv_pool_heads(2) == (8, 128, 128)
+    mla = config_lib.MoEConfig.deepseek_v3_mla_reduced()
+    assert (mla.hidden_size, mla.num_experts, mla.num_layers) == (7168, 64, 4)
+    assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_head_dim, mla.v_head_dim) == (
+        1536, 512, 192, 128,
+    )  # fmt: skip
+    assert mla.kv_pool_heads(2) == (2, 576, 0)  # one latent copy per attn_tp rank
+    assert config_lib.MoEConfig.tiny_mla().rope_scaling_type == "yarn"
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (dict(attention_kind="mha"), "attention_kind='mha'"),
+        (dict(attention_kind="mla", qk_norm=True), "no qk_norm"),
+        (dict(qk_rope_head_dim=3), "qk_rope_head_dim=3 must be even"),
+        (dict(q_lora_rank=0), "q_lora_rank=0"),
+        (dict(kv_lora_rank=0), "kv_lora_rank=0"),
+        (dict(rope_scaling_type="ntk"), "rope_scaling_type='ntk'"),
+    ],
+)
+def test_bad_mla_fields_are_named(edit, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(config_lib.MoEConfig.tiny(), **edit)

@@ -15,6 +15,7 @@ def test_gpu_defaults_are_the_kernels(monkeypatch):
     monkeypatch.setattr(impls, "backend", lambda: "gpu")
     assert kernel_backends.moe_runner_backend(None) == "pallas"
     assert kernel_backends.attention_backend(None) == "pallas"
+    assert kernel_backends.attention_backend(None, "mla") == "native"  # no MLA kernel
 
 
 @pytest.mark.parametrize("name", ["xla", "pallas"])

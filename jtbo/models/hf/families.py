@@ -1,9 +1,14 @@
 """Hugging Face ``config.json`` <-> ``MoEConfig`` for the supported model families.
 
 Families: ``qwen3_moe`` (Qwen3-MoE: per-head q/k RMSNorm, no shared expert), ``qwen2_moe``
-(Qwen1.5/2-MoE: q/k/v bias, one shared expert scaled per token by ``sigmoid(x @ w)``) and
-``mixtral``. All three route with a softmax top-k; Qwen renormalises the chosen weights only
-with ``norm_topk_prob``, Mixtral always. Qwen's ``decoder_sparse_step`` / ``mlp_only_layers``
+(Qwen1.5/2-MoE: q/k/v bias, one shared expert scaled per token by ``sigmoid(x @ w)``),
+``mixtral``, and ``deepseek_v2`` / ``deepseek_v3`` (MLA attention, ``n_shared_experts`` shared
+experts, ``first_k_dense_replace`` dense layers, DeepSeek's ``topk_method`` and
+``routed_scaling_factor``, V3's ``e_score_correction_bias``, YaRN RoPE; FP8 block-quantized
+weights (``quantization_config.quant_method: fp8``) are dequantized while loading,
+``jtbo.models.hf.fp8``). The first three
+route with a softmax top-k; Qwen renormalises the chosen weights only with ``norm_topk_prob``,
+Mixtral always. Qwen's ``decoder_sparse_step`` / ``mlp_only_layers``
 make some layers dense (``MoEConfig.is_moe_layer`` reproduces the rule).
 
 Every field of ``config.json`` is accounted for: mapped to a ``MoEConfig`` field, checked
@@ -20,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jtbo.models import config as config_lib
+from jtbo.models.hf import fp8
 
 IGNORED_FIELDS = frozenset(
     {
@@ -66,8 +72,18 @@ class _Fields:
             )
 
 
-def _rope(fields: _Fields, default_theta: float) -> tuple[float, float]:
-    """``(rope_theta, linear scaling factor)`` from either RoPE spelling."""
+_YARN_KEYS = {
+    "factor": "rope_scaling_factor",
+    "original_max_position_embeddings": "rope_yarn_original_max_position",
+    "beta_fast": "rope_yarn_beta_fast",
+    "beta_slow": "rope_yarn_beta_slow",
+    "mscale": "rope_yarn_mscale",
+    "mscale_all_dim": "rope_yarn_mscale_all_dim",
+}
+
+
+def _rope(fields: _Fields, default_theta: float, allow_yarn: bool = False) -> dict:
+    """The ``MoEConfig`` RoPE fields from either RoPE spelling (YaRN only where allowed)."""
     params = fields.get("rope_parameters", None)
     legacy_theta = fields.get("rope_theta", None)
     scaling = fields.get("rope_scaling", None)
@@ -76,17 +92,28 @@ def _rope(fields: _Fields, default_theta: float) -> tuple[float, float]:
         params.setdefault("rope_theta", default_theta if legacy_theta is None else legacy_theta)
     kind = params.get("rope_type", params.get("type", "default"))
     field = "rope_parameters" if fields.raw.get("rope_parameters") is not None else "rope_scaling"
-    if kind not in ("default", "linear"):
+    kinds = ("default", "linear", "yarn") if allow_yarn else ("default", "linear")
+    if kind not in kinds:
         raise ValueError(
-            f"unsupported config field {field}.rope_type={kind!r} (expected one of "
-            "['default', 'linear'])"
+            f"unsupported config field {field}.rope_type={kind!r} (expected one of {list(kinds)})"
         )
-    known = {"rope_type", "type", "rope_theta"} | ({"factor"} if kind == "linear" else set())
+    known = {"rope_type", "type", "rope_theta"} | {
+        "default": set(), "linear": {"factor"}, "yarn": set(_YARN_KEYS) | {"truncate"}
+    }[kind]  # fmt: skip
     extra = sorted(set(params) - known)
     if extra:
         raise ValueError(f"unsupported config field(s) {field}.{extra} for rope_type {kind!r}")
-    factor = float(params["factor"]) if kind == "linear" else 1.0
-    return float(params.get("rope_theta", default_theta)), factor
+    if params.get("truncate", True) is not True:
+        raise ValueError(f"unsupported config field {field}.truncate={params['truncate']!r}")
+    out = dict(rope_theta=float(params.get("rope_theta", default_theta)))
+    if kind == "linear":
+        out.update(rope_scaling_factor=float(params["factor"]))
+    if kind == "yarn":
+        out.update(rope_scaling_type="yarn")
+        for key, name in _YARN_KEYS.items():
+            if params.get(key) is not None:
+                out[name] = params[key]
+    return out
 
 
 def _layer_types(fields: _Fields) -> None:
@@ -99,12 +126,12 @@ def _layer_types(fields: _Fields) -> None:
         )
 
 
-def _common(fields: _Fields, default_theta: float) -> dict:
+def _common(fields: _Fields, default_theta: float, allow_yarn: bool = False) -> dict:
     """The ``MoEConfig`` fields every family spells the same way."""
     fields.expect("hidden_act", ("silu",), "silu", "jtbo's MLPs are SwiGLU")
     heads = fields.get("num_attention_heads")
     hidden = fields.get("hidden_size")
-    theta, factor = _rope(fields, default_theta)
+    rope_fields = _rope(fields, default_theta, allow_yarn)
     _layer_types(fields)
     return dict(
         vocab_size=fields.get("vocab_size"),
@@ -113,8 +140,7 @@ def _common(fields: _Fields, default_theta: float) -> dict:
         num_attention_heads=heads,
         num_key_value_heads=fields.get("num_key_value_heads", None) or heads,
         head_dim=fields.get("head_dim", None) or hidden // heads,
-        rope_theta=theta,
-        rope_scaling_factor=factor,
+        **rope_fields,
         rms_norm_eps=fields.get("rms_norm_eps"),
         num_experts_per_tok=fields.get("num_experts_per_tok"),
         tie_word_embeddings=fields.get("tie_word_embeddings", False),
@@ -180,6 +206,77 @@ def _mixtral_config(fields: _Fields) -> dict:
     )
 
 
+def _deepseek_common(fields: _Fields) -> dict:
+    """What DeepSeek-V2 and -V3 share: MLA, shared experts, dense first layers."""
+    common = _common(fields, 10000.0, allow_yarn=True)
+    heads = common["num_attention_heads"]
+    if common["num_key_value_heads"] != heads:
+        raise ValueError(
+            f"unsupported config field num_key_value_heads={common['num_key_value_heads']} "
+            f"(expected num_attention_heads={heads}: MLA gives every head its key and value)"
+        )
+    quantization = fields.get("quantization_config", None)
+    if quantization is not None:
+        fp8.block_size(quantization)  # FP8 blocks are dequantized while loading; others raise
+    fields.expect("attention_bias", (False,), False, "attention projection biases")
+    fields.expect("moe_layer_freq", (1,), 1, "every layer past first_k_dense_replace is MoE")
+    fields.expect("pretraining_tp", (1,), 1, "a training-time tensor-parallel split")
+    for unused in ("ep_size", "aux_loss_alpha", "seq_aux", "num_nextn_predict_layers"):
+        fields.get(unused, None)  # training-only, or the MTP module (its tensors are skipped)
+    nope, rope_dim = fields.get("qk_nope_head_dim"), fields.get("qk_rope_head_dim")
+    fields.expect("qk_head_dim", (None, nope + rope_dim), None, "nope + rope head dims")
+    n_group = fields.get("n_group", None) or 1
+    return dict(
+        common,
+        head_dim=rope_dim,
+        attention_kind="mla",
+        q_lora_rank=fields.get("q_lora_rank", None),
+        kv_lora_rank=fields.get("kv_lora_rank"),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=fields.get("v_head_dim"),
+        intermediate_size=fields.get("intermediate_size"),
+        moe_intermediate_size=fields.get("moe_intermediate_size"),
+        num_experts=fields.get("n_routed_experts"),
+        num_shared_experts=fields.get("n_shared_experts", None) or 0,
+        first_k_dense=fields.get("first_k_dense_replace", 0),
+        n_group=n_group,
+        topk_group=fields.get("topk_group", None) or n_group,
+        routed_scaling_factor=float(fields.get("routed_scaling_factor", 1.0)),
+    )
+
+
+def _deepseek_v2_config(fields: _Fields) -> dict:
+    fields.expect("mlp_bias", (False,), False, "MLP biases")
+    fields.expect("scoring_func", ("softmax",), "softmax", "DeepSeek-V2 routes by softmax")
+    method = fields.expect(
+        "topk_method", ("greedy", "group_limited_greedy"), "greedy", "DeepSeek-V2's top-k rules"
+    )
+    return dict(
+        _deepseek_common(fields),
+        scoring_func="softmax",
+        topk_method=method,
+        use_score_correction_bias=False,
+        norm_topk_prob=fields.get("norm_topk_prob", False),
+    )
+
+
+def _deepseek_v3_config(fields: _Fields) -> dict:
+    fields.expect(
+        "rope_interleave", (True,), True,
+        "DeepSeek-V3's RoPE pairs are interleaved; the loader permutes them",
+    )  # fmt: skip
+    fields.expect("scoring_func", ("sigmoid",), "sigmoid", "DeepSeek-V3 routes by sigmoid")
+    fields.expect("topk_method", ("noaux_tc",), "noaux_tc", "DeepSeek-V3's top-k rule")
+    return dict(
+        _deepseek_common(fields),
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        use_score_correction_bias=True,
+        norm_topk_prob=fields.get("norm_topk_prob", True),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One supported ``model_type``: its config reader and its tensor names.
@@ -190,6 +287,7 @@ class Family:
       moe_prefix: the MoE block's name inside a layer (``mlp`` / ``block_sparse_moe``).
       expert_projections: an expert's (gate, up, down) projection names.
       read_config: ``_Fields -> MoEConfig`` keyword arguments.
+      shared_prefix: the shared-expert MLP's name inside the MoE block.
     """
 
     model_type: str
@@ -197,6 +295,22 @@ class Family:
     moe_prefix: str
     expert_projections: tuple[str, str, str]
     read_config: Callable[[_Fields], dict]
+    shared_prefix: str = "shared_expert"
+
+    @property
+    def is_deepseek(self) -> bool:
+        """DeepSeek-V2/V3: MLA attention, ``shared_experts``, the MTP module to skip."""
+        return self.model_type in ("deepseek_v2", "deepseek_v3")
+
+    def skipped_tensor(self, name: str, raw: dict) -> bool:
+        """Whether a checkpoint tensor is deliberately not loaded: DeepSeek-V3's multi-token
+        prediction module (``num_nextn_predict_layers`` layers past the decoder's, used only
+        for speculative drafting)."""
+        extra = raw.get("num_nextn_predict_layers") or 0
+        if not self.is_deepseek or not extra or not name.startswith("model.layers."):
+            return False
+        layer = int(name.split(".")[2])
+        return raw["num_hidden_layers"] <= layer < raw["num_hidden_layers"] + extra
 
     def to_moe_config(self, raw: dict) -> config_lib.MoEConfig:
         """The ``MoEConfig`` of a ``config.json`` of this family.
@@ -227,6 +341,8 @@ class Family:
             num_experts_per_tok=config.num_experts_per_tok,
             tie_word_embeddings=config.tie_word_embeddings,
         )  # fmt: skip
+        if self.is_deepseek:
+            return _deepseek_hf_config(self, config, raw)
         if self.model_type == "mixtral":
             raw.update(
                 num_local_experts=config.num_experts,
@@ -253,14 +369,49 @@ class Family:
 def _rope_parameters(config: config_lib.MoEConfig) -> dict:
     if config.rope_scaling_factor == 1.0:
         return dict(rope_type="default", rope_theta=config.rope_theta)
+    if config.rope_scaling_type == "yarn":
+        out = dict(rope_type="yarn", rope_theta=config.rope_theta)
+        out.update({key: getattr(config, name) for key, name in _YARN_KEYS.items()})
+        return {key: value for key, value in out.items() if value != 0.0}
     return dict(rope_type="linear", rope_theta=config.rope_theta, factor=config.rope_scaling_factor)
+
+
+def _deepseek_hf_config(family: Family, config: config_lib.MoEConfig, raw: dict) -> dict:
+    raw.update(
+        num_key_value_heads=config.num_attention_heads, head_dim=config.qk_rope_head_dim,
+        q_lora_rank=config.q_lora_rank, kv_lora_rank=config.kv_lora_rank,
+        qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim, intermediate_size=config.intermediate_size,
+        moe_intermediate_size=config.moe_intermediate_size, n_routed_experts=config.num_experts,
+        n_shared_experts=config.num_shared_experts, first_k_dense_replace=config.first_k_dense,
+        n_group=config.n_group, topk_group=config.topk_group,
+        norm_topk_prob=config.norm_topk_prob, routed_scaling_factor=config.routed_scaling_factor,
+        attention_bias=False,
+    )  # fmt: skip
+    if family.model_type == "deepseek_v2":
+        raw.update(topk_method=config.router_topk_method, mlp_bias=False)
+    else:
+        raw.update(rope_interleave=True)
+    return raw
 
 
 def _family_requirements(family: Family, config: config_lib.MoEConfig) -> dict[str, Any]:
     """MoEConfig field -> the value ``family`` needs."""
+    if family.model_type == "deepseek_v2":
+        return dict(
+            attention_kind="mla", scoring_func="softmax", use_score_correction_bias=False,
+            shared_expert_gate=False, shared_expert_intermediate_size=None,
+            is_moe_layer=_deepseek_layers(config),
+        )  # fmt: skip
+    if family.model_type == "deepseek_v3":
+        return dict(
+            attention_kind="mla", scoring_func="sigmoid", router_topk_method="noaux_tc",
+            use_score_correction_bias=True, shared_expert_gate=False,
+            shared_expert_intermediate_size=None, is_moe_layer=_deepseek_layers(config),
+        )  # fmt: skip
     needs: dict[str, Any] = dict(
-        scoring_func="softmax", n_group=1, topk_group=1, use_score_correction_bias=False,
-        routed_scaling_factor=1.0,
+        attention_kind="gqa", scoring_func="softmax", n_group=1, topk_group=1,
+        use_score_correction_bias=False, routed_scaling_factor=1.0,
     )  # fmt: skip
     if family.model_type == "mixtral":
         return needs | dict(
@@ -270,6 +421,11 @@ def _family_requirements(family: Family, config: config_lib.MoEConfig) -> dict[s
     if family.model_type == "qwen3_moe":
         return needs | dict(qk_norm=True, qkv_bias=False, shared_width=0)
     return needs | dict(qk_norm=False, shared_expert_gate=True, num_shared_experts=1)
+
+
+def _deepseek_layers(config: config_lib.MoEConfig) -> tuple[bool, ...]:
+    """DeepSeek's layer kinds: dense before ``first_k_dense_replace``, MoE after."""
+    return tuple(i >= config.first_k_dense for i in range(config.num_layers))
 
 
 def _check_expressible(family: Family, config: config_lib.MoEConfig) -> None:
@@ -291,6 +447,10 @@ FAMILIES = {
                ("gate_proj", "up_proj", "down_proj"), _qwen2_moe_config),
         Family("mixtral", "MixtralForCausalLM", "block_sparse_moe",
                ("w1", "w3", "w2"), _mixtral_config),
+        Family("deepseek_v2", "DeepseekV2ForCausalLM", "mlp",
+               ("gate_proj", "up_proj", "down_proj"), _deepseek_v2_config, "shared_experts"),
+        Family("deepseek_v3", "DeepseekV3ForCausalLM", "mlp",
+               ("gate_proj", "up_proj", "down_proj"), _deepseek_v3_config, "shared_experts"),
     )
 }  # fmt: skip
 """The supported families by ``model_type``."""

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jtbo.models import model as model_lib
 from jtbo.models import step
-from jtbo.models.hf import checkpoint, families, placement, safetensors_io, tensor_map
+from jtbo.models.hf import checkpoint, families, fp8, placement, safetensors_io, tensor_map
 
 
 def _state_path(path) -> tuple:
@@ -48,7 +48,8 @@ def from_pretrained(
     mesh: jax.sharding.Mesh | None = None,
     moe_a2a_backend: str = "ep",
 ) -> model_lib.MoEModel:
-    """Loads a Hugging Face MoE checkpoint (``qwen3_moe``, ``qwen2_moe``, ``mixtral``).
+    """Loads a Hugging Face MoE checkpoint (``qwen3_moe``, ``qwen2_moe``, ``mixtral``,
+    ``deepseek_v2``, ``deepseek_v3``; ``jtbo.models.hf.families``).
 
     Args:
       path: the model directory (``config.json`` and ``model.safetensors``, or shards with
@@ -70,11 +71,15 @@ def from_pretrained(
     family, raw = _read_config(path)
     config = family.to_moe_config(raw)
     table = checkpoint.read_tensor_table(Path(path))
+    table = {name: info for name, info in table.items() if not family.skipped_tensor(name, raw)}
+    views = safetensors_io.FileViews()
+    if raw.get("quantization_config") is not None:  # FP8 blocks, dequantized as they are read
+        table = fp8.dequantizing_table(table, fp8.block_size(raw["quantization_config"]))
+        views = fp8.DequantizingViews(views)
     recipes = {recipe.path: recipe for recipe in tensor_map.recipes(config, family)}
     placement.check_tensors(list(recipes.values()), table)
     abstract = nnx.eval_shape(lambda: model_lib.MoEModel(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    views = safetensors_io.FileViews()
 
     def build(key_path, leaf, spec=None):
         sharding = None if mesh is None else jax.sharding.NamedSharding(mesh, spec)

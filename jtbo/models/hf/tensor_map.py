@@ -118,6 +118,60 @@ def _attention(config: config_lib.MoEConfig, layer: int) -> list[Recipe]:
     return recipes
 
 
+def _rope_half_order(rope_dim: int) -> np.ndarray:
+    """Column order taking DeepSeek's interleaved RoPE pairs ``(x0, x1), (x2, x3), ..`` to
+    jtbo's half layout ``(x0, x2, .., x1, x3, ..)``; scores do not change when queries and
+    keys are permuted alike (``jtbo.models.mla_attention``)."""
+    return np.concatenate([np.arange(0, rope_dim, 2), np.arange(1, rope_dim, 2)])
+
+
+def _mla_attention(config: config_lib.MoEConfig, layer: int) -> list[Recipe]:
+    """MLA projections; the rotated columns of the query and the latent key are permuted."""
+    prefix, path = f"model.layers.{layer}.self_attn", ("layers", layer, "attn")
+    h, heads, rank = config.hidden_size, config.num_attention_heads, config.kv_lora_rank
+    nope, rope_dim, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+    qk = nope + rope_dim
+    order = _rope_half_order(rope_dim)
+    q_order = np.concatenate([np.arange(nope), nope + order])
+    q_back, kv_back = (
+        np.argsort(q_order),
+        np.argsort(np.concatenate([np.arange(rank), rank + order])),
+    )
+    kv_order = np.argsort(kv_back)
+
+    def heads_recipe(name, param, fan_in):  # [heads * qk, in] <-> [in, heads, qk]
+        return Recipe(
+            (*path, param), (f"{prefix}.{name}.weight",), ((heads * qk, fan_in),),
+            lambda t: t[0].T.reshape(fan_in, heads, qk)[..., q_order],
+            lambda a: [a[..., q_back].reshape(fan_in, heads * qk).T],
+        )  # fmt: skip
+
+    recipes = [
+        Recipe(
+            (*path, "wkv_a"), (f"{prefix}.kv_a_proj_with_mqa.weight",), ((rank + rope_dim, h),),
+            lambda t: t[0].T[:, kv_order], lambda a: [a[:, kv_back].T],
+        ),
+        _same((*path, "kv_a_norm", "weight"), f"{prefix}.kv_a_layernorm.weight", (rank,)),
+        Recipe(
+            (*path, "wkv_b"), (f"{prefix}.kv_b_proj.weight",), ((heads * (nope + v), rank),),
+            lambda t: t[0].T.reshape(rank, heads, nope + v),
+            lambda a: [a.reshape(rank, heads * (nope + v)).T],
+        ),
+        Recipe(
+            (*path, "wo"), (f"{prefix}.o_proj.weight",), ((h, heads * v),),
+            lambda t: t[0].T.reshape(heads, v, h), lambda a: [a.reshape(heads * v, h).T],
+        ),
+    ]  # fmt: skip
+    if config.q_lora_rank is None:
+        return recipes + [heads_recipe("q_proj", "wq", h)]
+    q_rank = config.q_lora_rank
+    return recipes + [
+        _transposed((*path, "wq_a"), f"{prefix}.q_a_proj.weight", (q_rank, h)),
+        _same((*path, "q_a_norm", "weight"), f"{prefix}.q_a_layernorm.weight", (q_rank,)),
+        heads_recipe("q_b_proj", "wq_b", q_rank),
+    ]
+
+
 def _experts(config: config_lib.MoEConfig, family: families.Family, layer: int) -> list[Recipe]:
     prefix = f"model.layers.{layer}.{family.moe_prefix}.experts"
     path = ("layers", layer, "moe", "experts")
@@ -141,9 +195,14 @@ def _moe(config: config_lib.MoEConfig, family: families.Family, layer: int) -> l
         _transposed((*path, "router", "weight"), f"{prefix}.gate.weight", (config.num_experts, h)),
         *_experts(config, family, layer),
     ]
+    if config.use_score_correction_bias:
+        bias_name = f"{prefix}.gate.e_score_correction_bias"
+        recipes.append(
+            _same((*path, "router", "correction_bias"), bias_name, (config.num_experts,))
+        )
     if config.shared_width:
         names = ("gate_proj", "up_proj", "down_proj")
-        shared_prefix = f"{prefix}.shared_expert"
+        shared_prefix = f"{prefix}.{family.shared_prefix}"
         recipes += _mlp((*path, "shared"), shared_prefix, names, h, config.shared_width)
     if config.shared_expert_gate:
         recipes.append(
@@ -162,7 +221,7 @@ def _layer(config: config_lib.MoEConfig, family: families.Family, layer: int) ->
         _same(
             (*path, "post_attn_norm", "weight"), f"{prefix}.post_attention_layernorm.weight", (h,)
         ),
-        *_attention(config, layer),
+        *(_mla_attention if config.attention_kind == "mla" else _attention)(config, layer),
     ]
     if config.is_moe_layer[layer]:
         return recipes + _moe(config, family, layer)

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2] / "fixtures" / "hf"
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3")
 
 
 def directory(family: str) -> Path:

@@ -24,6 +24,19 @@ def test_fixture_configs_map_to_the_expected_moe_configs():
     mixtral = families.FAMILIES["mixtral"].to_moe_config(_raw("mixtral"))
     assert mixtral.norm_topk_prob and mixtral.rope_theta == 1e6 and mixtral.head_dim == 8
     assert mixtral.moe_intermediate_size == 24 and all(mixtral.is_moe_layer)
+    v2 = families.FAMILIES["deepseek_v2"].to_moe_config(_raw("deepseek_v2"))
+    assert v2.attention_kind == "mla" and v2.q_lora_rank is None and v2.kv_lora_rank == 16
+    assert (v2.qk_nope_head_dim, v2.qk_rope_head_dim, v2.v_head_dim) == (8, 4, 8)
+    assert v2.router_topk_method == "group_limited_greedy" and v2.scoring_func == "softmax"
+    assert v2.shared_width == 32 and v2.is_moe_layer == (False, True, True)
+    assert v2.routed_scaling_factor == 1.5 and not v2.use_score_correction_bias
+    v3 = families.FAMILIES["deepseek_v3"].to_moe_config(_raw("deepseek_v3"))
+    assert v3.q_lora_rank == 16 and v3.router_topk_method == "noaux_tc"
+    assert v3.use_score_correction_bias and v3.scoring_func == "sigmoid" and v3.norm_topk_prob
+    assert (v3.n_group, v3.topk_group, v3.routed_scaling_factor) == (4, 2, 2.5)
+    assert v3.rope_scaling_type == "yarn" and v3.rope_scaling_factor == 4.0
+    assert (v3.rope_yarn_mscale, v3.rope_yarn_mscale_all_dim) == (1.0, 0.8)
+    assert v3.rope_yarn_original_max_position == 16
 
 
 @pytest.mark.parametrize("family", fixtures.FAMILIES)
@@ -45,7 +58,8 @@ def test_legacy_rope_fields_are_read():
     "family, edit, message",
     [
         ("qwen3_moe", dict(model_type="llama"),
-         r"model_type 'llama' \(expected one of \['mixtral', 'qwen2_moe', 'qwen3_moe'\]"),
+         r"model_type 'llama' \(expected one of \['deepseek_v2', 'deepseek_v3', 'mixtral', "
+         r"'qwen2_moe', 'qwen3_moe'\]"),
         ("qwen3_moe", dict(use_sliding_window=True),
          r"use_sliding_window=True \(expected one of \[False\]\): sliding-window"),
         ("mixtral", dict(sliding_window=4096),
@@ -63,6 +77,19 @@ def test_legacy_rope_fields_are_read():
          r"unsupported config field\(s\) \['quantization_config'\] for model_type 'mixtral'"),
         ("qwen2_moe", dict(shared_expert_intermediate_size=0),
          r"shared_expert_intermediate_size=0"),
+        ("deepseek_v3", dict(quantization_config=dict(quant_method="fp8",
+                                                      weight_block_size=[128])),
+         r"quantization_config.weight_block_size=\[128\]"),
+        ("deepseek_v3", dict(topk_method="greedy"), r"topk_method='greedy' \(expected one of "
+         r"\['noaux_tc'\]\)"),
+        ("deepseek_v2", dict(topk_method="noaux_tc"), r"topk_method='noaux_tc'"),
+        ("deepseek_v3", dict(rope_interleave=False), r"rope_interleave=False"),
+        ("deepseek_v2", dict(num_key_value_heads=2), r"num_key_value_heads=2 \(expected "
+         r"num_attention_heads=4"),
+        ("deepseek_v2", dict(moe_layer_freq=2), r"moe_layer_freq=2"),
+        ("deepseek_v3", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1.0, factor=4.0,
+                                                  attention_factor=2.0)),
+         r"rope_parameters.\['attention_factor'\] for rope_type 'yarn'"),
     ],
 )  # fmt: skip
 def test_unsupported_config_fields_raise(family, edit, message):

@@ -146,3 +146,24 @@ def test_no_weights_and_no_config(tmp_path):
         hf.from_pretrained(target)
     with pytest.raises(ValueError, match="no config.json"):
         hf.from_pretrained(tmp_path / "missing")
+
+
+def test_save_pretrained_of_a_jtbo_mla_model_picks_deepseek_v3(tmp_path):
+    # tiny_mla: sigmoid router with the correction bias, low-rank query, YaRN RoPE.
+    model = model_lib.MoEModel(config_lib.MoEConfig.tiny_mla(), rngs=nnx.Rngs(5))
+    hf.save_pretrained(model, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["model_type"] == "deepseek_v3" and raw["rope_parameters"]["rope_type"] == "yarn"
+    again = hf.from_pretrained(tmp_path, dtype=jnp.float32)
+    assert again.config == model.config
+    got = _params(again)
+    for key, value in _params(model).items():
+        np.testing.assert_array_equal(got[key], value, key)
+    v2 = config_lib.MoEConfig(
+        **dict(config_lib.MoEConfig.tiny_mla().__dict__, scoring_func="softmax",
+               topk_method="group_limited_greedy", use_score_correction_bias=False)
+    )  # fmt: skip
+    hf.save_pretrained(model_lib.MoEModel(v2, rngs=nnx.Rngs(6)), tmp_path / "v2")
+    raw = json.loads((tmp_path / "v2" / "config.json").read_text())
+    assert raw["model_type"] == "deepseek_v2" and raw["topk_method"] == "group_limited_greedy"
+    assert hf.from_pretrained(tmp_path / "v2", dtype=jnp.float32).config == v2

@@ -10,7 +10,11 @@ greedy tokens. Tolerance: atol = rtol = 1e-4 (float32 end to end; the difference
 Layouts: qwen2_moe (the family with every option: shared expert and its gate, q/k/v bias,
 dense layers before and after a MoE layer, linear RoPE scaling) runs dp=8 x attn_tp=1 and
 dp=4 x attn_tp=2; qwen3_moe runs 4 x 2 (attention heads split) and mixtral 8 x 1, so both
-layouts meet every family's particular layers while keeping the compiles few.
+layouts meet every family's particular layers while keeping the compiles few. The DeepSeek
+families (MLA: extend attends decompressed, the greedy decode steps absorbed) run
+deepseek_v2 (no low-rank query, group_limited_greedy, two shared experts) on 4 x 2, heads
+split and the latent replicated, and deepseek_v3 (low-rank query, noaux_tc with the correction
+bias, YaRN with its mscales) on 8 x 1.
 """
 
 import chex
@@ -25,7 +29,10 @@ from jtbo.runner import runner as runner_lib
 from tests.models.hf import fixtures
 
 TOL = dict(atol=1e-4, rtol=1e-4)
-CASES = [("qwen2_moe", 8, 1), ("qwen2_moe", 4, 2), ("qwen3_moe", 4, 2), ("mixtral", 8, 1)]
+CASES = [
+    ("qwen2_moe", 8, 1), ("qwen2_moe", 4, 2), ("qwen3_moe", 4, 2), ("mixtral", 8, 1),
+    ("deepseek_v2", 4, 2), ("deepseek_v3", 8, 1),
+]  # fmt: skip
 
 
 def _extend(prompt: list[int]) -> split.ForwardBatch:

@@ -1,0 +1,153 @@
+"""Multi-head latent attention (DeepSeek-V2/V3 MLA) over a latent paged KV pool.
+
+MLA compresses each token's keys and values into one latent row ``c`` of ``kv_lora_rank``
+values plus one RoPE key ``k_pe`` of ``qk_rope_head_dim`` values shared by every head. A head
+``h`` reads its key as ``[c @ W_UK[h], k_pe]`` and its value as ``c @ W_UV[h]``, where
+``W_UK`` / ``W_UV`` are the two halves of the up-projection ``kv_b [rank, heads, nope + v]``.
+The pool therefore stores only ``[c, k_pe]`` per token: the ``KVCache``'s ``k`` holds it as
+one KV head of ``rank + rope`` values, and its ``v`` has width 0.
+
+Two exact ways to attend, chosen by the metadata's shape (``uses_absorbed``):
+
+* **Decompressed** (EXTEND / MIXED): every pool block the kernel gathers (the step's own
+  tokens and the prefix alike) is up-projected to per-head keys ``[nope + rope]`` and values
+  ``[v]``, and the queries ``[q_nope, q_pe]`` attend as in plain multi-head attention. The
+  up-projection is paid once per (tile, block) pair and shared by the tile's query rows; a
+  block read by several tiles (a long prompt's prefix) is up-projected by each of them.
+* **Absorbed** (DECODE / TARGET_VERIFY): ``q_nope . (c W_UK[h]) = (q_nope W_UK[h]^T) . c``,
+  so the query is folded into latent space, ``[q_nope W_UK^T, q_pe]`` of width
+  ``rank + rope``, and attends the latent rows directly as one shared key head; the softmax-
+  weighted sum of latent rows is then projected by ``W_UV``. The kernel reads only the
+  latent: ``rank + rope`` values per token instead of ``heads x (nope + rope + v)``.
+
+Both forms compute the same scores and outputs; they differ only in float rounding. Heads
+may be any subset (``attn_tp`` ranks pass their share of ``kv_b``); the latent is the same
+on every rank.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from jtbo.attention import kv_cache as kv_cache_lib
+from jtbo.attention import metadata as metadata_lib
+from jtbo.attention import native
+
+
+def uses_absorbed(capacity: metadata_lib.AttentionCapacity) -> bool:
+    """Whether steps of ``capacity`` attend in the absorbed form (decode and verify tiles)."""
+    return capacity.query_tile == 1 or capacity.custom_mask
+
+
+def latent_view(kv_lora_rank: int) -> native.KVView:
+    """Reads the pool's latent rows as one key head and their first ``kv_lora_rank`` values
+    as the value head (the absorbed form)."""
+    return native.KVView(1, kv_lora_rank, lambda k, v: (k, k[..., :kv_lora_rank]))
+
+
+def decompressed_view(w_kv_b: jax.Array, qk_nope_head_dim: int) -> native.KVView:
+    """Up-projects each gathered latent block to per-head keys and values.
+
+    Args:
+      w_kv_b: ``[kv_lora_rank, heads, qk_nope_head_dim + v_head_dim]`` up-projection.
+      qk_nope_head_dim: key width without RoPE.
+
+    Returns:
+      A view giving keys ``[.., heads, nope + rope]`` and values ``[.., heads, v_head_dim]``.
+    """
+    rank, heads, width = w_kv_b.shape
+    w_uk, w_uv = w_kv_b[..., :qk_nope_head_dim], w_kv_b[..., qk_nope_head_dim:]
+
+    def expand(k_block, _):
+        latent, k_pe = k_block[:, :, 0, :rank], k_block[:, :, 0, rank:]  # [tiles, block, ..]
+        f32 = jnp.float32
+        k_nope = jnp.einsum("tbr,rhn->tbhn", latent, w_uk, preferred_element_type=f32)
+        values = jnp.einsum("tbr,rhv->tbhv", latent, w_uv, preferred_element_type=f32)
+        k_pe = jnp.broadcast_to(k_pe[:, :, None, :], (*k_pe.shape[:2], heads, k_pe.shape[-1]))
+        keys = jnp.concatenate([k_nope.astype(k_block.dtype), k_pe], axis=-1)
+        return keys, values.astype(k_block.dtype)
+
+    return native.KVView(heads, width - qk_nope_head_dim, expand)
+
+
+def write_latent(
+    latent: jax.Array,
+    layer_id: int | jax.Array,
+    md: metadata_lib.AttentionMetadata,
+    cache: kv_cache_lib.KVCache,
+) -> kv_cache_lib.KVCache:
+    """Stores the step's latent rows at ``out_cache_loc`` (padded rows: the padding slot).
+
+    Args:
+      latent: ``[token_capacity, kv_lora_rank + qk_rope_head_dim]`` (RoPE already applied).
+      layer_id: layer index.
+      md: the step's metadata.
+      cache: the latent cache (``k [L, slots, 1, rank + rope]``, ``v [L, slots, 1, 0]``).
+
+    Returns:
+      The cache holding the step's latent rows.
+
+    Raises:
+      ValueError: the cache is not a latent cache of this width, or token counts disagree.
+    """
+    expected = (1, latent.shape[-1])
+    if cache.k.shape[2:] != expected or cache.v.shape[2:] != (1, 0):
+        raise ValueError(
+            f"MLA needs a latent cache with k [.., 1, {latent.shape[-1]}] and v [.., 1, 0]; "
+            f"found k {cache.k.shape}, v {cache.v.shape}"
+        )
+    rows = latent[:, None, :]
+    no_values = jnp.zeros((latent.shape[0], 1, 0), latent.dtype)
+    return native.write_step_kv(rows, rows, no_values, layer_id, md, cache)
+
+
+def forward(
+    q_nope: jax.Array,
+    q_pe: jax.Array,
+    latent: jax.Array,
+    w_kv_b: jax.Array,
+    layer_id: int | jax.Array,
+    md: metadata_lib.AttentionMetadata,
+    cache: kv_cache_lib.KVCache,
+    *,
+    scaling: float,
+    absorbed: bool,
+    config: native.NativeAttentionConfig = native.DEFAULT_CONFIG,
+) -> tuple[jax.Array, kv_cache_lib.KVCache]:
+    """Writes the step's latent rows and attends (see the module docstring).
+
+    Args:
+      q_nope: ``[token_capacity, heads, qk_nope_head_dim]`` queries without RoPE.
+      q_pe: ``[token_capacity, heads, qk_rope_head_dim]`` RoPE'd queries.
+      latent: ``[token_capacity, kv_lora_rank + qk_rope_head_dim]``: normed latent, RoPE'd key.
+      w_kv_b: ``[kv_lora_rank, heads, qk_nope_head_dim + v_head_dim]`` (this rank's heads).
+      layer_id: layer index.
+      md: the step's metadata.
+      cache: the latent cache (donate it to update in place).
+      scaling: softmax scale (``(nope + rope) ** -0.5`` times any YaRN mscale).
+      absorbed: attend in the absorbed form (True) or the decompressed one.
+      config: native kernel knobs.
+
+    Returns:
+      ``(out [token_capacity, heads, v_head_dim] in q_nope.dtype, new cache)``.
+
+    Raises:
+      ValueError: as ``write_latent``.
+    """
+    cache = write_latent(latent, layer_id, md, cache)
+    nope = q_nope.shape[-1]
+    if not absorbed:
+        q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
+        view = decompressed_view(w_kv_b.astype(cache.k.dtype), nope)
+        return native.attend(
+            q, cache, layer_id, md, scaling=scaling, config=config, view=view
+        ), cache
+    w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]
+    f32 = jnp.float32
+    q_latent = jnp.einsum("thn,rhn->thr", q_nope, w_uk, preferred_element_type=f32)
+    q = jnp.concatenate([q_latent, q_pe.astype(f32)], axis=-1).astype(q_nope.dtype)
+    rank = w_kv_b.shape[0]
+    out_latent = native.attend(
+        q, cache, layer_id, md, scaling=scaling, config=config, view=latent_view(rank)
+    )  # [T, heads, rank]
+    out = jnp.einsum("thr,rhv->thv", out_latent, w_uv, preferred_element_type=f32)
+    return out.astype(q_nope.dtype), cache
