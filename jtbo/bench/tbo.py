@@ -94,6 +94,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--moe-a2a-backend", choices=("ep", "none"), default="ep")
     parser.add_argument("--ep-capacity-factor", type=float, default=4.0)
     parser.add_argument(
+        "--ep-dedup", action="store_true",
+        help="EP sends each token once per destination GPU (DeepEP-style) with its local "
+        "expert ids and weights, instead of once per (token, expert)",
+    )  # fmt: skip
+    parser.add_argument(
         "--moe-runner-backend", choices=("xla", "pallas"), default="xla",
         help="routed experts' FFN: batched matmul over every slot, or the grouped GEMM kernel",
     )  # fmt: skip
@@ -503,8 +508,8 @@ def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = F
         max_running_requests=max(args.decode + [largest // args.prompt_len + 1]),
         token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.dtype(args.dtype),
         ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
-        tbo_round_barriers=barriers, moe_runner_backend=args.moe_runner_backend,
-        attention_backend=args.attention_backend,
+        ep_dedup=args.ep_dedup, tbo_round_barriers=barriers,
+        moe_runner_backend=args.moe_runner_backend, attention_backend=args.attention_backend,
     )  # fmt: skip
 
 
@@ -513,7 +518,8 @@ def _header(args) -> str:
     options = " ".join(f"--{name}={_flag_value(value)}" for name, value in args.xla_option)
     return (
         f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; dp={args.dp}, "
-        f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}, experts "
+        f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}"
+        f"{' dedup' if args.ep_dedup else ''}, experts "
         f"{args.moe_runner_backend}; attention {args.attention_backend}; link {args.link}; "
         f"jax {jax.__version__}" + (f"; XLA_FLAGS += {options}" if options else "")
     )

@@ -397,6 +397,7 @@ def model_report(
         mode=aot_report.ForwardMode[_FORWARD_MODES[args.mode]], tokens_per_rank=args.tokens,
         enable_tbo=args.tbo, moe_a2a_backend=_MODEL_BACKENDS[args.moe],
         ep_capacity_factor=args.ep_capacity_factor, dtype=jnp.dtype(args.dtype),
+        ep_dedup=args.ep_dedup,
     )  # fmt: skip
     compiler_options = _compiler_options(
         args, lambda overrides: {**(step_options or {}), **overrides}
@@ -459,6 +460,10 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--ep-capacity-factor", type=float, default=None,
         help="EP capacity factor (--model; default: worst case)",
     )  # fmt: skip
+    parser.add_argument(
+        "--ep-dedup", action="store_true",
+        help="one EP row per (token, destination GPU) instead of per (token, expert) (--model)",
+    )  # fmt: skip
 
 
 def _add_toy_flags(parser: argparse.ArgumentParser) -> None:
@@ -477,7 +482,8 @@ def _title(args: argparse.Namespace) -> str:
             f"model step {args.model}: mode={args.mode} tbo={args.tbo} moe={args.moe} "
             f"devices={args.num_devices} (dp={args.num_devices // args.attn_tp} x "
             f"attn_tp={args.attn_tp}) tokens/DP rank={args.tokens} "
-            f"ep_capacity_factor={args.ep_capacity_factor} dtype={args.dtype}"
+            f"ep_capacity_factor={args.ep_capacity_factor} ep_dedup={args.ep_dedup} "
+            f"dtype={args.dtype}"
         )
     return (
         f"toy stack: mode={args.mode} tbo={args.tbo} barriers={args.barriers} moe={args.moe} "

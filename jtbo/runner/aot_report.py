@@ -115,6 +115,7 @@ def model_step_program(
     ep_capacity_factor: float | None = None,
     dtype=jnp.bfloat16,
     tbo_issue_barriers: bool | None = None,
+    ep_dedup: bool = False,
 ):
     """The runner's jitted step and abstract arguments (no parameter memory) for one plan.
 
@@ -133,6 +134,7 @@ def model_step_program(
       ep_capacity_factor: EP capacity factor (None: worst case).
       dtype: parameter / activation dtype.
       tbo_issue_barriers: ``layer_ops.ParallelConfig.tbo_issue_barriers``.
+      ep_dedup: ``layer_ops.ParallelConfig.ep_dedup``.
 
     Returns:
       ``(jitted_step, abstract_args, compiler_options)``: the runner compiles
@@ -149,7 +151,7 @@ def model_step_program(
     )
     parallel = layer_ops.ParallelConfig(
         moe_a2a_backend, attn_tp_size, dp_size * attn_tp_size, ep_capacity_factor,
-        tbo_issue_barriers=tbo_issue_barriers,
+        tbo_issue_barriers=tbo_issue_barriers, ep_dedup=ep_dedup,
     )  # fmt: skip
     seq_capacity = seq_capacity or tokens_per_rank
     plan = _synthetic_plan(

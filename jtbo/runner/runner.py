@@ -88,6 +88,7 @@ class ModelRunner:
         dtype=jnp.bfloat16,
         ep_capacity_factor: float | None = None,
         ep_overflow_policy: str = "raise",
+        ep_dedup: bool = False,
         tbo_round_barriers: bool = False,
         tbo_issue_barriers: bool | None = None,
         tbo_auto_trials: int = tbo_auto.DEFAULT_TRIALS,
@@ -118,6 +119,8 @@ class ModelRunner:
             None never drops a token (``layer_ops.ParallelConfig``).
           ep_overflow_policy: a step that overflowed EP capacity: "raise" (naming the capacity)
             or "rerun" (again with the next capacity bucket; ``collectives.resolve_overflow``).
+          ep_dedup: EP exchanges one row per (token, destination device) instead of one per
+            (token, expert) (``layer_ops.ParallelConfig.ep_dedup``).
           tbo_round_barriers: pin each TBO round with optimization barriers that leave the
             in-flight collective results out (``layer_ops.ParallelConfig``); off by default.
           tbo_issue_barriers: on multi-device meshes, pin both micro-batches before every
@@ -170,7 +173,8 @@ class ModelRunner:
         self.max_total_tokens, self.max_running_requests = max_total_tokens, max_running_requests
         self.parallel = layer_ops.ParallelConfig(
             moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size,
-            ep_capacity_factor, ep_overflow_policy, tbo_round_barriers=tbo_round_barriers,
+            ep_capacity_factor, ep_overflow_policy, ep_dedup=ep_dedup,
+            tbo_round_barriers=tbo_round_barriers,
             tbo_issue_barriers=tbo_issue_barriers, moe_runner_backend=moe_runner_backend,
             attention_backend=attention_backend,
         )  # fmt: skip
