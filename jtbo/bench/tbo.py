@@ -535,7 +535,7 @@ def _time_cases(runners, auto, cases, args) -> list[tuple[float, float]]:
         + " Δ logits (median row) / same token | numerics guard (ms) |"
     )
     print("|---|---|---|---|---|" + ("---|---|" if args.barriers else "") + "---|---|---|---|---|")
-    step_times = []
+    step_times, fills = [], []
     for name, size, batch in cases:
         (plain, *tbo_times, auto_time), agreement, decision = _case(
             runners, auto, batch, args.iters
@@ -545,7 +545,17 @@ def _time_cases(runners, auto, cases, args) -> list[tuple[float, float]]:
               f"{_auto_cells(auto_time, plain, tbo_times[0], decision)} {agreement} | "
               f"{_guard_time(runners[0], batch, args.iters) * 1e3:.3f} |", flush=True)  # fmt: skip
         step_times.append((plain, tbo_times[0]))
+        fills.append(f"{name} {size}: {_ep_fill(runners[0], batch)}")
+    if args.moe_a2a_backend == "ep":
+        print("EP buffer fill of the TBO step, peak / capacity per micro-batch (peer / expert): "
+              + "; ".join(fills))  # fmt: skip
     return step_times
+
+
+def _ep_fill(runner, batch) -> str:
+    """``peer / expert`` peak-over-capacity per micro-batch of one TBO step of ``batch``."""
+    runner.run_plan(_plan(runner, batch, True))
+    return ", ".join(f"{peer:.2f} / {expert:.2f}" for peer, expert in runner.ep_buffer_fill())
 
 
 def _guard_time(runner, batch, iters: int) -> float:

@@ -218,6 +218,7 @@ class ModelRunner:
         self.check_finite_logits = check_finite_logits
         self.num_steps = 0
         self.num_tbo_steps = 0
+        self._last_ep_load = ((), None)  # the last run's dispatchers and peak loads
 
     def _init_kv(self) -> None:
         shape = (
@@ -507,8 +508,27 @@ class ModelRunner:
             self._k, self._v, self._req_to_token_device = cache.k, cache.v, cache.req_to_token
             if self.multiprocess:  # waits with the GIL released: the failure monitor runs
                 jax.block_until_ready((logits, overflow, peak_load))
+            self._last_ep_load = (dispatchers, peak_load)
             dispatchers = self._resolve_overflow(dispatchers, overflow, peak_load)
         return logits
+
+    def ep_buffer_fill(self) -> list[tuple[float, float]]:
+        """How full the last step's EP buffers were, per micro-batch (one without TBO).
+
+        Returns:
+          ``(peer, expert)`` fill per dispatcher: the step's peak load (max over layers and
+          devices) over ``peer_capacity`` / ``expert_capacity``; above 1 means it overflowed
+          (and re-ran or raised). Empty without EP or before the first step. Reads the peak
+          loads back from the devices.
+        """
+        dispatchers, peak_load = self._last_ep_load
+        if not dispatchers:
+            return []
+        peaks = np.asarray(peak_load).reshape(-1, len(dispatchers), 2).max(axis=0)
+        return [
+            (int(peer) / d.peer_capacity, int(expert) / d.expert_capacity)
+            for d, (peer, expert) in zip(dispatchers, peaks, strict=True)
+        ]
 
     def _step_inputs(self, plan: planning.StepPlan) -> step.StepInputs:
         """The plan's arrays on the mesh: two packed buffers, two host->device transfers."""
