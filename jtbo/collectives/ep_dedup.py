@@ -189,10 +189,14 @@ def combine_a(
     if expert_outputs.shape[:2] != slots:
         raise ValueError(f"expert_outputs shape {expert_outputs.shape} must start with {slots}")
     flat = expert_outputs.reshape((-1,) + expert_outputs.shape[2:])
-    per_column = ep_lib._gather_rows(flat, state.recv_expert_slot)
-    per_column = per_column.reshape(state.recv_weights.shape + flat.shape[1:])
-    weighted = state.recv_weights[..., None] * per_column.astype(jnp.float32)
-    back = jnp.sum(weighted, axis=1).astype(expert_outputs.dtype)
+    slot = state.recv_expert_slot.reshape(state.recv_weights.shape)
+    # One [rows, H] gather per id column, summed as they come: a [rows, m, H] float32
+    # intermediate would be m times the exchange's size if XLA did not fuse the reduction.
+    back = jnp.zeros((slot.shape[0],) + flat.shape[1:], jnp.float32)
+    for column in range(slot.shape[1]):
+        rows = ep_lib._gather_rows(flat, slot[:, column]).astype(jnp.float32)
+        back = back + state.recv_weights[:, column, None] * rows
+    back = back.astype(expert_outputs.dtype)
     if dispatcher.exchange == "dense":
         returned = ep_lib._all_to_all(dispatcher, back)
     else:

@@ -222,3 +222,35 @@ def test_pack_ids_round_trips_several_ids_per_row(dtype):
     np.testing.assert_array_equal(
         np.asarray(got_rows).view(np.uint8), np.asarray(rows).view(np.uint8)
     )
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="ragged_all_to_all needs a GPU")
+def test_dedup_dense_and_ragged_agree_on_gpu():
+    num_devices = len(jax.devices())
+    mesh = mesh_lib.make_mesh(num_devices, 1)
+    rng = np.random.default_rng(4)
+    tokens, top_k, num_experts = 32, 3, 4 * num_devices
+    hidden = rng.standard_normal((num_devices * tokens, HIDDEN)).astype(np.float32)
+    ids = np.stack(
+        [rng.choice(num_experts, top_k, replace=False) for _ in range(num_devices * tokens)]
+    ).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (num_devices * tokens, top_k)).astype(np.float32)
+    num_valid = rng.integers(0, tokens + 1, num_devices).astype(np.int32)
+    results = {}
+    for exchange, dedup in (("dense", False), ("dense", True), ("ragged", True)):
+        dispatcher = ep_config.create_ep_dispatcher(
+            mesh, num_experts=num_experts, num_tokens=tokens, top_k=top_k, exchange=exchange,
+            dedup=dedup, worst_case=True,
+        )  # fmt: skip
+        step = jax.jit(
+            jax.shard_map(
+                functools.partial(_moe_step, dispatcher),
+                mesh=mesh,
+                in_specs=(P(mesh_lib.TP_AXES),) * 4,  # hidden, topk ids, weights, valid counts
+                out_specs=(P(mesh_lib.TP_AXES),) * 3,
+                check_vma=False,
+            )
+        )
+        results[exchange, dedup] = np.asarray(step(hidden, ids, weights, num_valid)[0])
+    for got in (results["dense", True], results["ragged", True]):
+        np.testing.assert_allclose(got, results["dense", False], rtol=1e-4, atol=1e-4)
