@@ -240,7 +240,7 @@ def test_pallas_attention_backend_matches_native_with_and_without_tbo():
 def test_dedup_exchange_with_and_without_tbo_matches_reference():
     # ep_dedup (one EP row per (token, destination device)) through the whole model, plain and
     # TBO; TBO at a capacity factor that overflows (the step re-runs with the next bucket).
-    config = config_lib.MoEConfig.tiny()
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     make = lambda tbo: runner_lib.ModelRunner(  # noqa: E731
         model, mesh_lib.make_mesh(4, 2), enable_two_batch_overlap=tbo, max_total_tokens=64,
