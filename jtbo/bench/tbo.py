@@ -96,6 +96,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--moe-a2a-backend", choices=("ep", "none"), default="ep")
     parser.add_argument("--ep-capacity-factor", type=float, default=4.0)
     parser.add_argument(
+        "--ep-dedup", action="store_true",
+        help="EP sends each token once per destination GPU (DeepEP-style) with its local "
+        "expert ids and weights, instead of once per (token, expert)",
+    )  # fmt: skip
+    parser.add_argument(
         "--moe-runner-backend", choices=("xla", "pallas"), default=None,
         help="routed experts' FFN: batched matmul over every slot, or the grouped GEMM kernel "
         "(default: the runner's, the fastest on this platform)",
@@ -512,8 +517,8 @@ def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = F
         max_running_requests=max(args.decode + [largest // args.prompt_len + 1]),
         token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.dtype(args.dtype),
         ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
-        tbo_round_barriers=barriers, moe_runner_backend=args.moe_runner_backend,
-        attention_backend=args.attention_backend,
+        ep_dedup=args.ep_dedup, tbo_round_barriers=barriers,
+        moe_runner_backend=args.moe_runner_backend, attention_backend=args.attention_backend,
     )  # fmt: skip
 
 
@@ -540,7 +545,8 @@ def _header(args) -> str:
     options = " ".join(f"--{name}={_flag_value(value)}" for name, value in args.xla_option)
     return (
         f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; dp={args.dp}, "
-        f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}, experts "
+        f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}"
+        f"{' dedup' if args.ep_dedup else ''}, experts "
         f"{args.moe_runner_backend}; attention {args.attention_backend}; link {args.link}; "
         f"jax {jax.__version__}" + (f"; XLA_FLAGS += {options}" if options else "")
     )
@@ -556,7 +562,7 @@ def _time_cases(runners, auto, cases, args) -> list[tuple[float, float]]:
         + " Δ logits (median row) / same token | numerics guard (ms) |"
     )
     print("|---|---|---|---|---|" + ("---|---|" if args.barriers else "") + "---|---|---|---|---|")
-    step_times = []
+    step_times, fills = [], []
     for name, size, batch in cases:
         (plain, *tbo_times, auto_time), agreement, decision = _case(
             runners, auto, batch, args.iters
@@ -566,7 +572,17 @@ def _time_cases(runners, auto, cases, args) -> list[tuple[float, float]]:
               f"{_auto_cells(auto_time, plain, tbo_times[0], decision)} {agreement} | "
               f"{_guard_time(runners[0], batch, args.iters) * 1e3:.3f} |", flush=True)  # fmt: skip
         step_times.append((plain, tbo_times[0]))
+        fills.append(f"{name} {size}: {_ep_fill(runners[0], batch)}")
+    if args.moe_a2a_backend == "ep":
+        print("EP buffer fill of the TBO step, peak / capacity per micro-batch (peer / expert): "
+              + "; ".join(fills))  # fmt: skip
     return step_times
+
+
+def _ep_fill(runner, batch) -> str:
+    """``peer / expert`` peak-over-capacity per micro-batch of one TBO step of ``batch``."""
+    runner.run_plan(_plan(runner, batch, True))
+    return ", ".join(f"{peer:.2f} / {expert:.2f}" for peer, expert in runner.ep_buffer_fill())
 
 
 def _guard_time(runner, batch, iters: int) -> float:

@@ -4,8 +4,10 @@ The expert-parallel (EP) group is every device of the mesh (``TP_AXES``: all of 
 ``attn_tp``), in tp_rank order; expert ``e`` lives on device ``e // num_local_experts``.
 Shapes must be static under jit, so the exchange uses fixed slot counts:
 
-* ``peer_capacity``: slots a device reserves for its assignments to one destination device
-  (the dense all-to-all moves ``ep_size * peer_capacity`` rows each way);
+* ``peer_capacity``: slots a device reserves for its rows to one destination device (the
+  dense all-to-all moves ``ep_size * peer_capacity`` rows each way). A row is one (token,
+  expert) assignment, or with ``dedup`` one (token, destination device) pair: the token once,
+  with its local expert ids and weights (``jtbo.collectives.ep_dedup``);
 * ``expert_capacity``: slots per local expert in the ``[num_local_experts, slots, hidden]``
   layout the batched expert einsum consumes.
 
@@ -13,9 +15,14 @@ Default capacities (``create_ep_dispatcher``): ``capacity_factor`` times the bal
 (``tokens * top_k / ep_size`` per peer, ``tokens * top_k / num_local_experts`` per expert),
 rounded up to ``slot_alignment`` and never above the worst case (``tokens * min(top_k,
 num_local_experts)`` per peer: a token's experts are distinct; ``tokens * ep_size`` per expert,
-also bounded by everything the peers can send). ``worst_case=True`` takes the worst case: it
-can never overflow. An assignment that does not fit is counted in the step's overflow, never
-dropped silently (``jtbo.collectives.ep_overflow`` says what the host does then).
+also bounded by everything the peers can send). With ``dedup`` the balanced load per peer is
+the expected number of tokens that hit the peer under uniform routing,
+``tokens * (1 - C(E - E / ep, top_k) / C(E, top_k))`` (the chance that at least one of a
+token's ``top_k`` distinct experts is among the peer's ``E / ep``; summed over the peers this
+is ``expected_ranks_per_token``), and the worst case is ``tokens``. ``worst_case=True`` takes
+the worst case: it can never overflow. An assignment that does not fit is counted in the
+step's overflow, never dropped silently (``jtbo.collectives.ep_overflow`` says what the host
+does then).
 
 A dispatcher is a frozen, hashable config: each TBO micro-batch builds its own (its token count
 is that micro-batch's capacity), like SGLang's ``MaybeTboDeepEPDispatcher`` holds one inner
@@ -48,6 +55,9 @@ class EpDispatcher:
         "ragged" (``lax.ragged_all_to_all`` of the filled slots only; GPU only).
       platform: platform the mesh compiles for ("cpu", "gpu", ...).
       axis_names: mesh axes forming the EP group, major first.
+      dedup: send each token once per destination device that holds any of its experts,
+        with its local expert ids and weights (``jtbo.collectives.ep_dedup``), instead of once
+        per (token, expert) assignment; ``peer_capacity`` then counts (token, device) rows.
     """
 
     num_experts: int
@@ -59,6 +69,7 @@ class EpDispatcher:
     exchange: str = "dense"
     platform: str = "gpu"
     axis_names: tuple[str, ...] = mesh_lib.TP_AXES
+    dedup: bool = False
 
     def __post_init__(self):
         if self.num_experts < 1 or self.ep_size < 1 or self.num_experts % self.ep_size:
@@ -85,10 +96,15 @@ class EpDispatcher:
         return self.num_experts // self.ep_size
 
     @property
+    def local_ids_per_row(self) -> int:
+        """Experts one token can have on one device: ``min(top_k, num_local_experts)``."""
+        return min(self.top_k, self.num_local_experts)
+
+    @property
     def worst_peer_capacity(self) -> int:
         """Slots per peer that can never overflow: every token sends each peer at most
-        ``min(top_k, num_local_experts)`` assignments."""
-        return self.num_tokens * min(self.top_k, self.num_local_experts)
+        ``local_ids_per_row`` assignments, or one row with ``dedup``."""
+        return self.num_tokens * (1 if self.dedup else self.local_ids_per_row)
 
     @property
     def worst_expert_capacity(self) -> int:
@@ -106,6 +122,7 @@ def create_ep_dispatcher(
     worst_case: bool = False,
     exchange: str = "dense",
     slot_alignment: int = 8,
+    dedup: bool = False,
 ) -> EpDispatcher:
     """Builds a dispatcher over all axes of ``mesh`` with the stated capacity rule.
 
@@ -118,6 +135,7 @@ def create_ep_dispatcher(
       worst_case: reserve the worst case instead (never overflows, largest buffers).
       exchange: "dense" or "ragged" (GPU only).
       slot_alignment: capacities are rounded up to a multiple of this (GEMM-friendly).
+      dedup: one row per (token, destination device) (``EpDispatcher.dedup``).
 
     Returns:
       The dispatcher.
@@ -141,10 +159,13 @@ def create_ep_dispatcher(
         exchange=exchange,
         platform=mesh_lib.mesh_platform(mesh),
         axis_names=tuple(mesh.axis_names),
+        dedup=dedup,
     )
     peer = worst.worst_peer_capacity
     if not worst_case:
         balanced = num_tokens * top_k / ep_size
+        if dedup:
+            balanced = num_tokens * expected_ranks_per_token(num_experts, ep_size, top_k) / ep_size
         peer = min(peer, round_up(math.ceil(capacity_factor * balanced), slot_alignment))
     worst = dataclasses.replace(worst, peer_capacity=peer)
     expert = worst.worst_expert_capacity
@@ -152,6 +173,34 @@ def create_ep_dispatcher(
         balanced = num_tokens * top_k / worst.num_local_experts
         expert = min(expert, round_up(math.ceil(capacity_factor * balanced), slot_alignment))
     return dataclasses.replace(worst, expert_capacity=expert)
+
+
+def expected_ranks_per_token(num_experts: int, ep_size: int, top_k: int) -> float:
+    """Distinct devices a token's ``top_k`` distinct experts hit, expected under uniform routing.
+
+    A device misses a token when all ``top_k`` experts fall among the other devices'
+    ``num_experts - num_experts / ep_size``; by linearity the expectation is ``ep_size`` times
+    the chance that it does not.
+
+    Args:
+      num_experts: routed experts (a multiple of ``ep_size``).
+      ep_size: devices in the EP group.
+      top_k: experts per token (at most ``num_experts``).
+
+    Returns:
+      ``ep_size * (1 - C(E - E / ep_size, top_k) / C(E, top_k))``, in ``[1, min(top_k, ep_size)]``.
+
+    Raises:
+      ValueError: sizes that do not fit (see ``EpDispatcher``).
+    """
+    if ep_size < 1 or num_experts < 1 or num_experts % ep_size or not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"num_experts={num_experts}, ep_size={ep_size}, top_k={top_k}: expected "
+            f"num_experts a positive multiple of ep_size and 1 <= top_k <= num_experts"
+        )
+    others = num_experts - num_experts // ep_size
+    missed = math.comb(others, top_k) / math.comb(num_experts, top_k)
+    return ep_size * (1 - missed)
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -307,11 +307,12 @@ def pack_ids(rows: jax.Array, ids: jax.Array) -> jax.Array:
 
     Args:
       rows: ``[N, H]`` rows of any dtype.
-      ids: ``[N]`` integer ids that fit in int32.
+      ids: ``[N]`` or ``[N, m]`` integer ids that fit in int32 (``m`` ids per row).
 
     Returns:
-      ``[N, H + c]`` in ``rows.dtype``: ``c = 4 // itemsize`` columns for dtypes of at most
-      4 bytes, one column (the id widened to the row's width) for wider ones.
+      ``[N, H + m * c]`` in ``rows.dtype`` (``m = 1`` for ``[N]`` ids): ``c = 4 // itemsize``
+      columns per id for dtypes of at most 4 bytes, one column (the id widened to the row's
+      width) for wider ones.
     """
     itemsize = jnp.dtype(rows.dtype).itemsize
     if itemsize <= 4:
@@ -322,15 +323,26 @@ def pack_ids(rows: jax.Array, ids: jax.Array) -> jax.Array:
     return jnp.concatenate([rows, columns.reshape(ids.shape[0], -1)], axis=1)
 
 
-def unpack_ids(payload: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
-    """Inverse of ``pack_ids``: ``([N, width] rows, [N] int32 ids)``."""
+def unpack_ids(payload: jax.Array, width: int, num_ids: int | None = None):
+    """Inverse of ``pack_ids``: ``([N, width] rows, int32 ids)``.
+
+    Args:
+      payload: ``pack_ids``' result.
+      width: ``H``, the row width before packing.
+      num_ids: None for ids packed as ``[N]``, else ``m`` for ids packed as ``[N, m]``.
+
+    Returns:
+      The rows and the ids, ``[N]`` or ``[N, num_ids]`` int32.
+    """
     columns = payload[:, width:]
     itemsize = jnp.dtype(payload.dtype).itemsize
+    per_id = max(1, 4 // itemsize)
+    columns = columns.reshape((payload.shape[0], num_ids or 1, per_id))
     if itemsize >= 4:
-        columns = columns[:, 0]
+        columns = columns[..., 0]
     id_dtype = jnp.int32 if itemsize <= 4 else jnp.dtype(f"int{8 * itemsize}")
-    ids = jax.lax.bitcast_convert_type(columns, id_dtype)
-    return payload[:, :width], ids.astype(jnp.int32)
+    ids = jax.lax.bitcast_convert_type(columns, id_dtype).astype(jnp.int32)
+    return payload[:, :width], ids[:, 0] if num_ids is None else ids
 
 
 def _ragged_exchange(dispatcher, operand, send_sizes, recv_sizes, output):

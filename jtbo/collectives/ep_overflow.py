@@ -3,7 +3,8 @@
 Routing is data-dependent, so a step cannot know in advance whether its fixed capacities
 suffice. Every step returns its dispatchers' ``overflow`` counts (``[..., 2]``: assignments
 dropped for ``peer_capacity`` and for ``expert_capacity``, per device, layer and micro-batch;
-the host sums them). A step with overflow is not a valid result. Two policies:
+the host sums them; with ``EpDispatcher.dedup`` the peer count is of (token, device) rows).
+A step with overflow is not a valid result. Two policies:
 
 * ``"rerun"``: re-run the same step with the overflowed capacity raised to its next bucket,
   capped at the worst case (which cannot overflow) and rounded to ``slot_alignment``. When the
@@ -146,8 +147,9 @@ def _overflow_line(dispatcher, kind, count, slot_alignment):
     current = getattr(dispatcher, f"{kind}_capacity")
     worst = getattr(dispatcher, f"worst_{kind}_capacity")
     nxt = next_capacity_bucket(current, worst, slot_alignment)
+    what = "(token, device) rows" if dispatcher.dedup and kind == "peer" else "assignments"
     return (
-        f"{count} assignments overflowed {kind}_capacity={current}: raise {kind}_capacity "
+        f"{count} {what} overflowed {kind}_capacity={current}: raise {kind}_capacity "
         f"(next bucket {nxt}, worst case {worst})"
     )
 

@@ -54,6 +54,7 @@ class DispatcherTable:
                 worst_case=factor is None,
                 exchange=self.parallel.ep_exchange,
                 slot_alignment=self.parallel.ep_slot_alignment,
+                dedup=self.parallel.ep_dedup,
             )
         return self._by_rows[rows]
 

@@ -57,6 +57,9 @@ class ParallelConfig:
       ep_overflow_policy: what the host does when a step overflowed: "raise" (name the capacity
         to raise) or "rerun" (re-run with the next capacity bucket); ``collectives.ep_overflow``.
       ep_exchange: "dense" (fixed-slot all-to-all; overlappable) or "ragged" (GPU only).
+      ep_dedup: exchange one row per (token, destination device) with the token's local
+        expert ids and weights (``collectives.ep_dedup``, DeepEP's dispatch) instead of one per
+        (token, expert) assignment; combine then sums each device's experts before sending.
       ep_slot_alignment: EP capacities are rounded up to a multiple of this (8 suits GPU
         GEMMs; 1 keeps the factor exact).
       tbo_round_barriers: pin the TBO executor's rounds with optimization barriers. Off by
@@ -82,6 +85,7 @@ class ParallelConfig:
     ep_capacity_factor: float | None = None
     ep_overflow_policy: str = "raise"
     ep_exchange: str = "dense"
+    ep_dedup: bool = False
     ep_slot_alignment: int = 1
     tbo_round_barriers: bool = False
     tbo_issue_barriers: bool | None = None

@@ -10,7 +10,9 @@ Two backends, as SGLang's DP-attention MoE has:
   experts run over their capacity slots (``experts.experts_ffn_slots``: a batched matmul over
   every slot, or with ``moe_runner_backend="pallas"`` a grouped GEMM over the filled ones).
   ``combine_b`` all-gathers the blocks back over ``attn_tp``. Overflow counts go to the step
-  box under the micro-batch's index.
+  box under the micro-batch's index. A dispatcher with ``dedup`` exchanges one row per
+  (token, destination device) (``jtbo.collectives.ep_dedup``) instead of one per (token,
+  expert); both fill the same expert slots.
 * ``"none"``: ``dispatch_a`` DP-gathers rows and routing to every device (one gather: the
   expert ids and weights ride in the rows, ``rows.pack_int32_columns``); every device runs
   all experts on its slice of the expert hidden width; ``combine_a`` reduce-scatters the
@@ -20,11 +22,16 @@ Two backends, as SGLang's DP-attention MoE has:
 import jax
 import jax.numpy as jnp
 
-from jtbo.collectives import ep_dispatch, gather, rows, scatter
+from jtbo.collectives import ep_dedup, ep_dispatch, gather, rows, scatter
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import experts
 from jtbo.models import model as model_lib
 from jtbo.overlap import operations
+
+
+def _exchange(dispatcher):
+    """The dispatcher's dispatch/combine module: ``ep_dedup`` or ``ep_dispatch``."""
+    return ep_dedup if dispatcher.dedup else ep_dispatch
 
 
 def _attn_tp_shard(x: jax.Array, tp: int) -> jax.Array:
@@ -86,11 +93,13 @@ def _ep_dispatch_operations(tp: int) -> dict:
         ids = _attn_tp_shard(state.pop("topk_ids_local"), tp)
         weights = _attn_tp_shard(state.pop("topk_weights_local"), tp)
         valid = _valid_rows_of_shard(state.num_tokens, x.shape[0], tp)
-        issued = ep_dispatch.dispatch_a(state.ep_dispatcher, x, ids, weights, valid)
+        issued = _exchange(state.ep_dispatcher).dispatch_a(
+            state.ep_dispatcher, x, ids, weights, valid
+        )
         state.dispatch_in_flight = operations.InFlight(issued)
 
     def dispatch_b(state):
-        inputs, dispatch_state = ep_dispatch.dispatch_b(
+        inputs, dispatch_state = _exchange(state.ep_dispatcher).dispatch_b(
             state.ep_dispatcher, state.pop("dispatch_in_flight").value
         )
         state.step_box.add_overflow(
@@ -106,11 +115,14 @@ def _ep_combine_operations(tp: int) -> dict:
 
     def combine_a(state):
         outputs, dispatch_state = state.pop("expert_output")
-        issued = ep_dispatch.combine_a(state.ep_dispatcher, outputs, dispatch_state)
+        issued = _exchange(state.ep_dispatcher).combine_a(
+            state.ep_dispatcher, outputs, dispatch_state
+        )
         state.combine_in_flight = operations.InFlight(issued)
 
     def combine_b(state):
-        out = ep_dispatch.combine_b(state.ep_dispatcher, state.pop("combine_in_flight").value)
+        in_flight = state.pop("combine_in_flight").value
+        out = _exchange(state.ep_dispatcher).combine_b(state.ep_dispatcher, in_flight)
         if tp > 1:
             out = jax.lax.all_gather(out, mesh_lib.ATTN_TP_AXIS, axis=0, tiled=True)
         state.hidden_states_after_combine = out

@@ -356,6 +356,7 @@ def model_report(
         enable_tbo=args.tbo, moe_a2a_backend=_MODEL_BACKENDS[args.moe],
         ep_capacity_factor=args.ep_capacity_factor, dtype=jnp.dtype(args.dtype),
         tbo_round_barriers=args.barriers,
+        ep_dedup=args.ep_dedup,
     )  # fmt: skip
     compiler_options = _compiler_options(
         args, lambda overrides: {**(step_options or {}), **overrides}
@@ -420,6 +421,10 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--ep-capacity-factor", type=float, default=None,
         help="EP capacity factor (default: worst case)",
     )  # fmt: skip
+    parser.add_argument(
+        "--ep-dedup", action="store_true",
+        help="one EP row per (token, destination GPU) instead of per (token, expert)",
+    )  # fmt: skip
 
 
 def _add_size_flags(parser: argparse.ArgumentParser) -> None:
@@ -441,7 +446,8 @@ def _title(args: argparse.Namespace) -> str:
         f"model step {name}: mode={args.mode} tbo={args.tbo} barriers={args.barriers} "
         f"moe={args.moe} devices={args.num_devices} (dp={args.num_devices // args.attn_tp} x "
         f"attn_tp={args.attn_tp}) tokens/DP rank={args.tokens} "
-        f"ep_capacity_factor={args.ep_capacity_factor} dtype={args.dtype}"
+        f"ep_capacity_factor={args.ep_capacity_factor} ep_dedup={args.ep_dedup} "
+        f"dtype={args.dtype}"
     )
 
 

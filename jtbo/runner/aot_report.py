@@ -116,6 +116,7 @@ def model_step_program(
     dtype=jnp.bfloat16,
     tbo_issue_barriers: bool | None = None,
     tbo_round_barriers: bool = False,
+    ep_dedup: bool = False,
 ):
     """The runner's jitted step and abstract arguments (no parameter memory) for one plan.
 
@@ -135,6 +136,7 @@ def model_step_program(
       dtype: parameter / activation dtype.
       tbo_issue_barriers: ``layer_ops.ParallelConfig.tbo_issue_barriers``.
       tbo_round_barriers: ``layer_ops.ParallelConfig.tbo_round_barriers``.
+      ep_dedup: ``layer_ops.ParallelConfig.ep_dedup``.
 
     Returns:
       ``(jitted_step, abstract_args, compiler_options)``: the runner compiles
@@ -152,6 +154,7 @@ def model_step_program(
     parallel = layer_ops.ParallelConfig(
         moe_a2a_backend, attn_tp_size, dp_size * attn_tp_size, ep_capacity_factor,
         tbo_issue_barriers=tbo_issue_barriers, tbo_round_barriers=tbo_round_barriers,
+        ep_dedup=ep_dedup,
     )  # fmt: skip
     seq_capacity = seq_capacity or tokens_per_rank
     plan = _synthetic_plan(

@@ -89,6 +89,7 @@ class ModelRunner:
         dtype=jnp.bfloat16,
         ep_capacity_factor: float | None = None,
         ep_overflow_policy: str = "raise",
+        ep_dedup: bool = False,
         tbo_round_barriers: bool = False,
         tbo_issue_barriers: bool | None = None,
         tbo_auto_trials: int = tbo_auto.DEFAULT_TRIALS,
@@ -119,6 +120,8 @@ class ModelRunner:
             None never drops a token (``layer_ops.ParallelConfig``).
           ep_overflow_policy: a step that overflowed EP capacity: "raise" (naming the capacity)
             or "rerun" (again with the next capacity bucket; ``collectives.resolve_overflow``).
+          ep_dedup: EP exchanges one row per (token, destination device) instead of one per
+            (token, expert) (``layer_ops.ParallelConfig.ep_dedup``).
           tbo_round_barriers: pin each TBO round with optimization barriers that leave the
             in-flight collective results out (``layer_ops.ParallelConfig``); off by default.
           tbo_issue_barriers: on multi-device meshes, pin both micro-batches before every
@@ -182,7 +185,8 @@ class ModelRunner:
         self.max_total_tokens, self.max_running_requests = max_total_tokens, max_running_requests
         self.parallel = layer_ops.ParallelConfig(
             moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size,
-            ep_capacity_factor, ep_overflow_policy, tbo_round_barriers=tbo_round_barriers,
+            ep_capacity_factor, ep_overflow_policy, ep_dedup=ep_dedup,
+            tbo_round_barriers=tbo_round_barriers,
             tbo_issue_barriers=tbo_issue_barriers, moe_runner_backend=moe_runner_backend,
             attention_backend=attention_backend,
         )  # fmt: skip
@@ -226,6 +230,7 @@ class ModelRunner:
         self.check_finite_logits = check_finite_logits
         self.num_steps = 0
         self.num_tbo_steps = 0
+        self._last_ep_load = ((), None)  # the last run's dispatchers and peak loads
 
     def _init_kv(self) -> None:
         heads, k_dim, v_dim = self.config.kv_pool_heads(self.attn_tp_size)
@@ -513,8 +518,27 @@ class ModelRunner:
             self._k, self._v, self._req_to_token_device = cache.k, cache.v, cache.req_to_token
             if self.multiprocess:  # waits with the GIL released: the failure monitor runs
                 jax.block_until_ready((logits, overflow, peak_load))
+            self._last_ep_load = (dispatchers, peak_load)
             dispatchers = self._resolve_overflow(dispatchers, overflow, peak_load)
         return logits
+
+    def ep_buffer_fill(self) -> list[tuple[float, float]]:
+        """How full the last step's EP buffers were, per micro-batch (one without TBO).
+
+        Returns:
+          ``(peer, expert)`` fill per dispatcher: the step's peak load (max over layers and
+          devices) over ``peer_capacity`` / ``expert_capacity``; above 1 means it overflowed
+          (and re-ran or raised). Empty without EP or before the first step. Reads the peak
+          loads back from the devices.
+        """
+        dispatchers, peak_load = self._last_ep_load
+        if not dispatchers:
+            return []
+        peaks = np.asarray(peak_load).reshape(-1, len(dispatchers), 2).max(axis=0)
+        return [
+            (int(peer) / d.peer_capacity, int(expert) / d.expert_capacity)
+            for d, (peer, expert) in zip(dispatchers, peaks, strict=True)
+        ]
 
     def _step_inputs(self, plan: planning.StepPlan) -> step.StepInputs:
         """The plan's arrays on the mesh: two packed buffers, two host->device transfers."""

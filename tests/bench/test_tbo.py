@@ -220,6 +220,14 @@ def test_tiny_run_prints_every_case_with_agreement(scratch_environment, capsys):
         assert float(cells[6]) > 0 and float(cells[7]) > 0, line
         assert cells[8].split()[0] in ("TBO", "plain") and cells[8].endswith("x)"), line
     assert "overlap table: needs a GPU" in out  # the CPU trace has no NCCL kernels
+    fill = out.split("EP buffer fill")[1].splitlines()[0]
+    assert "prefill 128: " in fill and "decode 32: " in fill, fill
+    ratios = [
+        float(x)
+        for case in fill.split(";")
+        for x in case.split(":")[-1].replace(",", "/").split("/")
+    ]
+    assert len(ratios) == 8 and all(0 < r <= 1 for r in ratios), fill  # 2 cases x 2 micro-batches
     assert not list(scratch_environment.glob("**/*.trace.json.gz"))  # no traces for nothing
     assert tbo.os.environ["NCCL_NVLS_ENABLE"] == "0"
 

@@ -1,5 +1,7 @@
 """The host's overflow policy: re-run with the next capacity bucket, or raise."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -77,6 +79,18 @@ def test_raise_names_the_capacity():
     assert "7 assignments overflowed peer_capacity=16" in message
     assert "next bucket 32" in message
     assert "7 assignments overflowed expert_capacity=40" in message
+    dedup = dataclasses.replace(BASE, dedup=True)  # peer rows are (token, device) pairs
+    with pytest.raises(ep_overflow.CapacityOverflowError, match=r"3 \(token, device\) rows"):
+        ep_overflow.resolve_overflow(dedup, [3, 0], policy="raise")
+
+
+def test_dedup_buckets_stop_at_one_row_per_token():
+    dispatcher = dataclasses.replace(BASE, dedup=True)
+    while dispatcher.peer_capacity < dispatcher.worst_peer_capacity:
+        dispatcher = ep_overflow.resolve_overflow(dispatcher, [1, 0])
+    assert dispatcher.peer_capacity == 64  # num_tokens, not num_tokens * top_k
+    with pytest.raises(ep_overflow.CapacityOverflowError, match="already the worst case 64"):
+        ep_overflow.resolve_overflow(dispatcher, [1, 0])
 
 
 def test_bad_arguments():

@@ -235,3 +235,28 @@ def test_pallas_attention_backend_matches_native_with_and_without_tbo():
         assert runner.num_tbo_steps == (3 if tbo else 0)
     chex.assert_trees_all_close(outs[False, "pallas"], outs[False, "native"], atol=1e-5, rtol=1e-5)
     chex.assert_trees_all_close(outs[True, "pallas"], outs[False, "native"], atol=1e-5, rtol=1e-5)
+
+
+def test_dedup_exchange_with_and_without_tbo_matches_reference():
+    # ep_dedup (one EP row per (token, destination device)) through the whole model, plain and
+    # TBO; TBO at a capacity factor that overflows (the step re-runs with the next bucket).
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    make = lambda tbo: runner_lib.ModelRunner(  # noqa: E731
+        model, mesh_lib.make_mesh(4, 2), enable_two_batch_overlap=tbo, max_total_tokens=64,
+        max_running_requests=4, token_buckets=(16,), dtype=jnp.float32, ep_dedup=True,
+        ep_capacity_factor=1.5 if tbo else None, ep_overflow_policy="rerun",
+    )  # fmt: skip
+    rng = np.random.default_rng(17)
+    new = [_prompts(rng, [6, 5]) for _ in range(4)]
+    for tbo in (False, True):
+        runner, ranks = make(tbo), [helpers.Rank() for _ in range(4)]
+        outs = runner.forward([r.extend(n) for r, n in zip(ranks, new, strict=True)])
+        assert all(d.dedup for d in runner._step.dispatchers._by_rows.values())
+        assert runner._step.num_keys == 1 + tbo  # TBO re-ran once
+        fills = np.array(runner.ep_buffer_fill())  # the re-run's: it fit
+        assert fills.shape == (1 + tbo, 2) and np.all((fills > 0) & (fills <= 1)), fills
+        for r, n in enumerate(new):
+            want = helpers.reference_new_rows(model, ranks[r], {k: len(v) for k, v in n.items()})
+            chex.assert_trees_all_close(outs[r], want, **TOL)
+    assert runner.num_tbo_steps == 1
