@@ -4,7 +4,7 @@ Packages, lowest layer first: ``jtbo.kernels`` (DP memcpy, slice-and-pad, merge)
 ``jtbo.split`` (host planning, batch pytrees, in-graph split/merge), ``jtbo.collectives``
 (DP-attention gather/scatter, EP dispatch/combine), ``jtbo.attention``
 (paged KV cache, native and TBO backends), ``jtbo.overlap`` (operations, staggered executor,
-layer loop, overlap report), ``jtbo.models`` (a Flax MoE model) and ``jtbo.runner``
+overlap report), ``jtbo.models`` (a Flax MoE model and its TBO step) and ``jtbo.runner``
 (``ModelRunner``).
 """
 

@@ -1,5 +1,6 @@
-"""jtbo.overlap: operations, the staggered two-micro-batch executor, strategies, the TBO layer
-loop, the XLA options that keep micro-batches apart, and the overlap report."""
+"""jtbo.overlap: operations, the staggered two-micro-batch executor, strategies, the XLA options
+that keep micro-batches apart, and the overlap report (the layer loop that drives them is the
+model's step, ``jtbo.models.step``)."""
 
 from jtbo.overlap.hlo_schedule import CollectiveWindow, ComputeSlot, collective_windows
 from jtbo.overlap.operations import (
