@@ -2,29 +2,57 @@
 
 ``moe_runner_backend=None`` and ``attention_backend=None`` take the fastest impl measured on
 the platform jax runs on (``jtbo.kernels.impls.FASTEST``, from the H200 benchmarks in
-BENCHMARKS.md): the Pallas grouped GEMM and the paged attention kernel on GPUs, the XLA paths
-(the capacity einsum and the native attention, the exact references) on the CPU. A name given
-explicitly is used as is; one that cannot run here fails where its kernel is built.
+BENCHMARKS.md) among those that can serve the model's shapes: the Pallas grouped GEMM and the
+paged attention kernel on GPUs where their Triton tiles fit (matmul dimensions in multiples of
+16, head dims powers of two >= 16; MLA has only the native attention), the XLA paths (the
+capacity einsum and the native attention, the exact references) otherwise and on the CPU. A
+name given explicitly is used as is; one that cannot serve the model fails where its kernel
+is built.
 """
 
-from jtbo.kernels import impls
+from collections.abc import Sequence
+
+from jtbo.kernels import gemm_config, impls
 
 # The attention backends by the impl name impls.FASTEST ranks them under.
 _ATTENTION_BACKEND_OF_IMPL = {"xla": "native", "pallas": "pallas"}
 
 
-def moe_runner_backend(name: str | None) -> str:
-    """``name``, or the routed experts' fastest FFN impl here ("xla" or "pallas")."""
-    return name if name is not None else impls.resolve(None, op="grouped_ffn")
+def _tiles(dim: int) -> bool:
+    """Whether Triton's power-of-two matmul tiles (>= 16) divide ``dim``."""
+    return dim % gemm_config.MIN_DOT_BLOCK == 0
 
 
-def attention_backend(name: str | None, attention_kind: str = "gqa") -> str:
-    """``name``, or the fastest attention backend here for ``attention_kind``.
+def _power_of_two_tile(dim: int) -> bool:
+    return dim >= gemm_config.MIN_DOT_BLOCK and not dim & (dim - 1)
+
+
+def moe_runner_backend(name: str | None, matmul_dims: Sequence[int] = ()) -> str:
+    """``name``, or the routed experts' fastest FFN impl here that tiles ``matmul_dims``.
+
+    Args:
+      name: "xla" / "pallas" (kept as given) or None.
+      matmul_dims: the expert FFN's hidden size and per-device intermediate size.
+
+    Returns:
+      "xla" or "pallas".
+    """
+    if name is not None:
+        return name
+    impl = impls.resolve(None, op="grouped_ffn")
+    return impl if impl != "pallas" or all(map(_tiles, matmul_dims)) else "xla"
+
+
+def attention_backend(
+    name: str | None, attention_kind: str = "gqa", head_dims: Sequence[int] = ()
+) -> str:
+    """``name``, or the fastest attention backend here that serves the model.
 
     Args:
       name: a backend name (kept as given) or None.
       attention_kind: the model's ``MoEConfig.attention_kind``; MLA has only the native
         backend.
+      head_dims: the query/key and value head widths.
 
     Returns:
       "native" or "pallas".
@@ -33,4 +61,5 @@ def attention_backend(name: str | None, attention_kind: str = "gqa") -> str:
         return name
     if attention_kind == "mla":
         return "native"
-    return _ATTENTION_BACKEND_OF_IMPL[impls.resolve(None, op="paged_attention")]
+    backend = _ATTENTION_BACKEND_OF_IMPL[impls.resolve(None, op="paged_attention")]
+    return backend if backend != "pallas" or all(map(_power_of_two_tile, head_dims)) else "native"

@@ -164,9 +164,14 @@ class ModelRunner:
         config = model.config
         self.dp_size, self.attn_tp_size = mesh.shape["dp"], mesh.shape["attn_tp"]
         _check_divisible(config, self.dp_size, self.attn_tp_size, moe_a2a_backend)
-        moe_runner_backend = kernel_backends.moe_runner_backend(moe_runner_backend)
+        expert_width = config.moe_intermediate_size // (
+            self.dp_size * self.attn_tp_size if moe_a2a_backend == "none" else 1
+        )  # per device: the "none" backend slices every expert's hidden width
+        moe_runner_backend = kernel_backends.moe_runner_backend(
+            moe_runner_backend, (config.hidden_size, expert_width)
+        )
         attention_backend = kernel_backends.attention_backend(
-            attention_backend, config.attention_kind
+            attention_backend, config.attention_kind, (config.head_dim,)
         )
         if config.attention_kind == "mla" and attention_backend != "native":
             raise ValueError(

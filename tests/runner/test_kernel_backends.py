@@ -23,3 +23,15 @@ def test_a_named_backend_is_kept(monkeypatch, name):
     monkeypatch.setattr(impls, "backend", lambda: "gpu")
     assert kernel_backends.moe_runner_backend(name) == name
     assert kernel_backends.attention_backend("native") == "native"
+
+
+def test_gpu_defaults_skip_kernels_whose_tiles_do_not_fit(monkeypatch):
+    # A model the kernels cannot tile gets the XLA path by default (a named kernel still
+    # raises where it is built): expert widths not in multiples of 16, head dims that are
+    # not powers of two >= 16.
+    monkeypatch.setattr(impls, "backend", lambda: "gpu")
+    assert kernel_backends.moe_runner_backend(None, (7168, 2048)) == "pallas"
+    assert kernel_backends.moe_runner_backend(None, (64, 40)) == "xla"
+    assert kernel_backends.attention_backend(None, "gqa", (128,)) == "pallas"
+    assert kernel_backends.attention_backend(None, "gqa", (96,)) == "native"
+    assert kernel_backends.attention_backend(None, "gqa", (8,)) == "native"
