@@ -15,7 +15,6 @@ from jtbo.attention.metadata import (
 from jtbo.attention.native import NativeAttentionConfig, attend, forward
 from jtbo.attention.paged import PagedAttentionConfig, paged_attention
 from jtbo.attention.reference import attend_reference
-from jtbo.attention.replay import split_replay_batch
 from jtbo.attention.tbo_backend import TboAttnBackend, TboAttnMetadata
 from jtbo.attention.tiling import build_metadata
 
@@ -40,7 +39,6 @@ __all__ = [
     "forward_batch_metadata",
     "init_kv_cache",
     "paged_attention",
-    "split_replay_batch",
     "verify_capacity",
     "write_kv",
 ]

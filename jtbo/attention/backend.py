@@ -64,26 +64,6 @@ class NativeAttnBackend:
         """
         return batch_metadata.forward_batch_metadata(batch, self.capacity)
 
-    def init_forward_metadata_for_replay(
-        self, batch: batch_lib.ForwardBatch
-    ) -> metadata_lib.AttentionMetadata:
-        """Builds metadata from a padded graph-replay batch (SGLang's replay view).
-
-        The replay batch holds the bucket's ``batch_size`` sequences, padded ones with zero
-        lengths, and ``num_token_non_padded`` real rows; a single backend treats it like any
-        batch (padded rows get no tiles).
-
-        Args:
-          batch: the padded DECODE / TARGET_VERIFY / IDLE batch.
-
-        Returns:
-          Numpy-backed ``AttentionMetadata`` at ``self.capacity``.
-
-        Raises:
-          ValueError: as ``init_forward_metadata``.
-        """
-        return self.init_forward_metadata(batch)
-
     def empty_metadata(self) -> metadata_lib.AttentionMetadata:
         """Returns metadata that attends nothing (IDLE ranks, empty TBO children)."""
         return metadata_lib.empty_metadata(self.capacity)

@@ -8,9 +8,6 @@ SGLang's ``TboAttnBackend`` behaviour, with metadata returned instead of stored:
   (the TBO child capacity chosen by the caller). An empty child (``batch_size == 0``) gets
   empty metadata instead of being skipped, so the result has the same pytree structure on
   every step and every DP rank (it stacks along a dp axis and never retraces).
-* ``init_forward_metadata_for_replay(batch)`` is the graph-replay path: the padded batch has
-  no children, so they are cut from its padded buffers with the capture-time indices
-  (``replay.split_replay_batch``).
 * ``forward`` and anything else delegate to the primary; the overlap executor runs
   micro-batch ``i`` with ``backend.children[i].forward`` and ``metadata.children[i]``, threading
   the KV cache through A's attention and then B's.
@@ -22,7 +19,6 @@ from collections.abc import Callable, Sequence
 import jax
 
 from jtbo.attention import metadata as metadata_lib
-from jtbo.attention import replay
 from jtbo.split import batch as batch_lib
 
 
@@ -129,29 +125,6 @@ class TboAttnBackend:
             raise ValueError(f"TBO needs 2 child batches, got {len(children)}")
         pairs = zip(self.children, children, strict=True)
         return tuple(self._child_metadata(c, b) for c, b in pairs)
-
-    def init_forward_metadata_for_replay(
-        self, batch: batch_lib.ForwardBatch, *, tbo: bool = True
-    ) -> TboAttnMetadata:
-        """Graph-replay path: children are cut from the padded batch with capture-time indices.
-
-        Args:
-          batch: the padded DECODE / TARGET_VERIFY / IDLE batch of a captured bucket.
-          tbo: whether the captured program runs TBO (False: primary only).
-
-        Returns:
-          ``TboAttnMetadata``.
-
-        Raises:
-          ValueError: a ragged mode, or a batch that does not fit.
-        """
-        primary = self.primary.init_forward_metadata_for_replay(batch)
-        if not tbo:
-            return TboAttnMetadata(primary=primary, children=None)
-        pairs = zip(self.children, replay.split_replay_batch(batch), strict=True)
-        return TboAttnMetadata(
-            primary=primary, children=tuple(self._child_metadata(c, b) for c, b in pairs)
-        )
 
     def forward(self, *args, **kwargs):
         """Attention over the full batch: the primary's ``forward``."""

@@ -14,7 +14,6 @@ from jtbo.split.filter import plan_tbo_split, split_batch
 from jtbo.split.forward_mode import ForwardMode
 from jtbo.split.padding import default_token_buckets, pad_batch, token_bucket
 from jtbo.split.plan import (
-    compute_split_indices_for_graph_replay,
     compute_split_seq_index,
     compute_split_token_index,
     compute_tbo_children_num_token_non_padded,
@@ -28,7 +27,6 @@ __all__ = [
     "ForwardMode",
     "SpecVerifyInput",
     "child_capacity",
-    "compute_split_indices_for_graph_replay",
     "compute_split_seq_index",
     "compute_split_token_index",
     "compute_tbo_children_num_token_non_padded",

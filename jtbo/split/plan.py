@@ -261,35 +261,6 @@ def compute_split_token_index(
     raise ValueError(f"TBO does not split {forward_mode.name} batches")
 
 
-def compute_split_indices_for_graph_replay(
-    forward_mode: ForwardMode, num_tokens: int, token_num_per_seq: int | None
-) -> tuple[int, int]:
-    """``(split_seq_index, split_token_index)`` of a captured (static-shape) decode-like step.
-
-    SGLang's ``compute_split_indices_for_cuda_graph_replay``: an IDLE step replays the DECODE
-    program, so it is planned as DECODE (one token per padded sequence when IDLE reports 0).
-
-    Args:
-      forward_mode: DECODE, TARGET_VERIFY or IDLE.
-      num_tokens: token rows of the captured program.
-      token_num_per_seq: tokens per sequence.
-
-    Returns:
-      The sequence and token split indices.
-
-    Raises:
-      ValueError: a ragged mode (graph replay plans only decode-like steps) or bad counts.
-    """
-    if forward_mode.is_idle():
-        forward_mode, token_num_per_seq = ForwardMode.DECODE, token_num_per_seq or 1
-    if not (forward_mode.is_decode() or forward_mode.is_target_verify()):
-        raise ValueError(f"graph replay plans DECODE/TARGET_VERIFY/IDLE, got {forward_mode.name}")
-    seq_index = compute_split_seq_index(forward_mode, num_tokens, None, token_num_per_seq)
-    assert seq_index is not None  # decode-like modes always split
-    token_index = compute_split_token_index(seq_index, forward_mode, None, token_num_per_seq)
-    return seq_index, token_index
-
-
 def compute_tbo_children_num_token_non_padded(
     split_token_index: int, num_token_non_padded: int
 ) -> tuple[int, int]:

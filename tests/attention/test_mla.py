@@ -1,5 +1,5 @@
 """MLA over the latent pool: both forms vs float64 references, absorbed == decompressed, and
-the TBO backend's children (eager and replay metadata) equal the parent."""
+the TBO backend's children (their metadata from split_batch) equal the parent."""
 
 import dataclasses
 
@@ -206,16 +206,17 @@ def test_tbo_children_of_a_two_chunk_extend_equal_the_parent():
     assert not np.allclose(stale[: b_end - b_start], merged[b_start:b_end], atol=1e-3)
 
 
-def test_tbo_replay_verify_children_equal_the_parent():
+def test_tbo_verify_children_equal_the_parent():
     draft = 2
     sc = scenarios.make(
         np.random.default_rng(3), [5, 0, 12], [draft] * 3, token_capacity=8, custom_mask=True
     )
-    padded = scenarios.verify_batch(sc, draft, padded_seqs=1)  # a captured bucket of 4 seqs
+    padded = scenarios.verify_batch(sc, draft, padded_seqs=1)  # a bucket of 4 seqs
     tbo = _tbo(
         metadata.verify_capacity(4, draft, CONTEXT), metadata.verify_capacity(2, draft, CONTEXT)
     )
-    md = tbo.init_forward_metadata_for_replay(padded)
+    children = split.split_batch(dataclasses.replace(padded, tbo_split_seq_index=2))
+    md = tbo.init_forward_metadata(padded, children)
     _tbo_mla(sc, tbo, md, [(0, 4), (4, 8)], np.random.default_rng(4))
 
 

@@ -133,32 +133,23 @@ def test_decode_split_equals_parent(kind):
 
 
 @pytest.mark.parametrize("kind", ["native", "pallas"])
-def test_replay_verify_children_from_padded_buffers(kind):
+def test_verify_children_from_padded_buffers(kind):
     draft = 2
     sc = scenarios.make(
         np.random.default_rng(3), [5, 0, 12], [draft] * 3, token_capacity=8, custom_mask=True,
         head_dim=16,
     )  # fmt: skip
-    padded = scenarios.verify_batch(sc, draft, padded_seqs=1)  # a captured bucket of 4 seqs
+    padded = scenarios.verify_batch(sc, draft, padded_seqs=1)  # a bucket of 4 seqs
     tbo = _backend(
         metadata.verify_capacity(4, draft, CONTEXT),
         metadata.verify_capacity(2, draft, CONTEXT),
         kind,
     )
-    md = tbo.init_forward_metadata_for_replay(padded)
+    children = split.split_batch(dataclasses.replace(padded, tbo_split_seq_index=2))
+    md = tbo.init_forward_metadata(padded, children)
     # Child B holds the third real sequence and the padded one, whose rows stay empty.
     np.testing.assert_array_equal(md.children[1].tile_q_len, [draft, 0])
     _check_tbo(sc, tbo, md, [(0, 4), (4, 8)])
-
-
-def test_replay_path_matches_eager_path_for_decode():
-    sc = scenarios.make(np.random.default_rng(4), [3, 9, 1, 4], [1] * 4, token_capacity=4)
-    batch = scenarios.decode_batch(sc)
-    tbo = _backend(metadata.decode_capacity(4, CONTEXT), metadata.decode_capacity(2, CONTEXT))
-    eager_children = split.split_batch(dataclasses.replace(batch, tbo_split_seq_index=2))
-    eager = tbo.init_forward_metadata(batch, eager_children)
-    replayed = tbo.init_forward_metadata_for_replay(batch)
-    chex.assert_trees_all_equal(eager, replayed)
 
 
 def test_empty_child_gets_empty_metadata_and_structure_is_stable():
@@ -171,7 +162,8 @@ def test_empty_child_gets_empty_metadata_and_structure_is_stable():
     assert int(md.children[0].num_tokens) == 0 and not md.children[0].tile_q_len.any()
     no_tbo = tbo.init_forward_metadata(batch)
     assert no_tbo.children is None
-    other = tbo.init_forward_metadata_for_replay(batch)
+    other_children = split.split_batch(dataclasses.replace(batch, tbo_split_seq_index=1))
+    other = tbo.init_forward_metadata(batch, other_children)
     assert jax.tree.structure(md) == jax.tree.structure(other)
 
 

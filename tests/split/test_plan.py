@@ -6,7 +6,6 @@ from hypothesis import given, settings
 
 from jtbo.split import (
     ForwardMode,
-    compute_split_indices_for_graph_replay,
     compute_split_seq_index,
     compute_split_token_index,
     compute_tbo_children_num_token_non_padded,
@@ -87,14 +86,6 @@ def test_decode_verify_idle():
         assert compute_split_seq_index(mode, 0, None, 0) == 0
         assert compute_split_token_index(0, mode, None, 0) == 0
     assert compute_split_seq_index(ForwardMode.DRAFT_EXTEND, 5, [5], None) is None
-
-
-def test_graph_replay():
-    assert compute_split_indices_for_graph_replay(ForwardMode.DECODE, 9, 1) == (4, 4)
-    assert compute_split_indices_for_graph_replay(ForwardMode.TARGET_VERIFY, 24, 4) == (3, 12)
-    assert compute_split_indices_for_graph_replay(ForwardMode.IDLE, 8, 0) == (4, 4)
-    with pytest.raises(ValueError, match="EXTEND"):
-        compute_split_indices_for_graph_replay(EXTEND, 8, None)
 
 
 def test_token_num_per_seq_and_children_counts():
