@@ -90,6 +90,8 @@ class ModelRunner:
         ep_capacity_factor: float | None = None,
         ep_overflow_policy: str = "raise",
         ep_dedup: bool = False,
+        ep_exchange: str = "dense",
+        ep_slot_alignment: int = 1,
         tbo_round_barriers: bool = False,
         tbo_issue_barriers: bool | None = None,
         tbo_auto_trials: int = tbo_auto.DEFAULT_TRIALS,
@@ -120,6 +122,9 @@ class ModelRunner:
             None never drops a token (``layer_ops.ParallelConfig``).
           ep_overflow_policy: a step that overflowed EP capacity: "raise" (naming the capacity)
             or "rerun" (again with the next capacity bucket; ``collectives.resolve_overflow``).
+          ep_exchange: "dense" (fixed-slot all-to-all) or "ragged" (only the filled slots;
+            GPU only); ``layer_ops.ParallelConfig``.
+          ep_slot_alignment: EP capacities are rounded up to a multiple of this.
           ep_dedup: EP exchanges one row per (token, destination device) instead of one per
             (token, expert) (``layer_ops.ParallelConfig.ep_dedup``).
           tbo_round_barriers: pin each TBO round with optimization barriers that leave the
@@ -190,8 +195,8 @@ class ModelRunner:
         self.max_total_tokens, self.max_running_requests = max_total_tokens, max_running_requests
         self.parallel = layer_ops.ParallelConfig(
             moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size,
-            ep_capacity_factor, ep_overflow_policy, ep_dedup=ep_dedup,
-            tbo_round_barriers=tbo_round_barriers,
+            ep_capacity_factor, ep_overflow_policy, ep_exchange=ep_exchange, ep_dedup=ep_dedup,
+            ep_slot_alignment=ep_slot_alignment, tbo_round_barriers=tbo_round_barriers,
             tbo_issue_barriers=tbo_issue_barriers, moe_runner_backend=moe_runner_backend,
             attention_backend=attention_backend,
         )  # fmt: skip

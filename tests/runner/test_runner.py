@@ -260,3 +260,20 @@ def test_dedup_exchange_with_and_without_tbo_matches_reference():
             want = helpers.reference_new_rows(model, ranks[r], {k: len(v) for k, v in n.items()})
             chex.assert_trees_all_close(outs[r], want, **TOL)
     assert runner.num_tbo_steps == 1
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU's ragged refusal")
+def test_every_ep_option_reaches_the_step():
+    # ep_exchange and ep_slot_alignment are settable on the runner (and in its fingerprint);
+    # the ragged exchange, GPU-only, is refused with a clear error before any compile.
+    model = model_lib.MoEModel(config_lib.MoEConfig.tiny(), rngs=nnx.Rngs(0))
+    make = lambda **kw: runner_lib.ModelRunner(  # noqa: E731
+        model, mesh_lib.make_mesh(8, 1), max_total_tokens=64, max_running_requests=4,
+        dtype=jnp.float32, **kw,
+    )  # fmt: skip
+    aligned = make(ep_slot_alignment=8)
+    assert aligned.parallel.ep_slot_alignment == 8 and aligned.parallel.ep_exchange == "dense"
+    ragged = make(ep_exchange="ragged")
+    assert ragged.parallel.ep_exchange == "ragged"
+    with pytest.raises(ValueError, match="exchange='ragged' needs a GPU"):
+        ragged.forward([helpers.Rank().extend({0: [1, 2, 3]})] + [None] * 7)
