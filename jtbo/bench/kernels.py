@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtbo import kernels
-from jtbo.kernels import config as config_lib
+from jtbo.kernels import copy_config
 from jtbo.kernels import impls as impls_lib
 
 MIB = 1 << 20
@@ -327,7 +327,7 @@ def sweep(size_bytes, cols, dtype, impl_names, args, lines):
     best = {}
     for impl in (i for i in impl_names if i != "xla"):
         for block, warps, evict in SWEEP_CONFIGS:
-            cfg = config_lib.CopyConfig(block_elems=block, num_warps=warps, eviction_policy=evict)
+            cfg = copy_config.CopyConfig(block_elems=block, num_warps=warps, eviction_policy=evict)
             for op in args.sweep_ops.split(","):
                 gbs = op_gbs(op, bufs, impl, cfg, plan, row_bytes)
                 _emit(f"sweep {op} {impl} {cfg.describe()}: {gbs:.0f} GB/s", lines)
@@ -369,8 +369,8 @@ def main(argv):
         + ", ".join(
             f"{op} {impls_lib.resolve(None, op=op, payload_bytes=MIB)}" for op in impls_lib.FASTEST
         )
-        + f"; configs dp_memcpy {config_lib.DP_MEMCPY.describe()}, slice_pad "
-        f"{config_lib.SLICE_PAD.describe()}, merge_rows {config_lib.MERGE_ROWS.describe()}",
+        + f"; configs dp_memcpy {copy_config.DP_MEMCPY.describe()}, slice_pad "
+        f"{copy_config.SLICE_PAD.describe()}, merge_rows {copy_config.MERGE_ROWS.describe()}",
         lines,
     )
     for line in TABLE_HEAD:

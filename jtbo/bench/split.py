@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from jtbo.split import batch as batch_lib
-from jtbo.split import filter as filter_lib
+from jtbo.split import children as children_lib
 from jtbo.split import forward_mode as forward_mode_lib
 
 ForwardMode = forward_mode_lib.ForwardMode
@@ -60,8 +60,8 @@ def plan_and_split(batch: batch_lib.ForwardBatch, attn_tp_size: int):
     Returns:
       ``(child_a, child_b)``.
     """
-    planned = filter_lib.plan_tbo_split(batch)
-    return filter_lib.split_batch(planned, attn_tp_size=attn_tp_size)
+    planned = children_lib.plan_tbo_split(batch)
+    return children_lib.split_batch(planned, attn_tp_size=attn_tp_size)
 
 
 def _time_us(fn, runs: int) -> list[float]:

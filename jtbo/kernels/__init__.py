@@ -12,7 +12,7 @@ available) and ``config`` (a ``CopyConfig``). All impls share one out-of-range r
 written, and nothing is shifted to fit.
 """
 
-from jtbo.kernels.config import CopyConfig
+from jtbo.kernels.copy_config import CopyConfig
 from jtbo.kernels.gemm_config import GemmConfig, GroupedFfnConfig
 from jtbo.kernels.grouped_gemm import grouped_ffn
 from jtbo.kernels.impls import IMPLS, KernelUnavailableError

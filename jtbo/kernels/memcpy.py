@@ -23,8 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jtbo.kernels import config as config_lib
-from jtbo.kernels import impls, ranges
+from jtbo.kernels import copy_config, impls, ranges
 
 
 def _memcpy_kernel(
@@ -143,7 +142,7 @@ def dp_memcpy(dst, src, offset, size, *, offset_src, impl=None, config=None):
     offset = ranges.as_row_scalar(offset, "offset")
     size = ranges.as_row_scalar(size, "size")
     plain, shifted = (dst, src) if offset_src else (src, dst)
-    cfg = config or config_lib.DP_MEMCPY
+    cfg = config or copy_config.DP_MEMCPY
     payload = min(plain.shape[0], shifted.shape[0]) * ranges.row_elems(dst.shape)
     impl = impls.resolve(
         impl,

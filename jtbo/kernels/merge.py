@@ -23,8 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jtbo.kernels import config as config_lib
-from jtbo.kernels import impls, ranges
+from jtbo.kernels import copy_config, impls, ranges
 
 
 def _merge_kernel(*refs, part_rows, out_len, row_elems, block, align, evict):
@@ -173,7 +172,7 @@ def merge_rows(parts, starts, lengths, *, out_len, impl=None, config=None):
     impl = impls.resolve(impl, op="merge_rows")
     starts = _scalars(starts, len(parts), "starts")
     lengths = _scalars(lengths, len(parts), "lengths")
-    cfg = config or config_lib.MERGE_ROWS
+    cfg = config or copy_config.MERGE_ROWS
     out_shape = (out_len, *parts[0].shape[1:])
     # Empty parts copy nothing, and the kernels need real buffers: leave them out.
     kept = [k for k, part in enumerate(parts) if part.size]

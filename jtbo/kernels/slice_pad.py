@@ -22,8 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jtbo.kernels import config as config_lib
-from jtbo.kernels import impls, ranges
+from jtbo.kernels import copy_config, impls, ranges
 
 
 def _slice_pad_kernel(start_ref, length_ref, x_ref, out_ref, *, rows, row_elems, block, align,
@@ -126,7 +125,7 @@ def slice_pad(x, start, length, *, capacity, impl=None, config=None):
     start = ranges.as_row_scalar(start, "start")
     length = ranges.as_row_scalar(length, "length")
     impl = impls.resolve(impl, op="slice_pad")
-    cfg = config or config_lib.SLICE_PAD
+    cfg = config or copy_config.SLICE_PAD
     if x.size == 0 or capacity == 0 or ranges.row_elems(x.shape) == 0:
         return jnp.zeros((capacity, *x.shape[1:]), x.dtype)  # nothing to copy
     if impl == "pallas":

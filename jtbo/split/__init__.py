@@ -2,17 +2,17 @@
 
 * ``plan``: SGLang's split planning on host integers (balanced / two-chunk / decode halves).
 * ``batch``: ``ForwardBatch`` / ``SpecVerifyInput`` pytrees, validated on the host.
-* ``filter``: ``split_batch``, the pure split of a host batch into TBO children.
-* ``padding``: static-capacity form for jit and token buckets.
+* ``children``: ``split_batch``, the pure split of a host batch into TBO children.
+* ``buckets``: static-capacity form for jit and token buckets.
 * ``activations``: in-graph split/merge of activations at a traced token index.
 * ``arith``: ``ceil_div`` / ``round_up``, the integer rounding the planners and buffers share.
 """
 
 from jtbo.split.activations import child_capacity, merge_outputs, plan_fits_capacity, split_inputs
 from jtbo.split.batch import ForwardBatch, SpecVerifyInput
-from jtbo.split.filter import plan_tbo_split, split_batch
+from jtbo.split.buckets import default_token_buckets, pad_batch, token_bucket
+from jtbo.split.children import plan_tbo_split, split_batch
 from jtbo.split.forward_mode import ForwardMode
-from jtbo.split.padding import default_token_buckets, pad_batch, token_bucket
 from jtbo.split.plan import (
     compute_split_seq_index,
     compute_split_token_index,

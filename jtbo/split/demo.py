@@ -12,7 +12,8 @@ import sys
 
 import numpy as np
 
-from jtbo.split import activations, batch, filter, padding, plan
+from jtbo.split import activations, batch, children, plan
+from jtbo.split import buckets as buckets_lib
 from jtbo.split import forward_mode as forward_mode_lib
 
 ForwardMode = forward_mode_lib.ForwardMode
@@ -90,10 +91,10 @@ def _steps(rng: np.random.Generator):
 
 
 def _row(step: int, rank: int, parent: batch.ForwardBatch, buckets: tuple[int, ...]) -> str:
-    planned = filter.plan_tbo_split(parent)
-    a, b = filter.split_batch(planned, attn_tp_size=ATTN_TP_SIZE)
+    planned = children.plan_tbo_split(parent)
+    a, b = children.split_batch(planned, attn_tp_size=ATTN_TP_SIZE)
     two_chunk = a.batch_size + b.batch_size > parent.batch_size
-    bucket = padding.token_bucket(parent.num_tokens, buckets)
+    bucket = buckets_lib.token_bucket(parent.num_tokens, buckets)
     per_seq = plan.get_token_num_per_seq(parent.forward_mode, parent.spec_info) or 1
     cap = activations.child_capacity(bucket, attn_tp_size=ATTN_TP_SIZE, token_num_per_seq=per_seq)
     split_token = a.num_tokens
@@ -117,7 +118,7 @@ def main(argv: list[str]) -> None:
     """
     seed = int(argv[0]) if argv else 0
     rng = np.random.default_rng(seed)
-    buckets = padding.default_token_buckets(MAX_TOKENS)
+    buckets = buckets_lib.default_token_buckets(MAX_TOKENS)
     print(f"jtbo split plan: dp={DP_SIZE} attn_tp={ATTN_TP_SIZE} seed={seed} buckets={buckets}")
     print(HEADER)
     for step, parents in enumerate(_steps(rng)):

@@ -8,7 +8,7 @@ import pytest
 
 from jtbo.split import default_token_buckets, pad_batch, split_batch, token_bucket
 from tests.split import batches
-from tests.split.test_filter import planned
+from tests.split.test_children import planned
 
 
 def test_buckets():
