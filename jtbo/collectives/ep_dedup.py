@@ -146,7 +146,9 @@ def dispatch_b(
     """
     num_local, capacity = dispatcher.num_local_experts, dispatcher.expert_capacity
     m = dispatcher.local_ids_per_row
-    recv_hidden, columns = ep_lib.unpack_ids(in_flight.recv_payload, in_flight.hidden_width, 2 * m)
+    recv_hidden, columns = rows_lib.unpack_int32_columns(
+        in_flight.recv_payload, in_flight.hidden_width
+    )
     expert, weights = columns[:, :m], jax.lax.bitcast_convert_type(columns[:, m:], jnp.float32)
     assigned = (expert >= 0).reshape(-1)  # (source, slot, column) order
     rank = rows_lib.rank_within_group(jnp.where(assigned, expert.reshape(-1), num_local), num_local)
@@ -262,7 +264,7 @@ def _fill_send_buffer(dispatcher, hidden_states, ids, topk_weights, peer, send_s
     weights = topk_weights[at].astype(jnp.float32)
     send_weights = jnp.sum(jnp.where(match, weights[:, None, :], 0.0), axis=2)
     bits = jax.lax.bitcast_convert_type(send_weights, jnp.int32)
-    return ep_lib.pack_ids(send_hidden, jnp.concatenate([send_ids, bits], axis=1))
+    return rows_lib.pack_int32_columns(send_hidden, jnp.concatenate([send_ids, bits], axis=1))
 
 
 def _column_on_device(peer):
@@ -278,4 +280,4 @@ def _empty_payload(dispatcher, width, dtype):
     rows = dispatcher.ep_size * dispatcher.peer_capacity
     m = dispatcher.local_ids_per_row
     ids = jnp.concatenate([jnp.full((rows, m), -1, jnp.int32), jnp.zeros((rows, m), jnp.int32)], 1)
-    return ep_lib.pack_ids(jnp.zeros((rows, width), dtype), ids)
+    return rows_lib.pack_int32_columns(jnp.zeros((rows, width), dtype), ids)

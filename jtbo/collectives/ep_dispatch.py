@@ -108,12 +108,14 @@ def dispatch_a(
         dispatcher, topk_ids, num_valid_tokens
     )
     send_hidden, send_expert = _fill_send_buffer(dispatcher, hidden_states, topk_ids, send_slot)
-    payload = pack_ids(send_hidden, send_expert)
+    payload = rows_lib.pack_int32_columns(send_hidden, send_expert[:, None])
     if dispatcher.exchange == "dense":
         received = _all_to_all(dispatcher, payload)
     else:
         recv_counts = _all_to_all(dispatcher, send_counts)
-        empty = pack_ids(jnp.zeros_like(send_hidden), jnp.full_like(send_expert, -1))
+        empty = rows_lib.pack_int32_columns(
+            jnp.zeros_like(send_hidden), jnp.full((send_expert.shape[0], 1), -1, jnp.int32)
+        )
         received = _ragged_exchange(dispatcher, payload, send_counts, recv_counts, empty)
     return DispatchInFlight(
         recv_payload=received,
@@ -140,7 +142,8 @@ def dispatch_b(
       slots) and the state ``combine_a`` needs.
     """
     num_local, capacity = dispatcher.num_local_experts, dispatcher.expert_capacity
-    recv_hidden, expert = unpack_ids(in_flight.recv_payload, in_flight.hidden_width)
+    recv_hidden, ids = rows_lib.unpack_int32_columns(in_flight.recv_payload, in_flight.hidden_width)
+    expert = ids[:, 0]
     received = expert >= 0
     rank = rows_lib.rank_within_group(jnp.where(received, expert, num_local), num_local)
     kept = received & (rank < capacity)
@@ -295,54 +298,6 @@ def _fill_send_buffer(dispatcher, hidden_states, topk_ids, send_slot):
 def _all_to_all(dispatcher, x):
     """Block ``p`` of ``x`` goes to device ``p``; block ``s`` of the result came from ``s``."""
     return jax.lax.all_to_all(x, dispatcher.axis_names, 0, 0, tiled=True)
-
-
-def pack_ids(rows: jax.Array, ids: jax.Array) -> jax.Array:
-    """Rows with their int32 ids bitcast into trailing columns: one exchange carries both.
-
-    Two exchanges would each need a slot of XLA:GPU's async-collective overlap limit (one in
-    flight at a time by default): measured on a 4 x 2 H200 compile of the model's decode
-    step, a separate id all-to-all left the row exchanges beside it uncovered. A bitcast
-    moves the bits unchanged.
-
-    Args:
-      rows: ``[N, H]`` rows of any dtype.
-      ids: ``[N]`` or ``[N, m]`` integer ids that fit in int32 (``m`` ids per row).
-
-    Returns:
-      ``[N, H + m * c]`` in ``rows.dtype`` (``m = 1`` for ``[N]`` ids): ``c = 4 // itemsize``
-      columns per id for dtypes of at most 4 bytes, one column (the id widened to the row's
-      width) for wider ones.
-    """
-    itemsize = jnp.dtype(rows.dtype).itemsize
-    if itemsize <= 4:
-        columns = jax.lax.bitcast_convert_type(ids.astype(jnp.int32), rows.dtype)
-    else:
-        wide = jnp.dtype(f"int{8 * itemsize}")
-        columns = jax.lax.bitcast_convert_type(ids.astype(wide), rows.dtype)
-    return jnp.concatenate([rows, columns.reshape(ids.shape[0], -1)], axis=1)
-
-
-def unpack_ids(payload: jax.Array, width: int, num_ids: int | None = None):
-    """Inverse of ``pack_ids``: ``([N, width] rows, int32 ids)``.
-
-    Args:
-      payload: ``pack_ids``' result.
-      width: ``H``, the row width before packing.
-      num_ids: None for ids packed as ``[N]``, else ``m`` for ids packed as ``[N, m]``.
-
-    Returns:
-      The rows and the ids, ``[N]`` or ``[N, num_ids]`` int32.
-    """
-    columns = payload[:, width:]
-    itemsize = jnp.dtype(payload.dtype).itemsize
-    per_id = max(1, 4 // itemsize)
-    columns = columns.reshape((payload.shape[0], num_ids or 1, per_id))
-    if itemsize >= 4:
-        columns = columns[..., 0]
-    id_dtype = jnp.int32 if itemsize <= 4 else jnp.dtype(f"int{8 * itemsize}")
-    ids = jax.lax.bitcast_convert_type(columns, id_dtype).astype(jnp.int32)
-    return payload[:, :width], ids[:, 0] if num_ids is None else ids
 
 
 def _ragged_exchange(dispatcher, operand, send_sizes, recv_sizes, output):

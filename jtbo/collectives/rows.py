@@ -60,36 +60,44 @@ def rank_within_group(group: jax.Array, num_groups: int) -> jax.Array:
 
 
 def pack_int32_columns(rows: jax.Array, values: jax.Array) -> jax.Array:
-    """``rows`` with 4-byte ``values`` bitcast into trailing columns: one collective moves both.
+    """``rows`` with int32 ``values`` bitcast into trailing columns: one collective moves both.
 
     Every collective takes a slot of XLA:GPU's async-collective overlap limit and a window of
-    its own; small side arrays (expert ids, routing weights) riding in the rows' buffer need
-    neither. A bitcast moves the bits unchanged.
+    its own: measured on a 4 x 2 H200 compile of the model's decode step, a separate id
+    all-to-all left the row exchanges beside it uncovered. Small side arrays (expert ids,
+    routing weights bitcast to int32) riding in the rows' buffer need neither. A bitcast moves
+    the bits unchanged.
 
     Args:
-      rows: ``[N, H]`` rows of a dtype of at most 4 bytes.
-      values: ``[N, k]`` int32 or float32.
+      rows: ``[N, H]`` rows of any dtype.
+      values: ``[N, k]`` int32 (bitcast float32 to int32 first).
 
     Returns:
-      ``[N, H + k * 4 // itemsize]`` in ``rows.dtype``.
+      ``[N, H + k * c]`` in ``rows.dtype``: ``c = 4 // itemsize`` columns per value for rows
+      of at most 4 bytes, one column (the value widened to the row's width) for wider rows.
 
     Raises:
-      ValueError: wider rows, or values that are not 4 bytes wide.
+      ValueError: values that are not int32.
     """
-    itemsize = jnp.dtype(rows.dtype).itemsize
-    if itemsize > 4 or jnp.dtype(values.dtype).itemsize != 4:
+    if values.dtype != jnp.int32:
         raise ValueError(
-            f"pack_int32_columns needs rows of at most 4 bytes and 4-byte values, got "
-            f"{rows.dtype} and {values.dtype}"
+            f"pack_int32_columns packs int32 values (bitcast float32 first) into rows of any "
+            f"dtype, c = 4 // itemsize columns each for rows of at most 4 bytes; got values of "
+            f"{values.dtype}"
         )
+    itemsize = jnp.dtype(rows.dtype).itemsize
+    if itemsize > 4:
+        values = values.astype(jnp.dtype(f"int{8 * itemsize}"))
     columns = jax.lax.bitcast_convert_type(values, rows.dtype)
     return jnp.concatenate([rows, columns.reshape(rows.shape[0], -1)], axis=1)
 
 
-def unpack_int32_columns(payload: jax.Array, width: int, dtype) -> tuple[jax.Array, jax.Array]:
-    """Inverse of ``pack_int32_columns``: ``([N, width] rows, [N, k] values of dtype)``."""
-    per_value = 4 // jnp.dtype(payload.dtype).itemsize
+def unpack_int32_columns(payload: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
+    """Inverse of ``pack_int32_columns``: ``([N, width] rows, [N, k] int32 values)``."""
+    itemsize = jnp.dtype(payload.dtype).itemsize
     columns = payload[:, width:]
-    if per_value > 1:
-        columns = columns.reshape(payload.shape[0], -1, per_value)
-    return payload[:, :width], jax.lax.bitcast_convert_type(columns, dtype)
+    if itemsize < 4:
+        columns = columns.reshape(payload.shape[0], -1, 4 // itemsize)
+    value_dtype = jnp.int32 if itemsize <= 4 else jnp.dtype(f"int{8 * itemsize}")
+    values = jax.lax.bitcast_convert_type(columns, value_dtype)
+    return payload[:, :width], values.astype(jnp.int32)

@@ -156,9 +156,7 @@ def gather_operations(moe: model_lib.MoEBlock, moe_runner_backend: str = "xla") 
 
     def dispatch_b(state):
         hidden = moe.experts.weights[0].shape[1]
-        x, side = rows.unpack_int32_columns(
-            state.pop("dispatch_in_flight").value, hidden, jnp.int32
-        )
+        x, side = rows.unpack_int32_columns(state.pop("dispatch_in_flight").value, hidden)
         ids, weights = jnp.split(side, 2, axis=1)
         state.dispatch_output = (x, ids - 1, jax.lax.bitcast_convert_type(weights, jnp.float32))
 

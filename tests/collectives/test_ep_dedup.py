@@ -210,20 +210,6 @@ def test_expected_ranks_per_token_and_capacity_rule():
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_pack_ids_round_trips_several_ids_per_row(dtype):
-    rng = np.random.default_rng(3)
-    rows = jnp.asarray(rng.standard_normal((5, 3)), dtype)
-    ids = rng.integers(-(2**31), 2**31 - 1, (5, 4), dtype=np.int64).astype(np.int32)
-    ids[0] = -1
-    payload = ep_dispatch.pack_ids(rows, jnp.asarray(ids))
-    got_rows, got_ids = ep_dispatch.unpack_ids(payload, 3, 4)
-    np.testing.assert_array_equal(np.asarray(got_ids), ids)
-    np.testing.assert_array_equal(
-        np.asarray(got_rows).view(np.uint8), np.asarray(rows).view(np.uint8)
-    )
-
-
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="ragged_all_to_all needs a GPU")
 def test_dedup_dense_and_ragged_agree_on_gpu():
     num_devices = len(jax.devices())

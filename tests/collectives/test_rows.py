@@ -1,5 +1,6 @@
 """Row helpers: rank_within_group against a numpy reference."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,11 +47,54 @@ def test_pack_int32_columns_round_trip_is_bit_exact(dtype):
     side = np.concatenate([ids, weights.view(np.int32)], axis=1)
     payload = rows.pack_int32_columns(rows_in, jnp.asarray(side))
     assert payload.shape == (5, 3 + 4 * (4 // jnp.dtype(dtype).itemsize)) and payload.dtype == dtype
-    got_rows, got_side = rows.unpack_int32_columns(payload, 3, jnp.int32)
+    got_rows, got_side = rows.unpack_int32_columns(payload, 3)
     np.testing.assert_array_equal(np.asarray(got_side), side)
     np.testing.assert_array_equal(np.asarray(got_rows), np.asarray(rows_in))
 
 
-def test_pack_int32_columns_refuses_wide_rows_and_narrow_values():
+def test_pack_int32_columns_refuses_values_that_are_not_int32():
     with pytest.raises(ValueError, match="at most 4 bytes"):
         rows.pack_int32_columns(jnp.zeros((2, 3), jnp.int8), jnp.zeros((2, 1), jnp.int16))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32, jnp.int8])
+def test_pack_int32_columns_one_id_per_row_is_bit_exact(dtype):
+    # Every int32 bit pattern must survive the bitcast into row columns, including the ones
+    # that are NaNs in a float dtype (-1, the empty-slot marker) and the extremes.
+    rng = np.random.default_rng(5)
+    rows_in = jnp.asarray(rng.integers(-100, 100, (7, 5)), dtype)
+    ids = np.array([-1, 0, 1, 2**31 - 1, -(2**31), 12345, -777], np.int32)
+    payload = rows.pack_int32_columns(rows_in, jnp.asarray(ids)[:, None])
+    assert payload.dtype == rows_in.dtype
+    assert payload.shape == (7, 5 + max(1, 4 // jnp.dtype(dtype).itemsize))
+    got_rows, got_ids = rows.unpack_int32_columns(payload, 5)
+    np.testing.assert_array_equal(np.asarray(got_ids)[:, 0], ids)
+    np.testing.assert_array_equal(
+        np.asarray(got_rows).view(np.uint8), np.asarray(rows_in).view(np.uint8)
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_pack_int32_columns_round_trips_several_ids_per_row(dtype):
+    rng = np.random.default_rng(3)
+    rows_in = jnp.asarray(rng.standard_normal((5, 3)), dtype)
+    ids = rng.integers(-(2**31), 2**31 - 1, (5, 4), dtype=np.int64).astype(np.int32)
+    ids[0] = -1
+    payload = rows.pack_int32_columns(rows_in, jnp.asarray(ids))
+    got_rows, got_ids = rows.unpack_int32_columns(payload, 3)
+    np.testing.assert_array_equal(np.asarray(got_ids), ids)
+    np.testing.assert_array_equal(
+        np.asarray(got_rows).view(np.uint8), np.asarray(rows_in).view(np.uint8)
+    )
+
+
+def test_pack_int32_columns_widens_values_for_wide_rows():
+    # float64 rows hold one widened column per value; the int32 bits come back unchanged.
+    with jax.enable_x64(True):
+        rows_in = jnp.asarray(np.random.default_rng(4).standard_normal((3, 2)), jnp.float64)
+        ids = jnp.asarray([[-1, 2**31 - 1], [-(2**31), 0], [7, -7]], jnp.int32)
+        payload = rows.pack_int32_columns(rows_in, ids)
+        assert payload.shape == (3, 4) and payload.dtype == jnp.float64
+        got_rows, got_ids = rows.unpack_int32_columns(payload, 2)
+        np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(ids))
+        np.testing.assert_array_equal(np.asarray(got_rows), np.asarray(rows_in))
