@@ -115,12 +115,10 @@ def dispatch_a(
     peer = jnp.where(routed, ep_lib._div(ids, dispatcher.num_local_experts), dispatcher.ep_size)
     send_slot, send_counts, overflow, peak = _assign_peer_slots(dispatcher, peer)
     payload = _fill_send_buffer(dispatcher, hidden_states, ids, topk_weights, peer, send_slot)
-    if dispatcher.exchange == "dense":
-        received = ep_lib._all_to_all(dispatcher, payload)
-    else:
-        recv_counts = ep_lib._all_to_all(dispatcher, send_counts)
-        empty = _empty_payload(dispatcher, hidden_states.shape[1], payload.dtype)
-        received = ep_lib._ragged_exchange(dispatcher, payload, send_counts, recv_counts, empty)
+    received = ep_lib._send(
+        dispatcher, payload, send_counts,
+        lambda: _empty_payload(dispatcher, hidden_states.shape[1], payload.dtype),
+    )  # fmt: skip
     return DedupDispatchInFlight(
         recv_payload=received,
         hidden_width=hidden_states.shape[1],
@@ -187,10 +185,7 @@ def combine_a(
     Raises:
       ValueError: ``expert_outputs`` does not have the slot layout.
     """
-    slots = (dispatcher.num_local_experts, dispatcher.expert_capacity)
-    if expert_outputs.shape[:2] != slots:
-        raise ValueError(f"expert_outputs shape {expert_outputs.shape} must start with {slots}")
-    flat = expert_outputs.reshape((-1,) + expert_outputs.shape[2:])
+    flat = ep_lib._flat_expert_outputs(dispatcher, expert_outputs)
     slot = state.recv_expert_slot.reshape(state.recv_weights.shape)
     # One [rows, H] gather per id column, summed as they come: a [rows, m, H] float32
     # intermediate would be m times the exchange's size if XLA did not fuse the reduction.
@@ -199,13 +194,7 @@ def combine_a(
         rows = ep_lib._gather_rows(flat, slot[:, column]).astype(jnp.float32)
         back = back + state.recv_weights[:, column, None] * rows
     back = back.astype(expert_outputs.dtype)
-    if dispatcher.exchange == "dense":
-        returned = ep_lib._all_to_all(dispatcher, back)
-    else:
-        # Reverse roles: send what was received, receive what was sent.
-        returned = ep_lib._ragged_exchange(
-            dispatcher, back, state.recv_counts, state.send_counts, jnp.zeros_like(back)
-        )
+    returned = ep_lib._send_back(dispatcher, back, state.recv_counts, state.send_counts)
     return DedupCombineInFlight(returned=returned, send_slot=state.send_slot)
 
 

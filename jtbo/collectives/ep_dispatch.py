@@ -109,14 +109,12 @@ def dispatch_a(
     )
     send_hidden, send_expert = _fill_send_buffer(dispatcher, hidden_states, topk_ids, send_slot)
     payload = rows_lib.pack_int32_columns(send_hidden, send_expert[:, None])
-    if dispatcher.exchange == "dense":
-        received = _all_to_all(dispatcher, payload)
-    else:
-        recv_counts = _all_to_all(dispatcher, send_counts)
-        empty = rows_lib.pack_int32_columns(
+    received = _send(
+        dispatcher, payload, send_counts,
+        lambda: rows_lib.pack_int32_columns(  # empty rows: zeros, expert id -1
             jnp.zeros_like(send_hidden), jnp.full((send_expert.shape[0], 1), -1, jnp.int32)
-        )
-        received = _ragged_exchange(dispatcher, payload, send_counts, recv_counts, empty)
+        ),
+    )  # fmt: skip
     return DispatchInFlight(
         recv_payload=received,
         hidden_width=hidden_states.shape[1],
@@ -181,18 +179,8 @@ def combine_a(
     Raises:
       ValueError: ``expert_outputs`` does not have the slot layout.
     """
-    slots = (dispatcher.num_local_experts, dispatcher.expert_capacity)
-    if expert_outputs.shape[:2] != slots:
-        raise ValueError(f"expert_outputs shape {expert_outputs.shape} must start with {slots}")
-    flat = expert_outputs.reshape((-1,) + expert_outputs.shape[2:])
-    back = _gather_rows(flat, state.recv_expert_slot)
-    if dispatcher.exchange == "dense":
-        returned = _all_to_all(dispatcher, back)
-    else:
-        # Reverse roles: send what was received, receive what was sent.
-        returned = _ragged_exchange(
-            dispatcher, back, state.recv_counts, state.send_counts, jnp.zeros_like(back)
-        )
+    back = _gather_rows(_flat_expert_outputs(dispatcher, expert_outputs), state.recv_expert_slot)
+    returned = _send_back(dispatcher, back, state.recv_counts, state.send_counts)
     return CombineInFlight(
         returned=returned, send_slot=state.send_slot, topk_weights=state.topk_weights
     )
@@ -293,6 +281,34 @@ def _fill_send_buffer(dispatcher, hidden_states, topk_ids, send_slot):
     local_expert = ids - _div(ids, dispatcher.num_local_experts) * dispatcher.num_local_experts
     send_expert = jnp.where(assignment >= 0, local_expert[jnp.maximum(assignment, 0)], -1)
     return send_hidden, send_expert
+
+
+def _send(dispatcher, payload, send_counts, empty_payload):
+    """Issues the exchange of ``payload``'s peer blocks and returns its (unread) result.
+
+    Dense: every slot of every block. Ragged: only each block's ``send_counts`` filled rows;
+    received rows land in ``empty_payload()`` (built only then), whose rows stay where nothing
+    arrived.
+    """
+    if dispatcher.exchange == "dense":
+        return _all_to_all(dispatcher, payload)
+    recv_counts = _all_to_all(dispatcher, send_counts)
+    return _ragged_exchange(dispatcher, payload, send_counts, recv_counts, empty_payload())
+
+
+def _send_back(dispatcher, back, recv_counts, send_counts):
+    """The return exchange of ``_send``: roles reversed, rows nothing came back for are zero."""
+    if dispatcher.exchange == "dense":
+        return _all_to_all(dispatcher, back)
+    return _ragged_exchange(dispatcher, back, recv_counts, send_counts, jnp.zeros_like(back))
+
+
+def _flat_expert_outputs(dispatcher, expert_outputs):
+    """``[num_local_experts * expert_capacity, H_out]`` rows of the slot-layout outputs."""
+    slots = (dispatcher.num_local_experts, dispatcher.expert_capacity)
+    if expert_outputs.shape[:2] != slots:
+        raise ValueError(f"expert_outputs shape {expert_outputs.shape} must start with {slots}")
+    return expert_outputs.reshape((-1,) + expert_outputs.shape[2:])
 
 
 def _all_to_all(dispatcher, x):
