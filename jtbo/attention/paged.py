@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as plgpu
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.attention import metadata as metadata_lib
 from jtbo.attention import native
-from jtbo.kernels import impls
+from jtbo.kernels import impls, launch_checks
 
 # The Pallas interpreter's first lowering imports this module, which registers a jax config
 # option: jax's tracing context changes after that first lowering, so every jitted function
@@ -84,20 +84,11 @@ class PagedAttentionConfig:
     num_stages: int = 2
 
     def __post_init__(self):
-        for name in ("block_kv", "block_rows", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"PagedAttentionConfig.{name} must be a power of two, got {value}")
-        for name in ("block_kv", "block_rows"):
-            if getattr(self, name) < 16:
-                raise ValueError(
-                    f"PagedAttentionConfig.{name} must be >= 16, got {getattr(self, name)}"
-                )
-        for name in ("max_kv_splits", "min_programs", "min_split_kv", "num_stages"):
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"PagedAttentionConfig.{name} must be >= 1, got {getattr(self, name)}"
-                )
+        launch_checks.require_powers_of_two(self, ("block_kv", "block_rows", "num_warps"))
+        launch_checks.require_at_least(self, ("block_kv", "block_rows"), 16)
+        launch_checks.require_at_least(
+            self, ("max_kv_splits", "min_programs", "min_split_kv", "num_stages"), 1
+        )
 
 
 DEFAULT_CONFIG = PagedAttentionConfig()
@@ -282,7 +273,7 @@ def paged_attention_pallas(q, cache, layer_id, md, *, scaling, config, interpret
 def _gpu_unavailable_reason(q, cache) -> str | None:
     """Why the Triton lowering cannot take these shapes (its blocks are powers of two >= 16)."""
     for name, size in (("head_dim", q.shape[-1]), ("v_head_dim", cache.v.shape[-1])):
-        if size < 16 or size & (size - 1):
+        if size < 16 or not launch_checks.is_power_of_two(size):
             return f"{name} = {size} is not a power of two >= 16"
     return None
 

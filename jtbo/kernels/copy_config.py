@@ -17,6 +17,8 @@ until the grid has ``min_programs`` programs (never below one vector per thread)
 import dataclasses
 import math
 
+from jtbo.kernels import launch_checks
+
 EVICTION_POLICIES = (None, "evict_first", "evict_last")
 
 
@@ -46,19 +48,12 @@ class CopyConfig:
     xla_below_bytes: int = 0
 
     def __post_init__(self):
-        for name in ("block_elems", "num_warps", "vector_bytes"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"CopyConfig.{name} must be a power of two, got {value}")
-        if self.block_elems < 16:
-            raise ValueError(f"CopyConfig.block_elems must be >= 16, got {self.block_elems}")
+        launch_checks.require_powers_of_two(self, ("block_elems", "num_warps", "vector_bytes"))
+        launch_checks.require_at_least(self, ("block_elems",), 16)
         if self.vector_bytes > 16:
             raise ValueError(f"CopyConfig.vector_bytes must be <= 16, got {self.vector_bytes}")
-        for name in ("xla_below_bytes", "min_programs"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"CopyConfig.{name} must be >= 0, got {getattr(self, name)}")
-        if self.num_stages < 1:
-            raise ValueError(f"CopyConfig.num_stages must be >= 1, got {self.num_stages}")
+        launch_checks.require_at_least(self, ("xla_below_bytes", "min_programs"), 0)
+        launch_checks.require_at_least(self, ("num_stages",), 1)
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(
                 f"CopyConfig.eviction_policy must be one of {EVICTION_POLICIES}, "

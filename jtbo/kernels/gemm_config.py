@@ -14,11 +14,9 @@ the dimension it tiles (contraction and column dimensions must be tiled exactly)
 
 import dataclasses
 
+from jtbo.kernels import launch_checks
+
 MIN_DOT_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16
-
-
-def _is_power_of_two(value: int) -> bool:
-    return value >= 1 and not value & (value - 1)
 
 
 def fit(block: int, dim: int) -> int:
@@ -48,18 +46,9 @@ class GemmConfig:
     num_stages: int = 4
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k", "num_warps"):
-            value = getattr(self, name)
-            if not _is_power_of_two(value):
-                raise ValueError(f"GemmConfig.{name} must be a power of two, got {value}")
-        for name in ("block_m", "block_n", "block_k"):
-            if getattr(self, name) < MIN_DOT_BLOCK:
-                raise ValueError(
-                    f"GemmConfig.{name} must be >= {MIN_DOT_BLOCK}, got {getattr(self, name)}"
-                )
-        for name in ("group_m", "num_stages"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GemmConfig.{name} must be >= 1, got {getattr(self, name)}")
+        launch_checks.require_powers_of_two(self, ("block_m", "block_n", "block_k", "num_warps"))
+        launch_checks.require_at_least(self, ("block_m", "block_n", "block_k"), MIN_DOT_BLOCK)
+        launch_checks.require_at_least(self, ("group_m", "num_stages"), 1)
 
     def rows_block(self, rows: int) -> int:
         """``block_m``, or less when ``rows`` fit a smaller power of two (>= 16)."""

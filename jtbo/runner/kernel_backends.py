@@ -12,7 +12,7 @@ is built.
 
 from collections.abc import Sequence
 
-from jtbo.kernels import gemm_config, impls
+from jtbo.kernels import gemm_config, impls, launch_checks
 
 # The attention backends by the impl name impls.FASTEST ranks them under.
 _ATTENTION_BACKEND_OF_IMPL = {"xla": "native", "pallas": "pallas"}
@@ -24,7 +24,7 @@ def _tiles(dim: int) -> bool:
 
 
 def _power_of_two_tile(dim: int) -> bool:
-    return dim >= gemm_config.MIN_DOT_BLOCK and not dim & (dim - 1)
+    return dim >= gemm_config.MIN_DOT_BLOCK and launch_checks.is_power_of_two(dim)
 
 
 def moe_runner_backend(name: str | None, matmul_dims: Sequence[int] = ()) -> str:
