@@ -64,6 +64,11 @@ class NativeAttnBackend:
         """
         return batch_metadata.forward_batch_metadata(batch, self.capacity)
 
+    def _check_capacity(self, metadata: metadata_lib.AttentionMetadata) -> None:
+        """Raises ValueError when ``metadata`` was built for another capacity than this one."""
+        if metadata.capacity != self.capacity:
+            raise ValueError(f"metadata capacity {metadata.capacity} != backend {self.capacity}")
+
     def empty_metadata(self) -> metadata_lib.AttentionMetadata:
         """Returns metadata that attends nothing (IDLE ranks, empty TBO children)."""
         return metadata_lib.empty_metadata(self.capacity)
@@ -93,8 +98,7 @@ class NativeAttnBackend:
         Raises:
           ValueError: the metadata was built for another capacity, or shapes disagree.
         """
-        if metadata.capacity != self.capacity:
-            raise ValueError(f"metadata capacity {metadata.capacity} != backend {self.capacity}")
+        self._check_capacity(metadata)
         return native.forward(
             q, k, v, layer_id, metadata, kv_cache, scaling=self.scaling, config=self.config
         )
@@ -132,8 +136,7 @@ class NativeAttnBackend:
         Raises:
           ValueError: the metadata was built for another capacity, or a non-latent cache.
         """
-        if metadata.capacity != self.capacity:
-            raise ValueError(f"metadata capacity {metadata.capacity} != backend {self.capacity}")
+        self._check_capacity(metadata)
         return mla.forward(
             q_nope, q_pe, latent, w_kv_b, layer_id, metadata, kv_cache, scaling=scaling,
             absorbed=mla.uses_absorbed(self.capacity), config=self.config,
@@ -182,8 +185,7 @@ class PallasAttnBackend(NativeAttnBackend):
           ValueError: the metadata was built for another capacity, or shapes disagree.
           KernelUnavailableError: the kernel cannot run these shapes on this platform.
         """
-        if metadata.capacity != self.capacity:
-            raise ValueError(f"metadata capacity {metadata.capacity} != backend {self.capacity}")
+        self._check_capacity(metadata)
         return paged.forward(
             q, k, v, layer_id, metadata, kv_cache, scaling=self.scaling, impl="pallas",
             config=self.config,
