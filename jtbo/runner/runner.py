@@ -141,12 +141,12 @@ class ModelRunner:
             timing, shapes it does not list are still timed on first sight.
           moe_runner_backend: the routed experts' FFN impl, "xla" (batched matmul over every
             capacity slot) or "pallas" (grouped GEMM over the filled slots;
-            ``layer_ops.ParallelConfig``); None: the fastest here ("pallas" on GPUs, "xla" on
-            the CPU; ``jtbo.runner.kernel_backends``).
+            ``layer_ops.ParallelConfig``); None: the fastest here that tiles the model
+            ("pallas" on GPUs where its tiles fit, else "xla"; ``jtbo.runner.kernel_backends``).
           attention_backend: "native" (blocked jnp attention, the exact reference) or
             "pallas" (the paged kernel, ``jtbo.attention.paged``; the Pallas interpreter on
             the CPU), for the whole batch and both TBO micro-batches; None: the fastest here
-            ("pallas" on GPUs, "native" on the CPU).
+            that serves the model ("pallas" on GPUs for GQA heads it tiles, else "native").
           peer_timeout_s: several processes: a process whose heartbeat stopped this long ago
             counts as failed and every other process ends (``jtbo.runner.failure``).
           check_finite_logits: raise ``NonFiniteLogitsError`` (naming the DP rank and the
