@@ -37,6 +37,8 @@ CUBLAS_PREFIXES = ("nvjet", "sm90_", "sm80_", "cutlass", "void cutlass", "gemv",
 """Kernel-name prefixes of cuBLAS / cuBLASLt kernels."""
 NCCL_PREFIXES = ("nccl",)
 """Kernel-name prefixes of NCCL collectives (communication)."""
+PEER_COPY_PREFIXES = ("MemcpyP2P", "MemcpyPtoP", "Memcpy PtoP")
+"""Names of peer-to-peer copies: the ``peer_copy`` EP exchange's transfers (communication)."""
 NOT_COMPUTE_PREFIXES = ("Memcpy", "Memset", "memcpy", "memset")
 """Kernel-name prefixes that are data movement, neither communication nor compute."""
 
@@ -230,11 +232,11 @@ def step_summary(trace_path: str, dump_dir: str, steps: int) -> tuple[dict[str, 
 
 
 def _is_communication(kernel: Kernel) -> bool:
-    return kernel.name.startswith(NCCL_PREFIXES)
+    return kernel.name.startswith(NCCL_PREFIXES + PEER_COPY_PREFIXES)
 
 
 def _is_compute(kernel: Kernel) -> bool:
-    return not kernel.name.startswith(NCCL_PREFIXES + NOT_COMPUTE_PREFIXES)
+    return not kernel.name.startswith(NCCL_PREFIXES + PEER_COPY_PREFIXES + NOT_COMPUTE_PREFIXES)
 
 
 def _by_device(kernels: list[Kernel]) -> dict[int, list[Kernel]]:

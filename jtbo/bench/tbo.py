@@ -62,6 +62,7 @@ from flax import nnx
 from jtbo import split
 from jtbo.attention import backend as attn_backend_lib
 from jtbo.bench import kernel_time
+from jtbo.collectives import ep_config
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
@@ -99,6 +100,11 @@ def _parser() -> argparse.ArgumentParser:
         "--ep-dedup", action="store_true",
         help="EP sends each token once per destination GPU (DeepEP-style) with its local "
         "expert ids and weights, instead of once per (token, expert)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ep-exchange", choices=ep_config.EXCHANGES, default="dense",
+        help="EP exchange: XLA's all-to-all of fixed slots (dense), of the filled slots only "
+        "(ragged), or copy-engine peer copies on a side stream (peer_copy, one process)",
     )  # fmt: skip
     parser.add_argument(
         "--moe-runner-backend", choices=("xla", "pallas"), default=None,
@@ -517,7 +523,7 @@ def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = F
         max_running_requests=max(args.decode + [largest // args.prompt_len + 1]),
         token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.dtype(args.dtype),
         ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
-        ep_dedup=args.ep_dedup, tbo_round_barriers=barriers,
+        ep_dedup=args.ep_dedup, ep_exchange=args.ep_exchange, tbo_round_barriers=barriers,
         moe_runner_backend=args.moe_runner_backend, attention_backend=args.attention_backend,
     )  # fmt: skip
 
@@ -545,7 +551,7 @@ def _header(args) -> str:
     options = " ".join(f"--{name}={_flag_value(value)}" for name, value in args.xla_option)
     return (
         f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; dp={args.dp}, "
-        f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}"
+        f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend} {args.ep_exchange}"
         f"{' dedup' if args.ep_dedup else ''}, experts "
         f"{args.moe_runner_backend}; attention {args.attention_backend}; link {args.link}; "
         f"jax {jax.__version__}" + (f"; XLA_FLAGS += {options}" if options else "")

@@ -35,9 +35,10 @@ import math
 import jax
 
 from jtbo.collectives import mesh as mesh_lib
+from jtbo.collectives import peer_copy
 from jtbo.split import arith
 
-EXCHANGES = ("dense", "ragged")
+EXCHANGES = ("dense", "ragged", "peer_copy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,13 +52,17 @@ class EpDispatcher:
       top_k: experts per token.
       peer_capacity: slots per (source device, destination device) pair.
       expert_capacity: slots per local expert in the expert-input layout.
-      exchange: "dense" (``lax.all_to_all`` of fixed slots; overlappable, runs anywhere) or
-        "ragged" (``lax.ragged_all_to_all`` of the filled slots only; GPU only).
+      exchange: "dense" (``lax.all_to_all`` of fixed slots; overlappable, runs anywhere),
+        "ragged" (``lax.ragged_all_to_all`` of the filled slots only; GPU only) or
+        "peer_copy" (the fixed slots by copy-engine transfers on a side stream,
+        ``jtbo.collectives.peer_copy``; one process, CPU or CUDA devices).
       platform: platform the mesh compiles for ("cpu", "gpu", ...).
       axis_names: mesh axes forming the EP group, major first.
       dedup: send each token once per destination device that holds any of its experts,
         with its local expert ids and weights (``jtbo.collectives.ep_dedup``), instead of once
         per (token, expert) assignment; ``peer_capacity`` then counts (token, device) rows.
+      device_group: for "peer_copy", the local device ordinals of the EP group in EP rank
+        order (``peer_copy.device_group``); empty for the other exchanges.
     """
 
     num_experts: int
@@ -70,6 +75,7 @@ class EpDispatcher:
     platform: str = "gpu"
     axis_names: tuple[str, ...] = mesh_lib.TP_AXES
     dedup: bool = False
+    device_group: tuple[int, ...] = ()  # "peer_copy": local ordinals of the EP group's devices
 
     def __post_init__(self):
         if self.num_experts < 1 or self.ep_size < 1 or self.num_experts % self.ep_size:
@@ -88,6 +94,11 @@ class EpDispatcher:
             raise ValueError(
                 f"exchange='ragged' needs a GPU mesh: jax.lax.ragged_all_to_all has no lowering "
                 f"for platform={self.platform!r} (XLA:CPU lacks it); use exchange='dense'"
+            )
+        if (self.exchange == "peer_copy") != (len(self.device_group) == self.ep_size):
+            raise ValueError(
+                f"exchange={self.exchange!r} with device_group={self.device_group}: the "
+                f"peer-copy exchange needs the {self.ep_size} devices' ordinals, the others none"
             )
 
     @property
@@ -133,7 +144,7 @@ def create_ep_dispatcher(
       top_k: experts per token.
       capacity_factor: multiple of the balanced load reserved per peer and per expert.
       worst_case: reserve the worst case instead (never overflows, largest buffers).
-      exchange: "dense" or "ragged" (GPU only).
+      exchange: "dense", "ragged" (GPU only) or "peer_copy" (one process).
       slot_alignment: capacities are rounded up to a multiple of this (GEMM-friendly).
       dedup: one row per (token, destination device) (``EpDispatcher.dedup``).
 
@@ -141,7 +152,8 @@ def create_ep_dispatcher(
       The dispatcher.
 
     Raises:
-      ValueError: bad sizes, a factor <= 0, or a ragged exchange on a non-GPU mesh.
+      ValueError: bad sizes, a factor <= 0, a ragged exchange on a non-GPU mesh, or a
+        peer-copy exchange over devices of several processes.
     """
     if capacity_factor <= 0 or slot_alignment < 1:
         raise ValueError(
@@ -160,6 +172,7 @@ def create_ep_dispatcher(
         platform=mesh_lib.mesh_platform(mesh),
         axis_names=tuple(mesh.axis_names),
         dedup=dedup,
+        device_group=peer_copy.device_group(mesh) if exchange == "peer_copy" else (),
     )
     peer = worst.worst_peer_capacity
     if not worst_case:

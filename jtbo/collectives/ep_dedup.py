@@ -36,7 +36,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jtbo.collectives import ep_config
+from jtbo.collectives import ep_config, peer_copy
 from jtbo.collectives import ep_dispatch as ep_lib
 from jtbo.collectives import rows as rows_lib
 
@@ -49,7 +49,7 @@ class DedupDispatchInFlight:
     # [ep * peer_capacity, H + id and weight columns] rows by source device, each with its m
     # int32 local expert ids (-1 none) and m float32 weights bitcast into trailing columns (in
     # flight). Kept packed until dispatch_b, as ep_dispatch.DispatchInFlight.recv_payload.
-    recv_payload: jax.Array
+    recv_payload: peer_copy.InFlight
     hidden_width: int = dataclasses.field(metadata=dict(static=True))  # H
     send_slot: jax.Array  # [T, ep] int32 send-buffer slot of each (token, device), -1 none
     send_counts: jax.Array  # [ep] int32 rows sent to each device
@@ -78,7 +78,7 @@ class DedupDispatchState:
 class DedupCombineInFlight:
     """``combine_a``'s result: per (token, device) partial sums on their way back."""
 
-    returned: jax.Array  # [ep * peer_capacity, H_out] partial sums by destination (in flight)
+    returned: peer_copy.InFlight  # [ep * peer_capacity, H_out] partial sums by destination
     send_slot: jax.Array  # [T, ep] int32 send-buffer slot of each (token, device), -1 none
 
 
@@ -145,7 +145,7 @@ def dispatch_b(
     num_local, capacity = dispatcher.num_local_experts, dispatcher.expert_capacity
     m = dispatcher.local_ids_per_row
     recv_hidden, columns = rows_lib.unpack_int32_columns(
-        in_flight.recv_payload, in_flight.hidden_width
+        ep_lib._finish(dispatcher, in_flight.recv_payload), in_flight.hidden_width
     )
     expert, weights = columns[:, :m], jax.lax.bitcast_convert_type(columns[:, m:], jnp.float32)
     assigned = (expert >= 0).reshape(-1)  # (source, slot, column) order
@@ -209,11 +209,11 @@ def combine_b(dispatcher: ep_config.EpDispatcher, in_flight: DedupCombineInFligh
       ``[num_tokens, H_out]`` in the expert outputs' dtype; zero for tokens that were not
       dispatched.
     """
-    del dispatcher
-    per_device = ep_lib._gather_rows(in_flight.returned, in_flight.send_slot.reshape(-1))
+    returned = ep_lib._finish(dispatcher, in_flight.returned)
+    per_device = ep_lib._gather_rows(returned, in_flight.send_slot.reshape(-1))
     per_device = per_device.reshape(in_flight.send_slot.shape + (-1,))
     combined = jnp.sum(per_device.astype(jnp.float32), axis=1)
-    return combined.astype(in_flight.returned.dtype)
+    return combined.astype(returned.dtype)
 
 
 def _assign_peer_slots(dispatcher, peer):

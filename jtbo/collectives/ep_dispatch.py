@@ -34,7 +34,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jtbo.collectives import ep_config
+from jtbo.collectives import ep_config, peer_copy
 from jtbo.collectives import rows as rows_lib
 
 
@@ -47,7 +47,7 @@ class DispatchInFlight:
     # expert id (-1 empty) bitcast into trailing columns (in flight). Kept packed until
     # dispatch_b: a TBO issue barrier pins in-flight values, and a slice taken here would be
     # pinned as its own copy of every received row instead of fusing into dispatch_b's gather.
-    recv_payload: jax.Array
+    recv_payload: peer_copy.InFlight
     hidden_width: int = dataclasses.field(metadata=dict(static=True))  # H
     send_slot: jax.Array  # [T, top_k] int32 send-buffer slot of each assignment, -1 none
     send_counts: jax.Array  # [ep] int32 rows sent to each device
@@ -75,7 +75,7 @@ class DispatchState:
 class CombineInFlight:
     """``combine_a``'s result: expert outputs on their way back, and the sender's routing."""
 
-    returned: jax.Array  # [ep * peer_capacity, H] outputs by destination device (in flight)
+    returned: peer_copy.InFlight  # [ep * peer_capacity, H] outputs by destination device
     send_slot: jax.Array  # [T, top_k] int32 send-buffer slot of each assignment, -1 none
     topk_weights: jax.Array  # [T, top_k] routing weights
 
@@ -140,7 +140,8 @@ def dispatch_b(
       slots) and the state ``combine_a`` needs.
     """
     num_local, capacity = dispatcher.num_local_experts, dispatcher.expert_capacity
-    recv_hidden, ids = rows_lib.unpack_int32_columns(in_flight.recv_payload, in_flight.hidden_width)
+    payload = _finish(dispatcher, in_flight.recv_payload)
+    recv_hidden, ids = rows_lib.unpack_int32_columns(payload, in_flight.hidden_width)
     expert = ids[:, 0]
     received = expert >= 0
     rank = rows_lib.rank_within_group(jnp.where(received, expert, num_local), num_local)
@@ -197,12 +198,12 @@ def combine_b(dispatcher: ep_config.EpDispatcher, in_flight: CombineInFlight) ->
       ``[num_tokens, H_out]`` in the expert outputs' dtype; zero for tokens that were not
       dispatched.
     """
-    del dispatcher
-    per_assignment = _gather_rows(in_flight.returned, in_flight.send_slot.reshape(-1))
+    returned = _finish(dispatcher, in_flight.returned)
+    per_assignment = _gather_rows(returned, in_flight.send_slot.reshape(-1))
     per_assignment = per_assignment.reshape(in_flight.send_slot.shape + (-1,))
     weights = in_flight.topk_weights.astype(jnp.float32)[..., None]
     combined = jnp.sum(weights * per_assignment.astype(jnp.float32), axis=1)
-    return combined.astype(in_flight.returned.dtype)
+    return combined.astype(returned.dtype)
 
 
 def _check_inputs(dispatcher, hidden_states, topk_ids, topk_weights):
@@ -283,24 +284,36 @@ def _fill_send_buffer(dispatcher, hidden_states, topk_ids, send_slot):
     return send_hidden, send_expert
 
 
-def _send(dispatcher, payload, send_counts, empty_payload):
-    """Issues the exchange of ``payload``'s peer blocks and returns its (unread) result.
+def _send(dispatcher, payload, send_counts, empty_payload) -> peer_copy.InFlight:
+    """Issues the exchange of ``payload``'s peer blocks; ``_finish`` gives its result.
 
-    Dense: every slot of every block. Ragged: only each block's ``send_counts`` filled rows;
-    received rows land in ``empty_payload()`` (built only then), whose rows stay where nothing
-    arrived.
+    Dense and peer copy: every slot of every block. Ragged: only each block's ``send_counts``
+    filled rows; received rows land in ``empty_payload()`` (built only then), whose rows stay
+    where nothing arrived.
     """
+    if dispatcher.exchange == "peer_copy":
+        return peer_copy.all_to_all_start(payload, dispatcher.device_group, dispatcher.platform)
     if dispatcher.exchange == "dense":
-        return _all_to_all(dispatcher, payload)
+        return peer_copy.InFlight(received=_all_to_all(dispatcher, payload), sent=None)
     recv_counts = _all_to_all(dispatcher, send_counts)
-    return _ragged_exchange(dispatcher, payload, send_counts, recv_counts, empty_payload())
+    received = _ragged_exchange(dispatcher, payload, send_counts, recv_counts, empty_payload())
+    return peer_copy.InFlight(received=received, sent=None)
 
 
-def _send_back(dispatcher, back, recv_counts, send_counts):
+def _send_back(dispatcher, back, recv_counts, send_counts) -> peer_copy.InFlight:
     """The return exchange of ``_send``: roles reversed, rows nothing came back for are zero."""
-    if dispatcher.exchange == "dense":
-        return _all_to_all(dispatcher, back)
-    return _ragged_exchange(dispatcher, back, recv_counts, send_counts, jnp.zeros_like(back))
+    if dispatcher.exchange != "ragged":
+        return _send(dispatcher, back, recv_counts, None)
+    received = _ragged_exchange(dispatcher, back, recv_counts, send_counts, jnp.zeros_like(back))
+    return peer_copy.InFlight(received=received, sent=None)
+
+
+def _finish(dispatcher, in_flight: peer_copy.InFlight) -> jax.Array:
+    """The received rows of ``_send`` or ``_send_back``: waits for a peer copy, else XLA's
+    exchange result (XLA places its own wait)."""
+    if dispatcher.exchange == "peer_copy":
+        return peer_copy.all_to_all_wait(in_flight, dispatcher.device_group)
+    return in_flight.received
 
 
 def _flat_expert_outputs(dispatcher, expert_outputs):

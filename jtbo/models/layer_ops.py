@@ -56,7 +56,8 @@ class ParallelConfig:
         never overflows.
       ep_overflow_policy: what the host does when a step overflowed: "raise" (name the capacity
         to raise) or "rerun" (re-run with the next capacity bucket); ``collectives.ep_overflow``.
-      ep_exchange: "dense" (fixed-slot all-to-all; overlappable) or "ragged" (GPU only).
+      ep_exchange: "dense" (fixed-slot all-to-all; overlappable), "ragged" (GPU only) or
+        "peer_copy" (fixed slots by peer copies on a side stream; ``collectives.peer_copy``).
       ep_dedup: exchange one row per (token, destination device) with the token's local
         expert ids and weights (``collectives.ep_dedup``, DeepEP's dispatch) instead of one per
         (token, expert) assignment; combine then sums each device's experts before sending.

@@ -122,8 +122,9 @@ class ModelRunner:
             None never drops a token (``layer_ops.ParallelConfig``).
           ep_overflow_policy: a step that overflowed EP capacity: "raise" (naming the capacity)
             or "rerun" (again with the next capacity bucket; ``collectives.resolve_overflow``).
-          ep_exchange: "dense" (fixed-slot all-to-all) or "ragged" (only the filled slots;
-            GPU only); ``layer_ops.ParallelConfig``.
+          ep_exchange: "dense" (fixed-slot all-to-all), "ragged" (only the filled slots;
+            GPU only) or "peer_copy" (fixed slots by peer copies on a side stream, one
+            process); ``layer_ops.ParallelConfig``.
           ep_slot_alignment: EP capacities are rounded up to a multiple of this.
           ep_dedup: EP exchanges one row per (token, destination device) instead of one per
             (token, expert) (``layer_ops.ParallelConfig.ep_dedup``).

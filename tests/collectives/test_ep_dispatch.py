@@ -125,16 +125,21 @@ def test_identity_experts_return_weighted_input(dp_size):
     assert overflow.sum() == 0
 
 
+@pytest.mark.parametrize("exchange", ["dense", "peer_copy"])
 @pytest.mark.parametrize(
     "skew, peer_capacity, expert_capacity",
     [(False, None, None), (True, 3, 5), (False, 1, 2)],
     ids=["default-capacity", "skewed-overflow", "tiny-capacity"],
 )
-def test_matches_reference_with_overflow(skew, peer_capacity, expert_capacity):
+def test_matches_reference_with_overflow(skew, peer_capacity, expert_capacity, exchange):
     rng = np.random.default_rng(3)
     hidden, ids, weights, num_valid = routing(rng, skew=skew)
     dispatcher = ep_config.create_ep_dispatcher(
-        harness.mesh(4, 2), num_experts=NUM_EXPERTS, num_tokens=TOKENS, top_k=TOP_K
+        harness.mesh(4, 2),
+        num_experts=NUM_EXPERTS,
+        num_tokens=TOKENS,
+        top_k=TOP_K,
+        exchange=exchange,
     )
     if peer_capacity is not None:
         dispatcher = ep_config.EpDispatcher(
@@ -248,7 +253,7 @@ def test_capacity_rule():
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="ragged_all_to_all needs a GPU")
-def test_dense_and_ragged_agree_on_gpu():
+def test_dense_ragged_and_peer_copy_agree_on_gpu():
     num_devices = len(jax.devices())
     mesh = mesh_lib.make_mesh(num_devices, 1)
     rng = np.random.default_rng(4)
@@ -260,7 +265,7 @@ def test_dense_and_ragged_agree_on_gpu():
     weights = rng.uniform(0.1, 1.0, (num_devices * tokens, top_k)).astype(np.float32)
     num_valid = rng.integers(0, tokens + 1, num_devices).astype(np.int32)
     results = {}
-    for exchange in ("dense", "ragged"):
+    for exchange in ("dense", "ragged", "peer_copy"):
         dispatcher = ep_config.create_ep_dispatcher(
             mesh, num_experts=num_experts, num_tokens=tokens, top_k=top_k, exchange=exchange
         )
@@ -275,8 +280,9 @@ def test_dense_and_ragged_agree_on_gpu():
             )
         )
         results[exchange] = [np.asarray(x) for x in step(hidden, ids, weights, num_valid)]
-    for dense, ragged in zip(results["dense"], results["ragged"], strict=True):
-        np.testing.assert_allclose(dense, ragged, rtol=1e-5, atol=1e-5)
+    for other in ("ragged", "peer_copy"):
+        for dense, result in zip(results["dense"], results[other], strict=True):
+            np.testing.assert_allclose(dense, result, rtol=1e-5, atol=1e-5)
     valid = np.arange(tokens)[None, :] < num_valid[:, None]
     want = (weights * (ids + 1)).sum(-1, keepdims=True) * hidden * valid.reshape(-1, 1)
     if results["dense"][1].sum() == 0:

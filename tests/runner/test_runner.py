@@ -262,6 +262,26 @@ def test_dedup_exchange_with_and_without_tbo_matches_reference():
     assert runner.num_tbo_steps == 1
 
 
+def test_peer_copy_exchange_with_and_without_tbo_matches_reference():
+    # The EP exchange by peer copies (jtbo.collectives.peer_copy; memcpy between the CPU
+    # devices' buffers here) through the whole model, plain and TBO, against the unsharded model.
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    make = lambda tbo: runner_lib.ModelRunner(  # noqa: E731
+        model, mesh_lib.make_mesh(4, 2), enable_two_batch_overlap=tbo, max_total_tokens=64,
+        max_running_requests=4, token_buckets=(16,), dtype=jnp.float32, ep_exchange="peer_copy",
+    )  # fmt: skip
+    rng = np.random.default_rng(23)
+    new = [_prompts(rng, [5, 6]) for _ in range(4)]
+    for tbo in (False, True):
+        runner, ranks = make(tbo), [helpers.Rank() for _ in range(4)]
+        outs = runner.forward([r.extend(n) for r, n in zip(ranks, new, strict=True)])
+        assert runner.num_tbo_steps == tbo
+        for r, n in enumerate(new):
+            want = helpers.reference_new_rows(model, ranks[r], {k: len(v) for k, v in n.items()})
+            chex.assert_trees_all_close(outs[r], want, **TOL)
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU's ragged refusal")
 def test_every_ep_option_reaches_the_step():
     # ep_exchange and ep_slot_alignment are settable on the runner (and in its fingerprint);

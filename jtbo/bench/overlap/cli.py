@@ -43,8 +43,9 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     add, names = result.add_argument, list(collectives.COLLECTIVES)
-    add("--collectives", type=_collective_names, default=names,
-        help="comma-separated, from " + ",".join(names))  # fmt: skip
+    add("--collectives", type=_collective_names,
+        help="comma-separated, from " + ",".join(names) + "; default: all (all but "
+             "all_to_all_peer_copy with --processes > 1: it runs within one process)")  # fmt: skip
     add("--bytes", type=_byte_count, help="per device and exchange (see above); 448MiB on GPU")
     add("--matmul", type=_positive_int, help="square matmul size N (8192 on GPU, 128 on CPU)")
     add("--chain", type=_positive_int, default=3, help="collectives (windows) per program")
@@ -85,6 +86,12 @@ def _in_process(
     return results_lib.VariantOutcome(variant, collected["info"][0], tuple(collected["result"]))
 
 
+def default_collectives(processes: int) -> list[str]:
+    """Every collective the probe can run with ``processes`` processes."""
+    names = list(collectives.COLLECTIVES)
+    return names if processes == 1 else [n for n in names if n != "all_to_all_peer_copy"]
+
+
 def main(argv: list[str]) -> None:
     """Runs the probe (see the package docstring).
 
@@ -94,6 +101,8 @@ def main(argv: list[str]) -> None:
       SystemExit: a variant's child process failed (after the table is printed).
     """
     args = parser().parse_args(argv)
+    if args.collectives is None:
+        args.collectives = default_collectives(args.processes)
     if args.worker is not None:
         processes.worker_main(args)
         return

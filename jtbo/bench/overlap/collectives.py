@@ -1,15 +1,21 @@
 """The probed collectives: each one's chain step inside ``shard_map`` and its numpy twin.
 
 Each collective is split into its exchange and the elementwise step after it: pinned
-windows put a barrier between the two (see the package docstring).
+windows put a barrier between the two (see the package docstring). XLA's collectives are one
+call whose start and done XLA places; ``all_to_all_peer_copy`` (``jtbo.collectives.
+peer_copy``) is an explicit start and wait, and the barrier sits between those.
 """
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jtbo.collectives import mesh as mesh_lib
+from jtbo.collectives import peer_copy
 
 PROBE_AXIS = "x"
 """The mesh axis every probe program runs its collectives over."""
@@ -72,26 +78,49 @@ def _psum_scatter_reference(x: np.ndarray) -> np.ndarray:
     return np.tile(summed, (1, ndev, 1)) / ndev
 
 
+def _received(in_flight: jax.Array) -> jax.Array:
+    """XLA's collectives: the issued value is the received one (XLA places the wait)."""
+    return in_flight
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     """One probed collective: its chain step inside ``shard_map`` (the exchange, then an
     elementwise finish) and its numpy twin."""
 
     name: str
-    exchange: Callable[[jax.Array], jax.Array]  # x -> what this device received
+    exchange: Callable[[jax.Array], Any]  # x -> the issued exchange (XLA's: the received x)
     finish: Callable[[jax.Array, int], jax.Array]  # (received, ndev) -> next x, x's shape
     reference: Callable[[np.ndarray], np.ndarray]  # (ndev, rows, k) -> the same, on the host
     input_is_shard: bool  # the input is bytes / ndev (all-gather), not bytes
+    wait: Callable[[Any], jax.Array] = _received  # the issued exchange -> what was received
 
     def step(self, x: jax.Array, ndev: int) -> jax.Array:
-        """One link of the collective chain: the exchange and its elementwise finish."""
-        return self.finish(self.exchange(x), ndev)
+        """One link of the collective chain: the exchange, its wait and its finish."""
+        return self.finish(self.wait(self.exchange(x)), ndev)
+
+    def bind(self, mesh: jax.sharding.Mesh) -> "Collective":
+        """This collective over ``mesh``'s devices (the peer copy needs their ordinals)."""
+        if self.name != "all_to_all_peer_copy":
+            return self
+        group, platform = peer_copy.device_group(mesh), mesh_lib.mesh_platform(mesh)
+        return dataclasses.replace(
+            self,
+            exchange=lambda x: peer_copy.all_to_all_start(x, group, platform),
+            wait=lambda in_flight: peer_copy.all_to_all_wait(in_flight, group),
+        )
+
+
+def _unbound(x: jax.Array) -> jax.Array:
+    raise ValueError("all_to_all_peer_copy needs the mesh's devices: use Collective.bind")
 
 
 COLLECTIVES = {
     c.name: c
     for c in (
         Collective("all_to_all", _all_to_all_exchange, _all_to_all_finish,
+                   _all_to_all_reference, False),
+        Collective("all_to_all_peer_copy", _unbound, _all_to_all_finish,
                    _all_to_all_reference, False),
         Collective("all_gather", _all_gather_exchange, _all_gather_finish,
                    _all_gather_reference, True),

@@ -45,12 +45,12 @@ def _pinned_windows(x, y, w, collective: Collective, chain: int, matmuls: int, n
         # Collective k cannot start before window k's matmul input is ready, nor its
         # matmuls before collective k's input is: the two are issued together.
         x, y = jax.lax.optimization_barrier((x, y))
-        received, y = jax.lax.optimization_barrier(
+        in_flight, y = jax.lax.optimization_barrier(
             (collective.exchange(x), matmul_chain(y, w, matmuls))
         )
         # Past the barrier: collective k is done before window k + 1's matmuls (which read
         # y) start, and its finish waits for window k's matmuls, so one block per window.
-        x = collective.finish(received, ndev)
+        x = collective.finish(collective.wait(in_flight), ndev)
     return x, y
 
 
@@ -75,6 +75,7 @@ def programs(
     """Zero-argument runs of the named programs among comm, compute and both, compiled with
     ``options`` (``inputs``: x, y, w); ``windows`` (``WINDOW_MODES``) shapes only both."""
     x, y, w = inputs
+    collective = collective.bind(mesh)
 
     def comm(x):
         return comm_chain(x, collective, chain, mesh.size)

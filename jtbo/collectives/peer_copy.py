@@ -1,0 +1,107 @@
+"""All-to-all by peer copies on a side stream: an exchange that runs beside compute.
+
+XLA runs its own collectives as NCCL kernels, which take streaming multiprocessors from the
+compute they are meant to overlap and are ordered by XLA's scheduler (BENCHMARKS.md, "Run-time
+overlap on two H200s (issue 14)"). This exchange is a pair of XLA FFI custom calls
+(``jtbo/ffi/peer_exchange_*.cc``):
+
+* ``all_to_all_start(x, group)``: every device of ``group`` pushes block ``p`` of its ``x``
+  into block ``rank`` of device ``p``'s receive buffer, by copy-engine transfers on a side
+  stream (GPU; memcpy on the CPU build). It returns at once; the receive buffer must not be
+  read yet.
+* ``all_to_all_wait(in_flight)``: the compute stream waits until every block has landed (and
+  ``x`` has been read). Its result aliases the receive buffer.
+
+Whatever the compiled program runs between the two calls overlaps the exchange; both calls
+are side-effecting, so XLA keeps them and their order. The wait takes ``x`` as an operand so
+that XLA keeps ``x`` alive while the copies read it. The group must be every device of one
+process (a single-process mesh): the copies address the peers' buffers directly.
+
+``InFlight`` also carries XLA's exchanges through ``jtbo.collectives.ep_dispatch`` (with
+``sent=None``): the dispatch's halves hand one type between them whatever the exchange.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from jtbo import ffi
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """An exchange that has been issued and not yet waited for."""
+
+    received: jax.Array  # [rows, ...] the landing buffer; read it only through finish()
+    sent: jax.Array | None  # [rows, ...] the rows being sent (peer copy only), else None
+
+
+def device_group(mesh: jax.sharding.Mesh) -> tuple[int, ...]:
+    """The local device ordinals of ``mesh``'s devices in mesh order: the exchange group.
+
+    Args:
+      mesh: a mesh whose devices all belong to this process (CPU or CUDA devices).
+
+    Returns:
+      ``local_hardware_id`` of each device, in ``mesh.devices.flat`` order.
+
+    Raises:
+      ValueError: a device of another process, or a platform without the FFI build.
+    """
+    devices = list(mesh.devices.flat)
+    platform = devices[0].platform
+    if platform not in ("cpu", "gpu"):
+        raise ValueError(f"the peer-copy exchange runs on CPU or CUDA devices, not {platform!r}")
+    foreign = [d for d in devices if d.process_index != jax.process_index()]
+    if foreign:
+        raise ValueError(
+            f"the peer-copy exchange needs every device in this process; {foreign} belong to "
+            "other processes (use an XLA exchange across processes)"
+        )
+    return tuple(int(d.local_hardware_id) for d in devices)
+
+
+def all_to_all_start(x: jax.Array, group: tuple[int, ...], platform: str) -> InFlight:
+    """Issues the all-to-all of ``x``'s ``len(group)`` row blocks (inside ``shard_map``).
+
+    Args:
+      x: ``[rows, ...]`` this device's rows; block ``p`` (``rows / len(group)`` rows) goes to
+        device ``group[p]``.
+      group: the exchange's devices (``device_group``), the same on every device.
+      platform: "cpu" or "gpu", the platform the program compiles for.
+
+    Returns:
+      The exchange in flight; pass it to ``all_to_all_wait``.
+
+    Raises:
+      ValueError: rows not a multiple of the group size.
+      jtbo.ffi.FfiBuildError: the handlers cannot be built here.
+    """
+    if x.ndim < 1 or x.shape[0] % len(group):
+        raise ValueError(f"x shape {x.shape}: rows must be a multiple of {len(group)} devices")
+    ffi.register_peer_exchange(platform)
+    start = jax.ffi.ffi_call(
+        ffi.build.START_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True
+    )
+    return InFlight(received=start(x, group=np.asarray(group, np.int64)), sent=x)
+
+
+def all_to_all_wait(in_flight: InFlight, group: tuple[int, ...]) -> jax.Array:
+    """Waits for ``all_to_all_start``'s exchange; block ``s`` of the result came from ``s``.
+
+    Args:
+      in_flight: ``all_to_all_start``'s result.
+      group: the same group as the start's.
+
+    Returns:
+      ``[rows, ...]`` the received rows.
+    """
+    wait = jax.ffi.ffi_call(
+        ffi.build.WAIT_TARGET,
+        jax.ShapeDtypeStruct(in_flight.received.shape, in_flight.received.dtype),
+        has_side_effect=True,
+        input_output_aliases={1: 0},
+    )
+    return wait(in_flight.sent, in_flight.received, group=np.asarray(group, np.int64))

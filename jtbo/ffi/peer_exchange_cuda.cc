@@ -1,0 +1,199 @@
+// The peer-copy all-to-all on the CUDA GPUs of one process: each device's blocks move to
+// its peers by copy-engine transfers (cudaMemcpyPeerAsync) on a side stream, so the
+// exchange takes no streaming multiprocessors and runs beside whatever the compute stream
+// does between the start and the wait call.
+//
+// Start, on device d: record `ready_d` on the compute stream (d's send buffer is written and
+// its receive buffer's memory is free), join the rendezvous, make the side stream wait for
+// every device's `ready` (a peer's receive buffer may be written only once the peer has
+// reached the exchange), push d's blocks, record `done_d` on the side stream. Wait, on
+// device d: make the compute stream wait for every device's `done` (all blocks into d's
+// buffer have landed, and d's send buffer has been read).
+#include <cuda_runtime.h>
+
+#include <array>
+#include <mutex>
+#include <vector>
+
+#include "peer_exchange.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+jtbo::ExchangeRegistry& Registry() {
+  static auto* registry = new jtbo::ExchangeRegistry();
+  return *registry;
+}
+
+ffi::Error CudaError(cudaError_t status, const char* what) {
+  return ffi::Error::Internal(std::string("peer all-to-all: ") + what + ": " +
+                              cudaGetErrorString(status));
+}
+
+#define JTBO_CUDA(call)                                      \
+  do {                                                       \
+    cudaError_t status_ = (call);                            \
+    if (status_ != cudaSuccess) return CudaError(status_, #call); \
+  } while (0)
+
+// Restores the calling thread's current device on scope exit (XLA's thread is borrowed).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    cudaGetDevice(&previous_);
+    status_ = cudaSetDevice(device);
+  }
+  ~DeviceScope() { cudaSetDevice(previous_); }
+  cudaError_t status() const { return status_; }
+
+ private:
+  int previous_ = 0;
+  cudaError_t status_;
+};
+
+// Per device: the side stream, peer access done, and a pool of reusable events.
+struct DeviceState {
+  cudaStream_t side = nullptr;
+  std::vector<int> peers_enabled;
+  std::vector<cudaEvent_t> free_events;
+};
+
+// One state per device ordinal, never moved: handlers of different devices hold references
+// into it concurrently (a growing vector would reallocate under them).
+constexpr int kMaxDevices = 64;
+std::mutex state_mu;
+std::array<DeviceState, kMaxDevices> states;
+
+ffi::Error Prepare(int device, ffi::Span<const int64_t> group, DeviceState& state) {
+  if (!state.side) JTBO_CUDA(cudaStreamCreateWithFlags(&state.side, cudaStreamNonBlocking));
+  for (int64_t peer : group) {
+    if (peer == device) continue;
+    bool done = false;
+    for (int enabled : state.peers_enabled) done |= enabled == peer;
+    if (done) continue;
+    int can_access = 0;
+    JTBO_CUDA(cudaDeviceCanAccessPeer(&can_access, device, static_cast<int>(peer)));
+    if (can_access) {
+      cudaError_t status = cudaDeviceEnablePeerAccess(static_cast<int>(peer), 0);
+      if (status == cudaErrorPeerAccessAlreadyEnabled) {
+        cudaGetLastError();  // the one error that means what we wanted: clear it
+      } else if (status != cudaSuccess) {
+        return CudaError(status, "cudaDeviceEnablePeerAccess");
+      }
+    }
+    state.peers_enabled.push_back(static_cast<int>(peer));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<cudaEvent_t> TakeEvent(DeviceState& state) {
+  {
+    std::lock_guard<std::mutex> lock(state_mu);
+    if (!state.free_events.empty()) {
+      cudaEvent_t event = state.free_events.back();
+      state.free_events.pop_back();
+      return event;
+    }
+  }
+  cudaEvent_t event;
+  cudaError_t status = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+  if (status != cudaSuccess) return ffi::Unexpected(CudaError(status, "cudaEventCreate"));
+  return event;
+}
+
+// Gives a retired slot's events back to their devices' pools. Every record and every wait
+// on them is enqueued by now, and CUDA resolves a wait when it is enqueued: reusing them is
+// safe.
+void ReturnEvents(const jtbo::ExchangeSlot& slot, ffi::Span<const int64_t> group) {
+  std::lock_guard<std::mutex> lock(state_mu);
+  for (size_t rank = 0; rank < slot.ready.size(); ++rank) {
+    auto& pool = states[group[rank]].free_events;
+    pool.push_back(static_cast<cudaEvent_t>(slot.ready[rank]));
+    pool.push_back(static_cast<cudaEvent_t>(slot.done[rank]));
+  }
+}
+
+ffi::Error Start(cudaStream_t stream, ffi::RunId run, int32_t device, ffi::AnyBuffer send,
+                 ffi::Result<ffi::AnyBuffer> recv, ffi::Span<const int64_t> group) {
+  const int64_t group_size = static_cast<int64_t>(group.size());
+  const int rank = jtbo::RankOf(device, group.begin(), group_size);
+  if (rank < 0) {
+    return ffi::Error::InvalidArgument("peer all-to-all: device " + std::to_string(device) +
+                                       " is not in the exchange group");
+  }
+  if (device < 0 || device >= kMaxDevices) {
+    return ffi::Error::InvalidArgument("peer all-to-all: device ordinal " +
+                                       std::to_string(device) + " is out of range");
+  }
+  DeviceScope scope(device);
+  JTBO_CUDA(scope.status());
+  DeviceState& state = states[device];
+  if (ffi::Error error = Prepare(device, group, state); error.failure()) return error;
+  auto ready = TakeEvent(state);
+  if (ready.has_error()) return ready.error();
+  JTBO_CUDA(cudaEventRecord(*ready, stream));
+
+  const int64_t bytes = static_cast<int64_t>(send.size_bytes());
+  std::string message;
+  auto slot = Registry().Join(run.run_id, device, rank, static_cast<int>(group_size), bytes,
+                              send.untyped_data(), recv->untyped_data(), *ready, &message);
+  if (!slot) return ffi::Error::Internal(message);
+  for (void* peer_ready : slot->ready) {
+    JTBO_CUDA(cudaStreamWaitEvent(state.side, static_cast<cudaEvent_t>(peer_ready), 0));
+  }
+  const int64_t block = bytes / group_size;
+  const char* source = static_cast<const char*>(send.untyped_data());
+  // Start with the next peer and end with this device, so that the devices do not all push
+  // to the same peer at once.
+  for (int64_t step = 1; step <= group_size; ++step) {
+    const int64_t peer = (rank + step) % group_size;
+    char* target = static_cast<char*>(slot->recv[peer]) + rank * block;
+    JTBO_CUDA(cudaMemcpyPeerAsync(target, static_cast<int>(group[peer]), source + peer * block,
+                                  device, block, state.side));
+  }
+  auto done = TakeEvent(state);
+  if (done.has_error()) return done.error();
+  JTBO_CUDA(cudaEventRecord(*done, state.side));
+  Registry().MarkPushed(*slot, rank, *done);
+  return ffi::Error::Success();
+}
+
+ffi::Error Wait(cudaStream_t stream, int32_t device, ffi::AnyBuffer send, ffi::AnyBuffer recv,
+                ffi::Result<ffi::AnyBuffer> result, ffi::Span<const int64_t> group) {
+  (void)send;  // an operand only so that XLA keeps it alive until here
+  if (result->untyped_data() != recv.untyped_data()) {
+    return ffi::Error::Internal("peer all-to-all wait: the result does not alias the buffer");
+  }
+  std::string message;
+  auto slot = Registry().AwaitPushes(device, recv.untyped_data(), &message);
+  if (!slot) return ffi::Error::Internal(message);
+  DeviceScope scope(device);
+  JTBO_CUDA(scope.status());
+  for (void* peer_done : slot->done) {
+    JTBO_CUDA(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(peer_done), 0));
+  }
+  if (Registry().Leave(device, recv.untyped_data(), *slot)) ReturnEvents(*slot, group);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtboPeerAllToAllStart, Start,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::RunId>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("group"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JtboPeerAllToAllWait, Wait,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("group"));
