@@ -100,6 +100,7 @@ class ModelRunner:
         tbo_plan: str | os.PathLike | None = None,
         moe_runner_backend: str | None = None,
         attention_backend: str | None = None,
+        dp_padding: str = "auto",
         peer_timeout_s: float = failure.DEFAULT_TIMEOUT_S,
         check_finite_logits: bool = True,
     ):
@@ -147,6 +148,10 @@ class ModelRunner:
             "pallas" (the paged kernel, ``jtbo.attention.paged``; the Pallas interpreter on
             the CPU), for the whole batch and both TBO micro-batches; None: the fastest here
             that serves the model ("pallas" on GPUs for GQA heads it tiles, else "native").
+          dp_padding: layout of the ``"none"`` backend's DP gathers: "auto" picks MAX_LEN or
+            SUM_LEN per step (SUM_LEN for steps with unequal ranks, where its bucketed buffer
+            is smaller; ``jtbo.runner.planning``), "max_len" / "sum_len" force one ("sum_len"
+            needs ``moe_a2a_backend="none"``; EP steps have no DP gather and take MAX_LEN).
           peer_timeout_s: several processes: a process whose heartbeat stopped this long ago
             counts as failed and every other process ends (``jtbo.runner.failure``).
           check_finite_logits: raise ``NonFiniteLogitsError`` (naming the DP rank and the
@@ -209,6 +214,7 @@ class ModelRunner:
             enable_tbo=enable_tbo,
             threshold=tbo_token_distribution_threshold,
             attention_backend=attention_backend,
+            dp_padding=planning.dp_padding_for_backend(dp_padding, moe_a2a_backend),
         )
         _warn_about_process_env(mesh, enable_tbo)
         self.enable_two_batch_overlap = enable_two_batch_overlap
@@ -609,7 +615,9 @@ class ModelRunner:
         Runs a synthetic step (rank 0 busy, the rest idle) with the static keys a real step of
         that many tokens in that mode has; its K/V writes go to the padding slot only. An
         "auto" runner compiles both the plain and the TBO program of each (it decides later,
-        on real steps).
+        on real steps). With ``dp_padding="auto"`` the programs are MAX_LEN's (those of
+        steps whose ranks are equal); SUM_LEN programs depend on a step's token sum (its
+        bucket) and compile on first use.
 
         Args:
           token_counts: token counts whose buckets to compile.
@@ -631,7 +639,8 @@ class ModelRunner:
         """A real plan for one synthetic batch on rank 0 that writes only the padding slot."""
         batch = _synthetic_batch(mode, count)
         batches = [batch] + [planning.idle_batch()] * (self.dp_size - 1)
-        options = dataclasses.replace(self.options, enable_tbo=tbo)
+        padding = "max_len" if self.options.dp_padding == "auto" else self.options.dp_padding
+        options = dataclasses.replace(self.options, enable_tbo=tbo, dp_padding=padding)
         return planning.plan_step_for_ranks(batches, self.local_dp_ranks, options)
 
 
