@@ -4,7 +4,8 @@
 tokens' KV slots in the page table it owns, plans the step (``planning.plan_step``: bucket,
 attention kind, DP agreement on TBO, split, metadata), runs the jitted ``shard_map`` step and
 returns each rank's logits. The KV pools stay on the devices between steps (donated to the
-step, replaced by its output). One compile per (bucket, attention kind, TBO child capacity);
+step, replaced by its output). One compile per (bucket, attention kind, TBO child capacity,
+DP padding mode and SUM_LEN length bucket: ``planning``);
 ``warmup`` compiles them ahead of serving.
 
 ``enable_two_batch_overlap="auto"`` decides TBO per step shape (bucket and agreed mode) from
@@ -287,7 +288,7 @@ class ModelRunner:
 
     @property
     def compile_count(self) -> int:
-        """Programs compiled so far (one per bucket, attention kind and TBO key)."""
+        """Programs compiled so far (one per bucket, attention kind, TBO and DP padding key)."""
         return self._step.compile_count()
 
     def forward(self, batches: Sequence[split.ForwardBatch | None]) -> list[np.ndarray | None]:
