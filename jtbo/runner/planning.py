@@ -28,7 +28,8 @@ ranks' batches:
   runs, ``jtbo.collectives.padding``): ``PlanOptions.dp_padding`` "max_len" or "sum_len"
   forces one; "auto" applies SGLang's rule per step (``select_dp_padding_mode``: SUM_LEN when
   any rank extends, or when the token sum is well below ``dp * max``) and keeps SUM_LEN only
-  where its buffer is smaller than MAX_LEN's ``dp * capacity``: steps with unequal ranks. The
+  where its buffer is smaller than MAX_LEN's ``dp * capacity`` (unequal ranks, or ranks well
+  below their bucket). The
   SUM_LEN length is the token sum's bucket (``context.sum_len_bucket``, about four per power
   of two), so a compile serves every step of that (bucket, mode, length) key. Both TBO
   children take the step's mode (as SGLang's children copy it), each with its own length.

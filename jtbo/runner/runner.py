@@ -150,8 +150,8 @@ class ModelRunner:
             the CPU), for the whole batch and both TBO micro-batches; None: the fastest here
             that serves the model ("pallas" on GPUs for GQA heads it tiles, else "native").
           dp_padding: layout of the ``"none"`` backend's DP gathers: "auto" picks MAX_LEN or
-            SUM_LEN per step (SUM_LEN for steps with unequal ranks, where its bucketed buffer
-            is smaller; ``jtbo.runner.planning``), "max_len" / "sum_len" force one ("sum_len"
+            SUM_LEN per step (SGLang's rule, where SUM_LEN's bucketed buffer is the smaller:
+            unequal ranks; ``jtbo.runner.planning``), "max_len" / "sum_len" force one ("sum_len"
             needs ``moe_a2a_backend="none"``; EP steps have no DP gather and take MAX_LEN).
           peer_timeout_s: several processes: a process whose heartbeat stopped this long ago
             counts as failed and every other process ends (``jtbo.runner.failure``).
