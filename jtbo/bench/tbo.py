@@ -18,6 +18,10 @@ what ``ModelRunner(check_finite_logits=False)`` saves). Prints a markdown table 
 ratio <= 1.05 at prefill >= 4096 tokens and decode >= 128 sequences). ``--devices N`` runs
 DP attention over N devices (dp=N, EP over all of them: the multi-GPU measurement of issue 8),
 and ``--barriers`` adds a column for TBO with round barriers (a second runner).
+``--prefill-skew S`` gives every rank but rank 0 ``S`` times the case's prefill tokens (the
+tokens/rank column lists each rank's); with ``--moe-a2a-backend none`` the DP gathers of such
+steps are where SUM_LEN pays, and ``--dp-padding auto|max_len|sum_len`` picks the runners'
+mode (a line under the table names each case's mode and gathered rows).
 
 The ``auto`` columns are a third runner with ``enable_two_batch_overlap="auto"``: one
 ``forward`` of the case's batch lets it time both programs and choose (``tbo_auto``, its
@@ -95,6 +99,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--attn-tp", type=int, default=1)
     parser.add_argument("--moe-a2a-backend", choices=("ep", "none"), default="ep")
+    parser.add_argument(
+        "--dp-padding", choices=planning.DP_PADDING_CHOICES, default="auto",
+        help="DP padding of the 'none' backend's gathers: ModelRunner(dp_padding=...); "
+        "sum_len needs --moe-a2a-backend none",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill-skew", type=_skew, default=1.0, metavar="S",
+        help="prefill cases: rank 0 gets the case's tokens, every other rank S times as many "
+        "(0 < S <= 1; 1: equal ranks)",
+    )  # fmt: skip
     parser.add_argument("--ep-capacity-factor", type=float, default=4.0)
     parser.add_argument(
         "--ep-dedup", action="store_true",
@@ -167,6 +181,21 @@ def _add_environment_arguments(parser: argparse.ArgumentParser) -> None:
         "(step.step_compiler_options: the command-buffer list, on several GPUs the TBO "
         "step's xla_options.tbo_compiler_options) keeps the step's value",
     )  # fmt: skip
+
+
+def _skew(text: str) -> float:
+    """``--prefill-skew`` as a float in ``(0, 1]``.
+
+    Raises:
+      argparse.ArgumentTypeError: not a number in ``(0, 1]``.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"--prefill-skew takes a number in (0, 1], got {text!r}")
+    return value
 
 
 def _environment_pair(text: str) -> tuple[str, str]:
@@ -269,16 +298,39 @@ def _time_interleaved(steps, iters: int) -> list[float]:
     return [statistics.median(column) for column in times]
 
 
-def _plan(runner, batch, tbo: bool):
-    batches = [batch] * runner.dp_size
-    for rank in range(runner.dp_size):
+def _plan(runner, batches, tbo: bool):
+    """The plan of a case's per-rank batches (recorded first), TBO on or off."""
+    for rank, batch in enumerate(batches):
         if batch.forward_mode.is_decode() and batch.seq_lens[0] > 1:
             runner.record(rank, _decode_prefix(batch))
         runner.record(rank, batch)
-    plan = planning.plan_step(batches, dataclasses.replace(runner.options, enable_tbo=tbo))
+    plan = planning.plan_step(list(batches), dataclasses.replace(runner.options, enable_tbo=tbo))
     if tbo and plan.child_capacity is None:
-        raise ValueError(f"{batch.forward_mode.name} batch of {batch.num_tokens} cannot run TBO")
+        raise ValueError(
+            f"{batches[0].forward_mode.name} batches of {_tokens(batches)} cannot run TBO"
+        )
     return plan
+
+
+def _tokens(batches) -> str:
+    """Tokens per rank of a case: one number when the ranks are equal, else one per rank."""
+    counts = [str(batch.num_tokens) for batch in batches]
+    return counts[0] if len(set(counts)) == 1 else "/".join(counts)
+
+
+def _rank_logits(logits, batches) -> np.ndarray:
+    """Every rank's real rows of ``[dp, capacity, vocab]`` logits, rank after rank."""
+    logits = np.asarray(logits)
+    return np.concatenate([logits[r, : b.num_tokens] for r, b in enumerate(batches)])
+
+
+def _prefill_batches(tokens: int, args, vocab: int) -> tuple[split.ForwardBatch, ...]:
+    """A prefill case: ``tokens`` on rank 0 and ``--prefill-skew`` times as many on the others."""
+    others = max(1, round(tokens * args.prefill_skew))
+    return tuple(
+        _prefill_batch(tokens if rank == 0 else others, args.prompt_len, vocab)
+        for rank in range(args.dp)
+    )
 
 
 PROFILE_STEPS = 3
@@ -422,10 +474,12 @@ def _trace(runner, plan, folder: str) -> str:
     return written[0]
 
 
-def _trace_case(runner, batch, directory: str, name: str) -> list[str]:
+def _trace_case(runner, batches, directory: str, name: str) -> list[str]:
     """Trace files of the plain and the TBO step (``directory/{name}_plain``, ``_tbo``)."""
     return [
-        _trace(runner, _plan(runner, batch, tbo), f"{directory}/{name}_{'tbo' if tbo else 'plain'}")
+        _trace(
+            runner, _plan(runner, batches, tbo), f"{directory}/{name}_{'tbo' if tbo else 'plain'}"
+        )
         for tbo in (False, True)
     ]
 
@@ -441,10 +495,10 @@ def _step_trace(trace_path: str, dump_dir: str) -> StepTrace:
 def _case_overlap(runner, case, seconds, directory: str, per_operation: bool) -> list[OverlapRow]:
     """Traces a case's plain and TBO steps on a GPU and returns their ``OverlapRow``s;
     ``per_operation`` also prints their kernel time per model operation."""
-    name, size, batch = case
+    name, size, batches = case
     traces = [
         _step_trace(path, f"{directory}/hlo")
-        for path in _trace_case(runner, batch, directory, f"{name}_{size}")
+        for path in _trace_case(runner, batches, directory, f"{name}_{size}")
     ]
     if per_operation:
         plain, tbo = (
@@ -473,8 +527,8 @@ def _report_overlap(
     if not on_gpu:
         print("\noverlap table: needs a GPU (the CPU trace has no NCCL kernels)")
         if per_operation:  # --profile DIR: the traces are still written, to be read by hand
-            for name, size, batch in cases:
-                _trace_case(runner, batch, directory, f"{name}_{size}")
+            for name, size, batches in cases:
+                _trace_case(runner, batches, directory, f"{name}_{size}")
         return
     rows = []
     for case, seconds in zip(cases, step_times, strict=True):
@@ -482,27 +536,25 @@ def _report_overlap(
     print(f"\nWhat was hidden (traces and HLO in {directory}):\n{overlap_table(rows)}")
 
 
-def _case(runners, auto, batch, iters: int) -> tuple[list[float], str, tbo_auto.TboDecision]:
+def _case(runners, auto, batches, iters: int) -> tuple[list[float], str, tbo_auto.TboDecision]:
     """Seconds per step (plain, TBO, then TBO on each further runner, e.g. with barriers, and
     last the "auto" runner's chosen step), how the first TBO step's logits compare with the
     plain step's (``_agreement``), and the auto runner's decision."""
-    steps = [(runners[0], _plan(runners[0], batch, False))]
-    steps += [(runner, _plan(runner, batch, True)) for runner in runners]
-    auto_plan, decision = _auto_plan(auto, batch)
+    steps = [(runners[0], _plan(runners[0], batches, False))]
+    steps += [(runner, _plan(runner, batches, True)) for runner in runners]
+    auto_plan, decision = _auto_plan(auto, batches)
     times = _time_interleaved(steps + [(auto, auto_plan)], iters)
-    want, got = (
-        np.asarray(runner.run_plan(plan))[:, : batch.num_tokens] for runner, plan in steps[:2]
-    )
+    want, got = (_rank_logits(runner.run_plan(plan), batches) for runner, plan in steps[:2])
     return times, _agreement(got, want), decision
 
 
-def _auto_plan(runner, batch) -> tuple[planning.StepPlan, tbo_auto.TboDecision]:
+def _auto_plan(runner, batches) -> tuple[planning.StepPlan, tbo_auto.TboDecision]:
     """An "auto" runner's plan of the case after its first step of the shape decided it."""
-    tbo_plan = _plan(runner, batch, True)  # also records the batch (and a decode's context)
-    runner.forward([batch] * runner.dp_size)  # times both programs, keeps the faster
+    tbo_plan = _plan(runner, batches, True)  # also records the batches (and decode contexts)
+    runner.forward(list(batches))  # times both programs, keeps the faster
     shape = tbo_auto.TboShape(tbo_plan.capacity, tbo_plan.mode)
     decision = {d.shape: d for d in runner.tbo_decisions()}[shape]
-    return (tbo_plan if decision.use_tbo else _plan(runner, batch, False)), decision
+    return (tbo_plan if decision.use_tbo else _plan(runner, batches, False)), decision
 
 
 def _agreement(got: np.ndarray, want: np.ndarray) -> str:
@@ -525,6 +577,7 @@ def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = F
         ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
         ep_dedup=args.ep_dedup, ep_exchange=args.ep_exchange, tbo_round_barriers=barriers,
         moe_runner_backend=args.moe_runner_backend, attention_backend=args.attention_backend,
+        dp_padding=args.dp_padding,
     )  # fmt: skip
 
 
@@ -552,7 +605,9 @@ def _header(args) -> str:
     return (
         f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; dp={args.dp}, "
         f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend} {args.ep_exchange}"
-        f"{' dedup' if args.ep_dedup else ''}, experts "
+        f"{' dedup' if args.ep_dedup else ''}"
+        f"{'' if args.moe_a2a_backend == 'ep' else f', DP padding {args.dp_padding}'}"
+        f"{'' if args.prefill_skew == 1 else f', prefill skew {args.prefill_skew}'}, experts "
         f"{args.moe_runner_backend}; attention {args.attention_backend}; link {args.link}; "
         f"jax {jax.__version__}" + (f"; XLA_FLAGS += {options}" if options else "")
     )
@@ -568,34 +623,45 @@ def _time_cases(runners, auto, cases, args) -> list[tuple[float, float]]:
         + " Δ logits (median row) / same token | numerics guard (ms) |"
     )
     print("|---|---|---|---|---|" + ("---|---|" if args.barriers else "") + "---|---|---|---|---|")
-    step_times, fills = [], []
-    for name, size, batch in cases:
+    step_times, fills, paddings = [], [], []
+    for name, size, batches in cases:
         (plain, *tbo_times, auto_time), agreement, decision = _case(
-            runners, auto, batch, args.iters
+            runners, auto, batches, args.iters
         )
         cells = "".join(f" {t * 1e3:.2f} | {t / plain:.3f} |" for t in tbo_times)
-        print(f"| {name} {size} | {batch.num_tokens} | {plain * 1e3:.2f} |{cells}"
+        guard = _guard_time(runners[0], batches, args.iters)
+        print(f"| {name} {size} | {_tokens(batches)} | {plain * 1e3:.2f} |{cells}"
               f"{_auto_cells(auto_time, plain, tbo_times[0], decision)} {agreement} | "
-              f"{_guard_time(runners[0], batch, args.iters) * 1e3:.3f} |", flush=True)  # fmt: skip
+              f"{guard * 1e3:.3f} |", flush=True)  # fmt: skip
         step_times.append((plain, tbo_times[0]))
-        fills.append(f"{name} {size}: {_ep_fill(runners[0], batch)}")
+        fills.append(f"{name} {size}: {_ep_fill(runners[0], batches)}")
+        paddings.append(f"{name} {size}: {_dp_padding(runners[0], batches)}")
     if args.moe_a2a_backend == "ep":
         print("EP buffer fill of the TBO step, peak / capacity per micro-batch (peer / expert): "
               + "; ".join(fills))  # fmt: skip
+    else:
+        print("DP gather of the plain step (mode, buffer rows): " + "; ".join(paddings))
     return step_times
 
 
-def _ep_fill(runner, batch) -> str:
-    """``peer / expert`` peak-over-capacity per micro-batch of one TBO step of ``batch``."""
-    runner.run_plan(_plan(runner, batch, True))
+def _dp_padding(runner, batches) -> str:
+    """The DP padding mode and gathered-buffer rows of the plain step of ``batches``."""
+    plan = planning.plan_step(list(batches), dataclasses.replace(runner.options, enable_tbo=False))
+    context = plan.replicated["dp_context"]
+    return f"{context.padding_mode.name} {context.global_buffer_len}"
+
+
+def _ep_fill(runner, batches) -> str:
+    """``peer / expert`` peak-over-capacity per micro-batch of one TBO step of ``batches``."""
+    runner.run_plan(_plan(runner, batches, True))
     return ", ".join(f"{peer:.2f} / {expert:.2f}" for peer, expert in runner.ep_buffer_fill())
 
 
-def _guard_time(runner, batch, iters: int) -> float:
-    """Median seconds the runner's numerics guard adds to a step of ``batch``: the on-device
+def _guard_time(runner, batches, iters: int) -> float:
+    """Median seconds the runner's numerics guard adds to a step of ``batches``: the on-device
     finiteness flags of the plain step's logits and their read-back (``numerics``; what
     ``ModelRunner(check_finite_logits=False)`` saves)."""
-    logits = runner.run_plan(_plan(runner, batch, False))
+    logits = runner.run_plan(_plan(runner, batches, False))
     np.asarray(numerics.finite_rows(logits))  # compiled before timing
     times = []
     for _ in range(iters):
@@ -643,8 +709,10 @@ def main(argv) -> None:
     args.attention_backend = runners[0].parallel.attention_backend
     print(_header(args) + "; " + _kv_bytes(config, args.dtype))
     vocab = config.vocab_size
-    cases = [("prefill", n, _prefill_batch(n, args.prompt_len, vocab)) for n in args.prefill]
-    cases += [("decode", s, _decode_batch(s, args.context, vocab)) for s in args.decode]
+    cases = [("prefill", n, _prefill_batches(n, args, vocab)) for n in args.prefill]
+    cases += [
+        ("decode", s, (_decode_batch(s, args.context, vocab),) * args.dp) for s in args.decode
+    ]
     step_times = _time_cases(runners, auto, cases, args)
     # Traces come after every timing: a trace may leave the profiler's per-kernel hooks in
     # place, and the TBO step has more kernels (on one H200, runs that timed decode after

@@ -10,9 +10,11 @@ lengths that fix the shapes:
   shards.
 * ``global_buffer_len``: rows of the gathered (FULL) buffer. MAX_LEN: ``dp * local_capacity``
   with rank ``r`` at row ``r * local_capacity``. SUM_LEN: at least ``sum(counts)``, ranks packed
-  at their prefix-sum offsets, rows past the sum zero.
+  at their prefix-sum offsets, rows past the sum zero; by default the sum's bucket
+  (``sum_len_bucket``: about four lengths per power of two), capped at the MAX_LEN length.
 
-A jitted step compiles once per distinct static part (one per bucket and mode), never per count.
+A jitted step compiles once per distinct static part (one per bucket, mode and, for SUM_LEN,
+buffer-length bucket), never per count.
 """
 
 import dataclasses
@@ -66,8 +68,9 @@ def create_dp_context(
       padding_mode: layout of the gathered buffer.
       local_capacity: rows of each rank's local buffer (a multiple of ``attn_tp_size``).
       attn_tp_size: devices per DP rank.
-      global_buffer_len: rows of the gathered buffer; None picks ``dp * local_capacity`` for
-        MAX_LEN and ``sum`` rounded up to ``attn_tp_size`` (at least one row) for SUM_LEN.
+      global_buffer_len: rows of the gathered buffer; None picks
+        ``default_global_buffer_len`` (``dp * local_capacity`` for MAX_LEN, the bucketed token
+        sum for SUM_LEN).
 
     Returns:
       The context, with ``global_num_tokens`` as an int32 numpy array (a host value: a step
@@ -105,28 +108,59 @@ def create_dp_context(
     )
 
 
+SUM_LEN_BUCKETS_PER_OCTAVE = 4
+"""SUM_LEN buffer lengths per power of two (a power of two itself): a sum in ``(2^k, 2^(k+1)]``
+is rounded up to a multiple of ``2^k / 4``, so a buffer pads less than a quarter of its sum and
+the sums of one doubling share four lengths (four compiles at most)."""
+
+
+def sum_len_bucket(total: int, attn_tp_size: int = 1) -> int:
+    """The bucketed SUM_LEN buffer length of a token sum (before the MAX_LEN cap).
+
+    Args:
+      total: the token sum of all DP ranks, >= 0.
+      attn_tp_size: devices per DP rank; the length is a multiple of it.
+
+    Returns:
+      ``total`` (at least 1) rounded up to a multiple of ``2^k / SUM_LEN_BUCKETS_PER_OCTAVE``
+      for ``total`` in ``(2^k, 2^(k+1)]`` (of 1 when that is below 1), then to
+      ``attn_tp_size``.
+
+    Raises:
+      ValueError: a negative ``total`` or ``attn_tp_size < 1``.
+    """
+    if total < 0 or attn_tp_size < 1:
+        raise ValueError(f"total={total} must be >= 0 and attn_tp_size={attn_tp_size} >= 1")
+    total = max(int(total), 1)
+    k = (total - 1).bit_length() - 1  # total in (2^k, 2^(k+1)]
+    steps_log2 = SUM_LEN_BUCKETS_PER_OCTAVE.bit_length() - 1
+    granule = 1 << max(0, k - steps_log2)
+    return arith.round_up(arith.round_up(total, granule), attn_tp_size)
+
+
 def default_global_buffer_len(
     global_num_tokens: Sequence[int],
     padding_mode: padding.DpPaddingMode,
     local_capacity: int,
     attn_tp_size: int = 1,
 ) -> int:
-    """Rows of the gathered buffer when no bucket is imposed.
+    """Rows of the gathered buffer: a bucket of the step's sizes, so that a jitted step
+    compiles once per bucket, not once per token sum.
 
     Args:
       global_num_tokens: valid tokens of each DP rank.
       padding_mode: layout of the gathered buffer.
-      local_capacity: rows of each rank's local buffer.
-      attn_tp_size: devices per DP rank; SUM_LEN lengths are rounded up to a multiple of it.
+      local_capacity: rows of each rank's local buffer (a multiple of ``attn_tp_size``).
+      attn_tp_size: devices per DP rank; SUM_LEN lengths are a multiple of it.
 
     Returns:
-      ``dp * local_capacity`` for MAX_LEN; for SUM_LEN the token sum rounded up to
-      ``attn_tp_size`` and at least ``attn_tp_size`` rows (no zero-sized buffers).
+      ``dp * local_capacity`` for MAX_LEN; for SUM_LEN the token sum's ``sum_len_bucket``,
+      at most ``dp * local_capacity`` (which always holds the sum).
     """
+    max_len = len(global_num_tokens) * local_capacity
     if padding.DpPaddingMode(padding_mode).is_max_len():
-        return len(global_num_tokens) * local_capacity
-    total = max(int(sum(global_num_tokens)), 1)
-    return arith.round_up(total, attn_tp_size)
+        return max_len
+    return min(sum_len_bucket(int(sum(global_num_tokens)), attn_tp_size), max_len)
 
 
 def _check_global_buffer_len(counts, padding_mode, local_capacity, global_buffer_len):

@@ -19,7 +19,9 @@ the blocks are all-gathered over the whole TP group, which lays them out DP-rank
 
 SUM_LEN (all-reduce of a packed buffer): a zero buffer, this rank's rows copied in at its
 prefix-sum offset with ``jtbo.kernels.dp_memcpy`` (for replicate only ``attn_tp`` rank 0 copies),
-then an all-reduce over the TP group.
+then an all-reduce over the TP group. Replicate gathers reduce the rows' bits as integers
+(``rows.as_int_words``): each row has one contributor and zeros elsewhere, so the result is
+bit-exact whatever the rows hold (ids bitcast into float rows included), as MAX_LEN's is.
 
 Variable-length gather (``dp_gather_varlen``): the SUM_LEN layout obtained by an all-gather of
 fixed slots followed by a local compaction, instead of an all-reduce of a zero-filled buffer;
@@ -135,10 +137,22 @@ def _gather_slots(local_tokens, context, is_partial):
 
 def _gather_via_all_reduce(local_tokens, context, is_partial, memcpy_impl):
     local_start_pos, local_num_tokens = context_lib.get_dp_local_info(context)
-    if not is_partial:
-        # Replicas: only attn_tp rank 0 contributes, so the all-reduce counts them once.
-        is_first = jax.lax.axis_index(mesh_lib.ATTN_TP_AXIS) == 0
-        local_num_tokens = jnp.where(is_first, local_num_tokens, 0)
+    if is_partial:
+        return _packed_all_reduce(
+            local_tokens, context, local_start_pos, local_num_tokens, memcpy_impl
+        )
+    # Replicas: only attn_tp rank 0 contributes, so the all-reduce counts them once, and each
+    # row then has one contributor: its bits, summed as integers with zeros, arrive unchanged.
+    is_first = jax.lax.axis_index(mesh_lib.ATTN_TP_AXIS) == 0
+    local_num_tokens = jnp.where(is_first, local_num_tokens, 0)
+    words = _packed_all_reduce(
+        rows.as_int_words(local_tokens), context, local_start_pos, local_num_tokens, memcpy_impl
+    )
+    return rows.from_int_words(words, local_tokens.shape[1:], local_tokens.dtype)
+
+
+def _packed_all_reduce(local_tokens, context, local_start_pos, local_num_tokens, memcpy_impl):
+    """This rank's rows at ``local_start_pos`` of a zero SUM_LEN buffer, all-reduced."""
     buffer = jnp.zeros((context.global_buffer_len,) + local_tokens.shape[1:], local_tokens.dtype)
     buffer = kernels.dp_memcpy(
         buffer,

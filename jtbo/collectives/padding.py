@@ -9,10 +9,13 @@ can be done two ways:
   and the buffers are all-reduced. Communication ~ ``2 * sum_len`` (an all-reduce moves twice
   its buffer), which wins when counts are uneven.
 
-The rule (SGLang's): a batch with an extend (prefill) step on any rank and ``dp > 1`` uses
-SUM_LEN, since prefill counts are very uneven; otherwise the cheaper mode by that cost model,
-MAX_LEN on a tie (``sum * 2 >= max * dp``). A replayed compiled graph (CUDA graph in SGLang, a
-jitted bucket here) uses MAX_LEN.
+The rule (SGLang's ``DpPaddingMode.get_dp_padding_mode``, ported as
+``select_dp_padding_mode``): a batch with an extend (prefill) step on any rank and ``dp > 1``
+uses SUM_LEN, since prefill counts are very uneven; otherwise the cheaper mode by that cost
+model, MAX_LEN on a tie (``sum * 2 >= max * dp``). SGLang replays CUDA graphs in MAX_LEN only;
+here both modes are jitted per bucket (the SUM_LEN length is bucketed,
+``jtbo.collectives.context.sum_len_bucket``), and the runner's planner applies the rule per
+step where the SUM_LEN buffer is the smaller (``jtbo.runner.planning``).
 """
 
 import enum
@@ -32,29 +35,6 @@ class DpPaddingMode(enum.IntEnum):
     def is_sum_len(self) -> bool:
         """True for SUM_LEN."""
         return self is DpPaddingMode.SUM_LEN
-
-    @classmethod
-    def get_dp_padding_mode(
-        cls, is_extend_in_batch: bool, global_num_tokens: Sequence[int]
-    ) -> "DpPaddingMode":
-        """Picks the mode for a step (see the module docstring for the rule).
-
-        Args:
-          is_extend_in_batch: whether any DP rank runs an extend step.
-          global_num_tokens: tokens of each DP rank (its length is ``dp_size``).
-
-        Returns:
-          The padding mode.
-
-        Raises:
-          ValueError: ``global_num_tokens`` is empty or holds a negative count.
-        """
-        return select_dp_padding_mode(is_extend_in_batch, global_num_tokens)
-
-    @classmethod
-    def get_default_mode_in_cuda_graph(cls) -> "DpPaddingMode":
-        """The mode of a replayed compiled step: MAX_LEN (symmetric, fixed-size buffers)."""
-        return cls.MAX_LEN
 
 
 def select_dp_padding_mode(

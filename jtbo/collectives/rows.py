@@ -1,5 +1,7 @@
 """Small row helpers shared by the DP and EP collectives and the expert layouts."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -101,3 +103,44 @@ def unpack_int32_columns(payload: jax.Array, width: int) -> tuple[jax.Array, jax
     value_dtype = jnp.int32 if itemsize <= 4 else jnp.dtype(f"int{8 * itemsize}")
     values = jax.lax.bitcast_convert_type(columns, value_dtype)
     return payload[:, :width], values.astype(jnp.int32)
+
+
+def as_int_words(x: jax.Array) -> jax.Array:
+    """The bits of ``[N, ...]`` rows as ``[N, words]`` integers of at least 32 bits.
+
+    An integer sum of one row's words and zeros gives the row's words back, whatever they
+    encode; a float sum would not (it flushes denormals, such as small ids bitcast into the
+    rows by ``pack_int32_columns``, and turns -0.0 into 0.0). Rows of narrow dtypes are padded
+    with zero bytes to whole int32 words.
+
+    Args:
+      x: rows along axis 0, any trailing shape and dtype.
+
+    Returns:
+      ``[N, words]`` int32 (int64 for 8-byte dtypes).
+    """
+    flat = x.reshape(x.shape[0], -1)
+    itemsize = jnp.dtype(x.dtype).itemsize
+    if itemsize >= 4:
+        return jax.lax.bitcast_convert_type(flat, jnp.dtype(f"int{8 * itemsize}"))
+    per_word = 4 // itemsize
+    pad = -flat.shape[1] % per_word
+    flat = jnp.pad(flat, ((0, 0), (0, pad)))
+    grouped = flat.reshape(flat.shape[0], -1, per_word)
+    return jax.lax.bitcast_convert_type(grouped, jnp.int32)
+
+
+def from_int_words(words: jax.Array, row_shape: tuple[int, ...], dtype) -> jax.Array:
+    """Inverse of ``as_int_words``: ``[N, *row_shape]`` rows of ``dtype`` from their words.
+
+    Args:
+      words: ``[N, words]`` from ``as_int_words`` (any number of rows).
+      row_shape: the trailing shape of the original rows.
+      dtype: the original dtype.
+
+    Returns:
+      ``[N, *row_shape]`` of ``dtype``, bit for bit the rows that made the words.
+    """
+    values = jax.lax.bitcast_convert_type(words, dtype).reshape(words.shape[0], -1)
+    size = math.prod(row_shape)
+    return values[:, :size].reshape((words.shape[0], *row_shape))

@@ -406,8 +406,8 @@ class StepKey:
     """What selects one compiled program (every field is static under jit)."""
 
     capacity: int  # token rows per DP rank (the bucket)
-    # Of the packed per_rank / replicated buffers: tree structure (attention kind, TBO fields),
-    # every leaf's shape and dtype.
+    # Of the packed per_rank / replicated buffers: tree structure (attention kind, TBO fields,
+    # the DP contexts' static padding mode and buffer lengths), every leaf's shape and dtype.
     layouts: tuple[packing.PackLayout, packing.PackLayout]
     mode: forward_mode_lib.ForwardMode  # the global mode (strategy layout)
     child_capacity: int | None  # TBO child rows; None: no TBO

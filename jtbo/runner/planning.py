@@ -24,8 +24,15 @@ ranks' batches:
 * Split: ``compute_split_seq_index`` then ``split_batch`` per rank (in ``summarize``, so a
   batch that cannot be split fails before any exchange); children's metadata comes from the
   TBO attention backend at the child capacity.
-* DP padding mode: MAX_LEN, the mode of replayed compiled steps (SGLang's CUDA-graph default),
-  whose buffer sizes depend only on the bucket — SUM_LEN's would change every step.
+* DP padding mode (``decide``; the layout of the DP gather that the ``"none"`` MoE backend
+  runs, ``jtbo.collectives.padding``): ``PlanOptions.dp_padding`` "max_len" or "sum_len"
+  forces one; "auto" applies SGLang's rule per step (``select_dp_padding_mode``: SUM_LEN when
+  any rank extends, or when the token sum is well below ``dp * max``) and keeps SUM_LEN only
+  where its buffer is smaller than MAX_LEN's ``dp * capacity`` (unequal ranks, or ranks well
+  below their bucket). The
+  SUM_LEN length is the token sum's bucket (``context.sum_len_bucket``, about four per power
+  of two), so a compile serves every step of that (bucket, mode, length) key. Both TBO
+  children take the step's mode (as SGLang's children copy it), each with its own length.
 """
 
 import dataclasses
@@ -46,6 +53,8 @@ from jtbo.split import forward_mode as forward_mode_lib
 
 ForwardMode = forward_mode_lib.ForwardMode
 TBO_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
+DP_PADDING_CHOICES = ("auto", "max_len", "sum_len")
+"""Values of ``PlanOptions.dp_padding``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +71,8 @@ class PlanOptions:
       query_tile: query rows per attention tile for extend steps.
       attention_backend: the backend whose metadata the steps carry (a key of
         ``jtbo.attention.backend.ATTENTION_BACKENDS``; they share one metadata layout).
+      dp_padding: the DP padding mode of every step, one of ``DP_PADDING_CHOICES``: "auto"
+        picks per step (module docstring), "max_len" / "sum_len" force one.
     """
 
     attn_tp_size: int
@@ -72,6 +83,42 @@ class PlanOptions:
     threshold: float
     query_tile: int = 64
     attention_backend: str = "native"
+    dp_padding: str = "auto"
+
+    def __post_init__(self):
+        """Checks ``dp_padding``.
+
+        Raises:
+          ValueError: ``dp_padding`` is not one of ``DP_PADDING_CHOICES``.
+        """
+        if self.dp_padding not in DP_PADDING_CHOICES:
+            raise ValueError(f"dp_padding={self.dp_padding!r} must be one of {DP_PADDING_CHOICES}")
+
+
+def dp_padding_for_backend(dp_padding: str, moe_a2a_backend: str) -> str:
+    """The ``PlanOptions.dp_padding`` of a runner's MoE backend.
+
+    Only the ``"none"`` backend gathers DP ranks' rows (``jtbo.models.moe_exchange``); an EP
+    step's DP contexts size no buffer, so "auto" is MAX_LEN there (one compile per bucket).
+
+    Args:
+      dp_padding: the requested choice, one of ``DP_PADDING_CHOICES``.
+      moe_a2a_backend: "ep" or "none".
+
+    Returns:
+      ``dp_padding``, or "max_len" for "auto" under EP.
+
+    Raises:
+      ValueError: an unknown choice, or "sum_len" under EP (it would change nothing).
+    """
+    if dp_padding not in DP_PADDING_CHOICES:
+        raise ValueError(f"dp_padding={dp_padding!r} must be one of {DP_PADDING_CHOICES}")
+    if moe_a2a_backend != "none" and dp_padding == "sum_len":
+        raise ValueError(
+            f"dp_padding='sum_len' needs moe_a2a_backend='none' (the DP gather), got "
+            f"{moe_a2a_backend!r}"
+        )
+    return "max_len" if moe_a2a_backend != "none" and dp_padding == "auto" else dp_padding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +200,7 @@ class StepDecision:
       mode: static strategy key: the agreed mode with TBO, EXTEND without.
       num_tokens: real tokens of each rank.
       split_token_index: per rank, the TBO token split (0 for idle ranks); None without TBO.
+      dp_padding_mode: layout of the step's DP gathers (``dp_padding_mode``).
     """
 
     kind: str
@@ -162,6 +210,7 @@ class StepDecision:
     mode: ForwardMode
     num_tokens: tuple[int, ...]
     split_token_index: tuple[int, ...] | None
+    dp_padding_mode: padding.DpPaddingMode
 
     @property
     def all_idle(self) -> bool:
@@ -271,6 +320,33 @@ def _split_indices(summaries, child_capacity: int) -> tuple[int, ...] | None:
     return tuple(indices)
 
 
+def dp_padding_mode(
+    summaries: Sequence[RankSummary], capacity: int, options: PlanOptions
+) -> padding.DpPaddingMode:
+    """The step's DP padding mode (module docstring), from every rank's summary.
+
+    Args:
+      summaries: one ``RankSummary`` per DP rank, in rank order.
+      capacity: the step's token rows per rank.
+      options: planning options (``dp_padding``, ``attn_tp_size``).
+
+    Returns:
+      The forced mode, or with "auto" SGLang's choice where its SUM_LEN buffer is smaller
+      than MAX_LEN's, else MAX_LEN.
+    """
+    if options.dp_padding != "auto":
+        return padding.DpPaddingMode[options.dp_padding.upper()]
+    counts = [int(s.num_tokens) for s in summaries]
+    is_extend_in_batch = any(s.forward_mode.is_extend() for s in summaries)
+    mode = padding.select_dp_padding_mode(is_extend_in_batch, counts)
+    sum_len = context_lib.default_global_buffer_len(counts, mode, capacity, options.attn_tp_size)
+    if mode.is_sum_len() and sum_len >= len(counts) * capacity:
+        # The buffer would be as long as MAX_LEN's: the all-reduce then moves twice the rows
+        # of the all-gather and the experts run over as many.
+        return padding.DpPaddingMode.MAX_LEN
+    return mode
+
+
 def decide(summaries: Sequence[RankSummary], options: PlanOptions) -> StepDecision:
     """The step's global facts from every rank's summary (deterministic integer arithmetic).
 
@@ -306,7 +382,8 @@ def decide(summaries: Sequence[RankSummary], options: PlanOptions) -> StepDecisi
         indices = _split_indices(summaries, child_cap)
     if indices is None:
         child_cap, mode = None, ForwardMode.EXTEND
-    return StepDecision(kind, draft, capacity, child_cap, mode, counts, indices)
+    padding_mode = dp_padding_mode(summaries, capacity, options)
+    return StepDecision(kind, draft, capacity, child_cap, mode, counts, indices, padding_mode)
 
 
 def without_tbo(decision: StepDecision) -> StepDecision:
@@ -424,7 +501,7 @@ def _assemble(batches, ranks, options, decision: StepDecision, children) -> Step
         metadata = [backend.primary.init_forward_metadata(b) for b in batches]
         per_rank["attn_metadata"] = _stack(metadata)
     counts = np.asarray(decision.num_tokens, np.int32)
-    mode_kind = padding.DpPaddingMode.MAX_LEN
+    mode_kind = decision.dp_padding_mode
     tp = options.attn_tp_size
     replicated = dict(dp_context=context_lib.create_dp_context(counts, mode_kind, capacity, tp))
     if children is not None:

@@ -4,7 +4,8 @@
 tokens' KV slots in the page table it owns, plans the step (``planning.plan_step``: bucket,
 attention kind, DP agreement on TBO, split, metadata), runs the jitted ``shard_map`` step and
 returns each rank's logits. The KV pools stay on the devices between steps (donated to the
-step, replaced by its output). One compile per (bucket, attention kind, TBO child capacity);
+step, replaced by its output). One compile per (bucket, attention kind, TBO child capacity,
+DP padding mode and SUM_LEN length bucket: ``planning``);
 ``warmup`` compiles them ahead of serving.
 
 ``enable_two_batch_overlap="auto"`` decides TBO per step shape (bucket and agreed mode) from
@@ -100,6 +101,7 @@ class ModelRunner:
         tbo_plan: str | os.PathLike | None = None,
         moe_runner_backend: str | None = None,
         attention_backend: str | None = None,
+        dp_padding: str = "auto",
         peer_timeout_s: float = failure.DEFAULT_TIMEOUT_S,
         check_finite_logits: bool = True,
     ):
@@ -148,6 +150,10 @@ class ModelRunner:
             "pallas" (the paged kernel, ``jtbo.attention.paged``; the Pallas interpreter on
             the CPU), for the whole batch and both TBO micro-batches; None: the fastest here
             that serves the model ("pallas" on GPUs for GQA heads it tiles, else "native").
+          dp_padding: layout of the ``"none"`` backend's DP gathers: "auto" picks MAX_LEN or
+            SUM_LEN per step (SGLang's rule, where SUM_LEN's bucketed buffer is the smaller:
+            unequal ranks; ``jtbo.runner.planning``), "max_len" / "sum_len" force one ("sum_len"
+            needs ``moe_a2a_backend="none"``; EP steps have no DP gather and take MAX_LEN).
           peer_timeout_s: several processes: a process whose heartbeat stopped this long ago
             counts as failed and every other process ends (``jtbo.runner.failure``).
           check_finite_logits: raise ``NonFiniteLogitsError`` (naming the DP rank and the
@@ -210,6 +216,7 @@ class ModelRunner:
             enable_tbo=enable_tbo,
             threshold=tbo_token_distribution_threshold,
             attention_backend=attention_backend,
+            dp_padding=planning.dp_padding_for_backend(dp_padding, moe_a2a_backend),
         )
         _warn_about_process_env(mesh, enable_tbo)
         self.enable_two_batch_overlap = enable_two_batch_overlap
@@ -282,7 +289,7 @@ class ModelRunner:
 
     @property
     def compile_count(self) -> int:
-        """Programs compiled so far (one per bucket, attention kind and TBO key)."""
+        """Programs compiled so far (one per bucket, attention kind, TBO and DP padding key)."""
         return self._step.compile_count()
 
     def forward(self, batches: Sequence[split.ForwardBatch | None]) -> list[np.ndarray | None]:
@@ -610,7 +617,9 @@ class ModelRunner:
         Runs a synthetic step (rank 0 busy, the rest idle) with the static keys a real step of
         that many tokens in that mode has; its K/V writes go to the padding slot only. An
         "auto" runner compiles both the plain and the TBO program of each (it decides later,
-        on real steps).
+        on real steps). With ``dp_padding="auto"`` the programs are MAX_LEN's (those of
+        steps whose ranks are equal); SUM_LEN programs depend on a step's token sum (its
+        bucket) and compile on first use.
 
         Args:
           token_counts: token counts whose buckets to compile.
@@ -632,7 +641,8 @@ class ModelRunner:
         """A real plan for one synthetic batch on rank 0 that writes only the padding slot."""
         batch = _synthetic_batch(mode, count)
         batches = [batch] + [planning.idle_batch()] * (self.dp_size - 1)
-        options = dataclasses.replace(self.options, enable_tbo=tbo)
+        padding = "max_len" if self.options.dp_padding == "auto" else self.options.dp_padding
+        options = dataclasses.replace(self.options, enable_tbo=tbo, dp_padding=padding)
         return planning.plan_step_for_ranks(batches, self.local_dp_ranks, options)
 
 

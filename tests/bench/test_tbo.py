@@ -195,7 +195,9 @@ def test_gpu_overlap_report_joins_traces_dumps_and_timings(tmp_path, monkeypatch
 def scratch_environment(monkeypatch, tmp_path):
     """Keeps main's environment changes (NCCL variables, XLA_FLAGS) inside the test and its
     default trace folder in ``tmp_path``."""
-    monkeypatch.setenv("XLA_FLAGS", "")  # read at backend start, long before these tests
+    # main appends to XLA_FLAGS; restored afterwards. Kept as conftest set it: a backend
+    # that starts in one of these tests then has conftest's 8 CPU devices.
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
     for name in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(tbo.tempfile, "mkdtemp", lambda prefix: str(tmp_path / prefix))
@@ -230,6 +232,22 @@ def test_tiny_run_prints_every_case_with_agreement(scratch_environment, capsys):
     assert len(ratios) == 8 and all(0 < r <= 1 for r in ratios), fill  # 2 cases x 2 micro-batches
     assert not list(scratch_environment.glob("**/*.trace.json.gz"))  # no traces for nothing
     assert tbo.os.environ["NCCL_NVLS_ENABLE"] == "0"
+
+
+def test_skewed_prefill_through_sum_len_gathers(scratch_environment, capsys):
+    # Ranks of 64 and 16 tokens through the "none" backend's DP gather, forced SUM_LEN: the
+    # table lists both ranks' tokens, TBO's logits agree, the gather holds 80 rows, not 128.
+    tbo.main(["--tiny", "--devices", "2", "--moe-a2a-backend", "none", "--prefill", "64",
+              "--prompt-len", "16", "--decode", "--prefill-skew", "0.25", "--dp-padding",
+              "sum_len", "--iters", "1", "--dtype", "float32", "--no-profile"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "MoE none, DP padding sum_len, prefill skew 0.25" in out.splitlines()[0]
+    (line,) = [line for line in out.splitlines() if line.startswith("| prefill 64 |")]
+    cells = [cell.strip() for cell in line.split("|")]
+    assert cells[2] == "64/16" and float(cells[-3].split(" / ")[0]) < 1e-5, line
+    assert "DP gather of the plain step (mode, buffer rows): prefill 64: SUM_LEN 80" in out
+    with pytest.raises(SystemExit):
+        tbo._parser().parse_args(["--prefill-skew", "0"])
 
 
 def test_profile_traces_plain_and_tbo_steps_of_every_case(scratch_environment, capsys):

@@ -3,6 +3,7 @@
 import chex
 import hypothesis
 import hypothesis.strategies as st
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -146,3 +147,39 @@ def test_sum_len_any_counts_one_compile(counts, seed):
     want = reference_gather(values, counts, padding.DpPaddingMode.SUM_LEN, 4 * CAPACITY)
     for got in (got_reduce, got_varlen):
         chex.assert_trees_all_close(harness.per_device(got, 8)[3], want, rtol=1e-5, atol=1e-5)
+
+
+def _replicate(context, local):
+    return (gather.dp_gather_replicate(local, context, memcpy_impl="xla"),)
+
+
+@pytest.mark.parametrize("dp_size, attn_tp_size", ((4, 2), (8, 1)))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_sum_len_replicate_gather_moves_the_bits(dp_size, attn_tp_size, dtype):
+    """The MoE backend "none" gathers rows with expert ids bitcast into them: -0.0 and the
+    denormal patterns of small ids must cross a SUM_LEN gather unchanged (a float all-reduce
+    turns -0.0 into 0.0 and may flush denormals)."""
+    rng = np.random.default_rng(11)
+    itemsize = jnp.dtype(dtype).itemsize
+    per_rank = rng.integers(0, 256, (dp_size, 1, CAPACITY, HIDDEN * itemsize)).astype(np.uint8)
+    per_rank[..., :itemsize] = 0
+    per_rank[..., itemsize - 1] = 0x80  # -0.0 in the first column of every row
+    per_rank[..., itemsize : 2 * itemsize] = 0  # a denormal (id 3) in the second column
+    per_rank[..., itemsize] = 3
+    raw = np.broadcast_to(per_rank, (dp_size, attn_tp_size, CAPACITY, HIDDEN * itemsize))
+    local = np.frombuffer(np.ascontiguousarray(raw).tobytes(), dtype).reshape(-1, HIDDEN)
+    counts = count_cases(dp_size, rng)[0]
+    sums = {}
+    for mode in MODES:
+        context = context_lib.create_dp_context(counts, mode, CAPACITY, attn_tp_size)
+        (got,) = harness.sharded(_replicate, dp_size, attn_tp_size, 1, 1)(context, local)
+        sums[mode] = harness.per_device(got, dp_size * attn_tp_size)
+    values = np.asarray(local).reshape(dp_size, attn_tp_size, CAPACITY, HIDDEN)[:, 0]
+    want = np.concatenate([values[r, :n] for r, n in enumerate(counts)])
+    for device_out in sums[padding.DpPaddingMode.SUM_LEN]:
+        assert device_out.shape[0] >= sum(counts)
+        np.testing.assert_array_equal(device_out[: sum(counts)].view(np.uint8), want.view(np.uint8))
+        assert not np.asarray(device_out[sum(counts) :]).view(np.uint8).any()
+    slots = sums[padding.DpPaddingMode.MAX_LEN][0].reshape(dp_size, CAPACITY, HIDDEN)
+    max_rows = np.concatenate([slots[r, :n] for r, n in enumerate(counts)])
+    np.testing.assert_array_equal(max_rows.view(np.uint8), want.view(np.uint8))

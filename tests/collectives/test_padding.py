@@ -21,12 +21,11 @@ MAX, SUM = padding.DpPaddingMode.MAX_LEN, padding.DpPaddingMode.SUM_LEN
 )
 def test_selection_rule(is_extend, counts, want):
     assert padding.select_dp_padding_mode(is_extend, counts) is want
-    assert padding.DpPaddingMode.get_dp_padding_mode(is_extend, counts) is want
 
 
-def test_graph_replay_default_is_max_len():
-    assert padding.DpPaddingMode.get_default_mode_in_cuda_graph() is MAX
+def test_mode_predicates():
     assert MAX.is_max_len() and not MAX.is_sum_len() and SUM.is_sum_len()
+    assert not SUM.is_max_len()
 
 
 @pytest.mark.parametrize("counts", [[], [3, -1]])

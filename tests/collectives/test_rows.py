@@ -98,3 +98,21 @@ def test_pack_int32_columns_widens_values_for_wide_rows():
         got_rows, got_ids = rows.unpack_int32_columns(payload, 2)
         np.testing.assert_array_equal(np.asarray(got_ids), np.asarray(ids))
         np.testing.assert_array_equal(np.asarray(got_rows), np.asarray(rows_in))
+
+
+@pytest.mark.parametrize(
+    "dtype, row_shape", [(jnp.float32, (3,)), (jnp.bfloat16, (3,)), (jnp.int8, (2, 3))]
+)
+def test_int_words_round_trip_and_integer_sums_keep_every_bit(dtype, row_shape):
+    # -0.0, NaN payloads and denormals (small ids bitcast into rows) survive an integer sum
+    # with zero words, which a float sum would not (-0.0 + 0.0 == 0.0).
+    rng = np.random.default_rng(4)
+    bits = rng.integers(0, 256, (4, int(np.prod(row_shape)) * jnp.dtype(dtype).itemsize))
+    bits[0, : jnp.dtype(dtype).itemsize] = [0] * (jnp.dtype(dtype).itemsize - 1) + [0x80]
+    x = jnp.asarray(np.frombuffer(bits.astype(np.uint8).tobytes(), dtype).reshape(4, *row_shape))
+    words = rows.as_int_words(x)
+    assert words.dtype == jnp.int32 and words.shape[0] == 4
+    summed = words + jnp.zeros_like(words)
+    back = rows.from_int_words(summed, row_shape, dtype)
+    assert back.dtype == dtype and back.shape == x.shape
+    np.testing.assert_array_equal(np.asarray(back).view(np.uint8), np.asarray(x).view(np.uint8))

@@ -1,4 +1,5 @@
-"""The step's TBO decision (``planning.decide``) against SGLang's ``TboDPAttentionPreparer`` cases.
+"""The step's TBO decision (``planning.decide``) against SGLang's ``TboDPAttentionPreparer`` cases,
+and its DP padding mode (SGLang's rule where the SUM_LEN buffer is the smaller).
 
 TBO runs only when it is enabled, some rank is busy, every busy rank runs the same TBO-able
 mode, and every busy rank found a split that fits the child capacity; idle ranks join with
@@ -8,10 +9,14 @@ all-to-all kernels, has no counterpart: jtbo has no low-latency exchange.)
 
 import dataclasses
 
+import numpy as np
 import pytest
 
+from jtbo.collectives import context as context_lib
+from jtbo.collectives import padding
 from jtbo.runner import planning
 from jtbo.split import ForwardMode as FM
+from tests.runner import helpers
 
 OPTIONS = planning.PlanOptions(
     attn_tp_size=1, token_buckets=(16, 64), seq_capacity=8, max_context=256, enable_tbo=True,
@@ -60,3 +65,56 @@ def test_sglang_agreement_cases(name):
     ]
     assert idle_splits == [0] * len(idle_splits)
     assert decision.num_tokens == tuple(r.num_tokens for r in ranks)
+
+
+MAX, SUM = padding.DpPaddingMode.MAX_LEN, padding.DpPaddingMode.SUM_LEN
+
+# (ranks, dp_padding, the step's DP padding mode)
+PADDING_CASES = {
+    # Capacity 64, sum 36 -> SUM_LEN buffer 40 < 2 x 64.
+    "skewed-extend": ([rank(FM.EXTEND, 30), rank(FM.EXTEND, 6)], "auto", SUM),
+    "extend-next-to-idle": ([rank(FM.EXTEND, 30), IDLE], "auto", SUM),
+    # Equal ranks at their bucket: the SUM_LEN buffer would be MAX_LEN's 2 x 16 rows.
+    "balanced-extend": ([rank(FM.EXTEND, 16), rank(FM.EXTEND, 16)], "auto", MAX),
+    "balanced-decode": ([rank(FM.DECODE, 8)] * 4, "auto", MAX),
+    # Decode: SGLang's cost rule, 2 x sum = 18 < dp x max = 32.
+    "skewed-decode": ([rank(FM.DECODE, 8), rank(FM.DECODE, 1), IDLE, IDLE], "auto", SUM),
+    "one-rank": ([rank(FM.EXTEND, 30)], "auto", MAX),
+    "forced-max-len": ([rank(FM.EXTEND, 30), rank(FM.EXTEND, 6)], "max_len", MAX),
+    "forced-sum-len": ([rank(FM.DECODE, 8)] * 4, "sum_len", SUM),
+}
+
+
+@pytest.mark.parametrize("name", PADDING_CASES)
+def test_dp_padding_mode_per_step(name):
+    ranks, choice, want = PADDING_CASES[name]
+    decision = planning.decide(ranks, dataclasses.replace(OPTIONS, dp_padding=choice))
+    assert decision.dp_padding_mode is want
+    assert planning.without_tbo(decision).dp_padding_mode is want
+
+
+def test_sum_len_contexts_of_a_tbo_plan_are_bucketed():
+    options = dataclasses.replace(OPTIONS, attn_tp_size=2, token_buckets=(16, 32))
+    big = helpers.Rank().extend({0: list(range(9)), 1: list(range(10, 22))})  # 21 tokens
+    small = helpers.Rank().extend({0: [5, 6, 7], 1: [8, 9]})  # 5 tokens
+    plan = planning.plan_step([big, small, planning.idle_batch()], options)
+    assert plan.child_capacity is not None and plan.capacity == 32
+    context = plan.replicated["dp_context"]
+    assert context.padding_mode is SUM and context.global_buffer_len == 28  # 26 -> 28 < 3 x 32
+    splits = plan.per_rank["split_token_index"]
+    child_counts = (splits, np.asarray([21, 5, 0]) - splits)
+    for child, counts in zip(plan.replicated["child_dp_contexts"], child_counts, strict=True):
+        assert child.padding_mode is SUM and child.local_capacity == plan.child_capacity
+        want = min(context_lib.sum_len_bucket(int(counts.sum()), 2), 3 * plan.child_capacity)
+        assert child.global_buffer_len == want
+        np.testing.assert_array_equal(child.global_num_tokens, counts)
+
+
+def test_dp_padding_choices_and_backends():
+    assert planning.dp_padding_for_backend("auto", "ep") == "max_len"
+    assert planning.dp_padding_for_backend("auto", "none") == "auto"
+    assert planning.dp_padding_for_backend("sum_len", "none") == "sum_len"
+    with pytest.raises(ValueError, match="dp_padding='sum_len' needs moe_a2a_backend='none'"):
+        planning.dp_padding_for_backend("sum_len", "ep")
+    with pytest.raises(ValueError, match="dp_padding='min_len' must be one of"):
+        dataclasses.replace(OPTIONS, dp_padding="min_len")

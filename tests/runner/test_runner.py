@@ -297,3 +297,65 @@ def test_every_ep_option_reaches_the_step():
     assert ragged.parallel.ep_exchange == "ragged"
     with pytest.raises(ValueError, match="exchange='ragged' needs a GPU"):
         ragged.forward([helpers.Rank().extend({0: [1, 2, 3]})] + [None] * 7)
+
+
+def _dp_contexts(runner):
+    """Per compile key of the runner's step, its DP contexts (whole step, or TBO children)."""
+    found = []
+    for key in runner._step._jitted:
+        layout = key.layouts[1]  # the replicated buffer: the DP contexts
+        replicated = jax.tree.unflatten(layout.treedef, [np.zeros(s) for s in layout.shapes])
+        found.append(replicated.get("child_dp_contexts", (replicated["dp_context"],)))
+    return found
+
+
+def test_skewed_ranks_sum_len_equals_max_len_and_reference():
+    # Ranks of 14, 3, 1 and 0 tokens through the DP gather of the "none" backend (4 x 2
+    # devices): SUM_LEN gathers a 20-row bucket of the 18 tokens where MAX_LEN gathers 4 x 16,
+    # TBO off and on; "auto" picks SUM_LEN for them. Logits equal MAX_LEN's and the reference.
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(2))
+    mesh = mesh_lib.make_mesh(4, 2)
+    make = lambda padding, tbo: runner_lib.ModelRunner(  # noqa: E731
+        model, mesh, enable_two_batch_overlap=tbo, moe_a2a_backend="none",
+        max_total_tokens=32, max_running_requests=4, token_buckets=(8, 16), dtype=jnp.float32,
+        dp_padding=padding,
+    )  # fmt: skip
+    new = [_prompts(np.random.default_rng(r), n) for r, n in enumerate([[9, 5], [3], [1]])]
+    outs = {}
+    for padding, tbo in (("max_len", False), ("sum_len", False), ("max_len", True), ("auto", True)):
+        runner, ranks = make(padding, tbo), [helpers.Rank() for _ in range(3)]
+        batches = [r.extend(n) for r, n in zip(ranks, new, strict=True)] + [None]
+        outs[padding, tbo] = runner.forward(batches)
+        assert runner.num_tbo_steps == tbo
+        for r, n in enumerate(new):
+            want = helpers.reference_new_rows(model, ranks[r], {k: len(v) for k, v in n.items()})
+            chex.assert_trees_all_close(outs[padding, tbo][r], want, **TOL)
+        (contexts,) = _dp_contexts(runner)
+        want_mode = "MAX_LEN" if padding == "max_len" else "SUM_LEN"
+        assert {c.padding_mode.name for c in contexts} == {want_mode}
+        if not tbo:
+            assert contexts[0].global_buffer_len == (64 if padding == "max_len" else 20)
+    for key in (("sum_len", False), ("max_len", True), ("auto", True)):
+        chex.assert_trees_all_close(outs[key][:3], outs["max_len", False][:3], atol=1e-5, rtol=1e-5)
+
+
+def test_sum_len_steps_compile_once_per_buffer_bucket():
+    # SUM_LEN lengths are buckets of the token sum: every step of one (capacity, length)
+    # bucket runs one program (the step's trace guard fails a retrace); a sum in the next
+    # bucket compiles one more.
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=1)
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    runner = runner_lib.ModelRunner(
+        model, mesh_lib.make_mesh(4, 2), moe_a2a_backend="none", max_total_tokens=32,
+        max_running_requests=4, token_buckets=(16,), dtype=jnp.float32,
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    for lens in ([[14], [3], [1], None], [[9, 4], [2, 2], [1], [1]], [[8], [8], [1], [2]]):
+        batches = [None if n is None else helpers.Rank().extend(_prompts(rng, n)) for n in lens]
+        runner.forward(batches)  # sums 18, 19, 19: bucket 20
+    assert runner._step.num_keys == 1 and runner.compile_count == 1
+    runner.forward([helpers.Rank().extend(_prompts(rng, [n])) for n in (16, 4, 1, 1)])  # 22
+    assert runner._step.num_keys == 2 and runner.compile_count == 2
+    lengths = sorted(contexts[0].global_buffer_len for contexts in _dp_contexts(runner))
+    assert lengths == [20, 24]
