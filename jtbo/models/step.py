@@ -138,8 +138,9 @@ def _contexts(per_rank, replicated, box, dispatchers, child_capacity):
 
 
 def _run_tbo(
-    operations_of, params, per_rank, contexts, child_capacity, barriers, isolate, issue_barriers
-):
+    operations_of, params, per_rank, contexts, child_capacity, barriers, isolate, issue_barriers,
+    pin_issued,
+):  # fmt: skip
     """Both micro-batches staggered; their logits merged back at the parent offsets.
 
     ``operations_of(params) -> (ops, delta)`` builds one micro-batch's operation list over a
@@ -157,7 +158,11 @@ def _run_tbo(
       (``execute_overlapped_operations(issue_barriers=True)``). The collective's input is
       then ready before the other micro-batch's next stage starts, and the other's exchange
       ends before this one is issued (XLA keeps one collective in flight anyway), so each
-      exchange window holds the other micro-batch's whole stage.
+      exchange window holds the other micro-batch's whole stage;
+    * ``pin_issued`` (only with ``isolate``; the peer-copy EP exchange): every issuing
+      operation is followed by a barrier over both micro-batches' live arrays, in-flight
+      exchanges included. XLA's scheduler sees the exchange's start as an ordinary call and
+      could run the other micro-batch's stage first; the barrier orders the start before it.
 
     Both fill each exchange window with the other micro-batch's compute, in the compiled
     schedule and at run time (BENCHMARKS.md, "Run-time overlap on two H200s (issue 14)"). One
@@ -176,7 +181,7 @@ def _run_tbo(
     delta = built[0][1]
     outputs = operations.execute_overlapped_operations(
         children, [ops for ops, _ in built], [0, delta], contexts_arr=contexts, barriers=barriers,
-        issue_barriers=isolate and issue_barriers,
+        issue_barriers=isolate and issue_barriers, pin_issued=isolate and pin_issued,
     )  # fmt: skip
     capacity = per_rank["input_ids"].shape[0]
     merged = activations.merge_outputs(*outputs, t, n, out_len=capacity)
@@ -221,6 +226,7 @@ def step_body(
         logits = _run_tbo(
             operations_of, params, per_rank, contexts, child_capacity,
             parallel.tbo_round_barriers, isolate_micro_batches, parallel.issue_barriers,
+            parallel.moe_a2a_backend == "ep" and parallel.ep_exchange == "peer_copy",
         )  # fmt: skip
     # Reduced over the EP group so every process reads the same counts (16 bytes each; the
     # only collectives outside both micro-batches).

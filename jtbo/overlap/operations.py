@@ -219,16 +219,24 @@ class _StageExecutor:
         """Whether a stage not yet finished holds a collective-issuing operation."""
         return any(issues_collective(op) for stage in self.stages[self.index :] for op in stage)
 
-    def next(self, before_issue: Callable[[], None] | None = None) -> None:
-        """Runs the next stage; ``before_issue()`` runs before each issuing (``*_a``) op."""
+    def next(
+        self,
+        before_issue: Callable[[], None] | None = None,
+        after_issue: Callable[[], None] | None = None,
+    ) -> None:
+        """Runs the next stage; ``before_issue()`` / ``after_issue()`` run before / after each
+        issuing (``*_a``) op."""
         if self.done:
             raise RuntimeError(f"executor {self.scope} has no stage left")
         with _maybe_scope(self.scope):
             for op in self.stages[self.index]:
-                if before_issue is not None and issues_collective(op):
+                issues = issues_collective(op)
+                if before_issue is not None and issues:
                     before_issue()
                 with jax.named_scope(op.debug_name):
                     self.stage_output = op.fn(self.state, **(self.stage_output or {}))
+                if after_issue is not None and issues:
+                    after_issue()
         self.index += 1
 
 
@@ -268,6 +276,7 @@ def execute_overlapped_operations(
     contexts_arr: Sequence[Mapping[str, Any] | None] = (None, None),
     barriers: bool = False,
     issue_barriers: bool = False,
+    pin_issued: bool = False,
 ) -> list[Mapping[str, Any] | None]:
     """Runs micro-batches A and B staggered by ``delta_stages[1]`` stages.
 
@@ -285,6 +294,11 @@ def execute_overlapped_operations(
       issue_barriers: put the same barrier right before every operation that issues a
         collective (``issues_collective``), so that the collective's input is ready before
         the other micro-batch's next stage starts (see the module docstring).
+      pin_issued: put a barrier over both micro-batches' live arrays, in-flight results
+        included, right after every issuing operation, so that the exchange it started is
+        issued before the other micro-batch's next stage. Only for exchanges with an explicit
+        start and wait (``jtbo.collectives.peer_copy``), which the barrier leaves in flight:
+        an XLA collective in flight there would be made to finish.
 
     Returns:
       [output of A, output of B].
@@ -314,9 +328,10 @@ def execute_overlapped_operations(
     if not 0 <= delta <= executor_a.num_stages:
         raise ValueError(f"delta_stages[1]={delta} outside [0, {executor_a.num_stages}]")
     before_issue = functools.partial(_pin_before_issue, executors) if issue_barriers else None
+    after_issue = functools.partial(_pin_round, executors, in_flight=True) if pin_issued else None
     for round_executors in _rounds(executor_a, executor_b, delta):
         for executor in round_executors:
-            executor.next(before_issue)
+            executor.next(before_issue, after_issue)
         if barriers:
             _pin_round(executors)
     return [executor_a.stage_output, executor_b.stage_output]

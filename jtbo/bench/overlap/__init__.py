@@ -20,7 +20,10 @@ on ``x`` and window k's matmul block runs on ``y``, then ``received, y = barrier
 out, matmul block out))`` before the elementwise step that feeds collective k + 1. So
 collective k can start only once window k's matmul input is ready, and must be done before
 window k + 1's matmuls start: each collective's start/done window holds exactly one matmul
-block, by data dependence. ``--windows free`` runs the two chains as independent dataflow
+block, by data dependence. ``all_to_all_peer_copy`` (``jtbo.collectives.peer_copy``) is an
+explicit start and wait, which XLA schedules as ordinary calls: a third barrier ties its
+started exchange to the matmul input, so the start is issued before the window's matmuls and
+the wait after them. ``--windows free`` runs the two chains as independent dataflow
 (one body returns both) and leaves the interleaving to XLA's scheduler. Pinned is the
 default because the probe asks whether the exchange *can* run beside compute, given a
 schedule that asks for it (as the TBO step's barriers do): with free windows XLA's

@@ -95,6 +95,11 @@ class Collective:
     input_is_shard: bool  # the input is bytes / ndev (all-gather), not bytes
     wait: Callable[[Any], jax.Array] = _received  # the issued exchange -> what was received
 
+    @property
+    def explicit_wait(self) -> bool:
+        """Whether the exchange is an explicit start and wait (the peer copy), not XLA's."""
+        return self.wait is not _received
+
     def step(self, x: jax.Array, ndev: int) -> jax.Array:
         """One link of the collective chain: the exchange, its wait and its finish."""
         return self.finish(self.wait(self.exchange(x)), ndev)

@@ -45,9 +45,13 @@ def _pinned_windows(x, y, w, collective: Collective, chain: int, matmuls: int, n
         # Collective k cannot start before window k's matmul input is ready, nor its
         # matmuls before collective k's input is: the two are issued together.
         x, y = jax.lax.optimization_barrier((x, y))
-        in_flight, y = jax.lax.optimization_barrier(
-            (collective.exchange(x), matmul_chain(y, w, matmuls))
-        )
+        in_flight = collective.exchange(x)
+        if collective.explicit_wait:
+            # An explicit start is an ordinary call to XLA's scheduler: pin it before the
+            # window's matmuls (XLA's own collectives cannot be pinned so: the barrier
+            # would wait for their result).
+            in_flight, y = jax.lax.optimization_barrier((in_flight, y))
+        in_flight, y = jax.lax.optimization_barrier((in_flight, matmul_chain(y, w, matmuls)))
         # Past the barrier: collective k is done before window k + 1's matmuls (which read
         # y) start, and its finish waits for window k's matmuls, so one block per window.
         x = collective.finish(collective.wait(in_flight), ndev)
