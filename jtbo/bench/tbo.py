@@ -604,7 +604,8 @@ def _header(args) -> str:
     options = " ".join(f"--{name}={_flag_value(value)}" for name, value in args.xla_option)
     return (
         f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; dp={args.dp}, "
-        f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend} {args.ep_exchange}"
+        f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}"
+        f"{f' {args.ep_exchange}' if args.moe_a2a_backend == 'ep' else ''}"
         f"{' dedup' if args.ep_dedup else ''}"
         f"{'' if args.moe_a2a_backend == 'ep' else f', DP padding {args.dp_padding}'}"
         f"{'' if args.prefill_skew == 1 else f', prefill skew {args.prefill_skew}'}, experts "

@@ -100,25 +100,39 @@ def _parse_value(raw: str) -> str | int | bool | float:
 
 
 TBO_PROCESS_ENV = (("CUDA_DEVICE_MAX_CONNECTIONS", "1"),)
-"""Environment a multi-GPU TBO process should start with (read when CUDA starts: set it
-before JAX first touches a GPU).
+"""Environment a multi-GPU TBO process with XLA's EP exchanges ("dense", "ragged") should start
+with (read when CUDA starts: set it before JAX first touches a GPU).
 
 ``CUDA_DEVICE_MAX_CONNECTIONS=1``: one hardware work queue per device. On two H200s it let
-an exchange and the compute beside it share the GPU far better, in the overlap probe and in
-the TBO model step; copy engines for local peers and fewer NCCL channels, tried on the same
+an NCCL exchange and the compute beside it share the GPU far better, in the overlap probe and
+in the TBO model step; copy engines for local peers and fewer NCCL channels, tried on the same
 probe, did not (BENCHMARKS.md, "Run-time overlap on two H200s (issue 14)").
+
+The peer-copy exchange wants the opposite: with one queue its side stream's copies queue
+behind the compute stream's kernels and run one after the other (BENCHMARKS.md, "Peer-copy EP
+exchange on two H200s"), so there ``CUDA_DEVICE_MAX_CONNECTIONS`` must not be 1.
 """
 
 
-def process_env_advice(environ: Mapping[str, str]) -> list[str]:
-    """What a process environment lacks of ``TBO_PROCESS_ENV``, one sentence per variable.
+def process_env_advice(environ: Mapping[str, str], ep_exchange: str = "dense") -> list[str]:
+    """What a process environment lacks for run-time overlap, one sentence per variable.
 
     Args:
       environ: the environment to check (``os.environ``).
+      ep_exchange: the runner's EP exchange: "peer_copy" needs ``CUDA_DEVICE_MAX_CONNECTIONS``
+        other than 1; XLA's exchanges want ``TBO_PROCESS_ENV``.
 
     Returns:
       An empty list when every variable has its recommended value.
     """
+    if ep_exchange == "peer_copy":
+        if environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+            return []
+        return [
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 serializes the peer-copy exchange's side stream "
+            "behind the compute stream: unset it before JAX starts for run-time overlap "
+            "(jtbo.overlap.xla_options.TBO_PROCESS_ENV)"
+        ]
     return [
         f"{name}={environ.get(name, '<unset>')}: set {name}={value} before JAX starts for "
         "run-time overlap on multi-GPU TBO steps (jtbo.overlap.xla_options.TBO_PROCESS_ENV)"

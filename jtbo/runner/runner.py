@@ -218,7 +218,7 @@ class ModelRunner:
             attention_backend=attention_backend,
             dp_padding=planning.dp_padding_for_backend(dp_padding, moe_a2a_backend),
         )
-        _warn_about_process_env(mesh, enable_tbo)
+        _warn_about_process_env(mesh, enable_tbo, ep_exchange)
         self.enable_two_batch_overlap = enable_two_batch_overlap
         self._tbo_auto = None
         if auto:
@@ -674,8 +674,9 @@ def _synthetic_batch(mode: ForwardMode, count: int) -> split.ForwardBatch:
     )  # fmt: skip
 
 
-def _warn_about_process_env(mesh: jax.sharding.Mesh, enable_tbo: bool) -> None:
-    """Warns when a multi-GPU TBO runner's process lacks ``xla_options.TBO_PROCESS_ENV``.
+def _warn_about_process_env(mesh: jax.sharding.Mesh, enable_tbo: bool, ep_exchange: str) -> None:
+    """Warns when a multi-GPU TBO runner's process environment hinders run-time overlap
+    (``xla_options.process_env_advice`` for the runner's EP exchange).
 
     A warning, not an error: the step is still right, only less of its communication runs
     beside compute, and the variable cannot be changed once CUDA has started.
@@ -686,7 +687,7 @@ def _warn_about_process_env(mesh: jax.sharding.Mesh, enable_tbo: bool) -> None:
         or mesh_lib.mesh_platform(mesh) not in ("gpu", "cuda")
     ):
         return
-    for advice in xla_options.process_env_advice(os.environ):
+    for advice in xla_options.process_env_advice(os.environ, ep_exchange):
         warnings.warn(advice, stacklevel=3)
 
 

@@ -1,5 +1,6 @@
 """Stage cutting, the staggered order, state rules and round barriers."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -224,3 +225,24 @@ def test_issue_barrier_pins_the_other_micro_batchs_in_flight_result():
     # A's second issue pins its stage input and B's layer output (2: B's exchange was
     # consumed); B's second issue is not pinned (A has nothing left to issue)
     assert _barrier_operands(jaxpr) == [2, 3, 2]
+
+
+def test_pin_issued_pins_every_issued_exchange_with_the_other_micro_batch():
+    ops = _issue_consume_ops()
+    keys = jax.random.split(jax.random.key(7), 2)
+    a, b = (jax.random.normal(k, (5,)) for k in keys)
+
+    def run(a, b, pin_issued):
+        outs = operations.execute_overlapped_operations(
+            [dict(x=a), dict(x=b)], [ops, ops], [0, 0], pin_issued=pin_issued
+        )
+        return outs[0]["x"], outs[1]["x"]
+
+    jaxpr = jax.make_jaxpr(lambda a, b: run(a, b, True))(a, b).jaxpr
+    # After each of the four `exchange_a` ops (two per micro-batch, the last ones included),
+    # one barrier over both micro-batches' live arrays, in-flight values included: at least
+    # the issuer's pending and kept values and one array of the other micro-batch
+    operands = _barrier_operands(jaxpr)
+    assert len(operands) == 4 and min(operands) >= 3, operands
+    got, want = jax.jit(lambda a, b: run(a, b, True))(a, b), run(a, b, False)
+    chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)

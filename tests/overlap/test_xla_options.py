@@ -56,3 +56,11 @@ def test_process_env_advice_names_every_missing_or_wrong_variable():
     assert f"{name}=<unset>" in unset and f"set {name}={value}" in unset
     (wrong,) = xla_options.process_env_advice({name: "32"})
     assert f"{name}=32" in wrong
+
+
+def test_peer_copy_advice_is_to_leave_more_than_one_connection():
+    # The peer copy's side stream must not share the compute stream's one hardware queue.
+    assert xla_options.process_env_advice({}, "peer_copy") == []
+    assert xla_options.process_env_advice({"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, "peer_copy") == []
+    (advice,) = xla_options.process_env_advice({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "peer_copy")
+    assert "unset" in advice
