@@ -11,7 +11,9 @@ Shapes must be static under jit, so the exchange uses fixed slot counts:
 * ``expert_capacity``: slots per local expert in the ``[num_local_experts, slots, hidden]``
   layout the batched expert einsum consumes.
 
-Default capacities (``create_ep_dispatcher``): ``capacity_factor`` times the balanced load
+Measured capacities (``sized_from_peaks``): ``headroom`` times the peak loads a runner
+recorded for dispatches of the same size (``jtbo.runner.ep_stats_file``). Otherwise, default
+capacities (``create_ep_dispatcher``): ``capacity_factor`` times the balanced load
 (``tokens * top_k / ep_size`` per peer, ``tokens * top_k / num_local_experts`` per expert),
 rounded up to ``slot_alignment`` and never above the worst case (``tokens * min(top_k,
 num_local_experts)`` per peer: a token's experts are distinct; ``tokens * ep_size`` per expert,
@@ -186,6 +188,52 @@ def create_ep_dispatcher(
         balanced = num_tokens * top_k / worst.num_local_experts
         expert = min(expert, round_up(math.ceil(capacity_factor * balanced), slot_alignment))
     return dataclasses.replace(worst, expert_capacity=expert)
+
+
+def sized_from_peaks(
+    dispatcher: EpDispatcher,
+    peer_peak: int,
+    expert_peak: int,
+    *,
+    headroom: float,
+    slot_alignment: int,
+) -> EpDispatcher:
+    """``dispatcher`` with capacities sized on measured peak loads instead of the factor rule.
+
+    Each capacity becomes ``headroom`` times its measured peak (the most assignments, or
+    dedup rows, one peer or one local expert was given in a dispatch of this size), rounded
+    up to ``slot_alignment`` and never above the worst case. The expert capacity's worst case
+    follows the new peer capacity.
+
+    Args:
+      dispatcher: the dispatcher to resize (its token count is the one the peaks were
+        measured at).
+      peer_peak: measured peak per (source, destination) peer.
+      expert_peak: measured peak per local expert.
+      headroom: multiple of the peak reserved (>= 1).
+      slot_alignment: rounding (>= 1).
+
+    Returns:
+      The resized dispatcher.
+
+    Raises:
+      ValueError: a negative peak, ``headroom < 1`` or ``slot_alignment < 1``.
+    """
+    if peer_peak < 0 or expert_peak < 0 or headroom < 1 or slot_alignment < 1:
+        raise ValueError(
+            f"peer_peak={peer_peak}, expert_peak={expert_peak} must be >= 0, headroom="
+            f"{headroom} >= 1 and slot_alignment={slot_alignment} >= 1"
+        )
+    peer = min(
+        dispatcher.worst_peer_capacity,
+        round_up(math.ceil(headroom * peer_peak), slot_alignment),
+    )
+    resized = dataclasses.replace(dispatcher, peer_capacity=peer)
+    expert = min(
+        resized.worst_expert_capacity,
+        round_up(math.ceil(headroom * expert_peak), slot_alignment),
+    )
+    return dataclasses.replace(resized, expert_capacity=expert)
 
 
 def expected_ranks_per_token(num_experts: int, ep_size: int, top_k: int) -> float:

@@ -9,7 +9,11 @@ SGLang's ``MaybeTboDeepEPDispatcher`` holds one inner dispatcher per micro-batch
 are static arguments of the jitted step: part of its compile key.
 
 Capacities come from ``collectives.create_ep_dispatcher``'s rule (``capacity_factor`` times the
-balanced load; ``None`` takes the worst case, which cannot overflow). Routing is data-dependent,
+balanced load; ``None`` takes the worst case, which cannot overflow), or, for sizes with
+measured peak loads (``use_measured_peaks``: a runner's saved routing statistics,
+``jtbo.runner.ep_stats_file``), ``ep_capacity_headroom`` times those peaks
+(``ep_config.sized_from_peaks``). The table records the peak loads of every step it sees
+(``observe``), so a runner can save them for the next one. Routing is data-dependent,
 so the step returns each dispatcher's overflow counts and the host applies
 ``collectives.resolve_overflow``: under ``"rerun"`` the step runs again with the overflowed
 capacity at its next bucket (and later steps of that shape keep the raised capacity, so the
@@ -18,7 +22,7 @@ capacity to raise.
 """
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -40,23 +44,61 @@ class DispatcherTable:
         (``layer_ops.ParallelConfig``: capacity factor, exchange, policy, alignment)."""
         self.mesh, self.config, self.parallel = mesh, config, parallel
         self._by_rows: dict[int, ep_config.EpDispatcher] = {}
+        self._measured: dict[int, tuple[int, int]] = {}  # rows -> (peer, expert) peaks to size
+        self._observed: dict[int, tuple[int, int]] = {}  # rows -> largest peaks seen here
+
+    def use_measured_peaks(self, peaks: Mapping[int, tuple[int, int]]) -> None:
+        """Sizes the dispatchers of these row counts on measured peak loads from now on.
+
+        Args:
+          peaks: rows per device -> (peer, expert) peak load measured at that size.
+
+        Raises:
+          ValueError: a dispatcher of one of these sizes was already built (its compiled
+            steps would silently keep the old capacities).
+        """
+        built = sorted(set(peaks) & set(self._by_rows))
+        if built:
+            raise ValueError(f"dispatchers for rows {built} are already built; load peaks first")
+        self._measured.update({int(r): (int(p), int(e)) for r, (p, e) in peaks.items()})
+
+    def observe(self, dispatchers: Dispatchers, peak_load) -> None:
+        """Records a step's peak loads (``[..., len(dispatchers), 2]``), max per row count."""
+        peaks = np.asarray(peak_load).reshape(-1, len(dispatchers), 2).max(axis=0)
+        for dispatcher, (peer, expert) in zip(dispatchers, peaks.tolist(), strict=True):
+            old = self._observed.get(dispatcher.num_tokens, (0, 0))
+            self._observed[dispatcher.num_tokens] = (max(old[0], peer), max(old[1], expert))
+
+    def observed_peaks(self) -> dict[int, tuple[int, int]]:
+        """Rows per device -> the largest (peer, expert) peak loads ``observe`` has seen."""
+        return dict(sorted(self._observed.items()))
 
     def dispatcher(self, rows: int) -> ep_config.EpDispatcher:
         """The dispatcher for ``rows`` token rows per device (created on first use)."""
         if rows not in self._by_rows:
-            factor = self.parallel.ep_capacity_factor
-            self._by_rows[rows] = ep_config.create_ep_dispatcher(
-                self.mesh,
-                num_experts=self.config.num_experts,
-                num_tokens=rows,
-                top_k=self.config.num_experts_per_tok,
-                capacity_factor=1.0 if factor is None else factor,
-                worst_case=factor is None,
-                exchange=self.parallel.ep_exchange,
-                slot_alignment=self.parallel.ep_slot_alignment,
-                dedup=self.parallel.ep_dedup,
-            )
+            self._by_rows[rows] = self._create(rows)
         return self._by_rows[rows]
+
+    def _create(self, rows: int) -> ep_config.EpDispatcher:
+        factor = self.parallel.ep_capacity_factor
+        made = ep_config.create_ep_dispatcher(
+            self.mesh,
+            num_experts=self.config.num_experts,
+            num_tokens=rows,
+            top_k=self.config.num_experts_per_tok,
+            capacity_factor=1.0 if factor is None else factor,
+            worst_case=factor is None,
+            exchange=self.parallel.ep_exchange,
+            slot_alignment=self.parallel.ep_slot_alignment,
+            dedup=self.parallel.ep_dedup,
+        )
+        if rows not in self._measured:
+            return made
+        peer, expert = self._measured[rows]
+        return ep_config.sized_from_peaks(
+            made, peer, expert, headroom=self.parallel.ep_capacity_headroom,
+            slot_alignment=self.parallel.ep_slot_alignment,
+        )  # fmt: skip
 
     def for_step(self, capacity: int, child_capacity: int | None) -> Dispatchers:
         """The step's dispatchers: one (no TBO) or one per micro-batch; ``()`` without EP.

@@ -54,6 +54,9 @@ class ParallelConfig:
       ep_capacity_factor: "ep" slots per peer and per local expert as a multiple of the
         balanced load (``collectives.create_ep_dispatcher``); None takes the worst case, which
         never overflows.
+      ep_capacity_headroom: where the runner has measured peak loads for a dispatch size
+        (``ep_dispatchers.DispatcherTable.use_measured_peaks``), "ep" slots are this multiple
+        of those peaks instead of ``ep_capacity_factor`` times the balanced load.
       ep_overflow_policy: what the host does when a step overflowed: "raise" (name the capacity
         to raise) or "rerun" (re-run with the next capacity bucket); ``collectives.ep_overflow``.
       ep_exchange: "dense" (fixed-slot all-to-all; overlappable), "ragged" (GPU only) or
@@ -85,6 +88,7 @@ class ParallelConfig:
     num_devices: int
     ep_capacity_factor: float | None = None
     ep_overflow_policy: str = "raise"
+    ep_capacity_headroom: float = 1.25
     ep_exchange: str = "dense"
     ep_dedup: bool = False
     ep_slot_alignment: int = 1
@@ -103,6 +107,8 @@ class ParallelConfig:
     def __post_init__(self):
         if self.ep_capacity_factor is not None and self.ep_capacity_factor <= 0:
             raise ValueError(f"ep_capacity_factor={self.ep_capacity_factor} must be > 0")
+        if not self.ep_capacity_headroom >= 1:
+            raise ValueError(f"ep_capacity_headroom={self.ep_capacity_headroom} must be >= 1")
         if self.moe_a2a_backend not in MOE_BACKENDS:
             raise ValueError(f"moe_a2a_backend={self.moe_a2a_backend!r}: expected {MOE_BACKENDS}")
         if self.ep_overflow_policy not in ep_overflow.POLICIES:

@@ -15,31 +15,26 @@ Loading checks every field and names the first bad one with the expected and the
 """
 
 import json
-import math
 import os
 from typing import Any
 
-from jtbo.runner import planning, tbo_auto
+from jtbo.runner import json_fields, planning, tbo_auto
 
 VERSION = 1
 CHOICES = {"plain": False, "tbo": True}
 MODE_NAMES = tuple(mode.name for mode in planning.TBO_MODES)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _is_time(value: Any) -> bool:
-    return _is_number(value) and value >= 0
+    return json_fields.is_number(value) and value >= 0
 
 
 def _is_margin(value: Any) -> bool:
-    return _is_number(value) and 0 <= value < 1
+    return json_fields.is_number(value) and 0 <= value < 1
 
 
 def _is_bucket(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    return json_fields.is_count(value, 1)
 
 
 # Per shape field: (check, what is expected).
@@ -82,17 +77,7 @@ def save(path: str | os.PathLike, decisions: list[tbo_auto.TboDecision]) -> None
 
 
 def _field(record: dict, name: str, where: str, expected: str, check) -> Any:
-    """``record[name]`` after its check.
-
-    Raises:
-      ValueError: the field is missing or fails ``check`` (names it, expected and found).
-    """
-    if name not in record:
-        raise ValueError(f"tbo_plan field {where}{name!r}: missing (expected {expected})")
-    value = record[name]
-    if not check(value):
-        raise ValueError(f"tbo_plan field {where}{name!r}: expected {expected}, found {value!r}")
-    return value
+    return json_fields.field("tbo_plan", record, name, where, expected, check)
 
 
 def _decision(record: Any, index: int) -> tbo_auto.TboDecision:

@@ -63,6 +63,22 @@ def test_rerun_sizes_on_the_step_peak_loads():
     assert [d.peer_capacity for d in rerun] == [want, want]
 
 
+def test_measured_peaks_size_those_rows_and_observed_peaks_are_recorded():
+    table = _table(factor=4.0)
+    table.use_measured_peaks({9: (5, 11)})
+    measured, other = table.dispatcher(9), table.dispatcher(16)
+    # headroom 1.25 over the peaks, rounded up (alignment 1); other sizes keep the factor rule
+    assert (measured.peer_capacity, measured.expert_capacity) == (7, 14)
+    assert (other.peer_capacity, other.expert_capacity) == (16, 128)
+    with pytest.raises(ValueError, match="already built"):
+        table.use_measured_peaks({16: (1, 1)})
+    a, b = table.for_step(32, 18)
+    table.observe((a, b), np.array([[[3, 4], [6, 2]], [[5, 1], [2, 9]]]))  # [ranks, mb, 2]
+    table.observe((a, b), np.array([[1, 1], [1, 1]]))
+    # both micro-batches have 9 rows: one entry, the max over ranks and micro-batches
+    assert table.observed_peaks() == {9: (6, 9)}
+
+
 def test_raise_names_the_capacity():
     table = _table(policy="raise")
     with pytest.raises(ep_overflow.CapacityOverflowError, match="peer_capacity=4"):
