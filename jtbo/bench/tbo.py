@@ -35,7 +35,8 @@ After every timing, on a GPU, ``PROFILE_STEPS`` plain and TBO steps of every cas
 hidden, per case and column (``OverlapRow``): the NCCL time under compute, compute and
 communication busy time, the measured step time over ``max(compute, communication)``, the
 bytes of one EP all-to-all per device and the achieved GB/s per GPU (collective bytes of the
-compiled step over NCCL busy time; ``kernel_time.collective_bytes``). ``--profile DIR`` also
+compiled step over communication busy time: NCCL kernels, or the peer-copy exchange's
+peer copies; ``kernel_time.collective_bytes``). ``--profile DIR`` also
 prints the kernel time per model operation (``kernel_time.compare_table``). On the CPU the
 trace has no NCCL kernels: one line says so.
 
@@ -343,17 +344,18 @@ def _dump_flags(directory: str) -> list[str]:
     return [f"--xla_dump_to={directory}/hlo", "--xla_dump_hlo_module_re=model_step"]
 
 
-EXCHANGE_KINDS = ("all-to-all", "ragged-all-to-all")
+EXCHANGE_KINDS = ("all-to-all", "ragged-all-to-all", kernel_time.PEER_COPY_KIND)
 """Collective kinds of the EP exchange (dispatch and combine)."""
 COLUMNS = ("no TBO", "TBO")
 """The traced columns, in the order ``_trace_case`` returns them."""
 OVERLAP_FOOTNOTES = (
-    "NCCL under compute: share of the NCCL kernels' time during which a compute kernel ran on "
-    "the same GPU; compute / communication ms: busy time per GPU and step.",
+    "NCCL under compute: share of the NCCL kernels' (or peer copies') time during which a "
+    "compute kernel ran on the same GPU; compute / communication ms: busy time per GPU and step.",
     "step: the measured median step time of the timing table, not the trace's span: traces "
     "leave out kernels of loops recorded into CUDA graphs, which shows as gaps.",
     "bytes/exchange: mean bytes of one EP all-to-all (dispatch or combine) per device; GB/s: "
-    "per GPU, bytes sent through NCCL / NCCL busy time (every collective of the compiled step).",
+    "per GPU, bytes sent through NCCL or peer copies / their busy time (every collective of "
+    "the compiled step).",
 )
 
 

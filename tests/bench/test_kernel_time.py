@@ -228,6 +228,19 @@ def test_collective_bytes_per_kind_from_per_device_shapes():
     }
 
 
+def test_collective_bytes_counts_peer_copy_starts_by_their_send_buffer():
+    with_peer_copy = COLLECTIVES_HLO.replace(
+        "  ROOT %r = bf16[132,66]{1,0} copy(%all-to-all-done.2)",
+        '  %s = bf16[40,64]{1,0} custom-call(%b), custom_call_target="jtbo_peer_all_to_all_start", '
+        "custom_call_has_side_effect=true\n"
+        '  %w2 = bf16[40,64]{1,0} custom-call(%b, %s), custom_call_target="jtbo_peer_all_to_all_wait"\n'
+        "  ROOT %r = bf16[132,66]{1,0} copy(%all-to-all-done.2)",
+    )
+    got = kernel_time.collective_bytes(with_peer_copy)
+    assert got[kernel_time.PEER_COPY_KIND] == [40 * 64 * 2]  # the start only, once
+    assert got["all-to-all"] == [132 * 66 * 2, 40 * 64 * 2]
+
+
 def test_collective_bytes_refuses_a_collective_in_a_loop_body():
     in_loop = COLLECTIVES_HLO.replace(
         "  ROOT %t = (s32[], f32[4]{0}) tuple(%p)",
