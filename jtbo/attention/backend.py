@@ -18,7 +18,6 @@ import jax
 from jtbo.attention import batch_metadata, mla, native, paged
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.attention import metadata as metadata_lib
-from jtbo.kernels import impls
 from jtbo.split import batch as batch_lib
 
 
@@ -191,16 +190,35 @@ class PallasAttnBackend(NativeAttnBackend):
             config=self.config,
         )  # fmt: skip
 
-    def forward_mla(self, *args, **kwargs):
-        """MLA is not implemented by the paged Pallas kernel.
+    def forward_mla(
+        self,
+        q_nope: jax.Array,
+        q_pe: jax.Array,
+        latent: jax.Array,
+        w_kv_b: jax.Array,
+        layer_id: int | jax.Array,
+        metadata: metadata_lib.AttentionMetadata,
+        kv_cache: kv_cache_lib.KVCache,
+        *,
+        scaling: float,
+    ) -> tuple[jax.Array, kv_cache_lib.KVCache]:
+        """Writes the step's MLA latent rows and attends: decode and verify metadata through
+        the paged kernel over the latent pool (the absorbed form, ``mla.attend_latent``),
+        extend metadata in the decompressed form through the native attention (the kernel
+        has no decompressing form).
+
+        Args and returns as ``NativeAttnBackend.forward_mla``.
 
         Raises:
-          KernelUnavailableError: always; use ``attention_backend="native"`` for MLA models.
+          ValueError: the metadata was built for another capacity, or a non-latent cache.
+          KernelUnavailableError: the kernel cannot read this latent width on this platform.
         """
-        raise impls.KernelUnavailableError(
-            "attention_backend='pallas' has no MLA (latent KV) kernel; use "
-            "attention_backend='native' for attention_kind='mla'"
-        )
+        self._check_capacity(metadata)
+        return mla.forward(
+            q_nope, q_pe, latent, w_kv_b, layer_id, metadata, kv_cache, scaling=scaling,
+            absorbed=mla.uses_absorbed(self.capacity), latent_impl="pallas",
+            kernel_config=self.config,
+        )  # fmt: skip
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[metadata_lib.AttentionCapacity], NativeAttnBackend]] = {

@@ -20,6 +20,11 @@ Two exact ways to attend, chosen by the metadata's shape (``uses_absorbed``):
   weighted sum of latent rows is then projected by ``W_UV``. The kernel reads only the
   latent: ``rank + rope`` values per token instead of ``heads x (nope + rope + v)``.
 
+The absorbed form's attention over the latent rows is ``attend_latent``: ``impl="xla"`` is the
+native attention with ``latent_view``, ``impl="pallas"`` the paged kernel reading the latent
+rows straight from the pool, its values being their first ``kv_lora_rank`` columns
+(``jtbo.attention.paged``). The decompressed form runs the native attention only.
+
 Both forms compute the same scores and outputs; they differ only in float rounding. Heads
 may be any subset (``attn_tp`` ranks pass their share of ``kv_b``); the latent is the same
 on every rank.
@@ -30,7 +35,11 @@ import jax.numpy as jnp
 
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.attention import metadata as metadata_lib
-from jtbo.attention import native
+from jtbo.attention import native, paged
+from jtbo.kernels import impls
+
+LATENT_OP = "mla_latent_attention"
+"""``attend_latent``'s key in ``jtbo.kernels.impls.FASTEST``."""
 
 
 def uses_absorbed(capacity: metadata_lib.AttentionCapacity) -> bool:
@@ -67,6 +76,59 @@ def decompressed_view(w_kv_b: jax.Array, qk_nope_head_dim: int) -> native.KVView
         return keys, values.astype(k_block.dtype)
 
     return native.KVView(heads, width - qk_nope_head_dim, expand)
+
+
+def attend_latent(
+    q: jax.Array,
+    cache: kv_cache_lib.KVCache,
+    layer_id: int | jax.Array,
+    md: metadata_lib.AttentionMetadata,
+    *,
+    scaling: float,
+    kv_lora_rank: int,
+    impl: str | None = None,
+    config: native.NativeAttentionConfig = native.DEFAULT_CONFIG,
+    kernel_config: paged.PagedAttentionConfig = paged.DEFAULT_CONFIG,
+) -> jax.Array:
+    """Attends latent-space queries over the latent pool (the absorbed form's attention).
+
+    Args:
+      q: ``[token_capacity, heads, kv_lora_rank + qk_rope_head_dim]`` absorbed queries.
+      cache: the latent cache, holding the step's rows already (``write_latent``).
+      layer_id: layer whose pool is read.
+      md: the step's metadata.
+      scaling: softmax scale.
+      kv_lora_rank: the latent width; the values are each row's first ``kv_lora_rank``
+        columns.
+      impl: "xla" (native attention, the reference), "pallas" (the paged kernel; the
+        interpreter on the CPU) or None (``jtbo.kernels.impls.FASTEST``).
+      config: the native attention's knobs ("xla").
+      kernel_config: the paged kernel's launch shape ("pallas").
+
+    Returns:
+      ``[token_capacity, heads, kv_lora_rank]`` in ``q.dtype``: the softmax-weighted latent
+      rows (zeros for rows without keys and past ``md.num_tokens``).
+
+    Raises:
+      ValueError: an unknown impl.
+      KernelUnavailableError: the named impl cannot serve these shapes here.
+    """
+    impl = impls.resolve(impl, op=LATENT_OP)
+    if impl == "xla":
+        view = latent_view(kv_lora_rank)
+        return native.attend(q, cache, layer_id, md, scaling=scaling, config=config, view=view)
+    if impl != "pallas":
+        raise impls.KernelUnavailableError(
+            f"impl={impl!r} is unavailable: MLA has no {impl} kernel"
+        )
+    interpret = impls.backend() == "cpu"
+    reason = None if interpret else paged.latent_unavailable_reason(q, kv_lora_rank)
+    if reason is not None:
+        raise impls.KernelUnavailableError(f"impl='pallas' is unavailable: {reason}")
+    return paged.paged_attention_pallas(
+        q, cache, layer_id, md, scaling=scaling, config=kernel_config, interpret=interpret,
+        value_width=kv_lora_rank,
+    )  # fmt: skip
 
 
 def write_latent(
@@ -112,6 +174,8 @@ def forward(
     scaling: float,
     absorbed: bool,
     config: native.NativeAttentionConfig = native.DEFAULT_CONFIG,
+    latent_impl: str | None = None,
+    kernel_config: paged.PagedAttentionConfig = paged.DEFAULT_CONFIG,
 ) -> tuple[jax.Array, kv_cache_lib.KVCache]:
     """Writes the step's latent rows and attends (see the module docstring).
 
@@ -126,6 +190,9 @@ def forward(
       scaling: softmax scale (``(nope + rope) ** -0.5`` times any YaRN mscale).
       absorbed: attend in the absorbed form (True) or the decompressed one.
       config: native kernel knobs.
+      latent_impl: the absorbed form's ``attend_latent`` impl (the decompressed form is
+        native only).
+      kernel_config: the paged kernel's launch shape (``latent_impl="pallas"``).
 
     Returns:
       ``(out [token_capacity, heads, v_head_dim] in q_nope.dtype, new cache)``.
@@ -145,9 +212,9 @@ def forward(
     f32 = jnp.float32
     q_latent = jnp.einsum("thn,rhn->thr", q_nope, w_uk, preferred_element_type=f32)
     q = jnp.concatenate([q_latent, q_pe.astype(f32)], axis=-1).astype(q_nope.dtype)
-    rank = w_kv_b.shape[0]
-    out_latent = native.attend(
-        q, cache, layer_id, md, scaling=scaling, config=config, view=latent_view(rank)
-    )  # [T, heads, rank]
+    out_latent = attend_latent(
+        q, cache, layer_id, md, scaling=scaling, kv_lora_rank=w_kv_b.shape[0],
+        impl=latent_impl, config=config, kernel_config=kernel_config,
+    )  # fmt: skip  # [T, heads, rank]
     out = jnp.einsum("thr,rhv->thv", out_latent, w_uv, preferred_element_type=f32)
     return out.astype(q_nope.dtype), cache

@@ -104,9 +104,13 @@ class _Launch:
     block_rows: int
     row_blocks: int
     splits: int
+    key_parts: tuple[tuple[int, int], ...]  # (offset, width) column parts of q and k
+    value_width: int | None  # latent: values are the first value_width key columns
 
 
-def _launch(config, capacity: metadata_lib.AttentionCapacity, kv_heads, group) -> _Launch:
+def _launch(
+    config, capacity: metadata_lib.AttentionCapacity, kv_heads, group, head_dim, value_width
+) -> _Launch:
     rows = capacity.query_tile * group
     block_rows = min(config.block_rows, max(16, pl.next_power_of_2(rows)))
     row_blocks = pl.cdiv(rows, block_rows)
@@ -116,7 +120,20 @@ def _launch(config, capacity: metadata_lib.AttentionCapacity, kv_heads, group) -
         max(1, capacity.max_context // config.min_split_kv),
         max(1, pl.cdiv(config.min_programs, programs)),
     )
-    return _Launch(group, rows, block_rows, row_blocks, splits)
+    return _Launch(
+        group, rows, block_rows, row_blocks, splits, _key_parts(head_dim, value_width), value_width
+    )
+
+
+def _key_parts(head_dim: int, value_width: int | None) -> tuple[tuple[int, int], ...]:
+    """The key's column parts: the whole head, or (latent) the value columns and the rest.
+
+    Each part is loaded and multiplied on its own: the Triton lowering needs power-of-two
+    block widths, and an MLA latent row (e.g. 512 + 64 = 576) is not one.
+    """
+    if value_width is None or value_width == head_dim:
+        return ((0, head_dim),)
+    return ((0, value_width), (value_width, head_dim - value_width))
 
 
 def _visible_range(q_len, q_pos, kv_len, row0, launch: _Launch, causal: bool):
@@ -138,15 +155,19 @@ def _dot(a, b, *, contract_b: int):
 
 def _paged_attention_kernel(
     layer_ref, tile_req_ref, tile_q_len_ref, tile_q_pos_ref, tile_kv_len_ref, req_to_token_ref,
-    q_ref, k_ref, v_ref, *refs, launch: _Launch, block_kv: int, scaling: float,
+    q_ref, k_ref, *refs, launch: _Launch, block_kv: int, scaling: float,
 ):  # fmt: skip
     # layer_ref: [1]; tile_*_ref: [num_tiles]; req_to_token_ref: [max_reqs, max_context];
     # q_ref: [num_tiles, kv_heads, row_blocks, block_rows, head_dim];
-    # k_ref: [num_layers, num_slots, kv_heads, head_dim]; v_ref: [..., v_head_dim];
-    # refs: (mask_ref [num_tiles, query_tile, max_context] int8,)? then
+    # k_ref: [num_layers, num_slots, kv_heads, head_dim];
+    # refs: (v_ref [..., v_head_dim],)? (absent for a latent pool: values are k's first
+    # value_width columns), (mask_ref [num_tiles, query_tile, max_context] int8,)? then
     # o_ref: [num_tiles, kv_heads, row_blocks, splits, block_rows, v_head_dim] f32,
     # lse_ref: [num_tiles, kv_heads, row_blocks, splits, block_rows] f32.
-    mask_ref, o_ref, lse_ref = refs if len(refs) == 3 else (None, *refs)
+    refs = list(refs)
+    v_ref = refs.pop(0) if launch.value_width is None else None
+    mask_ref = refs.pop(0) if len(refs) == 3 else None
+    o_ref, lse_ref = refs
     tile, s = pl.program_id(0), pl.program_id(2)
     head, rb = (
         lax.div(pl.program_id(1), launch.row_blocks),
@@ -162,7 +183,7 @@ def _paged_attention_kernel(
     split_len = pl.cdiv(pl.cdiv(end, launch.splits), block_kv) * block_kv
     start = s * split_len
     stop = jnp.minimum(start + split_len, end)
-    q = q_ref[tile, head, rb]  # [block_rows, head_dim]
+    q_parts = [q_ref[tile, head, rb, :, pl.ds(o, w)] for o, w in launch.key_parts]
 
     def body(b, carry):
         m, denom, acc = carry
@@ -170,9 +191,16 @@ def _paged_attention_kernel(
         column = jnp.minimum(pos, max_context - 1)
         in_range = pos < stop
         slots = jnp.where(in_range, req_to_token_ref[req, column], kv_cache_lib.PADDING_SLOT)
-        k = k_ref[layer, slots, head, :]  # [block_kv, head_dim]
-        v = v_ref[layer, slots, head, :]  # [block_kv, v_head_dim]
-        scores = _dot(q, k.astype(q.dtype), contract_b=1) * scaling  # [block_rows, block_kv]
+        k_parts = [k_ref[layer, slots, head, pl.ds(o, w)] for o, w in launch.key_parts]
+        # values: [block_kv, v_head_dim]; a latent pool's are its first key part
+        v = k_parts[0] if v_ref is None else v_ref[layer, slots, head, :]
+        scores = (
+            sum(
+                _dot(q_part, k_part.astype(q_part.dtype), contract_b=1)
+                for q_part, k_part in zip(q_parts, k_parts, strict=True)
+            )
+            * scaling
+        )  # [block_rows, block_kv]
         visible = row_ok[:, None] & in_range[None, :]
         if mask_ref is None:
             visible = visible & (pos[None, :] <= q_pos + query[:, None])
@@ -238,16 +266,26 @@ def _scatter_rows(q, out_rows, md: metadata_lib.AttentionMetadata, launch: _Laun
     return out.at[target].set(values, mode="drop", unique_indices=True)
 
 
-def paged_attention_pallas(q, cache, layer_id, md, *, scaling, config, interpret):
-    """Pallas impl: the kernel, the split merge and the row scatter (see the module docstring)."""
-    kv_heads, dv = cache.k.shape[2], cache.v.shape[-1]
-    launch = _launch(config, md.capacity, kv_heads, q.shape[1] // kv_heads)
+def paged_attention_pallas(
+    q, cache, layer_id, md, *, scaling, config, interpret, value_width=None
+):  # fmt: skip
+    """Pallas impl: the kernel, the split merge and the row scatter (see the module docstring).
+
+    ``value_width``: None reads values from ``cache.v``; an int reads them from the first
+    ``value_width`` columns of ``cache.k`` (an MLA latent pool, ``cache.v`` unread).
+    """
+    kv_heads = cache.k.shape[2]
+    dv = cache.v.shape[-1] if value_width is None else value_width
+    launch = _launch(
+        config, md.capacity, kv_heads, q.shape[1] // kv_heads, q.shape[-1], value_width
+    )
     q_rows = _tile_queries(q, md, kv_heads, launch)
     lead = (md.capacity.num_tiles, kv_heads, launch.row_blocks, launch.splits, launch.block_rows)
+    values = [cache.v] if value_width is None else []
     inputs = [
         jnp.asarray(layer_id, jnp.int32).reshape(1),
         *(x.astype(jnp.int32) for x in (md.tile_req, md.tile_q_len, md.tile_q_pos, md.tile_kv_len)),
-        cache.req_to_token, q_rows, cache.k, cache.v,
+        cache.req_to_token, q_rows, cache.k, *values,
     ]  # fmt: skip
     if md.custom_mask is not None:
         inputs.append(md.custom_mask.astype(jnp.int8))
@@ -270,12 +308,22 @@ def paged_attention_pallas(q, cache, layer_id, md, *, scaling, config, interpret
     return _scatter_rows(q, _merge_splits(o, lse), md, launch, kv_heads)
 
 
-def _gpu_unavailable_reason(q, cache) -> str | None:
+def _gpu_unavailable_reason(q, cache, value_width=None) -> str | None:
     """Why the Triton lowering cannot take these shapes (its blocks are powers of two >= 16)."""
-    for name, size in (("head_dim", q.shape[-1]), ("v_head_dim", cache.v.shape[-1])):
+    parts = _key_parts(q.shape[-1], value_width)
+    sizes = [(f"head_dim part [{o}:{o + w}]", w) for o, w in parts]
+    if value_width is None:
+        sizes.append(("v_head_dim", cache.v.shape[-1]))
+    for name, size in sizes:
         if size < 16 or not launch_checks.is_power_of_two(size):
             return f"{name} = {size} is not a power of two >= 16"
     return None
+
+
+def latent_unavailable_reason(q, value_width: int) -> str | None:
+    """Why the Triton lowering cannot read a latent pool of ``q``'s width (``value_width``
+    value columns); None when it can."""
+    return _gpu_unavailable_reason(q, None, value_width)
 
 
 def paged_attention(

@@ -17,9 +17,17 @@ their fraction of the device's copy bandwidth, measured in the same run (torch `
 1 GiB where torch sees the GPU, else a fused XLA copy). Each later backend's output is
 compared with the first one's (max abs difference), and one JSON line per (case, backend)
 follows. ``--small`` shrinks everything so the benchmark runs on a CPU in seconds.
+
+``--mla`` benchmarks DeepSeek's multi-head latent attention instead (``backend.forward_mla``):
+the pool holds one latent row of ``--kv-lora-rank + --qk-rope-dim`` values per token (V3's
+512 + 64 by default), ``--q-heads`` heads with ``--qk-nope-dim`` / ``--v-head-dim``. Decode and
+verify attend in the absorbed form: the Pallas backend through the paged kernel over the
+latent rows, the native one through its blocked attention. Extend attends decompressed
+natively on both backends. The KV bytes are the latent rows read.
 """
 
 import argparse
+import functools
 import json
 import time
 
@@ -64,6 +72,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
             help=f"pallas: PagedAttentionConfig.{name}",
         )  # fmt: skip
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--mla", action="store_true", help="MLA over a latent pool (above)")
+    parser.add_argument("--kv-lora-rank", type=int, default=512, help="MLA latent width")
+    parser.add_argument("--qk-rope-dim", type=int, default=64, help="MLA RoPE key width")
+    parser.add_argument("--qk-nope-dim", type=int, default=128, help="MLA query/key width")
+    parser.add_argument("--v-head-dim", type=int, default=128, help="MLA value width")
     parser.set_defaults(ceiling_bytes=CEILING_BYTES)
     args = parser.parse_args(argv)
     args.cases, args.backends = args.cases.split(","), args.backends.split(",")
@@ -78,6 +91,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.q_heads, args.kv_heads, args.head_dim = 4, 2, 32
         args.dtype, args.query_tile, args.kv_block, args.iters = "float32", 32, 64, 2
         args.block_kv, args.min_split_kv, args.ceiling_bytes = 32, 32, 1 << 24
+        args.kv_lora_rank, args.qk_rope_dim, args.qk_nope_dim, args.v_head_dim = 32, 16, 16, 16
     return args
 
 
@@ -90,25 +104,53 @@ def _paged_config(args) -> attention.PagedAttentionConfig:
 
 
 def _cache(args, num_seqs: int, seq_len: int) -> attention.KVCache:
-    """A one-layer cache whose sequence ``i`` owns slots ``1 + i * seq_len ..`` (random K/V)."""
+    """A one-layer cache whose sequence ``i`` owns slots ``1 + i * seq_len ..`` (random K/V;
+    with ``--mla`` one latent row per slot and no values)."""
     slots = 1 + num_seqs * seq_len
-    shape = (1, slots, args.kv_heads, args.head_dim)
+    k_shape = (1, slots, args.kv_heads, args.head_dim)
+    v_shape = k_shape
+    if args.mla:
+        k_shape, v_shape = (1, slots, 1, args.kv_lora_rank + args.qk_rope_dim), (1, slots, 1, 0)
     keys = jax.random.split(jax.random.key(0), 2)
     table = 1 + np.arange(num_seqs * seq_len, dtype=np.int32).reshape(num_seqs, seq_len)
     return kv_cache_lib.KVCache(
-        k=jax.random.normal(keys[0], shape, args.dtype),
-        v=jax.random.normal(keys[1], shape, args.dtype),
+        k=jax.random.normal(keys[0], k_shape, args.dtype),
+        v=jax.random.normal(keys[1], v_shape, args.dtype),
         req_to_token=jnp.asarray(table),
     )
 
 
 def _qkv(args, num_tokens: int):
+    """The step's inputs: ``(q, k, v)``, or with ``--mla`` ``(q_nope, q_pe, latent, w_kv_b)``."""
+    if args.mla:
+        return _mla_inputs(args, num_tokens)
     keys = jax.random.split(jax.random.key(1), 3)
     return (
         jax.random.normal(keys[0], (num_tokens, args.q_heads, args.head_dim), args.dtype),
         jax.random.normal(keys[1], (num_tokens, args.kv_heads, args.head_dim), args.dtype),
         jax.random.normal(keys[2], (num_tokens, args.kv_heads, args.head_dim), args.dtype),
     )
+
+
+def _mla_inputs(args, num_tokens: int):
+    keys = jax.random.split(jax.random.key(1), 4)
+    heads, nope, rope, rank = args.q_heads, args.qk_nope_dim, args.qk_rope_dim, args.kv_lora_rank
+    up = jax.random.normal(keys[3], (rank, heads, nope + args.v_head_dim), args.dtype)
+    return (
+        jax.random.normal(keys[0], (num_tokens, heads, nope), args.dtype),
+        jax.random.normal(keys[1], (num_tokens, heads, rope), args.dtype),
+        jax.random.normal(keys[2], (num_tokens, rank + rope), args.dtype),
+        up * rank**-0.5,  # keeps the up-projected keys near unit scale
+    )
+
+
+def _step(args, backend):
+    """The jitted attention of one layer (0) with the cache donated, and its layer position."""
+    if not args.mla:
+        return jax.jit(backend.forward, static_argnums=(3,), donate_argnums=(5,))
+    scaling = (args.qk_nope_dim + args.qk_rope_dim) ** -0.5
+    forward = functools.partial(backend.forward_mla, scaling=scaling)
+    return jax.jit(forward, static_argnums=(4,), donate_argnums=(6,))
 
 
 def _extend_case(args):
@@ -189,18 +231,18 @@ def _backend(args, name: str, capacity):
 def _run_case(args, case, backend_name: str) -> tuple[dict, jax.Array]:
     name, capacity, md, cache, num_tokens = case
     backend = _backend(args, backend_name, capacity)
-    step = jax.jit(backend.forward, static_argnums=(3,), donate_argnums=(5,))
-    q, k, v = _qkv(args, capacity.token_capacity)
+    step = _step(args, backend)
+    inputs = _qkv(args, capacity.token_capacity)
     kv_bytes = _kv_read_bytes(md, cache) if name != "extend" else None
     md = jax.device_put(md)
     cache = jax.tree.map(jnp.copy, cache)  # the case's cache serves every backend
-    compiled = step.lower(q, k, v, 0, md, cache).compile()
+    compiled = step.lower(*inputs, 0, md, cache).compile()
     analysis = compiled.memory_analysis()
-    out, cache = step(q, k, v, 0, md, cache)
+    out, cache = step(*inputs, 0, md, cache)
     out.block_until_ready()
     start = time.perf_counter()
     for _ in range(args.iters):
-        out, cache = step(q, k, v, 0, md, cache)
+        out, cache = step(*inputs, 0, md, cache)
     out.block_until_ready()
     seconds = (time.perf_counter() - start) / args.iters
     result = dict(
@@ -267,7 +309,8 @@ def main(argv: list[str]) -> None:
     builders = dict(extend=_extend_case, decode=_decode_case, verify=_verify_case)
     ceiling = _ceiling_gbs(args.iters, args.ceiling_bytes)
     print(
-        f"device: {jax.devices()[0].device_kind}, dtype {args.dtype}, native kv_block "
+        f"device: {jax.devices()[0].device_kind}, {'MLA, ' if args.mla else ''}dtype "
+        f"{args.dtype}, native kv_block "
         f"{args.kv_block}, pallas {_paged_config(args)}; copy ceiling {ceiling[0]:.0f} GB/s "
         f"({ceiling[1]}, {args.ceiling_bytes >> 20} MiB)"
     )

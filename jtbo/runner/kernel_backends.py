@@ -4,7 +4,7 @@
 the platform jax runs on (``jtbo.kernels.impls.FASTEST``, from the H200 benchmarks in
 BENCHMARKS.md) among those that can serve the model's shapes: the Pallas grouped GEMM and the
 paged attention kernel on GPUs where their Triton tiles fit (matmul dimensions in multiples of
-16, head dims powers of two >= 16; MLA has only the native attention), the XLA paths (the
+16, head dims powers of two >= 16; MLA defaults to the native attention), the XLA paths (the
 capacity einsum and the native attention, the exact references) otherwise and on the CPU. A
 name given explicitly is used as is; one that cannot serve the model fails where its kernel
 is built.
@@ -50,8 +50,9 @@ def attention_backend(
 
     Args:
       name: a backend name (kept as given) or None.
-      attention_kind: the model's ``MoEConfig.attention_kind``; MLA has only the native
-        backend.
+      attention_kind: the model's ``MoEConfig.attention_kind``; MLA defaults to the native
+        backend (its latent kernel, ``attention_backend="pallas"``, is not measured on a GPU
+        yet).
       head_dims: the query/key and value head widths.
 
     Returns:

@@ -185,11 +185,6 @@ class ModelRunner:
         attention_backend = kernel_backends.attention_backend(
             attention_backend, config.attention_kind, (config.head_dim,)
         )
-        if config.attention_kind == "mla" and attention_backend != "native":
-            raise ValueError(
-                f"attention_backend={attention_backend!r} has no MLA kernel; a model with "
-                "attention_kind='mla' needs attention_backend='native'"
-            )
         if max_total_tokens < 1 or max_running_requests < 1:
             raise ValueError(
                 f"max_total_tokens={max_total_tokens} and max_running_requests="

@@ -2,7 +2,9 @@
 the TBO backend's children (their metadata from split_batch) equal the parent."""
 
 import dataclasses
+import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,10 +222,31 @@ def test_tbo_verify_children_equal_the_parent():
     _tbo_mla(sc, tbo, md, [(0, 4), (4, 8)], np.random.default_rng(4))
 
 
-def test_pallas_backend_refuses_mla():
-    case = _decode_case(0)
+@pytest.mark.parametrize("make", [_decode_case, _verify_case, _extend_case])
+def test_pallas_backend_matches_the_float64_reference(make):
+    # Decode and verify: the paged kernel over the latent pool (interpreter on the CPU), the
+    # values being the latent rows' first RANK columns; extend: the native decompressed form.
+    case = make(5)
     backend = backend_lib.PallasAttnBackend(case.md.capacity)
-    with pytest.raises(impls.KernelUnavailableError, match="attention_backend='native'"):
-        backend.forward_mla(
-            case.q_nope, case.q_pe, case.latent, case.w_kv_b, 1, case.md, case.cache, scaling=SCALE
-        )
+    step = jax.jit(functools.partial(backend.forward_mla, scaling=SCALE), static_argnums=4)
+    out, cache = step(case.q_nope, case.q_pe, case.latent, case.w_kv_b, 1, case.md, case.cache)
+    n = case.num_tokens
+    np.testing.assert_allclose(np.asarray(out[:n], np.float64), case.expected[:n], atol=3e-5)
+    assert not np.asarray(out[n:]).any()
+    loc = np.asarray(case.md.out_cache_loc[:n])
+    np.testing.assert_array_equal(np.asarray(cache.k[1, loc, 0]), case.latent[:n])
+
+
+@pytest.mark.parametrize("make", [_decode_case, _verify_case])
+def test_latent_kernel_equals_the_native_latent_attention(make):
+    case = make(8)
+    cache = mla.write_latent(jnp.asarray(case.latent), 1, case.md, case.cache)
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.normal(size=(case.q_nope.shape[0], HEADS, RANK + ROPE)), jnp.float32)
+    got, want = (
+        mla.attend_latent(q, cache, 1, case.md, scaling=SCALE, kv_lora_rank=RANK, impl=impl)
+        for impl in ("pallas", "xla")
+    )
+    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(impls.KernelUnavailableError, match="impl='triton' is unavailable"):
+        mla.attend_latent(q, cache, 1, case.md, scaling=SCALE, kv_lora_rank=RANK, impl="triton")

@@ -19,6 +19,15 @@ def test_small_decode_run_reports_kv_bandwidth_and_agreement(capsys):
     assert np.isclose(pallas["kv_gb_per_s"], pallas["kv_read_bytes"] / pallas["step_ms"] / 1e6)
 
 
+def test_small_mla_verify_reads_only_the_latent_and_backends_agree(capsys):
+    attention.main(["--small", "--mla", "--cases", "verify", "--iters", "1"])
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
+    native, pallas = results
+    # 16 sequences x 128 positions x one latent row of 32 + 16 values x 4 bytes, no values.
+    assert native["kv_read_bytes"] == pallas["kv_read_bytes"] == 16 * 128 * 48 * 4
+    assert pallas["max_abs_diff_vs_native"] < 1e-5 and pallas["finite"]
+
+
 @pytest.mark.parametrize(("flag", "value"), [("--cases", "prefill"), ("--backends", "flash")])
 def test_unknown_case_or_backend_is_rejected(flag, value):
     with pytest.raises((SystemExit, ValueError)):

@@ -11,7 +11,6 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from jtbo.collectives import mesh as mesh_lib
@@ -92,10 +91,22 @@ def test_mla_extend_decode_verify_with_tbo_on_and_off_match_float64():
     assert tbo.num_tbo_steps == 3 and plain.num_tbo_steps == 0
 
 
-def test_an_mla_model_needs_the_native_attention_backend():
+def test_mla_with_the_pallas_backend_matches_the_native_one():
+    # attention_backend="pallas": decode and verify through the paged kernel over the latent
+    # pool (the Pallas interpreter here), extend natively; same logits as the native backend.
     model = model_lib.MoEModel(config_lib.MoEConfig.tiny_mla(), rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="attention_backend='pallas' has no MLA kernel"):
-        runner_lib.ModelRunner(
-            model, mesh_lib.make_mesh(8, 1), attention_backend="pallas", max_total_tokens=8,
-            max_running_requests=2, token_buckets=(8,),
+    rng = np.random.default_rng(6)
+    prompts = [{r: rng.integers(0, 128, n).tolist() for r, n in enumerate(lens)}
+               for lens in ([5, 3], [7], [2, 4])] + [None]  # fmt: skip
+    outs = {}
+    for backend in ("native", "pallas"):
+        runner = runner_lib.ModelRunner(
+            model, mesh_lib.make_mesh(DP, TP), attention_backend=backend, max_total_tokens=64,
+            max_running_requests=4, token_buckets=(8, 16), dtype=jnp.float32,
         )  # fmt: skip
+        assert runner.parallel.attention_backend == backend
+        outs[backend] = _steps(runner, prompts)[0]
+    for step_native, step_pallas in zip(outs["native"], outs["pallas"], strict=True):
+        for got, want in zip(step_pallas, step_native, strict=True):
+            if want is not None:
+                chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
