@@ -117,7 +117,7 @@ class OperationsStrategy:
         """
         if not layers:
             raise ValueError("init_new_tbo needs at least one layer")
-        layout, delta = _LAYOUTS[(family, layout_kind(forward_mode))]
+        layout, delta = layer_layout(family, forward_mode)
         return cls.concat(
             [
                 cls(operations=layer_operations(index, ops, layout), tbo_delta_stages=delta)
@@ -143,9 +143,21 @@ def layout_kind(forward_mode: ForwardMode) -> str:
     )
 
 
-def layout_names(family: LayerFamily, forward_mode: ForwardMode) -> tuple[str, ...]:
-    """The layout of one layer: operation names with ``YIELD`` markers, for inspection."""
-    return _LAYOUTS[(family, layout_kind(forward_mode))][0]
+def layer_layout(family: LayerFamily, forward_mode: ForwardMode) -> tuple[tuple[str, ...], int]:
+    """One layer's layout for a global forward mode, and micro-batch B's delay.
+
+    Args:
+      family: the layer's shape (with or without shared experts).
+      forward_mode: the forward mode all DP ranks agreed on.
+
+    Returns:
+      ``(names, tbo_delta_stages)``: the operation names with ``YIELD`` markers between the
+      stages (module docstring), and how many stages micro-batch A runs before B starts.
+
+    Raises:
+      ValueError: a mode that cannot run two-batch overlap (``layout_kind``).
+    """
+    return _LAYOUTS[(family, layout_kind(forward_mode))]
 
 
 def layer_operations(

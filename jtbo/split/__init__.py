@@ -3,14 +3,14 @@
 * ``plan``: SGLang's split planning on host integers (balanced / two-chunk / decode halves).
 * ``batch``: ``ForwardBatch`` / ``SpecVerifyInput`` pytrees, validated on the host.
 * ``children``: ``split_batch``, the pure split of a host batch into TBO children.
-* ``buckets``: static-capacity form for jit and token buckets.
+* ``buckets``: the token buckets a step's rows are padded to for jit.
 * ``activations``: in-graph split/merge of activations at a traced token index.
 * ``arith``: ``ceil_div`` / ``round_up``, the integer rounding the planners and buffers share.
 """
 
 from jtbo.split.activations import child_capacity, merge_outputs, plan_fits_capacity, split_inputs
 from jtbo.split.batch import ForwardBatch, SpecVerifyInput
-from jtbo.split.buckets import default_token_buckets, pad_batch, token_bucket
+from jtbo.split.buckets import default_token_buckets, token_bucket
 from jtbo.split.children import plan_tbo_split, split_batch
 from jtbo.split.forward_mode import ForwardMode
 from jtbo.split.plan import (
@@ -18,7 +18,6 @@ from jtbo.split.plan import (
     compute_split_token_index,
     compute_tbo_children_num_token_non_padded,
     get_token_num_per_seq,
-    is_two_chunk_split_enabled,
     plan_extend_split,
 )
 
@@ -32,9 +31,7 @@ __all__ = [
     "compute_tbo_children_num_token_non_padded",
     "default_token_buckets",
     "get_token_num_per_seq",
-    "is_two_chunk_split_enabled",
     "merge_outputs",
-    "pad_batch",
     "plan_extend_split",
     "plan_fits_capacity",
     "plan_tbo_split",

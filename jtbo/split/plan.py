@@ -82,6 +82,7 @@ def get_token_num_per_seq(forward_mode: ForwardMode, spec_info: Any = None) -> i
 
 
 def _balanced_from_cumsum(cumsum: list[int]) -> int:
+    # SGLang's ``_split_array_by_balanced_sum`` over the prefix sums.
     # Left sums L_i = cumsum[i - 1] of the cuts i = 1 .. n-1 never decrease, so |2 L_i - total|
     # falls then rises: its minimum sits next to where 2 L_i first reaches the total, and
     # SGLang's scan (ties go right, stop at the first worse cut) ends on the last cut that
@@ -96,32 +97,10 @@ def _balanced_from_cumsum(cumsum: list[int]) -> int:
 
 
 def _crossing_from_cumsum(cumsum: list[int]) -> int:
+    # SGLang's ``_split_array_by_cum_less_than_half``: the first sequence whose prefix sum
+    # passes ``total // 2`` (0 if none does).
     index = bisect.bisect_right(cumsum, cumsum[-1] // 2) if cumsum else 0
     return index if index < len(cumsum) else 0
-
-
-def split_array_by_balanced_sum(lengths: Sequence[int]) -> int:
-    """SGLang's balanced cut: last cut with minimal |left - right|, stopping when it worsens.
-
-    Args:
-      lengths: non-negative per-sequence token counts.
-
-    Returns:
-      The sequence index of the cut (0 for fewer than two sequences).
-    """
-    return _balanced_from_cumsum(list(itertools.accumulate(lengths)))
-
-
-def split_array_by_cum_less_than_half(lengths: Sequence[int]) -> int:
-    """Index of the sequence whose tokens cross ``total // 2`` (0 if none does).
-
-    Args:
-      lengths: non-negative per-sequence token counts.
-
-    Returns:
-      The first ``i`` with ``sum(lengths[:i + 1]) > total // 2``, or 0.
-    """
-    return _crossing_from_cumsum(list(itertools.accumulate(lengths)))
 
 
 def _extend_split(lengths: list[int], threshold: float) -> tuple[int, int, bool]:
@@ -148,36 +127,16 @@ def plan_extend_split(
       threshold: SGLang's ``tbo_token_distribution_threshold``.
 
     Returns:
-      ``(split_seq_index, split_token_index, two_chunk)``, equal to what
-      ``compute_split_seq_index``, ``compute_split_token_index`` and
-      ``is_two_chunk_split_enabled`` return for these lengths.
+      ``(split_seq_index, split_token_index, two_chunk)``: the first two equal what
+      ``compute_split_seq_index`` and ``compute_split_token_index`` return for these lengths;
+      ``two_chunk`` says whether the split cuts one sequence in two (SGLang's
+      ``_is_two_chunk_split_enabled``).
 
     Raises:
       ValueError: threshold outside [0, 0.5], missing or negative lengths.
     """
     check_threshold(threshold)
     return _extend_split(_check_lengths("extend_lens", extend_lens), threshold)
-
-
-def is_two_chunk_split_enabled(
-    extend_lens: Sequence[int] | None, *, threshold: float = DEFAULT_THRESHOLD
-) -> bool:
-    """Whether the EXTEND/MIXED split cuts one sequence in two (see the module docstring).
-
-    Args:
-      extend_lens: per-sequence new-token counts, or None (never two-chunk).
-      threshold: SGLang's ``tbo_token_distribution_threshold``; 0 disables two-chunk.
-
-    Returns:
-      True when the balanced cut is too uneven and the two-chunk cut is not degenerate.
-
-    Raises:
-      ValueError: threshold outside [0, 0.5], or a negative length.
-    """
-    check_threshold(threshold)
-    if extend_lens is None:
-        return False
-    return _extend_split(_check_lengths("extend_lens", extend_lens), threshold)[2]
 
 
 def compute_split_seq_index(

@@ -78,7 +78,7 @@ def test_two_chunk_split_child_b_reads_what_a_wrote():
     sc = scenarios.make(np.random.default_rng(0), [2, 5], [3, 20], token_capacity=24)
     parent = scenarios.extend_batch(sc)
     lens = sc.extend_lens.tolist()
-    assert split.is_two_chunk_split_enabled(lens)
+    assert split.plan_extend_split(lens)[2]  # two-chunk
     seq_index = split.compute_split_seq_index(ForwardMode.EXTEND, sc.num_tokens, lens, None)
     parent = dataclasses.replace(parent, tbo_split_seq_index=seq_index)
     children = split.split_batch(parent)

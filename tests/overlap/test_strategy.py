@@ -9,7 +9,8 @@ Family = strategy.LayerFamily
 
 
 def _layer(family):
-    names = {n for n in strategy.layout_names(family, ForwardMode.EXTEND) if n != strategy.YIELD}
+    layout, _ = strategy.layer_layout(family, ForwardMode.EXTEND)
+    names = {n for n in layout if n != strategy.YIELD}
     return {name: (lambda state, _n=name: None) for name in names}
 
 

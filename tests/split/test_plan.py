@@ -10,7 +10,6 @@ from jtbo.split import (
     compute_split_token_index,
     compute_tbo_children_num_token_non_padded,
     get_token_num_per_seq,
-    is_two_chunk_split_enabled,
     plan_extend_split,
 )
 
@@ -45,7 +44,7 @@ def plan_reference(lens, threshold):
 def plan(lens, mode=EXTEND, threshold=0.48):
     s = compute_split_seq_index(mode, sum(lens), lens, None, threshold=threshold)
     t = compute_split_token_index(s, mode, lens, None, threshold=threshold)
-    return s, t, is_two_chunk_split_enabled(lens, threshold=threshold)
+    return s, t, plan_extend_split(lens, threshold=threshold)[2]
 
 
 @pytest.mark.parametrize(
@@ -72,7 +71,7 @@ def test_threshold_zero_disables_two_chunk():
 
 def test_threshold_above_half_is_rejected():
     with pytest.raises(ValueError, match="threshold"):
-        is_two_chunk_split_enabled([1, 2], threshold=0.6)
+        plan_extend_split([1, 2], threshold=0.6)
     with pytest.raises(ValueError, match="threshold"):
         compute_split_seq_index(EXTEND, 3, [1, 2], None, threshold=0.51)
 
