@@ -29,12 +29,11 @@ from jtbo.collectives.ep_overflow import (
     resolve_overflow,
     total_overflow,
 )
-from jtbo.collectives.gather import dp_gather_partial, dp_gather_replicate, dp_gather_varlen
+from jtbo.collectives.gather import dp_gather_replicate
 from jtbo.collectives.mesh import (
     ATTN_TP_AXIS,
     DP_AXIS,
     TP_AXES,
-    compute_dp_attention_world_info,
     make_mesh,
 )
 from jtbo.collectives.padding import DpPaddingMode, select_dp_padding_mode
@@ -53,15 +52,12 @@ __all__ = [
     "EpDispatcher",
     "combine_a",
     "combine_b",
-    "compute_dp_attention_world_info",
     "create_dp_context",
     "create_ep_dispatcher",
     "default_global_buffer_len",
     "dispatch_a",
     "dispatch_b",
-    "dp_gather_partial",
     "dp_gather_replicate",
-    "dp_gather_varlen",
     "dp_reduce_scatter_tensor",
     "dp_scatter",
     "get_dp_local_info",

@@ -32,7 +32,7 @@ def compile_text(mesh, fn, in_specs, out_specs, args):
 
 
 def _dp_round_trip(context, local, weight):
-    full_max = gather.dp_gather_partial(local, context, memcpy_impl="xla")
+    full_max = gather.dp_gather_replicate(local, context, memcpy_impl="xla")
     return scatter.dp_reduce_scatter_tensor(full_max @ weight, context, memcpy_impl="xla")
 
 

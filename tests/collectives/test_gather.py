@@ -1,4 +1,4 @@
-"""DP gathers against a numpy reference, all layouts, both padding modes."""
+"""The DP gather against a numpy reference, all layouts, both padding modes."""
 
 import chex
 import hypothesis
@@ -16,10 +16,10 @@ HIDDEN = 3
 MODES = (padding.DpPaddingMode.MAX_LEN, padding.DpPaddingMode.SUM_LEN)
 
 
-def reference_rank_values(local, dp_size, attn_tp_size, counts, is_partial):
-    """[dp, C, H] the complete rows of each DP rank, zero past its count."""
+def reference_rank_values(local, dp_size, attn_tp_size, counts):
+    """[dp, C, H] each DP rank's rows (its first attn_tp device's), zero past its count."""
     local = local.reshape(dp_size, attn_tp_size, CAPACITY, -1).astype(np.float64)
-    values = local.sum(1) if is_partial else local[:, 0]
+    values = local[:, 0]
     values[np.arange(CAPACITY)[None, :] >= np.asarray(counts)[:, None]] = 0
     return values
 
@@ -44,89 +44,58 @@ def count_cases(dp_size, rng):
     return [random.tolist(), [CAPACITY - 1] * dp_size]
 
 
-def _gathers(context, partial_local, replicated_local):
-    return (
-        gather.dp_gather_partial(partial_local, context, memcpy_impl="xla"),
-        gather.dp_gather_replicate(replicated_local, context, memcpy_impl="xla"),
-    )
-
-
-def _varlen(context, partial_local, replicated_local):
-    return (
-        gather.dp_gather_varlen(partial_local, context, is_partial=True),
-        gather.dp_gather_varlen(replicated_local, context, is_partial=False),
-    )
-
-
-def make_inputs(dp_size, attn_tp_size, rng):
-    num_devices = dp_size * attn_tp_size
-    partial = rng.standard_normal((num_devices * CAPACITY, HIDDEN)).astype(np.float32)
+def make_replicated(dp_size, attn_tp_size, rng):
+    """``[devices * C, H]`` random rows, the same on every attn_tp device of a DP rank."""
     per_rank = rng.standard_normal((dp_size, 1, CAPACITY, HIDDEN)).astype(np.float32)
     replicated = np.broadcast_to(per_rank, (dp_size, attn_tp_size, CAPACITY, HIDDEN))
-    return partial, np.ascontiguousarray(replicated).reshape(-1, HIDDEN)
+    return np.ascontiguousarray(replicated).reshape(-1, HIDDEN)
+
+
+def _gather(context, local):
+    return (gather.dp_gather_replicate(local, context, memcpy_impl="xla"),)
+
+
+def _check(got, local, dp_size, attn_tp_size, counts, mode, global_len, devices=None):
+    values = reference_rank_values(local, dp_size, attn_tp_size, counts)
+    want = reference_gather(values, counts, mode, global_len)
+    outs = harness.per_device(got, dp_size * attn_tp_size)
+    for device_out in outs if devices is None else outs[devices]:
+        chex.assert_trees_all_close(device_out, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dp_size, attn_tp_size", harness.LAYOUTS)
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 def test_dp_gather_matches_numpy(dp_size, attn_tp_size, mode):
     rng = np.random.default_rng(dp_size * 10 + int(mode))
-    partial, replicated = make_inputs(dp_size, attn_tp_size, rng)
-    num_devices = dp_size * attn_tp_size
-    run = harness.sharded(_gathers, dp_size, attn_tp_size, 2, 2)
+    local = make_replicated(dp_size, attn_tp_size, rng)
+    run = harness.sharded(_gather, dp_size, attn_tp_size, 1, 1)
     for counts in count_cases(dp_size, rng):
         global_len = dp_size * CAPACITY  # a fixed bucket: counts change, shapes do not
         context = context_lib.create_dp_context(
             counts, mode, CAPACITY, attn_tp_size, global_buffer_len=global_len
         )
-        got_partial, got_replicated = run(context, partial, replicated)
-        for got, local, is_partial in (
-            (got_partial, partial, True),
-            (got_replicated, replicated, False),
-        ):
-            values = reference_rank_values(local, dp_size, attn_tp_size, counts, is_partial)
-            want = reference_gather(values, counts, mode, global_len)
-            for device_out in harness.per_device(got, num_devices):
-                chex.assert_trees_all_close(device_out, want, rtol=1e-5, atol=1e-5)
+        (got,) = run(context, local)
+        _check(got, local, dp_size, attn_tp_size, counts, mode, global_len)
 
 
 @pytest.mark.parametrize("dp_size, attn_tp_size", ((4, 2), (8, 1)))
-def test_sum_len_exact_buffer_and_varlen_match(dp_size, attn_tp_size):
-    """SUM_LEN with the buffer exactly the token sum (last rank's copy ends at the last row),
-    and the all-gather-based varlen gather gives the same buffer."""
+def test_sum_len_exact_buffer(dp_size, attn_tp_size):
+    """SUM_LEN with the buffer exactly the token sum: the last rank's copy ends at its last row."""
     rng = np.random.default_rng(7)
-    partial, replicated = make_inputs(dp_size, attn_tp_size, rng)
+    local = make_replicated(dp_size, attn_tp_size, rng)
     counts = count_cases(dp_size, rng)[0]
     counts[-1] = CAPACITY  # the last rank is full: its slot would overrun a clamped copy
-    global_len = sum(counts)
-    context = context_lib.create_dp_context(
-        counts, padding.DpPaddingMode.SUM_LEN, CAPACITY, attn_tp_size, global_len
-    )
-    via_reduce = harness.sharded(_gathers, dp_size, attn_tp_size, 2, 2)(
-        context, partial, replicated
-    )
-    via_gather = harness.sharded(_varlen, dp_size, attn_tp_size, 2, 2)(context, partial, replicated)
-    chex.assert_trees_all_close(via_reduce, via_gather, rtol=1e-5, atol=1e-5)
-    values = reference_rank_values(partial, dp_size, attn_tp_size, counts, True)
-    want = reference_gather(values, counts, padding.DpPaddingMode.SUM_LEN, global_len)
-    num_devices = dp_size * attn_tp_size
-    chex.assert_trees_all_close(
-        harness.per_device(via_gather[0], num_devices)[-1], want, rtol=1e-5, atol=1e-5
-    )
-
-
-def test_varlen_needs_sum_len():
-    context = context_lib.create_dp_context([1, 2], padding.DpPaddingMode.MAX_LEN, CAPACITY)
-    with pytest.raises(ValueError, match="SUM_LEN"):
-        harness.sharded(_varlen, 2, 1, 2, 2)(
-            context, np.zeros((2 * CAPACITY, 1), np.float32), np.zeros((2 * CAPACITY, 1))
-        )
+    mode = padding.DpPaddingMode.SUM_LEN
+    context = context_lib.create_dp_context(counts, mode, CAPACITY, attn_tp_size, sum(counts))
+    (got,) = harness.sharded(_gather, dp_size, attn_tp_size, 1, 1)(context, local)
+    _check(got, local, dp_size, attn_tp_size, counts, mode, sum(counts))
 
 
 def test_local_rows_must_match_capacity():
     context = context_lib.create_dp_context([1, 2], padding.DpPaddingMode.MAX_LEN, CAPACITY)
     bad = np.zeros((2 * (CAPACITY + 1), 1), np.float32)
     with pytest.raises(ValueError, match="local_capacity=8"):
-        harness.sharded(_gathers, 2, 1, 2, 2)(context, bad, bad)
+        harness.sharded(_gather, 2, 1, 1, 1)(context, bad)
 
 
 @hypothesis.settings(max_examples=8, deadline=None)
@@ -136,21 +105,13 @@ def test_local_rows_must_match_capacity():
 )
 def test_sum_len_any_counts_one_compile(counts, seed):
     """Random counts through one compiled SUM_LEN step (counts are traced, shapes fixed)."""
-    rng = np.random.default_rng(seed)
-    partial, replicated = make_inputs(4, 2, rng)
+    local = make_replicated(4, 2, np.random.default_rng(seed))
+    mode = padding.DpPaddingMode.SUM_LEN
     context = context_lib.create_dp_context(
-        counts, padding.DpPaddingMode.SUM_LEN, CAPACITY, 2, global_buffer_len=4 * CAPACITY
+        counts, mode, CAPACITY, 2, global_buffer_len=4 * CAPACITY
     )
-    got_reduce, _ = harness.sharded(_gathers, 4, 2, 2, 2)(context, partial, replicated)
-    got_varlen, _ = harness.sharded(_varlen, 4, 2, 2, 2)(context, partial, replicated)
-    values = reference_rank_values(partial, 4, 2, counts, True)
-    want = reference_gather(values, counts, padding.DpPaddingMode.SUM_LEN, 4 * CAPACITY)
-    for got in (got_reduce, got_varlen):
-        chex.assert_trees_all_close(harness.per_device(got, 8)[3], want, rtol=1e-5, atol=1e-5)
-
-
-def _replicate(context, local):
-    return (gather.dp_gather_replicate(local, context, memcpy_impl="xla"),)
+    (got,) = harness.sharded(_gather, 4, 2, 1, 1)(context, local)
+    _check(got, local, 4, 2, counts, mode, 4 * CAPACITY, devices=slice(3, 4))
 
 
 @pytest.mark.parametrize("dp_size, attn_tp_size", ((4, 2), (8, 1)))
@@ -172,7 +133,7 @@ def test_sum_len_replicate_gather_moves_the_bits(dp_size, attn_tp_size, dtype):
     sums = {}
     for mode in MODES:
         context = context_lib.create_dp_context(counts, mode, CAPACITY, attn_tp_size)
-        (got,) = harness.sharded(_replicate, dp_size, attn_tp_size, 1, 1)(context, local)
+        (got,) = harness.sharded(_gather, dp_size, attn_tp_size, 1, 1)(context, local)
         sums[mode] = harness.per_device(got, dp_size * attn_tp_size)
     values = np.asarray(local).reshape(dp_size, attn_tp_size, CAPACITY, HIDDEN)[:, 0]
     want = np.concatenate([values[r, :n] for r, n in enumerate(counts)])
