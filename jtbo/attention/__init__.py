@@ -3,7 +3,7 @@ TBO backend."""
 
 from jtbo.attention.backend import NativeAttnBackend, PallasAttnBackend
 from jtbo.attention.batch_metadata import forward_batch_metadata
-from jtbo.attention.kv_cache import PADDING_SLOT, KVCache, init_kv_cache, write_kv
+from jtbo.attention.kv_cache import PADDING_SLOT, KVCache, write_kv
 from jtbo.attention.metadata import (
     AttentionCapacity,
     AttentionMetadata,
@@ -14,7 +14,6 @@ from jtbo.attention.metadata import (
 )
 from jtbo.attention.native import NativeAttentionConfig, attend, forward
 from jtbo.attention.paged import PagedAttentionConfig, paged_attention
-from jtbo.attention.reference import attend_reference
 from jtbo.attention.tbo_backend import TboAttnBackend, TboAttnMetadata
 from jtbo.attention.tiling import build_metadata
 
@@ -30,14 +29,12 @@ __all__ = [
     "TboAttnBackend",
     "TboAttnMetadata",
     "attend",
-    "attend_reference",
     "build_metadata",
     "decode_capacity",
     "empty_metadata",
     "extend_capacity",
     "forward",
     "forward_batch_metadata",
-    "init_kv_cache",
     "paged_attention",
     "verify_capacity",
     "write_kv",

@@ -15,6 +15,9 @@ Layout (the contract the model and runner code against):
 * Slot 0 is reserved as the padding slot: padded tokens carry ``out_cache_loc = 0`` and write
   there harmlessly; real tokens never live in slot 0.
 
+``ModelRunner`` allocates every DP rank's cache at once: the pools stacked along a leading
+``dp`` axis and sharded over the mesh, the page table on the host.
+
 Writes are functional (``.at[].set``); under ``jit`` with the cache donated XLA updates the
 pool in place, so a step does not copy it.
 """
@@ -22,7 +25,6 @@ pool in place, so a step does not copy it.
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 PADDING_SLOT = 0
 """Pool slot that padded tokens write to; never holds a real token."""
@@ -57,55 +59,6 @@ class KVCache:
     def max_context(self) -> int:
         """Longest sequence (in tokens) a request may hold."""
         return self.req_to_token.shape[1]
-
-
-def init_kv_cache(
-    *,
-    num_layers: int,
-    num_slots: int,
-    kv_heads: int,
-    head_dim: int,
-    max_reqs: int,
-    max_context: int,
-    dtype=jnp.bfloat16,
-    v_head_dim: int | None = None,
-) -> KVCache:
-    """Returns an all-zero cache whose page table points every position at the padding slot.
-
-    Args:
-      num_layers: attention layers sharing the cache.
-      num_slots: token slots per layer, the padding slot 0 included (so ``>= 2``).
-      kv_heads: K/V heads held by this rank (after attn_tp sharding).
-      head_dim: key head dimension.
-      max_reqs: rows of the page table.
-      max_context: columns of the page table.
-      dtype: pool dtype.
-      v_head_dim: value head dimension; ``head_dim`` when None.
-
-    Returns:
-      A ``KVCache``.
-
-    Raises:
-      ValueError: a size is not positive, or ``num_slots < 2``.
-    """
-    sizes = dict(
-        num_layers=num_layers,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        max_reqs=max_reqs,
-        max_context=max_context,
-    )
-    for name, size in sizes.items():
-        if size < 1:
-            raise ValueError(f"{name} must be >= 1, got {size}")
-    if num_slots < 2:
-        raise ValueError(f"num_slots must be >= 2 (slot 0 is padding), got {num_slots}")
-    v_head_dim = head_dim if v_head_dim is None else v_head_dim
-    return KVCache(
-        k=jnp.zeros((num_layers, num_slots, kv_heads, head_dim), dtype),
-        v=jnp.zeros((num_layers, num_slots, kv_heads, v_head_dim), dtype),
-        req_to_token=jnp.full((max_reqs, max_context), PADDING_SLOT, jnp.int32),
-    )
 
 
 def write_kv(

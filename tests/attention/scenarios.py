@@ -32,6 +32,16 @@ class Scenario:
     num_tokens: int
 
 
+def zero_cache(num_layers, num_slots, kv_heads, head_dim, max_reqs, max_context, v_head_dim=None):
+    """A float32 all-zero cache whose page table points every position at the padding slot."""
+    v_dim = head_dim if v_head_dim is None else v_head_dim
+    return kv_cache_lib.KVCache(
+        k=jnp.zeros((num_layers, num_slots, kv_heads, head_dim), jnp.float32),
+        v=jnp.zeros((num_layers, num_slots, kv_heads, v_dim), jnp.float32),
+        req_to_token=jnp.full((max_reqs, max_context), kv_cache_lib.PADDING_SLOT, jnp.int32),
+    )
+
+
 def make(
     rng: np.random.Generator,
     prefix_lens,

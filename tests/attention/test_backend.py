@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jtbo.attention import backend, kv_cache, metadata, native
+from jtbo.attention import backend, metadata, native
 from jtbo.collectives import mesh as mesh_lib
 from tests.attention import scenarios
 
@@ -69,8 +69,6 @@ def test_backend_names_and_the_pallas_backend_checks_its_capacity():
     pallas = backend.PallasAttnBackend(metadata.decode_capacity(4, 32))
     other = metadata.empty_metadata(metadata.decode_capacity(2, 32))
     x = jnp.zeros((4, 2, 16), jnp.float32)
-    cache = kv_cache.init_kv_cache(
-        num_layers=1, num_slots=4, kv_heads=2, head_dim=16, max_reqs=2, max_context=32
-    )
+    cache = scenarios.zero_cache(1, 4, 2, 16, 2, 32)
     with pytest.raises(ValueError, match="metadata capacity"):
         pallas.forward(x, x, x, 0, other, cache)

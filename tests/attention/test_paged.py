@@ -262,9 +262,8 @@ import jax, jax.numpy as jnp
 from jtbo.attention import kv_cache, metadata, paged
 cap = metadata.decode_capacity(2, 32)
 md = metadata.empty_metadata(cap)
-cache = kv_cache.init_kv_cache(
-    num_layers=1, num_slots=4, kv_heads=1, head_dim=16, max_reqs=2, max_context=32,
-    dtype=jnp.float32)
+zeros = jnp.zeros((1, 4, 1, 16), jnp.float32)
+cache = kv_cache.KVCache(k=zeros, v=zeros, req_to_token=jnp.zeros((2, 32), jnp.int32))
 traces = []
 def attend(q, c):
     traces.append(1)
