@@ -9,10 +9,10 @@ a fenced ``python`` block of README.md does; entry points (``__main__.py``, CLI 
 files under the package, so they count. A use inside the defining module counts only when the
 module itself has a caller, so a module reached only from tests/ keeps all its names.
 
-Prints the ``module:name`` of each name with no caller that is not in the allowlist
-(``tools/unused_exports_allowlist.txt``, one ``module:name`` a line, ``#`` comments; ``--list``
-prints all of them) and exits 1 if there is one, or if an allowlist entry has a caller again
-(stale), so the list only shrinks. Standard library only: ``python tools/unused_exports.py``.
+Prints the ``module:name`` of each name with no caller and exits 1 if there is one. There is
+no allowlist: a name only tests call is removed, made private, or given a caller (an entry
+point, or a README example for API meant for users' own code). Standard library only:
+``python tools/unused_exports.py``.
 """
 
 import argparse
@@ -21,7 +21,6 @@ import re
 import sys
 from pathlib import Path
 
-ALLOWLIST = "tools/unused_exports_allowlist.txt"
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 Export = tuple[str, str]  # (defining module, name)
 
@@ -139,30 +138,19 @@ def unused_exports(root: Path, package: str) -> list[str]:
     return sorted(f"{m}:{n}" for m, n in exports - called)
 
 
-def read_allowlist(path: Path) -> set[str]:
-    """The ``module:name`` entries of the allowlist, comments and blank lines dropped."""
-    lines = path.read_text().splitlines() if path.exists() else []
-    return {s for s in (line.split("#", 1)[0].strip() for line in lines) if s}
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Print unused exports; 1 if any is not allowlisted or an allowlist entry is stale."""
+    """Prints the unused exports; returns 1 if there is one, else 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent)
     parser.add_argument("--package", default="jtbo")
-    parser.add_argument("--list", action="store_true", help="print every unused export")
     args = parser.parse_args(argv)
     unused = unused_exports(args.root, args.package)
-    allowed = read_allowlist(args.root / ALLOWLIST)
-    new, stale = sorted(set(unused) - allowed), sorted(allowed - set(unused))
-    for entry in unused if args.list else new:
+    for entry in unused:
         print(entry)
-    if new:
-        hint = f"no caller outside tests/: call, remove, or add to {ALLOWLIST}"
-        print(f"{len(new)} unused export(s) above; {hint}", file=sys.stderr)
-    for entry in stale:
-        print(f"{entry}: stale in {ALLOWLIST} (has a caller now, or is gone)", file=sys.stderr)
-    return 1 if new or stale else 0
+    if unused:
+        hint = "no caller outside tests/: remove it, make it private, or give it a caller"
+        print(f"{len(unused)} unused export(s) above; {hint}", file=sys.stderr)
+    return 1 if unused else 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Parameters live in ``MoEModel``; the math is in small pure functions beside each module
 (``rms_norm``, ``apply_rope``, ``select_experts``, ``experts_capacity``, ...); each layer's
 forward is exposed as operations with SGLang's strategy names (``layer_ops``) and the sharded
-step is one ``shard_map`` (``step``). ``reference_forward`` is the unsharded oracle.
+step is one ``shard_map`` (``step``). ``reference_forward`` is the unsharded oracle that the
+tests and ``python -m jtbo.demo`` check the runner against.
 ``jtbo.models.hf`` loads and saves Hugging Face checkpoints (Qwen3-MoE, Qwen2-MoE, Mixtral).
 """
 

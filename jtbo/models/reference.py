@@ -1,4 +1,5 @@
-"""Unsharded single-device reference forward in plain jnp: the oracle for end-to-end tests.
+"""Unsharded single-device reference forward in plain jnp: the oracle for end-to-end tests and
+the demo's check (``python -m jtbo.demo`` compares a runner step with it in float64).
 
 It shares only the model's parameters and the small pure pieces that are tested against numpy
 on their own (``rms_norm``, ``apply_rope``, ``select_experts``, ``swiglu``). Everything that the
