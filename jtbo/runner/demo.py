@@ -157,7 +157,8 @@ def _coverage_lines(dp: int, tp: int) -> list[str]:
 
 
 def main(argv=None) -> int:
-    """Runs the demo; returns the exit code (0: TBO and plain agree, 3: no GPU as expected)."""
+    """Runs the demo; returns the exit code (0: the runs agree (on the CPU also with the
+    reference), 1: they do not, 3: no GPU as expected)."""
     args = _parser().parse_args(argv)
     print(info.summary_line())
     stop = _platform_check(args.expect_gpu)
