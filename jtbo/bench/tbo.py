@@ -69,9 +69,10 @@ from jtbo.bench import kernel_time
 from jtbo.collectives import ep_config
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
+from jtbo.models import layer_ops
 from jtbo.models import model as model_lib
 from jtbo.overlap import xla_options
-from jtbo.runner import numerics, planning, tbo_auto
+from jtbo.runner import numerics, planning, tbo_auto, tbo_options
 from jtbo.runner import runner as runner_lib
 
 CONFIGURES_JAX = True  # main sets XLA / NCCL variables before the backend starts
@@ -569,15 +570,18 @@ def _agreement(got: np.ndarray, want: np.ndarray) -> str:
 
 
 def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = False):
+    moe = layer_ops.MoEOptions(
+        moe_a2a_backend=args.moe_a2a_backend, moe_runner_backend=args.moe_runner_backend,
+        ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
+        ep_exchange=args.ep_exchange, ep_dedup=args.ep_dedup,
+    )  # fmt: skip
     return runner_lib.ModelRunner(
-        model, mesh, enable_two_batch_overlap=tbo, moe_a2a_backend=args.moe_a2a_backend,
+        model, mesh, moe=moe,
+        tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo, tbo_round_barriers=barriers),
         max_total_tokens=largest + 1,
         max_running_requests=max(args.decode + [largest // args.prompt_len + 1]),
         token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.dtype(args.dtype),
-        ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
-        ep_dedup=args.ep_dedup, ep_exchange=args.ep_exchange, tbo_round_barriers=barriers,
-        moe_runner_backend=args.moe_runner_backend, attention_backend=args.attention_backend,
-        dp_padding=args.dp_padding,
+        attention_backend=args.attention_backend, dp_padding=args.dp_padding,
     )  # fmt: skip
 
 
@@ -706,7 +710,7 @@ def main(argv) -> None:
         args.dp, args.attn_tp = args.devices, 1
     config = _config(args)
     runners, auto = _runners(args, config)
-    args.moe_runner_backend = runners[0].parallel.moe_runner_backend  # as resolved
+    args.moe_runner_backend = runners[0].parallel.moe.moe_runner_backend  # as resolved
     args.attention_backend = runners[0].parallel.attention_backend
     print(_header(args) + "; " + _kv_bytes(config, args.dtype))
     vocab = config.vocab_size

@@ -10,6 +10,7 @@ step is one ``shard_map`` (``step``). ``reference_forward`` is the unsharded ora
 from jtbo.models.config import MoEConfig
 from jtbo.models.experts import experts_capacity, experts_ragged_dot_reference, experts_sorted
 from jtbo.models.layer_ops import (
+    MoEOptions,
     ParallelConfig,
     attention_operations,
     dense_layer_operations,
@@ -25,6 +26,7 @@ __all__ = [
     "MoEBlock",
     "MoEConfig",
     "MoEModel",
+    "MoEOptions",
     "ParallelConfig",
     "attention_operations",
     "cast",

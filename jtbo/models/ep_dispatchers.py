@@ -44,7 +44,7 @@ class DispatcherTable:
     def dispatcher(self, rows: int) -> ep_config.EpDispatcher:
         """The dispatcher for ``rows`` token rows per device (created on first use)."""
         if rows not in self._by_rows:
-            factor = self.parallel.ep_capacity_factor
+            factor = self.parallel.moe.ep_capacity_factor
             self._by_rows[rows] = ep_config.create_ep_dispatcher(
                 self.mesh,
                 num_experts=self.config.num_experts,
@@ -52,9 +52,9 @@ class DispatcherTable:
                 top_k=self.config.num_experts_per_tok,
                 capacity_factor=1.0 if factor is None else factor,
                 worst_case=factor is None,
-                exchange=self.parallel.ep_exchange,
-                slot_alignment=self.parallel.ep_slot_alignment,
-                dedup=self.parallel.ep_dedup,
+                exchange=self.parallel.moe.ep_exchange,
+                slot_alignment=self.parallel.moe.ep_slot_alignment,
+                dedup=self.parallel.moe.ep_dedup,
             )
         return self._by_rows[rows]
 
@@ -65,7 +65,7 @@ class DispatcherTable:
           capacity: the step's token rows per DP rank.
           child_capacity: TBO child rows, or None without TBO.
         """
-        if self.parallel.moe_a2a_backend != "ep":
+        if self.parallel.moe.moe_a2a_backend != "ep":
             return ()
         tp = self.parallel.attn_tp_size
         if child_capacity is None:
@@ -113,8 +113,8 @@ def _resolve_each(dispatchers: Sequence, counts: np.ndarray, peaks, parallel) ->
         ep_overflow.resolve_overflow(
             dispatcher,
             counts[..., index, :],
-            policy=parallel.ep_overflow_policy,
-            slot_alignment=parallel.ep_slot_alignment,
+            policy=parallel.moe.ep_overflow_policy,
+            slot_alignment=parallel.moe.ep_slot_alignment,
             peak_load=None if peaks is None else peaks[..., index, :],
         )
         for index, dispatcher in enumerate(dispatchers)

@@ -13,8 +13,10 @@ from flax import nnx
 
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
+from jtbo.models import layer_ops
 from jtbo.models import model as model_lib
 from jtbo.runner import runner as runner_lib
+from jtbo.runner import tbo_options
 from tests.runner import helpers
 
 DP, ATTN_TP = 4, 2
@@ -35,9 +37,10 @@ def make_runner(tbo: bool | str, buckets=BUCKETS, **kwargs) -> runner_lib.ModelR
     """A float32 runner of the tiny model (seed 0) on a (4, 2) mesh of all devices."""
     model = model_lib.MoEModel(config_lib.MoEConfig.tiny(), rngs=nnx.Rngs(0))
     return runner_lib.ModelRunner(
-        model, mesh_lib.make_mesh(DP, ATTN_TP), enable_two_batch_overlap=tbo,
-        moe_a2a_backend="ep", max_total_tokens=64, max_running_requests=4,
-        token_buckets=buckets, dtype=jnp.float32, **kwargs,
+        model, mesh_lib.make_mesh(DP, ATTN_TP),
+        tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo, **kwargs),
+        moe=layer_ops.MoEOptions(moe_a2a_backend="ep"), max_total_tokens=64,
+        max_running_requests=4, token_buckets=buckets, dtype=jnp.float32,
     )  # fmt: skip
 
 
