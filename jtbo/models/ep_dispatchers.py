@@ -37,7 +37,7 @@ class DispatcherTable:
 
     def __init__(self, mesh: jax.sharding.Mesh, config: config_lib.MoEConfig, parallel):
         """Args: mesh: the ("dp", "attn_tp") mesh; config: the model; parallel: the layout
-        (``layer_ops.ParallelConfig``: capacity factor, exchange, policy, alignment)."""
+        (``layer_ops.ParallelConfig``; its ``moe``: EP capacity, exchange, policy, alignment)."""
         self.mesh, self.config, self.parallel = mesh, config, parallel
         self._by_rows: dict[int, ep_config.EpDispatcher] = {}
 
