@@ -36,13 +36,14 @@ from flax import nnx
 import jtbo
 from jtbo import ModelRunner
 from jtbo.collectives import make_mesh
-from jtbo.models import MoEConfig, MoEModel
+from jtbo.models import MoEConfig, MoEModel, MoEOptions
+from jtbo.runner import TboOptions
 
 model = MoEModel(MoEConfig.tiny(), rngs=nnx.Rngs(0))
 runner = ModelRunner(
-    model, make_mesh(dp_size=4, attn_tp_size=2), enable_two_batch_overlap=True,
-    moe_a2a_backend="ep", max_total_tokens=128, max_running_requests=4,
-    token_buckets=(8,), dtype=jnp.float32,
+    model, make_mesh(dp_size=4, attn_tp_size=2),
+    tbo=TboOptions(enable_two_batch_overlap=True), moe=MoEOptions(moe_a2a_backend="ep"),
+    max_total_tokens=128, max_running_requests=4, token_buckets=(8,), dtype=jnp.float32,
 )
 results = runner.generate([[1, 2, 3], [4, 5]], max_new_tokens=3, chunk_size=8)
 print("tokens", [len(r.token_ids) for r in results])

@@ -70,9 +70,10 @@ from jtbo.bench import kernel_time
 from jtbo.collectives import ep_config
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
+from jtbo.models import layer_ops
 from jtbo.models import model as model_lib
 from jtbo.overlap import xla_options
-from jtbo.runner import numerics, planning, tbo_auto
+from jtbo.runner import ep_stats_file, numerics, planning, tbo_auto, tbo_options
 from jtbo.runner import runner as runner_lib
 
 CONFIGURES_JAX = True  # main sets XLA / NCCL variables before the backend starts
@@ -115,6 +116,11 @@ def _parser() -> argparse.ArgumentParser:
         "--ep-dedup", action="store_true",
         help="EP sends each token once per destination GPU (DeepEP-style) with its local "
         "expert ids and weights, instead of once per (token, expert)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ep-routing-stats", metavar="FILE",
+        help="EP capacities from the peak loads in FILE where it exists (headroom 1.25), and "
+        "FILE (re)written with this run's peaks after the timing",
     )  # fmt: skip
     parser.add_argument(
         "--ep-exchange", choices=ep_config.EXCHANGES, default="dense",
@@ -571,16 +577,33 @@ def _agreement(got: np.ndarray, want: np.ndarray) -> str:
 
 
 def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = False):
+    moe = layer_ops.MoEOptions(
+        moe_a2a_backend=args.moe_a2a_backend, moe_runner_backend=args.moe_runner_backend,
+        ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
+        ep_exchange=args.ep_exchange, ep_dedup=args.ep_dedup,
+    )  # fmt: skip
     return runner_lib.ModelRunner(
-        model, mesh, enable_two_batch_overlap=tbo, moe_a2a_backend=args.moe_a2a_backend,
+        model, mesh, moe=moe,
+        tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo, tbo_round_barriers=barriers),
         max_total_tokens=largest + 1,
         max_running_requests=max(args.decode + [largest // args.prompt_len + 1]),
         token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.dtype(args.dtype),
-        ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
-        ep_dedup=args.ep_dedup, ep_exchange=args.ep_exchange, tbo_round_barriers=barriers,
-        moe_runner_backend=args.moe_runner_backend, attention_backend=args.attention_backend,
-        dp_padding=args.dp_padding,
+        attention_backend=args.attention_backend, dp_padding=args.dp_padding,
+        ep_routing_stats=_measured_stats(args),
     )  # fmt: skip
+
+
+def _measured_stats(args) -> str | None:
+    """``--ep-routing-stats`` when the file exists (a first run writes it), else None."""
+    path = args.ep_routing_stats
+    return path if path is not None and os.path.exists(path) else None
+
+
+def _save_routing_stats(args, runners) -> None:
+    """Writes every runner's measured EP peak loads, merged, to ``--ep-routing-stats``."""
+    peaks = ep_stats_file.merged(*(runner.ep_routing_stats() for runner in runners))
+    ep_stats_file.save(args.ep_routing_stats, runners[0].ep_routing_model(), peaks)
+    print(f"EP routing statistics ({len(peaks)} dispatch sizes) -> {args.ep_routing_stats}")
 
 
 def _config(args) -> config_lib.MoEConfig:
@@ -708,7 +731,7 @@ def main(argv) -> None:
         args.dp, args.attn_tp = args.devices, 1
     config = _config(args)
     runners, auto = _runners(args, config)
-    args.moe_runner_backend = runners[0].parallel.moe_runner_backend  # as resolved
+    args.moe_runner_backend = runners[0].parallel.moe.moe_runner_backend  # as resolved
     args.attention_backend = runners[0].parallel.attention_backend
     print(_header(args) + "; " + _kv_bytes(config, args.dtype))
     vocab = config.vocab_size
@@ -717,6 +740,8 @@ def main(argv) -> None:
         ("decode", s, (_decode_batch(s, args.context, vocab),) * args.dp) for s in args.decode
     ]
     step_times = _time_cases(runners, auto, cases, args)
+    if args.ep_routing_stats is not None:
+        _save_routing_stats(args, [*runners, auto])
     # Traces come after every timing: a trace may leave the profiler's per-kernel hooks in
     # place, and the TBO step has more kernels (on one H200, runs that timed decode after
     # tracing prefill measured decode-128 TBO / no TBO at 1.04-1.06, runs without at 1.03-1.04).

@@ -11,6 +11,7 @@ tests and ``python -m jtbo.demo`` check the runner against.
 from jtbo.models.config import MoEConfig
 from jtbo.models.experts import experts_capacity, experts_ragged_dot_reference, experts_sorted
 from jtbo.models.layer_ops import (
+    MoEOptions,
     ParallelConfig,
     attention_operations,
     dense_layer_operations,
@@ -26,6 +27,7 @@ __all__ = [
     "MoEBlock",
     "MoEConfig",
     "MoEModel",
+    "MoEOptions",
     "ParallelConfig",
     "attention_operations",
     "cast",

@@ -41,7 +41,7 @@ class DispatcherTable:
 
     def __init__(self, mesh: jax.sharding.Mesh, config: config_lib.MoEConfig, parallel):
         """Args: mesh: the ("dp", "attn_tp") mesh; config: the model; parallel: the layout
-        (``layer_ops.ParallelConfig``: capacity factor, exchange, policy, alignment)."""
+        (``layer_ops.ParallelConfig``; its ``moe``: EP capacity, exchange, policy, alignment)."""
         self.mesh, self.config, self.parallel = mesh, config, parallel
         self._by_rows: dict[int, ep_config.EpDispatcher] = {}
         self._measured: dict[int, tuple[int, int]] = {}  # rows -> (peer, expert) peaks to size
@@ -80,7 +80,8 @@ class DispatcherTable:
         return self._by_rows[rows]
 
     def _create(self, rows: int) -> ep_config.EpDispatcher:
-        factor = self.parallel.ep_capacity_factor
+        moe = self.parallel.moe
+        factor = moe.ep_capacity_factor
         made = ep_config.create_ep_dispatcher(
             self.mesh,
             num_experts=self.config.num_experts,
@@ -88,16 +89,16 @@ class DispatcherTable:
             top_k=self.config.num_experts_per_tok,
             capacity_factor=1.0 if factor is None else factor,
             worst_case=factor is None,
-            exchange=self.parallel.ep_exchange,
-            slot_alignment=self.parallel.ep_slot_alignment,
-            dedup=self.parallel.ep_dedup,
+            exchange=moe.ep_exchange,
+            slot_alignment=moe.ep_slot_alignment,
+            dedup=moe.ep_dedup,
         )
         if rows not in self._measured:
             return made
         peer, expert = self._measured[rows]
         return ep_config.sized_from_peaks(
-            made, peer, expert, headroom=self.parallel.ep_capacity_headroom,
-            slot_alignment=self.parallel.ep_slot_alignment,
+            made, peer, expert, headroom=moe.ep_capacity_headroom,
+            slot_alignment=moe.ep_slot_alignment,
         )  # fmt: skip
 
     def for_step(self, capacity: int, child_capacity: int | None) -> Dispatchers:
@@ -107,7 +108,7 @@ class DispatcherTable:
           capacity: the step's token rows per DP rank.
           child_capacity: TBO child rows, or None without TBO.
         """
-        if self.parallel.moe_a2a_backend != "ep":
+        if self.parallel.moe.moe_a2a_backend != "ep":
             return ()
         tp = self.parallel.attn_tp_size
         if child_capacity is None:
@@ -155,8 +156,8 @@ def _resolve_each(dispatchers: Sequence, counts: np.ndarray, peaks, parallel) ->
         ep_overflow.resolve_overflow(
             dispatcher,
             counts[..., index, :],
-            policy=parallel.ep_overflow_policy,
-            slot_alignment=parallel.ep_slot_alignment,
+            policy=parallel.moe.ep_overflow_policy,
+            slot_alignment=parallel.moe.ep_slot_alignment,
             peak_load=None if peaks is None else peaks[..., index, :],
         )
         for index, dispatcher in enumerate(dispatchers)

@@ -66,7 +66,7 @@ def experts_ffn_slots(
       counts: ``[E]`` int32 rows per expert (its first slots; clipped to ``[0, C]``).
       weights: ``(w_gate_up [E, H, 2, F] (gate at index 0, up at 1), w_down [E, F, H])``.
       impl: ``"xla"`` (batched einsum over all ``C`` slots) or ``"pallas"`` (the exact-count
-        grouped GEMM kernel), as ``ParallelConfig.moe_runner_backend`` names it.
+        grouped GEMM kernel), as ``MoEOptions.moe_runner_backend`` names it.
       max_rows: static bound on the total rows (see ``kernels.grouped_gemm``); None: ``E * C``.
       config: the kernel's launch shapes; None for the default.
 

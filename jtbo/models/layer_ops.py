@@ -43,14 +43,17 @@ MOE_RUNNER_BACKENDS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
-class ParallelConfig:
-    """How a layer runs over the ``("dp", "attn_tp")`` mesh (static: part of the compile).
+class MoEOptions:
+    """How the MoE layers exchange tokens and run their experts (SGLang's ``--moe-*`` options).
 
     Attributes:
       moe_a2a_backend: "ep" (expert parallel, all-to-all) or "none" (DP gather + experts
         sharded on their hidden width + reduce-scatter).
-      attn_tp_size: devices per DP rank.
-      num_devices: devices of the whole TP group (``dp * attn_tp``).
+      moe_runner_backend: impl of the routed experts' FFN (SGLang's ``--moe-runner-backend``):
+        "xla" (batched matmul over every capacity slot) or "pallas" (grouped GEMM over the
+        filled slots only; ``jtbo.kernels.grouped_gemm``); None: the fastest here that tiles
+        the model, resolved by the runner (``jtbo.runner.kernel_backends``; a
+        ``ParallelConfig`` needs it resolved).
       ep_capacity_factor: "ep" slots per peer and per local expert as a multiple of the
         balanced load (``collectives.create_ep_dispatcher``); None takes the worst case, which
         never overflows.
@@ -60,51 +63,30 @@ class ParallelConfig:
       ep_overflow_policy: what the host does when a step overflowed: "raise" (name the capacity
         to raise) or "rerun" (re-run with the next capacity bucket); ``collectives.ep_overflow``.
       ep_exchange: "dense" (fixed-slot all-to-all; overlappable), "ragged" (GPU only) or
-        "peer_copy" (fixed slots by peer copies on a side stream; ``collectives.peer_copy``).
+        "peer_copy" (fixed slots by peer copies on a side stream, one process;
+        ``collectives.peer_copy``).
       ep_dedup: exchange one row per (token, destination device) with the token's local
         expert ids and weights (``collectives.ep_dedup``, DeepEP's dispatch) instead of one per
         (token, expert) assignment; combine then sums each device's experts before sending.
       ep_slot_alignment: EP capacities are rounded up to a multiple of this (8 suits GPU
         GEMMs; 1 keeps the factor exact).
-      tbo_round_barriers: pin the TBO executor's rounds with optimization barriers. Off by
-        default: on a 4 x 2 H200 compile of ``MoEConfig.tiny()`` the model's decode step
-        covered 0.859 of its collective bytes with barriers and 1.000 without (prefill 1.000
-        both ways); see ``jtbo.runner.aot_report``.
-      tbo_issue_barriers: on multi-device meshes, pin both micro-batches' live arrays before
-        every collective-issuing (``*_a``) operation (``jtbo.models.step._run_tbo``). None
-        (default): on where attention has no tensor parallelism (``attn_tp_size == 1``): they
-        order only the ``*_a`` exchanges, not ``attn_tp`` collectives (measurements:
-        BENCHMARKS.md, "Run-time overlap on two H200s (issue 14)").
-      moe_runner_backend: impl of the routed experts' FFN (SGLang's ``--moe-runner-backend``):
-        "xla" (batched matmul over every capacity slot) or "pallas" (grouped GEMM over the
-        filled slots only; ``jtbo.kernels.grouped_gemm``).
-      attention_backend: the attention forward, a key of
-        ``jtbo.attention.backend.ATTENTION_BACKENDS`` ("native" or "pallas"); each
-        micro-batch runs it at its own metadata's capacity.
     """
 
-    moe_a2a_backend: Literal["ep", "none"]
-    attn_tp_size: int
-    num_devices: int
+    moe_a2a_backend: Literal["ep", "none"] = "ep"
+    moe_runner_backend: str | None = None
     ep_capacity_factor: float | None = None
     ep_overflow_policy: str = "raise"
     ep_capacity_headroom: float = 1.25
     ep_exchange: str = "dense"
     ep_dedup: bool = False
     ep_slot_alignment: int = 1
-    tbo_round_barriers: bool = False
-    tbo_issue_barriers: bool | None = None
-    moe_runner_backend: str = "xla"
-    attention_backend: str = "native"
-
-    @property
-    def issue_barriers(self) -> bool:
-        """Whether TBO steps on multi-device meshes use issue barriers (see the field)."""
-        if self.tbo_issue_barriers is None:
-            return self.attn_tp_size == 1
-        return self.tbo_issue_barriers
 
     def __post_init__(self):
+        """Checks every field.
+
+        Raises:
+          ValueError: a field outside its choices or range (named, with the expected values).
+        """
         if self.ep_capacity_factor is not None and self.ep_capacity_factor <= 0:
             raise ValueError(f"ep_capacity_factor={self.ep_capacity_factor} must be > 0")
         if not self.ep_capacity_headroom >= 1:
@@ -119,9 +101,95 @@ class ParallelConfig:
             raise ValueError(f"ep_exchange={self.ep_exchange!r}: expected {ep_config.EXCHANGES}")
         if self.ep_slot_alignment < 1:
             raise ValueError(f"ep_slot_alignment={self.ep_slot_alignment} must be >= 1")
-        if self.moe_runner_backend not in MOE_RUNNER_BACKENDS:
+        if self.moe_runner_backend not in (None, *MOE_RUNNER_BACKENDS):
             raise ValueError(
-                f"moe_runner_backend={self.moe_runner_backend!r}: expected {MOE_RUNNER_BACKENDS}"
+                f"moe_runner_backend={self.moe_runner_backend!r}: expected None or one of "
+                f"{MOE_RUNNER_BACKENDS}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How a layer runs over the ``("dp", "attn_tp")`` mesh (static: part of the compile).
+
+    Built by ``for_mesh``, which reads the mesh-derived field off the mesh; the other fields
+    are the caller's options with every platform default resolved.
+
+    Attributes:
+      attn_tp_size: devices per DP rank (the mesh's ``"attn_tp"`` size).
+      moe: the MoE exchange and experts, ``moe_runner_backend`` resolved (not None).
+      attention_backend: the attention forward, a key of
+        ``jtbo.attention.backend.ATTENTION_BACKENDS`` ("native" or "pallas"); each
+        micro-batch runs it at its own metadata's capacity.
+      tbo_round_barriers: pin the TBO executor's rounds with optimization barriers. Off by
+        default: on a 4 x 2 H200 compile of ``MoEConfig.tiny()`` the model's decode step
+        covered 0.859 of its collective bytes with barriers and 1.000 without (prefill 1.000
+        both ways); see ``jtbo.runner.aot_report``.
+      tbo_issue_barriers: on multi-device meshes, pin both micro-batches' live arrays before
+        every collective-issuing (``*_a``) operation (``jtbo.models.step._run_tbo``). None
+        (default): on where attention has no tensor parallelism (``attn_tp_size == 1``): they
+        order only the ``*_a`` exchanges, not ``attn_tp`` collectives (measurements:
+        BENCHMARKS.md, "Run-time overlap on two H200s (issue 14)").
+    """
+
+    attn_tp_size: int
+    moe: MoEOptions
+    attention_backend: str = "native"
+    tbo_round_barriers: bool = False
+    tbo_issue_barriers: bool | None = None
+
+    @classmethod
+    def for_mesh(
+        cls,
+        mesh: jax.sharding.Mesh,
+        *,
+        moe: MoEOptions,
+        attention_backend: str = "native",
+        tbo_round_barriers: bool = False,
+        tbo_issue_barriers: bool | None = None,
+    ) -> "ParallelConfig":
+        """The config of a layer on ``mesh``: ``attn_tp_size`` is read off the mesh.
+
+        Args:
+          mesh: a mesh with axes ``("dp", "attn_tp")``.
+          moe: the MoE options, ``moe_runner_backend`` resolved.
+          attention_backend, tbo_round_barriers, tbo_issue_barriers: see the fields.
+
+        Returns:
+          The config.
+
+        Raises:
+          ValueError: a mesh without the ``("dp", "attn_tp")`` axes, or a bad field.
+        """
+        if tuple(mesh.axis_names) != mesh_lib.TP_AXES:
+            raise ValueError(f"mesh axes {mesh.axis_names} != {mesh_lib.TP_AXES}")
+        return cls(
+            attn_tp_size=mesh.shape[mesh_lib.ATTN_TP_AXIS], moe=moe,
+            attention_backend=attention_backend, tbo_round_barriers=tbo_round_barriers,
+            tbo_issue_barriers=tbo_issue_barriers,
+        )  # fmt: skip
+
+    @property
+    def issue_barriers(self) -> bool:
+        """Whether TBO steps on multi-device meshes use issue barriers (see the field)."""
+        if self.tbo_issue_barriers is None:
+            return self.attn_tp_size == 1
+        return self.tbo_issue_barriers
+
+    def __post_init__(self):
+        """Checks the resolved backends.
+
+        Raises:
+          ValueError: ``attn_tp_size < 1``, an unresolved (None) ``moe.moe_runner_backend`` or
+            an unknown ``attention_backend``.
+        """
+        if self.attn_tp_size < 1:
+            raise ValueError(f"attn_tp_size={self.attn_tp_size} must be >= 1")
+        if self.moe.moe_runner_backend is None:
+            raise ValueError(
+                "ParallelConfig needs moe.moe_runner_backend resolved to one of "
+                f"{MOE_RUNNER_BACKENDS}, got None (ModelRunner resolves None per platform: "
+                "jtbo.runner.kernel_backends)"
             )
         attn_backend_lib.backend_class(self.attention_backend)  # ValueError naming the field
 
@@ -287,12 +355,12 @@ def moe_layer_operations(
       Operation name -> callable.
     """
     moe = layer.moe
-    if parallel.moe_a2a_backend == "ep":
+    if parallel.moe.moe_a2a_backend == "ep":
         exchange_ops = moe_exchange.ep_operations(
-            moe, parallel.attn_tp_size, parallel.moe_runner_backend
+            moe, parallel.attn_tp_size, parallel.moe.moe_runner_backend
         )
     else:
-        exchange_ops = moe_exchange.gather_operations(moe, parallel.moe_runner_backend)
+        exchange_ops = moe_exchange.gather_operations(moe, parallel.moe.moe_runner_backend)
     return dict(
         attention_operations(layer, parallel),
         **_routing_operations(moe, config),

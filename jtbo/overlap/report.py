@@ -344,6 +344,7 @@ def model_report(
         TBO although asked to.
     """
     from jtbo.models import config as config_lib
+    from jtbo.models import layer_ops
     from jtbo.runner import aot_report
 
     if args.num_devices % args.attn_tp:
@@ -353,10 +354,11 @@ def model_report(
     step, abstract, step_options = aot_report.model_step_program(
         config, mesh,
         mode=aot_report.ForwardMode[_FORWARD_MODES[args.mode]], tokens_per_rank=args.tokens,
-        enable_tbo=args.tbo, moe_a2a_backend=_MODEL_BACKENDS[args.moe],
-        ep_capacity_factor=args.ep_capacity_factor, dtype=jnp.dtype(args.dtype),
-        tbo_round_barriers=args.barriers,
-        ep_dedup=args.ep_dedup,
+        enable_tbo=args.tbo, dtype=jnp.dtype(args.dtype), tbo_round_barriers=args.barriers,
+        moe=layer_ops.MoEOptions(
+            moe_a2a_backend=_MODEL_BACKENDS[args.moe], ep_capacity_factor=args.ep_capacity_factor,
+            ep_dedup=args.ep_dedup,
+        ),
     )  # fmt: skip
     compiler_options = _compiler_options(
         args, lambda overrides: {**(step_options or {}), **overrides}

@@ -13,6 +13,8 @@ process reads the same counts. The figures and the fixes that got there: BENCHMA
 model's own step (4 x 2 H200 compile on the CPU, 2026-11-29)".
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,7 +68,7 @@ def model_overlap_report(
     mode: ForwardMode,
     tokens_per_rank: int,
     enable_tbo: bool = True,
-    moe_a2a_backend: str = "ep",
+    moe: layer_ops.MoEOptions | None = None,
     dtype=jnp.bfloat16,
 ) -> report.OverlapReport:
     """Compiles one model step for ``dp_size * attn_tp_size`` H200s and measures overlap.
@@ -77,7 +79,7 @@ def model_overlap_report(
       mode: EXTEND (prefill strategy) or DECODE (decode strategy).
       tokens_per_rank: tokens (EXTEND, in 4 sequences) or sequences (DECODE) per DP rank.
       enable_tbo: compile the TBO step (False: the plain step, coverage 0 by definition).
-      moe_a2a_backend: "ep" or "none".
+      moe: the MoE options (``model_step_program``); None: their defaults.
       dtype: parameter / activation dtype.
 
     Returns:
@@ -90,7 +92,7 @@ def model_overlap_report(
     mesh = h200_mesh(dp_size, attn_tp_size)
     jitted, args, compiler_options = model_step_program(
         config, mesh, mode=mode, tokens_per_rank=tokens_per_rank, enable_tbo=enable_tbo,
-        moe_a2a_backend=moe_a2a_backend, dtype=dtype,
+        moe=moe, dtype=dtype,
     )  # fmt: skip
     return report.overlap_report(jitted, args, compiler_options=compiler_options)
 
@@ -111,12 +113,10 @@ def model_step_program(
     tokens_per_rank: int,
     enable_tbo: bool,
     seq_capacity: int | None = None,
-    moe_a2a_backend: str = "ep",
-    ep_capacity_factor: float | None = None,
+    moe: layer_ops.MoEOptions | None = None,
     dtype=jnp.bfloat16,
     tbo_issue_barriers: bool | None = None,
     tbo_round_barriers: bool = False,
-    ep_dedup: bool = False,
 ):
     """The runner's jitted step and abstract arguments (no parameter memory) for one plan.
 
@@ -131,12 +131,12 @@ def model_step_program(
       enable_tbo: plan with two-batch overlap.
       seq_capacity: sequences a step may hold (sizes the attention tiles); by default
         ``tokens_per_rank``.
-      moe_a2a_backend: "ep" or "none".
-      ep_capacity_factor: EP capacity factor (None: worst case).
+      moe: the MoE options (``layer_ops.MoEOptions``); None: their defaults.
+        ``moe_runner_backend=None`` compiles the "xla" experts (the AOT program's devices are
+        described, not present, so no platform default is resolved).
       dtype: parameter / activation dtype.
       tbo_issue_barriers: ``layer_ops.ParallelConfig.tbo_issue_barriers``.
       tbo_round_barriers: ``layer_ops.ParallelConfig.tbo_round_barriers``.
-      ep_dedup: ``layer_ops.ParallelConfig.ep_dedup``.
 
     Returns:
       ``(jitted_step, abstract_args, compiler_options)``: the runner compiles
@@ -151,10 +151,11 @@ def model_step_program(
     model = nnx.eval_shape(
         lambda: model_lib.cast(model_lib.MoEModel(config, rngs=nnx.Rngs(0)), dtype)
     )
-    parallel = layer_ops.ParallelConfig(
-        moe_a2a_backend, attn_tp_size, dp_size * attn_tp_size, ep_capacity_factor,
-        tbo_issue_barriers=tbo_issue_barriers, tbo_round_barriers=tbo_round_barriers,
-        ep_dedup=ep_dedup,
+    moe = moe or layer_ops.MoEOptions()
+    moe = dataclasses.replace(moe, moe_runner_backend=moe.moe_runner_backend or "xla")
+    parallel = layer_ops.ParallelConfig.for_mesh(
+        mesh, moe=moe, tbo_issue_barriers=tbo_issue_barriers,
+        tbo_round_barriers=tbo_round_barriers,
     )  # fmt: skip
     seq_capacity = seq_capacity or tokens_per_rank
     plan = _synthetic_plan(
@@ -163,7 +164,7 @@ def model_step_program(
     _, params = nnx.split(model)
     inputs = step.pack_step_inputs(plan.per_rank, plan.replicated)
     args = (
-        _abstract(params, mesh, step.param_specs(params, moe_a2a_backend)),
+        _abstract(params, mesh, step.param_specs(params, moe.moe_a2a_backend)),
         _abstract_kv_cache(config, mesh, dp_size, tokens_per_rank, seq_capacity, dtype),
         _abstract(inputs.per_rank, mesh, P(mesh_lib.DP_AXIS)),  # [dp, n] int32
         _abstract(inputs.replicated, mesh, P()),  # [m] int32

@@ -33,9 +33,9 @@ from flax import nnx
 from jtbo import aot, info, split
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
+from jtbo.models import layer_ops, reference
 from jtbo.models import model as model_lib
-from jtbo.models import reference
-from jtbo.runner import aot_report
+from jtbo.runner import aot_report, tbo_options
 from jtbo.runner import runner as runner_lib
 
 TOLERANCE = 1e-3  # max |logits difference| allowed between TBO and plain (float32)
@@ -89,9 +89,9 @@ def _layout(args) -> tuple[int, int]:
 
 def _serve(model, mesh, tbo: bool | str, prompts, args):
     runner = runner_lib.ModelRunner(
-        model, mesh, enable_two_batch_overlap=tbo, moe_a2a_backend=args.moe_a2a_backend,
-        max_total_tokens=256, max_running_requests=8, token_buckets=(8, 16, 32, 64),
-        dtype=jnp.float32,
+        model, mesh, moe=layer_ops.MoEOptions(moe_a2a_backend=args.moe_a2a_backend),
+        tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo), max_total_tokens=256,
+        max_running_requests=8, token_buckets=(8, 16, 32, 64), dtype=jnp.float32,
     )  # fmt: skip
     start = time.perf_counter()
     results = runner.generate(prompts, max_new_tokens=args.max_new_tokens, chunk_size=16)

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from jtbo.collectives import mesh as mesh_lib
-from jtbo.models import hf
+from jtbo.models import hf, layer_ops
 from jtbo.runner import runner as runner_lib
-from jtbo.runner import sampling
+from jtbo.runner import sampling, tbo_options
 
 EXIT_USAGE = 2
 TBO_CHOICES = {"on": True, "off": False, "auto": "auto"}
@@ -109,8 +109,9 @@ def main(argv=None, out=None) -> int:
                                moe_a2a_backend=args.moe_a2a_backend)  # fmt: skip
     per_rank = -(-len(prompts) // mesh.shape["dp"])
     runner = runner_lib.ModelRunner(
-        model, mesh, enable_two_batch_overlap=TBO_CHOICES[args.tbo],
-        moe_a2a_backend=args.moe_a2a_backend, dtype=dtype, max_running_requests=per_rank,
+        model, mesh, moe=layer_ops.MoEOptions(moe_a2a_backend=args.moe_a2a_backend),
+        tbo=tbo_options.TboOptions(enable_two_batch_overlap=TBO_CHOICES[args.tbo]), dtype=dtype,
+        max_running_requests=per_rank,
         max_total_tokens=per_rank * (max(map(len, ids)) + args.max_new_tokens),
     )  # fmt: skip
     streamer = _Streamer(tokenizer, prompts, args.max_new_tokens, out)

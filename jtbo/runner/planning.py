@@ -55,6 +55,7 @@ ForwardMode = forward_mode_lib.ForwardMode
 TBO_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY)
 DP_PADDING_CHOICES = ("auto", "max_len", "sum_len")
 """Values of ``PlanOptions.dp_padding``."""
+DEFAULT_QUERY_TILE = 64  # query rows per attention tile of extend steps (PlanOptions.query_tile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,16 +82,18 @@ class PlanOptions:
     max_context: int
     enable_tbo: bool
     threshold: float
-    query_tile: int = 64
+    query_tile: int = DEFAULT_QUERY_TILE
     attention_backend: str = "native"
     dp_padding: str = "auto"
 
     def __post_init__(self):
-        """Checks ``dp_padding``.
+        """Checks ``dp_padding`` and ``query_tile``.
 
         Raises:
-          ValueError: ``dp_padding`` is not one of ``DP_PADDING_CHOICES``.
+          ValueError: ``dp_padding`` is not one of ``DP_PADDING_CHOICES``, or ``query_tile < 1``.
         """
+        if self.query_tile < 1:
+            raise ValueError(f"query_tile={self.query_tile} must be >= 1")
         if self.dp_padding not in DP_PADDING_CHOICES:
             raise ValueError(f"dp_padding={self.dp_padding!r} must be one of {DP_PADDING_CHOICES}")
 

@@ -8,10 +8,16 @@ step, replaced by its output). One compile per (bucket, attention kind, TBO chil
 DP padding mode and SUM_LEN length bucket: ``planning``);
 ``warmup`` compiles them ahead of serving.
 
-``enable_two_batch_overlap="auto"`` decides TBO per step shape (bucket and agreed mode) from
-measured step times: the first TBO-able step of a shape times both programs on its own inputs
-and keeps the faster (``tbo_auto`` has the algorithm and why the step's result stays exact);
-a ``tbo_plan`` file (``tbo_plan_file``) decides shapes without timing.
+Options come in the layers' configuration objects: ``moe=layer_ops.MoEOptions(...)`` (the
+MoE exchange and experts) and ``tbo=tbo_options.TboOptions(...)`` (two-batch overlap); the
+runner resolves their platform defaults and derives the mesh's sizes into the layers'
+``layer_ops.ParallelConfig`` (``runner.parallel``) and the planner's ``planning.PlanOptions``
+(``runner.options``).
+
+``TboOptions(enable_two_batch_overlap="auto")`` decides TBO per step shape (bucket and agreed
+mode) from measured step times: the first TBO-able step of a shape times both programs on its
+own inputs and keeps the faster (``tbo_auto`` has the algorithm and why the step's result
+stays exact); a ``tbo_plan`` file (``tbo_plan_file``) decides shapes without timing.
 
 Multi-process (``jax.distributed``, one process per host, the mesh over every process's
 devices): each DP rank belongs to the process whose devices hold its mesh row
@@ -45,6 +51,7 @@ from jtbo.models import model as model_lib
 from jtbo.overlap import xla_options
 from jtbo.runner import (
     distributed,
+    ep_stats_file,
     failure,
     kernel_backends,
     kv_table,
@@ -53,6 +60,7 @@ from jtbo.runner import (
     planning,
     step_exchange,
     tbo_auto,
+    tbo_options,
     tbo_plan_file,
 )
 from jtbo.runner import generate as generate_lib
@@ -73,7 +81,9 @@ class ModelRunner:
       multiprocess: whether the mesh spans other processes' devices (``jax.distributed``).
       num_steps: device steps run; num_tbo_steps: those run with two-batch overlap (an
         "auto" shape's timing runs are not counted, its real step is).
-      enable_two_batch_overlap: True, False or "auto", as given.
+      tbo: the ``TboOptions`` as given (None: the defaults, TBO off).
+      parallel: the layers' ``layer_ops.ParallelConfig`` (backends resolved, sizes from the mesh).
+      options: the planner's ``planning.PlanOptions``.
     """
 
     def __init__(
@@ -81,75 +91,41 @@ class ModelRunner:
         model: model_lib.MoEModel,
         mesh: jax.sharding.Mesh,
         *,
-        enable_two_batch_overlap: bool | str = False,
-        tbo_token_distribution_threshold: float = split.plan.DEFAULT_THRESHOLD,
-        moe_a2a_backend: str = "ep",
         max_total_tokens: int,
         max_running_requests: int,
+        moe: layer_ops.MoEOptions | None = None,
+        tbo: tbo_options.TboOptions | None = None,
         token_buckets: Sequence[int] | None = None,
         dtype=jnp.bfloat16,
-        ep_capacity_factor: float | None = None,
-        ep_overflow_policy: str = "raise",
-        ep_dedup: bool = False,
-        ep_exchange: str = "dense",
-        ep_slot_alignment: int = 1,
-        tbo_round_barriers: bool = False,
-        tbo_issue_barriers: bool | None = None,
-        tbo_auto_trials: int = tbo_auto.DEFAULT_TRIALS,
-        tbo_auto_margin: float = tbo_auto.DEFAULT_MARGIN,
-        tbo_timer: tbo_auto.StepTimer | None = None,
-        tbo_plan: str | os.PathLike | None = None,
-        moe_runner_backend: str | None = None,
         attention_backend: str | None = None,
+        query_tile: int = planning.DEFAULT_QUERY_TILE,
         dp_padding: str = "auto",
         peer_timeout_s: float = failure.DEFAULT_TIMEOUT_S,
         check_finite_logits: bool = True,
+        ep_routing_stats: str | os.PathLike | None = None,
     ):
         """Places the model on the mesh and allocates every DP rank's KV pool.
 
         Args:
           model: the model (float32 parameters; cast to ``dtype`` here).
-          mesh: a mesh with axes ``("dp", "attn_tp")`` (``jtbo.collectives.make_mesh``).
-          enable_two_batch_overlap: True: split eligible steps into two overlapped
-            micro-batches; False: never; "auto": per step shape (bucket, agreed mode), only
-            where TBO was measured to be faster by ``tbo_auto_margin`` (``tbo_auto``).
-          tbo_token_distribution_threshold: SGLang's split threshold, in [0, 0.5].
-          moe_a2a_backend: "ep" (all-to-all) or "none" (DP gather + reduce-scatter).
+          mesh: a mesh with axes ``("dp", "attn_tp")`` (``jtbo.collectives.make_mesh``); the
+            layers' mesh-derived sizes are read off it (``layer_ops.ParallelConfig.for_mesh``).
           max_total_tokens: KV slots per DP rank (also the longest sequence).
           max_running_requests: requests per DP rank (page-table rows, sequences per step).
+          moe: the MoE exchange and experts (``layer_ops.MoEOptions``); None: its defaults
+            (EP all-to-all, no token dropped). ``moe_runner_backend=None`` takes the fastest
+            here that tiles the model ("pallas" on GPUs where its tiles fit, else "xla";
+            ``jtbo.runner.kernel_backends``).
+          tbo: two-batch overlap (``tbo_options.TboOptions``); None: off.
           token_buckets: token capacities of compiled steps; powers of two up to
             ``max_total_tokens`` when None.
           dtype: parameter, activation and KV dtype.
-          ep_capacity_factor: EP slots per (device, expert) as a multiple of the balanced load;
-            None never drops a token (``layer_ops.ParallelConfig``).
-          ep_overflow_policy: a step that overflowed EP capacity: "raise" (naming the capacity)
-            or "rerun" (again with the next capacity bucket; ``collectives.resolve_overflow``).
-          ep_exchange: "dense" (fixed-slot all-to-all), "ragged" (only the filled slots;
-            GPU only) or "peer_copy" (fixed slots by peer copies on a side stream, one
-            process); ``layer_ops.ParallelConfig``.
-          ep_slot_alignment: EP capacities are rounded up to a multiple of this.
-          ep_dedup: EP exchanges one row per (token, destination device) instead of one per
-            (token, expert) (``layer_ops.ParallelConfig.ep_dedup``).
-          tbo_round_barriers: pin each TBO round with optimization barriers that leave the
-            in-flight collective results out (``layer_ops.ParallelConfig``); off by default.
-          tbo_issue_barriers: on multi-device meshes, pin both micro-batches before every
-            collective-issuing operation so each exchange window holds the other micro-batch's
-            next stage (``layer_ops.ParallelConfig``); None: on where ``attn_tp_size == 1``.
-          tbo_auto_trials: "auto": timed runs of each program of a new shape (after one
-            warm-up run each; the median counts).
-          tbo_auto_margin: "auto": TBO is kept only if ``tbo_ms <= (1 - margin) * plain_ms``.
-          tbo_timer: "auto": times one run (``tbo_auto.StepTimer``); None:
-            ``tbo_auto.wall_timer`` (device-synchronised wall time). Tests inject timings.
-          tbo_plan: "auto": a plan file (``save_tbo_plan``); its shapes are decided without
-            timing, shapes it does not list are still timed on first sight.
-          moe_runner_backend: the routed experts' FFN impl, "xla" (batched matmul over every
-            capacity slot) or "pallas" (grouped GEMM over the filled slots;
-            ``layer_ops.ParallelConfig``); None: the fastest here that tiles the model
-            ("pallas" on GPUs where its tiles fit, else "xla"; ``jtbo.runner.kernel_backends``).
           attention_backend: "native" (blocked jnp attention, the exact reference) or
             "pallas" (the paged kernel, ``jtbo.attention.paged``; the Pallas interpreter on
             the CPU), for the whole batch and both TBO micro-batches; None: the fastest here
             that serves the model ("pallas" on GPUs for GQA heads it tiles, else "native").
+          query_tile: query rows per attention tile of extend steps
+            (``planning.PlanOptions.query_tile``).
           dp_padding: layout of the ``"none"`` backend's DP gathers: "auto" picks MAX_LEN or
             SUM_LEN per step (SGLang's rule, where SUM_LEN's bucketed buffer is the smaller:
             unequal ranks; ``jtbo.runner.planning``), "max_len" / "sum_len" force one ("sum_len"
@@ -159,91 +135,118 @@ class ModelRunner:
           check_finite_logits: raise ``NonFiniteLogitsError`` (naming the DP rank and the
             request) when a step's logits hold a NaN or an infinity; off saves a scan of the
             logits per step (``python -m jtbo.bench tbo --no-numerics-guard``).
+          ep_routing_stats: an EP routing-statistics file (``save_ep_routing_stats``,
+            ``jtbo.runner.ep_stats_file``): the dispatch sizes it lists get capacities of
+            ``moe.ep_capacity_headroom`` times its measured peak loads instead of
+            ``moe.ep_capacity_factor`` times the balanced load.
 
         Raises:
-          ValueError: a mesh without the right axes, shapes that do not divide over it, an
-            ``enable_two_batch_overlap`` other than True / False / "auto", auto options
-            without "auto", bad auto settings or a bad plan file (names the field).
+          ValueError: a mesh without the right axes, shapes that do not divide over it, a
+            backend that cannot serve the model, bad sizes, a bad plan file (names the field).
         """
-        enable_tbo, auto = tbo_auto.parse_switch(enable_two_batch_overlap)
-        if not auto and (tbo_plan is not None or tbo_timer is not None):
-            raise ValueError(
-                "tbo_plan and tbo_timer need enable_two_batch_overlap='auto', got "
-                f"{enable_two_batch_overlap!r}"
-            )
-        if tuple(mesh.axis_names) != mesh_lib.TP_AXES:
-            raise ValueError(f"mesh axes {mesh.axis_names} != {mesh_lib.TP_AXES}")
-        config = model.config
-        self.dp_size, self.attn_tp_size = mesh.shape["dp"], mesh.shape["attn_tp"]
-        _check_divisible(config, self.dp_size, self.attn_tp_size, moe_a2a_backend)
-        expert_width = config.moe_intermediate_size // (
-            self.dp_size * self.attn_tp_size if moe_a2a_backend == "none" else 1
-        )  # per device: the "none" backend slices every expert's hidden width
-        moe_runner_backend = kernel_backends.moe_runner_backend(
-            moe_runner_backend, (config.hidden_size, expert_width)
-        )
-        attention_backend = kernel_backends.attention_backend(
-            attention_backend, config.attention_kind, (config.head_dim,)
-        )
+        moe = moe or layer_ops.MoEOptions()
+        tbo = tbo or tbo_options.TboOptions()
+        self.parallel = _parallel_config(model.config, mesh, moe, tbo, attention_backend)
         if max_total_tokens < 1 or max_running_requests < 1:
             raise ValueError(
                 f"max_total_tokens={max_total_tokens} and max_running_requests="
                 f"{max_running_requests} must be >= 1"
             )
-        self.config, self.mesh, self.dtype = config, mesh, dtype
+        config = model.config
+        self.dp_size, self.attn_tp_size = mesh.shape["dp"], self.parallel.attn_tp_size
+        self.config, self.mesh, self.dtype, self.tbo = config, mesh, dtype, tbo
         self.dp_rank_owners = distributed.dp_rank_owners(mesh)
         self.local_dp_ranks = distributed.local_dp_ranks(self.dp_rank_owners)
         self.multiprocess = distributed.is_multiprocess(mesh)
         self.max_total_tokens, self.max_running_requests = max_total_tokens, max_running_requests
-        self.parallel = layer_ops.ParallelConfig(
-            moe_a2a_backend, self.attn_tp_size, self.dp_size * self.attn_tp_size,
-            ep_capacity_factor, ep_overflow_policy, ep_exchange=ep_exchange, ep_dedup=ep_dedup,
-            ep_slot_alignment=ep_slot_alignment, tbo_round_barriers=tbo_round_barriers,
-            tbo_issue_barriers=tbo_issue_barriers, moe_runner_backend=moe_runner_backend,
-            attention_backend=attention_backend,
-        )  # fmt: skip
         buckets = token_buckets or split.default_token_buckets(max_total_tokens)
         self.options = planning.PlanOptions(
             attn_tp_size=self.attn_tp_size,
             token_buckets=tuple(int(b) for b in buckets),
             seq_capacity=max_running_requests,
             max_context=max_total_tokens,
-            enable_tbo=enable_tbo,
-            threshold=tbo_token_distribution_threshold,
-            attention_backend=attention_backend,
-            dp_padding=planning.dp_padding_for_backend(dp_padding, moe_a2a_backend),
+            enable_tbo=tbo.enabled,
+            threshold=tbo.tbo_token_distribution_threshold,
+            query_tile=query_tile,
+            attention_backend=self.parallel.attention_backend,
+            dp_padding=planning.dp_padding_for_backend(dp_padding, moe.moe_a2a_backend),
         )
-        _warn_about_process_env(mesh, enable_tbo, ep_exchange)
-        self.enable_two_batch_overlap = enable_two_batch_overlap
+        _warn_about_process_env(mesh, tbo.enabled, moe.ep_exchange)
         self._tbo_auto = None
-        if auto:
-            known = () if tbo_plan is None else tbo_plan_file.load(tbo_plan)
+        if tbo.auto:
+            known = () if tbo.tbo_plan is None else tbo_plan_file.load(tbo.tbo_plan)
             self._tbo_auto = tbo_auto.TboAuto(
-                tbo_auto_trials, tbo_auto_margin, tbo_timer or tbo_auto.wall_timer, known
-            )
-        served = model_lib.cast(model, dtype)
-        self._step = step.make_step(served, mesh, self.parallel)
-        _, params = nnx.split(served)
-        shardings = jax.tree.map(
-            lambda spec: jax.sharding.NamedSharding(mesh, spec),
-            step.param_specs(params, moe_a2a_backend),
-        )
-        if self.multiprocess:  # every process holds the full parameters; fill own devices
-            self._params = jax.tree.map(distributed.full_value_array, params, shardings)
-        else:
-            self._params = jax.device_put(params, shardings)
+                tbo.tbo_auto_trials, tbo.tbo_auto_margin, tbo.tbo_timer or tbo_auto.wall_timer,
+                known,
+            )  # fmt: skip
+        self._place_params(model)
+        measured = self._load_routing_stats(ep_routing_stats)
         self._init_kv()
+        self.check_finite_logits = check_finite_logits
         self._fingerprint = step_exchange.fingerprint(
             self.options, self.parallel, config, jnp.dtype(dtype).name, mesh.devices.shape,
-            [d.id for d in mesh.devices.flat], self.dp_rank_owners, enable_two_batch_overlap,
-            self.tbo_decisions(),
+            [d.id for d in mesh.devices.flat], self.dp_rank_owners, tbo.agreed_part(),
+            check_finite_logits, self.tbo_decisions(), sorted(measured.items()),
         )  # fmt: skip
         self._exchanges = 0
         self._monitor = failure.monitor(peer_timeout_s) if self.multiprocess else None
-        self.check_finite_logits = check_finite_logits
         self.num_steps = 0
         self.num_tbo_steps = 0
         self._last_ep_load = ((), None)  # the last run's dispatchers and peak loads
+
+    def ep_routing_model(self) -> dict:
+        """What this runner's EP peak loads depend on: the ``model`` object of its routing
+        statistics file (``ep_stats_file.model_key``: experts, top-k, EP size, dedup)."""
+        return ep_stats_file.model_key(
+            self.config.num_experts, self.config.num_experts_per_tok, self.mesh.devices.size,
+            self.parallel.moe.ep_dedup,
+        )  # fmt: skip
+
+    def _load_routing_stats(self, path) -> dict[int, tuple[int, int]]:
+        """Sizes the EP dispatchers on a routing-statistics file's peaks; returns them."""
+        if path is None:
+            return {}
+        if self.parallel.moe.moe_a2a_backend != "ep":
+            raise ValueError(
+                "ep_routing_stats sizes expert-parallel exchanges; moe_a2a_backend="
+                f"{self.parallel.moe.moe_a2a_backend!r} has none"
+            )
+        peaks = ep_stats_file.load(path, self.ep_routing_model())
+        self._step.dispatchers.use_measured_peaks(peaks)
+        return peaks
+
+    def ep_routing_stats(self) -> dict[int, tuple[int, int]]:
+        """The largest EP peak loads this runner's steps reported, by dispatch size.
+
+        Returns:
+          Token rows per device -> ``(peer, expert)`` peak load (the most assignments, or
+          dedup rows, one peer and one local expert were given in one dispatch), over every
+          step run so far, re-runs included; empty without EP.
+        """
+        return self._step.dispatchers.observed_peaks()
+
+    def save_ep_routing_stats(self, path: str | os.PathLike) -> None:
+        """Writes ``ep_routing_stats()`` for a later runner's ``ep_routing_stats=path``.
+
+        Args:
+          path: the JSON file to (over)write (``ep_stats_file`` has the format).
+        """
+        ep_stats_file.save(path, self.ep_routing_model(), self.ep_routing_stats())
+
+    def _place_params(self, model: model_lib.MoEModel) -> None:
+        """Casts the model to the runner's dtype, builds its step and puts its parameters on
+        the mesh (every process holds the full parameters and fills its own devices)."""
+        served = model_lib.cast(model, self.dtype)
+        self._step = step.make_step(served, self.mesh, self.parallel)
+        _, params = nnx.split(served)
+        shardings = jax.tree.map(
+            lambda spec: jax.sharding.NamedSharding(self.mesh, spec),
+            step.param_specs(params, self.parallel.moe.moe_a2a_backend),
+        )
+        if self.multiprocess:
+            self._params = jax.tree.map(distributed.full_value_array, params, shardings)
+        else:
+            self._params = jax.device_put(params, shardings)
 
     def _init_kv(self) -> None:
         heads, k_dim, v_dim = self.config.kv_pool_heads(self.attn_tp_size)
@@ -413,7 +416,7 @@ class ModelRunner:
         return () if self._tbo_auto is None else self._tbo_auto.decisions()
 
     def save_tbo_plan(self, path: str | os.PathLike) -> None:
-        """Writes ``tbo_decisions()`` as a plan file for ``ModelRunner(..., tbo_plan=path)``.
+        """Writes ``tbo_decisions()`` as a plan file for ``TboOptions(tbo_plan=path)``.
 
         Args:
           path: the JSON file to (over)write (``tbo_plan_file`` has the format).
@@ -424,7 +427,7 @@ class ModelRunner:
         if self._tbo_auto is None:
             raise ValueError(
                 "save_tbo_plan needs enable_two_batch_overlap='auto', got "
-                f"{self.enable_two_batch_overlap!r}"
+                f"{self.tbo.enable_two_batch_overlap!r}"
             )
         tbo_plan_file.save(path, list(self.tbo_decisions()))
 
@@ -433,7 +436,7 @@ class ModelRunner:
         steps: decode bucket 8 plain (TBO 1.31x plain), extend bucket 64 TBO (TBO 0.97x
         plain)"."""
         return tbo_auto.steps_summary(
-            self.num_steps, self.num_tbo_steps, self.enable_two_batch_overlap,
+            self.num_steps, self.num_tbo_steps, self.tbo.enable_two_batch_overlap,
             self.tbo_decisions(),
         )  # fmt: skip
 
@@ -532,6 +535,8 @@ class ModelRunner:
             if self.multiprocess:  # waits with the GIL released: the failure monitor runs
                 jax.block_until_ready((logits, overflow, peak_load))
             self._last_ep_load = (dispatchers, peak_load)
+            if dispatchers:
+                self._step.dispatchers.observe(dispatchers, peak_load)
             dispatchers = self._resolve_overflow(dispatchers, overflow, peak_load)
         return logits
 
@@ -573,7 +578,7 @@ class ModelRunner:
             return self._step.dispatchers.resolve(dispatchers, overflow, peak_load)
         except ep_overflow.CapacityOverflowError as error:
             raise ExpertCapacityError(
-                f"{error} [ep_capacity_factor={self.parallel.ep_capacity_factor}; None never "
+                f"{error} [ep_capacity_factor={self.parallel.moe.ep_capacity_factor}; None never "
                 "overflows, ep_overflow_policy='rerun' re-runs]"
             ) from error
 
@@ -666,6 +671,39 @@ def _synthetic_batch(mode: ForwardMode, count: int) -> split.ForwardBatch:
         forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=ids, positions=ids,
         out_cache_loc=ids, req_pool_indices=ids[:1], seq_lens=np.array([count]),
         extend_seq_lens=np.array([count]), extend_prefix_lens=np.array([0]),
+    )  # fmt: skip
+
+
+def _parallel_config(
+    config, mesh: jax.sharding.Mesh, moe: layer_ops.MoEOptions, tbo: tbo_options.TboOptions,
+    attention_backend: str | None,
+) -> layer_ops.ParallelConfig:  # fmt: skip
+    """The layers' ``ParallelConfig`` on ``mesh``, with the platform defaults (None backends)
+    resolved for the model's shapes (``kernel_backends``).
+
+    Raises:
+      ValueError: a mesh without the ``("dp", "attn_tp")`` axes, model shapes that do not
+        divide over it.
+    """
+    if tuple(mesh.axis_names) != mesh_lib.TP_AXES:
+        raise ValueError(f"mesh axes {mesh.axis_names} != {mesh_lib.TP_AXES}")
+    dp, tp = mesh.shape[mesh_lib.DP_AXIS], mesh.shape[mesh_lib.ATTN_TP_AXIS]
+    _check_divisible(config, dp, tp, moe.moe_a2a_backend)
+    expert_width = config.moe_intermediate_size // (
+        dp * tp if moe.moe_a2a_backend == "none" else 1
+    )  # per device: the "none" backend slices every expert's hidden width
+    moe = dataclasses.replace(
+        moe,
+        moe_runner_backend=kernel_backends.moe_runner_backend(
+            moe.moe_runner_backend, (config.hidden_size, expert_width)
+        ),
+    )
+    attention_backend = kernel_backends.attention_backend(
+        attention_backend, config.attention_kind, (config.head_dim,)
+    )
+    return layer_ops.ParallelConfig.for_mesh(
+        mesh, moe=moe, attention_backend=attention_backend,
+        tbo_round_barriers=tbo.tbo_round_barriers, tbo_issue_barriers=tbo.tbo_issue_barriers,
     )  # fmt: skip
 
 

@@ -1,8 +1,9 @@
 """The ``tbo_plan`` JSON file: an "auto" runner's TBO decisions, saved and loaded.
 
 ``ModelRunner.save_tbo_plan(path)`` writes every decision; ``ModelRunner(...,
-enable_two_batch_overlap="auto", tbo_plan=path)`` loads them, so those shapes run their
-recorded choice without timing (a production server times nothing). The format, version 1::
+tbo=TboOptions(enable_two_batch_overlap="auto", tbo_plan=path))`` loads them, so those shapes
+run their recorded choice without timing (a production server times nothing). The format,
+version 1::
 
     {"version": 1,
      "shapes": [{"bucket": 8, "mode": "DECODE", "choice": "plain",

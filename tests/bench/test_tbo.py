@@ -264,10 +264,17 @@ def test_profile_traces_plain_and_tbo_steps_of_every_case(scratch_environment, c
 
 
 def test_no_profile_sets_no_dump_and_prints_no_overlap_line(scratch_environment, capsys):
+    # Also writes the runners' EP peak loads (--ep-routing-stats; the file does not exist yet,
+    # so the capacities follow the factor rule): one entry per dispatch size run.
+    stats = scratch_environment / "routing.json"
     tbo.main(["--tiny", "--prefill", "64", "--decode", "8", "--context", "8", "--iters", "1",
-              "--no-profile"])  # fmt: skip
-    assert "overlap table" not in capsys.readouterr().out
+              "--no-profile", "--ep-routing-stats", str(stats)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "overlap table" not in out and f"-> {stats}" in out
     assert "--xla_dump_to" not in tbo.os.environ["XLA_FLAGS"]
+    content = json.loads(stats.read_text())
+    rows = [entry["rows"] for entry in content["peaks"]]
+    assert rows == sorted(set(rows)) and 64 in rows and 8 in rows, content
 
 
 def test_mla_flag_picks_the_mla_preset_and_kv_bytes_per_token():

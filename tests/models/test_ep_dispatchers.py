@@ -16,12 +16,13 @@ from tests.runner import helpers
 
 
 def _table(policy="rerun", factor=1.0, backend="ep"):
-    parallel = layer_ops.ParallelConfig(
-        backend, 2, 8, ep_capacity_factor=factor, ep_overflow_policy=policy
-    )
-    return ep_dispatchers.DispatcherTable(
-        mesh_lib.make_mesh(4, 2), config_lib.MoEConfig.tiny(), parallel
-    )
+    mesh = mesh_lib.make_mesh(4, 2)
+    moe = layer_ops.MoEOptions(
+        moe_a2a_backend=backend, moe_runner_backend="xla", ep_capacity_factor=factor,
+        ep_overflow_policy=policy,
+    )  # fmt: skip
+    parallel = layer_ops.ParallelConfig.for_mesh(mesh, moe=moe)
+    return ep_dispatchers.DispatcherTable(mesh, config_lib.MoEConfig.tiny(), parallel)
 
 
 def test_one_dispatcher_per_micro_batch_sized_by_its_rows():
@@ -56,7 +57,7 @@ def test_rerun_sizes_on_the_step_peak_loads():
     peer = step[0].peer_capacity
     peaks = np.array([[peer + 2, 1], [peer - 1, 1]])  # A needed 2 peer slots more
     rerun = table.resolve(step, np.array([[2, 0], [0, 0]]), peaks)
-    alignment = table.parallel.ep_slot_alignment
+    alignment = table.parallel.moe.ep_slot_alignment
     want = ep_overflow.next_capacity_bucket(peer, step[0].worst_peer_capacity, alignment, peer + 2)
     doubled = ep_overflow.next_capacity_bucket(peer, step[0].worst_peer_capacity, alignment)
     assert want < doubled  # sized on the peak, not doubled
@@ -90,8 +91,8 @@ def test_runner_rerun_policy_matches_the_worst_case_capacity():
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     make = lambda factor, policy: runner_lib.ModelRunner(  # noqa: E731
         model, mesh_lib.make_mesh(8, 1), max_total_tokens=32, max_running_requests=2,
-        token_buckets=(16,), dtype=jnp.float32, ep_capacity_factor=factor,
-        ep_overflow_policy=policy,
+        token_buckets=(16,), dtype=jnp.float32,
+        moe=layer_ops.MoEOptions(ep_capacity_factor=factor, ep_overflow_policy=policy),
     )  # fmt: skip
     prompt = {0: np.random.default_rng(2).integers(0, 128, 16).tolist()}
     small, exact = make(0.01, "rerun"), make(None, "raise")

@@ -3,6 +3,7 @@
 import re
 
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -42,7 +43,9 @@ def test_param_specs(backend):
 def test_operations_fill_the_strategy_layout(factory, mode):
     config = factory()
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
-    parallel = layer_ops.ParallelConfig("ep", 1, 8)
+    parallel = layer_ops.ParallelConfig.for_mesh(
+        mesh_lib.make_mesh(8, 1), moe=layer_ops.MoEOptions(moe_runner_backend="xla")
+    )
     ops = [layer_ops.moe_layer_operations(layer, config, parallel) for layer in model.layers[1:]]
     family = strategy.LayerFamily.DEEPSEEK if config.num_shared_experts else (
         strategy.LayerFamily.QWEN3_MOE
@@ -53,17 +56,29 @@ def test_operations_fill_the_strategy_layout(factory, mode):
     assert ("L0.shared_experts" in names) == bool(config.num_shared_experts)
 
 
-def test_parallel_config_rejects_bad_values():
+def test_moe_options_reject_bad_values():
     with pytest.raises(ValueError, match="moe_runner_backend"):
-        layer_ops.ParallelConfig("ep", 1, 8, moe_runner_backend="triton")
+        layer_ops.MoEOptions(moe_runner_backend="triton")
     with pytest.raises(ValueError, match="moe_a2a_backend"):
-        layer_ops.ParallelConfig("deepep", 1, 8)
+        layer_ops.MoEOptions(moe_a2a_backend="deepep")
     with pytest.raises(ValueError, match="ep_capacity_factor"):
-        layer_ops.ParallelConfig("ep", 1, 8, ep_capacity_factor=0.0)
+        layer_ops.MoEOptions(ep_capacity_factor=0.0)
     with pytest.raises(ValueError, match="ep_overflow_policy"):
-        layer_ops.ParallelConfig("ep", 1, 8, ep_overflow_policy="drop")
+        layer_ops.MoEOptions(ep_overflow_policy="drop")
     with pytest.raises(ValueError, match="ep_exchange"):
-        layer_ops.ParallelConfig("ep", 1, 8, ep_exchange="sparse")
+        layer_ops.MoEOptions(ep_exchange="sparse")
+    with pytest.raises(ValueError, match="ep_slot_alignment"):
+        layer_ops.MoEOptions(ep_slot_alignment=0)
+
+
+def test_parallel_config_reads_the_mesh_and_needs_resolved_backends():
+    moe = layer_ops.MoEOptions(moe_runner_backend="pallas")
+    assert layer_ops.ParallelConfig.for_mesh(mesh_lib.make_mesh(4, 2), moe=moe).attn_tp_size == 2
+    with pytest.raises(ValueError, match="moe_runner_backend"):
+        layer_ops.ParallelConfig.for_mesh(mesh_lib.make_mesh(8, 1), moe=layer_ops.MoEOptions())
+    bad_axes = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
+    with pytest.raises(ValueError, match="mesh axes"):
+        layer_ops.ParallelConfig.for_mesh(bad_axes, moe=moe)
 
 
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
@@ -169,7 +184,12 @@ def test_one_h200_tbo_step_keeps_the_pool_in_place_and_reads_each_weight_once(mo
     compiled = {}
     for tbo in (False, True):
         jitted, args, options = aot_report.model_step_program(
-            config, mesh, mode=mode, tokens_per_rank=64, enable_tbo=tbo, ep_capacity_factor=2.0
+            config,
+            mesh,
+            mode=mode,
+            tokens_per_rank=64,
+            enable_tbo=tbo,
+            moe=layer_ops.MoEOptions(ep_capacity_factor=2.0),
         )
         compiled[tbo] = jitted.lower(*args).compile(compiler_options=options)
     pool = args[1].k.shape[1:]  # [layers, slots, kv_heads, head_dim] of the one DP rank
@@ -255,13 +275,18 @@ def _copies_of_exchange_results(text: str) -> list[str]:
     ]
 
 
+def _parallel(dp: int, tp: int, **kwargs) -> layer_ops.ParallelConfig:
+    moe = layer_ops.MoEOptions(moe_runner_backend="xla")
+    return layer_ops.ParallelConfig.for_mesh(mesh_lib.make_mesh(dp, tp), moe=moe, **kwargs)
+
+
 def test_issue_barriers_default_on_only_without_attention_tensor_parallelism():
-    assert layer_ops.ParallelConfig("ep", 1, 2).issue_barriers
-    assert not layer_ops.ParallelConfig("ep", 2, 8).issue_barriers
-    assert layer_ops.ParallelConfig("ep", 2, 8, tbo_issue_barriers=True).issue_barriers
-    assert not layer_ops.ParallelConfig("ep", 1, 2, tbo_issue_barriers=False).issue_barriers
+    assert _parallel(2, 1).issue_barriers
+    assert not _parallel(4, 2).issue_barriers
+    assert _parallel(4, 2, tbo_issue_barriers=True).issue_barriers
+    assert not _parallel(2, 1, tbo_issue_barriers=False).issue_barriers
 
 
 def test_unknown_attention_backend_names_the_field():
     with pytest.raises(ValueError, match="attention_backend='flash'"):
-        layer_ops.ParallelConfig("ep", 1, 8, attention_backend="flash")
+        _parallel(8, 1, attention_backend="flash")

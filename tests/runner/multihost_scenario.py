@@ -13,8 +13,10 @@ from flax import nnx
 
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
+from jtbo.models import layer_ops
 from jtbo.models import model as model_lib
 from jtbo.runner import runner as runner_lib
+from jtbo.runner import tbo_options
 from tests.runner import helpers
 
 DP, ATTN_TP = 4, 2
@@ -31,13 +33,17 @@ SCRIPT = (
 )
 
 
-def make_runner(tbo: bool | str, buckets=BUCKETS, **kwargs) -> runner_lib.ModelRunner:
-    """A float32 runner of the tiny model (seed 0) on a (4, 2) mesh of all devices."""
+def make_runner(
+    tbo: bool | str, buckets=BUCKETS, tbo_kwargs=None, **kwargs
+) -> runner_lib.ModelRunner:
+    """A float32 runner of the tiny model (seed 0) on a (4, 2) mesh of all devices
+    (``tbo_kwargs``: further ``TboOptions`` fields; ``kwargs``: further runner keywords)."""
     model = model_lib.MoEModel(config_lib.MoEConfig.tiny(), rngs=nnx.Rngs(0))
+    tbo = tbo_options.TboOptions(enable_two_batch_overlap=tbo, **(tbo_kwargs or {}))
     return runner_lib.ModelRunner(
-        model, mesh_lib.make_mesh(DP, ATTN_TP), enable_two_batch_overlap=tbo,
-        moe_a2a_backend="ep", max_total_tokens=64, max_running_requests=4,
-        token_buckets=buckets, dtype=jnp.float32, **kwargs,
+        model, mesh_lib.make_mesh(DP, ATTN_TP), tbo=tbo,
+        moe=layer_ops.MoEOptions(moe_a2a_backend="ep"), max_total_tokens=64,
+        max_running_requests=4, token_buckets=buckets, dtype=jnp.float32, **kwargs,
     )  # fmt: skip
 
 
@@ -63,7 +69,7 @@ def serve_auto() -> dict:
       ``{"auto/logits/<step>/<rank>": ..., "auto/decisions": [(mode, bucket, use_tbo,
       plain_ms, tbo_ms)], "auto/tbo_steps": int}``.
     """
-    runner = make_runner("auto", tbo_timer=process_timer, tbo_auto_trials=1)
+    runner = make_runner("auto", tbo_kwargs=dict(tbo_timer=process_timer, tbo_auto_trials=1))
     out = {f"auto/{k}": v for k, v in forward_script(runner).items()}
     out["auto/decisions"] = [
         (d.shape.mode.name, d.shape.capacity, d.use_tbo, d.plain_ms, d.tbo_ms)

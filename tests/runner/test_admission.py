@@ -14,7 +14,7 @@ from flax import nnx
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
-from jtbo.runner import admission
+from jtbo.runner import admission, tbo_options
 from jtbo.runner import runner as runner_lib
 
 NEW_TOKENS = 3
@@ -39,7 +39,11 @@ def outputs():
     prompts, out = _prompts(), {}
     for key, tbo, pool in (("large", False, LARGE), (False, False, SMALL), (True, True, SMALL)):
         runner = runner_lib.ModelRunner(
-            model, mesh, enable_two_batch_overlap=tbo, dtype=jnp.float32, **pool
+            model,
+            mesh,
+            tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo),
+            dtype=jnp.float32,
+            **pool,
         )
         out[key] = runner.generate(prompts, max_new_tokens=NEW_TOKENS, chunk_size=16)
         out[f"{key}/steps"] = runner.num_steps

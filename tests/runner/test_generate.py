@@ -9,6 +9,7 @@ from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
 from jtbo.models import reference
 from jtbo.runner import runner as runner_lib
+from jtbo.runner import tbo_options
 
 NEW_TOKENS = 32
 
@@ -32,7 +33,8 @@ def test_generate_tbo_matches_plain_and_reference_and_rejects_bad_requests():
     outputs = []
     for tbo in (False, True):
         runner = runner_lib.ModelRunner(
-            model, mesh, enable_two_batch_overlap=tbo, max_total_tokens=160,
+            model, mesh, tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo),
+            max_total_tokens=160,
             max_running_requests=4, token_buckets=(8, 16), dtype=jnp.float32,
         )  # fmt: skip
         outputs.append(runner.generate(prompts, max_new_tokens=NEW_TOKENS, chunk_size=8))

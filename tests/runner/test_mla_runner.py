@@ -15,9 +15,10 @@ from flax import nnx
 
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
+from jtbo.models import layer_ops, reference
 from jtbo.models import model as model_lib
-from jtbo.models import reference
 from jtbo.runner import runner as runner_lib
+from jtbo.runner import tbo_options
 from tests.runner import helpers
 
 TOL = dict(atol=2e-4, rtol=2e-4)
@@ -27,9 +28,9 @@ TREE = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)  # root with two childr
 
 def _runner(model, tbo):
     return runner_lib.ModelRunner(
-        model, mesh_lib.make_mesh(DP, TP), enable_two_batch_overlap=tbo, moe_a2a_backend="ep",
-        max_total_tokens=64, max_running_requests=4, token_buckets=(8, 16, 32),
-        dtype=jnp.float32,
+        model, mesh_lib.make_mesh(DP, TP), moe=layer_ops.MoEOptions(moe_a2a_backend="ep"),
+        tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo), max_total_tokens=64,
+        max_running_requests=4, token_buckets=(8, 16, 32), dtype=jnp.float32,
     )  # fmt: skip
 
 

@@ -100,9 +100,13 @@ def test_single_process_exchange_returns_its_summaries():
 
 
 def test_fingerprint_is_stable_and_sensitive():
-    options = planning.PlanOptions(2, (8, 16), 4, 64, True, 0.48)
-    same = planning.PlanOptions(2, (8, 16), 4, 64, True, 0.48)
+    def plan_options(buckets):
+        return planning.PlanOptions(
+            attn_tp_size=2, token_buckets=buckets, seq_capacity=4, max_context=64,
+            enable_tbo=True, threshold=0.48,
+        )  # fmt: skip
+
+    options, same, other = plan_options((8, 16)), plan_options((8, 16)), plan_options((8, 32))
     assert step_exchange.fingerprint(options, (4, 2)) == step_exchange.fingerprint(same, (4, 2))
-    other = planning.PlanOptions(2, (8, 32), 4, 64, True, 0.48)
     assert step_exchange.fingerprint(options, (4, 2)) != step_exchange.fingerprint(other, (4, 2))
     assert 0 <= step_exchange.fingerprint(options) < 2**31

@@ -5,6 +5,7 @@ psum, capacity slots) give ~1e-6 differences, so atol = rtol = 2e-4.
 """
 
 import dataclasses
+import math
 
 import chex
 import jax
@@ -16,7 +17,9 @@ from flax import nnx
 from jtbo import split
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
+from jtbo.models import layer_ops
 from jtbo.models import model as model_lib
+from jtbo.runner import planning, tbo_options, tbo_plan_file
 from jtbo.runner import runner as runner_lib
 from tests.runner import helpers
 
@@ -28,9 +31,9 @@ def _runners(dp, tp, backend, config=None):
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     mesh = mesh_lib.make_mesh(dp, tp)
     make = lambda tbo: runner_lib.ModelRunner(  # noqa: E731
-        model, mesh, enable_two_batch_overlap=tbo, moe_a2a_backend=backend,
-        max_total_tokens=64, max_running_requests=4, token_buckets=(8, 16, 32),
-        dtype=jnp.float32,
+        model, mesh, tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo),
+        moe=layer_ops.MoEOptions(moe_a2a_backend=backend), max_total_tokens=64,
+        max_running_requests=4, token_buckets=(8, 16, 32), dtype=jnp.float32,
     )  # fmt: skip
     return model, make(False), make(True)
 
@@ -130,7 +133,8 @@ def test_dropped_expert_pairs_raise_instead_of_wrong_numbers():
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     runner = runner_lib.ModelRunner(
         model, mesh_lib.make_mesh(8, 1), max_total_tokens=64, max_running_requests=4,
-        token_buckets=(16,), dtype=jnp.float32, ep_capacity_factor=0.01,
+        token_buckets=(16,), dtype=jnp.float32,
+        moe=layer_ops.MoEOptions(ep_capacity_factor=0.01),
     )  # fmt: skip
     batch = helpers.Rank().extend({0: list(range(16))})
     with pytest.raises(runner_lib.ExpertCapacityError, match="ep_capacity_factor=0.01"):
@@ -162,8 +166,8 @@ def test_a_tbo_step_moves_its_plan_to_the_devices_in_two_buffers(monkeypatch):
     config = config_lib.MoEConfig.tiny()
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     runner = runner_lib.ModelRunner(
-        model, mesh_lib.make_mesh(8, 1), enable_two_batch_overlap=True, max_total_tokens=64,
-        max_running_requests=4, token_buckets=(16,), dtype=jnp.float32,
+        model, mesh_lib.make_mesh(8, 1), tbo=tbo_options.TboOptions(enable_two_batch_overlap=True),
+        max_total_tokens=64, max_running_requests=4, token_buckets=(16,), dtype=jnp.float32,
     )  # fmt: skip
     rng = np.random.default_rng(5)
     ranks = [helpers.Rank() for _ in range(8)]
@@ -196,9 +200,9 @@ def test_pallas_experts_match_xla_end_to_end():
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(3))
     dp = 2
     make = lambda impl: runner_lib.ModelRunner(  # noqa: E731
-        model, mesh_lib.make_mesh(dp, 1), moe_a2a_backend="ep",
+        model, mesh_lib.make_mesh(dp, 1),
+        moe=layer_ops.MoEOptions(moe_a2a_backend="ep", moe_runner_backend=impl),
         max_total_tokens=16, max_running_requests=2, token_buckets=(16,), dtype=jnp.float32,
-        moe_runner_backend=impl,
     )  # fmt: skip
     new = [_prompts(np.random.default_rng(r), [7, 6]) for r in range(dp)]
     outs = [
@@ -221,9 +225,9 @@ def test_pallas_attention_backend_matches_native_with_and_without_tbo():
     outs = {}
     for tbo, attn in ((False, "native"), (False, "pallas"), (True, "pallas")):
         runner = runner_lib.ModelRunner(
-            model, mesh, enable_two_batch_overlap=tbo, max_total_tokens=32,
-            max_running_requests=4, token_buckets=(8, 16), dtype=jnp.float32,
-            attention_backend=attn,
+            model, mesh, tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo),
+            max_total_tokens=32, max_running_requests=4, token_buckets=(8, 16),
+            dtype=jnp.float32, attention_backend=attn,
         )  # fmt: skip
         rng, ranks = np.random.default_rng(3), [helpers.Rank(), helpers.Rank()]
         prompts = [_prompts(rng, [5, 3, 6]), _prompts(rng, [4, 7])]
@@ -243,9 +247,11 @@ def test_dedup_exchange_with_and_without_tbo_matches_reference():
     config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     make = lambda tbo: runner_lib.ModelRunner(  # noqa: E731
-        model, mesh_lib.make_mesh(4, 2), enable_two_batch_overlap=tbo, max_total_tokens=64,
-        max_running_requests=4, token_buckets=(16,), dtype=jnp.float32, ep_dedup=True,
-        ep_capacity_factor=1.5 if tbo else None, ep_overflow_policy="rerun",
+        model, mesh_lib.make_mesh(4, 2), tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo),
+        max_total_tokens=64, max_running_requests=4, token_buckets=(16,), dtype=jnp.float32,
+        moe=layer_ops.MoEOptions(
+            ep_dedup=True, ep_capacity_factor=1.5 if tbo else None, ep_overflow_policy="rerun"
+        ),
     )  # fmt: skip
     rng = np.random.default_rng(17)
     new = [_prompts(rng, [6, 5]) for _ in range(4)]
@@ -268,8 +274,9 @@ def test_peer_copy_exchange_with_and_without_tbo_matches_reference():
     config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     make = lambda tbo: runner_lib.ModelRunner(  # noqa: E731
-        model, mesh_lib.make_mesh(4, 2), enable_two_batch_overlap=tbo, max_total_tokens=64,
-        max_running_requests=4, token_buckets=(16,), dtype=jnp.float32, ep_exchange="peer_copy",
+        model, mesh_lib.make_mesh(4, 2), tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo),
+        max_total_tokens=64, max_running_requests=4, token_buckets=(16,), dtype=jnp.float32,
+        moe=layer_ops.MoEOptions(ep_exchange="peer_copy"),
     )  # fmt: skip
     rng = np.random.default_rng(23)
     new = [_prompts(rng, [5, 6]) for _ in range(4)]
@@ -282,6 +289,41 @@ def test_peer_copy_exchange_with_and_without_tbo_matches_reference():
             chex.assert_trees_all_close(outs[r], want, **TOL)
 
 
+def test_routing_stats_round_trip_sizes_the_next_runners_capacities(tmp_path):
+    # A runner records its steps' EP peak loads; a second runner given the saved file sizes
+    # those dispatch sizes at headroom x peaks (below the factor rule here) and still matches
+    # the unsharded model. A file of another EP layout is refused.
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    moe = layer_ops.MoEOptions(ep_capacity_factor=4.0, ep_overflow_policy="rerun")
+    make = lambda mesh, **kw: runner_lib.ModelRunner(  # noqa: E731
+        model, mesh, moe=moe, max_total_tokens=64, max_running_requests=4, token_buckets=(16,),
+        dtype=jnp.float32, **kw,
+    )  # fmt: skip
+    rng = np.random.default_rng(29)
+    new = [_prompts(rng, [6, 7]) for _ in range(4)]
+    first = make(mesh_lib.make_mesh(4, 2))
+    first.forward([helpers.Rank().extend(n) for n in new])
+    stats = first.ep_routing_stats()
+    assert list(stats) == [8] and all(peak > 0 for peak in stats[8])  # 16 rows / attn_tp 2
+    path = tmp_path / "routing.json"
+    first.save_ep_routing_stats(path)
+    second, ranks = (
+        make(mesh_lib.make_mesh(4, 2), ep_routing_stats=path),
+        [helpers.Rank() for _ in range(4)],
+    )
+    sized = second._step.dispatchers.dispatcher(8)
+    factor_rule = first._step.dispatchers.dispatcher(8)
+    assert sized.peer_capacity == min(math.ceil(1.25 * stats[8][0]), sized.worst_peer_capacity)
+    assert sized.expert_capacity == math.ceil(1.25 * stats[8][1]) < factor_rule.expert_capacity
+    outs = second.forward([r.extend(n) for r, n in zip(ranks, new, strict=True)])
+    for r, n in enumerate(new):
+        want = helpers.reference_new_rows(model, ranks[r], {k: len(v) for k, v in n.items()})
+        chex.assert_trees_all_close(outs[r], want, **TOL)
+    with pytest.raises(ValueError, match="'model'"):
+        make(mesh_lib.make_mesh(2, 2, devices=jax.devices()[:4]), ep_routing_stats=path)
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU's ragged refusal")
 def test_every_ep_option_reaches_the_step():
     # ep_exchange and ep_slot_alignment are settable on the runner (and in its fingerprint);
@@ -289,12 +331,14 @@ def test_every_ep_option_reaches_the_step():
     model = model_lib.MoEModel(config_lib.MoEConfig.tiny(), rngs=nnx.Rngs(0))
     make = lambda **kw: runner_lib.ModelRunner(  # noqa: E731
         model, mesh_lib.make_mesh(8, 1), max_total_tokens=64, max_running_requests=4,
-        dtype=jnp.float32, **kw,
+        dtype=jnp.float32, moe=layer_ops.MoEOptions(**kw),
     )  # fmt: skip
     aligned = make(ep_slot_alignment=8)
-    assert aligned.parallel.ep_slot_alignment == 8 and aligned.parallel.ep_exchange == "dense"
+    assert (
+        aligned.parallel.moe.ep_slot_alignment == 8 and aligned.parallel.moe.ep_exchange == "dense"
+    )
     ragged = make(ep_exchange="ragged")
-    assert ragged.parallel.ep_exchange == "ragged"
+    assert ragged.parallel.moe.ep_exchange == "ragged"
     with pytest.raises(ValueError, match="exchange='ragged' needs a GPU"):
         ragged.forward([helpers.Rank().extend({0: [1, 2, 3]})] + [None] * 7)
 
@@ -317,9 +361,9 @@ def test_skewed_ranks_sum_len_equals_max_len_and_reference():
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(2))
     mesh = mesh_lib.make_mesh(4, 2)
     make = lambda padding, tbo: runner_lib.ModelRunner(  # noqa: E731
-        model, mesh, enable_two_batch_overlap=tbo, moe_a2a_backend="none",
-        max_total_tokens=32, max_running_requests=4, token_buckets=(8, 16), dtype=jnp.float32,
-        dp_padding=padding,
+        model, mesh, tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo),
+        moe=layer_ops.MoEOptions(moe_a2a_backend="none"), max_total_tokens=32,
+        max_running_requests=4, token_buckets=(8, 16), dtype=jnp.float32, dp_padding=padding,
     )  # fmt: skip
     new = [_prompts(np.random.default_rng(r), n) for r, n in enumerate([[9, 5], [3], [1]])]
     outs = {}
@@ -347,8 +391,8 @@ def test_sum_len_steps_compile_once_per_buffer_bucket():
     config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=1)
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     runner = runner_lib.ModelRunner(
-        model, mesh_lib.make_mesh(4, 2), moe_a2a_backend="none", max_total_tokens=32,
-        max_running_requests=4, token_buckets=(16,), dtype=jnp.float32,
+        model, mesh_lib.make_mesh(4, 2), moe=layer_ops.MoEOptions(moe_a2a_backend="none"),
+        max_total_tokens=32, max_running_requests=4, token_buckets=(16,), dtype=jnp.float32,
     )  # fmt: skip
     rng = np.random.default_rng(0)
     for lens in ([[14], [3], [1], None], [[9, 4], [2, 2], [1], [1]], [[8], [8], [1], [2]]):
@@ -359,3 +403,106 @@ def test_sum_len_steps_compile_once_per_buffer_bucket():
     assert runner._step.num_keys == 2 and runner.compile_count == 2
     lengths = sorted(contexts[0].global_buffer_len for contexts in _dp_contexts(runner))
     assert lengths == [20, 24]
+
+
+def _non_default(options) -> None:
+    """Fails unless every field of ``options`` differs from its default (so the test below
+    covers a field added later only once it sets it)."""
+    for field in dataclasses.fields(options):
+        assert getattr(options, field.name) != field.default, field.name
+
+
+def _every_option_set(tmp_path) -> tuple[layer_ops.MoEOptions, tbo_options.TboOptions, dict]:
+    """Non-default values of every field of the runner's config objects, and its keywords."""
+    plan = tmp_path / "plan.json"
+    tbo_plan_file.save(plan, [])
+    moe = layer_ops.MoEOptions(
+        moe_a2a_backend="none", moe_runner_backend="pallas", ep_capacity_factor=2.0,
+        ep_overflow_policy="rerun", ep_exchange="peer_copy", ep_dedup=True, ep_slot_alignment=8,
+        ep_capacity_headroom=1.5,
+    )  # fmt: skip
+    tbo = tbo_options.TboOptions(
+        enable_two_batch_overlap="auto", tbo_token_distribution_threshold=0.3,
+        tbo_round_barriers=True, tbo_issue_barriers=False, tbo_auto_trials=2,
+        tbo_auto_margin=0.1, tbo_timer=lambda shape, use_tbo, run: 1.0, tbo_plan=plan,
+    )  # fmt: skip
+    kwargs = dict(
+        max_total_tokens=32, max_running_requests=3, token_buckets=(8, 16),
+        attention_backend="pallas", query_tile=16, dp_padding="sum_len",
+    )  # fmt: skip
+    return moe, tbo, kwargs
+
+
+def test_every_parallel_and_plan_option_is_settable_through_the_runner(tmp_path):
+    # Each field of the layers' ParallelConfig and of the planner's PlanOptions is set from the
+    # runner's config objects and keywords, or read off the mesh; nothing else decides them.
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=1)
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    moe, tbo, kwargs = _every_option_set(tmp_path)
+    _non_default(moe)
+    _non_default(tbo)
+    runner = runner_lib.ModelRunner(
+        model, mesh_lib.make_mesh(2, 2), moe=moe, tbo=tbo, dtype=jnp.float32, **kwargs
+    )
+    parallel = {
+        f.name: getattr(runner.parallel, f.name) for f in dataclasses.fields(runner.parallel)
+    }
+    assert parallel == dict(
+        attn_tp_size=2, moe=moe, attention_backend="pallas", tbo_round_barriers=True,
+        tbo_issue_barriers=False,
+    )  # fmt: skip
+    plan = {f.name: getattr(runner.options, f.name) for f in dataclasses.fields(runner.options)}
+    assert plan == dict(
+        attn_tp_size=2, token_buckets=(8, 16), seq_capacity=3, max_context=32, enable_tbo=True,
+        threshold=0.3, query_tile=16, attention_backend="pallas", dp_padding="sum_len",
+    )  # fmt: skip
+    auto = runner._tbo_auto
+    assert (auto.trials, auto.margin, auto.timer) == (2, 0.1, tbo.tbo_timer)
+    assert runner.tbo is tbo
+
+
+def test_the_fingerprint_covers_every_option_processes_must_share(tmp_path):
+    # Processes refuse to serve together unless their runners were built alike: every MoE and
+    # TBO option (but the timer and the plan file's path) and the numerics guard change the
+    # fingerprint that the step exchange compares.
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=1)
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    mesh = mesh_lib.make_mesh(2, 1)
+
+    def fingerprint(moe=None, tbo=None, check=True) -> int:
+        return runner_lib.ModelRunner(
+            model, mesh, moe=moe, tbo=tbo, max_total_tokens=16, max_running_requests=2,
+            dtype=jnp.float32, check_finite_logits=check,
+        )._fingerprint  # fmt: skip
+
+    base = fingerprint()
+    moe, tbo, _ = _every_option_set(tmp_path)
+    changed = [fingerprint(check=False)]
+    for field in dataclasses.fields(moe):
+        value = getattr(moe, field.name)
+        changed.append(fingerprint(moe=layer_ops.MoEOptions(**{field.name: value})))
+    for field in dataclasses.fields(tbo):
+        if field.name not in ("tbo_timer", "tbo_plan"):
+            value = getattr(tbo, field.name)
+            changed.append(fingerprint(tbo=tbo_options.TboOptions(**{field.name: value})))
+    assert base not in changed, changed
+    assert fingerprint() == base
+
+
+def test_query_tile_reaches_the_extend_steps_attention():
+    # query_tile sizes the attention tiles of extend steps (planning.PlanOptions): 4-row tiles
+    # give the reference's logits, and the step's metadata carries them.
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=1)
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(4))
+    runner = runner_lib.ModelRunner(
+        model, mesh_lib.make_mesh(1, 1), max_total_tokens=32, max_running_requests=2,
+        token_buckets=(16,), dtype=jnp.float32, query_tile=4,
+    )  # fmt: skip
+    rank = helpers.Rank()
+    new = _prompts(np.random.default_rng(9), [6, 5])
+    batch = rank.extend(new)
+    plan = planning.plan_step([batch], runner.options)
+    assert plan.per_rank["attn_metadata"].capacity.query_tile == 4
+    (got,) = runner.forward([batch])
+    want = helpers.reference_new_rows(model, rank, {k: len(v) for k, v in new.items()})
+    chex.assert_trees_all_close(got, want, **TOL)

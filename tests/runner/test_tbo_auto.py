@@ -17,7 +17,7 @@ from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
 from jtbo.runner import runner as runner_lib
-from jtbo.runner import tbo_auto, tbo_plan_file
+from jtbo.runner import tbo_auto, tbo_options, tbo_plan_file
 from tests.runner import helpers
 
 ForwardMode = tbo_auto.ForwardMode
@@ -48,8 +48,9 @@ def model():
 
 def _runner(model, tbo, **kwargs):
     return runner_lib.ModelRunner(
-        model, mesh_lib.make_mesh(4, 2), enable_two_batch_overlap=tbo, max_total_tokens=64,
-        max_running_requests=4, token_buckets=(8,), dtype=jnp.float32, **kwargs,
+        model, mesh_lib.make_mesh(4, 2),
+        tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo, **kwargs), max_total_tokens=64,
+        max_running_requests=4, token_buckets=(8,), dtype=jnp.float32,
     )  # fmt: skip
 
 

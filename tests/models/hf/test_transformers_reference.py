@@ -26,6 +26,7 @@ from jtbo import split
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import hf
 from jtbo.runner import runner as runner_lib
+from jtbo.runner import tbo_options
 from tests.models.hf import fixtures
 
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -53,7 +54,8 @@ def test_runner_matches_transformers_logits_and_greedy_tokens(family, dp, tp):
     batches = [_extend(prompts[rank]) if rank < len(prompts) else None for rank in range(dp)]
     for tbo in (False, True):
         runner = runner_lib.ModelRunner(
-            model, mesh, enable_two_batch_overlap=tbo, max_total_tokens=128,
+            model, mesh, tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo),
+            max_total_tokens=128,
             max_running_requests=4, token_buckets=(16, 64), dtype=jnp.float32,
         )  # fmt: skip
         logits = runner.forward(batches)

@@ -1,0 +1,87 @@
+"""``TboOptions``: a runner's two-batch-overlap options, in one frozen object.
+
+They act at three places: the planner (``enable_two_batch_overlap`` and the split threshold:
+``planning.PlanOptions``), the compiled step (the barrier fields:
+``layer_ops.ParallelConfig``) and the "auto" decisions (trials, margin, timer and plan file:
+``tbo_auto.TboAuto``). ``ModelRunner(tbo=TboOptions(...))`` hands each field to its place;
+the names are the runner's former keyword arguments (SGLang's where it has one).
+"""
+
+import dataclasses
+import os
+
+from jtbo import split
+from jtbo.runner import tbo_auto
+
+
+@dataclasses.dataclass(frozen=True)
+class TboOptions:
+    """Whether and how a ``ModelRunner`` splits steps into two overlapped micro-batches.
+
+    Attributes:
+      enable_two_batch_overlap: True: split eligible steps into two overlapped micro-batches;
+        False: never; "auto": per step shape (bucket, agreed mode), only where TBO was
+        measured to be faster by ``tbo_auto_margin`` (``jtbo.runner.tbo_auto``).
+      tbo_token_distribution_threshold: SGLang's split threshold, in [0, 0.5]
+        (``jtbo.split.plan``).
+      tbo_round_barriers: pin each TBO round with optimization barriers that leave the
+        in-flight collective results out (``layer_ops.ParallelConfig.tbo_round_barriers``).
+      tbo_issue_barriers: on multi-device meshes, pin both micro-batches before every
+        collective-issuing operation so each exchange window holds the other micro-batch's
+        next stage (``layer_ops.ParallelConfig.tbo_issue_barriers``); None: on where
+        ``attn_tp_size == 1``.
+      tbo_auto_trials: "auto": timed runs of each program of a new shape (after one warm-up
+        run each; the median counts).
+      tbo_auto_margin: "auto": TBO is kept only if ``tbo_ms <= (1 - margin) * plain_ms``.
+      tbo_timer: "auto": times one run (``tbo_auto.StepTimer``); None: ``tbo_auto.wall_timer``
+        (device-synchronised wall time). Tests inject timings.
+      tbo_plan: "auto": a plan file (``ModelRunner.save_tbo_plan``, ``tbo_plan_file``); its
+        shapes are decided without timing, shapes it does not list are still timed on first
+        sight.
+    """
+
+    enable_two_batch_overlap: bool | str = False
+    tbo_token_distribution_threshold: float = split.plan.DEFAULT_THRESHOLD
+    tbo_round_barriers: bool = False
+    tbo_issue_barriers: bool | None = None
+    tbo_auto_trials: int = tbo_auto.DEFAULT_TRIALS
+    tbo_auto_margin: float = tbo_auto.DEFAULT_MARGIN
+    tbo_timer: tbo_auto.StepTimer | None = None
+    tbo_plan: str | os.PathLike | None = None
+
+    def __post_init__(self):
+        """Checks every field.
+
+        Raises:
+          ValueError: an ``enable_two_batch_overlap`` other than True / False / "auto", a
+            threshold outside [0, 0.5], bad auto settings, or a timer or plan file without
+            "auto" (names the field).
+        """
+        tbo_auto.parse_switch(self.enable_two_batch_overlap)
+        split.plan.check_threshold(self.tbo_token_distribution_threshold)
+        tbo_auto.check_settings(self.tbo_auto_trials, self.tbo_auto_margin)
+        if not self.auto and (self.tbo_plan is not None or self.tbo_timer is not None):
+            raise ValueError(
+                "tbo_plan and tbo_timer need enable_two_batch_overlap='auto', got "
+                f"{self.enable_two_batch_overlap!r}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether plans may split (True or "auto")."""
+        return tbo_auto.parse_switch(self.enable_two_batch_overlap)[0]
+
+    @property
+    def auto(self) -> bool:
+        """Whether TBO is decided per step shape ("auto")."""
+        return tbo_auto.parse_switch(self.enable_two_batch_overlap)[1]
+
+    def agreed_part(self) -> "TboOptions":
+        """The options every process must share: without the timer and the plan file's path
+        (a function's and a path's ``repr`` may differ between processes; the plan's
+        decisions are compared on their own, ``ModelRunner.tbo_decisions``).
+
+        Returns:
+          A copy with ``tbo_timer`` and ``tbo_plan`` None and "auto" kept.
+        """
+        return dataclasses.replace(self, tbo_timer=None, tbo_plan=None)
