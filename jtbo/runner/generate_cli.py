@@ -18,6 +18,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from jtbo.attention import backend as attn_backend_lib
+from jtbo.collectives import ep_config
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import hf, layer_ops
 from jtbo.runner import runner as runner_lib
@@ -39,6 +41,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-tp", type=int, default=1, help="devices per DP rank")
     p.add_argument("--tbo", choices=sorted(TBO_CHOICES), default="auto")
     p.add_argument("--moe-a2a-backend", choices=("ep", "none"), default="ep")
+    p.add_argument(
+        "--ep-exchange",
+        choices=ep_config.EXCHANGES,
+        default="dense",
+        help="EP exchange (peer_copy: copy-engine peer copies, one process)",
+    )
+    p.add_argument(
+        "--ep-routing-stats",
+        type=Path,
+        help="EP capacities from this routing-statistics file (ModelRunner)",
+    )
+    p.add_argument(
+        "--attention-backend",
+        choices=tuple(attn_backend_lib.ATTENTION_BACKENDS),
+        help="default: the fastest that serves the model here",
+    )
+    p.add_argument(
+        "--dp-padding",
+        choices=("auto", "max_len", "sum_len"),
+        default="auto",
+        help="DP gather layout of --moe-a2a-backend none",
+    )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -108,11 +132,14 @@ def main(argv=None, out=None) -> int:
     model = hf.from_pretrained(args.model, dtype=dtype, mesh=mesh,
                                moe_a2a_backend=args.moe_a2a_backend)  # fmt: skip
     per_rank = -(-len(prompts) // mesh.shape["dp"])
+    moe = layer_ops.MoEOptions(moe_a2a_backend=args.moe_a2a_backend, ep_exchange=args.ep_exchange)
     runner = runner_lib.ModelRunner(
-        model, mesh, moe=layer_ops.MoEOptions(moe_a2a_backend=args.moe_a2a_backend),
+        model, mesh, moe=moe,
         tbo=tbo_options.TboOptions(enable_two_batch_overlap=TBO_CHOICES[args.tbo]), dtype=dtype,
         max_running_requests=per_rank,
         max_total_tokens=per_rank * (max(map(len, ids)) + args.max_new_tokens),
+        attention_backend=args.attention_backend, dp_padding=args.dp_padding,
+        ep_routing_stats=args.ep_routing_stats,
     )  # fmt: skip
     streamer = _Streamer(tokenizer, prompts, args.max_new_tokens, out)
     if len(prompts) == 1:

@@ -2,7 +2,7 @@
 
 A batch from ``--prompt`` and ``--prompts-file``, greedy in float32 with TBO on, must print
 transformers' greedy continuation of every prompt (decoded with the same tokenizer), then
-the token count, tokens/s and the TBO summary. The single-prompt stream and the argument
+the token count, tokens/s and the TBO summary (through the peer-copy EP exchange's CPU twin). The single-prompt stream and the argument
 errors are checked without a model.
 """
 
@@ -26,7 +26,8 @@ def test_cli_serves_a_batch_and_matches_transformers(tmp_path):
     out = io.StringIO()
     argv = ["--model", str(directory), "--dtype", "float32", "--dp", "4", "--attn-tp", "2",
             "--prompt", prompts[0], "--prompts-file", str(prompts_file), "--tbo", "on",
-            "--max-new-tokens", str(reference["max_new_tokens"])]  # fmt: skip
+            "--max-new-tokens", str(reference["max_new_tokens"]), "--ep-exchange", "peer_copy",
+            "--dp-padding", "max_len"]  # fmt: skip
     assert generate_cli.main(argv, out=out) == 0
     lines = out.getvalue().splitlines()
     want = {f"[{i}] {prompts[j]}{tokenizer.decode(greedy[j])}" for i, j in enumerate((0, 1, 3))}
