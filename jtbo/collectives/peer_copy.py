@@ -9,6 +9,8 @@ overlap on two H200s (issue 14)"). This exchange is a pair of XLA FFI custom cal
   into block ``rank`` of device ``p``'s receive buffer, by copy-engine transfers on a side
   stream (GPU; memcpy on the CPU build). It returns at once; the receive buffer must not be
   read yet.
+  ``JTBO_PEER_COPY_STREAMS=N`` (read once per process, default 1) cuts each block over N
+  side streams, so that several copy engines can move it.
 * ``all_to_all_wait(in_flight)``: the compute stream waits until every block has landed (and
   ``x`` has been read). Its result aliases the receive buffer.
 

@@ -4,14 +4,16 @@
 // does between the start and the wait call.
 //
 // Start, on device d: record `ready_d` on the compute stream (d's send buffer is written and
-// its receive buffer's memory is free), join the rendezvous, make the side stream wait for
+// its receive buffer's memory is free), join the rendezvous, make the side streams wait for
 // every device's `ready` (a peer's receive buffer may be written only once the peer has
-// reached the exchange), push d's blocks, record `done_d` on the side stream. Wait, on
+// reached the exchange), push d's blocks (each cut over JTBO_PEER_COPY_STREAMS side streams),
+// record `done_d` once all side streams are through. Wait, on
 // device d: make the compute stream wait for every device's `done` (all blocks into d's
 // buffer have landed, and d's send buffer has been read).
 #include <cuda_runtime.h>
 
 #include <array>
+#include <cstdlib>
 #include <mutex>
 #include <vector>
 
@@ -53,12 +55,23 @@ class DeviceScope {
   cudaError_t status_;
 };
 
-// Per device: the side stream, peer access done, and a pool of reusable events.
+// Per device: the side streams, peer access done, and a pool of reusable events.
 struct DeviceState {
-  cudaStream_t side = nullptr;
+  std::vector<cudaStream_t> sides;
   std::vector<int> peers_enabled;
   std::vector<cudaEvent_t> free_events;
 };
+
+// Side streams per device (JTBO_PEER_COPY_STREAMS, 1 to 16, default 1). Each peer block is
+// cut into that many chunks, one per stream, so that several copy engines can move it.
+int CopyStreams() {
+  static const int streams = [] {
+    const char* text = std::getenv("JTBO_PEER_COPY_STREAMS");
+    int value = text == nullptr ? 1 : std::atoi(text);
+    return value < 1 ? 1 : (value > 16 ? 16 : value);
+  }();
+  return streams;
+}
 
 // One state per device ordinal, never moved: handlers of different devices hold references
 // into it concurrently (a growing vector would reallocate under them).
@@ -67,7 +80,11 @@ std::mutex state_mu;
 std::array<DeviceState, kMaxDevices> states;
 
 ffi::Error Prepare(int device, ffi::Span<const int64_t> group, DeviceState& state) {
-  if (!state.side) JTBO_CUDA(cudaStreamCreateWithFlags(&state.side, cudaStreamNonBlocking));
+  while (static_cast<int>(state.sides.size()) < CopyStreams()) {
+    cudaStream_t side;
+    JTBO_CUDA(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+    state.sides.push_back(side);
+  }
   for (int64_t peer : group) {
     if (peer == device) continue;
     bool done = false;
@@ -101,6 +118,11 @@ ffi::ErrorOr<cudaEvent_t> TakeEvent(DeviceState& state) {
   cudaError_t status = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
   if (status != cudaSuccess) return ffi::Unexpected(CudaError(status, "cudaEventCreate"));
   return event;
+}
+
+void ReturnEvent(int device, cudaEvent_t event) {
+  std::lock_guard<std::mutex> lock(state_mu);
+  states[device].free_events.push_back(event);
 }
 
 // Gives a retired slot's events back to their devices' pools. Every record and every wait
@@ -140,22 +162,38 @@ ffi::Error Start(cudaStream_t stream, ffi::RunId run, int32_t device, ffi::AnyBu
   auto slot = Registry().Join(run.run_id, device, rank, static_cast<int>(group_size), bytes,
                               send.untyped_data(), recv->untyped_data(), *ready, &message);
   if (!slot) return ffi::Error::Internal(message);
-  for (void* peer_ready : slot->ready) {
-    JTBO_CUDA(cudaStreamWaitEvent(state.side, static_cast<cudaEvent_t>(peer_ready), 0));
+  for (cudaStream_t side : state.sides) {
+    for (void* peer_ready : slot->ready) {
+      JTBO_CUDA(cudaStreamWaitEvent(side, static_cast<cudaEvent_t>(peer_ready), 0));
+    }
   }
   const int64_t block = bytes / group_size;
+  const int64_t streams = static_cast<int64_t>(state.sides.size());
+  const int64_t chunk = ((block + streams - 1) / streams + 255) / 256 * 256;
   const char* source = static_cast<const char*>(send.untyped_data());
   // Start with the next peer and end with this device, so that the devices do not all push
   // to the same peer at once.
   for (int64_t step = 1; step <= group_size; ++step) {
     const int64_t peer = (rank + step) % group_size;
     char* target = static_cast<char*>(slot->recv[peer]) + rank * block;
-    JTBO_CUDA(cudaMemcpyPeerAsync(target, static_cast<int>(group[peer]), source + peer * block,
-                                  device, block, state.side));
+    for (int64_t s = 0, offset = 0; offset < block; ++s, offset += chunk) {
+      const int64_t size = offset + chunk < block ? chunk : block - offset;
+      JTBO_CUDA(cudaMemcpyPeerAsync(target + offset, static_cast<int>(group[peer]),
+                                    source + peer * block + offset, device, size,
+                                    state.sides[s]));
+    }
+  }
+  // Join the other side streams into the first, whose event then marks every copy done.
+  for (int64_t s = 1; s < streams; ++s) {
+    auto part = TakeEvent(state);
+    if (part.has_error()) return part.error();
+    JTBO_CUDA(cudaEventRecord(*part, state.sides[s]));
+    JTBO_CUDA(cudaStreamWaitEvent(state.sides[0], *part, 0));
+    ReturnEvent(device, *part);  // the wait is enqueued: the event may be recorded again
   }
   auto done = TakeEvent(state);
   if (done.has_error()) return done.error();
-  JTBO_CUDA(cudaEventRecord(*done, state.side));
+  JTBO_CUDA(cudaEventRecord(*done, state.sides[0]));
   Registry().MarkPushed(*slot, rank, *done);
   return ffi::Error::Success();
 }
