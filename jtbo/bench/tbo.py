@@ -118,6 +118,11 @@ def _parser() -> argparse.ArgumentParser:
         "expert ids and weights, instead of once per (token, expert)",
     )  # fmt: skip
     parser.add_argument(
+        "--ep-exchange-tbo", choices=ep_config.EXCHANGES, default=None,
+        help="EP exchange of the TBO steps (default: --ep-exchange), e.g. --ep-exchange dense "
+        "--ep-exchange-tbo peer_copy: NCCL in plain steps, copy engines where TBO overlaps",
+    )  # fmt: skip
+    parser.add_argument(
         "--ep-routing-stats", metavar="FILE",
         help="EP capacities from the peak loads in FILE where it exists (headroom 1.25), and "
         "FILE (re)written with this run's peaks after the timing",
@@ -580,7 +585,7 @@ def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = F
     moe = layer_ops.MoEOptions(
         moe_a2a_backend=args.moe_a2a_backend, moe_runner_backend=args.moe_runner_backend,
         ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
-        ep_exchange=args.ep_exchange, ep_dedup=args.ep_dedup,
+        ep_exchange=args.ep_exchange, ep_exchange_tbo=args.ep_exchange_tbo, ep_dedup=args.ep_dedup,
     )  # fmt: skip
     return runner_lib.ModelRunner(
         model, mesh, moe=moe,
@@ -631,6 +636,7 @@ def _header(args) -> str:
         f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}; dp={args.dp}, "
         f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}"
         f"{f' {args.ep_exchange}' if args.moe_a2a_backend == 'ep' else ''}"
+        f"{f' (TBO {args.ep_exchange_tbo})' if args.ep_exchange_tbo else ''}"
         f"{' dedup' if args.ep_dedup else ''}"
         f"{'' if args.moe_a2a_backend == 'ep' else f', DP padding {args.dp_padding}'}"
         f"{'' if args.prefill_skew == 1 else f', prefill skew {args.prefill_skew}'}, experts "

@@ -43,7 +43,8 @@ class DispatcherTable:
         """Args: mesh: the ("dp", "attn_tp") mesh; config: the model; parallel: the layout
         (``layer_ops.ParallelConfig``; its ``moe``: EP capacity, exchange, policy, alignment)."""
         self.mesh, self.config, self.parallel = mesh, config, parallel
-        self._by_rows: dict[int, ep_config.EpDispatcher] = {}
+        # (rows, exchange) -> dispatcher: plain and TBO steps may exchange differently
+        self._by_rows: dict[tuple[int, str], ep_config.EpDispatcher] = {}
         self._measured: dict[int, tuple[int, int]] = {}  # rows -> (peer, expert) peaks to size
         self._observed: dict[int, tuple[int, int]] = {}  # rows -> largest peaks seen here
 
@@ -57,7 +58,7 @@ class DispatcherTable:
           ValueError: a dispatcher of one of these sizes was already built (its compiled
             steps would silently keep the old capacities).
         """
-        built = sorted(set(peaks) & set(self._by_rows))
+        built = sorted(set(peaks) & {rows for rows, _ in self._by_rows})
         if built:
             raise ValueError(f"dispatchers for rows {built} are already built; load peaks first")
         self._measured.update({int(r): (int(p), int(e)) for r, (p, e) in peaks.items()})
@@ -73,13 +74,15 @@ class DispatcherTable:
         """Rows per device -> the largest (peer, expert) peak loads ``observe`` has seen."""
         return dict(sorted(self._observed.items()))
 
-    def dispatcher(self, rows: int) -> ep_config.EpDispatcher:
-        """The dispatcher for ``rows`` token rows per device (created on first use)."""
-        if rows not in self._by_rows:
-            self._by_rows[rows] = self._create(rows)
-        return self._by_rows[rows]
+    def dispatcher(self, rows: int, tbo: bool = False) -> ep_config.EpDispatcher:
+        """The dispatcher for ``rows`` token rows per device in plain or TBO steps (created on
+        first use; ``MoEOptions.exchange(tbo)`` is its exchange)."""
+        key = (rows, self.parallel.moe.exchange(tbo))
+        if key not in self._by_rows:
+            self._by_rows[key] = self._create(*key)
+        return self._by_rows[key]
 
-    def _create(self, rows: int) -> ep_config.EpDispatcher:
+    def _create(self, rows: int, exchange: str) -> ep_config.EpDispatcher:
         moe = self.parallel.moe
         factor = moe.ep_capacity_factor
         made = ep_config.create_ep_dispatcher(
@@ -89,7 +92,7 @@ class DispatcherTable:
             top_k=self.config.num_experts_per_tok,
             capacity_factor=1.0 if factor is None else factor,
             worst_case=factor is None,
-            exchange=moe.ep_exchange,
+            exchange=exchange,
             slot_alignment=moe.ep_slot_alignment,
             dedup=moe.ep_dedup,
         )
@@ -113,7 +116,8 @@ class DispatcherTable:
         tp = self.parallel.attn_tp_size
         if child_capacity is None:
             return (self.dispatcher(capacity // tp),)
-        return (self.dispatcher(child_capacity // tp), self.dispatcher(child_capacity // tp))
+        child = self.dispatcher(child_capacity // tp, tbo=True)
+        return (child, child)
 
     def resolve(self, dispatchers: Dispatchers, overflow, peak_load=None) -> Dispatchers | None:
         """Applies the overflow policy to a step's counts.
@@ -146,9 +150,10 @@ class DispatcherTable:
             return None
         for new in resolved:
             if new is not None:
-                self._by_rows[new.num_tokens] = _larger(self._by_rows[new.num_tokens], new)
+                key = (new.num_tokens, new.exchange)
+                self._by_rows[key] = _larger(self._by_rows[key], new)
         # Micro-batches of one shape share a table entry: both re-run with the larger one.
-        return tuple(self._by_rows[dispatcher.num_tokens] for dispatcher in dispatchers)
+        return tuple(self._by_rows[d.num_tokens, d.exchange] for d in dispatchers)
 
 
 def _resolve_each(dispatchers: Sequence, counts: np.ndarray, peaks, parallel) -> list:

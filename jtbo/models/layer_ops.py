@@ -65,6 +65,10 @@ class MoEOptions:
       ep_exchange: "dense" (fixed-slot all-to-all; overlappable), "ragged" (GPU only) or
         "peer_copy" (fixed slots by peer copies on a side stream, one process;
         ``collectives.peer_copy``).
+      ep_exchange_tbo: the exchange of TBO steps, where it runs beside the other
+        micro-batch's compute; None: ``ep_exchange``. E.g. ``ep_exchange="dense",
+        ep_exchange_tbo="peer_copy"``: NCCL where nothing overlaps it, copy engines where
+        something does.
       ep_dedup: exchange one row per (token, destination device) with the token's local
         expert ids and weights (``collectives.ep_dedup``, DeepEP's dispatch) instead of one per
         (token, expert) assignment; combine then sums each device's experts before sending.
@@ -78,8 +82,13 @@ class MoEOptions:
     ep_overflow_policy: str = "raise"
     ep_capacity_headroom: float = 1.25
     ep_exchange: str = "dense"
+    ep_exchange_tbo: str | None = None
     ep_dedup: bool = False
     ep_slot_alignment: int = 1
+
+    def exchange(self, tbo: bool) -> str:
+        """The EP exchange of plain (``tbo=False``) or TBO steps."""
+        return self.ep_exchange_tbo if tbo and self.ep_exchange_tbo else self.ep_exchange
 
     def __post_init__(self):
         """Checks every field.
@@ -99,6 +108,11 @@ class MoEOptions:
             )
         if self.ep_exchange not in ep_config.EXCHANGES:
             raise ValueError(f"ep_exchange={self.ep_exchange!r}: expected {ep_config.EXCHANGES}")
+        if self.ep_exchange_tbo not in (None, *ep_config.EXCHANGES):
+            raise ValueError(
+                f"ep_exchange_tbo={self.ep_exchange_tbo!r}: expected None or one of "
+                f"{ep_config.EXCHANGES}"
+            )
         if self.ep_slot_alignment < 1:
             raise ValueError(f"ep_slot_alignment={self.ep_slot_alignment} must be >= 1")
         if self.moe_runner_backend not in (None, *MOE_RUNNER_BACKENDS):

@@ -226,7 +226,7 @@ def step_body(
         logits = _run_tbo(
             operations_of, params, per_rank, contexts, child_capacity,
             parallel.tbo_round_barriers, isolate_micro_batches, parallel.issue_barriers,
-            parallel.moe.moe_a2a_backend == "ep" and parallel.moe.ep_exchange == "peer_copy",
+            parallel.moe.moe_a2a_backend == "ep" and parallel.moe.exchange(True) == "peer_copy",
         )  # fmt: skip
     # Reduced over the EP group so every process reads the same counts (16 bytes each; the
     # only collectives outside both micro-batches).

@@ -171,7 +171,7 @@ class ModelRunner:
             attention_backend=self.parallel.attention_backend,
             dp_padding=planning.dp_padding_for_backend(dp_padding, moe.moe_a2a_backend),
         )
-        _warn_about_process_env(mesh, tbo.enabled, moe.ep_exchange)
+        _warn_about_process_env(mesh, tbo.enabled, moe.exchange(True))
         self._tbo_auto = None
         if tbo.auto:
             known = () if tbo.tbo_plan is None else tbo_plan_file.load(tbo.tbo_plan)

@@ -2,8 +2,8 @@
 
 A batch from ``--prompt`` and ``--prompts-file``, greedy in float32 with TBO on, must print
 transformers' greedy continuation of every prompt (decoded with the same tokenizer), then
-the token count, tokens/s and the TBO summary (through the peer-copy EP exchange's CPU twin). The single-prompt stream and the argument
-errors are checked without a model.
+the token count, tokens/s and the TBO summary (the EP exchange is the peer copy's CPU twin).
+The single-prompt stream and the argument errors are checked without a model.
 """
 
 import io

@@ -268,15 +268,20 @@ def test_dedup_exchange_with_and_without_tbo_matches_reference():
     assert runner.num_tbo_steps == 1
 
 
-def test_peer_copy_exchange_with_and_without_tbo_matches_reference():
+@pytest.mark.parametrize(
+    "plain_exchange, tbo_exchange", [("peer_copy", None), ("dense", "peer_copy")]
+)
+def test_peer_copy_exchange_with_and_without_tbo_matches_reference(plain_exchange, tbo_exchange):
     # The EP exchange by peer copies (jtbo.collectives.peer_copy; memcpy between the CPU
-    # devices' buffers here) through the whole model, plain and TBO, against the unsharded model.
+    # devices' buffers here) through the whole model, plain and TBO, against the unsharded
+    # model; or XLA's all-to-all in plain steps and the peer copy in TBO steps.
     config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    moe = layer_ops.MoEOptions(ep_exchange=plain_exchange, ep_exchange_tbo=tbo_exchange)
     make = lambda tbo: runner_lib.ModelRunner(  # noqa: E731
         model, mesh_lib.make_mesh(4, 2), tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo),
         max_total_tokens=64, max_running_requests=4, token_buckets=(16,), dtype=jnp.float32,
-        moe=layer_ops.MoEOptions(ep_exchange="peer_copy"),
+        moe=moe,
     )  # fmt: skip
     rng = np.random.default_rng(23)
     new = [_prompts(rng, [5, 6]) for _ in range(4)]
@@ -284,6 +289,12 @@ def test_peer_copy_exchange_with_and_without_tbo_matches_reference():
         runner, ranks = make(tbo), [helpers.Rank() for _ in range(4)]
         outs = runner.forward([r.extend(n) for r, n in zip(ranks, new, strict=True)])
         assert runner.num_tbo_steps == tbo
+        (exchange,) = {d.exchange for d in runner._step.dispatchers._by_rows.values()}
+        assert (
+            exchange
+            == moe.exchange(tbo)
+            == (tbo_exchange if tbo and tbo_exchange else plain_exchange)
+        )
         for r, n in enumerate(new):
             want = helpers.reference_new_rows(model, ranks[r], {k: len(v) for k, v in n.items()})
             chex.assert_trees_all_close(outs[r], want, **TOL)
@@ -419,7 +430,7 @@ def _every_option_set(tmp_path) -> tuple[layer_ops.MoEOptions, tbo_options.TboOp
     moe = layer_ops.MoEOptions(
         moe_a2a_backend="none", moe_runner_backend="pallas", ep_capacity_factor=2.0,
         ep_overflow_policy="rerun", ep_exchange="peer_copy", ep_dedup=True, ep_slot_alignment=8,
-        ep_capacity_headroom=1.5,
+        ep_capacity_headroom=1.5, ep_exchange_tbo="dense",
     )  # fmt: skip
     tbo = tbo_options.TboOptions(
         enable_two_batch_overlap="auto", tbo_token_distribution_threshold=0.3,
