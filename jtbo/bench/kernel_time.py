@@ -377,17 +377,14 @@ def communication_summary(kernels: list[Kernel]) -> str:
     )
 
 
-PEER_COPY_TARGET = '"jtbo_peer_all_to_all_start"'
-"""The custom-call target that starts a peer-copy all-to-all (``jtbo.collectives.peer_copy``)."""
-PEER_COPY_KIND = "peer-all-to-all"
-"""``collective_bytes``' kind of the peer-copy all-to-all: its starts' send buffers."""
+PEER_COPY_KIND = hlo_schedule.PEER_COPY_KIND
+"""``collective_bytes``' kind of the peer-copy all-to-all (``jtbo.collectives.peer_copy``)."""
 
 
 def collective_bytes(hlo_text: str) -> dict[str, list[int]]:
     """Bytes each collective of one step moves on one device, by kind.
 
-    Peer-copy all-to-alls (entry custom calls) count under ``PEER_COPY_KIND``, with their send
-    buffer's bytes.
+    Peer-copy all-to-alls (a start and a wait custom call) count under ``PEER_COPY_KIND``.
 
     A collective's bytes are its larger buffer (the ``-done`` result or the start's operands,
     each summed over tuple elements): the "size" of NCCL's own tests, e.g. an all-to-all's
@@ -407,12 +404,6 @@ def collective_bytes(hlo_text: str) -> dict[str, list[int]]:
     """
     computations = hlo_schedule.parse_module(hlo_text)
     by_kind = collections.defaultdict(list)
-    entry = next(c for c in computations.values() if c.is_entry)
-    shapes = {instruction.name: instruction.shape for instruction in entry.instructions}
-    for instruction in entry.instructions:
-        if instruction.opcode == "custom-call" and PEER_COPY_TARGET in instruction.attributes:
-            sent = sum(sum(hlo_schedule.shape_bytes(shapes[o])) for o in instruction.operands)
-            by_kind[PEER_COPY_KIND].append(sent)
     for window in hlo_schedule.collective_windows(hlo_text):
         computation = computations[window.computation]
         if not computation.is_entry:

@@ -32,6 +32,11 @@ COLLECTIVE_KINDS = frozenset(
         "collective-broadcast",
     )
 )
+PEER_COPY_KIND = "peer-all-to-all"
+"""``CollectiveWindow.kind`` of a peer-copy all-to-all (``jtbo.collectives.peer_copy``): its
+window runs from the start custom call to the wait custom call."""
+PEER_COPY_START = 'custom_call_target="jtbo_peer_all_to_all_start"'
+PEER_COPY_WAIT = 'custom_call_target="jtbo_peer_all_to_all_wait"'
 # Instructions that move no data through the GPU's compute units (or are bookkeeping).
 NON_COMPUTE_OPCODES = frozenset(
     (
@@ -280,10 +285,13 @@ def _windows_in(computation: Computation, computations) -> list[CollectiveWindow
     index_of = {instruction.name: i for i, instruction in enumerate(instructions)}
     shapes = {instruction.name: instruction.shape for instruction in instructions}
     windows = []
+    by_name = {instruction.name: instruction for instruction in instructions}
     for done_index, done in enumerate(instructions):
         if done.opcode.endswith("-start") or done.opcode == "async-update":
             continue  # windows are found from their done
-        start_index = _start_index(done, index_of)
+        if _is_peer_copy(done, PEER_COPY_START):
+            continue  # found from its wait
+        start_index = _start_index(done, index_of, by_name)
         kind = _collective_kind(instructions[start_index], computations)
         if kind is None:
             continue
@@ -311,14 +319,47 @@ def _windows_in(computation: Computation, computations) -> list[CollectiveWindow
     return windows
 
 
-def _start_index(done: Instruction, index_of: dict[str, int]) -> int:
+def _start_index(done: Instruction, index_of: dict[str, int], by_name) -> int:
     """Where the collective that ``done`` completes started (itself when synchronous)."""
     if done.opcode.endswith("-done") and done.operands:
         return index_of.get(done.operands[0], index_of[done.name])
+    if _is_peer_copy(done, PEER_COPY_WAIT) and len(done.operands) > 1:
+        start = _peer_copy_start(done.operands[1], by_name)
+        return index_of[done.name] if start is None else index_of[start]
     return index_of[done.name]
 
 
+def _is_peer_copy(instruction: Instruction, target: str) -> bool:
+    return instruction.opcode == "custom-call" and target in instruction.attributes
+
+
+_TUPLE_INDEX = re.compile(r"index=(\d+)")
+
+
+def _peer_copy_start(name: str, by_name: dict[str, Instruction]) -> str | None:
+    """The start custom call whose receive buffer reaches a wait as ``name``: followed back
+    through the tuples, ``get-tuple-element`` s and optimization barriers the TBO step passes
+    in-flight values through."""
+    pending: list[int] = []  # tuple indices still to resolve, innermost last
+    while name in by_name:
+        instruction = by_name[name]
+        if _is_peer_copy(instruction, PEER_COPY_START) and not pending:
+            return name
+        if instruction.opcode == "get-tuple-element":
+            pending.append(int(_TUPLE_INDEX.search(instruction.attributes).group(1)))
+            name = instruction.operands[0]
+        elif instruction.opcode == "tuple" and pending:
+            name = instruction.operands[pending.pop()]
+        elif instruction.opcode in ("opt-barrier", "bitcast") and instruction.operands:
+            name = instruction.operands[0]
+        else:
+            return None
+    return None
+
+
 def _collective_kind(start: Instruction, computations) -> str | None:
+    if _is_peer_copy(start, PEER_COPY_START):
+        return PEER_COPY_KIND
     opcode = start.opcode
     if opcode in COLLECTIVE_KINDS:
         return opcode

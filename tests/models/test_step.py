@@ -1,6 +1,8 @@
 """Parameter specs, layouts, strategy layouts, overlap coverage, packed inputs, trace guard."""
 
+import dataclasses
 import re
+from unittest import mock
 
 import chex
 import jax
@@ -16,7 +18,7 @@ from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import layer_ops, step
 from jtbo.models import model as model_lib
-from jtbo.overlap import hlo_schedule, report, schedule_costs, strategy
+from jtbo.overlap import hlo_schedule, operations, report, schedule_costs, strategy
 from jtbo.runner import aot_report, planning
 from jtbo.runner import runner as runner_lib
 from jtbo.split import ForwardMode, packing
@@ -290,3 +292,36 @@ def test_issue_barriers_default_on_only_without_attention_tensor_parallelism():
 def test_unknown_attention_backend_names_the_field():
     with pytest.raises(ValueError, match="attention_backend='flash'"):
         _parallel(8, 1, attention_backend="flash")
+
+
+def _peer_copy_windows(config, pin_issued: bool) -> list[hlo_schedule.CollectiveWindow]:
+    """The peer-copy windows of a 2-device TBO extend step compiled for the CPU devices."""
+    original = operations.execute_overlapped_operations
+
+    def execute(*args, **kw):
+        return original(*args, **{**kw, "pin_issued": kw["pin_issued"] and pin_issued})
+
+    with mock.patch.object(operations, "execute_overlapped_operations", execute):
+        jitted, args, options = aot_report.model_step_program(
+            config, mesh_lib.make_mesh(2, 1, devices=jax.devices()[:2]),
+            mode=ForwardMode.EXTEND, tokens_per_rank=64, enable_tbo=True, dtype=jnp.float32,
+            moe=layer_ops.MoEOptions(ep_exchange="peer_copy"),
+        )  # fmt: skip
+        text = jitted.lower(*args).compile(compiler_options=options).as_text()
+    windows = hlo_schedule.collective_windows(text)
+    return [w for w in windows if w.kind == hlo_schedule.PEER_COPY_KIND]
+
+
+def test_peer_copy_windows_hold_the_other_micro_batchs_compute():
+    # The peer-copy exchange's start and wait are custom calls XLA schedules as ordinary
+    # calls: the TBO step pins each start before the other micro-batch's next stage
+    # (pin_issued), so every window from a start to its wait holds that stage's compute but
+    # for B's last exchanges (A has finished by then), and more compute than without the pin.
+    # Compiled for 2 CPU devices (the exchange's CPU twin): the schedule, not the run time.
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=3)
+    pinned, free = (_peer_copy_windows(config, pin) for pin in (True, False))
+    assert len(pinned) == len(free) == 4 * sum(config.is_moe_layer)  # dispatch and combine x 2
+    other = {"tbo_a": "tbo_b", "tbo_b": "tbo_a"}
+    held = [any(slot.micro_batch == other[w.micro_batch] for slot in w.between) for w in pinned]
+    assert all(w.is_async for w in pinned) and sum(not h for h in held) <= 2, held
+    assert sum(len(w.between) for w in pinned) > 1.5 * sum(len(w.between) for w in free)
