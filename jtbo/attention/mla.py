@@ -9,11 +9,14 @@ one KV head of ``rank + rope`` values, and its ``v`` has width 0.
 
 Two exact ways to attend, chosen by the metadata's shape (``uses_absorbed``):
 
-* **Decompressed** (EXTEND / MIXED): every pool block the kernel gathers (the step's own
-  tokens and the prefix alike) is up-projected to per-head keys ``[nope + rope]`` and values
-  ``[v]``, and the queries ``[q_nope, q_pe]`` attend as in plain multi-head attention. The
-  up-projection is paid once per (tile, block) pair and shared by the tile's query rows; a
-  block read by several tiles (a long prompt's prefix) is up-projected by each of them.
+* **Decompressed** (EXTEND / MIXED): keys ``[nope + rope]`` and values ``[v]`` are
+  up-projected per head and the queries ``[q_nope, q_pe]`` attend as in plain multi-head
+  attention. When no sequence of the step has a prefix in the pool (a batch of fresh
+  prompts; checked on the device), every key is one of the step's own latent rows: they are
+  up-projected once, into a step-local cache the attention reads through a page table of
+  their own (``step_rows_cache``). Otherwise every pool block the attention gathers is
+  up-projected where it is read, once per (tile, block) pair: a block read by several tiles
+  (a long prompt's prefix) is up-projected by each of them.
 * **Absorbed** (DECODE / TARGET_VERIFY): ``q_nope . (c W_UK[h]) = (q_nope W_UK[h]^T) . c``,
   so the query is folded into latent space, ``[q_nope W_UK^T, q_pe]`` of width
   ``rank + rope``, and attends the latent rows directly as one shared key head; the softmax-
@@ -131,6 +134,74 @@ def attend_latent(
     )  # fmt: skip
 
 
+def has_no_prefix(md: metadata_lib.AttentionMetadata, num_reqs: int) -> jax.Array:
+    """Whether no sequence of the step has tokens in the pool from earlier steps.
+
+    A sequence's first tile starts at its prefix length (``tile_q_pos``), so the step has no
+    prefix when every sequence's smallest ``tile_q_pos`` is 0.
+
+    Args:
+      md: the step's metadata.
+      num_reqs: rows of the page table.
+
+    Returns:
+      A boolean scalar (traced).
+    """
+    valid = md.tile_q_len > 0
+    never = jnp.iinfo(jnp.int32).max
+    first_pos = jax.ops.segment_min(
+        jnp.where(valid, md.tile_q_pos, never).astype(jnp.int32), md.tile_req, num_reqs
+    )
+    return jnp.all(jnp.where(valid, first_pos[md.tile_req] == 0, True))
+
+
+def step_rows_cache(
+    latent: jax.Array,
+    w_kv_b: jax.Array,
+    qk_nope_head_dim: int,
+    md: metadata_lib.AttentionMetadata,
+    cache: kv_cache_lib.KVCache,
+) -> kv_cache_lib.KVCache:
+    """A one-layer cache of the step's own rows, up-projected once (valid without prefixes).
+
+    Slot ``1 + t`` holds token ``t``'s keys ``[latent_t W_UK, k_pe_t]`` and values
+    ``latent_t W_UV`` for every head (slot 0: the padding slot); position ``p`` of a sequence
+    maps to the slot of its ``p``-th new token, which is where the sequence's tokens lie when
+    it has no prefix (``has_no_prefix``).
+
+    Args:
+      latent: ``[token_capacity, kv_lora_rank + qk_rope_head_dim]`` the step's latent rows.
+      w_kv_b: ``[kv_lora_rank, heads, qk_nope_head_dim + v_head_dim]``.
+      qk_nope_head_dim: key width without RoPE.
+      md: the step's metadata.
+      cache: the latent cache (its dtype and page-table shape are kept).
+
+    Returns:
+      ``KVCache`` with ``k [1, token_capacity + 1, heads, nope + rope]``, ``v [1, ..,
+      heads, v]`` and a page table of ``cache.req_to_token``'s shape.
+    """
+    rank, dtype, tokens = w_kv_b.shape[0], cache.k.dtype, latent.shape[0]
+    w = w_kv_b.astype(dtype)
+    c, k_pe = latent[:, :rank].astype(dtype), latent[:, rank:].astype(dtype)
+    f32 = jnp.float32
+    k_nope = jnp.einsum("tr,rhn->thn", c, w[..., :qk_nope_head_dim], preferred_element_type=f32)
+    values = jnp.einsum("tr,rhv->thv", c, w[..., qk_nope_head_dim:], preferred_element_type=f32)
+    heads = w.shape[1]
+    k_pe = jnp.broadcast_to(k_pe[:, None, :], (tokens, heads, k_pe.shape[-1]))
+    keys = jnp.concatenate([k_nope.astype(dtype), k_pe], axis=-1)
+    pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:1]), x])[None]  # noqa: E731
+    reqs, width = cache.req_to_token.shape
+    valid = md.tile_q_len > 0
+    first_token = jax.ops.segment_min(
+        jnp.where(valid, md.tile_q_start - md.tile_q_pos, tokens).astype(jnp.int32),
+        md.tile_req, reqs,
+    )  # fmt: skip
+    table = jnp.clip(first_token[:, None] + jnp.arange(width)[None, :] + 1, 0, tokens)
+    return kv_cache_lib.KVCache(
+        k=pad(keys), v=pad(values.astype(dtype)), req_to_token=table.astype(jnp.int32)
+    )
+
+
 def write_latent(
     latent: jax.Array,
     layer_id: int | jax.Array,
@@ -204,10 +275,17 @@ def forward(
     nope = q_nope.shape[-1]
     if not absorbed:
         q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
-        view = decompressed_view(w_kv_b.astype(cache.k.dtype), nope)
-        return native.attend(
-            q, cache, layer_id, md, scaling=scaling, config=config, view=view
-        ), cache
+
+        def step_rows():  # no prefix: the step's own rows, up-projected once
+            rows = step_rows_cache(latent, w_kv_b, nope, md, cache)
+            return native.attend(q, rows, 0, md, scaling=scaling, config=config)
+
+        def pool_blocks():  # up-projected per gathered pool block
+            view = decompressed_view(w_kv_b.astype(cache.k.dtype), nope)
+            return native.attend(q, cache, layer_id, md, scaling=scaling, config=config, view=view)
+
+        no_prefix = has_no_prefix(md, cache.req_to_token.shape[0])
+        return jax.lax.cond(no_prefix, step_rows, pool_blocks), cache
     w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]
     f32 = jnp.float32
     q_latent = jnp.einsum("thn,rhn->thr", q_nope, w_uk, preferred_element_type=f32)

@@ -89,6 +89,11 @@ def _extend_case(seed):
     return _case(np.random.default_rng(seed), [0, 5, 9], [6, 3, 7], capacity, 24)
 
 
+def _fresh_extend_case(seed):
+    capacity = metadata.extend_capacity(24, 4, CONTEXT, query_tile=4)
+    return _case(np.random.default_rng(seed), [0, 0, 0], [6, 3, 7], capacity, 24)
+
+
 def _decode_case(seed):
     capacity = metadata.decode_capacity(4, CONTEXT)
     return _case(np.random.default_rng(seed), [7, 1, 20], [1, 1, 1], capacity, 4)
@@ -100,7 +105,7 @@ def _verify_case(seed):
     return _case(np.random.default_rng(seed), [4, 11], [3, 3], capacity, 9, tree=tree)
 
 
-@pytest.mark.parametrize("make", [_extend_case, _decode_case, _verify_case])
+@pytest.mark.parametrize("make", [_extend_case, _fresh_extend_case, _decode_case, _verify_case])
 @pytest.mark.parametrize("absorbed", [False, True])
 def test_both_forms_match_the_float64_reference(make, absorbed):
     case = make(3)
@@ -250,3 +255,20 @@ def test_latent_kernel_equals_the_native_latent_attention(make):
     chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(impls.KernelUnavailableError, match="impl='triton' is unavailable"):
         mla.attend_latent(q, cache, 1, case.md, scaling=SCALE, kv_lora_rank=RANK, impl="triton")
+
+
+def test_fresh_prompts_take_the_step_rows_and_both_paths_agree():
+    # Without prefixes the decompressed form attends the step's own rows, up-projected once;
+    # with a prefix it up-projects the pool blocks. On a fresh batch both give the reference.
+    fresh, prefixed = _fresh_extend_case(13), _extend_case(13)
+    reqs = fresh.cache.req_to_token.shape[0]
+    assert bool(mla.has_no_prefix(fresh.md, reqs)) and not mla.has_no_prefix(prefixed.md, reqs)
+    cache = mla.write_latent(jnp.asarray(fresh.latent), 1, fresh.md, fresh.cache)
+    q = jnp.concatenate([fresh.q_nope, fresh.q_pe], axis=-1)
+    rows = mla.step_rows_cache(jnp.asarray(fresh.latent), fresh.w_kv_b, NOPE, fresh.md, cache)
+    from_rows = native.attend(q, rows, 0, fresh.md, scaling=SCALE, config=CONFIG)
+    view = mla.decompressed_view(jnp.asarray(fresh.w_kv_b), NOPE)
+    from_pool = native.attend(q, cache, 1, fresh.md, scaling=SCALE, config=CONFIG, view=view)
+    n = fresh.num_tokens
+    chex.assert_trees_all_close(from_rows[:n], from_pool[:n], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(from_rows[:n], np.float64), fresh.expected[:n], atol=3e-5)
