@@ -581,7 +581,7 @@ def _agreement(got: np.ndarray, want: np.ndarray) -> str:
     return f"{np.median(rows):.1e} / {same:.3f}"
 
 
-def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = False):
+def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = False, shared=None):
     moe = layer_ops.MoEOptions(
         moe_a2a_backend=args.moe_a2a_backend, moe_runner_backend=args.moe_runner_backend,
         ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
@@ -594,7 +594,7 @@ def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = F
         max_running_requests=max(args.decode + [largest // args.prompt_len + 1]),
         token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.dtype(args.dtype),
         attention_backend=args.attention_backend, dp_padding=args.dp_padding,
-        ep_routing_stats=_measured_stats(args),
+        ep_routing_stats=_measured_stats(args), params_from=shared,
     )  # fmt: skip
 
 
@@ -719,9 +719,12 @@ def _runners(args, config) -> tuple[list, runner_lib.ModelRunner]:
     mesh = mesh_lib.make_mesh(args.dp, args.attn_tp)
     largest = max(args.prefill + [s * args.context for s in args.decode] + [1])
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
-    barriers = (False, True) if args.barriers else (False,)
-    runners = [_runner(model, mesh, args, largest, with_barriers) for with_barriers in barriers]
-    return runners, _runner(model, mesh, args, largest, False, tbo="auto")
+    first = _runner(model, mesh, args, largest, False)
+    # The other runners read the first one's device parameters: one copy of the weights.
+    runners = [first] + (
+        [_runner(model, mesh, args, largest, True, shared=first)] if args.barriers else []
+    )
+    return runners, _runner(model, mesh, args, largest, False, tbo="auto", shared=first)
 
 
 def main(argv) -> None:

@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import os
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import jax
@@ -103,6 +104,7 @@ class ModelRunner:
         peer_timeout_s: float = failure.DEFAULT_TIMEOUT_S,
         check_finite_logits: bool = True,
         ep_routing_stats: str | os.PathLike | None = None,
+        params_from: "ModelRunner | None" = None,
     ):
         """Places the model on the mesh and allocates every DP rank's KV pool.
 
@@ -139,6 +141,10 @@ class ModelRunner:
             ``jtbo.runner.ep_stats_file``): the dispatch sizes it lists get capacities of
             ``moe.ep_capacity_headroom`` times its measured peak loads instead of
             ``moe.ep_capacity_factor`` times the balanced load.
+          params_from: another runner of the same model object on the same mesh, dtype and
+            ``moe_a2a_backend``, whose device parameters this runner reads instead of placing
+            a second copy (a step never writes its parameters; the benchmark's runners share
+            one copy this way).
 
         Raises:
           ValueError: a mesh without the right axes, shapes that do not divide over it, a
@@ -179,7 +185,7 @@ class ModelRunner:
                 tbo.tbo_auto_trials, tbo.tbo_auto_margin, tbo.tbo_timer or tbo_auto.wall_timer,
                 known,
             )  # fmt: skip
-        self._place_params(model)
+        self._place_params(model, params_from)
         measured = self._load_routing_stats(ep_routing_stats)
         self._init_kv()
         self.check_finite_logits = check_finite_logits
@@ -233,11 +239,16 @@ class ModelRunner:
         """
         ep_stats_file.save(path, self.ep_routing_model(), self.ep_routing_stats())
 
-    def _place_params(self, model: model_lib.MoEModel) -> None:
+    def _place_params(self, model: model_lib.MoEModel, params_from) -> None:
         """Casts the model to the runner's dtype, builds its step and puts its parameters on
-        the mesh (every process holds the full parameters and fills its own devices)."""
+        the mesh (every process holds the full parameters and fills its own devices), or
+        reads ``params_from``'s."""
+        self._model_ref = weakref.ref(model)  # for params_from; the host model is not kept
         served = model_lib.cast(model, self.dtype)
         self._step = step.make_step(served, self.mesh, self.parallel)
+        if params_from is not None:
+            self._params = _shared_params(params_from, model, self)
+            return
         _, params = nnx.split(served)
         shardings = jax.tree.map(
             lambda spec: jax.sharding.NamedSharding(self.mesh, spec),
@@ -644,6 +655,23 @@ class ModelRunner:
         padding = "max_len" if self.options.dp_padding == "auto" else self.options.dp_padding
         options = dataclasses.replace(self.options, enable_tbo=tbo, dp_padding=padding)
         return planning.plan_step_for_ranks(batches, self.local_dp_ranks, options)
+
+
+def _shared_params(source: ModelRunner, model: model_lib.MoEModel, runner: ModelRunner):
+    """``source``'s device parameters, if ``runner`` would place the very same ones.
+
+    Raises:
+      ValueError: another model object, mesh, dtype or ``moe_a2a_backend`` (they would be
+        laid out or valued differently).
+    """
+    if source._model_ref() is not model:
+        raise ValueError("params_from: that runner serves another model object")
+    mine = (runner.mesh, jnp.dtype(runner.dtype), runner.parallel.moe.moe_a2a_backend)
+    theirs = (source.mesh, jnp.dtype(source.dtype), source.parallel.moe.moe_a2a_backend)
+    for name, a, b in zip(("mesh", "dtype", "moe_a2a_backend"), mine, theirs, strict=True):
+        if a != b:
+            raise ValueError(f"params_from: its {name} {b} differs from this runner's {a}")
+    return source._params
 
 
 def _trailing_none_dropped(spec: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec:

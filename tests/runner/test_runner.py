@@ -517,3 +517,35 @@ def test_query_tile_reaches_the_extend_steps_attention():
     (got,) = runner.forward([batch])
     want = helpers.reference_new_rows(model, rank, {k: len(v) for k, v in new.items()})
     chex.assert_trees_all_close(got, want, **TOL)
+
+
+def test_params_from_shares_one_copy_of_the_device_parameters():
+    # A second runner of the same model, mesh, dtype and backend reads the first one's
+    # parameters (the very same device arrays) and computes the same logits; anything that
+    # would lay them out or value them differently is refused.
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    make = lambda **kw: runner_lib.ModelRunner(  # noqa: E731
+        model, mesh_lib.make_mesh(4, 2), max_total_tokens=64, max_running_requests=4,
+        token_buckets=(16,), **{"dtype": jnp.float32, **kw},
+    )  # fmt: skip
+    first = make()
+    second = make(tbo=tbo_options.TboOptions(enable_two_batch_overlap=True), params_from=first)
+    pairs = zip(jax.tree.leaves(first._params), jax.tree.leaves(second._params), strict=True)
+    assert all(a is b for a, b in pairs)
+    rng = np.random.default_rng(31)
+    new = [_prompts(rng, [5, 6]) for _ in range(4)]
+    outs = [r.forward([helpers.Rank().extend(n) for n in new]) for r in (first, second)]
+    assert second.num_tbo_steps == 1
+    for got, want in zip(outs[1], outs[0], strict=True):
+        chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="dtype"):
+        make(dtype=jnp.bfloat16, params_from=first)
+    with pytest.raises(ValueError, match="moe_a2a_backend"):
+        make(moe=layer_ops.MoEOptions(moe_a2a_backend="none"), params_from=first)
+    other = model_lib.MoEModel(config, rngs=nnx.Rngs(1))
+    with pytest.raises(ValueError, match="another model object"):
+        runner_lib.ModelRunner(
+            other, mesh_lib.make_mesh(4, 2), max_total_tokens=64, max_running_requests=4,
+            token_buckets=(16,), dtype=jnp.float32, params_from=first,
+        )  # fmt: skip
