@@ -203,7 +203,7 @@ class PallasAttnBackend(NativeAttnBackend):
         scaling: float,
     ) -> tuple[jax.Array, kv_cache_lib.KVCache]:
         """Writes the step's MLA latent rows and attends: decode and verify metadata through
-        the paged kernel over the latent pool (the absorbed form, ``mla.attend_latent``),
+        the paged kernel over the latent pool (the absorbed form, ``paged.paged_attention``),
         extend metadata in the decompressed form through the native attention (the kernel
         has no decompressing form).
 

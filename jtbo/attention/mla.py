@@ -23,10 +23,11 @@ Two exact ways to attend, chosen by the metadata's shape (``uses_absorbed``):
   weighted sum of latent rows is then projected by ``W_UV``. The kernel reads only the
   latent: ``rank + rope`` values per token instead of ``heads x (nope + rope + v)``.
 
-The absorbed form's attention over the latent rows is ``attend_latent``: ``impl="xla"`` is the
-native attention with ``latent_view``, ``impl="pallas"`` the paged kernel reading the latent
-rows straight from the pool, its values being their first ``kv_lora_rank`` columns
-(``jtbo.attention.paged``). The decompressed form runs the native attention only.
+The absorbed form's attention over the latent rows is ``paged.paged_attention(value_width=
+kv_lora_rank)``: ``impl="xla"`` is the native attention with ``paged.latent_view``,
+``impl="pallas"`` the paged kernel reading the latent rows straight from the pool, its values
+being their first ``kv_lora_rank`` columns. The decompressed form runs the native attention
+only.
 
 Both forms compute the same scores and outputs; they differ only in float rounding. Heads
 may be any subset (``attn_tp`` ranks pass their share of ``kv_b``); the latent is the same
@@ -39,21 +40,11 @@ import jax.numpy as jnp
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.attention import metadata as metadata_lib
 from jtbo.attention import native, paged
-from jtbo.kernels import impls
-
-LATENT_OP = "mla_latent_attention"
-"""``attend_latent``'s key in ``jtbo.kernels.impls.FASTEST``."""
 
 
 def uses_absorbed(capacity: metadata_lib.AttentionCapacity) -> bool:
     """Whether steps of ``capacity`` attend in the absorbed form (decode and verify tiles)."""
     return capacity.query_tile == 1 or capacity.custom_mask
-
-
-def latent_view(kv_lora_rank: int) -> native.KVView:
-    """Reads the pool's latent rows as one key head and their first ``kv_lora_rank`` values
-    as the value head (the absorbed form)."""
-    return native.KVView(1, kv_lora_rank, lambda k, v: (k, k[..., :kv_lora_rank]))
 
 
 def decompressed_view(w_kv_b: jax.Array, qk_nope_head_dim: int) -> native.KVView:
@@ -81,59 +72,6 @@ def decompressed_view(w_kv_b: jax.Array, qk_nope_head_dim: int) -> native.KVView
     return native.KVView(heads, width - qk_nope_head_dim, expand)
 
 
-def attend_latent(
-    q: jax.Array,
-    cache: kv_cache_lib.KVCache,
-    layer_id: int | jax.Array,
-    md: metadata_lib.AttentionMetadata,
-    *,
-    scaling: float,
-    kv_lora_rank: int,
-    impl: str | None = None,
-    config: native.NativeAttentionConfig = native.DEFAULT_CONFIG,
-    kernel_config: paged.PagedAttentionConfig = paged.DEFAULT_CONFIG,
-) -> jax.Array:
-    """Attends latent-space queries over the latent pool (the absorbed form's attention).
-
-    Args:
-      q: ``[token_capacity, heads, kv_lora_rank + qk_rope_head_dim]`` absorbed queries.
-      cache: the latent cache, holding the step's rows already (``write_latent``).
-      layer_id: layer whose pool is read.
-      md: the step's metadata.
-      scaling: softmax scale.
-      kv_lora_rank: the latent width; the values are each row's first ``kv_lora_rank``
-        columns.
-      impl: "xla" (native attention, the reference), "pallas" (the paged kernel; the
-        interpreter on the CPU) or None (``jtbo.kernels.impls.FASTEST``).
-      config: the native attention's knobs ("xla").
-      kernel_config: the paged kernel's launch shape ("pallas").
-
-    Returns:
-      ``[token_capacity, heads, kv_lora_rank]`` in ``q.dtype``: the softmax-weighted latent
-      rows (zeros for rows without keys and past ``md.num_tokens``).
-
-    Raises:
-      ValueError: an unknown impl.
-      KernelUnavailableError: the named impl cannot serve these shapes here.
-    """
-    impl = impls.resolve(impl, op=LATENT_OP)
-    if impl == "xla":
-        view = latent_view(kv_lora_rank)
-        return native.attend(q, cache, layer_id, md, scaling=scaling, config=config, view=view)
-    if impl != "pallas":
-        raise impls.KernelUnavailableError(
-            f"impl={impl!r} is unavailable: MLA has no {impl} kernel"
-        )
-    interpret = impls.backend() == "cpu"
-    reason = None if interpret else paged.latent_unavailable_reason(q, kv_lora_rank)
-    if reason is not None:
-        raise impls.KernelUnavailableError(f"impl='pallas' is unavailable: {reason}")
-    return paged.paged_attention_pallas(
-        q, cache, layer_id, md, scaling=scaling, config=kernel_config, interpret=interpret,
-        value_width=kv_lora_rank,
-    )  # fmt: skip
-
-
 def has_no_prefix(md: metadata_lib.AttentionMetadata, num_reqs: int) -> jax.Array:
     """Whether no sequence of the step has tokens in the pool from earlier steps.
 
@@ -157,22 +95,20 @@ def has_no_prefix(md: metadata_lib.AttentionMetadata, num_reqs: int) -> jax.Arra
 
 def step_rows_cache(
     latent: jax.Array,
-    w_kv_b: jax.Array,
-    qk_nope_head_dim: int,
+    view: native.KVView,
     md: metadata_lib.AttentionMetadata,
     cache: kv_cache_lib.KVCache,
 ) -> kv_cache_lib.KVCache:
     """A one-layer cache of the step's own rows, up-projected once (valid without prefixes).
 
-    Slot ``1 + t`` holds token ``t``'s keys ``[latent_t W_UK, k_pe_t]`` and values
-    ``latent_t W_UV`` for every head (slot 0: the padding slot); position ``p`` of a sequence
-    maps to the slot of its ``p``-th new token, which is where the sequence's tokens lie when
-    it has no prefix (``has_no_prefix``).
+    Slot ``1 + t`` holds token ``t``'s keys and values, up-projected by ``view`` as the pool
+    blocks would be (slot 0: the padding slot); position ``p`` of a sequence maps to the slot
+    of its ``p``-th new token, which is where the sequence's tokens lie when it has no prefix
+    (``has_no_prefix``).
 
     Args:
       latent: ``[token_capacity, kv_lora_rank + qk_rope_head_dim]`` the step's latent rows.
-      w_kv_b: ``[kv_lora_rank, heads, qk_nope_head_dim + v_head_dim]``.
-      qk_nope_head_dim: key width without RoPE.
+      view: ``decompressed_view`` of the layer's up-projection.
       md: the step's metadata.
       cache: the latent cache (its dtype and page-table shape are kept).
 
@@ -180,16 +116,10 @@ def step_rows_cache(
       ``KVCache`` with ``k [1, token_capacity + 1, heads, nope + rope]``, ``v [1, ..,
       heads, v]`` and a page table of ``cache.req_to_token``'s shape.
     """
-    rank, dtype, tokens = w_kv_b.shape[0], cache.k.dtype, latent.shape[0]
-    w = w_kv_b.astype(dtype)
-    c, k_pe = latent[:, :rank].astype(dtype), latent[:, rank:].astype(dtype)
-    f32 = jnp.float32
-    k_nope = jnp.einsum("tr,rhn->thn", c, w[..., :qk_nope_head_dim], preferred_element_type=f32)
-    values = jnp.einsum("tr,rhv->thv", c, w[..., qk_nope_head_dim:], preferred_element_type=f32)
-    heads = w.shape[1]
-    k_pe = jnp.broadcast_to(k_pe[:, None, :], (tokens, heads, k_pe.shape[-1]))
-    keys = jnp.concatenate([k_nope.astype(dtype), k_pe], axis=-1)
-    pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:1]), x])[None]  # noqa: E731
+    tokens = latent.shape[0]
+    rows = latent.astype(cache.k.dtype)[None, :, None, :]  # one block of every row
+    keys, values = view.expand(rows, None)  # [1, tokens, heads, ..]
+    pad = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)  # noqa: E731
     reqs, width = cache.req_to_token.shape
     valid = md.tile_q_len > 0
     first_token = jax.ops.segment_min(
@@ -197,9 +127,7 @@ def step_rows_cache(
         md.tile_req, reqs,
     )  # fmt: skip
     table = jnp.clip(first_token[:, None] + jnp.arange(width)[None, :] + 1, 0, tokens)
-    return kv_cache_lib.KVCache(
-        k=pad(keys), v=pad(values.astype(dtype)), req_to_token=table.astype(jnp.int32)
-    )
+    return kv_cache_lib.KVCache(k=pad(keys), v=pad(values), req_to_token=table.astype(jnp.int32))
 
 
 def write_latent(
@@ -261,8 +189,8 @@ def forward(
       scaling: softmax scale (``(nope + rope) ** -0.5`` times any YaRN mscale).
       absorbed: attend in the absorbed form (True) or the decompressed one.
       config: native kernel knobs.
-      latent_impl: the absorbed form's ``attend_latent`` impl (the decompressed form is
-        native only).
+      latent_impl: the absorbed form's ``paged.paged_attention`` impl (the decompressed form
+        is native only).
       kernel_config: the paged kernel's launch shape (``latent_impl="pallas"``).
 
     Returns:
@@ -275,13 +203,13 @@ def forward(
     nope = q_nope.shape[-1]
     if not absorbed:
         q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
+        view = decompressed_view(w_kv_b.astype(cache.k.dtype), nope)
 
         def step_rows():  # no prefix: the step's own rows, up-projected once
-            rows = step_rows_cache(latent, w_kv_b, nope, md, cache)
+            rows = step_rows_cache(latent, view, md, cache)
             return native.attend(q, rows, 0, md, scaling=scaling, config=config)
 
         def pool_blocks():  # up-projected per gathered pool block
-            view = decompressed_view(w_kv_b.astype(cache.k.dtype), nope)
             return native.attend(q, cache, layer_id, md, scaling=scaling, config=config, view=view)
 
         no_prefix = has_no_prefix(md, cache.req_to_token.shape[0])
@@ -290,9 +218,9 @@ def forward(
     f32 = jnp.float32
     q_latent = jnp.einsum("thn,rhn->thr", q_nope, w_uk, preferred_element_type=f32)
     q = jnp.concatenate([q_latent, q_pe.astype(f32)], axis=-1).astype(q_nope.dtype)
-    out_latent = attend_latent(
-        q, cache, layer_id, md, scaling=scaling, kv_lora_rank=w_kv_b.shape[0],
-        impl=latent_impl, config=config, kernel_config=kernel_config,
+    out_latent = paged.paged_attention(
+        q, cache, layer_id, md, scaling=scaling, impl=latent_impl, config=kernel_config,
+        native_config=config, value_width=w_kv_b.shape[0],
     )  # fmt: skip  # [T, heads, rank]
     out = jnp.einsum("thr,rhv->thv", out_latent, w_uv, preferred_element_type=f32)
     return out.astype(q_nope.dtype), cache

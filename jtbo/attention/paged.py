@@ -56,6 +56,8 @@ del _pallas_tpu
 
 OP = "paged_attention"
 """This op's key in ``jtbo.kernels.impls.FASTEST``."""
+LATENT_OP = "mla_latent_attention"
+"""The op's key over an MLA latent pool (``paged_attention(value_width=...)``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,10 +322,10 @@ def _gpu_unavailable_reason(q, cache, value_width=None) -> str | None:
     return None
 
 
-def latent_unavailable_reason(q, value_width: int) -> str | None:
-    """Why the Triton lowering cannot read a latent pool of ``q``'s width (``value_width``
-    value columns); None when it can."""
-    return _gpu_unavailable_reason(q, None, value_width)
+def latent_view(value_width: int) -> native.KVView:
+    """Reads a latent pool's rows as one key head and their first ``value_width`` values as
+    the value head (MLA's absorbed form)."""
+    return native.KVView(1, value_width, lambda k, v: (k, k[..., :value_width]))
 
 
 def paged_attention(
@@ -336,6 +338,7 @@ def paged_attention(
     impl: str | None = None,
     config: PagedAttentionConfig = DEFAULT_CONFIG,
     native_config: native.NativeAttentionConfig = native.DEFAULT_CONFIG,
+    value_width: int | None = None,
 ) -> jax.Array:
     """Attends every tile's queries over its sequence's cached K/V (already written).
 
@@ -350,10 +353,14 @@ def paged_attention(
         available, ``jtbo.kernels.impls.FASTEST``). There is no ``"triton"`` kernel.
       config: the kernel's launch shape (``"pallas"``).
       native_config: the native attention's knobs (``"xla"``).
+      value_width: None: values from ``cache.v``. An int: ``cache`` is an MLA latent pool
+        (one KV head of latent rows, ``cache.v`` unread), the values are each row's first
+        ``value_width`` columns (MLA's absorbed form), and ``impl=None`` follows
+        ``LATENT_OP``'s order.
 
     Returns:
-      ``[token_capacity, q_heads, v_head_dim]`` in ``q.dtype``; zeros for rows without keys
-      and rows past ``md.num_tokens``.
+      ``[token_capacity, q_heads, v_head_dim]`` (``value_width`` when given) in ``q.dtype``;
+      zeros for rows without keys and rows past ``md.num_tokens``.
 
     Raises:
       ValueError: an unknown impl, or q heads not a multiple of the KV heads.
@@ -363,20 +370,24 @@ def paged_attention(
         raise ValueError(
             f"q_heads = {q.shape[1]} is not a multiple of kv_heads = {cache.k.shape[2]}"
         )
-    impl = impls.resolve(impl, op=OP)
+    impl = impls.resolve(impl, op=OP if value_width is None else LATENT_OP)
     if impl == "triton":
         raise impls.KernelUnavailableError(
             "impl='triton' is unavailable: paged attention has no jax-triton kernel"
         )
     if impl == "xla":
-        return native.attend(q, cache, layer_id, md, scaling=scaling, config=native_config)
+        view = None if value_width is None else latent_view(value_width)
+        return native.attend(
+            q, cache, layer_id, md, scaling=scaling, config=native_config, view=view
+        )
     interpret = impls.backend() == "cpu"
-    reason = None if interpret else _gpu_unavailable_reason(q, cache)
+    reason = None if interpret else _gpu_unavailable_reason(q, cache, value_width)
     if reason is not None:
         raise impls.KernelUnavailableError(f"impl='pallas' is unavailable: {reason}")
     return paged_attention_pallas(
-        q, cache, layer_id, md, scaling=scaling, config=config, interpret=interpret
-    )
+        q, cache, layer_id, md, scaling=scaling, config=config, interpret=interpret,
+        value_width=value_width,
+    )  # fmt: skip
 
 
 def forward(

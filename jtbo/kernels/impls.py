@@ -32,7 +32,7 @@ FASTEST = {
     # jtbo.attention.paged: "xla" is the native attention, which the paged kernel beats in
     # decode and extend (BENCHMARKS.md, "Attention: the paged kernel").
     "paged_attention": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
-    # jtbo.attention.mla.attend_latent (MLA's absorbed decode): the paged kernel over the
+    # paged_attention(value_width=...) (MLA's absorbed decode): the paged kernel over the
     # latent pool is not measured on a GPU yet, so the native attention stays first.
     "mla_latent_attention": {"gpu": ("xla", "pallas"), "cpu": ("xla",)},
 }

@@ -13,7 +13,7 @@ import pytest
 from jtbo import split
 from jtbo.attention import backend as backend_lib
 from jtbo.attention import kv_cache as kv_cache_lib
-from jtbo.attention import metadata, mla, mla_reference, native, tbo_backend, tiling
+from jtbo.attention import metadata, mla, mla_reference, native, paged, tbo_backend, tiling
 from jtbo.kernels import impls
 from tests.attention import scenarios
 
@@ -249,12 +249,12 @@ def test_latent_kernel_equals_the_native_latent_attention(make):
     rng = np.random.default_rng(2)
     q = jnp.asarray(rng.normal(size=(case.q_nope.shape[0], HEADS, RANK + ROPE)), jnp.float32)
     got, want = (
-        mla.attend_latent(q, cache, 1, case.md, scaling=SCALE, kv_lora_rank=RANK, impl=impl)
+        paged.paged_attention(q, cache, 1, case.md, scaling=SCALE, value_width=RANK, impl=impl)
         for impl in ("pallas", "xla")
     )
     chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(impls.KernelUnavailableError, match="impl='triton' is unavailable"):
-        mla.attend_latent(q, cache, 1, case.md, scaling=SCALE, kv_lora_rank=RANK, impl="triton")
+        paged.paged_attention(q, cache, 1, case.md, scaling=SCALE, value_width=RANK, impl="triton")
 
 
 def test_fresh_prompts_take_the_step_rows_and_both_paths_agree():
@@ -265,9 +265,9 @@ def test_fresh_prompts_take_the_step_rows_and_both_paths_agree():
     assert bool(mla.has_no_prefix(fresh.md, reqs)) and not mla.has_no_prefix(prefixed.md, reqs)
     cache = mla.write_latent(jnp.asarray(fresh.latent), 1, fresh.md, fresh.cache)
     q = jnp.concatenate([fresh.q_nope, fresh.q_pe], axis=-1)
-    rows = mla.step_rows_cache(jnp.asarray(fresh.latent), fresh.w_kv_b, NOPE, fresh.md, cache)
-    from_rows = native.attend(q, rows, 0, fresh.md, scaling=SCALE, config=CONFIG)
     view = mla.decompressed_view(jnp.asarray(fresh.w_kv_b), NOPE)
+    rows = mla.step_rows_cache(jnp.asarray(fresh.latent), view, fresh.md, cache)
+    from_rows = native.attend(q, rows, 0, fresh.md, scaling=SCALE, config=CONFIG)
     from_pool = native.attend(q, cache, 1, fresh.md, scaling=SCALE, config=CONFIG, view=view)
     n = fresh.num_tokens
     chex.assert_trees_all_close(from_rows[:n], from_pool[:n], atol=1e-5, rtol=1e-5)
