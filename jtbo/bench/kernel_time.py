@@ -37,8 +37,8 @@ CUBLAS_PREFIXES = ("nvjet", "sm90_", "sm80_", "cutlass", "void cutlass", "gemv",
 """Kernel-name prefixes of cuBLAS / cuBLASLt kernels."""
 NCCL_PREFIXES = ("nccl",)
 """Kernel-name prefixes of NCCL collectives (communication)."""
-PEER_COPY_PREFIXES = ("MemcpyP2P", "MemcpyPtoP", "Memcpy PtoP")
-"""Names of peer-to-peer copies: the ``peer_copy`` EP exchange's transfers (communication)."""
+PEER_COPY_PREFIXES = ("MemcpyP2P",)
+"""Name of peer-to-peer copies in the trace: the ``peer_copy`` EP exchange's transfers."""
 NOT_COMPUTE_PREFIXES = ("Memcpy", "Memset", "memcpy", "memset")
 """Kernel-name prefixes that are data movement, neither communication nor compute."""
 
@@ -377,14 +377,11 @@ def communication_summary(kernels: list[Kernel]) -> str:
     )
 
 
-PEER_COPY_KIND = hlo_schedule.PEER_COPY_KIND
-"""``collective_bytes``' kind of the peer-copy all-to-all (``jtbo.collectives.peer_copy``)."""
-
-
 def collective_bytes(hlo_text: str) -> dict[str, list[int]]:
     """Bytes each collective of one step moves on one device, by kind.
 
-    Peer-copy all-to-alls (a start and a wait custom call) count under ``PEER_COPY_KIND``.
+    Peer-copy all-to-alls (a start and a wait custom call) count under
+    ``hlo_schedule.PEER_COPY_KIND``.
 
     A collective's bytes are its larger buffer (the ``-done`` result or the start's operands,
     each summed over tuple elements): the "size" of NCCL's own tests, e.g. an all-to-all's

@@ -72,7 +72,7 @@ from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import layer_ops
 from jtbo.models import model as model_lib
-from jtbo.overlap import xla_options
+from jtbo.overlap import hlo_schedule, xla_options
 from jtbo.runner import ep_stats_file, numerics, planning, tbo_auto, tbo_options
 from jtbo.runner import runner as runner_lib
 
@@ -355,7 +355,7 @@ def _dump_flags(directory: str) -> list[str]:
     return [f"--xla_dump_to={directory}/hlo", "--xla_dump_hlo_module_re=model_step"]
 
 
-EXCHANGE_KINDS = ("all-to-all", "ragged-all-to-all", kernel_time.PEER_COPY_KIND)
+EXCHANGE_KINDS = ("all-to-all", "ragged-all-to-all", hlo_schedule.PEER_COPY_KIND)
 """Collective kinds of the EP exchange (dispatch and combine)."""
 COLUMNS = ("no TBO", "TBO")
 """The traced columns, in the order ``_trace_case`` returns them."""

@@ -36,7 +36,7 @@ from jtbo import ffi
 class InFlight:
     """An exchange that has been issued and not yet waited for."""
 
-    received: jax.Array  # [rows, ...] the landing buffer; read it only through finish()
+    received: jax.Array  # [rows, ...] the landing buffer (peer copy: read only after the wait)
     sent: jax.Array | None  # [rows, ...] the rows being sent (peer copy only), else None
 
 

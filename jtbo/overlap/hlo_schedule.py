@@ -378,4 +378,6 @@ def is_compute(instruction: Instruction) -> bool:
     opcode = instruction.opcode
     if opcode in NON_COMPUTE_OPCODES or opcode in COLLECTIVE_KINDS:
         return False
+    if _is_peer_copy(instruction, PEER_COPY_START) or _is_peer_copy(instruction, PEER_COPY_WAIT):
+        return False  # the peer-copy exchange's own calls
     return not (opcode.endswith("-start") or opcode.endswith("-done"))

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jtbo.bench import kernel_time
+from jtbo.overlap import hlo_schedule
 
 HLO = """HloModule jit_model_step_1, is_scheduled=true
 
@@ -237,7 +238,7 @@ def test_collective_bytes_counts_peer_copy_starts_by_their_send_buffer():
         "  ROOT %r = bf16[132,66]{1,0} copy(%all-to-all-done.2)",
     )
     got = kernel_time.collective_bytes(with_peer_copy)
-    assert got[kernel_time.PEER_COPY_KIND] == [40 * 64 * 2]  # the start only, once
+    assert got[hlo_schedule.PEER_COPY_KIND] == [40 * 64 * 2]  # the start only, once
     assert got["all-to-all"] == [132 * 66 * 2, 40 * 64 * 2]
 
 
