@@ -70,7 +70,7 @@ from jtbo.bench import kernel_time
 from jtbo.collectives import ep_config
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
-from jtbo.models import layer_ops
+from jtbo.models import ep_dispatchers, layer_ops
 from jtbo.models import model as model_lib
 from jtbo.overlap import hlo_schedule, xla_options
 from jtbo.runner import ep_stats_file, numerics, planning, tbo_auto, tbo_options
@@ -606,7 +606,7 @@ def _measured_stats(args) -> str | None:
 
 def _save_routing_stats(args, runners) -> None:
     """Writes every runner's measured EP peak loads, merged, to ``--ep-routing-stats``."""
-    peaks = ep_stats_file.merged(*(runner.ep_routing_stats() for runner in runners))
+    peaks = ep_dispatchers.merge_peaks(*(runner.ep_routing_stats() for runner in runners))
     ep_stats_file.save(args.ep_routing_stats, runners[0].ep_routing_model(), peaks)
     print(f"EP routing statistics ({len(peaks)} dispatch sizes) -> {args.ep_routing_stats}")
 

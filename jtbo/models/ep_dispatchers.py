@@ -65,10 +65,9 @@ class DispatcherTable:
 
     def observe(self, dispatchers: Dispatchers, peak_load) -> None:
         """Records a step's peak loads (``[..., len(dispatchers), 2]``), max per row count."""
-        peaks = np.asarray(peak_load).reshape(-1, len(dispatchers), 2).max(axis=0)
-        for dispatcher, (peer, expert) in zip(dispatchers, peaks.tolist(), strict=True):
-            old = self._observed.get(dispatcher.num_tokens, (0, 0))
-            self._observed[dispatcher.num_tokens] = (max(old[0], peer), max(old[1], expert))
+        peaks = step_peaks(dispatchers, peak_load).tolist()
+        step = [{d.num_tokens: tuple(p)} for d, p in zip(dispatchers, peaks, strict=True)]
+        self._observed = merge_peaks(self._observed, *step)
 
     def observed_peaks(self) -> dict[int, tuple[int, int]]:
         """Rows per device -> the largest (peer, expert) peak loads ``observe`` has seen."""
@@ -154,6 +153,22 @@ class DispatcherTable:
                 self._by_rows[key] = _larger(self._by_rows[key], new)
         # Micro-batches of one shape share a table entry: both re-run with the larger one.
         return tuple(self._by_rows[d.num_tokens, d.exchange] for d in dispatchers)
+
+
+def step_peaks(dispatchers: Dispatchers, peak_load) -> np.ndarray:
+    """``[len(dispatchers), 2]`` (peer, expert) peak loads of a step's ``[..., len, 2]`` ones
+    (the max over the leading axes: devices, processes)."""
+    return np.asarray(peak_load).reshape(-1, len(dispatchers), 2).max(axis=0)
+
+
+def merge_peaks(*tables: Mapping[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """The larger of each (peer, expert) peak over several rows -> peaks tables, by rows."""
+    out: dict[int, tuple[int, int]] = {}
+    for table in tables:
+        for rows, (peer, expert) in table.items():
+            old = out.get(rows, (0, 0))
+            out[rows] = (max(old[0], int(peer)), max(old[1], int(expert)))
+    return dict(sorted(out.items()))
 
 
 def _resolve_each(dispatchers: Sequence, counts: np.ndarray, peaks, parallel) -> list:

@@ -108,13 +108,3 @@ def load(path: str | os.PathLike, model: Mapping[str, Any]) -> Peaks:
             return from_json(json.load(file), model)
         except ValueError as error:
             raise ValueError(f"{os.fspath(path)}: {error}") from error
-
-
-def merged(*tables: Mapping[int, tuple[int, int]]) -> Peaks:
-    """The larger of each peak over several runners' tables (each row count once)."""
-    out: Peaks = {}
-    for table in tables:
-        for rows, (peer, expert) in table.items():
-            old = out.get(rows, (0, 0))
-            out[rows] = (max(old[0], peer), max(old[1], expert))
-    return dict(sorted(out.items()))

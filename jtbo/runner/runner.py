@@ -47,7 +47,7 @@ from jtbo import split
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import ep_overflow
 from jtbo.collectives import mesh as mesh_lib
-from jtbo.models import layer_ops, step
+from jtbo.models import ep_dispatchers, layer_ops, step
 from jtbo.models import model as model_lib
 from jtbo.overlap import xla_options
 from jtbo.runner import (
@@ -563,7 +563,7 @@ class ModelRunner:
         dispatchers, peak_load = self._last_ep_load
         if not dispatchers:
             return []
-        peaks = np.asarray(peak_load).reshape(-1, len(dispatchers), 2).max(axis=0)
+        peaks = ep_dispatchers.step_peaks(dispatchers, peak_load)
         return [
             (int(peer) / d.peer_capacity, int(expert) / d.expert_capacity)
             for d, (peer, expert) in zip(dispatchers, peaks, strict=True)

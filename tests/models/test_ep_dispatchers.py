@@ -101,3 +101,8 @@ def test_runner_rerun_policy_matches_the_worst_case_capacity():
     chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
     (raised,) = small._step.dispatchers.for_step(16, None)
     assert raised.peer_capacity > 1 and small._step.num_keys > 1  # it did re-run
+
+
+def test_merge_peaks_takes_the_larger_peak():
+    merged = ep_dispatchers.merge_peaks({8: (5, 9), 16: (1, 1)}, {8: (7, 2)})
+    assert merged == {8: (7, 9), 16: (1, 1)}

@@ -57,11 +57,6 @@ def test_bad_files_name_the_field(content, message):
         ep_stats_file.from_json(content, MODEL)
 
 
-def test_merged_takes_the_larger_peak():
-    merged = ep_stats_file.merged({8: (5, 9), 16: (1, 1)}, {8: (7, 2)})
-    assert merged == {8: (7, 9), 16: (1, 1)}
-
-
 def test_sized_from_peaks_rounds_and_caps_at_the_worst_case():
     base = ep_config.create_ep_dispatcher(
         mesh_lib.make_mesh(8, 1), num_experts=16, num_tokens=10, top_k=2
