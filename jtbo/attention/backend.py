@@ -134,12 +134,17 @@ class NativeAttnBackend:
 
         Raises:
           ValueError: the metadata was built for another capacity, or a non-latent cache.
+          KernelUnavailableError: a kernel backend cannot read this latent width here.
         """
         self._check_capacity(metadata)
         return mla.forward(
             q_nope, q_pe, latent, w_kv_b, layer_id, metadata, kv_cache, scaling=scaling,
-            absorbed=mla.uses_absorbed(self.capacity), config=self.config,
+            absorbed=mla.uses_absorbed(self.capacity), **self._mla_impl(),
         )  # fmt: skip
+
+    def _mla_impl(self) -> dict:
+        """``mla.forward``'s kernel arguments: the native attention with this config."""
+        return dict(config=self.config, latent_impl="xla")
 
 
 class PallasAttnBackend(NativeAttnBackend):
@@ -190,35 +195,11 @@ class PallasAttnBackend(NativeAttnBackend):
             config=self.config,
         )  # fmt: skip
 
-    def forward_mla(
-        self,
-        q_nope: jax.Array,
-        q_pe: jax.Array,
-        latent: jax.Array,
-        w_kv_b: jax.Array,
-        layer_id: int | jax.Array,
-        metadata: metadata_lib.AttentionMetadata,
-        kv_cache: kv_cache_lib.KVCache,
-        *,
-        scaling: float,
-    ) -> tuple[jax.Array, kv_cache_lib.KVCache]:
-        """Writes the step's MLA latent rows and attends: decode and verify metadata through
-        the paged kernel over the latent pool (the absorbed form, ``paged.paged_attention``),
-        extend metadata in the decompressed form through the native attention (the kernel
-        has no decompressing form).
-
-        Args and returns as ``NativeAttnBackend.forward_mla``.
-
-        Raises:
-          ValueError: the metadata was built for another capacity, or a non-latent cache.
-          KernelUnavailableError: the kernel cannot read this latent width on this platform.
-        """
-        self._check_capacity(metadata)
-        return mla.forward(
-            q_nope, q_pe, latent, w_kv_b, layer_id, metadata, kv_cache, scaling=scaling,
-            absorbed=mla.uses_absorbed(self.capacity), latent_impl="pallas",
-            kernel_config=self.config,
-        )  # fmt: skip
+    def _mla_impl(self) -> dict:
+        """Decode and verify metadata through the paged kernel over the latent pool (the
+        absorbed form); extend metadata in the decompressed form through the native attention
+        at its defaults (the kernel has no decompressing form)."""
+        return dict(latent_impl="pallas", kernel_config=self.config)
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[metadata_lib.AttentionCapacity], NativeAttnBackend]] = {
