@@ -19,6 +19,7 @@ schedules.
 import dataclasses
 import re
 
+from jtbo.ffi import build as ffi_build
 from jtbo.overlap import operations
 
 COLLECTIVE_KINDS = frozenset(
@@ -35,8 +36,10 @@ COLLECTIVE_KINDS = frozenset(
 PEER_COPY_KIND = "peer-all-to-all"
 """``CollectiveWindow.kind`` of a peer-copy all-to-all (``jtbo.collectives.peer_copy``): its
 window runs from the start custom call to the wait custom call."""
-PEER_COPY_START = 'custom_call_target="jtbo_peer_all_to_all_start"'
-PEER_COPY_WAIT = 'custom_call_target="jtbo_peer_all_to_all_wait"'
+PEER_COPY_START = f'custom_call_target="{ffi_build.START_TARGET}"'
+"""The attribute text that marks a peer-copy start custom call."""
+PEER_COPY_WAIT = f'custom_call_target="{ffi_build.WAIT_TARGET}"'
+"""The attribute text that marks a peer-copy wait custom call."""
 # Instructions that move no data through the GPU's compute units (or are bookkeeping).
 NON_COMPUTE_OPCODES = frozenset(
     (
