@@ -106,4 +106,9 @@ def all_to_all_wait(in_flight: InFlight, group: tuple[int, ...]) -> jax.Array:
         has_side_effect=True,
         input_output_aliases={1: 0},
     )
-    return wait(in_flight.sent, in_flight.received, group=np.asarray(group, np.int64))
+    received = wait(in_flight.sent, in_flight.received, group=np.asarray(group, np.int64))
+    # XLA:GPU's dynamic-slice fusion takes a custom call followed by a dynamic-update-slice
+    # for a library call that writes its result in place, and fails to compile when the
+    # call's result is the update's target instead (jax 0.11.2: "DUS target must be a fusion
+    # parameter"). The barrier (no copy, no work) keeps ``received.at[i].set(...)`` legal.
+    return jax.lax.optimization_barrier(received)

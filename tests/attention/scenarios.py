@@ -9,10 +9,21 @@ through the pool, tiles or page table), so it shares no code with the library.
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jtbo.attention import kv_cache as kv_cache_lib
+
+# float32 dots run in TF32 on NVIDIA GPUs (XLA's default precision, Triton's tl.dot): about
+# 1e-3 relative there (measured up to 3.8e-3 absolute on an H200, values of order 1), float32
+# rounding elsewhere.
+TF32_TOLERANCE = 1e-2
+
+
+def f32_tolerance(elsewhere: float) -> float:
+    """A float32 comparison's tolerance: ``elsewhere`` off GPUs, ``TF32_TOLERANCE`` on them."""
+    return elsewhere if jax.default_backend() == "cpu" else TF32_TOLERANCE
 
 
 @dataclasses.dataclass

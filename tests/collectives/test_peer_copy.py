@@ -1,5 +1,6 @@
-"""The peer-copy all-to-all (CPU build: memcpy between the 8 CPU devices' buffers) against
-XLA's all_to_all and a numpy reference."""
+"""The peer-copy all-to-all against XLA's all_to_all and a numpy reference, on the platform
+the tests run on: the CPU build (memcpy between the 8 CPU devices' buffers) under ``make
+test``, the CUDA build (copy-engine copies between the GPUs) with ``JAX_PLATFORMS=cuda``."""
 
 import functools
 import types
@@ -11,12 +12,18 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jtbo.collectives import ep_config, peer_copy
+from jtbo.collectives import mesh as mesh_lib
 
 AXIS = "x"
+NDEV = min(8, jax.device_count())  # 8 CPU devices, or the GPUs of the host
 
 
 def _mesh():
-    return jax.make_mesh((8,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.make_mesh((NDEV,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _platform(mesh):
+    return mesh_lib.mesh_platform(mesh)
 
 
 def _sharded(body, mesh, outputs):
@@ -40,16 +47,16 @@ def test_start_and_wait_equal_xla_all_to_all(dtype):
     group = peer_copy.device_group(mesh)
 
     def body(x, y):
-        in_flight = peer_copy.all_to_all_start(x, group, "cpu")
+        in_flight = peer_copy.all_to_all_start(x, group, _platform(mesh))
         busy = jnp.tanh(y) @ jnp.tanh(y).T  # work between start and wait
         received = peer_copy.all_to_all_wait(in_flight, group)
         return received, jax.lax.all_to_all(x, AXIS, 0, 0, tiled=True), busy
 
     rng = np.random.default_rng(0)
-    x = (rng.standard_normal((8 * 16, 3, 5)) * 100).astype(dtype)
-    y = rng.standard_normal((8 * 4, 4)).astype(np.float32)
+    x = (rng.standard_normal((NDEV * 16, 3, 5)) * 100).astype(dtype)
+    y = rng.standard_normal((NDEV * 4, 4)).astype(np.float32)
     received, xla, _ = _sharded(body, mesh, 3)(x, y)
-    want = _reference(np.asarray(x).reshape(8, 16, 3, 5))
+    want = _reference(np.asarray(x).reshape(NDEV, 16, 3, 5))
     np.testing.assert_array_equal(np.asarray(received).reshape(want.shape), want)
     np.testing.assert_array_equal(np.asarray(received), np.asarray(xla))
 
@@ -61,8 +68,8 @@ def test_interleaved_exchanges_each_find_their_own_buffer_over_repeated_runs():
     group = peer_copy.device_group(mesh)
 
     def body(a, b):
-        first = peer_copy.all_to_all_start(a, group, "cpu")
-        second = peer_copy.all_to_all_start(b, group, "cpu")
+        first = peer_copy.all_to_all_start(a, group, _platform(mesh))
+        second = peer_copy.all_to_all_start(b, group, _platform(mesh))
         got_b = peer_copy.all_to_all_wait(second, group)
         got_a = peer_copy.all_to_all_wait(first, group)
         return got_a, got_b
@@ -70,17 +77,19 @@ def test_interleaved_exchanges_each_find_their_own_buffer_over_repeated_runs():
     step = _sharded(body, mesh, 2)
     for seed in range(3):
         rng = np.random.default_rng(seed)
-        a, b = (rng.standard_normal((8 * 8, 4)).astype(np.float32) for _ in range(2))
+        a, b = (rng.standard_normal((NDEV * 8, 4)).astype(np.float32) for _ in range(2))
         got_a, got_b = step(a, b)
         for got, sent in ((got_a, a), (got_b, b)):
-            want = _reference(sent.reshape(8, 8, 4))
+            want = _reference(sent.reshape(NDEV, 8, 4))
             np.testing.assert_array_equal(np.asarray(got).reshape(want.shape), want)
 
 
 def test_rows_must_split_into_the_group():
-    group = peer_copy.device_group(_mesh())
-    with pytest.raises(ValueError, match="multiple of 8 devices"):
-        peer_copy.all_to_all_start(jnp.ones((12, 2)), group, "cpu")
+    mesh = _mesh()
+    with pytest.raises(ValueError, match=f"multiple of {NDEV} devices"):
+        peer_copy.all_to_all_start(
+            jnp.ones((NDEV * 3 + 1, 2)), peer_copy.device_group(mesh), _platform(mesh)
+        )
 
 
 def test_device_group_refuses_other_platforms_and_processes():
@@ -94,13 +103,13 @@ def test_device_group_refuses_other_platforms_and_processes():
 
 
 def test_dispatcher_needs_the_group_exactly_for_the_peer_copy():
-    base = dict(num_experts=16, ep_size=8, num_tokens=4, top_k=2, peer_capacity=4,
+    base = dict(num_experts=16, ep_size=NDEV, num_tokens=4, top_k=2, peer_capacity=4,
                 expert_capacity=4)  # fmt: skip
     with pytest.raises(ValueError, match="peer-copy exchange needs"):
         ep_config.EpDispatcher(**base, exchange="peer_copy")
     with pytest.raises(ValueError, match="peer-copy exchange needs"):
-        ep_config.EpDispatcher(**base, exchange="dense", device_group=tuple(range(8)))
+        ep_config.EpDispatcher(**base, exchange="dense", device_group=tuple(range(NDEV)))
     built = ep_config.create_ep_dispatcher(
         _mesh(), num_experts=16, num_tokens=4, top_k=2, exchange="peer_copy"
     )
-    assert built.device_group == tuple(range(8))
+    assert built.device_group == peer_copy.device_group(_mesh())

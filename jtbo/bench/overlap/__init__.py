@@ -6,7 +6,8 @@ computes something else. This probe measures that directly, one collective at a 
 programs, each one ``jax.shard_map`` over every device (a 1-D mesh, axis ``PROBE_AXIS``):
 
 - comm alone: a chain of ``--chain`` collectives on a per-device buffer, each waiting for the
-  last through a small elementwise step (``all_to_all``: negate; ``all_gather``: a weighted
+  last through a small elementwise step (``all_to_all``: negate the first row in place, so
+  the chain's serial part is the exchange itself; ``all_gather``: a weighted
   mean of the gathered chunks, back to the input size; ``psum_scatter``: tile the scattered
   chunk ``ndev`` times and divide by ``ndev``, back to the input size);
 - compute alone: ``--chain`` windows of ``--matmuls-per-window`` dependent square matmuls
