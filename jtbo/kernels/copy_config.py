@@ -18,6 +18,7 @@ import dataclasses
 import math
 
 from jtbo.kernels import launch_checks
+from jtbo.split import arith
 
 EVICTION_POLICIES = (None, "evict_first", "evict_last")
 
@@ -69,7 +70,7 @@ class CopyConfig:
         vector_elems = max(self.vector_bytes // itemsize, 1)
         floor = min(self.block_elems, self.num_warps * 32 * vector_elems)
         block = self.block_elems
-        while block > floor and -(-total_elems // block) < self.min_programs:
+        while block > floor and arith.ceil_div(total_elems, block) < self.min_programs:
             block //= 2
         return block
 

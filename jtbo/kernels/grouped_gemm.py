@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jtbo.kernels import gemm_config, impls
+from jtbo.split import arith
 
 _F32 = jnp.float32
 
@@ -140,7 +141,7 @@ def row_tiles(
       ``[3, num_tiles]`` int32: expert (-1 past the live tiles), first row, end row (the
       group's end, so the last tile of a group masks its rows past it).
     """
-    blocks = (group_size + block_m - 1) // block_m
+    blocks = arith.ceil_div(group_size, block_m)
     ends = jnp.cumsum(blocks)
     index = jnp.arange(num_tiles, dtype=jnp.int32)
     group = jnp.searchsorted(ends, index, side="right", method="compare_all")

@@ -24,6 +24,7 @@ from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import hf, layer_ops
 from jtbo.runner import runner as runner_lib
 from jtbo.runner import sampling, tbo_options
+from jtbo.split import arith
 
 EXIT_USAGE = 2
 TBO_CHOICES = {"on": True, "off": False, "auto": "auto"}
@@ -131,7 +132,7 @@ def main(argv=None, out=None) -> int:
     mesh, dtype = _mesh(args), DTYPES[args.dtype]
     model = hf.from_pretrained(args.model, dtype=dtype, mesh=mesh,
                                moe_a2a_backend=args.moe_a2a_backend)  # fmt: skip
-    per_rank = -(-len(prompts) // mesh.shape["dp"])
+    per_rank = arith.ceil_div(len(prompts), mesh.shape["dp"])
     moe = layer_ops.MoEOptions(moe_a2a_backend=args.moe_a2a_backend, ep_exchange=args.ep_exchange)
     runner = runner_lib.ModelRunner(
         model, mesh, moe=moe,

@@ -1,7 +1,7 @@
 """Integer rounding shared by the host planners and the collectives' buffer sizes.
 
-Both helpers are exact on Python integers and on numpy integer arrays (no float round trip),
-so they hold for counts of any size.
+Both helpers are exact on Python integers and on numpy or jax integer arrays (no float round
+trip), so they hold for counts of any size, on the host and inside traced code.
 """
 
 
@@ -9,7 +9,7 @@ def ceil_div(a, b):
     """``ceil(a / b)`` in integer arithmetic (``-(-a // b)``); ``b`` must be positive.
 
     Args:
-      a: an integer or numpy integer array.
+      a: an integer, or a numpy or jax integer array.
       b: a positive integer (or array broadcastable with ``a``).
 
     Returns:

@@ -16,6 +16,7 @@ import dataclasses
 import numpy as np
 
 from jtbo.models.hf import safetensors_io
+from jtbo.split import arith
 
 SCALE_SUFFIX = "_scale_inv"
 """Suffix of a quantized weight's per-block factors (``<weight name>_scale_inv``)."""
@@ -89,7 +90,7 @@ def dequantizing_table(table: dict, block: tuple[int, int]) -> dict:
             continue
         if scale is None:
             raise ValueError(f"FP8 tensor {name} has no {name + SCALE_SUFFIX} factors")
-        expected = tuple(-(-size // b) for size, b in zip(info.shape, block, strict=True))
+        expected = tuple(arith.ceil_div(size, b) for size, b in zip(info.shape, block, strict=True))
         if scale.shape != expected:
             raise ValueError(
                 f"tensor {name + SCALE_SUFFIX}: expected shape {list(expected)} for blocks "
