@@ -7,7 +7,7 @@ Layout (the contract the model and runner code against):
   a Python loop indexes them the same way and the runner donates two buffers, not 2 x layers.
   ``v`` may have its own head dim (``v_head_dim``). An MLA model (``jtbo.attention.mla``)
   keeps one latent row per token in ``k`` (``[.., slots, 1, kv_lora_rank + qk_rope_head_dim]``
-  on each rank) and a ``v`` of width 0: its values are the latent's first columns.
+  on each rank) and no ``v`` (None): its values are the latent's first columns.
 * ``req_to_token`` is ``[max_reqs, max_context]`` int32: row ``r`` lists, position by
   position, the pool slot that holds request ``r``'s token. The scheduler fills it for every
   token of the step *before* the forward (the prefix, the new extend tokens and, for
@@ -37,12 +37,13 @@ class KVCache:
 
     Attributes:
       k: keys, ``[num_layers, num_slots, kv_heads, head_dim]``.
-      v: values, ``[num_layers, num_slots, kv_heads, v_head_dim]``.
+      v: values, ``[num_layers, num_slots, kv_heads, v_head_dim]``; None for an MLA latent
+        pool, whose values are the first columns of ``k``.
       req_to_token: pool slot of each (request, position), ``[max_reqs, max_context]`` int32.
     """
 
     k: jax.Array  # [num_layers, num_slots, kv_heads, head_dim]
-    v: jax.Array  # [num_layers, num_slots, kv_heads, v_head_dim]
+    v: jax.Array | None  # [num_layers, num_slots, kv_heads, v_head_dim]; None: MLA
     req_to_token: jax.Array  # [max_reqs, max_context]
 
     @property
@@ -62,7 +63,7 @@ class KVCache:
 
 
 def write_kv(
-    cache: KVCache, layer_id: int | jax.Array, loc: jax.Array, k: jax.Array, v: jax.Array
+    cache: KVCache, layer_id: int | jax.Array, loc: jax.Array, k: jax.Array, v: jax.Array | None
 ) -> KVCache:
     """Returns ``cache`` with ``k``/``v`` stored at pool slots ``loc`` of layer ``layer_id``.
 
@@ -71,15 +72,24 @@ def write_kv(
       layer_id: layer index (static int or traced scalar).
       loc: destination slot of each token, ``[num_tokens]`` int32; padded tokens use slot 0.
       k: keys, ``[num_tokens, kv_heads, head_dim]``.
-      v: values, ``[num_tokens, kv_heads, v_head_dim]``.
+      v: values, ``[num_tokens, kv_heads, v_head_dim]``; None exactly when the cache has no
+        value pool (MLA).
 
     Returns:
       The updated cache (``req_to_token`` unchanged).
 
     Raises:
-      ValueError: ``k``/``v`` do not match the pool's head shape or ``loc``'s length.
+      ValueError: ``k``/``v`` do not match the pool's head shape or ``loc``'s length, or ``v``
+        is given to a cache without a value pool or missing for one with it.
     """
+    if (v is None) != (cache.v is None):
+        raise ValueError(
+            f"values {'missing' if v is None else 'given'} for a cache "
+            f"{'with' if cache.v is not None else 'without'} a value pool"
+        )
     for name, new, pool in (("k", k, cache.k), ("v", v, cache.v)):
+        if new is None:
+            continue
         if new.shape != (loc.shape[0], *pool.shape[2:]):
             raise ValueError(
                 f"{name} has shape {new.shape}, expected {(loc.shape[0], *pool.shape[2:])} "
@@ -88,5 +98,5 @@ def write_kv(
     return dataclasses.replace(
         cache,
         k=cache.k.at[layer_id, loc].set(k.astype(cache.k.dtype)),
-        v=cache.v.at[layer_id, loc].set(v.astype(cache.v.dtype)),
+        v=None if v is None else cache.v.at[layer_id, loc].set(v.astype(cache.v.dtype)),
     )

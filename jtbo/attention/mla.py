@@ -142,7 +142,7 @@ def write_latent(
       latent: ``[token_capacity, kv_lora_rank + qk_rope_head_dim]`` (RoPE already applied).
       layer_id: layer index.
       md: the step's metadata.
-      cache: the latent cache (``k [L, slots, 1, rank + rope]``, ``v [L, slots, 1, 0]``).
+      cache: the latent cache (``k [L, slots, 1, rank + rope]``, no ``v``).
 
     Returns:
       The cache holding the step's latent rows.
@@ -151,14 +151,13 @@ def write_latent(
       ValueError: the cache is not a latent cache of this width, or token counts disagree.
     """
     expected = (1, latent.shape[-1])
-    if cache.k.shape[2:] != expected or cache.v.shape[2:] != (1, 0):
+    if cache.k.shape[2:] != expected or cache.v is not None:
         raise ValueError(
-            f"MLA needs a latent cache with k [.., 1, {latent.shape[-1]}] and v [.., 1, 0]; "
-            f"found k {cache.k.shape}, v {cache.v.shape}"
+            f"MLA needs a latent cache with k [.., 1, {latent.shape[-1]}] and no v; "
+            f"found k {cache.k.shape}, v {None if cache.v is None else cache.v.shape}"
         )
     rows = latent[:, None, :]
-    no_values = jnp.zeros((latent.shape[0], 1, 0), latent.dtype)
-    return native.write_step_kv(rows, rows, no_values, layer_id, md, cache)
+    return native.write_step_kv(rows, rows, None, layer_id, md, cache)
 
 
 def forward(

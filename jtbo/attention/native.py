@@ -42,6 +42,7 @@ from jax import lax
 
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.attention import metadata as metadata_lib
+from jtbo.split import arith
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,12 +135,13 @@ def _block_mask(md: metadata_lib.AttentionMetadata, pos: jax.Array, row_valid: j
 
 
 def _gather_block(cache: kv_cache_lib.KVCache, layer_id, md, pos: jax.Array):
-    """Gathers K/V of one block for every tile: ``[tiles, block, kv_heads, d]`` each."""
+    """Gathers K/V of one block for every tile: ``[tiles, block, kv_heads, d]`` each (V None
+    for a cache without a value pool: MLA's views derive values from the keys)."""
     column = jnp.minimum(pos, cache.max_context - 1)
     slots = cache.req_to_token[md.tile_req[:, None], column[None, :]]  # [tiles, block]
     # Positions past a sequence's end may hold stale slots; read the padding slot instead.
     slots = jnp.where(pos[None, :] < md.tile_kv_len[:, None], slots, kv_cache_lib.PADDING_SLOT)
-    return cache.k[layer_id, slots], cache.v[layer_id, slots]
+    return cache.k[layer_id, slots], None if cache.v is None else cache.v[layer_id, slots]
 
 
 def _online_softmax_step(carry, scores, v_block):
@@ -181,8 +183,13 @@ def attend(
     Returns:
       ``[token_capacity, q_heads, v_head_dim]`` in ``q.dtype``; zeros for rows without keys
       and rows past ``md.num_tokens``.
+
+    Raises:
+      ValueError: no ``view`` for a cache without a value pool.
     """
     if view is None:
+        if cache.v is None:
+            raise ValueError("a cache without a value pool (MLA) needs a view of its keys")
         view = KVView(cache.k.shape[2], cache.v.shape[-1], lambda k, v: (k, v))
     num_tiles = md.capacity.num_tiles
     chunk = min(num_tiles, max(1, config.chunk_rows // md.capacity.query_tile))
@@ -200,7 +207,7 @@ def attend(
 
     tile_ids = jnp.arange(num_tiles, dtype=jnp.int32)
     real_end = jnp.max(jnp.where(md.tile_q_len > 0, tile_ids + 1, 0))
-    return lax.fori_loop(0, (real_end + chunk - 1) // chunk, body, out)
+    return lax.fori_loop(0, arith.ceil_div(real_end, chunk), body, out)
 
 
 def _tile_slice(md: metadata_lib.AttentionMetadata, start, size: int):
@@ -248,7 +255,7 @@ def _attend_chunk(q, cache, layer_id, md, out, *, scaling, config, view) -> jax.
         return _online_softmax_step(carry, scores, v_block)
 
     init = _initial_carry(q_tiles.shape, view.v_head_dim)
-    trips = (_visible_end(md) + block - 1) // block
+    trips = arith.ceil_div(_visible_end(md), block)
     _, denom, acc = lax.fori_loop(0, trips, body, init)
     tile_out = _normalise(denom, acc).astype(q.dtype)
     return _scatter_rows(out, tile_out, token, row_valid, md.num_tokens)
@@ -319,7 +326,7 @@ def forward(
 def write_step_kv(
     q: jax.Array,
     k: jax.Array,
-    v: jax.Array,
+    v: jax.Array | None,
     layer_id: int | jax.Array,
     md: metadata_lib.AttentionMetadata,
     cache: kv_cache_lib.KVCache,
@@ -332,7 +339,8 @@ def write_step_kv(
     Args:
       q: queries, ``[token_capacity, q_heads, head_dim]`` (shape-checked only).
       k: new keys, ``[token_capacity, kv_heads, head_dim]``.
-      v: new values, ``[token_capacity, kv_heads, v_head_dim]``.
+      v: new values, ``[token_capacity, kv_heads, v_head_dim]``; None for a cache without a
+        value pool (MLA's latent pool).
       layer_id: layer index.
       md: the step's metadata.
       cache: the KV cache.

@@ -108,14 +108,13 @@ def _cache(args, num_seqs: int, seq_len: int) -> attention.KVCache:
     with ``--mla`` one latent row per slot and no values)."""
     slots = 1 + num_seqs * seq_len
     k_shape = (1, slots, args.kv_heads, args.head_dim)
-    v_shape = k_shape
     if args.mla:
-        k_shape, v_shape = (1, slots, 1, args.kv_lora_rank + args.qk_rope_dim), (1, slots, 1, 0)
+        k_shape = (1, slots, 1, args.kv_lora_rank + args.qk_rope_dim)
     keys = jax.random.split(jax.random.key(0), 2)
     table = 1 + np.arange(num_seqs * seq_len, dtype=np.int32).reshape(num_seqs, seq_len)
     return kv_cache_lib.KVCache(
         k=jax.random.normal(keys[0], k_shape, args.dtype),
-        v=jax.random.normal(keys[1], v_shape, args.dtype),
+        v=None if args.mla else jax.random.normal(keys[1], k_shape, args.dtype),
         req_to_token=jnp.asarray(table),
     )
 
@@ -211,7 +210,8 @@ def _verify_case(args):
 def _kv_read_bytes(md, cache) -> int:
     """K/V bytes the step must read: every real tile's context, all KV heads, K and V."""
     kv_len = np.where(np.asarray(md.tile_q_len) > 0, np.asarray(md.tile_kv_len), 0)
-    per_token = cache.k.shape[2] * (cache.k.shape[3] + cache.v.shape[3]) * cache.k.dtype.itemsize
+    value_width = 0 if cache.v is None else cache.v.shape[3]  # MLA: the latent rows only
+    per_token = cache.k.shape[2] * (cache.k.shape[3] + value_width) * cache.k.dtype.itemsize
     return int(kv_len.sum()) * per_token
 
 
@@ -255,7 +255,7 @@ def _run_case(args, case, backend_name: str) -> tuple[dict, jax.Array]:
         kv_gb_per_s=None if kv_bytes is None else kv_bytes / seconds / 1e9,
         peak_bytes_in_use=_peak_bytes(jax.devices()[0]),
         compiled_temp_bytes=None if analysis is None else analysis.temp_size_in_bytes,
-        kv_pool_bytes=int(cache.k.nbytes + cache.v.nbytes),
+        kv_pool_bytes=int(cache.k.nbytes + (0 if cache.v is None else cache.v.nbytes)),
         finite=bool(jnp.isfinite(out).all()),
     )
     return result, out

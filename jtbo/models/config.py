@@ -151,7 +151,7 @@ class MoEConfig:
 
         GQA stores ``num_key_value_heads`` heads of ``head_dim`` keys and values, split over
         ``attn_tp``. MLA stores one latent row of ``kv_lora_rank + qk_rope_head_dim`` as its
-        key and no separate value (width 0: the values are the latent's first
+        key and no value pool (value width 0: the values are the latent's first
         ``kv_lora_rank`` columns); every ``attn_tp`` rank needs the whole latent, so the pool
         holds one copy per rank (``attn_tp_size`` heads, one per rank after the split).
 

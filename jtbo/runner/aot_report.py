@@ -205,7 +205,9 @@ def _abstract_kv_cache(config, mesh, dp_size: int, tokens_per_rank: int, seq_cap
     specs = step.KV_CACHE_SPEC
     return kv_cache_lib.KVCache(
         k=jax.ShapeDtypeStruct((*pool, k_dim), dtype, sharding=NamedSharding(mesh, specs.k)),
-        v=jax.ShapeDtypeStruct((*pool, v_dim), dtype, sharding=NamedSharding(mesh, specs.v)),
+        v=jax.ShapeDtypeStruct((*pool, v_dim), dtype, sharding=NamedSharding(mesh, specs.v))
+        if v_dim
+        else None,  # MLA: no value pool
         req_to_token=jax.ShapeDtypeStruct(
             (dp_size, seq_capacity, max_context), jnp.int32,
             sharding=NamedSharding(mesh, specs.req_to_token),

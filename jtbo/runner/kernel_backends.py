@@ -4,8 +4,9 @@
 the platform jax runs on (``jtbo.kernels.impls.FASTEST``, from the H200 benchmarks in
 BENCHMARKS.md) among those that can serve the model's shapes: the Pallas grouped GEMM and the
 paged attention kernel on GPUs where their Triton tiles fit (matmul dimensions in multiples of
-16, head dims powers of two >= 16; MLA defaults to the native attention), the XLA paths (the
-capacity einsum and the native attention, the exact references) otherwise and on the CPU. A
+16, head dims powers of two >= 16; for MLA, the latent rank and the RoPE key width, the key
+parts of its absorbed decode), the XLA paths (the capacity einsum and the native attention,
+the exact references) otherwise and on the CPU. A
 name given explicitly is used as is; one that cannot serve the model fails where its kernel
 is built.
 """
@@ -50,17 +51,16 @@ def attention_backend(
 
     Args:
       name: a backend name (kept as given) or None.
-      attention_kind: the model's ``MoEConfig.attention_kind``; MLA defaults to the native
-        backend (its latent kernel, ``attention_backend="pallas"``, is not measured on a GPU
-        yet).
-      head_dims: the query/key and value head widths.
+      attention_kind: the model's ``MoEConfig.attention_kind``: "gqa" ranks the paged
+        kernel, "mla" the paged kernel over the latent pool (``paged.LATENT_OP``).
+      head_dims: the widths the kernel tiles: GQA's query/key and value head widths, MLA's
+        ``kv_lora_rank`` and ``qk_rope_head_dim``.
 
     Returns:
       "native" or "pallas".
     """
     if name is not None:
         return name
-    if attention_kind == "mla":
-        return "native"
-    backend = _ATTENTION_BACKEND_OF_IMPL[impls.resolve(None, op="paged_attention")]
+    op = "mla_latent_attention" if attention_kind == "mla" else "paged_attention"
+    backend = _ATTENTION_BACKEND_OF_IMPL[impls.resolve(None, op=op)]
     return backend if backend != "pallas" or all(map(_power_of_two_tile, head_dims)) else "native"

@@ -270,7 +270,8 @@ class ModelRunner:
         def zeros(dim):  # created in place on each device (also other processes' devices)
             return jax.jit(lambda: jnp.zeros((*shape, dim), self.dtype), out_shardings=kv_sharding)
 
-        self._k, self._v = zeros(k_dim)(), zeros(v_dim)()
+        # An MLA latent pool has no value width (config.kv_pool_heads): no value pool.
+        self._k, self._v = zeros(k_dim)(), zeros(v_dim)() if v_dim else None
         self.req_to_token = np.zeros(
             (self.dp_size, self.max_running_requests, self.max_total_tokens), np.int32
         )
@@ -726,8 +727,13 @@ def _parallel_config(
             moe.moe_runner_backend, (config.hidden_size, expert_width)
         ),
     )
+    tiled_dims = (
+        (config.kv_lora_rank, config.qk_rope_head_dim)
+        if config.attention_kind == "mla"
+        else (config.head_dim,)
+    )  # the widths the paged kernel tiles (kernel_backends.attention_backend)
     attention_backend = kernel_backends.attention_backend(
-        attention_backend, config.attention_kind, (config.head_dim,)
+        attention_backend, config.attention_kind, tiled_dims
     )
     return layer_ops.ParallelConfig.for_mesh(
         mesh, moe=moe, attention_backend=attention_backend,

@@ -72,9 +72,7 @@ def _case(rng, prefix, new, capacity, token_capacity, tree=None) -> Case:
         capacity, req=reqs, q_start=starts, q_len=new, q_pos=prefix, kv_len=prefix + new,
         out_cache_loc=np.concatenate(locs), num_tokens=total, mask_rows=masks or None,
     )  # fmt: skip
-    cache = kv_cache_lib.KVCache(
-        k=jnp.asarray(pool), v=jnp.zeros((LAYERS, SLOTS, 1, 0)), req_to_token=jnp.asarray(table)
-    )
+    cache = kv_cache_lib.KVCache(k=jnp.asarray(pool), v=None, req_to_token=jnp.asarray(table))
     return Case(md, cache, q_nope, q_pe, latent, w, expected, total)
 
 
@@ -167,9 +165,7 @@ def _tbo_mla(sc, tbo, md, ranges, rng):
     """
     width = RANK + ROPE
     pool = rng.normal(size=(LAYERS, sc.cache.num_slots, 1, width)).astype(np.float32)
-    initial = kv_cache_lib.KVCache(
-        k=jnp.asarray(pool), v=jnp.zeros((*pool.shape[:3], 0)), req_to_token=sc.cache.req_to_token
-    )
+    initial = kv_cache_lib.KVCache(k=jnp.asarray(pool), v=None, req_to_token=sc.cache.req_to_token)
     t = sc.q.shape[0]
     inputs = [rng.normal(size=(t, *shape)).astype(np.float32)
               for shape in ((HEADS, NOPE), (HEADS, ROPE), (width,))]  # fmt: skip

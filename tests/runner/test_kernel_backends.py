@@ -15,7 +15,7 @@ def test_gpu_defaults_are_the_kernels(monkeypatch):
     monkeypatch.setattr(impls, "backend", lambda: "gpu")
     assert kernel_backends.moe_runner_backend(None) == "pallas"
     assert kernel_backends.attention_backend(None) == "pallas"
-    assert kernel_backends.attention_backend(None, "mla") == "native"  # no MLA kernel
+    assert kernel_backends.attention_backend(None, "mla", (512, 64)) == "pallas"
 
 
 @pytest.mark.parametrize("name", ["xla", "pallas"])
@@ -35,3 +35,5 @@ def test_gpu_defaults_skip_kernels_whose_tiles_do_not_fit(monkeypatch):
     assert kernel_backends.attention_backend(None, "gqa", (128,)) == "pallas"
     assert kernel_backends.attention_backend(None, "gqa", (96,)) == "native"
     assert kernel_backends.attention_backend(None, "gqa", (8,)) == "native"
+    assert kernel_backends.attention_backend(None, "mla", (512, 64)) == "pallas"
+    assert kernel_backends.attention_backend(None, "mla", (12, 4)) == "native"
