@@ -389,7 +389,8 @@ class OverlapRow:
     communication_ms: float  # NCCL busy time per GPU and step
     step_ms: float  # the measured median step time
     bytes_per_exchange: float | None  # mean bytes of one all-to-all per device; None: none
-    gigabytes_per_second: float | None  # collective bytes / NCCL busy time; None: no NCCL
+    # collective bytes / NCCL busy time; None: no NCCL time, or no collective in the HLO
+    gigabytes_per_second: float | None
 
     @property
     def bound_ratio(self) -> float:
@@ -427,7 +428,9 @@ def overlap_row(
         step_ms=step_seconds * 1e3,
         bytes_per_exchange=statistics.mean(exchanges) if exchanges else None,
         # bytes per microsecond are MB/s
-        gigabytes_per_second=step_bytes / busy.communication / 1e3 if busy.communication else None,
+        gigabytes_per_second=(
+            step_bytes / busy.communication / 1e3 if busy.communication and step_bytes else None
+        ),
     )  # fmt: skip
 
 

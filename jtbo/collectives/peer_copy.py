@@ -21,14 +21,22 @@ process (a single-process mesh): the copies address the peers' buffers directly.
 
 ``InFlight`` also carries XLA's exchanges through ``jtbo.collectives.ep_dispatch`` (with
 ``sent=None``): the dispatch's halves hand one type between them whatever the exchange.
+
+Each exchange's start and wait run under one name scope, ``jtbo.ffi.build.EXCHANGE_SCOPE``
+and a number unique in the process, so that tools reading the compiled HLO
+(``jtbo.overlap.hlo_schedule``) pair them by their ``op_name`` metadata, whatever XLA puts
+between the two calls' operands.
 """
 
 import dataclasses
+import itertools
 
 import jax
 import numpy as np
 
 from jtbo import ffi
+
+_exchange_numbers = itertools.count()
 
 
 @jax.tree_util.register_dataclass
@@ -38,6 +46,8 @@ class InFlight:
 
     received: jax.Array  # [rows, ...] the landing buffer (peer copy: read only after the wait)
     sent: jax.Array | None  # [rows, ...] the rows being sent (peer copy only), else None
+    # The peer copy's number (its start's and wait's name scope), else None.
+    exchange: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
 
 def device_group(mesh: jax.sharding.Mesh) -> tuple[int, ...]:
@@ -87,7 +97,10 @@ def all_to_all_start(x: jax.Array, group: tuple[int, ...], platform: str) -> InF
     start = jax.ffi.ffi_call(
         ffi.build.START_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype), has_side_effect=True
     )
-    return InFlight(received=start(x, group=np.asarray(group, np.int64)), sent=x)
+    exchange = next(_exchange_numbers)
+    with jax.named_scope(f"{ffi.build.EXCHANGE_SCOPE}{exchange}"):
+        received = start(x, group=np.asarray(group, np.int64))
+    return InFlight(received=received, sent=x, exchange=exchange)
 
 
 def all_to_all_wait(in_flight: InFlight, group: tuple[int, ...]) -> jax.Array:
@@ -99,14 +112,20 @@ def all_to_all_wait(in_flight: InFlight, group: tuple[int, ...]) -> jax.Array:
 
     Returns:
       ``[rows, ...]`` the received rows.
+
+    Raises:
+      ValueError: ``in_flight`` is not a peer-copy exchange (no ``sent`` rows or number).
     """
+    if in_flight.sent is None or in_flight.exchange is None:
+        raise ValueError("all_to_all_wait takes the InFlight of all_to_all_start")
     wait = jax.ffi.ffi_call(
         ffi.build.WAIT_TARGET,
         jax.ShapeDtypeStruct(in_flight.received.shape, in_flight.received.dtype),
         has_side_effect=True,
         input_output_aliases={1: 0},
     )
-    received = wait(in_flight.sent, in_flight.received, group=np.asarray(group, np.int64))
+    with jax.named_scope(f"{ffi.build.EXCHANGE_SCOPE}{in_flight.exchange}"):
+        received = wait(in_flight.sent, in_flight.received, group=np.asarray(group, np.int64))
     # XLA:GPU's dynamic-slice fusion takes a custom call followed by a dynamic-update-slice
     # for a library call that writes its result in place, and fails to compile when the
     # call's result is the update's target instead (jax 0.11.2: "DUS target must be a fusion

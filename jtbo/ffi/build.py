@@ -22,6 +22,9 @@ import jax
 SOURCE_DIR = pathlib.Path(__file__).parent
 START_TARGET = "jtbo_peer_all_to_all_start"
 WAIT_TARGET = "jtbo_peer_all_to_all_wait"
+EXCHANGE_SCOPE = "jtbo_peer_exchange_"
+"""Name-scope prefix under which one exchange's start and wait run (``collectives.peer_copy``),
+followed by the exchange's number: the two calls' ``op_name`` metadata pairs them."""
 
 # platform -> (source file, compiler, XLA platform name of the registration)
 _BUILDS = {

@@ -326,9 +326,8 @@ def _start_index(done: Instruction, index_of: dict[str, int], by_name) -> int:
     """Where the collective that ``done`` completes started (itself when synchronous)."""
     if done.opcode.endswith("-done") and done.operands:
         return index_of.get(done.operands[0], index_of[done.name])
-    if _is_peer_copy(done, PEER_COPY_WAIT) and len(done.operands) > 1:
-        start = _peer_copy_start(done.operands[1], by_name)
-        return index_of[done.name] if start is None else index_of[start]
+    if _is_peer_copy(done, PEER_COPY_WAIT):
+        return index_of[_peer_copy_start(done, by_name)]
     return index_of[done.name]
 
 
@@ -336,28 +335,34 @@ def _is_peer_copy(instruction: Instruction, target: str) -> bool:
     return instruction.opcode == "custom-call" and target in instruction.attributes
 
 
-_TUPLE_INDEX = re.compile(r"index=(\d+)")
+_EXCHANGE_SCOPE = re.compile(rf"(?:^|/){re.escape(ffi_build.EXCHANGE_SCOPE)}(\d+)(?:/|$)")
 
 
-def _peer_copy_start(name: str, by_name: dict[str, Instruction]) -> str | None:
-    """The start custom call whose receive buffer reaches a wait as ``name``: followed back
-    through the tuples, ``get-tuple-element`` s and optimization barriers the TBO step passes
-    in-flight values through."""
-    pending: list[int] = []  # tuple indices still to resolve, innermost last
-    while name in by_name:
-        instruction = by_name[name]
-        if _is_peer_copy(instruction, PEER_COPY_START) and not pending:
-            return name
-        if instruction.opcode == "get-tuple-element":
-            pending.append(int(_TUPLE_INDEX.search(instruction.attributes).group(1)))
-            name = instruction.operands[0]
-        elif instruction.opcode == "tuple" and pending:
-            name = instruction.operands[pending.pop()]
-        elif instruction.opcode in ("opt-barrier", "bitcast") and instruction.operands:
-            name = instruction.operands[0]
-        else:
-            return None
-    return None
+def _exchange_number(instruction: Instruction) -> str | None:
+    """The peer-copy exchange number in an instruction's name stack (``op_name``), if any."""
+    match = _EXCHANGE_SCOPE.search(instruction.op_name or "")
+    return match.group(1) if match else None
+
+
+def _peer_copy_start(wait: Instruction, by_name: dict[str, Instruction]) -> str:
+    """The start custom call of the exchange ``wait`` completes: the one start in the same
+    computation under the same exchange scope (``jtbo.ffi.build.EXCHANGE_SCOPE``). The scope
+    pairs them whatever XLA puts between them (tuples, barriers, copies, command-buffer calls).
+
+    Raises:
+      ValueError: the wait has no exchange scope, or not exactly one start shares it.
+    """
+    number = _exchange_number(wait)
+    if number is None:
+        raise ValueError(f"peer-copy wait {wait.name} has no {ffi_build.EXCHANGE_SCOPE}N scope")
+    starts = [
+        name
+        for name, instruction in by_name.items()
+        if _is_peer_copy(instruction, PEER_COPY_START) and _exchange_number(instruction) == number
+    ]
+    if len(starts) != 1:
+        raise ValueError(f"peer-copy wait {wait.name}: {len(starts)} starts of exchange {number}")
+    return starts[0]
 
 
 def _collective_kind(start: Instruction, computations) -> str | None:

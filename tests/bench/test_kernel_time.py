@@ -229,17 +229,42 @@ def test_collective_bytes_per_kind_from_per_device_shapes():
     }
 
 
+def _peer_copy(name: str, target: str, operands: str, exchange: int) -> str:
+    """One peer-copy custom call as XLA prints it, under its exchange's name scope."""
+    return (
+        f"  %{name} = bf16[40,64]{{1,0}} custom-call({operands}), "
+        f'custom_call_target="jtbo_peer_all_to_all_{target}", custom_call_has_side_effect=true, '
+        f'metadata={{op_name="jit(s)/shard_map/tbo_a/jtbo_peer_exchange_{exchange}/ffi_call"}}\n'
+    )
+
+
 def test_collective_bytes_counts_peer_copy_starts_by_their_send_buffer():
+    # Two exchanges, waited in the other order; the wait of exchange 7 reads its receive
+    # buffer through a copy, which no data-flow rule would follow: the scopes pair them.
     with_peer_copy = COLLECTIVES_HLO.replace(
         "  ROOT %r = bf16[132,66]{1,0} copy(%all-to-all-done.2)",
-        '  %s = bf16[40,64]{1,0} custom-call(%b), custom_call_target="jtbo_peer_all_to_all_start", '
-        "custom_call_has_side_effect=true\n"
-        '  %w2 = bf16[40,64]{1,0} custom-call(%b, %s), custom_call_target="jtbo_peer_all_to_all_wait"\n'
-        "  ROOT %r = bf16[132,66]{1,0} copy(%all-to-all-done.2)",
+        _peer_copy("s7", "start", "%b", 7)
+        + _peer_copy("s8", "start", "%b", 8)
+        + "  %s7c = bf16[40,64]{1,0} copy(%s7)\n"
+        + _peer_copy("w8", "wait", "%b, %s8", 8)
+        + _peer_copy("w7", "wait", "%b, %s7c", 7)
+        + "  ROOT %r = bf16[132,66]{1,0} copy(%all-to-all-done.2)",
     )
     got = kernel_time.collective_bytes(with_peer_copy)
-    assert got[hlo_schedule.PEER_COPY_KIND] == [40 * 64 * 2]  # the start only, once
+    assert got[hlo_schedule.PEER_COPY_KIND] == [40 * 64 * 2] * 2  # each start once
     assert got["all-to-all"] == [132 * 66 * 2, 40 * 64 * 2]
+    windows = [w for w in hlo_schedule.collective_windows(with_peer_copy)
+               if w.kind == hlo_schedule.PEER_COPY_KIND]  # fmt: skip
+    assert {(w.start, w.done) for w in windows} == {("s7", "w7"), ("s8", "w8")}
+
+
+def test_a_peer_copy_wait_without_its_start_is_an_error():
+    unpaired = COLLECTIVES_HLO.replace(
+        "  ROOT %r = bf16[132,66]{1,0} copy(%all-to-all-done.2)",
+        _peer_copy("w3", "wait", "%b, %b", 3) + "  ROOT %r = bf16[132,66]{1,0} copy(%a)",
+    )
+    with pytest.raises(ValueError, match="0 starts of exchange 3"):
+        kernel_time.collective_bytes(unpaired)
 
 
 def test_collective_bytes_refuses_a_collective_in_a_loop_body():
