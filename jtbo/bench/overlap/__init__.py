@@ -73,9 +73,13 @@ exits non-zero after the table.
 ``--processes N`` runs one process per local device under ``jax.distributed`` (coordinator on
 127.0.0.1, ``local_device_ids=[i]``); the mesh spans every process's devices and process 0
 prints. With ``JAX_PLATFORMS=cpu`` the processes use gloo collectives and
-``--cpu-devices`` devices each. ``--profile DIR`` traces ``PROFILE_RUNS`` runs of each "both"
-program after all timings and, on a GPU, prints the share of NCCL kernel time that ran under
-compute kernels (``jtbo.bench.kernel_time``).
+``--cpu-devices`` devices each. ``--profile DIR`` traces ``PROFILE_RUNS`` runs of each
+collective's comm-alone and both programs after all timings and, on a GPU, prints for each the
+share of communication kernel time (NCCL kernels, peer copies) that ran under compute kernels
+and the busy times against the trace's span (``jtbo.bench.kernel_time``). The traces are what
+the wall-clock ``hidden`` cannot show: a comm-alone span well above its kernels' busy time is
+a fixed cost per exchange (launch, host-side coordination), which ``hidden`` counts as
+communication that did not hide.
 
 Defaults: ``--bytes`` 448 MiB and ``--matmul`` 8192 on an accelerator, 256 KiB and 128 on the
 CPU (decided in the measuring process from ``jax.devices()[0].platform``); a default
@@ -89,7 +93,7 @@ from jtbo.bench.overlap.collectives import COLLECTIVES, PROBE_AXIS, Collective
 from jtbo.bench.overlap.inputs import device_block
 from jtbo.bench.overlap.probe import ProbeInputs, make_inputs, measure, probe_collective
 from jtbo.bench.overlap.processes import RESULT_MARKER
-from jtbo.bench.overlap.profiling import PROFILE_RUNS, nccl_lines, profile_both
+from jtbo.bench.overlap.profiling import PROFILE_RUNS, nccl_lines, profile_program
 from jtbo.bench.overlap.programs import BOTH_BODIES, WINDOW_MODES
 from jtbo.bench.overlap.reference import CHECK_COLUMNS, comm_reference, matmul_reference
 from jtbo.bench.overlap.results import ProbeResult, RunInfo, VariantOutcome, hidden_fraction
@@ -142,7 +146,7 @@ __all__ = [
     "parse_variant",
     "print_report",
     "probe_collective",
-    "profile_both",
+    "profile_program",
     "resolve_sizes",
     "result_row",
     "run_variant",

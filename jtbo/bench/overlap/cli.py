@@ -63,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
     add("--processes", type=_positive_int, default=1, help="one process per local device")
     add("--cpu-devices", type=_positive_int, default=2, help="CPU devices per process")
     add("--variant-timeout", type=float, default=900.0, help="seconds per variant")
-    add("--profile", metavar="DIR", help="trace the 'both' programs into DIR")
+    add("--profile", metavar="DIR", help="trace the comm-alone and both programs into DIR")
     # Set by the parent for its children only.
     add("--worker", type=int, help=argparse.SUPPRESS)
     add("--coordinator", help=argparse.SUPPRESS)

@@ -53,7 +53,8 @@ def probe_collective(
       windows: ``--windows`` of the both program (``WINDOW_MODES``).
 
     Returns:
-      ``(ProbeResult, run_both)``: ``run_both`` runs the both program again (for profiling).
+      ``(ProbeResult, runs)``: ``runs`` maps "comm", "compute" and "both" to a zero-argument
+      run of that program (for profiling).
 
     Raises:
       RuntimeError: an output differs from its numpy reference.
@@ -77,7 +78,7 @@ def probe_collective(
     result = results.ProbeResult(
         variant, collective.name, windows, sizes.bytes_per_exchange, chain, matmuls, *times
     )
-    return result, runs["both"]
+    return result, runs
 
 
 def _run_info(sizes: sizes_lib.ProbeSizes, windows: str) -> results.RunInfo:
@@ -114,15 +115,17 @@ def measure(args: argparse.Namespace, variant: str, emit: Callable[[str, object]
     probe_inputs = make_inputs(mesh, sizes, args.collectives, args.seed)
     to_profile = []
     for name in args.collectives:
-        result, run_both = probe_collective(
+        result, runs = probe_collective(
             collectives_lib.COLLECTIVES[name], mesh, sizes, options, probe_inputs,
             variant, args.windows,
         )  # fmt: skip
         if leader:
             emit("result", result)
-        to_profile.append((f"{variant}_{name}", run_both))
+        # The comm-alone program too: its wall time minus its kernels' is the fixed cost
+        # (launch, the exchange's host side) that ``hidden`` counts as communication.
+        to_profile += [(f"{variant}_{name}_{p}", runs[p]) for p in profiling.PROFILED_PROGRAMS]
     # Traces come after every timing: the profiler's hooks may slow later runs.
-    for label, run_both in to_profile if args.profile else []:
-        lines = profiling.profile_both(run_both, args.profile, label)
+    for label, run in to_profile if args.profile else []:
+        lines = profiling.profile_program(run, args.profile, label)
         if leader:
             print("\n".join(lines), flush=True)

@@ -1,5 +1,6 @@
-"""``--profile DIR``: traces of the both programs and, on a GPU, how much NCCL time ran
-under compute kernels (``jtbo.bench.kernel_time``)."""
+"""``--profile DIR``: traces of the comm-alone and both programs and, on a GPU, how much
+communication ran under compute kernels and how busy the GPUs were
+(``jtbo.bench.kernel_time``)."""
 
 import glob
 import os
@@ -10,6 +11,9 @@ import jax
 from jtbo.bench import kernel_time
 
 PROFILE_RUNS = 3
+PROFILED_PROGRAMS = ("comm", "both")
+"""The programs ``--profile`` traces: the span of comm alone against its kernels' busy time
+shows the exchange's fixed costs, both shows the overlap."""
 
 
 def _latest_trace(folder: str) -> str:
@@ -19,25 +23,25 @@ def _latest_trace(folder: str) -> str:
     return traces[-1]  # a reused folder holds older runs under earlier timestamps
 
 
-def profile_both(run_both: Callable[[], object], directory: str, label: str) -> list[str]:
-    """Traces ``PROFILE_RUNS`` runs of a both program into ``directory/label/process_I``.
+def profile_program(run: Callable[[], object], directory: str, label: str) -> list[str]:
+    """Traces ``PROFILE_RUNS`` runs of a program into ``directory/label/process_I``.
 
     Returns:
       Lines to print: on a GPU the NCCL time under compute kernels and the busy times
       (``jtbo.bench.kernel_time``), elsewhere where the trace went.
     """
     folder = os.path.join(directory, label, f"process_{jax.process_index()}")
-    jax.block_until_ready(run_both())
+    jax.block_until_ready(run())
     with jax.profiler.trace(folder):
         for _ in range(PROFILE_RUNS):
-            jax.block_until_ready(run_both())
+            jax.block_until_ready(run())
     if jax.devices()[0].platform != "gpu":
         return [f"{label}: traces written to {folder} (NCCL attribution needs a GPU trace)"]
     return nccl_lines(kernel_time.read_trace(_latest_trace(folder)), label)
 
 
 def nccl_lines(trace: dict, label: str) -> list[str]:
-    """What a GPU trace of ``PROFILE_RUNS`` both-program runs says about overlap.
+    """What a GPU trace of ``PROFILE_RUNS`` runs of one program says about overlap.
 
     Args:
       trace: the parsed trace (``kernel_time.read_trace``), holding only those runs (the

@@ -1,14 +1,17 @@
-"""``--profile DIR``: traces of the both program, and what a GPU trace says about overlap."""
+"""``--profile DIR``: traces of the comm-alone and both programs, and what a GPU trace says
+about overlap."""
 
 from jtbo.bench import overlap
 from tests.bench.overlap import runs
 
 
-def test_profile_writes_traces_of_the_both_program(tmp_path, capsys):
+def test_profile_writes_traces_of_the_comm_and_both_programs(tmp_path, capsys):
     overlap.main([*runs.TINY, "--collectives", "psum_scatter", "--profile", str(tmp_path)])
-    folder = tmp_path / "default_psum_scatter" / "process_0"
-    assert list(folder.glob("**/*.trace.json.gz"))
-    assert f"traces written to {folder}" in capsys.readouterr().out  # CPU: no NCCL attribution
+    out = capsys.readouterr().out
+    for program in ("comm", "both"):
+        folder = tmp_path / f"default_psum_scatter_{program}" / "process_0"
+        assert list(folder.glob("**/*.trace.json.gz"))
+        assert f"traces written to {folder}" in out  # CPU: no NCCL attribution
 
 
 def test_nccl_lines_give_the_share_of_communication_under_compute():
