@@ -9,8 +9,12 @@ timed over ``--iters`` steps after a warm-up (``--cases``, default extend and de
   of them draft tokens verified with a causal EAGLE mask (TARGET_VERIFY).
 
 ``--backends`` picks the attention backends ("native", "pallas"; default both), and the
-Pallas kernel's launch shape comes from the ``--block-kv`` .. ``--num-stages`` flags. Prints
-tokens/s and the memory high-water mark from ``device.memory_stats()`` where the platform
+Pallas kernel's launch shape comes from the ``--block-kv`` .. ``--num-stages`` flags. Each of
+those takes a comma list (``--block-rows 64,128 --num-warps 4,8``): the Pallas backend then
+runs once per combination in the same process, a sweep of the kernel's launch shapes whose
+rows name their config. Prints tokens/s (extend also TF/s on the causal FLOPs,
+``2 * q_heads * (qk_dim + v_dim) * L (L + 1) / 2`` per prompt of ``L`` tokens) and the memory
+high-water mark from ``device.memory_stats()`` where the platform
 reports it (GPU), plus XLA's compiled temp-buffer size; for decode and verify also the K/V
 bytes the step must read (every sequence's context, K and V, all KV heads) per second and
 their fraction of the device's copy bandwidth, measured in the same run (torch ``copy_`` of
@@ -27,7 +31,9 @@ natively on both backends. The KV bytes are the latent rows read.
 """
 
 import argparse
+import dataclasses
 import functools
+import itertools
 import json
 import time
 
@@ -41,6 +47,8 @@ from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.bench import kernels as kernels_bench
 
 CASES = ("extend", "decode", "verify")
+KNOBS = tuple(field.name for field in dataclasses.fields(attention.PagedAttentionConfig))
+"""The Pallas kernel's launch-shape flags (``PagedAttentionConfig``'s fields)."""
 CEILING_BYTES = 1 << 30  # size of the copy yardstick (16 MiB with --small)
 
 
@@ -65,11 +73,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--query-tile", type=int, default=64)
     parser.add_argument("--kv-block", type=int, default=256, help="native: KV block")
     defaults = attention.PagedAttentionConfig()
-    for name in ("block_kv", "block_rows", "max_kv_splits", "min_programs", "min_split_kv",
-                 "num_warps", "num_stages"):  # fmt: skip
+    for name in KNOBS:
         parser.add_argument(
-            f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name),
-            help=f"pallas: PagedAttentionConfig.{name}",
+            f"--{name.replace('_', '-')}", type=_int_list, default=[getattr(defaults, name)],
+            help=f"pallas: PagedAttentionConfig.{name} (a comma list sweeps it)",
         )  # fmt: skip
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--mla", action="store_true", help="MLA over a latent pool (above)")
@@ -85,22 +92,41 @@ def _parse(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--cases: {name!r} is not one of {CASES}")
     for name in args.backends:
         backend_lib.backend_class(name)  # ValueError naming the backend
+    try:
+        _paged_configs(args)
+    except ValueError as error:
+        parser.error(f"pallas launch shape: {error}")
     if args.small:
         args.extend_tokens, args.extend_seqs = 256, 2
         args.decode_seqs, args.decode_context = 16, 128
         args.q_heads, args.kv_heads, args.head_dim = 4, 2, 32
         args.dtype, args.query_tile, args.kv_block, args.iters = "float32", 32, 64, 2
-        args.block_kv, args.min_split_kv, args.ceiling_bytes = 32, 32, 1 << 24
+        args.block_kv, args.min_split_kv, args.ceiling_bytes = [32], [32], 1 << 24
         args.kv_lora_rank, args.qk_rope_dim, args.qk_nope_dim, args.v_head_dim = 32, 16, 16, 16
     return args
 
 
-def _paged_config(args) -> attention.PagedAttentionConfig:
-    return attention.PagedAttentionConfig(
-        block_kv=args.block_kv, block_rows=args.block_rows, max_kv_splits=args.max_kv_splits,
-        min_programs=args.min_programs, min_split_kv=args.min_split_kv,
-        num_warps=args.num_warps, num_stages=args.num_stages,
-    )  # fmt: skip
+def _int_list(text: str) -> list[int]:
+    """A comma list of integers (``--num-warps 4,8``)."""
+    try:
+        return [int(item) for item in text.split(",")]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(
+            f"expected integers separated by commas, got {text!r}"
+        ) from error
+
+
+def _paged_configs(args) -> list[attention.PagedAttentionConfig]:
+    """Every combination of the knob flags' values, in flag order (the first varies slowest).
+
+    Raises:
+      ValueError: a combination the kernel refuses (``PagedAttentionConfig`` checks).
+    """
+    values = [getattr(args, name) for name in KNOBS]
+    return [
+        attention.PagedAttentionConfig(**dict(zip(KNOBS, combination, strict=True)))
+        for combination in itertools.product(*values)
+    ]
 
 
 def _cache(args, num_seqs: int, seq_len: int) -> attention.KVCache:
@@ -207,6 +233,17 @@ def _verify_case(args):
     return "verify", capacity, md, cache, n * draft
 
 
+def _causal_flops(args) -> float:
+    """Matmul FLOPs of the extend case's causal attention: per prompt of ``L`` tokens, each
+    head's ``L (L + 1) / 2`` visible (query, key) pairs cost a score (``2 * qk_dim``) and a
+    value product (``2 * v_dim``)."""
+    per_seq = args.extend_tokens // args.extend_seqs
+    qk_dim = args.qk_nope_dim + args.qk_rope_dim if args.mla else args.head_dim
+    v_dim = args.v_head_dim if args.mla else args.head_dim
+    pairs = args.extend_seqs * per_seq * (per_seq + 1) / 2
+    return 2.0 * args.q_heads * (qk_dim + v_dim) * pairs
+
+
 def _kv_read_bytes(md, cache) -> int:
     """K/V bytes the step must read: every real tile's context, all KV heads, K and V."""
     kv_len = np.where(np.asarray(md.tile_q_len) > 0, np.asarray(md.tile_kv_len), 0)
@@ -220,17 +257,17 @@ def _peak_bytes(device) -> int | None:
     return None if not stats else stats.get("peak_bytes_in_use")
 
 
-def _backend(args, name: str, capacity):
+def _backend(args, name: str, capacity, config: attention.PagedAttentionConfig | None):
     if name == "pallas":
-        return backend_lib.PallasAttnBackend(capacity, _paged_config(args))
+        return backend_lib.PallasAttnBackend(capacity, config)
     return backend_lib.NativeAttnBackend(
         capacity, attention.NativeAttentionConfig(kv_block=args.kv_block)
     )
 
 
-def _run_case(args, case, backend_name: str) -> tuple[dict, jax.Array]:
+def _run_case(args, case, backend_name: str, config=None) -> tuple[dict, jax.Array]:
     name, capacity, md, cache, num_tokens = case
-    backend = _backend(args, backend_name, capacity)
+    backend = _backend(args, backend_name, capacity, config)
     step = _step(args, backend)
     inputs = _qkv(args, capacity.token_capacity)
     kv_bytes = _kv_read_bytes(md, cache) if name != "extend" else None
@@ -251,6 +288,8 @@ def _run_case(args, case, backend_name: str) -> tuple[dict, jax.Array]:
         tokens=num_tokens,
         step_ms=seconds * 1e3,
         tokens_per_s=num_tokens / seconds,
+        tflops=None if name != "extend" else _causal_flops(args) / seconds / 1e12,
+        pallas_config=None if config is None else dataclasses.asdict(config),
         kv_read_bytes=kv_bytes,
         kv_gb_per_s=None if kv_bytes is None else kv_bytes / seconds / 1e9,
         peak_bytes_in_use=_peak_bytes(jax.devices()[0]),
@@ -279,9 +318,12 @@ def _ceiling_gbs(iters: int, nbytes: int) -> tuple[float, str]:
 
 def _line(result: dict, ceiling: tuple[float, str]) -> str:
     peak = result["peak_bytes_in_use"]
+    config = result["pallas_config"]
+    label = "" if config is None else " " + ",".join(f"{k}={v}" for k, v in config.items())
+    tflops = "" if result["tflops"] is None else f", {result['tflops']:.1f} TF/s causal"
     line = (
-        f"{result['case']:>6} {result['backend']:>6}: {result['tokens']} tokens, "
-        f"{result['step_ms']:.3f} ms/step, {result['tokens_per_s']:.1f} tokens/s, peak "
+        f"{result['case']:>6} {result['backend']:>6}{label}: {result['tokens']} tokens, "
+        f"{result['step_ms']:.3f} ms/step, {result['tokens_per_s']:.1f} tokens/s{tflops}, peak "
         f"{'n/a' if peak is None else f'{peak / 2**30:.2f} GiB'}, compiled temp "
         f"{(result['compiled_temp_bytes'] or 0) / 2**20:.1f} MiB, KV pool "
         f"{result['kv_pool_bytes'] / 2**20:.1f} MiB"
@@ -311,13 +353,19 @@ def main(argv: list[str]) -> None:
     print(
         f"device: {jax.devices()[0].device_kind}, {'MLA, ' if args.mla else ''}dtype "
         f"{args.dtype}, native kv_block "
-        f"{args.kv_block}, pallas {_paged_config(args)}; copy ceiling {ceiling[0]:.0f} GB/s "
+        f"{args.kv_block}, pallas {len(_paged_configs(args))} launch shape(s); copy ceiling "
+        f"{ceiling[0]:.0f} GB/s "
         f"({ceiling[1]}, {args.ceiling_bytes >> 20} MiB)"
     )
     for name in args.cases:
         case, first = builders[name](args), None
-        for backend_name in args.backends:
-            result, out = _run_case(args, case, backend_name)
+        runs = [
+            (backend_name, config)
+            for backend_name in args.backends
+            for config in (_paged_configs(args) if backend_name == "pallas" else [None])
+        ]
+        for backend_name, config in runs:
+            result, out = _run_case(args, case, backend_name, config)
             if first is None:
                 first = (backend_name, out)
             else:

@@ -32,3 +32,24 @@ def test_small_mla_verify_reads_only_the_latent_and_backends_agree(capsys):
 def test_unknown_case_or_backend_is_rejected(flag, value):
     with pytest.raises((SystemExit, ValueError)):
         attention.main([flag, value])
+
+
+def test_a_knob_list_sweeps_the_pallas_launch_shapes(capsys):
+    attention.main(["--small", "--cases", "extend", "--iters", "1", "--block-rows", "16,32",
+                    "--num-warps", "4,8"])  # fmt: skip
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
+    native, *pallas = results
+    assert native["pallas_config"] is None and len(pallas) == 4
+    shapes = [(r["pallas_config"]["block_rows"], r["pallas_config"]["num_warps"]) for r in pallas]
+    assert shapes == [(16, 4), (16, 8), (32, 4), (32, 8)]  # the first flag varies slowest
+    assert all(r["max_abs_diff_vs_native"] < 1e-5 for r in pallas)
+    # 2 prompts of 128 tokens, 4 heads of 32: 2 * 4 * (32 + 32) * 2 * 128 * 129 / 2 FLOPs.
+    flops = 2 * 4 * 64 * 2 * 128 * 129 / 2
+    for result in results:
+        assert np.isclose(result["tflops"], flops / (result["step_ms"] / 1e3) / 1e12)
+
+
+@pytest.mark.parametrize("value", ["4,x", "24"])
+def test_a_bad_knob_value_is_rejected(value):
+    with pytest.raises(SystemExit):
+        attention.main(["--small", "--block-rows", value])
