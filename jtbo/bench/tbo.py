@@ -42,12 +42,13 @@ trace has no NCCL kernels: one line says so.
 
 Environment (set at the top of ``main``, before the JAX backend starts; importing this module
 does not start it): ``--link host`` sets ``NCCL_P2P_DISABLE=1`` (SHM stays on), so NCCL moves
-data between the GPUs of one host through host memory, a stand-in for an inter-host link;
-``--link nvlink`` (default) leaves P2P on. ``NCCL_NVLS_ENABLE`` defaults to 0 (NVLink
-multicast stays off, as the lent machines require). ``--env K=V`` sets further variables, and
-``--xla-option K=V`` appends ``--K=V`` to ``XLA_FLAGS``: that reaches every compile, plain and
-TBO alike, and an option the step passes itself (``step.step_compiler_options``) keeps the
-step's value.
+data between the GPUs of one host through host memory, a stand-in for an inter-host link, and
+``JTBO_PEER_COPY_VIA_HOST=1``, so the peer-copy exchange stages its blocks through pinned host
+memory too (copy engines, device to host and back); ``--link nvlink`` (default) leaves P2P on.
+``NCCL_NVLS_ENABLE`` defaults to 0 (NVLink multicast stays off, as the lent machines require).
+``--env K=V`` sets further variables, and ``--xla-option K=V`` appends ``--K=V`` to
+``XLA_FLAGS``: that reaches every compile, plain and TBO alike, and an option the step passes
+itself (``step.step_compiler_options``) keeps the step's value.
 """
 
 import argparse
@@ -81,11 +82,12 @@ CONFIGURES_JAX = True  # main sets XLA / NCCL variables before the backend start
 ForwardMode = split.ForwardMode
 
 LINK_ENVIRONMENT = {
-    "nvlink": {"NCCL_P2P_DISABLE": "0"},
-    "host": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "0"},
+    "nvlink": {"NCCL_P2P_DISABLE": "0", "JTBO_PEER_COPY_VIA_HOST": "0"},
+    "host": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "0", "JTBO_PEER_COPY_VIA_HOST": "1"},
 }
-"""NCCL variables of each ``--link``: ``host`` turns NCCL's GPU peer-to-peer transport off, so
-the GPUs of one host exchange through shared host memory (SHM explicitly on)."""
+"""Transport variables of each ``--link``: ``host`` turns NCCL's GPU peer-to-peer transport off,
+so the GPUs of one host exchange through shared host memory (SHM explicitly on), and stages the
+peer-copy exchange through pinned host memory (``jtbo.collectives.peer_copy``)."""
 NVLS_ENVIRONMENT = ("NCCL_NVLS_ENABLE", "0")
 """Default of NVLink multicast (NVLS): off, as the lent machines require."""
 

@@ -10,7 +10,11 @@ overlap on two H200s (issue 14)"). This exchange is a pair of XLA FFI custom cal
   stream (GPU; memcpy on the CPU build). It returns at once; the receive buffer must not be
   read yet.
   ``JTBO_PEER_COPY_STREAMS=N`` (read once per process, default 1) cuts each block over N
-  side streams, so that several copy engines can move it.
+  side streams, so that several copy engines can move it. ``JTBO_PEER_COPY_VIA_HOST=1`` (read
+  at every start; every device of an exchange must agree) stages the exchange through pinned
+  host memory instead, as an inter-host link would: each device copies its send buffer to
+  the host (device to host), then every device copies the blocks addressed to it back (host
+  to device), still on copy engines beside compute. ``bench tbo --link host`` sets it.
 * ``all_to_all_wait(in_flight)``: the compute stream waits until every block has landed (and
   ``x`` has been read). Its result aliases the receive buffer.
 

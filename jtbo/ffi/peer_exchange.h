@@ -10,12 +10,20 @@
 //
 // Starts are matched across devices by (run id, how many starts this device has made in the
 // run): every device runs the same compiled program, so its k-th start is everyone's k-th.
+//
+// A staged exchange (JTBO_PEER_COPY_VIA_HOST=1, read at every start) moves the blocks through
+// host memory instead, as an inter-host link would: each device first copies its whole send
+// buffer into a host staging buffer and marks it staged; once every device has, each device
+// copies the blocks addressed to it from the peers' staging buffers into its own receive
+// buffer, and marks those copies issued ("pushed"). The devices of one exchange must agree
+// on the mode.
 #ifndef JTBO_FFI_PEER_EXCHANGE_H_
 #define JTBO_FFI_PEER_EXCHANGE_H_
 
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <map>
 #include <memory>
@@ -32,13 +40,22 @@ constexpr std::chrono::seconds kPeerTimeout{120};
 
 struct ExchangeSlot {
   explicit ExchangeSlot(int group_size)
-      : send(group_size), recv(group_size), ready(group_size), done(group_size) {}
+      : send(group_size),
+        recv(group_size),
+        ready(group_size),
+        done(group_size),
+        staging(group_size),
+        staged(group_size) {}
   std::vector<const void*> send;  // per rank: its send buffer
   std::vector<void*> recv;        // per rank: its receive buffer
   std::vector<void*> ready;       // per rank: event after its inputs (GPU), else null
   std::vector<void*> done;        // per rank: event after its pushes (GPU), else null
+  std::vector<void*> staging;     // per rank, staged exchanges: its send buffer's host copy
+  std::vector<void*> staged;      // per rank, staged: event after that copy (GPU), else null
   int64_t bytes = -1;             // every rank's buffer size
+  bool via_host = false;          // a staged exchange (every rank's staging set)
   int joined = 0;                 // ranks that joined
+  int staged_count = 0;           // ranks whose copy into `staging` is issued
   int pushed = 0;                 // ranks whose pushes are issued
   int left = 0;                   // ranks whose wait has finished
 };
@@ -46,10 +63,11 @@ struct ExchangeSlot {
 class ExchangeRegistry {
  public:
   // Joins this device's slot of the run's next exchange and blocks until the whole group has
-  // joined. Returns the slot, or null with `error` set.
+  // joined (`staging`: this device's host staging buffer for a staged exchange, else null).
+  // Returns the slot, or null with `error` set.
   std::shared_ptr<ExchangeSlot> Join(int64_t run_id, int device, int rank, int group_size,
                                      int64_t bytes, const void* send, void* recv, void* ready,
-                                     std::string* error) {
+                                     void* staging, std::string* error) {
     std::unique_lock<std::mutex> lock(mu_);
     int64_t occurrence = NextStart(device, run_id);
     auto key = std::make_pair(run_id, occurrence);
@@ -63,7 +81,14 @@ class ExchangeRegistry {
                " bytes here); they are not running the same program";
       return nullptr;
     }
+    if (joined->joined > 0 && joined->via_host != (staging != nullptr)) {
+      *error = "peer all-to-all: devices disagree on staging through host memory "
+               "(JTBO_PEER_COPY_VIA_HOST differs between their starts)";
+      return nullptr;
+    }
     joined->bytes = bytes;
+    joined->via_host = staging != nullptr;
+    joined->staging[rank] = staging;
     joined->send[rank] = send;
     joined->recv[rank] = recv;
     joined->ready[rank] = ready;
@@ -77,6 +102,23 @@ class ExchangeRegistry {
     }
     if (joined->joined == group_size) slots_.erase(key);  // matched; waits find it by buffer
     return joined;
+  }
+
+  // Staged exchanges: records that `rank` has issued the copy of its send buffer into its
+  // staging buffer (`staged`: an event after it, or null), then blocks until every rank has.
+  // Returns false with `error` set if a peer never does.
+  bool StageAndAwait(ExchangeSlot& slot, int rank, void* staged, std::string* error) {
+    std::unique_lock<std::mutex> lock(mu_);
+    slot.staged[rank] = staged;
+    slot.staged_count += 1;
+    changed_.notify_all();
+    const int group_size = static_cast<int>(slot.recv.size());
+    if (!changed_.wait_for(lock, kPeerTimeout, [&] { return slot.staged_count == group_size; })) {
+      *error = "peer all-to-all: a peer device did not stage its buffer within " +
+               std::to_string(kPeerTimeout.count()) + " s";
+      return false;
+    }
+    return true;
   }
 
   // Records that `rank` has issued its pushes (`done`: an event after them, or null).
@@ -139,6 +181,12 @@ class ExchangeRegistry {
   std::map<std::pair<int64_t, int64_t>, std::shared_ptr<ExchangeSlot>> slots_;  // joining
   std::map<std::pair<int, void*>, std::shared_ptr<ExchangeSlot>> by_recv_;       // in flight
 };
+
+// Whether a start stages its exchange through host memory: JTBO_PEER_COPY_VIA_HOST=1.
+inline bool ViaHostRequested() {
+  const char* text = std::getenv("JTBO_PEER_COPY_VIA_HOST");
+  return text != nullptr && std::string(text) == "1";
+}
 
 // The rank of `device` in `group` (device ordinals in group order), or -1.
 inline int RankOf(int device, const int64_t* group, int64_t group_size) {

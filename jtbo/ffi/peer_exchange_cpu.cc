@@ -1,6 +1,8 @@
 // The peer-copy all-to-all on XLA:CPU devices of one process: the same rendezvous as the
 // GPU build, with the pushes done by memcpy inside the start call. It exists so that the
-// protocol (matching, block offsets, buffer lifetimes) is tested on the CPU.
+// protocol (matching, block offsets, buffer lifetimes, the staged mode's two phases) is
+// tested on the CPU. A staged exchange copies through a heap buffer per device, freed by its
+// device's wait: every peer's copies out of it are done once all have pushed.
 #include <cstring>
 
 #include "peer_exchange.h"
@@ -24,15 +26,33 @@ ffi::Error Start(ffi::RunId run, int32_t device, ffi::AnyBuffer send,
                                        " is not in the exchange group");
   }
   const int64_t bytes = static_cast<int64_t>(send.size_bytes());
+  char* staging = jtbo::ViaHostRequested() ? new char[bytes > 0 ? bytes : 1] : nullptr;
   std::string error;
   auto slot = Registry().Join(run.run_id, device, rank, static_cast<int>(group_size), bytes,
-                              send.untyped_data(), recv->untyped_data(), nullptr, &error);
-  if (!slot) return ffi::Error::Internal(error);
+                              send.untyped_data(), recv->untyped_data(), nullptr, staging,
+                              &error);
+  if (!slot) {
+    delete[] staging;
+    return ffi::Error::Internal(error);
+  }
   const int64_t block = bytes / group_size;
-  const char* source = static_cast<const char*>(send.untyped_data());
-  for (int64_t peer = 0; peer < group_size; ++peer) {
-    std::memcpy(static_cast<char*>(slot->recv[peer]) + rank * block, source + peer * block,
-                block);
+  if (staging != nullptr) {
+    std::memcpy(staging, send.untyped_data(), bytes);
+    if (!Registry().StageAndAwait(*slot, rank, nullptr, &error)) {
+      return ffi::Error::Internal(error);
+    }
+    // Pull the blocks addressed to this device out of every peer's staging buffer.
+    char* target = static_cast<char*>(recv->untyped_data());
+    for (int64_t sender = 0; sender < group_size; ++sender) {
+      std::memcpy(target + sender * block,
+                  static_cast<const char*>(slot->staging[sender]) + rank * block, block);
+    }
+  } else {
+    const char* source = static_cast<const char*>(send.untyped_data());
+    for (int64_t peer = 0; peer < group_size; ++peer) {
+      std::memcpy(static_cast<char*>(slot->recv[peer]) + rank * block, source + peer * block,
+                  block);
+    }
   }
   Registry().MarkPushed(*slot, rank, nullptr);
   return ffi::Error::Success();
@@ -40,13 +60,18 @@ ffi::Error Start(ffi::RunId run, int32_t device, ffi::AnyBuffer send,
 
 ffi::Error Wait(int32_t device, ffi::AnyBuffer send, ffi::AnyBuffer recv,
                 ffi::Result<ffi::AnyBuffer> done, ffi::Span<const int64_t> group) {
-  (void)send;   // an operand only so that XLA keeps it alive until here
-  (void)group;  // the CUDA build's signature
+  (void)send;  // an operand only so that XLA keeps it alive until here
   std::string error;
   auto slot = Registry().AwaitPushes(device, recv.untyped_data(), &error);
   if (!slot) return ffi::Error::Internal(error);
   if (done->untyped_data() != recv.untyped_data()) {
     return ffi::Error::Internal("peer all-to-all wait: the result does not alias the buffer");
+  }
+  // Every rank has pushed, so every copy out of this device's staging buffer is done.
+  const int rank = jtbo::RankOf(device, group.begin(), static_cast<int64_t>(group.size()));
+  if (rank >= 0 && slot->staging[rank] != nullptr) {
+    delete[] static_cast<char*>(slot->staging[rank]);
+    slot->staging[rank] = nullptr;
   }
   Registry().Leave(device, recv.untyped_data(), *slot);
   return ffi::Error::Success();

@@ -10,9 +10,19 @@
 // record `done_d` once all side streams are through. Wait, on
 // device d: make the compute stream wait for every device's `done` (all blocks into d's
 // buffer have landed, and d's send buffer has been read).
+//
+// Staged through host memory (JTBO_PEER_COPY_VIA_HOST=1): after `ready_d`, d's first side
+// stream copies the whole send buffer into a pinned host staging buffer (device to host, one
+// copy engine) and records `staged_d`; once every device has, d's upload stream copies the
+// block addressed to d out of each peer's staging buffer into d's receive buffer (host to
+// device, the other copy engine), each copy after that peer's `staged`, and records
+// `done_d`. Staging buffers are pinned once and reused: d's buffer returns to d's pool at d's
+// wait, which orders the compute stream after every device's `done` (all reads of it); a
+// later start that takes it records its `ready` on the compute stream after that.
 #include <cuda_runtime.h>
 
 #include <array>
+#include <cstddef>
 #include <cstdlib>
 #include <mutex>
 #include <vector>
@@ -55,11 +65,15 @@ class DeviceScope {
   cudaError_t status_;
 };
 
-// Per device: the side streams, peer access done, and a pool of reusable events.
+// Per device: the side streams, the upload stream of staged exchanges, peer access done, and
+// pools of reusable events and pinned staging buffers.
 struct DeviceState {
   std::vector<cudaStream_t> sides;
+  cudaStream_t upload = nullptr;
   std::vector<int> peers_enabled;
   std::vector<cudaEvent_t> free_events;
+  std::vector<std::pair<int64_t, void*>> free_staging;  // (bytes, pinned host buffer)
+  std::vector<std::pair<void*, int64_t>> staging_sizes;  // every staging buffer ever pinned
 };
 
 // Side streams per device (JTBO_PEER_COPY_STREAMS, 1 to 16, default 1). Each peer block is
@@ -84,6 +98,9 @@ ffi::Error Prepare(int device, ffi::Span<const int64_t> group, DeviceState& stat
     cudaStream_t side;
     JTBO_CUDA(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
     state.sides.push_back(side);
+  }
+  if (state.upload == nullptr) {
+    JTBO_CUDA(cudaStreamCreateWithFlags(&state.upload, cudaStreamNonBlocking));
   }
   for (int64_t peer : group) {
     if (peer == device) continue;
@@ -120,6 +137,36 @@ ffi::ErrorOr<cudaEvent_t> TakeEvent(DeviceState& state) {
   return event;
 }
 
+// A pinned host buffer of at least `bytes` from the device's pool, or a new one. Portable:
+// every device's copies may read it.
+ffi::ErrorOr<void*> TakeStaging(DeviceState& state, int64_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(state_mu);
+    auto& pool = state.free_staging;
+    for (size_t i = 0; i < pool.size(); ++i) {
+      if (pool[i].first >= bytes) {
+        void* buffer = pool[i].second;
+        pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(i));
+        return buffer;
+      }
+    }
+  }
+  void* buffer = nullptr;
+  cudaError_t status = cudaHostAlloc(&buffer, bytes > 0 ? bytes : 1, cudaHostAllocPortable);
+  if (status != cudaSuccess) return ffi::Unexpected(CudaError(status, "cudaHostAlloc"));
+  std::lock_guard<std::mutex> lock(state_mu);
+  state.staging_sizes.emplace_back(buffer, bytes > 0 ? bytes : 1);
+  return buffer;
+}
+
+void ReturnStaging(int device, void* buffer) {
+  std::lock_guard<std::mutex> lock(state_mu);
+  auto& state = states[device];
+  for (const auto& [known, size] : state.staging_sizes) {
+    if (known == buffer) state.free_staging.emplace_back(size, buffer);
+  }
+}
+
 void ReturnEvent(int device, cudaEvent_t event) {
   std::lock_guard<std::mutex> lock(state_mu);
   states[device].free_events.push_back(event);
@@ -134,7 +181,43 @@ void ReturnEvents(const jtbo::ExchangeSlot& slot, ffi::Span<const int64_t> group
     auto& pool = states[group[rank]].free_events;
     pool.push_back(static_cast<cudaEvent_t>(slot.ready[rank]));
     pool.push_back(static_cast<cudaEvent_t>(slot.done[rank]));
+    if (slot.staged[rank] != nullptr) pool.push_back(static_cast<cudaEvent_t>(slot.staged[rank]));
   }
+}
+
+// The staged exchange's copies on device `device` (see the file comment), after the join.
+ffi::Error StartStaged(int device, int rank, ffi::AnyBuffer send,
+                       ffi::Result<ffi::AnyBuffer>& recv, cudaEvent_t ready, DeviceState& state,
+                       jtbo::ExchangeSlot& slot) {
+  const int64_t group_size = static_cast<int64_t>(slot.recv.size());
+  const int64_t bytes = static_cast<int64_t>(send.size_bytes());
+  cudaStream_t down = state.sides[0];
+  JTBO_CUDA(cudaStreamWaitEvent(down, ready, 0));
+  JTBO_CUDA(cudaMemcpyAsync(slot.staging[rank], send.untyped_data(), bytes,
+                            cudaMemcpyDeviceToHost, down));
+  auto staged = TakeEvent(state);
+  if (staged.has_error()) return staged.error();
+  JTBO_CUDA(cudaEventRecord(*staged, down));
+  std::string message;
+  if (!Registry().StageAndAwait(slot, rank, *staged, &message)) {
+    return ffi::Error::Internal(message);
+  }
+  // The receive buffer is free after `ready`; each peer's block after that peer's `staged`.
+  JTBO_CUDA(cudaStreamWaitEvent(state.upload, ready, 0));
+  const int64_t block = bytes / group_size;
+  char* target = static_cast<char*>(recv->untyped_data());
+  for (int64_t step = 1; step <= group_size; ++step) {
+    const int64_t sender = (rank + step) % group_size;
+    JTBO_CUDA(cudaStreamWaitEvent(state.upload, static_cast<cudaEvent_t>(slot.staged[sender]), 0));
+    JTBO_CUDA(cudaMemcpyAsync(target + sender * block,
+                              static_cast<const char*>(slot.staging[sender]) + rank * block,
+                              block, cudaMemcpyHostToDevice, state.upload));
+  }
+  auto done = TakeEvent(state);
+  if (done.has_error()) return done.error();
+  JTBO_CUDA(cudaEventRecord(*done, state.upload));
+  Registry().MarkPushed(slot, rank, *done);
+  return ffi::Error::Success();
 }
 
 ffi::Error Start(cudaStream_t stream, ffi::RunId run, int32_t device, ffi::AnyBuffer send,
@@ -158,10 +241,23 @@ ffi::Error Start(cudaStream_t stream, ffi::RunId run, int32_t device, ffi::AnyBu
   JTBO_CUDA(cudaEventRecord(*ready, stream));
 
   const int64_t bytes = static_cast<int64_t>(send.size_bytes());
+  void* staging = nullptr;
+  if (jtbo::ViaHostRequested()) {
+    auto taken = TakeStaging(state, bytes);
+    if (taken.has_error()) return taken.error();
+    staging = *taken;
+  }
   std::string message;
   auto slot = Registry().Join(run.run_id, device, rank, static_cast<int>(group_size), bytes,
-                              send.untyped_data(), recv->untyped_data(), *ready, &message);
-  if (!slot) return ffi::Error::Internal(message);
+                              send.untyped_data(), recv->untyped_data(), *ready, staging,
+                              &message);
+  if (!slot) {
+    if (staging != nullptr) ReturnStaging(device, staging);
+    return ffi::Error::Internal(message);
+  }
+  if (staging != nullptr) {
+    return StartStaged(device, rank, send, recv, *ready, state, *slot);
+  }
   for (cudaStream_t side : state.sides) {
     for (void* peer_ready : slot->ready) {
       JTBO_CUDA(cudaStreamWaitEvent(side, static_cast<cudaEvent_t>(peer_ready), 0));
@@ -212,6 +308,10 @@ ffi::Error Wait(cudaStream_t stream, int32_t device, ffi::AnyBuffer send, ffi::A
   for (void* peer_done : slot->done) {
     JTBO_CUDA(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(peer_done), 0));
   }
+  // After those waits on the compute stream, every read of this device's staging buffer is
+  // ordered before anything a later start enqueues: it may serve the next staged exchange.
+  const int rank = jtbo::RankOf(device, group.begin(), static_cast<int64_t>(group.size()));
+  if (rank >= 0 && slot->staging[rank] != nullptr) ReturnStaging(device, slot->staging[rank]);
   if (Registry().Leave(device, recv.untyped_data(), *slot)) ReturnEvents(*slot, group);
   return ffi::Error::Success();
 }

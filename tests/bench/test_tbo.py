@@ -31,15 +31,17 @@ def _environment(argv, environ, dump_dir=None):
     return environ
 
 
-def test_link_host_disables_nccl_p2p_keeps_shm_and_nvls_off():
+def test_link_host_disables_nccl_p2p_keeps_shm_and_nvls_off_and_stages_the_peer_copy():
     got = _environment(["--link", "host"], {"XLA_FLAGS": "--a=1"})
     assert got == {
         "XLA_FLAGS": "--a=1",
         "NCCL_P2P_DISABLE": "1",
         "NCCL_SHM_DISABLE": "0",
         "NCCL_NVLS_ENABLE": "0",
+        "JTBO_PEER_COPY_VIA_HOST": "1",
     }
-    assert _environment([], {})["NCCL_P2P_DISABLE"] == "0"  # nvlink, the default
+    nvlink = _environment([], {})  # the default
+    assert nvlink["NCCL_P2P_DISABLE"] == nvlink["JTBO_PEER_COPY_VIA_HOST"] == "0"
     assert _environment([], {"NCCL_NVLS_ENABLE": "7"})["NCCL_NVLS_ENABLE"] == "7"  # setdefault
 
 

@@ -41,8 +41,16 @@ def _reference(x: np.ndarray) -> np.ndarray:
     return blocks.reshape(x.shape)
 
 
+@pytest.fixture(params=["direct", "via_host"])
+def staging(request, monkeypatch):
+    """Both transports: straight into the peers' buffers, and staged through host memory
+    (``JTBO_PEER_COPY_VIA_HOST=1``, read by every start)."""
+    monkeypatch.setenv("JTBO_PEER_COPY_VIA_HOST", "1" if request.param == "via_host" else "0")
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int32])
-def test_start_and_wait_equal_xla_all_to_all(dtype):
+def test_start_and_wait_equal_xla_all_to_all(dtype, staging):
     mesh = _mesh()
     group = peer_copy.device_group(mesh)
 
@@ -61,7 +69,7 @@ def test_start_and_wait_equal_xla_all_to_all(dtype):
     np.testing.assert_array_equal(np.asarray(received), np.asarray(xla))
 
 
-def test_interleaved_exchanges_each_find_their_own_buffer_over_repeated_runs():
+def test_interleaved_exchanges_each_find_their_own_buffer_over_repeated_runs(staging):
     # Two exchanges in flight at once, waited for in the other order (as two TBO
     # micro-batches' would be), in a program run three times.
     mesh = _mesh()
