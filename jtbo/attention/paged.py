@@ -145,6 +145,21 @@ def _visible_range(q_len, q_pos, kv_len, row0, launch: _Launch, causal: bool):
     return jnp.where(lax.div(row0, launch.group) < q_len, end, 0)
 
 
+def _whole_blocks(start, stop, q_pos, row0, trips, launch: _Launch, block_kv: int, causal: bool):
+    """How many leading KV blocks of a split every row of the row block sees whole.
+
+    Those blocks skip the mask (as flash attention does): they lie inside the split and, with
+    the causal rule, at or before the block's first query's position, so every later row sees
+    them too. Rows past the tile's queries see them as well; their outputs are dropped when
+    the rows are scattered back (``_scatter_rows``). A custom mask (verify) masks every block.
+    """
+    if not causal:
+        return 0
+    first_query = lax.div(row0, launch.group)
+    end = jnp.minimum(stop, q_pos + first_query + 1)  # one past the last position all see
+    return jnp.clip(lax.div(jnp.maximum(end - start, 0), block_kv), 0, trips)
+
+
 def _dot(a, b, *, contract_b: int):
     """``a @ b`` (``contract_b=0``) or ``a @ b.T`` (``1``) with float32 accumulation.
 
@@ -187,7 +202,7 @@ def _paged_attention_kernel(
     stop = jnp.minimum(start + split_len, end)
     q_parts = [q_ref[tile, head, rb, :, pl.ds(o, w)] for o, w in launch.key_parts]
 
-    def body(b, carry):
+    def body(b, carry, *, masked: bool):
         m, denom, acc = carry
         pos = start + b * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
         column = jnp.minimum(pos, max_context - 1)
@@ -203,13 +218,14 @@ def _paged_attention_kernel(
             )
             * scaling
         )  # [block_rows, block_kv]
-        visible = row_ok[:, None] & in_range[None, :]
-        if mask_ref is None:
-            visible = visible & (pos[None, :] <= q_pos + query[:, None])
-        else:
-            row = jnp.minimum(query, mask_ref.shape[1] - 1)
-            visible = visible & (mask_ref[tile, row[:, None], column[None, :]] != 0)
-        scores = jnp.where(visible, scores, -jnp.inf)
+        if masked:
+            visible = row_ok[:, None] & in_range[None, :]
+            if mask_ref is None:
+                visible = visible & (pos[None, :] <= q_pos + query[:, None])
+            else:
+                row = jnp.minimum(query, mask_ref.shape[1] - 1)
+                visible = visible & (mask_ref[tile, row[:, None], column[None, :]] != 0)
+            scores = jnp.where(visible, scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=1))
         # A row that has seen no visible key keeps max -inf; shift it by 0 to avoid inf - inf.
         m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -224,7 +240,9 @@ def _paged_attention_kernel(
         jnp.zeros((launch.block_rows, o_ref.shape[-1]), jnp.float32),
     )
     trips = pl.cdiv(jnp.maximum(stop - start, 0), block_kv)
-    m, denom, acc = lax.fori_loop(0, trips, body, init)
+    whole = _whole_blocks(start, stop, q_pos, row0, trips, launch, block_kv, mask_ref is None)
+    carry = lax.fori_loop(0, whole, functools.partial(body, masked=False), init)
+    m, denom, acc = lax.fori_loop(whole, trips, functools.partial(body, masked=True), carry)
     seen = denom > 0
     safe = jnp.where(seen, denom, 1.0)
     o_ref[tile, head, rb, s] = jnp.where(seen[:, None], acc / safe[:, None], 0.0)

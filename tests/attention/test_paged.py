@@ -123,6 +123,16 @@ def test_extend_ragged_with_prefixes(lens, seed):
     assert not np.asarray(out[sc.num_tokens :]).any()
 
 
+@pytest.mark.parametrize("config", [ONE_SPLIT, THREE_SPLITS], ids=["one_split", "three_splits"])
+def test_extend_after_a_long_prefix_skips_the_mask_on_whole_blocks(config):
+    # Prefixes of 19 and 26 positions: the first 16-position block is seen whole by every
+    # query row (the unmasked loop), the blocks after it hold the causal edge (the masked
+    # one); with three splits each split starts its own unmasked run.
+    sc = _make(21, [19, 26], [5, 6])
+    out = _check(sc, _extend_md(sc), config=config)
+    assert not np.asarray(out[sc.num_tokens :]).any()
+
+
 def test_extend_rows_over_several_row_blocks():
     # query_tile 4 x group 8 = 32 rows: two row blocks of 16, each with its own causal end.
     sc = _make(12, [5, 0], [7, 9], q_heads=8, kv_heads=1)
