@@ -141,6 +141,19 @@ def test_dedup_equals_per_assignment_exchange_and_reference(case, top_k, dp_size
     chex.assert_trees_all_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("via_host", ["0", "1"], ids=["direct", "via_host"])
+def test_dedup_over_the_peer_copy_equals_the_reference(via_host, monkeypatch):
+    # The copy-engine exchange (CPU twin here), straight or staged through host memory as
+    # `bench tbo --link host` runs it.
+    monkeypatch.setenv("JTBO_PEER_COPY_VIA_HOST", via_host)
+    hidden, ids, weights, num_valid = routing(np.random.default_rng(11), 3, "random")
+    _, dedup = dispatchers(4, 3, worst_case=True, exchange="peer_copy")
+    got, overflow, _ = run(dedup, 4, hidden, ids, weights, num_valid)
+    ref, _, _ = reference(hidden, ids, weights, num_valid, TOKENS, TOKENS * NUM_DEVICES)
+    assert overflow.sum() == 0
+    chex.assert_trees_all_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "case, peer_capacity, expert_capacity", [("skewed", 3, 5), ("random", 1, 1)]
 )
@@ -211,7 +224,7 @@ def test_expected_ranks_per_token_and_capacity_rule():
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="ragged_all_to_all needs a GPU")
-def test_dedup_dense_and_ragged_agree_on_gpu():
+def test_dedup_dense_ragged_and_peer_copy_agree_on_gpu():
     num_devices = len(jax.devices())
     mesh = mesh_lib.make_mesh(num_devices, 1)
     rng = np.random.default_rng(4)
@@ -223,7 +236,9 @@ def test_dedup_dense_and_ragged_agree_on_gpu():
     weights = rng.uniform(0.1, 1.0, (num_devices * tokens, top_k)).astype(np.float32)
     num_valid = rng.integers(0, tokens + 1, num_devices).astype(np.int32)
     results = {}
-    for exchange, dedup in (("dense", False), ("dense", True), ("ragged", True)):
+    for exchange, dedup in (
+        ("dense", False), ("dense", True), ("ragged", True), ("peer_copy", True)
+    ):  # fmt: skip
         dispatcher = ep_config.create_ep_dispatcher(
             mesh, num_experts=num_experts, num_tokens=tokens, top_k=top_k, exchange=exchange,
             dedup=dedup, worst_case=True,
@@ -238,5 +253,5 @@ def test_dedup_dense_and_ragged_agree_on_gpu():
             )
         )
         results[exchange, dedup] = np.asarray(step(hidden, ids, weights, num_valid)[0])
-    for got in (results["dense", True], results["ragged", True]):
+    for got in (results["dense", True], results["ragged", True], results["peer_copy", True]):
         np.testing.assert_allclose(got, results["dense", False], rtol=1e-4, atol=1e-4)
