@@ -33,8 +33,7 @@ FASTEST = {
     # decode and extend (BENCHMARKS.md, "Attention: the paged kernel").
     "paged_attention": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
     # paged_attention(value_width=...) (MLA's absorbed decode): the paged kernel over the
-    # latent pool reads it at 4.3x the native attention's rate (BENCHMARKS.md, "MLA on H200s,
-    # 2026-11-30").
+    # latent pool beats the native attention (BENCHMARKS.md, "MLA on H200s, 2026-11-30").
     "mla_latent_attention": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
 }
 
