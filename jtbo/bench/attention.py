@@ -92,10 +92,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--cases: {name!r} is not one of {CASES}")
     for name in args.backends:
         backend_lib.backend_class(name)  # ValueError naming the backend
-    try:
-        _paged_configs(args)
-    except ValueError as error:
-        parser.error(f"pallas launch shape: {error}")
     if args.small:
         args.extend_tokens, args.extend_seqs = 256, 2
         args.decode_seqs, args.decode_context = 16, 128
@@ -103,6 +99,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.dtype, args.query_tile, args.kv_block, args.iters = "float32", 32, 64, 2
         args.block_kv, args.min_split_kv, args.ceiling_bytes = [32], [32], 1 << 24
         args.kv_lora_rank, args.qk_rope_dim, args.qk_nope_dim, args.v_head_dim = 32, 16, 16, 16
+    try:
+        args.paged_configs = _paged_configs(args)  # after --small's knobs: the ones that run
+    except ValueError as error:
+        parser.error(f"pallas launch shape: {error}")
     return args
 
 
@@ -353,7 +353,7 @@ def main(argv: list[str]) -> None:
     print(
         f"device: {jax.devices()[0].device_kind}, {'MLA, ' if args.mla else ''}dtype "
         f"{args.dtype}, native kv_block "
-        f"{args.kv_block}, pallas {len(_paged_configs(args))} launch shape(s); copy ceiling "
+        f"{args.kv_block}, pallas {len(args.paged_configs)} launch shape(s); copy ceiling "
         f"{ceiling[0]:.0f} GB/s "
         f"({ceiling[1]}, {args.ceiling_bytes >> 20} MiB)"
     )
@@ -362,7 +362,7 @@ def main(argv: list[str]) -> None:
         runs = [
             (backend_name, config)
             for backend_name in args.backends
-            for config in (_paged_configs(args) if backend_name == "pallas" else [None])
+            for config in (args.paged_configs if backend_name == "pallas" else [None])
         ]
         for backend_name, config in runs:
             result, out = _run_case(args, case, backend_name, config)

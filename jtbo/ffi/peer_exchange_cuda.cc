@@ -22,7 +22,6 @@
 #include <cuda_runtime.h>
 
 #include <array>
-#include <cstddef>
 #include <cstdlib>
 #include <mutex>
 #include <vector>
@@ -65,15 +64,21 @@ class DeviceScope {
   cudaError_t status_;
 };
 
-// Per device: the side streams, the upload stream of staged exchanges, peer access done, and
-// pools of reusable events and pinned staging buffers.
+// A pinned host buffer of a staged exchange, and whether a start holds it.
+struct StagingBuffer {
+  void* data;
+  int64_t bytes;
+  bool in_use;
+};
+
+// Per device: the side streams, the upload stream of staged exchanges, peer access done, a
+// pool of reusable events and every staging buffer pinned so far.
 struct DeviceState {
   std::vector<cudaStream_t> sides;
   cudaStream_t upload = nullptr;
   std::vector<int> peers_enabled;
   std::vector<cudaEvent_t> free_events;
-  std::vector<std::pair<int64_t, void*>> free_staging;  // (bytes, pinned host buffer)
-  std::vector<std::pair<void*, int64_t>> staging_sizes;  // every staging buffer ever pinned
+  std::vector<StagingBuffer> staging;
 };
 
 // Side streams per device (JTBO_PEER_COPY_STREAMS, 1 to 16, default 1). Each peer block is
@@ -142,28 +147,26 @@ ffi::ErrorOr<cudaEvent_t> TakeEvent(DeviceState& state) {
 ffi::ErrorOr<void*> TakeStaging(DeviceState& state, int64_t bytes) {
   {
     std::lock_guard<std::mutex> lock(state_mu);
-    auto& pool = state.free_staging;
-    for (size_t i = 0; i < pool.size(); ++i) {
-      if (pool[i].first >= bytes) {
-        void* buffer = pool[i].second;
-        pool.erase(pool.begin() + static_cast<std::ptrdiff_t>(i));
-        return buffer;
+    for (StagingBuffer& buffer : state.staging) {
+      if (!buffer.in_use && buffer.bytes >= bytes) {
+        buffer.in_use = true;
+        return buffer.data;
       }
     }
   }
-  void* buffer = nullptr;
-  cudaError_t status = cudaHostAlloc(&buffer, bytes > 0 ? bytes : 1, cudaHostAllocPortable);
+  const int64_t size = bytes > 0 ? bytes : 1;
+  void* data = nullptr;
+  cudaError_t status = cudaHostAlloc(&data, size, cudaHostAllocPortable);
   if (status != cudaSuccess) return ffi::Unexpected(CudaError(status, "cudaHostAlloc"));
   std::lock_guard<std::mutex> lock(state_mu);
-  state.staging_sizes.emplace_back(buffer, bytes > 0 ? bytes : 1);
-  return buffer;
+  state.staging.push_back(StagingBuffer{data, size, true});
+  return data;
 }
 
-void ReturnStaging(int device, void* buffer) {
+void ReturnStaging(int device, void* data) {
   std::lock_guard<std::mutex> lock(state_mu);
-  auto& state = states[device];
-  for (const auto& [known, size] : state.staging_sizes) {
-    if (known == buffer) state.free_staging.emplace_back(size, buffer);
+  for (StagingBuffer& buffer : states[device].staging) {
+    if (buffer.data == data) buffer.in_use = false;
   }
 }
 

@@ -22,10 +22,6 @@ def _mesh():
     return jax.make_mesh((NDEV,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def _platform(mesh):
-    return mesh_lib.mesh_platform(mesh)
-
-
 def _sharded(body, mesh, outputs):
     spec = P(AXIS)
     return jax.jit(
@@ -55,7 +51,7 @@ def test_start_and_wait_equal_xla_all_to_all(dtype, staging):
     group = peer_copy.device_group(mesh)
 
     def body(x, y):
-        in_flight = peer_copy.all_to_all_start(x, group, _platform(mesh))
+        in_flight = peer_copy.all_to_all_start(x, group, mesh_lib.mesh_platform(mesh))
         busy = jnp.tanh(y) @ jnp.tanh(y).T  # work between start and wait
         received = peer_copy.all_to_all_wait(in_flight, group)
         return received, jax.lax.all_to_all(x, AXIS, 0, 0, tiled=True), busy
@@ -76,8 +72,8 @@ def test_interleaved_exchanges_each_find_their_own_buffer_over_repeated_runs(sta
     group = peer_copy.device_group(mesh)
 
     def body(a, b):
-        first = peer_copy.all_to_all_start(a, group, _platform(mesh))
-        second = peer_copy.all_to_all_start(b, group, _platform(mesh))
+        first = peer_copy.all_to_all_start(a, group, mesh_lib.mesh_platform(mesh))
+        second = peer_copy.all_to_all_start(b, group, mesh_lib.mesh_platform(mesh))
         got_b = peer_copy.all_to_all_wait(second, group)
         got_a = peer_copy.all_to_all_wait(first, group)
         return got_a, got_b
@@ -96,7 +92,7 @@ def test_rows_must_split_into_the_group():
     mesh = _mesh()
     with pytest.raises(ValueError, match=f"multiple of {NDEV} devices"):
         peer_copy.all_to_all_start(
-            jnp.ones((NDEV * 3 + 1, 2)), peer_copy.device_group(mesh), _platform(mesh)
+            jnp.ones((NDEV * 3 + 1, 2)), peer_copy.device_group(mesh), mesh_lib.mesh_platform(mesh)
         )
 
 
