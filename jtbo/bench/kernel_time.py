@@ -37,10 +37,11 @@ CUBLAS_PREFIXES = ("nvjet", "sm90_", "sm80_", "cutlass", "void cutlass", "gemv",
 """Kernel-name prefixes of cuBLAS / cuBLASLt kernels."""
 NCCL_PREFIXES = ("nccl",)
 """Kernel-name prefixes of NCCL collectives (communication)."""
-PEER_COPY_PREFIXES = ("MemcpyP2P", "MemcpyDtoH", "MemcpyHtoD")
-"""Names of the ``peer_copy`` EP exchange's transfers in the trace: peer-to-peer copies, and
-the device-to-host and host-to-device copies of an exchange staged through host memory
-(``JTBO_PEER_COPY_VIA_HOST=1``; a jitted step makes no other host transfers)."""
+PEER_COPY_PREFIXES = ("MemcpyP2P", "MemcpyD2H", "MemcpyH2D")
+"""Names of the ``peer_copy`` EP exchange's transfers in the trace (as jax's GPU profiler names
+them): peer-to-peer copies, and the device-to-host and host-to-device copies of an exchange
+staged through host memory (``JTBO_PEER_COPY_VIA_HOST=1``; a jitted step makes no other host
+transfers)."""
 NOT_COMPUTE_PREFIXES = ("Memcpy", "Memset", "memcpy", "memset")
 """Kernel-name prefixes that are data movement, neither communication nor compute."""
 

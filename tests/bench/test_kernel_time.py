@@ -120,9 +120,9 @@ def test_hidden_communication_counts_nccl_time_under_other_kernels_per_device():
     assert kernel_time.hidden_communication(kernels[1:2]) == (0.0, 0.0)
     # The peer copy's transfers count as communication, staged through the host or not.
     staged = [
-        _k("MemcpyDtoH (Device -> Pinned)", 0.0, 4.0),  # all under the gemm
+        _k("MemcpyD2H", 0.0, 4.0),  # all under the gemm
         _k("gemm_fusion_dot_1", 0.0, 6.0),
-        _k("MemcpyHtoD (Pinned -> Device)", 4.0, 4.0),  # half under it
+        _k("MemcpyH2D", 4.0, 4.0),  # half under it
         _k("MemcpyP2P", 20.0, 3.0),  # alone
     ]
     assert kernel_time.hidden_communication(staged) == (4.0 + 2.0, 11.0)
