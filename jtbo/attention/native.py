@@ -9,8 +9,8 @@ accumulators in float32 — the flash-attention recurrence, so nothing of size
 ``tokens x max_context x heads`` ever exists.
 Tiles advance together in *chunks* of about ``chunk_rows`` query rows (a batch dimension),
 and only chunks up to the step's last real tile run (a traced trip count): the metadata is
-sized for the worst case a static capacity can hold (e.g. every sequence of
-``seq_capacity`` one token long), so most of its tiles are usually empty, and a TBO child
+sized for the worst case a static capacity can hold (e.g. every sequence of the step's
+sequence bound one token long), so most of its tiles are usually empty, and a TBO child
 holds as many tiles as the worst case of either child; processing all of them was the bulk
 of both steps' attention (BENCHMARKS.md, "TBO step cost on one GPU").
 Within a chunk the block loop runs only up to the chunk's furthest visible KV position

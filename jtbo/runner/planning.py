@@ -56,6 +56,8 @@ TBO_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DECODE, ForwardM
 DP_PADDING_CHOICES = ("auto", "max_len", "sum_len")
 """Values of ``PlanOptions.dp_padding``."""
 DEFAULT_QUERY_TILE = 64  # query rows per attention tile of extend steps (PlanOptions.query_tile)
+MIN_SEQ_BUCKET = 16
+"""The smallest sequence bound of an extend step's attention tiles (``seq_bucket``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +169,8 @@ class RankSummary:
       draft_token_num: tokens per sequence of a TARGET_VERIFY rank, else None.
       split_seq_index: the rank's TBO split sequence index, None when not computed.
       split_token_index: the rank's TBO split token index, None when not computed.
+      num_seqs: the rank's sequences (a TBO child holds at most as many); None when not
+        known, which bounds the step's attention tiles by ``PlanOptions.seq_capacity``.
     """
 
     forward_mode: ForwardMode
@@ -174,6 +178,7 @@ class RankSummary:
     draft_token_num: int | None
     split_seq_index: int | None
     split_token_index: int | None
+    num_seqs: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +209,8 @@ class StepDecision:
       num_tokens: real tokens of each rank.
       split_token_index: per rank, the TBO token split (0 for idle ranks); None without TBO.
       dp_padding_mode: layout of the step's DP gathers (``dp_padding_mode``).
+      seq_bound: sequences every rank's (and TBO child's) extend attention metadata holds
+        (``seq_bucket``).
     """
 
     kind: str
@@ -214,6 +221,7 @@ class StepDecision:
     num_tokens: tuple[int, ...]
     split_token_index: tuple[int, ...] | None
     dp_padding_mode: padding.DpPaddingMode
+    seq_bound: int
 
     @property
     def all_idle(self) -> bool:
@@ -236,8 +244,10 @@ def summarize(batch: split.ForwardBatch, options: PlanOptions) -> LocalRank:
     """
     mode = batch.forward_mode
     draft = batch.spec_info.draft_token_num if mode.is_target_verify() else None
+    seqs = batch.batch_size
     if not (options.enable_tbo and mode in TBO_MODES):
-        return LocalRank(batch, RankSummary(mode, batch.num_tokens, draft, None, None), None)
+        summary = RankSummary(mode, batch.num_tokens, draft, None, None, seqs)
+        return LocalRank(batch, summary, None)
     lens = None if batch.extend_seq_lens is None else batch.extend_seq_lens.tolist()
     per_seq = split.get_token_num_per_seq(mode, batch.spec_info)
     seq_index = split.compute_split_seq_index(
@@ -249,7 +259,7 @@ def summarize(batch: split.ForwardBatch, options: PlanOptions) -> LocalRank:
         threshold=options.threshold,
     )
     token_index = int(children[0].tbo_parent_token_range[1])  # split_batch's token split
-    summary = RankSummary(mode, batch.num_tokens, draft, seq_index, token_index)
+    summary = RankSummary(mode, batch.num_tokens, draft, seq_index, token_index, seqs)
     return LocalRank(batch, summary, children)
 
 
@@ -275,8 +285,34 @@ def _attention_kind(summaries: Sequence[RankSummary], draft: int | None) -> str:
     return "extend"
 
 
+def seq_bucket(summaries: Sequence[RankSummary], seq_capacity: int) -> int:
+    """The sequences an extend step's attention metadata is sized for.
+
+    An extend capacity's tile count grows with the sequences it may hold
+    (``metadata.extend_capacity``), and every tile costs the attention kernel a program and
+    its query rows a gather and scatter. So the bound is the busiest rank's sequence count
+    rounded up to a power of two (at least ``MIN_SEQ_BUCKET``: few buckets, few compiles),
+    not the runner's ``seq_capacity``; a TBO child holds at most its parent's sequences.
+
+    Args:
+      summaries: one ``RankSummary`` per DP rank.
+      seq_capacity: the runner's most sequences per rank (the bound's ceiling, and the bound
+        when some summary does not know its count).
+
+    Returns:
+      The bound, at most ``seq_capacity``.
+    """
+    counts = [s.num_seqs for s in summaries]
+    if any(count is None for count in counts):
+        return seq_capacity
+    bound = MIN_SEQ_BUCKET
+    while bound < max(counts, default=0):
+        bound *= 2
+    return min(bound, seq_capacity)
+
+
 def attention_capacity(
-    kind: str, tokens: int, options: PlanOptions, draft: int | None
+    kind: str, tokens: int, options: PlanOptions, draft: int | None, seq_bound: int
 ) -> metadata_lib.AttentionCapacity:
     """Static attention sizes for ``tokens`` rows of an attention ``kind``.
 
@@ -285,6 +321,7 @@ def attention_capacity(
       tokens: token rows.
       options: planning options.
       draft: draft tokens per sequence (verify only).
+      seq_bound: sequences an extend batch holds at most (``seq_bucket``).
 
     Returns:
       The ``AttentionCapacity``.
@@ -293,7 +330,7 @@ def attention_capacity(
         return metadata_lib.verify_capacity(tokens // draft, draft, options.max_context)
     if kind == "decode":
         return metadata_lib.decode_capacity(tokens, options.max_context)
-    seqs = min(options.seq_capacity, tokens)
+    seqs = min(seq_bound, options.seq_capacity, tokens)
     return metadata_lib.extend_capacity(
         tokens, max(seqs, 1), options.max_context, query_tile=options.query_tile
     )
@@ -386,7 +423,8 @@ def decide(summaries: Sequence[RankSummary], options: PlanOptions) -> StepDecisi
     if indices is None:
         child_cap, mode = None, ForwardMode.EXTEND
     padding_mode = dp_padding_mode(summaries, capacity, options)
-    return StepDecision(kind, draft, capacity, child_cap, mode, counts, indices, padding_mode)
+    seqs = seq_bucket(summaries, options.seq_capacity)
+    return StepDecision(kind, draft, capacity, child_cap, mode, counts, indices, padding_mode, seqs)
 
 
 def without_tbo(decision: StepDecision) -> StepDecision:
@@ -484,9 +522,10 @@ def _stack(trees):
 def _assemble(batches, ranks, options, decision: StepDecision, children) -> StepPlan:
     kind, draft, capacity = decision.kind, decision.draft_token_num, decision.capacity
     child_cap = decision.child_capacity
-    full_cap = attention_capacity(kind, capacity, options, draft)
+    seqs = decision.seq_bound
+    full_cap = attention_capacity(kind, capacity, options, draft, seqs)
     small_cap = (
-        full_cap if child_cap is None else attention_capacity(kind, child_cap, options, draft)
+        full_cap if child_cap is None else attention_capacity(kind, child_cap, options, draft, seqs)
     )
     backend = tbo_backend.TboAttnBackend.init_new(
         backend_lib.backend_class(options.attention_backend),

@@ -4,8 +4,8 @@
 tokens' KV slots in the page table it owns, plans the step (``planning.plan_step``: bucket,
 attention kind, DP agreement on TBO, split, metadata), runs the jitted ``shard_map`` step and
 returns each rank's logits. The KV pools stay on the devices between steps (donated to the
-step, replaced by its output). One compile per (bucket, attention kind, TBO child capacity,
-DP padding mode and SUM_LEN length bucket: ``planning``);
+step, replaced by its output). One compile per (bucket, attention kind, extend sequence bucket, TBO
+child capacity, DP padding mode and SUM_LEN length bucket: ``planning``);
 ``warmup`` compiles them ahead of serving.
 
 Options come in the layers' configuration objects: ``moe=layer_ops.MoEOptions(...)`` (the
@@ -299,7 +299,8 @@ class ModelRunner:
 
     @property
     def compile_count(self) -> int:
-        """Programs compiled so far (one per bucket, attention kind, TBO and DP padding key)."""
+        """Programs compiled so far (one per bucket, attention kind, sequence bucket, TBO and DP
+        padding key)."""
         return self._step.compile_count()
 
     def forward(self, batches: Sequence[split.ForwardBatch | None]) -> list[np.ndarray | None]:
@@ -631,7 +632,9 @@ class ModelRunner:
         "auto" runner compiles both the plain and the TBO program of each (it decides later,
         on real steps). With ``dp_padding="auto"`` the programs are MAX_LEN's (those of
         steps whose ranks are equal); SUM_LEN programs depend on a step's token sum (its
-        bucket) and compile on first use.
+        bucket) and compile on first use. Extend programs are those of the smallest sequence
+        bucket (``planning.seq_bucket``: at most ``MIN_SEQ_BUCKET`` sequences per rank); a
+        step with more sequences compiles on first use.
 
         Args:
           token_counts: token counts whose buckets to compile.

@@ -8,7 +8,7 @@ process publishes one small int32 table (``multihost_utils.process_allgather``) 
   lockstep), a fingerprint of its planning options and model (bucket lists, TBO switch,
   threshold, mesh shape, ...), and an error code;
 * one row per DP rank it drives: its ``RankSummary`` (mode, tokens, draft size, split
-  indices); rows of other processes' ranks are zero;
+  indices, sequences); rows of other processes' ranks are zero;
 * the UTF-8 bytes of its local error message, if its batches were refused.
 
 Every process then checks the same gathered table the same way: any refused batch or any
@@ -31,7 +31,7 @@ from jtbo.runner import planning
 ForwardMode = planning.ForwardMode
 MESSAGE_BYTES = 512
 _HEADER = ("dp_size", "exchange", "fingerprint", "error")
-_ROW = 5  # mode, num_tokens, draft_token_num, split_seq_index, split_token_index
+_ROW = 6  # mode, num_tokens, draft_token_num, split_seq_index, split_token_index, num_seqs
 _NO_ERROR, _VALUE_ERROR, _OTHER_ERROR = 0, 1, 2
 
 
@@ -84,7 +84,7 @@ def encode(report: LocalReport, dp_size: int) -> np.ndarray:
       dp_size: DP ranks of the mesh.
 
     Returns:
-      ``[len(_HEADER) + dp_size * 5 + MESSAGE_BYTES]`` int32.
+      ``[len(_HEADER) + dp_size * _ROW + MESSAGE_BYTES]`` int32.
     """
     error = report.error
     kind = _NO_ERROR if error is None else _VALUE_ERROR
@@ -95,7 +95,7 @@ def encode(report: LocalReport, dp_size: int) -> np.ndarray:
     for rank, s in report.summaries.items():
         rows[rank] = [
             int(s.forward_mode), s.num_tokens, _optional(s.draft_token_num),
-            _optional(s.split_seq_index), _optional(s.split_token_index),
+            _optional(s.split_seq_index), _optional(s.split_token_index), _optional(s.num_seqs),
         ]  # fmt: skip
     message = np.zeros(MESSAGE_BYTES, np.int32)
     if error is not None:
@@ -154,16 +154,9 @@ def decode_summaries(
     header = len(_HEADER)
     summaries = []
     for rank, owner in enumerate(owners):
-        mode, tokens, draft, seq, tok = gathered[owner, header + rank * _ROW :][:_ROW].tolist()
-        summaries.append(
-            planning.RankSummary(
-                ForwardMode(mode),
-                tokens,
-                None if draft < 0 else draft,
-                None if seq < 0 else seq,
-                None if tok < 0 else tok,
-            )  # fmt: skip
-        )
+        row = gathered[owner, header + rank * _ROW :][:_ROW].tolist()
+        mode, tokens, optional = row[0], row[1], [None if v < 0 else v for v in row[2:]]
+        summaries.append(planning.RankSummary(ForwardMode(mode), tokens, *optional))
     return summaries
 
 

@@ -24,7 +24,12 @@ def summaries(draw):
         tokens = draw(st.integers(0, 5000))
         out.append(
             planning.RankSummary(
-                mode, tokens, _optional(draw, 16), _optional(draw, 300), _optional(draw, tokens)
+                mode,
+                tokens,
+                _optional(draw, 16),
+                _optional(draw, 300),
+                _optional(draw, tokens),
+                _optional(draw, 1024),
             )  # fmt: skip
         )
     return out
@@ -88,7 +93,7 @@ def test_long_non_ascii_messages_are_cut_not_broken():
     ok = [planning.RankSummary(ForwardMode.IDLE, 0, None, None, None)] * 4
     error = ValueError("é" * 1000)
     gathered = _gather(_reports(ok, errors=(None, error)))
-    assert gathered.shape[1] == 4 + 4 * 5 + step_exchange.MESSAGE_BYTES
+    assert gathered.shape[1] == 4 + 4 * 6 + step_exchange.MESSAGE_BYTES
     with pytest.raises(step_exchange.StepRejectedError, match="ValueError: éé"):
         step_exchange.decode_summaries(gathered, OWNERS)
 

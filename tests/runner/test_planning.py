@@ -118,3 +118,35 @@ def test_dp_padding_choices_and_backends():
         planning.dp_padding_for_backend("sum_len", "ep")
     with pytest.raises(ValueError, match="dp_padding='min_len' must be one of"):
         dataclasses.replace(OPTIONS, dp_padding="min_len")
+
+
+@pytest.mark.parametrize("counts", [[None, 3], [0, 1], [16, 2], [17, 0], [40, 33], [300, 1]])
+def test_seq_bucket_is_the_busiest_ranks_power_of_two(counts):
+    summaries = [dataclasses.replace(IDLE, num_seqs=n) for n in counts]
+    got = planning.seq_bucket(summaries, 128)
+    if None in counts:
+        assert got == 128  # an unknown count: the runner's bound
+    else:
+        busiest = max(counts)
+        powers = [2**k for k in range(4, 8) if 2**k >= busiest]
+        assert got == min(powers + [128])
+
+
+def test_extend_tiles_follow_the_busiest_ranks_sequences():
+    options = dataclasses.replace(
+        OPTIONS, token_buckets=(64, 256), seq_capacity=128, max_context=512
+    )
+    few = helpers.Rank().extend({0: list(range(100)), 1: list(range(100, 160))})
+    many = helpers.Rank().extend({row: [row, row + 1] for row in range(40)})
+    for batches, seqs in (([few, planning.idle_batch()], 16), ([few, many], 64)):
+        tbo = planning.plan_step(batches, options)
+        plain = planning.plan_step(batches, dataclasses.replace(options, enable_tbo=False))
+        assert tbo.child_capacity is not None
+        sized = [(plain.per_rank["attn_metadata"], plain.capacity)]
+        sized += [(md, tbo.child_capacity) for md in tbo.per_rank["child_metadata"]]
+        for metadata, tokens in sized:
+            capacity = metadata.capacity
+            assert capacity.seq_capacity == seqs
+            # The tile bound of ``seqs`` sequences (``extend_capacity``), not of 128.
+            assert capacity.num_tiles == seqs + (tokens - seqs) // options.query_tile
+            assert metadata.tile_q_len.shape[-1] == capacity.num_tiles
