@@ -144,7 +144,7 @@ class NativeAttnBackend:
 
     def _mla_impl(self) -> dict:
         """``mla.forward``'s kernel arguments: the native attention with this config."""
-        return dict(config=self.config, latent_impl="xla")
+        return dict(config=self.config, impl="xla")
 
 
 class PallasAttnBackend(NativeAttnBackend):
@@ -197,9 +197,10 @@ class PallasAttnBackend(NativeAttnBackend):
 
     def _mla_impl(self) -> dict:
         """Decode and verify metadata through the paged kernel over the latent pool (the
-        absorbed form); extend metadata in the decompressed form through the native attention
-        at its defaults (the kernel has no decompressing form)."""
-        return dict(latent_impl="pallas", kernel_config=self.config)
+        absorbed form); extend metadata in the decompressed form through the kernel over the
+        step's up-projected rows when no sequence has a prefix, else through the native
+        attention at its defaults (the kernel has no decompressing form)."""
+        return dict(impl="pallas", kernel_config=self.config)
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[metadata_lib.AttentionCapacity], NativeAttnBackend]] = {

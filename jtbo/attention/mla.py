@@ -26,8 +26,10 @@ Two exact ways to attend, chosen by the metadata's shape (``uses_absorbed``):
 The absorbed form's attention over the latent rows is ``paged.paged_attention(value_width=
 kv_lora_rank)``: ``impl="xla"`` is the native attention with ``paged.latent_view``,
 ``impl="pallas"`` the paged kernel reading the latent rows straight from the pool, its values
-being their first ``kv_lora_rank`` columns. The decompressed form runs the native attention
-only.
+being their first ``kv_lora_rank`` columns. The decompressed form over the step's own rows is
+``paged.paged_attention`` of the same impl over ``step_rows_cache`` (keys of ``nope + rope``
+and values of ``v`` columns per head); with prefixes it runs the native attention, which
+up-projects each pool block as it gathers it.
 
 Both forms compute the same scores and outputs; they differ only in float rounding. Heads
 may be any subset (``attn_tp`` ranks pass their share of ``kv_b``); the latent is the same
@@ -172,7 +174,7 @@ def forward(
     scaling: float,
     absorbed: bool,
     config: native.NativeAttentionConfig = native.DEFAULT_CONFIG,
-    latent_impl: str | None = None,
+    impl: str | None = None,
     kernel_config: paged.PagedAttentionConfig = paged.DEFAULT_CONFIG,
 ) -> tuple[jax.Array, kv_cache_lib.KVCache]:
     """Writes the step's latent rows and attends (see the module docstring).
@@ -188,9 +190,9 @@ def forward(
       scaling: softmax scale (``(nope + rope) ** -0.5`` times any YaRN mscale).
       absorbed: attend in the absorbed form (True) or the decompressed one.
       config: native kernel knobs.
-      latent_impl: the absorbed form's ``paged.paged_attention`` impl (the decompressed form
-        is native only).
-      kernel_config: the paged kernel's launch shape (``latent_impl="pallas"``).
+      impl: the ``paged.paged_attention`` impl of the absorbed form and of the decompressed
+        form over the step's own rows (the decompressed form with prefixes is native only).
+      kernel_config: the paged kernel's launch shape (``impl="pallas"``).
 
     Returns:
       ``(out [token_capacity, heads, v_head_dim] in q_nope.dtype, new cache)``.
@@ -206,7 +208,10 @@ def forward(
 
         def step_rows():  # no prefix: the step's own rows, up-projected once
             rows = step_rows_cache(latent, view, md, cache)
-            return native.attend(q, rows, 0, md, scaling=scaling, config=config)
+            return paged.paged_attention(
+                q, rows, 0, md, scaling=scaling, impl=impl, config=kernel_config,
+                native_config=config,
+            )  # fmt: skip
 
         def pool_blocks():  # up-projected per gathered pool block
             return native.attend(q, cache, layer_id, md, scaling=scaling, config=config, view=view)
@@ -218,7 +223,7 @@ def forward(
     q_latent = jnp.einsum("thn,rhn->thr", q_nope, w_uk, preferred_element_type=f32)
     q = jnp.concatenate([q_latent, q_pe.astype(f32)], axis=-1).astype(q_nope.dtype)
     out_latent = paged.paged_attention(
-        q, cache, layer_id, md, scaling=scaling, impl=latent_impl, config=kernel_config,
+        q, cache, layer_id, md, scaling=scaling, impl=impl, config=kernel_config,
         native_config=config, value_width=w_kv_b.shape[0],
     )  # fmt: skip  # [T, heads, rank]
     out = jnp.einsum("thr,rhv->thv", out_latent, w_uv, preferred_element_type=f32)

@@ -127,15 +127,27 @@ def _launch(
     )
 
 
+def _power_of_two_parts(offset: int, width: int) -> list[tuple[int, int]]:
+    """``(offset, width)`` cut into power-of-two widths, largest first (192: 128 + 64)."""
+    parts = []
+    while width:
+        part = 1 << (width.bit_length() - 1)
+        parts.append((offset, part))
+        offset, width = offset + part, width - part
+    return parts
+
+
 def _key_parts(head_dim: int, value_width: int | None) -> tuple[tuple[int, int], ...]:
-    """The key's column parts: the whole head, or (latent) the value columns and the rest.
+    """The key's column parts: the head, or (latent) the value columns, then the rest, each
+    cut into power-of-two widths.
 
     Each part is loaded and multiplied on its own: the Triton lowering needs power-of-two
-    block widths, and an MLA latent row (e.g. 512 + 64 = 576) is not one.
+    block widths, and neither an MLA latent row (512 + 64 = 576) nor an MLA decompressed key
+    (``qk_nope_head_dim + qk_rope_head_dim`` = 128 + 64) is one.
     """
     if value_width is None or value_width == head_dim:
-        return ((0, head_dim),)
-    return ((0, value_width), (value_width, head_dim - value_width))
+        return tuple(_power_of_two_parts(0, head_dim))
+    return ((0, value_width), *_power_of_two_parts(value_width, head_dim - value_width))
 
 
 def _visible_range(q_len, q_pos, kv_len, row0, launch: _Launch, causal: bool):

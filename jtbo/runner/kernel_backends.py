@@ -4,10 +4,10 @@
 the platform jax runs on (``jtbo.kernels.impls.FASTEST``, from the H200 benchmarks in
 BENCHMARKS.md) among those that can serve the model's shapes: the Pallas grouped GEMM and the
 paged attention kernel on GPUs where their Triton tiles fit (matmul dimensions in multiples of
-16, head dims powers of two >= 16; for MLA, the latent rank and the RoPE key width, the key
-parts of its absorbed decode), the XLA paths (the capacity einsum and the native attention,
-the exact references) otherwise and on the CPU. A
-name given explicitly is used as is; one that cannot serve the model fails where its kernel
+16; the widths the kernel loads whole, such as value heads, powers of two >= 16, and the
+widths it loads in power-of-two parts, such as MLA's keys, multiples of 16), the XLA paths
+(the capacity einsum and the native attention, the exact references) otherwise and on the
+CPU. A name given explicitly is used as is; one that cannot serve the model fails where its kernel
 is built.
 """
 
@@ -45,7 +45,10 @@ def moe_runner_backend(name: str | None, matmul_dims: Sequence[int] = ()) -> str
 
 
 def attention_backend(
-    name: str | None, attention_kind: str = "gqa", head_dims: Sequence[int] = ()
+    name: str | None,
+    attention_kind: str = "gqa",
+    whole_widths: Sequence[int] = (),
+    split_widths: Sequence[int] = (),
 ) -> str:
     """``name``, or the fastest attention backend here that serves the model.
 
@@ -53,8 +56,10 @@ def attention_backend(
       name: a backend name (kept as given) or None.
       attention_kind: the model's ``MoEConfig.attention_kind``: "gqa" ranks the paged
         kernel, "mla" the paged kernel over the latent pool (``paged.LATENT_OP``).
-      head_dims: the widths the kernel tiles: GQA's query/key and value head widths, MLA's
-        ``kv_lora_rank`` and ``qk_rope_head_dim``.
+      whole_widths: widths the kernel loads in one block (GQA's head width; MLA's
+        ``kv_lora_rank`` and ``v_head_dim``, its two value widths).
+      split_widths: widths the kernel loads in power-of-two parts (MLA's RoPE key part of
+        the latent row, and its decompressed key ``qk_nope_head_dim + qk_rope_head_dim``).
 
     Returns:
       "native" or "pallas".
@@ -63,4 +68,5 @@ def attention_backend(
         return name
     op = "mla_latent_attention" if attention_kind == "mla" else "paged_attention"
     backend = _ATTENTION_BACKEND_OF_IMPL[impls.resolve(None, op=op)]
-    return backend if backend != "pallas" or all(map(_power_of_two_tile, head_dims)) else "native"
+    fits = all(map(_power_of_two_tile, whole_widths)) and all(map(_tiles, split_widths))
+    return backend if backend != "pallas" or fits else "native"

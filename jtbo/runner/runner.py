@@ -730,13 +730,13 @@ def _parallel_config(
             moe.moe_runner_backend, (config.hidden_size, expert_width)
         ),
     )
-    tiled_dims = (
-        (config.kv_lora_rank, config.qk_rope_head_dim)
-        if config.attention_kind == "mla"
-        else (config.head_dim,)
-    )  # the widths the paged kernel tiles (kernel_backends.attention_backend)
+    if config.attention_kind == "mla":  # the widths the paged kernel tiles
+        whole = (config.kv_lora_rank, config.v_head_dim)
+        split = (config.qk_rope_head_dim, config.qk_nope_head_dim + config.qk_rope_head_dim)
+    else:
+        whole, split = (config.head_dim,), ()
     attention_backend = kernel_backends.attention_backend(
-        attention_backend, config.attention_kind, tiled_dims
+        attention_backend, config.attention_kind, whole, split
     )
     return layer_ops.ParallelConfig.for_mesh(
         mesh, moe=moe, attention_backend=attention_backend,

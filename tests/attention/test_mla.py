@@ -233,10 +233,11 @@ def test_tbo_verify_children_equal_the_parent():
     _tbo_mla(sc, tbo, md, [(0, 4), (4, 8)], np.random.default_rng(4))
 
 
-@pytest.mark.parametrize("make", [_decode_case, _verify_case, _extend_case])
+@pytest.mark.parametrize("make", [_decode_case, _verify_case, _extend_case, _fresh_extend_case])
 def test_pallas_backend_matches_the_float64_reference(make):
     # Decode and verify: the paged kernel over the latent pool (interpreter on the CPU), the
-    # values being the latent rows' first RANK columns; extend: the native decompressed form.
+    # values being the latent rows' first RANK columns; extend with prefixes: the native
+    # decompressed form; fresh prompts: the kernel over the step's up-projected rows.
     case = make(5)
     backend = backend_lib.PallasAttnBackend(case.md.capacity)
     step = jax.jit(functools.partial(backend.forward_mla, scaling=SCALE), static_argnums=4)
@@ -279,13 +280,17 @@ def test_fresh_prompts_take_the_step_rows_and_both_paths_agree():
     rows = mla.step_rows_cache(jnp.asarray(fresh.latent), view, fresh.md, cache)
     from_rows = native.attend(q, rows, 0, fresh.md, scaling=SCALE, config=CONFIG)
     from_pool = native.attend(q, cache, 1, fresh.md, scaling=SCALE, config=CONFIG, view=view)
+    # The kernel over the rows: keys of NOPE + ROPE columns (cut into power-of-two parts),
+    # values of V columns, one KV head per query head.
+    from_kernel = paged.paged_attention(q, rows, 0, fresh.md, scaling=SCALE, impl="pallas")
     n = fresh.num_tokens
-    chex.assert_trees_all_close(
-        from_rows[:n],
-        from_pool[:n],
-        atol=scenarios.f32_tolerance(1e-5),
-        rtol=scenarios.f32_tolerance(1e-5),
-    )
+    for other in (from_pool, from_kernel):
+        chex.assert_trees_all_close(
+            from_rows[:n],
+            other[:n],
+            atol=scenarios.f32_tolerance(1e-5),
+            rtol=scenarios.f32_tolerance(1e-5),
+        )
     np.testing.assert_allclose(
         np.asarray(from_rows[:n], np.float64),
         fresh.expected[:n],

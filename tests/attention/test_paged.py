@@ -214,39 +214,65 @@ def test_config_errors_name_the_field(field, value):
         paged.PagedAttentionConfig(**{field: value})
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="compiles for an H200 on the CPU")
-@pytest.mark.parametrize("kind", ["decode", "verify"])
-def test_lowers_for_an_h200_without_a_gathered_kv_copy(kind):
-    # Compiled for an H200 on the CPU: the Triton kernel is one custom call, and no other
-    # instruction of the program is anywhere near the size of the K/V it reads.
+def _h200_program(capacity, n, ctx, kv_heads, q_heads, key_width, value_width) -> str:
+    """The paged kernel's program compiled for an H200 on the CPU (abstract inputs)."""
     mesh = aot.gpu_mesh((1,), ("x",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    n, ctx, kv_heads, d = 64, 1024, 8, 128
 
     def spec(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-    capacity = metadata.decode_capacity(n, ctx)
-    if kind == "verify":
-        capacity = metadata.verify_capacity(n, 4, ctx)
-    pool = spec((1, n * ctx + 1, kv_heads, d), jnp.bfloat16)
-    cache = kv_cache_lib.KVCache(k=pool, v=pool, req_to_token=spec((n, ctx), jnp.int32))
+    slots = n * ctx + 1
+    cache = kv_cache_lib.KVCache(
+        k=spec((1, slots, kv_heads, key_width), jnp.bfloat16),
+        v=spec((1, slots, kv_heads, value_width), jnp.bfloat16),
+        req_to_token=spec((n, ctx), jnp.int32),
+    )
     tiles = [spec((capacity.num_tiles,), jnp.int32) for _ in range(5)]
     mask = spec((n, 4, ctx), jnp.bool_) if capacity.custom_mask else None
     md = metadata.AttentionMetadata(
         *tiles, out_cache_loc=spec((capacity.token_capacity,), jnp.int32),
         num_tokens=spec((), jnp.int32), custom_mask=mask, capacity=capacity,
     )  # fmt: skip
-    q = spec((capacity.token_capacity, 32, d), jnp.bfloat16)
+    q = spec((capacity.token_capacity, q_heads, key_width), jnp.bfloat16)
     fn = jax.jit(
         lambda q, cache, md: paged.paged_attention_pallas(
-            q, cache, 0, md, scaling=d**-0.5, config=paged.DEFAULT_CONFIG, interpret=False
-        )
+            q,
+            cache,
+            0,
+            md,
+            scaling=key_width**-0.5,
+            config=paged.DEFAULT_CONFIG,
+            interpret=False,
+        )  # fmt: skip
     )
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        hlo = fn.lower(q, cache, md).compile().as_text()
+        return fn.lower(q, cache, md).compile().as_text()
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="compiles for an H200 on the CPU")
+@pytest.mark.parametrize("kind", ["decode", "verify"])
+def test_lowers_for_an_h200_without_a_gathered_kv_copy(kind):
+    # Compiled for an H200 on the CPU: the Triton kernel is one custom call, and no other
+    # instruction of the program is anywhere near the size of the K/V it reads.
+    n, ctx, kv_heads, d = 64, 1024, 8, 128
+    capacity = metadata.decode_capacity(n, ctx)
+    if kind == "verify":
+        capacity = metadata.verify_capacity(n, 4, ctx)
+    hlo = _h200_program(capacity, n, ctx, kv_heads, 32, d, d)
     assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 1
     assert _largest_result(hlo) < n * ctx * kv_heads * d // 16
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="compiles for an H200 on the CPU")
+def test_lowers_for_an_h200_with_mla_decompressed_widths():
+    # MLA's decompressed keys are 128 + 64 columns wide, its values 128: the key is loaded
+    # and multiplied in two power-of-two parts, and the kernel lowers for an H200.
+    assert paged._key_parts(192, None) == ((0, 128), (128, 64))
+    assert paged._key_parts(576, 512) == ((0, 512), (512, 64))
+    capacity = metadata.extend_capacity(512, 4, 512)
+    hlo = _h200_program(capacity, 4, 512, 16, 16, 192, 128)
+    assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 1
 
 
 def _largest_result(hlo: str) -> int:

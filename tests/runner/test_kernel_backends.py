@@ -1,5 +1,7 @@
 """The runner's default kernels: the fastest measured on the platform, a name as given."""
 
+import functools
+
 import pytest
 
 from jtbo.kernels import impls
@@ -15,7 +17,7 @@ def test_gpu_defaults_are_the_kernels(monkeypatch):
     monkeypatch.setattr(impls, "backend", lambda: "gpu")
     assert kernel_backends.moe_runner_backend(None) == "pallas"
     assert kernel_backends.attention_backend(None) == "pallas"
-    assert kernel_backends.attention_backend(None, "mla", (512, 64)) == "pallas"
+    assert kernel_backends.attention_backend(None, "mla", (512, 128), (64, 192)) == "pallas"
 
 
 @pytest.mark.parametrize("name", ["xla", "pallas"])
@@ -27,13 +29,17 @@ def test_a_named_backend_is_kept(monkeypatch, name):
 
 def test_gpu_defaults_skip_kernels_whose_tiles_do_not_fit(monkeypatch):
     # A model the kernels cannot tile gets the XLA path by default (a named kernel still
-    # raises where it is built): expert widths not in multiples of 16, head dims that are
-    # not powers of two >= 16.
+    # raises where it is built): expert widths not in multiples of 16, widths loaded whole
+    # that are not powers of two >= 16, widths loaded in parts that are not multiples of 16.
     monkeypatch.setattr(impls, "backend", lambda: "gpu")
     assert kernel_backends.moe_runner_backend(None, (7168, 2048)) == "pallas"
     assert kernel_backends.moe_runner_backend(None, (64, 40)) == "xla"
     assert kernel_backends.attention_backend(None, "gqa", (128,)) == "pallas"
     assert kernel_backends.attention_backend(None, "gqa", (96,)) == "native"
     assert kernel_backends.attention_backend(None, "gqa", (8,)) == "native"
-    assert kernel_backends.attention_backend(None, "mla", (512, 64)) == "pallas"
-    assert kernel_backends.attention_backend(None, "mla", (12, 4)) == "native"
+    mla = functools.partial(kernel_backends.attention_backend, None, "mla")
+    assert mla((512, 128), (64, 192)) == "pallas"  # DeepSeek-V3: 128 + 64 key parts
+    assert mla((512, 128), (48, 176)) == "pallas"  # 32 + 16 and 128 + 32 + 16
+    assert mla((512, 96), (64, 192)) == "native"  # the value head is loaded whole
+    assert mla((512, 128), (64, 200)) == "native"  # 200 = 128 + 64 + 8
+    assert mla((12, 16), (16, 32)) == "native"
