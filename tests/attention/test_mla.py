@@ -17,9 +17,13 @@ from jtbo.attention import metadata, mla, mla_reference, native, paged, tbo_back
 from jtbo.kernels import impls
 from tests.attention import scenarios
 
-# The latent kernel on a GPU needs its key parts (RANK, ROPE) powers of two >= 16.
-RANK, ROPE, NOPE, V, HEADS = 16, 16, 6, 5, 4
+# The kernel on a GPU loads the latent row in parts RANK and ROPE, the decompressed key in
+# parts NOPE and ROPE (32 + 16) and values of V (or RANK) columns: powers of two >= 16.
+RANK, ROPE, NOPE, V, HEADS = 16, 16, 32, 16, 4
 CONTEXT, SLOTS, LAYERS = 32, 96, 2
+# The up-projection's scale: q_nope . k_nope has variance RANK * NOPE * W_SCALE**2 = 15.4,
+# as with the 6 nope columns this file once used and a GPU passed with TF32 rounding.
+W_SCALE = 0.4 * np.sqrt(6 / NOPE)
 SCALE = 0.3
 CONFIG = native.NativeAttentionConfig(kv_block=8, decode_kv_block=8)
 _forward = jax.jit(mla.forward, static_argnames=("scaling", "absorbed", "config"))
@@ -50,7 +54,7 @@ def _case(rng, prefix, new, capacity, token_capacity, tree=None) -> Case:
     q_nope = rng.normal(size=(token_capacity, HEADS, NOPE)).astype(np.float32)
     q_pe = rng.normal(size=(token_capacity, HEADS, ROPE)).astype(np.float32)
     latent = rng.normal(size=(token_capacity, RANK + ROPE)).astype(np.float32)
-    w = (0.4 * rng.normal(size=(RANK, HEADS, NOPE + V))).astype(np.float32)
+    w = (W_SCALE * rng.normal(size=(RANK, HEADS, NOPE + V))).astype(np.float32)
     expected = np.zeros((token_capacity, HEADS, V))
     locs, starts, used, masks = [], np.cumsum(new) - new, 0, []
     for i in range(n):
@@ -169,7 +173,7 @@ def _tbo_mla(sc, tbo, md, ranges, rng):
     t = sc.q.shape[0]
     inputs = [rng.normal(size=(t, *shape)).astype(np.float32)
               for shape in ((HEADS, NOPE), (HEADS, ROPE), (width,))]  # fmt: skip
-    w = (0.4 * rng.normal(size=(RANK, HEADS, NOPE + V))).astype(np.float32)
+    w = (W_SCALE * rng.normal(size=(RANK, HEADS, NOPE + V))).astype(np.float32)
     run = jax.jit(lambda b, *a: b.forward_mla(*a, scaling=SCALE), static_argnums=0)
     parent, parent_cache = run(tbo, *inputs, w, 1, md.primary, initial)
     merged, cache = np.zeros_like(np.asarray(parent)), initial
