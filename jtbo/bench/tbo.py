@@ -2,9 +2,9 @@
 
 TBO's cost when there is nothing to hide: on one H200 the step has no communication, so TBO
 can only lose (two half-size micro-batches, split/merge copies). The model is DeepSeek-V3's
-hidden size and expert shape reduced to fit (``MoEConfig.deepseek_v3_reduced``: hidden 7168,
-64 experts, top-8 + 1 shared, 4 layers, bf16); ``--mla`` swaps its GQA attention for
-DeepSeek-V3's MLA (``MoEConfig.deepseek_v3_mla_reduced``; the header line names the KV-cache
+hidden size, expert shape and MLA attention reduced to fit (``MoEConfig.deepseek_v3_reduced``:
+hidden 7168, 64 experts, top-8 + 1 shared, 4 layers, bf16); ``--attention-kind gqa`` swaps its
+MLA for GQA (``MoEConfig.deepseek_v3_gqa_reduced``; the header line names the KV-cache
 bytes per token). Cases: prefill of 4096-16384 tokens per DP rank
 (prompts of ``--prompt-len`` tokens) and decode of 64-256 sequences (context ``--context``).
 For each case one ``ModelRunner`` plans the same batch twice (TBO on and off) and runs the two
@@ -145,9 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="MoEConfig.tiny() (smoke test)")
     parser.add_argument(
-        "--mla", action="store_true",
-        help="DeepSeek's MLA attention: MoEConfig.deepseek_v3_mla_reduced() (tiny_mla() "
-        "with --tiny) instead of the GQA preset",
+        "--attention-kind", choices=("mla", "gqa"), default="mla",
+        help="the model's attention: DeepSeek's MLA (MoEConfig.deepseek_v3_reduced(); "
+        "tiny_mla() with --tiny) or GQA (deepseek_v3_gqa_reduced(); tiny())",
     )  # fmt: skip
     parser.add_argument(
         "--attention-backend", choices=tuple(attn_backend_lib.ATTENTION_BACKENDS),
@@ -617,14 +617,14 @@ def _save_routing_stats(args, runners) -> None:
 
 
 def _config(args) -> config_lib.MoEConfig:
-    """The benchmark's model: ``--tiny`` / ``--mla`` pick among the four presets."""
+    """The benchmark's model: ``--tiny`` / ``--attention-kind`` pick among four presets."""
     presets = {
-        (False, False): config_lib.MoEConfig.deepseek_v3_reduced,
-        (False, True): config_lib.MoEConfig.deepseek_v3_mla_reduced,
-        (True, False): config_lib.MoEConfig.tiny,
-        (True, True): config_lib.MoEConfig.tiny_mla,
+        (False, "mla"): config_lib.MoEConfig.deepseek_v3_reduced,
+        (False, "gqa"): config_lib.MoEConfig.deepseek_v3_gqa_reduced,
+        (True, "mla"): config_lib.MoEConfig.tiny_mla,
+        (True, "gqa"): config_lib.MoEConfig.tiny,
     }
-    return presets[args.tiny, args.mla]()
+    return presets[args.tiny, args.attention_kind]()
 
 
 def _kv_bytes(config: config_lib.MoEConfig, dtype: str) -> str:

@@ -15,7 +15,7 @@ A step with overflow is not a valid result. Two policies:
   Either way the number of compiled variants stays logarithmic in the capacity range. Sizing
   on the peak matters for two-batch overlap: a micro-batch routes half the tokens, so its
   load is relatively more uneven than the whole batch's. Measured on one H200 with
-  ``MoEConfig.deepseek_v3_reduced()`` (random weights, capacity factor 4), decode 128: the
+  ``MoEConfig.deepseek_v3_gqa_reduced()`` (random weights, capacity factor 4), decode 128: the
   plain step's 64 expert slots held, each TBO micro-batch's 33 overflowed, and doubling to 66
   gave the merged expert matmuls 132 rows against the plain step's 64.
 * ``"raise"``: raise ``CapacityOverflowError`` naming the capacity to raise and by how much

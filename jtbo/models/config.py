@@ -3,9 +3,10 @@
 Every field carries a description in its ``metadata`` (``describe()`` lists them). Presets:
 ``MoEConfig.tiny()`` (tests, demo: shapes that divide evenly over 8 devices in any of the
 layouts (dp, attn_tp) in {(8, 1), (4, 2), (2, 4)}) and ``MoEConfig.deepseek_v3_reduced()``
-(the benchmark: DeepSeek-V3's hidden size and expert shape, fewer experts and layers so that it
-fits on one H200); ``tiny_softmax`` / ``tiny_mla`` and ``deepseek_v3_mla_reduced`` vary them
-(Qwen-style routing; DeepSeek's MLA attention).
+(the benchmark: DeepSeek-V3's hidden size, expert shape and MLA attention, fewer experts and
+layers so that it fits on one H200); ``tiny_softmax`` / ``tiny_mla`` and
+``deepseek_v3_gqa_reduced`` vary them (Qwen-style routing; DeepSeek's MLA attention; GQA in
+place of MLA).
 """
 
 import dataclasses
@@ -213,11 +214,12 @@ class MoEConfig:
         )
 
     @classmethod
-    def deepseek_v3_reduced(cls) -> "MoEConfig":
-        """DeepSeek-V3's hidden size and routed-expert shape, 64 experts and 4 layers.
+    def deepseek_v3_gqa_reduced(cls) -> "MoEConfig":
+        """DeepSeek-V3's hidden size and routed-expert shape, 64 experts and 4 layers, with GQA.
 
-        Attention is GQA (DeepSeek-V3 uses MLA) with 56 heads of 128 so that the projection
-        widths match the hidden size.
+        Attention is GQA (DeepSeek-V3 uses MLA: ``deepseek_v3_reduced``) with 56 heads of 128
+        so that the projection widths match the hidden size; its KV cache holds
+        ``2 x 8 x 128 = 2048`` values per token and layer.
         """
         return cls(
             vocab_size=32768,
@@ -238,16 +240,18 @@ class MoEConfig:
         )
 
     @classmethod
-    def deepseek_v3_mla_reduced(cls) -> "MoEConfig":
-        """``deepseek_v3_reduced`` with DeepSeek-V3's own attention: MLA with its dimensions.
+    def deepseek_v3_reduced(cls) -> "MoEConfig":
+        """DeepSeek-V3 reduced to fit one H200: its hidden size, routed-expert shape and MLA
+        attention, with 64 experts and 4 layers (the benchmark model).
 
-        128 heads, ``q_lora_rank`` 1536, ``kv_lora_rank`` 512, ``qk_nope_head_dim`` 128,
-        ``qk_rope_head_dim`` 64, ``v_head_dim`` 128, and V3's YaRN RoPE (factor 40 over 4096
-        pre-training positions, mscale 1). The KV cache holds 576 values per token and layer
-        where the GQA preset holds ``2 x 8 x 128 = 2048``.
+        MLA with V3's dimensions: 128 heads, ``q_lora_rank`` 1536, ``kv_lora_rank`` 512,
+        ``qk_nope_head_dim`` 128, ``qk_rope_head_dim`` 64, ``v_head_dim`` 128, and V3's YaRN
+        RoPE (factor 40 over 4096 pre-training positions, mscale 1). The KV cache holds 576
+        values per token and layer where the GQA variant (``deepseek_v3_gqa_reduced``) holds
+        2048.
         """
         return dataclasses.replace(
-            cls.deepseek_v3_reduced(),
+            cls.deepseek_v3_gqa_reduced(),
             num_attention_heads=128,
             num_key_value_heads=128,
             attention_kind="mla",

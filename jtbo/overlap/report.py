@@ -292,7 +292,7 @@ def draw_timeline(report: OverlapReport, path: str) -> None:
 
 _FORWARD_MODES = {"prefill": "EXTEND", "decode": "DECODE"}
 _MODEL_BACKENDS = {"ep": "ep", "dp": "none"}  # the CLI's --moe -> the model's moe_a2a_backend
-MODELS = ("tiny", "tiny_softmax", "deepseek_v3_reduced")  # MoEConfig constructors
+MODELS = ("tiny", "tiny_softmax", "deepseek_v3_reduced", "deepseek_v3_gqa_reduced")  # presets
 
 
 def _compiler_options(args: argparse.Namespace, defaults: Callable[..., dict]) -> dict[str, Any]:

@@ -279,13 +279,14 @@ def test_no_profile_sets_no_dump_and_prints_no_overlap_line(scratch_environment,
     assert rows == sorted(set(rows)) and 64 in rows and 8 in rows, content
 
 
-def test_mla_flag_picks_the_mla_preset_and_kv_bytes_per_token():
+def test_attention_kind_picks_the_preset_and_kv_bytes_per_token():
     parse = tbo._parser().parse_args
-    assert tbo._config(parse([])) == config_lib.MoEConfig.deepseek_v3_reduced()
-    mla = tbo._config(parse(["--mla"]))
-    assert mla == config_lib.MoEConfig.deepseek_v3_mla_reduced()
-    assert tbo._config(parse(["--tiny", "--mla"])).attention_kind == "mla"
+    mla = tbo._config(parse([]))
+    assert mla == config_lib.MoEConfig.deepseek_v3_reduced() and mla.attention_kind == "mla"
+    gqa = tbo._config(parse(["--attention-kind", "gqa"]))
+    assert gqa == config_lib.MoEConfig.deepseek_v3_gqa_reduced()
+    assert tbo._config(parse(["--tiny"])) == config_lib.MoEConfig.tiny_mla()
+    assert tbo._config(parse(["--tiny", "--attention-kind", "gqa"])) == config_lib.MoEConfig.tiny()
     # V3's latent: 512 + 64 values per token and layer; GQA: 2 x 8 heads x 128.
     assert tbo._kv_bytes(mla, "bfloat16").endswith(f"{4 * 576 * 2} bytes/token")
-    gqa = tbo._config(parse([]))
     assert tbo._kv_bytes(gqa, "bfloat16").endswith(f"{4 * 2 * 8 * 128 * 2} bytes/token")

@@ -62,9 +62,9 @@ def test_shared_width_defaults_to_the_shared_experts_times_the_expert_width():
 
 
 def test_mla_presets_and_kv_pool_layout():
-    gqa = config_lib.MoEConfig.deepseek_v3_reduced()
+    gqa = config_lib.MoEConfig.deepseek_v3_gqa_reduced()
     assert gqa.attention_kind == "gqa" and gqa.kv_pool_heads(2) == (8, 128, 128)
-    mla = config_lib.MoEConfig.deepseek_v3_mla_reduced()
+    mla = config_lib.MoEConfig.deepseek_v3_reduced()
     assert (mla.hidden_size, mla.num_experts, mla.num_layers) == (7168, 64, 4)
     assert (mla.q_lora_rank, mla.kv_lora_rank, mla.qk_head_dim, mla.v_head_dim) == (
         1536, 512, 192, 128,

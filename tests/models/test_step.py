@@ -237,7 +237,7 @@ def test_two_gpu_exchange_windows_hold_the_other_micro_batchs_compute(mode, toke
     # without the issue barriers the prefill dispatch windows are nearly empty again.
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
-    config = config_lib.MoEConfig.deepseek_v3_reduced()
+    config = config_lib.MoEConfig.deepseek_v3_gqa_reduced()
     jitted, args, options = aot_report.model_step_program(
         config, aot_report.h200_mesh(2, 1), mode=mode, tokens_per_rank=tokens,
         enable_tbo=True, dtype=jnp.bfloat16, tbo_issue_barriers=issue_barriers,
