@@ -44,7 +44,7 @@ import numpy as np
 from jtbo import attention
 from jtbo.attention import backend as backend_lib
 from jtbo.attention import kv_cache as kv_cache_lib
-from jtbo.bench import kernels as kernels_bench
+from jtbo.bench import device_rates
 
 CASES = ("extend", "decode", "verify")
 KNOBS = tuple(field.name for field in dataclasses.fields(attention.PagedAttentionConfig))
@@ -300,22 +300,6 @@ def _run_case(args, case, backend_name: str, config=None) -> tuple[dict, jax.Arr
     return result, out
 
 
-def _ceiling_gbs(iters: int, nbytes: int) -> tuple[float, str]:
-    """(GB/s, label) of a plain device copy of ``nbytes`` (bytes read + written)."""
-    calls = max(iters, 2)
-    if kernels_bench.torch_usable():
-        seconds = kernels_bench.torch_copy_seconds(nbytes, calls, 3)
-        return 2 * nbytes / seconds / 1e9, "torch copy_"
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    copy = jax.jit(lambda x: x + jnp.bfloat16(1))
-    copy(x).block_until_ready()
-    start = time.perf_counter()
-    for _ in range(calls):
-        y = copy(x)
-    y.block_until_ready()
-    return 2 * nbytes * calls / (time.perf_counter() - start) / 1e9, "XLA copy"
-
-
 def _line(result: dict, ceiling: tuple[float, str]) -> str:
     peak = result["peak_bytes_in_use"]
     config = result["pallas_config"]
@@ -349,7 +333,7 @@ def main(argv: list[str]) -> None:
     args = _parse(argv)
     args.dtype = jnp.dtype(args.dtype)
     builders = dict(extend=_extend_case, decode=_decode_case, verify=_verify_case)
-    ceiling = _ceiling_gbs(args.iters, args.ceiling_bytes)
+    ceiling = device_rates.copy_gbs(args.ceiling_bytes, iters=max(args.iters, 2), reps=3)
     print(
         f"device: {jax.devices()[0].device_kind}, {'MLA, ' if args.mla else ''}dtype "
         f"{args.dtype}, native kv_block "

@@ -79,7 +79,6 @@ import datetime
 import functools
 import math
 import re
-import statistics
 import time
 
 import jax
@@ -87,7 +86,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtbo import kernels
-from jtbo.bench import kernels as kernels_bench
+from jtbo.bench import device_rates
 from jtbo.kernels import grouped_gemm
 from jtbo.models import config as config_lib
 from jtbo.models import experts
@@ -288,20 +287,6 @@ def layer_fn(impl: str, shapes: Shapes, capacity: int):
     )
 
 
-def time_fn(fn, args, *, warmup: int, iters: int, reps: int) -> float:
-    """Median seconds per call over ``reps`` batches of ``iters`` back-to-back calls."""
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
-
-
 def check_rows(num_tokens: int, count: int) -> np.ndarray:
     """``count`` token indices spread evenly over ``[0, T)`` (all when T <= count)."""
     return np.unique(np.linspace(0, num_tokens - 1, min(count, num_tokens)).astype(np.int32))
@@ -394,18 +379,6 @@ def _log(line: str) -> None:
     print(f"{line}  [{time.perf_counter() - _START:.0f}s]", flush=True)
 
 
-def copy_ceiling(dtype, args) -> tuple[float, str]:
-    """(GB/s read + written, label) of a 1 GiB device copy: torch ``copy_``, else XLA."""
-    nbytes = GIB if not args.small else 1 << 20
-    if kernels_bench.torch_usable():
-        seconds = kernels_bench.torch_copy_seconds(nbytes, args.iters * 4, args.reps)
-        return 2 * nbytes / seconds / 1e9, "torch copy_"
-    x = jnp.ones((nbytes // jnp.dtype(dtype).itemsize,), dtype)
-    fn = jax.jit(lambda x, s: x + s.astype(x.dtype))
-    seconds = time_fn(fn, (x, jnp.float32(1)), warmup=1, iters=args.iters * 4, reps=args.reps)
-    return 2 * nbytes / seconds / 1e9, "XLA x + s"
-
-
 def check_pallas_kernel(variant: str, x, ids_np, weights, capacity: int) -> float:
     """The kernel alone on the first two experts' slots: rel err vs ``grouped_ffn_reference``.
 
@@ -453,7 +426,7 @@ def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Row:
     timing = dict(warmup=args.warmup, iters=args.iters, reps=args.reps)
     return Row(
         tokens=num_tokens, impl=f"{impl} (kernel)", capacity=None, dropped=None,
-        seconds=time_fn(fn, (slots, counts, *weights), **timing),
+        seconds=device_rates.time_fn(fn, (slots, counts, *weights), **timing),
         useful_flops=shapes.useful_flops(num_tokens), computed_flops=shapes.slot_flops(pairs),
         weight_bytes=shapes.weight_bytes(len(np.unique(ids_np)), jnp.dtype(args.dtype).itemsize),
     )  # fmt: skip
@@ -477,7 +450,7 @@ def _impl_row(impl, num_tokens, shapes, capacity, inputs, args) -> Row:
             fn = jax.jit(dense_layer)
             dense_args = (jnp.tile(x, (shapes.top_k, 1)), weights[0][0], weights[1][0])
             return Row(
-                **base, seconds=time_fn(fn, dense_args, **timing),
+                **base, seconds=device_rates.time_fn(fn, dense_args, **timing),
                 useful_flops=shapes.useful_flops(num_tokens),
                 computed_flops=shapes.slot_flops(pairs),
                 weight_bytes=shapes.weight_bytes(1, itemsize),
@@ -492,7 +465,7 @@ def _impl_row(impl, num_tokens, shapes, capacity, inputs, args) -> Row:
         touched = shapes.experts if is_cap else len(np.unique(ids_np))
         return Row(
             **base,
-            seconds=time_fn(fn, (x, ids, routing, weights), **timing),
+            seconds=device_rates.time_fn(fn, (x, ids, routing, weights), **timing),
             useful_flops=shapes.useful_flops(num_tokens),
             computed_flops=shapes.slot_flops(computed_rows),
             rel_err=err,
@@ -578,7 +551,8 @@ def main(argv: list[str]) -> None:
     )
     copy_gbs = None
     if not args.no_copy_ceiling:
-        copy_gbs, label = copy_ceiling(jnp.dtype(args.dtype), args)
+        nbytes = GIB if not args.small else 1 << 20
+        copy_gbs, label = device_rates.copy_gbs(nbytes, iters=args.iters * 4, reps=args.reps)
         header += f"  copy {copy_gbs:.0f} GB/s ({label})"
     _log(header)
     rows = [row for t in tokens for row in measure(t, impls, shapes, args)]

@@ -15,7 +15,10 @@ the TBO step's logits with the plain step's (``_agreement``; ``--dtype float32``
 rounding out); the last column is what the runner's numerics guard adds to a step (the
 on-device finiteness flags of the plain step's logits and their read-back, ``_guard_time``:
 what ``ModelRunner(check_finite_logits=False)`` saves). Prints a markdown table (target:
-ratio <= 1.05 at prefill >= 4096 tokens and decode >= 128 sequences). ``--devices N`` runs
+ratio <= 1.05 at prefill >= 4096 tokens and decode >= 128 sequences), then one line per
+case comparing the plain step with its physical limit (``jtbo.bench.limits``: useful FLOPs
+at a bf16 matmul rate for prefill, weight and KV bytes at the copy bandwidth for decode, both
+rates measured in the same run). ``--devices N`` runs
 DP attention over N devices (dp=N, EP over all of them: the multi-GPU measurement of issue 8),
 and ``--barriers`` adds a column for TBO with round barriers (a second runner).
 ``--prefill-skew S`` gives every rank but rank 0 ``S`` times the case's prefill tokens (the
@@ -67,7 +70,7 @@ from flax import nnx
 
 from jtbo import split
 from jtbo.attention import backend as attn_backend_lib
-from jtbo.bench import kernel_time
+from jtbo.bench import device_rates, kernel_time, limits
 from jtbo.collectives import ep_config
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
@@ -629,9 +632,30 @@ def _config(args) -> config_lib.MoEConfig:
 
 def _kv_bytes(config: config_lib.MoEConfig, dtype: str) -> str:
     """KV-cache bytes per token (all layers, one DP rank, before the attn_tp split)."""
-    heads, k_dim, v_dim = config.kv_pool_heads(1)
-    per_token = config.num_layers * heads * (k_dim + v_dim) * jnp.dtype(dtype).itemsize
+    per_token = limits.kv_bytes_per_token(config, jnp.dtype(dtype).itemsize)
     return f"attention {config.attention_kind}, KV cache {per_token} bytes/token"
+
+
+def _print_limits(config: config_lib.MoEConfig, cases, step_times, args) -> None:
+    """One line per case: its physical limit against the plain step (``jtbo.bench.limits``),
+    the rates measured here, after the timing (rank 0's batch: the busiest)."""
+    if args.attn_tp != 1:
+        print("physical limit: computed for attn_tp 1 only")
+        return
+    on_gpu = jax.devices()[0].platform == "gpu"
+    matmul = device_rates.matmul_tflops(8192 if on_gpu else 256, iters=10, reps=3)
+    copy = device_rates.copy_gbs(1 << 30 if on_gpu else 1 << 20, iters=10, reps=3)
+    itemsize = jnp.dtype(args.dtype).itemsize
+    for (name, size, batches), (plain, _) in zip(cases, step_times, strict=True):
+        batch = batches[0]
+        if name == "prefill":
+            flops = limits.prefill_flops(config, [int(n) for n in batch.extend_seq_lens])
+            limit = limits.Limit(flops, "TFLOP", matmul, "bf16 matmul")
+        else:
+            context = int(np.sum(batch.seq_lens))
+            traffic = limits.decode_bytes(config, context, args.dp * args.attn_tp, itemsize)
+            limit = limits.Limit(traffic, "GB", *copy)
+        print(f"physical limit, {name} {size}: {limit.describe(plain * 1e3)}")
 
 
 def _header(args) -> str:
@@ -754,6 +778,7 @@ def main(argv) -> None:
         ("decode", s, (_decode_batch(s, args.context, vocab),) * args.dp) for s in args.decode
     ]
     step_times = _time_cases(runners, auto, cases, args)
+    _print_limits(config, cases, step_times, args)
     if args.ep_routing_stats is not None:
         _save_routing_stats(args, [*runners, auto])
     # Traces come after every timing: a trace may leave the profiler's per-kernel hooks in

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from jtbo.bench import kernel_time, tbo
+from jtbo.bench import kernel_time, limits, tbo
 from jtbo.models import config as config_lib
 from jtbo.runner import kv_table
 
@@ -232,6 +232,16 @@ def test_tiny_run_prints_every_case_with_agreement(scratch_environment, capsys):
         for x in case.split(":")[-1].replace(",", "/").split("/")
     ]
     assert len(ratios) == 8 and all(0 < r <= 1 for r in ratios), fill  # 2 cases x 2 micro-batches
+    # The physical limits: the tiny MLA model's prefill FLOPs of one 128-token prompt, and the
+    # decode step's weight and KV bytes (float32), each against the plain step.
+    config = config_lib.MoEConfig.tiny_mla()
+    for case, work in (
+        ("prefill 128", f"{limits.prefill_flops(config, [128]) / 1e12:.2f} TFLOP at "),
+        ("decode 32", f"{limits.decode_bytes(config, 32 * 8, 1, 4) / 1e9:.2f} GB at "),
+    ):
+        line = out.split(f"physical limit, {case}: ")[1].splitlines()[0]
+        assert line.startswith(work) and line.endswith("x"), line
+        assert float(line.split("= ")[-1][:-1]) > 0, line
     assert not list(scratch_environment.glob("**/*.trace.json.gz"))  # no traces for nothing
     assert tbo.os.environ["NCCL_NVLS_ENABLE"] == "0"
 
