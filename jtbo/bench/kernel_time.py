@@ -369,6 +369,34 @@ def busy_summary(kernels: list[Kernel], steps: int) -> str:
     )
 
 
+def largest_compute_kernels(kernels: list[Kernel], steps: int, top: int = 5) -> str:
+    """One line: the compute kernels with the most time per GPU and step, by name.
+
+    Args:
+      kernels: a trace's kernels (``gpu_kernels``).
+      steps: runs of the program the trace holds.
+      top: names listed.
+
+    Returns:
+      ``"largest compute kernels per GPU and step: name 1.23 ms x 4, ..."`` (count: launches
+      per GPU and step), or a line saying there were none.
+    """
+    devices = max(len(_by_device(kernels)), 1)
+    totals, counts = collections.Counter(), collections.Counter()
+    for kernel in kernels:
+        if _is_compute(kernel):
+            totals[kernel.name] += kernel.microseconds
+            counts[kernel.name] += 1
+    if not totals:
+        return "no compute kernels in the trace"
+    per_step = devices * steps
+    listed = ", ".join(
+        f"{name} {total / per_step / 1e3:.2f} ms x {counts[name] / per_step:g}"
+        for name, total in totals.most_common(top)
+    )
+    return f"largest compute kernels per GPU and step: {listed}"
+
+
 def communication_summary(kernels: list[Kernel]) -> str:
     """One line: NCCL time hidden under compute among a trace's kernels
     (``hidden_communication``)."""

@@ -284,3 +284,25 @@ def test_collective_bytes_refuses_a_collective_in_a_loop_body():
     )
     with pytest.raises(ValueError, match="all-reduce ar runs in body.2"):
         kernel_time.collective_bytes(in_loop)
+
+
+def test_largest_compute_kernels_per_gpu_and_step():
+    kernels = [
+        _k("loop_dynamic_update_slice_fusion", 0.0, 280.0),
+        _k("loop_dynamic_update_slice_fusion", 300.0, 280.0, device=2),
+        _k("gemm_fusion_dot_1", 0.0, 100.0),
+        _k("gemm_fusion_dot_1", 0.0, 60.0, device=2),
+        _k("input_reduce_fusion", 0.0, 30.0),
+        _k("MemcpyP2P", 0.0, 900.0),  # communication
+        _k("MemcpyD2D", 0.0, 900.0),  # a copy
+        _k("ncclDevKernel_AllToAll", 0.0, 900.0),
+    ]
+    line = kernel_time.largest_compute_kernels(kernels, steps=2, top=2)
+    # 2 GPUs x 2 steps: totals / 4, launches / 4.
+    assert line == (
+        "largest compute kernels per GPU and step: loop_dynamic_update_slice_fusion 0.14 ms "
+        "x 0.5, gemm_fusion_dot_1 0.04 ms x 0.5"
+    )
+    assert kernel_time.largest_compute_kernels(kernels[5:], steps=1) == (
+        "no compute kernels in the trace"
+    )

@@ -51,10 +51,13 @@ def nccl_lines(trace: dict, label: str) -> list[str]:
 
     Returns:
       The share of NCCL kernel time that ran under compute kernels
-      (``kernel_time.communication_summary``) and the busy times per run.
+      (``kernel_time.communication_summary``), the busy times per run, and the compute
+      kernels that took the most time (what a comm-alone program computes besides its
+      exchanges).
     """
     kernels = kernel_time.gpu_kernels(trace)
     return [
         f"{label}: {kernel_time.communication_summary(kernels)}",
         f"{label}: {kernel_time.busy_summary(kernels, PROFILE_RUNS)}",
+        f"{label}: {kernel_time.largest_compute_kernels(kernels, PROFILE_RUNS)}",
     ]

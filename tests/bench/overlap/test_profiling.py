@@ -25,3 +25,4 @@ def test_nccl_lines_give_the_share_of_communication_under_compute():
     lines = overlap.nccl_lines({"traceEvents": [gpu, *events]}, "probe")
     assert "communication 300.0 us, of it under compute 150.0 us (0.500)" in lines[0]
     assert "compute 0.20 ms, communication 0.10 ms, span 0.25 ms" in lines[1]
+    assert lines[2] == "probe: largest compute kernels per GPU and step: nvjet_gemm 0.20 ms x 1"
