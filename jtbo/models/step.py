@@ -79,6 +79,32 @@ KV_CACHE_SPEC = kv_cache_lib.KVCache(
 )
 
 
+def _named(mesh: jax.sharding.Mesh, spec: P) -> jax.sharding.NamedSharding:
+    """``spec`` on ``mesh``, spelled without trailing None (as XLA spells the outputs)."""
+    parts = list(spec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return jax.sharding.NamedSharding(mesh, P(*parts))
+
+
+def kv_cache_shardings(mesh: jax.sharding.Mesh) -> kv_cache_lib.KVCache:
+    """``KV_CACHE_SPEC`` on ``mesh``: the shardings of the K/V pools and the page table.
+
+    The runner creates its pools with these, and every step returns its pools with exactly
+    these (``jax.jit(out_shardings=...)``): an equal sharding spelled otherwise (XLA drops a
+    size-1 ``attn_tp`` axis from its outputs' specs) would give each program a second
+    dispatch-cache entry for the pools it returns, so a program warmed up on the initial
+    pools was compiled again on the first served step.
+
+    Args:
+      mesh: the runner's ``("dp", "attn_tp")`` mesh.
+
+    Returns:
+      A ``KVCache`` of ``NamedSharding`` (``v`` too, also for an MLA cache that has none).
+    """
+    return jax.tree.map(functools.partial(_named, mesh), KV_CACHE_SPEC)
+
+
 def _param_spec(path, _, moe_a2a_backend: str) -> P:
     names = [getattr(key, "key", getattr(key, "name", None)) for key in path]
     name = names[-1] if names[-1] != "value" else names[-2]
@@ -468,7 +494,17 @@ class Step:
         model_step.__name__ = f"model_step_{next(_STEP_IDS)}"
         guarded = chex.assert_max_traces(model_step, n=1)
         options = step_compiler_options(self._mesh, key.child_capacity)
-        return jax.jit(guarded, donate_argnames=("kv_cache",), compiler_options=options)
+        everywhere = _named(self._mesh, P())
+        out_shardings = (  # the shard_map's out_specs on the mesh (_sharded_step)
+            _named(self._mesh, P(mesh_lib.DP_AXIS)),  # logits
+            kv_cache_shardings(self._mesh),  # the pools: as the runner created them
+            everywhere,  # overflow
+            everywhere,  # peak_load
+        )
+        return jax.jit(
+            guarded, donate_argnames=("kv_cache",), compiler_options=options,
+            out_shardings=out_shardings,
+        )  # fmt: skip
 
     def put(self, inputs: StepInputs) -> StepInputs:
         """Moves packed host buffers onto the mesh: two host->device transfers.

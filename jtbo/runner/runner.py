@@ -33,6 +33,7 @@ is the special case that owns every rank.
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import warnings
 import weakref
@@ -263,9 +264,7 @@ class ModelRunner:
         heads, k_dim, v_dim = self.config.kv_pool_heads(self.attn_tp_size)
         # Slot 0 is the padding slot.
         shape = (self.dp_size, self.config.num_layers, self.max_total_tokens + 1, heads)
-        kv_sharding = jax.sharding.NamedSharding(
-            self.mesh, _trailing_none_dropped(step.KV_CACHE_SPEC.k)
-        )
+        kv_sharding = step.kv_cache_shardings(self.mesh).k
 
         def zeros(dim):  # created in place on each device (also other processes' devices)
             return jax.jit(lambda: jnp.zeros((*shape, dim), self.dtype), out_shardings=kv_sharding)
@@ -601,7 +600,7 @@ class ModelRunner:
             return distributed.rank_sharded_array(
                 self.mesh, rows, self.local_dp_ranks, self.dp_size
             )
-        sharding = jax.sharding.NamedSharding(self.mesh, step.KV_CACHE_SPEC.req_to_token)
+        sharding = step.kv_cache_shardings(self.mesh).req_to_token
         return jax.device_put(self.req_to_token, sharding)
 
     def generate(self, prompts, *, max_new_tokens: int, dp_rank_of=None, **kwargs):
@@ -622,7 +621,12 @@ class ModelRunner:
             self, prompts, max_new_tokens=max_new_tokens, dp_rank_of=dp_rank_of, **kwargs
         )
 
-    def warmup(self, token_counts: Sequence[int], modes: Sequence[ForwardMode]) -> int:
+    def warmup(
+        self,
+        token_counts: Sequence[int],
+        modes: Sequence[ForwardMode],
+        seq_counts: Sequence[int] = (1,),
+    ) -> int:
         """Compiles the steps of the given token counts and modes before serving.
 
         With several processes, every process calls it with the same arguments.
@@ -632,29 +636,42 @@ class ModelRunner:
         "auto" runner compiles both the plain and the TBO program of each (it decides later,
         on real steps). With ``dp_padding="auto"`` the programs are MAX_LEN's (those of
         steps whose ranks are equal); SUM_LEN programs depend on a step's token sum (its
-        bucket) and compile on first use. Extend programs are those of the smallest sequence
-        bucket (``planning.seq_bucket``: at most ``MIN_SEQ_BUCKET`` sequences per rank); a
-        step with more sequences compiles on first use.
+        bucket) and compile on first use. An extend step's attention is sized by its
+        sequence bucket (``planning.seq_bucket``): ``seq_counts`` names the sequence counts
+        to compile extend programs for (each count's bucket; counts above a token count are
+        skipped for it), and a step in another bucket compiles on first use.
 
         Args:
           token_counts: token counts whose buckets to compile.
           modes: EXTEND, DECODE (TARGET_VERIFY needs a draft size: compile it by serving).
+          seq_counts: sequences per rank of the extend programs (decode programs hold one
+            sequence per token).
 
         Returns:
           The compile count afterwards.
+
+        Raises:
+          ValueError: a sequence count below 1 or above ``max_running_requests``.
         """
+        bad = [s for s in seq_counts if not 1 <= s <= self.max_running_requests]
+        if bad:
+            raise ValueError(
+                f"seq_counts {bad} outside [1, max_running_requests={self.max_running_requests}]"
+            )
         both = (False, True) if self._tbo_auto is not None else (self.options.enable_tbo,)
         for count in token_counts:
-            for mode in modes:
-                for tbo in both:
-                    self._run(
-                        self._warmup_plan(count, ForwardMode(mode), tbo), self.check_finite_logits
-                    )
+            for mode in map(ForwardMode, modes):
+                seqs = [count] if mode.is_decode() else [s for s in seq_counts if s <= count]
+                for num_seqs, tbo in itertools.product(seqs, both):
+                    plan = self._warmup_plan(count, mode, num_seqs, tbo)
+                    self._run(plan, self.check_finite_logits)
         return self.compile_count
 
-    def _warmup_plan(self, count: int, mode: ForwardMode, tbo: bool) -> planning.StepPlan:
+    def _warmup_plan(
+        self, count: int, mode: ForwardMode, num_seqs: int, tbo: bool
+    ) -> planning.StepPlan:
         """A real plan for one synthetic batch on rank 0 that writes only the padding slot."""
-        batch = _synthetic_batch(mode, count)
+        batch = _synthetic_batch(mode, count, num_seqs)
         batches = [batch] + [planning.idle_batch()] * (self.dp_size - 1)
         padding = "max_len" if self.options.dp_padding == "auto" else self.options.dp_padding
         options = dataclasses.replace(self.options, enable_tbo=tbo, dp_padding=padding)
@@ -678,20 +695,9 @@ def _shared_params(source: ModelRunner, model: model_lib.MoEModel, runner: Model
     return source._params
 
 
-def _trailing_none_dropped(spec: jax.sharding.PartitionSpec) -> jax.sharding.PartitionSpec:
-    """``spec`` as the step spells its outputs' shardings (no trailing None).
-
-    An equal sharding spelled differently gives the first program that receives the initial
-    K/V pools a second dispatch-cache entry when it later receives the step's own output
-    (no second XLA compile, but ``compile_count`` counted it).
-    """
-    parts = list(spec)
-    while parts and parts[-1] is None:
-        parts.pop()
-    return jax.sharding.PartitionSpec(*parts)
-
-
-def _synthetic_batch(mode: ForwardMode, count: int) -> split.ForwardBatch:
+def _synthetic_batch(mode: ForwardMode, count: int, num_seqs: int) -> split.ForwardBatch:
+    """``count`` tokens (decode: sequences; extend: ``num_seqs`` near-equal prompts) that
+    read and write only the padding slot through request row 0."""
     ids = np.zeros(count, np.int32)  # token 0, position 0, KV slot 0 (the padding slot)
     ones = np.ones(count, np.int32)
     if mode.is_decode():
@@ -699,10 +705,13 @@ def _synthetic_batch(mode: ForwardMode, count: int) -> split.ForwardBatch:
             forward_mode=mode, batch_size=count, input_ids=ids, positions=ids,
             out_cache_loc=ids, req_pool_indices=ids, seq_lens=ones,
         )  # fmt: skip
+    lens = np.full(num_seqs, count // num_seqs)
+    lens[: count % num_seqs] += 1
+    rows = np.zeros(num_seqs, np.int32)
     return split.ForwardBatch(
-        forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=ids, positions=ids,
-        out_cache_loc=ids, req_pool_indices=ids[:1], seq_lens=np.array([count]),
-        extend_seq_lens=np.array([count]), extend_prefix_lens=np.array([0]),
+        forward_mode=ForwardMode.EXTEND, batch_size=num_seqs, input_ids=ids, positions=ids,
+        out_cache_loc=ids, req_pool_indices=rows, seq_lens=lens, extend_seq_lens=lens,
+        extend_prefix_lens=rows,
     )  # fmt: skip
 
 

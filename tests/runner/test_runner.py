@@ -549,3 +549,26 @@ def test_params_from_shares_one_copy_of_the_device_parameters():
             other, mesh_lib.make_mesh(4, 2), max_total_tokens=64, max_running_requests=4,
             token_buckets=(16,), dtype=jnp.float32, params_from=first,
         )  # fmt: skip
+
+
+def test_warmup_compiles_the_extend_programs_of_the_sequence_buckets_served():
+    # Extend attention is sized by the step's sequence bucket (planning.seq_bucket): a batch
+    # of 20 prompts needs the 32-sequence program, which warmup(seq_counts=...) compiles.
+    config = config_lib.MoEConfig.tiny()
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    make = lambda: runner_lib.ModelRunner(  # noqa: E731
+        model, mesh_lib.make_mesh(8, 1), max_total_tokens=128, max_running_requests=32,
+        token_buckets=(32,), dtype=jnp.float32,
+    )  # fmt: skip
+    few = helpers.Rank().extend({row: [row + 1, row + 2] for row in range(3)})
+    many = helpers.Rank().extend({row: [row + 1] for row in range(20)})
+    for seq_counts, compiles_on_serving in (((1,), 1), ((1, 20), 0)):
+        runner = make()
+        warm = runner.warmup([32], [split.ForwardMode.EXTEND], seq_counts=seq_counts)
+        assert warm == len(seq_counts)
+        runner.forward([few] + [None] * 7)  # the 16-sequence bucket: warmed by one prompt
+        assert runner.compile_count == warm
+        runner.forward([many] + [None] * 7)
+        assert runner.compile_count == warm + compiles_on_serving
+    with pytest.raises(ValueError, match=r"seq_counts \[33\] outside \[1, max_running_requests"):
+        runner.warmup([32], [split.ForwardMode.EXTEND], seq_counts=(1, 33))
