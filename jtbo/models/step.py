@@ -92,9 +92,9 @@ def kv_cache_shardings(mesh: jax.sharding.Mesh) -> kv_cache_lib.KVCache:
 
     The runner creates its pools with these, and every step returns its pools with exactly
     these (``jax.jit(out_shardings=...)``): an equal sharding spelled otherwise (XLA drops a
-    size-1 ``attn_tp`` axis from its outputs' specs) would give each program a second
-    dispatch-cache entry for the pools it returns, so a program warmed up on the initial
-    pools was compiled again on the first served step.
+    size-1 ``attn_tp`` axis from its outputs' specs) gives a program a second dispatch-cache
+    entry when it first receives the pools a step returned (no second XLA compile, but
+    ``ModelRunner.compile_count``, which counts those entries, counted the program twice).
 
     Args:
       mesh: the runner's ``("dp", "attn_tp")`` mesh.
