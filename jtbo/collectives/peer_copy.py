@@ -61,7 +61,9 @@ def device_group(mesh: jax.sharding.Mesh) -> tuple[int, ...]:
       mesh: a mesh whose devices all belong to this process (CPU or CUDA devices).
 
     Returns:
-      ``local_hardware_id`` of each device, in ``mesh.devices.flat`` order.
+      ``local_hardware_id`` of each device, in ``mesh.devices.flat`` order; for devices that
+      are described, not present (``jtbo.aot`` compiles for GPUs on a CPU), their ``id``:
+      such a program is compiled and read, never run.
 
     Raises:
       ValueError: a device of another process, or a platform without the FFI build.
@@ -76,7 +78,10 @@ def device_group(mesh: jax.sharding.Mesh) -> tuple[int, ...]:
             f"the peer-copy exchange needs every device in this process; {foreign} belong to "
             "other processes (use an XLA exchange across processes)"
         )
-    return tuple(int(d.local_hardware_id) for d in devices)
+    described = [d.local_hardware_id is None for d in devices]
+    if any(described) and not all(described):
+        raise ValueError(f"the mesh mixes present and described devices: {devices}")
+    return tuple(int(d.id if d.local_hardware_id is None else d.local_hardware_id) for d in devices)
 
 
 def all_to_all_start(x: jax.Array, group: tuple[int, ...], platform: str) -> InFlight:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from jtbo import aot
 from jtbo.collectives import ep_config, peer_copy
 from jtbo.collectives import mesh as mesh_lib
 
@@ -104,6 +105,26 @@ def test_device_group_refuses_other_platforms_and_processes():
     remote = fake(platform="cpu", process_index=jax.process_index() + 1)
     with pytest.raises(ValueError, match="other processes"):
         peer_copy.device_group(types.SimpleNamespace(devices=np.array([remote])))
+
+
+def test_device_group_of_described_devices_is_their_ids():
+    # jtbo.aot's devices (GPUs described to XLA on a CPU) have no hardware id: a program for
+    # them is compiled and read, never run, so their ids stand in for the ordinals.
+    described = functools.partial(
+        types.SimpleNamespace, platform="gpu", process_index=jax.process_index(),
+        local_hardware_id=None,
+    )  # fmt: skip
+    mesh = types.SimpleNamespace(devices=np.array([described(id=5), described(id=7)]))
+    assert peer_copy.device_group(mesh) == (5, 7)
+    present = types.SimpleNamespace(
+        platform="gpu", process_index=jax.process_index(), local_hardware_id=0, id=0
+    )
+    mixed = types.SimpleNamespace(devices=np.array([described(id=5), present]))
+    with pytest.raises(ValueError, match="mixes present and described devices"):
+        peer_copy.device_group(mixed)
+    if aot.aot_available():  # jtbo.aot's own devices: 2 H200s described on this host
+        h200 = aot.gpu_mesh((2,), ("x",))
+        assert peer_copy.device_group(h200) == tuple(d.id for d in h200.devices.flat)
 
 
 def test_dispatcher_needs_the_group_exactly_for_the_peer_copy():
