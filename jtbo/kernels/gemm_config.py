@@ -15,6 +15,7 @@ the dimension it tiles (contraction and column dimensions must be tiled exactly)
 import dataclasses
 
 from jtbo.kernels import launch_checks
+from jtbo.split import arith
 
 MIN_DOT_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16
 
@@ -52,10 +53,7 @@ class GemmConfig:
 
     def rows_block(self, rows: int) -> int:
         """``block_m``, or less when ``rows`` fit a smaller power of two (>= 16)."""
-        needed = MIN_DOT_BLOCK
-        while needed < rows:
-            needed *= 2
-        return min(self.block_m, needed)
+        return min(self.block_m, arith.power_of_two_at_least(rows, MIN_DOT_BLOCK))
 
     def describe(self) -> str:
         """Short label for tables: ``MxNxK wW sS gG``."""

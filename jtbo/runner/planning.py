@@ -305,10 +305,7 @@ def seq_bucket(summaries: Sequence[RankSummary], seq_capacity: int) -> int:
     counts = [s.num_seqs for s in summaries]
     if any(count is None for count in counts):
         return seq_capacity
-    bound = MIN_SEQ_BUCKET
-    while bound < max(counts, default=0):
-        bound *= 2
-    return min(bound, seq_capacity)
+    return min(arith.power_of_two_at_least(max(counts, default=0), MIN_SEQ_BUCKET), seq_capacity)
 
 
 def attention_capacity(

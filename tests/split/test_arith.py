@@ -1,4 +1,4 @@
-"""ceil_div / round_up against Python's exact integer arithmetic."""
+"""ceil_div / round_up / power_of_two_at_least against Python's exact integer arithmetic."""
 
 import math
 
@@ -46,3 +46,12 @@ def test_numpy_arrays_elementwise(values, b):
 def test_small_cases():
     assert [arith.ceil_div(a, 4) for a in range(0, 9)] == [0, 1, 1, 1, 1, 2, 2, 2, 2]
     assert [arith.round_up(a, 4) for a in range(0, 9)] == [0, 4, 4, 4, 4, 8, 8, 8, 8]
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=st.integers(-100, 2**40), floor_log2=st.integers(0, 8))
+def test_power_of_two_at_least_is_the_smallest_one_not_below(value, floor_log2):
+    floor = 2**floor_log2
+    got = arith.power_of_two_at_least(value, floor)
+    powers = [2**k for k in range(floor_log2, 42) if 2**k >= value]
+    assert got == powers[0]
