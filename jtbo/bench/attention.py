@@ -44,7 +44,7 @@ import numpy as np
 from jtbo import attention
 from jtbo.attention import backend as backend_lib
 from jtbo.attention import kv_cache as kv_cache_lib
-from jtbo.bench import device_rates
+from jtbo.bench import device_rates, limits
 
 CASES = ("extend", "decode", "verify")
 KNOBS = tuple(field.name for field in dataclasses.fields(attention.PagedAttentionConfig))
@@ -240,7 +240,7 @@ def _causal_flops(args) -> float:
     per_seq = args.extend_tokens // args.extend_seqs
     qk_dim = args.qk_nope_dim + args.qk_rope_dim if args.mla else args.head_dim
     v_dim = args.v_head_dim if args.mla else args.head_dim
-    pairs = args.extend_seqs * per_seq * (per_seq + 1) / 2
+    pairs = limits.attention_pairs([per_seq] * args.extend_seqs)
     return 2.0 * args.q_heads * (qk_dim + v_dim) * pairs
 
 

@@ -22,6 +22,9 @@ import dataclasses
 
 from jtbo.models import config as config_lib
 
+UNIT_SCALES = {"TFLOP": 1e12, "GB": 1e9}
+"""``Limit.unit`` -> what one unit of work is (FLOPs or bytes)."""
+
 
 def _attention_weights(config: config_lib.MoEConfig) -> int:
     """Weights one token multiplies by in one layer's attention projections."""
@@ -115,7 +118,7 @@ class Limit:
 
     Attributes:
       work: useful FLOPs (prefill) or bytes (decode).
-      unit: "TFLOP" or "GB" (of ``work`` / 1e12 or 1e9).
+      unit: a key of ``UNIT_SCALES``: "TFLOP" or "GB" (``work`` / 1e12 or 1e9).
       rate: the measured rate in ``unit`` per second.
       rate_label: how the rate was measured.
     """
@@ -126,16 +129,19 @@ class Limit:
     rate_label: str
 
     @property
+    def units(self) -> float:
+        """``work`` in ``unit`` (TFLOP or GB)."""
+        return self.work / UNIT_SCALES[self.unit]
+
+    @property
     def milliseconds(self) -> float:
         """The limit's time: ``work`` at ``rate``."""
-        scale = 1e12 if self.unit == "TFLOP" else 1e9
-        return self.work / scale / self.rate * 1e3
+        return self.units / self.rate * 1e3
 
     def describe(self, step_ms: float) -> str:
         """``"19.31 TFLOP at 712 TFLOP/s (label) = 27.12 ms; step 42.25 ms = 1.56x"``."""
-        scale = 1e12 if self.unit == "TFLOP" else 1e9
         return (
-            f"{self.work / scale:.2f} {self.unit} at {self.rate:.0f} {self.unit}/s "
+            f"{self.units:.2f} {self.unit} at {self.rate:.0f} {self.unit}/s "
             f"({self.rate_label}) = {self.milliseconds:.2f} ms; step {step_ms:.2f} ms = "
             f"{step_ms / self.milliseconds:.2f}x"
         )
