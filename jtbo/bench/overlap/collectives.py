@@ -28,9 +28,9 @@ def _all_to_all_exchange(x: jax.Array) -> jax.Array:
 def _all_to_all_finish(received: jax.Array, ndev: int) -> jax.Array:
     del ndev
     # Negates the first row only, in place: the next exchange depends on this one, yet the
-    # chain's serial part is the exchange itself. A pass over the whole buffer (448 MiB:
-    # about 0.2 ms on an H200) could never run beside the window's compute and would cap
-    # ``hidden`` well below 1 for a collective that hides completely. Negation is exact; the
+    # chain's serial part is the exchange itself. A pass over the whole buffer could never
+    # run beside the window's compute and would cap ``hidden`` below 1 for a collective that
+    # hides completely (BENCHMARKS.md has its cost). Negation is exact; the
     # block order is checked on every row by the reference.
     return received.at[0].multiply(-1)
 
