@@ -6,10 +6,11 @@ computes something else. This probe measures that directly, one collective at a 
 programs, each one ``jax.shard_map`` over every device (a 1-D mesh, axis ``PROBE_AXIS``):
 
 - comm alone: a chain of ``--chain`` collectives on a per-device buffer, each waiting for the
-  last through a small elementwise step (``all_to_all``: negate the first row in place, so
-  the chain's serial part is the exchange itself; ``all_gather``: a weighted
-  mean of the gathered chunks, back to the input size; ``psum_scatter``: tile the scattered
-  chunk ``ndev`` times and divide by ``ndev``, back to the input size);
+  last through a small elementwise step (``all_to_all``: the first received row overwritten
+  in place by the negated first sent row, so the chain's serial part is the exchange
+  itself; ``all_gather``: a weighted mean of the gathered chunks, back to the input size;
+  ``psum_scatter``: tile the scattered chunk ``ndev`` times and divide by ``ndev``, back to
+  the input size);
 - compute alone: ``--chain`` windows of ``--matmuls-per-window`` dependent square matmuls
   ``y <- y @ w`` (``--matmul N``), touching none of the collective's data;
 - both: the two chains in one program, the collective chain's window k beside the matmul

@@ -54,7 +54,7 @@ def _pinned_windows(x, y, w, collective: Collective, chain: int, matmuls: int, n
         in_flight, y = jax.lax.optimization_barrier((in_flight, matmul_chain(y, w, matmuls)))
         # Past the barrier: collective k is done before window k + 1's matmuls (which read
         # y) start, and its finish waits for window k's matmuls, so one block per window.
-        x = collective.finish(collective.wait(in_flight), ndev)
+        x = collective.finish(collective.wait(in_flight), x, ndev)
     return x, y
 
 

@@ -14,8 +14,8 @@ from tests.bench.overlap import runs
 def test_a_wrong_collective_program_fails_the_check(monkeypatch):
     right = overlap.COLLECTIVES["all_to_all"]
 
-    def misplaced(received, ndev):  # the blocks one place off, as a wrong split axis would
-        return right.finish(jnp.roll(received, received.shape[0] // ndev, axis=0), ndev)
+    def misplaced(received, sent, ndev):  # the blocks one place off, as a wrong split axis would
+        return right.finish(jnp.roll(received, received.shape[0] // ndev, axis=0), sent, ndev)
 
     wrong = dataclasses.replace(right, finish=misplaced)
     monkeypatch.setitem(overlap.COLLECTIVES, "all_to_all", wrong)

@@ -12,15 +12,15 @@ def _a2a_inputs(ndev: int = 4, rows: int = 8) -> np.ndarray:
 def test_references_move_blocks_as_the_collectives_do():
     x = _a2a_inputs(ndev=2, rows=4)  # device d, rows [block 0 (2 rows), block 1 (2 rows)]
     a2a = overlap.COLLECTIVES["all_to_all"].reference(x)
-    np.testing.assert_array_equal(a2a[1, 0], -x[0, 2])  # device 1 gets device 0's block 1,
-    np.testing.assert_array_equal(a2a[1, 1], x[0, 3])  # its first row negated
+    np.testing.assert_array_equal(a2a[1, 1], x[0, 3])  # device 1 gets device 0's block 1,
+    np.testing.assert_array_equal(a2a[1, 0], -x[1, 0])  # its first row the negated first
+    np.testing.assert_array_equal(a2a[0, 0], -x[0, 0])  # row device 1 sent
     np.testing.assert_array_equal(a2a[0, 2:], x[1, :2])
     twice = overlap.COLLECTIVES["all_to_all"].reference(a2a)
-    # Blocks back home; a row that was first on a device once is negated once, and device
-    # 0's row 0 (first on both trips) twice.
+    # Blocks back home, each first row restored from the negated one sent; device 0's row 2
+    # is the row that overwrote device 1's first row on the first trip.
     expected = x.copy()
-    expected[0, 2] *= -1
-    expected[1, 0] *= -1
+    expected[0, 2] = -x[1, 0]
     np.testing.assert_array_equal(twice, expected)
     scattered = overlap.COLLECTIVES["psum_scatter"].reference(x)
     np.testing.assert_allclose(scattered[1, :2], (x[0, 2:] + x[1, 2:]) / 2)
