@@ -14,9 +14,10 @@ experts instead of once per expert. Same halves, same receive layout for the exp
    left unread (dense ``lax.all_to_all`` or ``lax.ragged_all_to_all`` of the filled slots).
 2. ``dispatch_b`` (receiver): every (row, id column) with an id is one assignment. Assignments
    are numbered within their local expert in (source, slot, column) order; the first
-   ``expert_capacity`` copy the row into that expert's slot of
-   ``[num_local_experts, expert_capacity, H]``, the rest are expert overflow. The layout is
-   ``ep_dispatch``'s, so the expert FFN is unchanged.
+   ``expert_capacity`` take that expert's slots of ``[num_local_experts, expert_capacity,
+   H]``, the rest are expert overflow. The slots name their received rows
+   (``kernels.SlotRows``) rather than copy them. The layout is ``ep_dispatch``'s, so the
+   expert FFN is unchanged.
 3. ``combine_a`` (receiver): per received row, the weighted sum of its kept experts' outputs
    (float32 accumulate, cast back to the outputs' dtype): one row per (token, device) goes
    back.
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 from jtbo.collectives import ep_config, peer_copy
 from jtbo.collectives import ep_dispatch as ep_lib
 from jtbo.collectives import rows as rows_lib
+from jtbo.kernels import slot_rows
 
 
 @jax.tree_util.register_dataclass
@@ -131,7 +133,7 @@ def dispatch_a(
 
 def dispatch_b(
     dispatcher: ep_config.EpDispatcher, in_flight: DedupDispatchInFlight
-) -> tuple[jax.Array, DedupDispatchState]:
+) -> tuple[slot_rows.SlotRows, DedupDispatchState]:
     """Consumes the exchange: each received row into its local experts' capacity slots.
 
     Args:
@@ -139,8 +141,10 @@ def dispatch_b(
       in_flight: ``dispatch_a``'s result.
 
     Returns:
-      ``(expert_inputs, state)``: ``[num_local_experts, expert_capacity, H]`` (zeros in empty
-      slots) and the state ``combine_a`` needs.
+      ``(expert_inputs, state)``: the ``[num_local_experts, expert_capacity, H]`` slots as
+      ``SlotRows`` (the received rows and the row each slot holds, -1 empty; the Pallas
+      grouped GEMM loads through the index, ``materialize()`` gives the slot buffer) and the
+      state ``combine_a`` needs.
     """
     num_local, capacity = dispatcher.num_local_experts, dispatcher.expert_capacity
     m = dispatcher.local_ids_per_row
@@ -154,7 +158,6 @@ def dispatch_b(
     recv_expert_slot = jnp.where(kept, expert.reshape(-1) * capacity + rank, -1)
     assignment = ep_lib._invert_slots(recv_expert_slot, num_local * capacity)
     row = jnp.where(assignment >= 0, ep_lib._div(assignment, m), -1)
-    expert_inputs = ep_lib._gather_rows(recv_hidden, row)
     rows_per_peer = (expert[:, 0] >= 0).reshape(dispatcher.ep_size, dispatcher.peer_capacity)
     expert_overflow = jnp.sum(assigned & ~kept, dtype=jnp.int32)
     state = DedupDispatchState(
@@ -166,7 +169,7 @@ def dispatch_b(
         overflow=jnp.concatenate([in_flight.peer_overflow, expert_overflow.reshape(1)]),
         peak_load=jnp.concatenate([in_flight.peer_peak, ep_lib._peak(rank, assigned).reshape(1)]),
     )
-    return expert_inputs.reshape((num_local, capacity) + expert_inputs.shape[1:]), state
+    return slot_rows.SlotRows(recv_hidden, row.reshape(num_local, capacity)), state
 
 
 def combine_a(

@@ -15,8 +15,10 @@ Dispatch:
    returns without reading the result, so the exchange can overlap the other micro-batch.
 2. ``dispatch_b`` (consume, on the receiver): split the received payload into rows and ids,
    number the received rows within their local expert in (source, slot) order; the first
-   ``expert_capacity`` fill that expert's slots of
-   ``[num_local_experts, expert_capacity, H]`` (zeros elsewhere), the rest are expert overflow.
+   ``expert_capacity`` take that expert's slots of ``[num_local_experts, expert_capacity, H]``
+   (empty elsewhere), the rest are expert overflow. The slots name their received rows
+   (``kernels.SlotRows``): the grouped GEMM loads through that index, so no slot buffer is
+   written.
 
 Combine runs the same way back: ``combine_a`` picks each received row's expert output and
 issues the reverse exchange; ``combine_b`` sums, per token, ``weight * output`` over its
@@ -36,6 +38,7 @@ import jax.numpy as jnp
 
 from jtbo.collectives import ep_config, peer_copy
 from jtbo.collectives import rows as rows_lib
+from jtbo.kernels import slot_rows
 
 
 @jax.tree_util.register_dataclass
@@ -128,7 +131,7 @@ def dispatch_a(
 
 def dispatch_b(
     dispatcher: ep_config.EpDispatcher, in_flight: DispatchInFlight
-) -> tuple[jax.Array, DispatchState]:
+) -> tuple[slot_rows.SlotRows, DispatchState]:
     """Consumes the exchange: received rows into per-expert capacity slots.
 
     Args:
@@ -136,8 +139,10 @@ def dispatch_b(
       in_flight: ``dispatch_a``'s result.
 
     Returns:
-      ``(expert_inputs, state)``: ``[num_local_experts, expert_capacity, H]`` (zeros in empty
-      slots) and the state ``combine_a`` needs.
+      ``(expert_inputs, state)``: the ``[num_local_experts, expert_capacity, H]`` slots as
+      ``SlotRows`` (the received rows and the row each slot holds, -1 empty; the Pallas
+      grouped GEMM loads through the index, ``materialize()`` gives the slot buffer) and the
+      state ``combine_a`` needs.
     """
     num_local, capacity = dispatcher.num_local_experts, dispatcher.expert_capacity
     payload = _finish(dispatcher, in_flight.recv_payload)
@@ -150,7 +155,6 @@ def dispatch_b(
     expert_peak = _peak(rank, received)
     recv_expert_slot = jnp.where(kept, expert * capacity + rank, -1)
     rows = _invert_slots(recv_expert_slot, num_local * capacity)
-    expert_inputs = _gather_rows(recv_hidden, rows)
     rows_per_peer = received.reshape(dispatcher.ep_size, dispatcher.peer_capacity)
     state = DispatchState(
         recv_expert_slot=recv_expert_slot,
@@ -161,7 +165,7 @@ def dispatch_b(
         overflow=jnp.concatenate([in_flight.peer_overflow, expert_overflow.reshape(1)]),
         peak_load=jnp.concatenate([in_flight.peer_peak, expert_peak.reshape(1)]),
     )
-    return expert_inputs.reshape((num_local, capacity) + expert_inputs.shape[1:]), state
+    return slot_rows.SlotRows(recv_hidden, rows.reshape(num_local, capacity)), state
 
 
 def combine_a(

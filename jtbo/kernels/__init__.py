@@ -4,7 +4,8 @@
 * ``slice_pad``: a TBO child's rows sliced out of the parent into a zero buffer.
 * ``merge_rows``: TBO children's rows written back at their parent offsets.
 * ``grouped_ffn``: the routed experts' SwiGLU over exactly each expert's filled capacity
-  slots (a grouped GEMM; tuning knobs in ``GroupedFfnConfig``).
+  slots (a grouped GEMM; tuning knobs in ``GroupedFfnConfig``), given as a slot buffer or
+  as ``SlotRows`` (rows and one row index per slot, loaded through the index).
 
 Each op takes ``impl`` (``"xla"``, ``"pallas"``, ``"triton"`` or None for the fastest
 available) and ``config`` (a ``CopyConfig``). All impls share one out-of-range rule
@@ -19,6 +20,7 @@ from jtbo.kernels.impls import IMPLS, KernelUnavailableError
 from jtbo.kernels.memcpy import dp_memcpy
 from jtbo.kernels.merge import merge_rows
 from jtbo.kernels.slice_pad import slice_pad
+from jtbo.kernels.slot_rows import SlotRows
 
 __all__ = [
     "IMPLS",
@@ -26,6 +28,7 @@ __all__ = [
     "GemmConfig",
     "GroupedFfnConfig",
     "KernelUnavailableError",
+    "SlotRows",
     "dp_memcpy",
     "grouped_ffn",
     "merge_rows",

@@ -20,7 +20,9 @@ starting at row ``e * C``. XLA builds the list (a few small integer ops) as ``[3
    a ``block_k`` loop over H that Triton pipelines; the epilogue writes ``silu(gate) * up`` in
    the input dtype to the ``[E * C, F]`` intermediate, rows before the tile's end row only.
 2. down: ``hidden [tile rows, F] @ w_down[e]`` (float32 accumulate) into the output, which is
-   a zero buffer aliased to the result, so rows no tile writes stay zero.
+   a zero buffer aliased to the result, so rows no tile writes stay zero; or, for callers
+   that never read the padding (``zero_padding=False``), a fresh buffer whose padding rows
+   are never written, which saves zeroing ``E * C * H`` values per call.
 
 A dead tile (expert -1) returns after reading its table entry: no loads, no matmul. Rows
 past the end row inside a live tile are masked on load (read as zero) and on store. The
@@ -33,13 +35,14 @@ the live rows compacted and run through ``jax.lax.ragged_dot``.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jtbo.kernels import gemm_config, impls
+from jtbo.kernels import gemm_config, impls, slot_rows
 from jtbo.split import arith
 
 _F32 = jnp.float32
@@ -62,25 +65,26 @@ def _tile_rows(tiles_ref, tile, block_m: int):
 
 
 def _gate_up_kernel(
-    tiles_ref, x_ref, w_ref, h_ref, *, num_tiles, num_n, group_m, block_m, block_n, block_k,
-    ffn,
+    tiles_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, ffn, gathered,
 ):  # fmt: skip
-    # tiles_ref: [3, num_tiles] int32 (expert or -1, first row, end row); x_ref: [R, H];
-    # w_ref: [E, H, 2 * F] (gate columns, then up columns); h_ref: [R, F].
+    # tiles_ref: [3, num_tiles] int32 (expert or -1, first row, end row); gathered only:
+    # source_ref [R] int32 row of x_ref that each slot holds (-1 empty); x_ref: [R, H] slot
+    # rows, or [N, H] source rows when gathered; w_ref: [E, H, 2 * F] (gate columns, then up
+    # columns); h_ref: [R, F].
+    source_ref, x_ref, w_ref, h_ref = refs if gathered else (None, *refs)
     tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
     expert = tiles_ref[0, tile]
 
     @pl.when(expert >= 0)
     def _compute():
         start, live = _tile_rows(tiles_ref, tile, block_m)
-        x_mask = jnp.broadcast_to(live, (block_m, block_k))
+        x_tile, x_live = _x_tile(source_ref, x_ref, start, live, block_m, block_k)
+        x_mask = jnp.broadcast_to(x_live, (block_m, block_k))
         n0 = pl.multiple_of(col * block_n, block_n)
 
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
-            x = plgpu.load(
-                x_ref.at[pl.ds(start, block_m), pl.ds(k0, block_k)], mask=x_mask, other=0
-            )
+            x = plgpu.load(x_tile(k0), mask=x_mask, other=0)
             gate = w_ref[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)]
             up = w_ref[expert, pl.ds(k0, block_k), pl.ds(ffn + n0, block_n)]
             return (
@@ -91,17 +95,35 @@ def _gate_up_kernel(
         zeros = jnp.zeros((block_m, block_n), _F32)
         gate, up = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros, zeros))
         hidden = (gate * jax.nn.sigmoid(gate) * up).astype(h_ref.dtype)
+        # Every live slot's row is written (an empty slot's as zero): the down kernel reads it.
         h_mask = jnp.broadcast_to(live, (block_m, block_n))
         plgpu.store(h_ref.at[pl.ds(start, block_m), pl.ds(n0, block_n)], hidden, mask=h_mask)
 
 
+def _x_tile(source_ref, x_ref, start, live, block_m: int, block_k: int):
+    """(k0 -> the tile's ``[block_m, block_k]`` view of x, ``[block_m, 1]`` rows to load).
+
+    Slot rows are ``block_m`` consecutive rows of x from ``start``; gathered rows are the
+    rows the tile's slots name, each row's ``block_k`` columns still contiguous. The gathered
+    view indexes both axes with arrays (rows ``[block_m, 1]``, columns ``[1, block_k]``): the
+    Pallas interpreter cannot mix an array index with a slice. An empty slot (-1) loads as
+    zero.
+    """
+    if source_ref is None:
+        return (lambda k0: x_ref.at[pl.ds(start, block_m), pl.ds(k0, block_k)]), live
+    source = plgpu.load(source_ref.at[pl.ds(start, block_m)], mask=live[:, 0], other=-1)
+    row = jnp.maximum(source, 0)[:, None]
+    columns = jnp.arange(block_k, dtype=jnp.int32)[None, :]
+    return (lambda k0: x_ref.at[row, k0 + columns]), live & (source >= 0)[:, None]
+
+
 def _down_kernel(
-    tiles_ref, h_ref, w_ref, zeros_ref, out_ref, *, num_tiles, num_n, group_m, block_m,
-    block_n, block_k,
+    tiles_ref, h_ref, w_ref, *out_refs, num_tiles, num_n, group_m, block_m, block_n, block_k,
 ):  # fmt: skip
-    # tiles_ref: [3, num_tiles] int32; h_ref: [R, F]; w_ref: [E, F, H];
-    # zeros_ref, out_ref: [R, H], the same buffer (aliased; rows no tile writes stay zero).
-    del zeros_ref
+    # tiles_ref: [3, num_tiles] int32; h_ref: [R, F]; w_ref: [E, F, H]; out_refs: out_ref
+    # [R, H] alone (rows no tile writes are left as they are), or a zero buffer and out_ref,
+    # the same buffer (aliased; rows no tile writes stay zero).
+    out_ref = out_refs[-1]
     tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
     expert = tiles_ref[0, tile]
 
@@ -174,31 +196,37 @@ def _max_tiles(num_groups: int, group_rows: int, block_m: int, max_rows: int | N
     return max(1, min(every, (max_rows + num_groups * (block_m - 1)) // block_m))
 
 
-def _gate_up_call(x_rows, w_gate_up, group_start, counts, *, rows, max_rows, cfg, interpret):
-    """Kernel 1 over flat rows ``[R, H]``: the ``[R, F]`` hidden rows of every live tile."""
+def _gate_up_call(
+    x_rows, source, w_gate_up, group_start, counts, *, rows, max_rows, cfg, interpret
+):  # fmt: skip
+    """Kernel 1: the ``[E * C, F]`` hidden rows of every live tile, from slot rows ``x_rows
+    [E * C, H]`` (``source`` None) or from source rows ``x_rows [N, H]`` through ``source
+    [E * C]`` (the row each slot holds, -1 empty)."""
     num_experts, hidden, _, ffn = w_gate_up.shape
     block_m, block_n, block_k = _launch(rows, hidden, ffn, cfg, interpret)
     num_tiles = _max_tiles(num_experts, rows, block_m, max_rows)
     num_n = ffn // block_n
     kernel = functools.partial(
         _gate_up_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
-        block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn,
+        block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn, gathered=source is not None,
     )  # fmt: skip
+    operands = [row_tiles(group_start, counts, block_m, num_tiles)]
+    operands += [] if source is None else [source]
+    operands += [x_rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn)]
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((x_rows.shape[0], ffn), x_rows.dtype),
+        out_shape=jax.ShapeDtypeStruct((num_experts * rows, ffn), x_rows.dtype),
         grid=(num_tiles * num_n,),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )(
-        row_tiles(group_start, counts, block_m, num_tiles),
-        x_rows,
-        w_gate_up.reshape(num_experts, hidden, 2 * ffn),
-    )
+    )(*operands)
 
 
-def _down_call(h_rows, w_down, group_start, counts, *, rows, max_rows, cfg, interpret):
-    """Kernel 2 over flat hidden rows ``[R, F]``: ``[R, H]``, zero outside the live rows."""
+def _down_call(
+    h_rows, w_down, group_start, counts, *, rows, max_rows, cfg, interpret, zero_padding
+):  # fmt: skip
+    """Kernel 2 over flat hidden rows ``[R, F]``: ``[R, H]``, outside the live rows zero
+    (``zero_padding``, a zero buffer aliased to the output) or never written."""
     num_experts, ffn, hidden = w_down.shape
     block_m, block_n, block_k = _launch(rows, ffn, hidden, cfg, interpret)
     num_tiles = _max_tiles(num_experts, rows, block_m, max_rows)
@@ -207,34 +235,43 @@ def _down_call(h_rows, w_down, group_start, counts, *, rows, max_rows, cfg, inte
         _down_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
         block_m=block_m, block_n=block_n, block_k=block_k,
     )  # fmt: skip
+    out_shape = jax.ShapeDtypeStruct((h_rows.shape[0], hidden), h_rows.dtype)
+    operands = [row_tiles(group_start, counts, block_m, num_tiles), h_rows, w_down]
+    operands += [jnp.zeros(out_shape.shape, out_shape.dtype)] if zero_padding else []
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((h_rows.shape[0], hidden), h_rows.dtype),
+        out_shape=out_shape,
         grid=(num_tiles * num_n,),
-        input_output_aliases={3: 0},  # the zero buffer is the output
+        input_output_aliases={3: 0} if zero_padding else {},  # the zero buffer is the output
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-    )(
-        row_tiles(group_start, counts, block_m, num_tiles),
-        h_rows,
-        w_down,
-        jnp.zeros((h_rows.shape[0], hidden), h_rows.dtype),
-    )
+    )(*operands)
 
 
-def grouped_ffn_pallas(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, interpret):
-    """Pallas impl over the capacity-slot layout (``counts`` already clipped to ``[0, C]``)."""
+def grouped_ffn_pallas(
+    x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, interpret, zero_padding=True
+):  # fmt: skip
+    """Pallas impl over the capacity-slot layout (``counts`` already clipped to ``[0, C]``);
+    ``x_slots`` a slot buffer or ``SlotRows`` (loaded through its row index)."""
     num_experts, capacity, hidden = x_slots.shape
     group_start = jnp.arange(num_experts, dtype=jnp.int32) * capacity
     common = dict(rows=capacity, max_rows=max_rows, interpret=interpret)
-    x_rows = x_slots.reshape(num_experts * capacity, hidden)
-    h_rows = _gate_up_call(x_rows, w_gate_up, group_start, counts, cfg=cfg.gate_up, **common)
-    out = _down_call(h_rows, w_down, group_start, counts, cfg=cfg.down, **common)
-    return out.reshape(x_slots.shape[:2] + (w_down.shape[2],))
+    if isinstance(x_slots, slot_rows.SlotRows):
+        x_rows, source = x_slots.rows, x_slots.slot_row.reshape(-1).astype(jnp.int32)
+    else:
+        x_rows, source = x_slots.reshape(num_experts * capacity, hidden), None
+    h_rows = _gate_up_call(
+        x_rows, source, w_gate_up, group_start, counts, cfg=cfg.gate_up, **common
+    )
+    out = _down_call(
+        h_rows, w_down, group_start, counts, cfg=cfg.down, zero_padding=zero_padding, **common
+    )
+    return out.reshape((num_experts, capacity, w_down.shape[2]))
 
 
 def grouped_ffn_xla(x_slots, counts, w_gate_up, w_down):
-    """XLA impl: batched einsums over all ``C`` slots, hidden rows past ``counts`` zeroed."""
+    """XLA impl: batched einsums over all ``C`` slots, hidden rows past ``counts`` zeroed
+    (``x_slots`` a slot buffer; ``grouped_ffn`` materializes ``SlotRows``)."""
     gate_up = jnp.einsum("ech,ehsf->ecsf", x_slots, w_gate_up, preferred_element_type=_F32)
     hidden = jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1]
     live = jnp.arange(x_slots.shape[1], dtype=jnp.int32)[None, :] < counts[:, None]
@@ -244,7 +281,15 @@ def grouped_ffn_xla(x_slots, counts, w_gate_up, w_down):
 
 
 def _check_inputs(x_slots, counts, w_gate_up, w_down) -> None:
-    if x_slots.ndim != 3:
+    if isinstance(x_slots, slot_rows.SlotRows):
+        if x_slots.rows.ndim != 2 or x_slots.slot_row.ndim != 2:
+            raise ValueError(
+                f"SlotRows must hold rows [N, H] and slot_row [E, C], got shapes "
+                f"{x_slots.rows.shape} and {x_slots.slot_row.shape}"
+            )
+        if not jnp.issubdtype(x_slots.slot_row.dtype, jnp.integer):
+            raise ValueError(f"slot_row must be integers, got {x_slots.slot_row.dtype}")
+    elif x_slots.ndim != 3:
         raise ValueError(f"x_slots must be [E, C, H], got shape {x_slots.shape}")
     num_experts, _, hidden = x_slots.shape
     if w_gate_up.ndim != 4 or w_gate_up.shape[:3] != (num_experts, hidden, 2):
@@ -264,7 +309,7 @@ def _check_inputs(x_slots, counts, w_gate_up, w_down) -> None:
 
 
 def grouped_ffn(
-    x_slots: jax.Array,
+    x_slots: jax.Array | slot_rows.SlotRows,
     counts: jax.Array,
     w_gate_up: jax.Array,
     w_down: jax.Array,
@@ -272,12 +317,15 @@ def grouped_ffn(
     impl: str | None = None,
     config: gemm_config.GroupedFfnConfig | None = None,
     max_rows: int | None = None,
+    zero_padding: bool = True,
 ) -> jax.Array:
     """SwiGLU of every expert over its first ``counts[e]`` slots.
 
     Args:
       x_slots: ``[E, C, H]`` rows per expert slot; expert ``e``'s rows are its first
-        ``counts[e]`` slots.
+        ``counts[e]`` slots. Or ``SlotRows``, the same slots as source rows and a row index
+        per slot: ``impl="pallas"`` loads the rows through the index (no slot buffer is
+        written), ``impl="xla"`` materializes the slot buffer first.
       counts: ``[E]`` integer rows per expert (may be traced); clipped to ``[0, C]``.
       w_gate_up: ``[E, H, 2, F]`` (gate at index 0, up at 1).
       w_down: ``[E, F, H]``.
@@ -286,11 +334,17 @@ def grouped_ffn(
       config: the kernel's launch shapes; None for ``gemm_config.GROUPED_FFN``.
       max_rows: static bound on ``sum(min(counts, C))`` that the caller guarantees (e.g. the
         rows an exchange can deliver); the kernel's grid then covers only that many rows'
-        tiles. A larger sum leaves the tiles past the bound zero. None: no bound (``E * C``).
+        tiles. A larger sum leaves the rows of tiles past the bound as padding. None: no
+        bound (``E * C``).
+      zero_padding: whether slots at or past ``counts[e]`` come out zero. False is for a
+        caller that never reads them (the EP combine reads only filled slots): the Pallas
+        kernel then leaves them unwritten (undefined values) and skips zeroing an
+        ``[E * C, H]`` buffer per call. The XLA impl returns zeros either way.
 
     Returns:
-      ``[E, C, H]`` in ``x_slots.dtype``, zero in slots at or past ``counts[e]`` (partial sums
-      when F is a shard of the experts' hidden width).
+      ``[E, C, H]`` in ``x_slots.dtype``, zero in slots at or past ``counts[e]`` (undefined
+      there with ``zero_padding=False`` and the Pallas impl; partial sums when F is a shard of
+      the experts' hidden width).
 
     Raises:
       ValueError: shapes or dtypes that do not fit together, an unknown impl, a bad max_rows.
@@ -303,22 +357,27 @@ def grouped_ffn(
     counts = jnp.clip(counts.astype(jnp.int32), 0, x_slots.shape[1])
     if impl == "triton":
         raise impls.KernelUnavailableError("grouped_ffn has no impl='triton'; use 'pallas'")
-    if impl == "xla" or x_slots.size == 0:
-        return grouped_ffn_xla(x_slots, counts, w_gate_up, w_down)
+    if impl == "xla" or math.prod(x_slots.shape) == 0:
+        return grouped_ffn_xla(_materialized(x_slots), counts, w_gate_up, w_down)
     return grouped_ffn_pallas(
         x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
         cfg=config or gemm_config.GROUPED_FFN, interpret=impls.backend() == "cpu",
+        zero_padding=zero_padding,
     )  # fmt: skip
 
 
 def grouped_ffn_reference(
-    x_slots: jax.Array, counts: jax.Array, w_gate_up: jax.Array, w_down: jax.Array
+    x_slots: jax.Array | slot_rows.SlotRows,
+    counts: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
 ) -> jax.Array:
     """Exact-count definition in float32: live rows compacted, ``jax.lax.ragged_dot``.
 
     Args and Returns: as ``grouped_ffn`` (float32 result; the hidden activation is not
     rounded to the input dtype).
     """
+    x_slots = _materialized(x_slots)
     num_experts, capacity, hidden = x_slots.shape
     ffn = w_gate_up.shape[3]
     counts = jnp.clip(counts.astype(jnp.int32), 0, capacity)
@@ -333,3 +392,10 @@ def grouped_ffn_reference(
     out = jnp.where(live[order][:, None], out, 0.0)  # rows past every group stay zero
     flat = jnp.zeros_like(out).at[order].set(out)
     return flat.reshape(num_experts, capacity, -1)
+
+
+def _materialized(x_slots: jax.Array | slot_rows.SlotRows) -> jax.Array:
+    """The ``[E, C, H]`` slot buffer of ``x_slots``."""
+    if isinstance(x_slots, slot_rows.SlotRows):
+        return x_slots.materialize()
+    return x_slots

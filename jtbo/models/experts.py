@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtbo.collectives import rows as rows_lib
-from jtbo.kernels import gemm_config, grouped_gemm
+from jtbo.kernels import gemm_config, grouped_gemm, slot_rows
 from jtbo.models import config as config_lib
 from jtbo.models import mlp
 
@@ -51,36 +51,41 @@ def slot_positions(topk_ids: jax.Array, num_experts: int) -> jax.Array:
 
 
 def experts_ffn_slots(
-    x_slots: jax.Array,
+    x_slots: jax.Array | slot_rows.SlotRows,
     counts: jax.Array,
     weights: tuple[jax.Array, jax.Array],
     *,
     impl: str = "xla",
     max_rows: int | None = None,
     config: gemm_config.GroupedFfnConfig | None = None,
+    zero_padding: bool = True,
 ) -> jax.Array:
     """SwiGLU of every expert over its first ``counts[e]`` slots (``kernels.grouped_gemm``).
 
     Args:
-      x_slots: ``[E, C, H]`` rows per expert slot.
+      x_slots: ``[E, C, H]`` rows per expert slot, or ``SlotRows`` naming each slot's row
+        (an EP dispatch's; the Pallas kernel loads through the index).
       counts: ``[E]`` int32 rows per expert (its first slots; clipped to ``[0, C]``).
       weights: ``(w_gate_up [E, H, 2, F] (gate at index 0, up at 1), w_down [E, F, H])``.
       impl: ``"xla"`` (batched einsum over all ``C`` slots) or ``"pallas"`` (the exact-count
         grouped GEMM kernel), as ``MoEOptions.moe_runner_backend`` names it.
       max_rows: static bound on the total rows (see ``kernels.grouped_gemm``); None: ``E * C``.
       config: the kernel's launch shapes; None for the default.
+      zero_padding: False when the caller never reads the slots past ``counts``: the Pallas
+        kernel then leaves them undefined instead of zeroing them.
 
     Returns:
-      ``[E, C, H]`` in ``x_slots.dtype``, zero in slots past ``counts`` (partial sums when F
-      is a shard).
+      ``[E, C, H]`` in ``x_slots.dtype``, zero in slots past ``counts`` (undefined with
+      ``zero_padding=False`` on the Pallas impl; partial sums when F is a shard).
 
     Raises:
       ValueError: shapes that do not fit, an unknown impl.
       KernelUnavailableError: the impl cannot run here.
     """
     return grouped_gemm.grouped_ffn(
-        x_slots, counts, *weights, impl=impl, config=config, max_rows=max_rows
-    )
+        x_slots, counts, *weights, impl=impl, config=config, max_rows=max_rows,
+        zero_padding=zero_padding,
+    )  # fmt: skip
 
 
 def experts_capacity(

@@ -72,9 +72,11 @@ def ep_operations(
         inputs, dispatch_state = state.pop("dispatch_output")
         num_local, capacity = inputs.shape[:2]
         counts = expert_counts(dispatch_state.recv_expert_slot, num_local, capacity)
+        # combine_a reads only the filled slots: the kernel need not zero the rest.
         outputs = experts.experts_ffn_slots(
             inputs, counts, moe.experts.weights, impl=moe_runner_backend,
             max_rows=min(num_local * capacity, dispatch_state.recv_expert_slot.shape[0]),
+            zero_padding=False,
         )  # fmt: skip
         state.expert_output = (outputs, dispatch_state)
 

@@ -69,7 +69,8 @@ def _two_micro_batches(dispatcher, hidden, ids, weights, other, weight, expert_w
     # Micro-batch A's dispatch/combine are in flight while micro-batch B's matmuls run.
     in_flight = ep_dispatch.dispatch_a(dispatcher, hidden, ids, weights, hidden.shape[0])
     other = other @ weight
-    expert_inputs, state = ep_dispatch.dispatch_b(dispatcher, in_flight)
+    slots, state = ep_dispatch.dispatch_b(dispatcher, in_flight)
+    expert_inputs = slots.materialize()
     expert_outputs = jnp.einsum("esh,ehf->esf", expert_inputs, expert_weight)
     returning = ep_dispatch.combine_a(dispatcher, expert_outputs, state)
     other = other @ weight

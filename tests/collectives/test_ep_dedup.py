@@ -25,7 +25,8 @@ HIDDEN = 4
 def _moe_step(dispatcher, hidden, ids, weights, num_valid):
     module = ep_dedup if dispatcher.dedup else ep_dispatch
     in_flight = module.dispatch_a(dispatcher, hidden, ids, weights, num_valid[0])
-    expert_inputs, state = module.dispatch_b(dispatcher, in_flight)
+    slots, state = module.dispatch_b(dispatcher, in_flight)
+    expert_inputs = slots.materialize()
     # Expert e multiplies by e + 1, so a row sent astray or summed twice shows.
     me = jax.lax.axis_index(mesh_lib.TP_AXES)
     global_ids = me * dispatcher.num_local_experts + jnp.arange(dispatcher.num_local_experts)

@@ -23,7 +23,8 @@ HIDDEN = 4
 
 def _moe_step(dispatcher, scale_by_expert, hidden, ids, weights, num_valid):
     in_flight = ep_dispatch.dispatch_a(dispatcher, hidden, ids, weights, num_valid[0])
-    expert_inputs, state = ep_dispatch.dispatch_b(dispatcher, in_flight)
+    slots, state = ep_dispatch.dispatch_b(dispatcher, in_flight)
+    expert_inputs = slots.materialize()
     outputs = expert_inputs
     if scale_by_expert:  # expert e multiplies by e + 1, so a row sent astray shows
         me = jax.lax.axis_index(mesh_lib.TP_AXES)

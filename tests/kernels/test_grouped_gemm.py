@@ -176,18 +176,27 @@ def test_gemm_config_fits_blocks():
     assert cfg.rows_block(5) == 16 and cfg.rows_block(40) == 64 and cfg.rows_block(999) == 128
 
 
-def test_kernels_compile_for_an_h200_on_the_cpu():
+@pytest.mark.parametrize("gathered", [False, True])
+def test_kernels_compile_for_an_h200_on_the_cpu(gathered):
     # The Triton lowering and XLA's Triton compile of both kernels at DeepSeek-V3's expert
-    # shapes (H 7168, F 2048, bf16, default config), for a described H200 (jtbo.aot).
+    # shapes (H 7168, F 2048, bf16, default config), for a described H200 (jtbo.aot): slot
+    # rows, or source rows loaded through a row index per slot (SlotRows).
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
     sharding = jax.sharding.NamedSharding(aot.gpu_mesh((1,), ("x",)), jax.sharding.PartitionSpec())
-    shapes = [((4, 96, 7168), jnp.bfloat16), ((4,), jnp.int32)]
+    shapes = [((300, 7168), jnp.bfloat16), ((4, 96), jnp.int32)] if gathered else []
+    shapes += [] if gathered else [((4, 96, 7168), jnp.bfloat16)]
+    shapes += [((4,), jnp.int32)]
     shapes += [((4, 7168, 2, 2048), jnp.bfloat16), ((4, 2048, 7168), jnp.bfloat16)]
     args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
     kernel = functools.partial(
         grouped_gemm.grouped_ffn_pallas, max_rows=200, cfg=gemm_config.GROUPED_FFN, interpret=False
     )
+    if gathered:
+        kernel = functools.partial(
+            lambda rows, slot_row, *rest, run: run(kernels.SlotRows(rows, slot_row), *rest),
+            run=kernel,
+        )
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     abstract = jax.sharding.AbstractMesh(
         (1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=h200
@@ -195,3 +204,75 @@ def test_kernels_compile_for_an_h200_on_the_cpu():
     with jax.sharding.use_abstract_mesh(abstract):  # Pallas asks it which GPU it lowers for
         hlo = jax.jit(kernel).lower(*args).compile().as_text()
     assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 2
+
+
+def _slot_rows(seed, capacity, counts, dtype=np.float32):
+    """Random source rows and a scattered row index per slot: live slots name distinct rows
+    in shuffled order (one live slot empty, -1), slots past the counts hold stale indices."""
+    rng = np.random.default_rng(seed)
+    num_rows = E * capacity + 5
+    rows = jnp.asarray(rng.standard_normal((num_rows, H)), dtype)
+    slot_row = rng.permutation(num_rows)[: E * capacity].reshape(E, capacity).astype(np.int32)
+    live = np.argwhere(np.arange(capacity)[None, :] < np.clip(counts, 0, capacity)[:, None])
+    if len(live):
+        slot_row[tuple(live[len(live) // 2])] = -1
+    return kernels.SlotRows(rows=rows, slot_row=jnp.asarray(slot_row))
+
+
+@pytest.mark.parametrize("impl", _impls())
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**16), counts=st.lists(st.integers(0, 21), min_size=E, max_size=E))
+def test_slot_rows_match_their_materialized_slots(impl, seed, counts):
+    counts = np.asarray(counts, np.int32)
+    slots = _slot_rows(seed, 21, counts)
+    _, w_gate_up, w_down = _inputs(seed, 21)
+    out = kernels.grouped_ffn(
+        slots, jnp.asarray(counts), w_gate_up, w_down, impl=impl, config=SMALL
+    )
+    want = _numpy_ffn(np.asarray(slots.materialize()), counts, w_gate_up, w_down)
+    chex.assert_trees_all_close(out, want, **F32_TOL)
+
+
+def test_slot_rows_materialize_gathers_rows_and_zeros_empty_slots():
+    rows = jnp.asarray(np.random.default_rng(3).standard_normal((6, H)), jnp.float32)
+    slot_row = jnp.asarray([[4, -1, 0], [5, 5, -1]], jnp.int32)
+    got = np.asarray(kernels.SlotRows(rows=rows, slot_row=slot_row).materialize())
+    want = np.stack([np.asarray(rows)[[4, 0, 0]], np.asarray(rows)[[5, 5, 0]]])
+    want[0, 1] = want[1, 2] = 0.0
+    np.testing.assert_array_equal(got, want)
+    assert kernels.SlotRows(rows=rows, slot_row=slot_row).shape == (2, 3, H)
+
+
+def test_slot_rows_reference_matches_numpy():
+    counts = np.array([3, 0, 21, 9], np.int32)
+    slots = _slot_rows(11, 21, counts)
+    _, w_gate_up, w_down = _inputs(11, 21)
+    got = grouped_gemm.grouped_ffn_reference(slots, jnp.asarray(counts), w_gate_up, w_down)
+    want = _numpy_ffn(np.asarray(slots.materialize()), counts, w_gate_up, w_down)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_slot_rows_raise():
+    _, w_gate_up, w_down = _inputs(0, 21)
+    counts = jnp.zeros((E,), jnp.int32)
+    flat = kernels.SlotRows(rows=jnp.zeros((8, H)), slot_row=jnp.zeros((E * 21,), jnp.int32))
+    with pytest.raises(ValueError, match="slot_row \\[E, C\\]"):
+        kernels.grouped_ffn(flat, counts, w_gate_up, w_down, impl="xla")
+    floats = kernels.SlotRows(rows=jnp.zeros((8, H)), slot_row=jnp.zeros((E, 21), jnp.float32))
+    with pytest.raises(ValueError, match="integers"):
+        kernels.grouped_ffn(floats, counts, w_gate_up, w_down, impl="xla")
+
+
+@pytest.mark.parametrize("impl", _impls())
+def test_without_zero_padding_the_live_rows_are_unchanged(impl):
+    counts = np.array([0, 21, 17, 5], np.int32)
+    slots = _slot_rows(5, 21, counts)
+    _, w_gate_up, w_down = _inputs(5, 21)
+    run = functools.partial(
+        kernels.grouped_ffn, slots, jnp.asarray(counts), w_gate_up, w_down, impl=impl,
+        config=SMALL,
+    )  # fmt: skip
+    zeroed, unzeroed = np.asarray(run()), np.asarray(run(zero_padding=False))
+    live = np.arange(21)[None, :] < counts[:, None]
+    np.testing.assert_array_equal(unzeroed[live], zeroed[live])
+    assert not zeroed[~live].any()

@@ -192,16 +192,19 @@ def test_a_tbo_step_moves_its_plan_to_the_devices_in_two_buffers(monkeypatch):
         chex.assert_trees_all_close(outs[r], want, **TOL)
 
 
-def test_pallas_experts_match_xla_end_to_end():
-    # moe_runner_backend="pallas" (the grouped GEMM kernel; the Pallas interpreter here) must
-    # give the logits of the default capacity einsum (EP over 2 devices, 4 local experts;
-    # tests/models/test_experts.py covers the gathered-experts path's experts_capacity).
+@pytest.mark.parametrize("dedup", [False, True])
+def test_pallas_experts_match_xla_end_to_end(dedup):
+    # moe_runner_backend="pallas" (the grouped GEMM kernel; the Pallas interpreter here, which
+    # loads the dispatch's rows through their slot index) must give the logits of the default
+    # capacity einsum over the materialized slots (EP over 2 devices, 4 local experts, one
+    # row per (token, expert) or per (token, device); tests/models/test_experts.py covers the
+    # gathered-experts path's experts_capacity).
     config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(3))
     dp = 2
     make = lambda impl: runner_lib.ModelRunner(  # noqa: E731
         model, mesh_lib.make_mesh(dp, 1),
-        moe=layer_ops.MoEOptions(moe_a2a_backend="ep", moe_runner_backend=impl),
+        moe=layer_ops.MoEOptions(moe_a2a_backend="ep", moe_runner_backend=impl, ep_dedup=dedup),
         max_total_tokens=16, max_running_requests=2, token_buckets=(16,), dtype=jnp.float32,
     )  # fmt: skip
     new = [_prompts(np.random.default_rng(r), [7, 6]) for r in range(dp)]
