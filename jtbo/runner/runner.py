@@ -546,6 +546,8 @@ class ModelRunner:
             self._k, self._v, self._req_to_token_device = cache.k, cache.v, cache.req_to_token
             if self.multiprocess:  # waits with the GIL released: the failure monitor runs
                 jax.block_until_ready((logits, overflow, peak_load))
+            if dispatchers:  # one wait for the step, both small copies issued together
+                overflow, peak_load = jax.device_get((overflow, peak_load))
             self._last_ep_load = (dispatchers, peak_load)
             if dispatchers:
                 self._step.dispatchers.observe(dispatchers, peak_load)
