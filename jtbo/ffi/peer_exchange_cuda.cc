@@ -3,14 +3,6 @@
 // exchange takes no streaming multiprocessors and runs beside whatever the compute stream
 // does between the start and the wait call.
 //
-// The block a device sends to itself is a device-to-device copy. A plain cudaMemcpyAsync of
-// one device's memory runs as a copy kernel, which needs streaming multiprocessors: beside a
-// matmul that holds all of them it waits for the matmul's end and then delays the wait call
-// (an H200 trace showed each 235 MB local block start 0.7 ms after the peer copy before it).
-// With CUDA 13 the local block goes through cudaMemcpyBatchAsync with the hint
-// cudaMemcpyFlagPreferOverlapWithCompute, which asks for a copy engine; older toolkits keep
-// the plain copy (same bytes, same stream order).
-//
 // Start, on device d: record `ready_d` on the compute stream (d's send buffer is written and
 // its receive buffer's memory is free), join the rendezvous, make the side streams wait for
 // every device's `ready` (a peer's receive buffer may be written only once the peer has
@@ -40,29 +32,6 @@
 namespace ffi = xla::ffi;
 
 namespace {
-
-// Copies `size` bytes within `device` on `stream`, on a copy engine where CUDA allows it (see
-// the file comment).
-cudaError_t CopyWithinDevice(void* target, const void* source, size_t size, int device,
-                             cudaStream_t stream) {
-#if CUDART_VERSION >= 13000
-  cudaMemcpyAttributes attributes = {};
-  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  attributes.srcLocHint.type = cudaMemLocationTypeDevice;
-  attributes.srcLocHint.id = device;
-  attributes.dstLocHint.type = cudaMemLocationTypeDevice;
-  attributes.dstLocHint.id = device;
-  attributes.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-  const void* targets[1] = {target};
-  const void* sources[1] = {source};
-  const size_t sizes[1] = {size};
-  size_t first_copy = 0;  // the attributes apply from copy 0 on
-  return cudaMemcpyBatchAsync(targets, sources, sizes, 1, &attributes, &first_copy, 1, stream);
-#else
-  (void)device;
-  return cudaMemcpyAsync(target, source, size, cudaMemcpyDeviceToDevice, stream);
-#endif
-}
 
 jtbo::ExchangeRegistry& Registry() {
   static auto* registry = new jtbo::ExchangeRegistry();
@@ -308,14 +277,9 @@ ffi::Error Start(cudaStream_t stream, ffi::RunId run, int32_t device, ffi::AnyBu
     char* target = static_cast<char*>(slot->recv[peer]) + rank * block;
     for (int64_t s = 0, offset = 0; offset < block; ++s, offset += chunk) {
       const int64_t size = offset + chunk < block ? chunk : block - offset;
-      if (peer == rank) {
-        JTBO_CUDA(CopyWithinDevice(target + offset, source + peer * block + offset,
-                                   static_cast<size_t>(size), device, state.sides[s]));
-      } else {
-        JTBO_CUDA(cudaMemcpyPeerAsync(target + offset, static_cast<int>(group[peer]),
-                                      source + peer * block + offset, device, size,
-                                      state.sides[s]));
-      }
+      JTBO_CUDA(cudaMemcpyPeerAsync(target + offset, static_cast<int>(group[peer]),
+                                    source + peer * block + offset, device, size,
+                                    state.sides[s]));
     }
   }
   // Join the other side streams into the first, whose event then marks every copy done.
