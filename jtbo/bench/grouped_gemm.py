@@ -23,14 +23,15 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
   rows whatever the routing: ``computed TF/s`` counts those rows, ``useful TF/s`` the real ones.
 * ``pallas``: ``experts_capacity`` with ``impl="pallas"``: the same slots, but the grouped
   GEMM kernel (``jtbo.kernels.grouped_gemm``) computes only the filled ones (rows padded to
-  its row block per expert). ``pallas:SPEC`` sets its launch shapes: ``SPEC`` is
+  its row block per expert), loading each slot's token row through the slots' row index
+  (``kernels.SlotRows``) instead of a slot buffer. ``pallas:SPEC`` sets its launch shapes: ``SPEC`` is
   ``MxNxK[wW][sS][gG]`` for both kernels or ``GATE_UP/DOWN`` for each (block_m x block_n x
   block_k, warps, pipeline stages, row-tile group; omitted parts keep the defaults), e.g.
   ``pallas:128x64x64w8s3/128x128x64w8s3``. Before timing, the kernel alone is checked on the
   first two experts' slots against ``grouped_ffn_reference`` (float32, exact count) and its
   padding slots must come out zero (a log line; a failure is an error row). Each ``pallas``
-  row is followed by ``pallas (kernel)``: ``kernels.grouped_ffn`` alone on slots laid out
-  beforehand, without the layer's scatter into slots and gather out of them.
+  row is followed by ``pallas (kernel)``: ``kernels.grouped_ffn`` alone on a slot buffer laid
+  out beforehand, without the layer's slot index and its gather out of the slots.
 * ``dense``: the yardstick of the issue-15 target, not a routed layer: one dense SwiGLU
   (``[T * k, H] @ [H, 2F]``, ``silu * up``, ``@ [F, H]``, bf16 hidden, float32 accumulate)
   over as many rows as the routed pairs, with one expert's weights. Its useful TF/s is the

@@ -35,8 +35,8 @@ class SlotRows:
 
     def materialize(self) -> jax.Array:
         """The ``[E, C, H]`` slot buffer: ``rows[slot_row]``, zero in empty slots."""
-        index = self.slot_row.reshape(-1)
+        rows, index = jnp.asarray(self.rows), jnp.asarray(self.slot_row).reshape(-1)
         # In range by construction (an index is a row number or -1): no bounds checks.
-        gathered = self.rows.at[jnp.maximum(index, 0)].get(mode="promise_in_bounds")
+        gathered = rows.at[jnp.maximum(index, 0)].get(mode="promise_in_bounds")
         present = (index >= 0)[:, None]
-        return jnp.where(present, gathered, jnp.zeros((), self.rows.dtype)).reshape(self.shape)
+        return jnp.where(present, gathered, jnp.zeros((), rows.dtype)).reshape(self.shape)

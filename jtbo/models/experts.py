@@ -1,17 +1,19 @@
 """Routed experts as a grouped GEMM.
 
 Default: the *capacity-slot* layout. Every (token, choice) pair gets a slot
-``(expert, position)``, where ``position`` counts earlier pairs routed to the same expert; rows
-are scattered into an ``[E, capacity, H]`` buffer, one batched matmul runs all experts, and each
-token sums its slots' outputs times its routing weights. This is the layout the dense all-to-all
-dispatch produces, and on the H200 it ran at dense-matmul speed, far faster than
-``jax.lax.ragged_dot`` (BENCHMARKS.md, "Grouped GEMM for the routed experts").
+``(expert, position)``, where ``position`` counts earlier pairs routed to the same expert; the
+``[E, capacity, H]`` slots name their token rows (``kernels.SlotRows``), one batched matmul
+runs all experts (the XLA impl materializes the slots; the Pallas kernel loads the rows
+through the index), and each token sums its slots' outputs times its routing weights. This
+is the layout the dense all-to-all dispatch produces, and on the H200 it ran at dense-matmul
+speed, far faster than ``jax.lax.ragged_dot`` (BENCHMARKS.md, "Grouped GEMM for the routed
+experts").
 ``capacity = num_tokens`` can never drop a pair, since a token picks an expert at most once.
 
 The slot FFN takes each expert's row count and an ``impl`` (``jtbo.kernels.grouped_gemm``):
 ``"xla"`` runs the batched matmul over every slot; ``"pallas"`` runs a grouped GEMM kernel over
-the filled slots only (padding slots cost neither loads nor matmuls, and come out zero as
-they do in the batched matmul, whose padding rows are zero inputs).
+the filled slots only (padding slots cost neither loads nor matmuls; they are never read
+back, so the kernel leaves them unwritten).
 
 Reference: ``experts_ragged_dot_reference`` sorts pairs by expert and runs ``jax.lax.ragged_dot``
 (exact, no capacity).
@@ -116,18 +118,29 @@ def experts_capacity(
     capacity = x.shape[0] if capacity is None else capacity
     position = slot_positions(topk_ids, num_experts)
     valid = (topk_ids >= 0) & (topk_ids < num_experts) & (position < capacity)
-    expert = jnp.where(valid, topk_ids, num_experts)  # out of bounds: dropped by scatter
-    token = jnp.broadcast_to(jnp.arange(x.shape[0])[:, None], topk_ids.shape)
-    slots = jnp.zeros((num_experts, capacity, x.shape[1]), x.dtype)
-    slots = slots.at[expert, position].set(x[token], mode="drop")
+    expert = jnp.where(valid, topk_ids, num_experts)  # out of bounds: takes no slot
+    slots = slot_rows.SlotRows(x, _slot_tokens(expert, position, num_experts, capacity))
     counts = jnp.bincount(expert.reshape(-1), length=num_experts + 1)[:num_experts]
     max_rows = min(num_experts * capacity, topk_ids.size)  # a pair fills at most one slot
+    # The gather below reads only filled slots: the kernel need not zero the rest.
     out_slots = experts_ffn_slots(
-        slots, counts.astype(jnp.int32), weights, impl=impl, max_rows=max_rows, config=config
-    )
+        slots, counts.astype(jnp.int32), weights, impl=impl, max_rows=max_rows, config=config,
+        zero_padding=False,
+    )  # fmt: skip
     gathered = out_slots.at[expert, position].get(mode="fill", fill_value=0)  # [T, k, H]
     scale = jnp.where(valid, topk_weights, 0.0).astype(jnp.float32)
     return jnp.einsum("tkh,tk->th", gathered.astype(jnp.float32), scale).astype(x.dtype)
+
+
+def _slot_tokens(expert, position, num_experts: int, capacity: int) -> jax.Array:
+    """``[E, C]`` the token row in each slot (-1 empty) of the pairs ``(expert, position)``
+    (``[T, k]``; expert ``E`` for a pair that takes no slot)."""
+    top_k = expert.shape[1]
+    slot = jnp.where(expert < num_experts, expert * capacity + position, num_experts * capacity)
+    pair = jnp.arange(slot.size, dtype=jnp.int32)
+    empty = jnp.full((num_experts * capacity,), -1, jnp.int32)
+    slot_pair = empty.at[slot.reshape(-1)].set(pair, mode="drop")
+    return jnp.where(slot_pair >= 0, slot_pair // top_k, -1).reshape(num_experts, capacity)
 
 
 def experts_sorted(
