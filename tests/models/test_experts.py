@@ -10,6 +10,13 @@ from hypothesis import strategies as st
 from jtbo.models import config as config_lib
 from jtbo.models import experts
 
+# float32 matmuls run in TF32 on NVIDIA GPUs (XLA's default precision): about 1e-3 relative
+# there (a GPU run of this file saw ragged_dot off by more than 1e-4), float32 rounding on
+# the CPU.
+F32_TOL = (
+    dict(atol=1e-4, rtol=1e-4) if jax.default_backend() == "cpu" else dict(atol=3e-3, rtol=3e-3)
+)
+
 
 def _numpy_experts(x, ids, w, weights):
     w_gate_up, wd = (np.asarray(a, np.float64) for a in weights)
@@ -41,8 +48,8 @@ def test_capacity_and_ragged_match_numpy(seed, num_tokens):
     want = _numpy_experts(x, ids, w, weights)
     capacity = experts.experts_capacity(x, ids, w, weights)
     ragged = experts.experts_ragged_dot_reference(x, ids, w, weights)
-    chex.assert_trees_all_close(capacity, want, rtol=1e-4, atol=1e-4)
-    chex.assert_trees_all_close(ragged, want, rtol=1e-4, atol=1e-4)
+    chex.assert_trees_all_close(capacity, want, **F32_TOL)
+    chex.assert_trees_all_close(ragged, want, **F32_TOL)
 
 
 def test_padding_ids_take_no_slot_and_small_capacity_drops():
