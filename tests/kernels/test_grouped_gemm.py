@@ -233,16 +233,6 @@ def test_slot_rows_match_their_materialized_slots(impl, seed, counts):
     chex.assert_trees_all_close(out, want, **F32_TOL)
 
 
-def test_slot_rows_materialize_gathers_rows_and_zeros_empty_slots():
-    rows = jnp.asarray(np.random.default_rng(3).standard_normal((6, H)), jnp.float32)
-    slot_row = jnp.asarray([[4, -1, 0], [5, 5, -1]], jnp.int32)
-    got = np.asarray(kernels.SlotRows(rows=rows, slot_row=slot_row).materialize())
-    want = np.stack([np.asarray(rows)[[4, 0, 0]], np.asarray(rows)[[5, 5, 0]]])
-    want[0, 1] = want[1, 2] = 0.0
-    np.testing.assert_array_equal(got, want)
-    assert kernels.SlotRows(rows=rows, slot_row=slot_row).shape == (2, 3, H)
-
-
 def test_slot_rows_reference_matches_numpy():
     counts = np.array([3, 0, 21, 9], np.int32)
     slots = _slot_rows(11, 21, counts)
