@@ -24,9 +24,10 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
 * ``pallas``: ``experts_capacity`` with ``impl="pallas"``: the same slots, but the grouped
   GEMM kernel (``jtbo.kernels.grouped_gemm``) computes only the filled ones (rows padded to
   its row block per expert), loading each slot's token row through the slots' row index
-  (``kernels.SlotRows``) instead of a slot buffer. ``pallas:SPEC`` sets its launch shapes: ``SPEC`` is
-  ``MxNxK[wW][sS][gG]`` for both kernels or ``GATE_UP/DOWN`` for each (block_m x block_n x
-  block_k, warps, pipeline stages, row-tile group; omitted parts keep the defaults), e.g.
+  (``kernels.SlotRows``) instead of a slot buffer. ``pallas:SPEC`` sets its launch shapes:
+  ``SPEC`` is ``MxNxK[wW][sS][gG]`` for both kernels or ``GATE_UP/DOWN`` for each (block_m x
+  block_n x block_k, warps, pipeline stages, row-tile group; omitted parts keep the
+  defaults), e.g.
   ``pallas:128x64x64w8s3/128x128x64w8s3``. Before timing, the kernel alone is checked on the
   first two experts' slots against ``grouped_ffn_reference`` (float32, exact count) and its
   padding slots must come out zero (a log line; a failure is an error row). Each ``pallas``
