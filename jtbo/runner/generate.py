@@ -7,7 +7,8 @@ its result. Every step, each rank either prefills (chunked: at most ``chunk_size
 tokens over its admitted requests, so a long prompt spans several EXTEND steps), or decodes
 all its running requests, or idles; ranks decide independently, so EXTEND ranks meet DECODE
 and IDLE ranks in one step. The next token comes from the last row of a request's chunk
-(prefill done) or from its decode row: the argmax, or a sample (``jtbo.runner.sampling``:
+(prefill done) or from its decode row, the only rows read back from the devices
+(``forward(logits="last")``): the argmax, or a sample (``jtbo.runner.sampling``:
 temperature, top-p, a seeded generator per request). Bad requests are rejected before any
 device work; the rest keep going.
 """
@@ -118,17 +119,16 @@ def _plan_rank(rank: admission.RankQueue, chunk_size: int):
 def _apply(
     rank: admission.RankQueue, logits: np.ndarray, work, max_new_tokens: int, results, pick
 ) -> int:
-    """Records the next tokens from one rank's logits (``pick(request, row)`` chooses each);
-    returns how many tokens it generated."""
+    """Records the next tokens from one rank's logits, one row per sequence of the step (its
+    last token's: ``forward(logits="last")``; ``pick(request, row)`` chooses each); returns
+    how many tokens it generated."""
     kind, items = work
     made = 0
     if kind == "extend":
-        row = 0
-        for request, n in items:
-            row += n
+        for row, (request, n) in enumerate(items):
             request.prefilled += n
             if request.prefilled == len(request.prompt):
-                pick(request, logits[row - 1])
+                pick(request, logits[row])
                 made += 1
     elif kind == "decode":
         for row, request in enumerate(items):
@@ -206,7 +206,8 @@ def generate(
         planned = [_plan_rank(rank, chunk_size) for rank in ranks]
         if all(batch is None for batch, _ in planned):
             raise RuntimeError("no rank can make progress (a request cannot be admitted)")
-        logits = runner.forward([batch for batch, _ in planned])
+        # Only each sequence's last row is sampled: only those rows leave the devices.
+        logits = runner.forward([batch for batch, _ in planned], logits="last")
         for rank, out, (_, work) in zip(ranks, logits, planned, strict=True):
             made += _apply(rank, out, work, max_new_tokens, results, pick)
         if show:

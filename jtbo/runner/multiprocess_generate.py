@@ -36,9 +36,9 @@ class _LocalRanksView:
         self.num_slots = runner.num_slots
         self.options = runner.options
 
-    def forward(self, batches):
+    def forward(self, batches, *, logits: str = "all"):
         """This process's part of one step (``ModelRunner.forward``)."""
-        return self._runner.forward(batches)
+        return self._runner.forward(batches, logits=logits)
 
     def tbo_summary(self) -> str:
         """How many steps ran TBO and why (``ModelRunner.tbo_summary``)."""

@@ -57,6 +57,7 @@ from jtbo.runner import (
     failure,
     kernel_backends,
     kv_table,
+    last_rows,
     multiprocess_generate,
     numerics,
     planning,
@@ -302,7 +303,9 @@ class ModelRunner:
         padding key)."""
         return self._step.compile_count()
 
-    def forward(self, batches: Sequence[split.ForwardBatch | None]) -> list[np.ndarray | None]:
+    def forward(
+        self, batches: Sequence[split.ForwardBatch | None], *, logits: str = "all"
+    ) -> list[np.ndarray | None]:
         """Runs one step over every DP rank (of every process).
 
         Args:
@@ -310,18 +313,25 @@ class ModelRunner:
             (``local_dp_ranks``: every rank for a single process; None: the rank is idle).
             The caller owns request rows and KV slots (``req_pool_indices``,
             ``out_cache_loc``); the runner records them in its page table.
+          logits: ``"all"``: every token's row; ``"last"``: each sequence's last token only
+            (what a sampler reads; ``jtbo.runner.last_rows``), picked on the devices so that
+            only those rows reach the host. Extend and decode batches.
 
         Returns:
-          Per local rank, float32 logits ``[num_tokens, vocab]`` as numpy, or None for idle
-          ranks. A step where every rank of every process is idle does no device work.
+          Per local rank, float32 logits as numpy, ``[num_tokens, vocab]`` (``"all"``) or
+          ``[batch_size, vocab]`` in sequence order (``"last"``), or None for idle ranks. A
+          step where every rank of every process is idle does no device work.
 
         Raises:
           ValueError: wrong number of batches, a bad token id, a batch that does not fit, a
-            request written past its recorded KV context (``kv_table.check_context``); with
-            several processes also ``step_exchange.StepRejectedError`` on every other process.
+            request written past its recorded KV context (``kv_table.check_context``), an
+            unknown ``logits``, ``"last"`` for a target-verify batch; with several processes
+            also ``step_exchange.StepRejectedError`` on every other process.
           ExpertCapacityError: the step dropped routed tokens (raise ``ep_capacity_factor``).
         """
-        return self._forward(batches)[0]
+        if logits not in last_rows.LOGITS_MODES:
+            raise ValueError(f"logits must be one of {last_rows.LOGITS_MODES}, got {logits!r}")
+        return self._forward(batches, logits == "last")[0]
 
     def step_idle(self) -> bool:
         """Takes part in one step with every rank of this process idle.
@@ -356,11 +366,14 @@ class ModelRunner:
         """
         return self._phase(lambda: self._exchanges, name, collective=collective)
 
-    def _forward(self, batches) -> tuple[list[np.ndarray | None], bool]:
+    def _forward(self, batches, last: bool = False) -> tuple[list[np.ndarray | None], bool]:
         step = self._exchanges
-        local, error = [], None
+        local, error, picked = [], None, None
         try:
             local = self._prepare_local(batches)
+            if last:  # a bad batch is refused on every process, before any device work
+                picked = [np.zeros(0, np.int32) if b is None else last_rows.last_rows(b)
+                          for b in batches]  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - re-raised on every process by the exchange
             error = exc
         summaries = {r: item.summary for r, item in zip(self.local_dp_ranks, local, strict=False)}
@@ -374,9 +387,14 @@ class ModelRunner:
             )
         if decision.all_idle:
             return [None] * len(batches), False
-        plan, logits, finite = self._plan_and_run(local, decision, step)
+        plan, logits, finite = self._plan_and_run(local, decision, step, picked)
+        counts = (
+            plan.num_tokens
+            if picked is None
+            else dict(zip(plan.ranks, map(len, picked), strict=True))
+        )
         out = [
-            None if b is None else logits[i, : plan.num_tokens[rank]]
+            None if b is None else logits[i, : counts[rank]]
             for i, (rank, b) in enumerate(zip(plan.ranks, batches, strict=True))
         ]
         if finite is not None:
@@ -384,8 +402,11 @@ class ModelRunner:
                 numerics.check_finite(finite, plan.ranks, batches, plan.num_tokens)
         return out, True
 
-    def _plan_and_run(self, local, decision, step: int):
+    def _plan_and_run(self, local, decision, step: int, picked=None):
         """Assembles the step (with "auto": in the shape's chosen mode) and runs it once.
+
+        ``picked``: per local rank, the logits rows to read back (``last_rows``), or None for
+        every row.
 
         Returns:
           ``(plan, logits rows of plan.ranks, finite rows or None)``.
@@ -399,7 +420,8 @@ class ModelRunner:
         with self._phase(step, "assemble", collective=False):
             plan = planning.assemble(local, self.local_dp_ranks, decision, self.options)
         with self._phase(step, "device step", collective=True, agreed=(ExpertCapacityError,)):
-            logits, finite = self._run(plan, self.check_finite_logits)
+            index = None if picked is None else last_rows.row_index(picked, decision.seq_bound)
+            logits, finite = self._run(plan, self.check_finite_logits, index)
         return plan, logits, finite
 
     def _decide_shape(self, shape, local, decision, step: int) -> tbo_auto.TboDecision:
@@ -499,11 +521,16 @@ class ModelRunner:
         except ValueError as error:
             raise ValueError(f"rank {rank}: {error}") from error
 
-    def _run(self, plan: planning.StepPlan, check_finite: bool = False):
+    def _run(self, plan: planning.StepPlan, check_finite: bool = False, index=None):
         """Runs a plan; returns the logits rows of ``plan.ranks`` as numpy and, when
-        ``check_finite``, whether each of those rows is finite (``[ranks, capacity]`` bool)."""
+        ``check_finite``, whether each token row is finite (``[ranks, capacity]`` bool).
+
+        ``index``: ``[len(plan.ranks), width]`` rows to read back per rank
+        (``last_rows.row_index``; the guard still checks every row), or None for all."""
         logits = self.run_plan(plan)
         finite = numerics.finite_rows(logits) if check_finite else None
+        if index is not None:
+            logits = last_rows.take_rows(logits, self._rank_rows_on_mesh(index, plan.ranks))
         if self.multiprocess:
             rows = distributed.local_rank_rows(logits, plan.ranks)
             return rows, None if finite is None else distributed.local_rank_rows(finite, plan.ranks)
@@ -581,6 +608,14 @@ class ModelRunner:
             self.mesh, inputs.per_rank, plan.ranks, inputs.replicated, self.dp_size
         )  # this process's rows of [dp, n] / its devices' copies of [m]
         return dataclasses.replace(inputs, per_rank=per_rank, replicated=replicated)
+
+    def _rank_rows_on_mesh(self, rows: np.ndarray, ranks) -> jax.Array:
+        """``[dp, ...]`` on the mesh, sharded over ``"dp"``, from this process's ranks' rows."""
+        if not self.multiprocess:
+            spec = jax.sharding.PartitionSpec(mesh_lib.DP_AXIS)
+            sharding = jax.sharding.NamedSharding(self.mesh, spec)
+            return jax.device_put(rows, sharding)
+        return distributed.rank_sharded_array(self.mesh, rows, ranks, self.dp_size)
 
     def _resolve_overflow(self, dispatchers, overflow, peak_load):
         """The dispatchers to re-run the step with, or None when its result stands.

@@ -575,3 +575,30 @@ def test_warmup_compiles_the_extend_programs_of_the_sequence_buckets_served():
         assert runner.compile_count == warm + compiles_on_serving
     with pytest.raises(ValueError, match=r"seq_counts \[33\] outside \[1, max_running_requests"):
         runner.warmup([32], [split.ForwardMode.EXTEND], seq_counts=(1, 33))
+
+
+@pytest.mark.parametrize("tbo", [False, True])
+def test_last_logits_are_each_sequence_last_row_of_all_logits(tbo):
+    # forward(logits="last") gathers each sequence's last row on the devices; an identical
+    # runner's forward(logits="all") must hold the same values at those rows: an extend step
+    # with an idle rank (rows 5 and 9 of rank 0), then a decode step.
+    runners = [_runners(2, 1, "ep")[2 if tbo else 1] for _ in range(2)]
+    rng = np.random.default_rng(4)
+    prompts = _prompts(rng, [6, 4])
+    ranks = [[helpers.Rank(), helpers.Rank()] for _ in runners]
+    steps = [
+        lambda rank_pair: [rank_pair[0].extend(prompts), None],
+        lambda rank_pair: [rank_pair[0].decode({0: 3, 1: 7}), rank_pair[1].extend({0: [1, 2]})],
+    ]
+    want_rows = [[[5, 9], None], [[0, 1], [1]]]
+    for step, rows in zip(steps, want_rows, strict=True):
+        full = runners[0].forward(step(ranks[0]))
+        last = runners[1].forward(step(ranks[1]), logits="last")
+        for got, every, picked in zip(last, full, rows, strict=True):
+            if picked is None:
+                assert got is None and every is None
+                continue
+            chex.assert_trees_all_close(got, every[picked], atol=1e-6, rtol=1e-6)
+            assert np.abs(got).max() > 0
+    with pytest.raises(ValueError, match="logits must be one of"):
+        runners[1].forward([None, None], logits="first")

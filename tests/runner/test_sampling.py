@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jtbo.runner import generate as generate_lib
-from jtbo.runner import sampling
+from jtbo.runner import last_rows, sampling
 
 VOCAB = 12
 
@@ -67,8 +67,12 @@ class _FakeRunner:
         self.config = types.SimpleNamespace(vocab_size=VOCAB)
         self.options = types.SimpleNamespace(token_buckets=(64,))
 
-    def forward(self, batches):
-        return [None if b is None else self._logits(b) for b in batches]
+    def forward(self, batches, *, logits="all"):
+        rows = [None if b is None else self._logits(b) for b in batches]
+        if logits == "all":
+            return rows
+        picked = [None if b is None else last_rows.last_rows(b) for b in batches]
+        return [None if r is None else r[p] for r, p in zip(rows, picked, strict=True)]
 
     @staticmethod
     def _logits(batch):

@@ -1,0 +1,72 @@
+"""The logits rows a sampler reads: each sequence's last token of the step.
+
+A serving loop samples one next token per sequence, from the logits of that sequence's last
+token in the step. Reading back every token's logits moves ``[num_tokens, vocab]`` float32 per
+DP rank to the host (512 MiB for a 4096-token prefill over a 32768-word vocabulary); the last
+rows move ``[num_seqs, vocab]``. ``ModelRunner.forward(batches, logits="last")`` picks them
+on the devices, before the transfer: ``last_rows`` names each sequence's row on the host,
+``row_index`` pads every rank's rows to one static width (the step's sequence bound, which
+every process agrees on), and ``take_rows`` gathers them from the step's logits. The step
+itself still computes every row.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtbo import split
+
+LOGITS_MODES = ("all", "last")
+"""``ModelRunner.forward(logits=...)``: every token's row, or each sequence's last one."""
+
+
+def last_rows(batch: split.ForwardBatch) -> np.ndarray:
+    """``[batch_size]`` int32 row of each sequence's last token in the step, in batch order.
+
+    Args:
+      batch: one rank's host batch (extend-like or decode).
+
+    Returns:
+      Decode: every row (one token per sequence). Extend: ``extend_start_loc +
+      extend_seq_lens - 1``.
+
+    Raises:
+      ValueError: a target-verify batch (its sampler reads every draft row), another mode
+        without per-sequence rows, or a sequence with no new token.
+    """
+    mode = batch.forward_mode
+    if mode.is_target_verify():
+        raise ValueError("logits='last' has one row per sequence; a TARGET_VERIFY batch needs "
+                         "every draft row: use logits='all'")  # fmt: skip
+    if mode.is_decode():
+        return np.arange(batch.batch_size, dtype=np.int32)
+    if not mode.is_extend():
+        raise ValueError(f"logits='last' takes extend or decode batches, not {mode.name}")
+    lens = np.asarray(batch.extend_seq_lens, np.int64)
+    if (lens < 1).any():
+        raise ValueError(f"logits='last': every sequence needs a new token, got {lens.tolist()}")
+    return (np.asarray(batch.extend_start_loc, np.int64) + lens - 1).astype(np.int32)
+
+
+def row_index(rows: list[np.ndarray], width: int) -> np.ndarray:
+    """``[len(rows), width]`` int32: each rank's rows, padded with row 0.
+
+    Args:
+      rows: per rank, the rows to read (an idle rank: an empty array).
+      width: the static width (the step's sequence bound).
+
+    Raises:
+      ValueError: a rank with more rows than ``width``.
+    """
+    index = np.zeros((len(rows), width), np.int32)
+    for rank, picked in enumerate(rows):
+        if len(picked) > width:
+            raise ValueError(f"{len(picked)} sequences on one rank exceed the bound {width}")
+        index[rank, : len(picked)] = picked
+    return index
+
+
+@jax.jit
+def take_rows(logits: jax.Array, index: jax.Array) -> jax.Array:
+    """``[dp, width, vocab]``: ``logits [dp, capacity, vocab]`` at ``index [dp, width]``."""
+    return jnp.take_along_axis(logits, index[:, :, None], axis=1, mode="promise_in_bounds")
