@@ -156,7 +156,7 @@ def dispatch_b(
     rank = rows_lib.rank_within_group(jnp.where(assigned, expert.reshape(-1), num_local), num_local)
     kept = assigned & (rank < capacity)
     recv_expert_slot = jnp.where(kept, expert.reshape(-1) * capacity + rank, -1)
-    assignment = ep_lib._invert_slots(recv_expert_slot, num_local * capacity)
+    assignment = slot_rows.invert_slots(recv_expert_slot, num_local * capacity)
     row = jnp.where(assignment >= 0, ep_lib._div(assignment, m), -1)
     rows_per_peer = (expert[:, 0] >= 0).reshape(dispatcher.ep_size, dispatcher.peer_capacity)
     expert_overflow = jnp.sum(assigned & ~kept, dtype=jnp.int32)
@@ -194,7 +194,7 @@ def combine_a(
     # intermediate would be m times the exchange's size if XLA did not fuse the reduction.
     back = jnp.zeros((slot.shape[0],) + flat.shape[1:], jnp.float32)
     for column in range(slot.shape[1]):
-        rows = ep_lib._gather_rows(flat, slot[:, column]).astype(jnp.float32)
+        rows = slot_rows.gather_rows(flat, slot[:, column]).astype(jnp.float32)
         back = back + state.recv_weights[:, column, None] * rows
     back = back.astype(expert_outputs.dtype)
     returned = ep_lib._send_back(dispatcher, back, state.recv_counts, state.send_counts)
@@ -213,7 +213,7 @@ def combine_b(dispatcher: ep_config.EpDispatcher, in_flight: DedupCombineInFligh
       dispatched.
     """
     returned = ep_lib._finish(dispatcher, in_flight.returned)
-    per_device = ep_lib._gather_rows(returned, in_flight.send_slot.reshape(-1))
+    per_device = slot_rows.gather_rows(returned, in_flight.send_slot.reshape(-1))
     per_device = per_device.reshape(in_flight.send_slot.shape + (-1,))
     combined = jnp.sum(per_device.astype(jnp.float32), axis=1)
     return combined.astype(returned.dtype)
@@ -240,9 +240,9 @@ def _fill_send_buffer(dispatcher, hidden_states, ids, topk_weights, peer, send_s
         dispatcher.peer_capacity,
         dispatcher.local_ids_per_row,
     )
-    item = ep_lib._invert_slots(send_slot.reshape(-1), ep_size * capacity)  # token * ep + device
+    item = slot_rows.invert_slots(send_slot.reshape(-1), ep_size * capacity)  # token * ep + device
     token = jnp.where(item >= 0, ep_lib._div(item, ep_size), -1)
-    send_hidden = ep_lib._gather_rows(hidden_states, token)
+    send_hidden = slot_rows.gather_rows(hidden_states, token)
     # Column c of a slot holds the token's (c+1)-th expert (top-k order) on the slot's device.
     slot_device = jnp.arange(ep_size * capacity, dtype=jnp.int32) // capacity
     column = _column_on_device(peer)  # [T, top_k]

@@ -154,7 +154,7 @@ def dispatch_b(
     expert_overflow = jnp.sum(received & ~kept, dtype=jnp.int32)
     expert_peak = _peak(rank, received)
     recv_expert_slot = jnp.where(kept, expert * capacity + rank, -1)
-    rows = _invert_slots(recv_expert_slot, num_local * capacity)
+    rows = slot_rows.invert_slots(recv_expert_slot, num_local * capacity)
     rows_per_peer = received.reshape(dispatcher.ep_size, dispatcher.peer_capacity)
     state = DispatchState(
         recv_expert_slot=recv_expert_slot,
@@ -184,7 +184,9 @@ def combine_a(
     Raises:
       ValueError: ``expert_outputs`` does not have the slot layout.
     """
-    back = _gather_rows(_flat_expert_outputs(dispatcher, expert_outputs), state.recv_expert_slot)
+    back = slot_rows.gather_rows(
+        _flat_expert_outputs(dispatcher, expert_outputs), state.recv_expert_slot
+    )
     returned = _send_back(dispatcher, back, state.recv_counts, state.send_counts)
     return CombineInFlight(
         returned=returned, send_slot=state.send_slot, topk_weights=state.topk_weights
@@ -203,7 +205,7 @@ def combine_b(dispatcher: ep_config.EpDispatcher, in_flight: CombineInFlight) ->
       dispatched.
     """
     returned = _finish(dispatcher, in_flight.returned)
-    per_assignment = _gather_rows(returned, in_flight.send_slot.reshape(-1))
+    per_assignment = slot_rows.gather_rows(returned, in_flight.send_slot.reshape(-1))
     per_assignment = per_assignment.reshape(in_flight.send_slot.shape + (-1,))
     weights = in_flight.topk_weights.astype(jnp.float32)[..., None]
     combined = jnp.sum(weights * per_assignment.astype(jnp.float32), axis=1)
@@ -248,13 +250,6 @@ def _peak(rank, counted):
     return jnp.max(jnp.where(counted, rank + 1, 0), initial=0).astype(jnp.int32)
 
 
-def _invert_slots(slot_of_item, num_slots):
-    """``[num_slots]`` the item filling each slot, -1 for an empty slot."""
-    items = jnp.arange(slot_of_item.shape[0], dtype=jnp.int32)
-    target = jnp.where(slot_of_item >= 0, slot_of_item, num_slots)  # num_slots: dropped
-    return jnp.full((num_slots,), -1, jnp.int32).at[target].set(items, mode="drop")
-
-
 def _div(value, divisor: int):
     """``value // divisor`` for the non-negative entries that are read.
 
@@ -268,19 +263,11 @@ def _div(value, divisor: int):
     return quotient.astype(jnp.int32)
 
 
-def _gather_rows(source, index):
-    """``source[index]`` row by row, zero where ``index < 0``."""
-    # Indices are in range by construction: no bounds check in every element of the row.
-    rows = source.at[jnp.maximum(index, 0)].get(mode="promise_in_bounds")
-    present = (index >= 0).reshape(index.shape + (1,) * (source.ndim - 1))
-    return jnp.where(present, rows, jnp.zeros((), source.dtype))
-
-
 def _fill_send_buffer(dispatcher, hidden_states, topk_ids, send_slot):
     num_slots = dispatcher.ep_size * dispatcher.peer_capacity
-    assignment = _invert_slots(send_slot.reshape(-1), num_slots)
+    assignment = slot_rows.invert_slots(send_slot.reshape(-1), num_slots)
     token = jnp.where(assignment >= 0, _div(assignment, dispatcher.top_k), -1)
-    send_hidden = _gather_rows(hidden_states, token)
+    send_hidden = slot_rows.gather_rows(hidden_states, token)
     # Read only for routed assignments, whose ids are in [0, num_experts).
     ids = topk_ids.reshape(-1).astype(jnp.int32)
     local_expert = ids - _div(ids, dispatcher.num_local_experts) * dispatcher.num_local_experts

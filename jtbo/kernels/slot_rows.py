@@ -6,7 +6,9 @@ An EP dispatch receives token rows and lays them into ``[E, C, H]`` capacity slo
 then reads the live slots once more. ``SlotRows`` keeps the received rows and, per slot, the
 index of the row it holds: the Pallas grouped GEMM (``jtbo.kernels.grouped_gemm``) loads the
 rows through that index, so no slot buffer is ever written. ``materialize`` is the slot
-buffer itself, for the XLA einsum path, the references and the tests.
+buffer itself, for the XLA einsum path, the references and the tests. ``invert_slots`` and
+``gather_rows`` are the two steps every slot layout here is built with (the EP exchanges'
+send and receive buffers too): which item fills each slot, then the rows by index.
 """
 
 import dataclasses
@@ -35,8 +37,36 @@ class SlotRows:
 
     def materialize(self) -> jax.Array:
         """The ``[E, C, H]`` slot buffer: ``rows[slot_row]``, zero in empty slots."""
-        rows, index = jnp.asarray(self.rows), jnp.asarray(self.slot_row).reshape(-1)
-        # In range by construction (an index is a row number or -1): no bounds checks.
-        gathered = rows.at[jnp.maximum(index, 0)].get(mode="promise_in_bounds")
-        present = (index >= 0)[:, None]
-        return jnp.where(present, gathered, jnp.zeros((), rows.dtype)).reshape(self.shape)
+        index = jnp.asarray(self.slot_row).reshape(-1)
+        return gather_rows(jnp.asarray(self.rows), index).reshape(self.shape)
+
+
+def invert_slots(slot_of_item: jax.Array, num_slots: int) -> jax.Array:
+    """Which item fills each slot.
+
+    Args:
+      slot_of_item: ``[items]`` int32 slot of each item, -1 for an item that takes none.
+      num_slots: slots in all.
+
+    Returns:
+      ``[num_slots]`` int32 item filling each slot, -1 for an empty slot.
+    """
+    items = jnp.arange(slot_of_item.shape[0], dtype=jnp.int32)
+    target = jnp.where(slot_of_item >= 0, slot_of_item, num_slots)  # num_slots: dropped
+    return jnp.full((num_slots,), -1, jnp.int32).at[target].set(items, mode="drop")
+
+
+def gather_rows(source: jax.Array, index: jax.Array) -> jax.Array:
+    """``source[index]`` row by row, zero where ``index < 0``.
+
+    Args:
+      source: ``[N, ...]`` rows.
+      index: ``[...]`` int32 row of ``source`` per output row, in range or -1.
+
+    Returns:
+      ``index.shape + source.shape[1:]`` in ``source.dtype``.
+    """
+    # Indices are in range by construction: no bounds check in every element of the row.
+    rows = source.at[jnp.maximum(index, 0)].get(mode="promise_in_bounds")
+    present = (index >= 0).reshape(index.shape + (1,) * (source.ndim - 1))
+    return jnp.where(present, rows, jnp.zeros((), source.dtype))

@@ -135,12 +135,10 @@ def experts_capacity(
 def _slot_tokens(expert, position, num_experts: int, capacity: int) -> jax.Array:
     """``[E, C]`` the token row in each slot (-1 empty) of the pairs ``(expert, position)``
     (``[T, k]``; expert ``E`` for a pair that takes no slot)."""
-    top_k = expert.shape[1]
-    slot = jnp.where(expert < num_experts, expert * capacity + position, num_experts * capacity)
-    pair = jnp.arange(slot.size, dtype=jnp.int32)
-    empty = jnp.full((num_experts * capacity,), -1, jnp.int32)
-    slot_pair = empty.at[slot.reshape(-1)].set(pair, mode="drop")
-    return jnp.where(slot_pair >= 0, slot_pair // top_k, -1).reshape(num_experts, capacity)
+    slot = jnp.where(expert < num_experts, expert * capacity + position, -1).reshape(-1)
+    pair = slot_rows.invert_slots(slot.astype(jnp.int32), num_experts * capacity)
+    token = jnp.where(pair >= 0, pair // expert.shape[1], -1)
+    return token.reshape(num_experts, capacity)
 
 
 def experts_sorted(

@@ -530,7 +530,8 @@ class ModelRunner:
         logits = self.run_plan(plan)
         finite = numerics.finite_rows(logits) if check_finite else None
         if index is not None:
-            logits = last_rows.take_rows(logits, self._rank_rows_on_mesh(index, plan.ranks))
+            on_mesh = distributed.rank_sharded_array(self.mesh, index, plan.ranks, self.dp_size)
+            logits = last_rows.take_rows(logits, on_mesh)
         if self.multiprocess:
             rows = distributed.local_rank_rows(logits, plan.ranks)
             return rows, None if finite is None else distributed.local_rank_rows(finite, plan.ranks)
@@ -608,14 +609,6 @@ class ModelRunner:
             self.mesh, inputs.per_rank, plan.ranks, inputs.replicated, self.dp_size
         )  # this process's rows of [dp, n] / its devices' copies of [m]
         return dataclasses.replace(inputs, per_rank=per_rank, replicated=replicated)
-
-    def _rank_rows_on_mesh(self, rows: np.ndarray, ranks) -> jax.Array:
-        """``[dp, ...]`` on the mesh, sharded over ``"dp"``, from this process's ranks' rows."""
-        if not self.multiprocess:
-            spec = jax.sharding.PartitionSpec(mesh_lib.DP_AXIS)
-            sharding = jax.sharding.NamedSharding(self.mesh, spec)
-            return jax.device_put(rows, sharding)
-        return distributed.rank_sharded_array(self.mesh, rows, ranks, self.dp_size)
 
     def _resolve_overflow(self, dispatchers, overflow, peak_load):
         """The dispatchers to re-run the step with, or None when its result stands.
