@@ -9,7 +9,9 @@ bytes per token). Cases: prefill of 4096-16384 tokens per DP rank
 (prompts of ``--prompt-len`` tokens) and decode of 64-256 sequences (context ``--context``).
 For each case one ``ModelRunner`` plans the same batch twice (TBO on and off) and runs the two
 jitted steps in turn; the time is the median of ``--iters`` runs after warm-up,
-device-synchronised, without host planning or copying logits back. Decode sequences have
+device-synchronised, without host planning or copying logits back. Each step computes the
+logits of each sequence's last token only (``--logits last``, what ``generate`` serves: the LM
+head runs on those rows); ``--logits all`` computes every token's. Decode sequences have
 their cached context in their own KV slots (``_decode_prefix``). The "Δ logits" column compares
 the TBO step's logits with the plain step's (``_agreement``; ``--dtype float32`` takes bf16
 rounding out); the last column is what the runner's numerics guard adds to a step (the
@@ -77,7 +79,7 @@ from jtbo.models import config as config_lib
 from jtbo.models import ep_dispatchers, layer_ops
 from jtbo.models import model as model_lib
 from jtbo.overlap import hlo_schedule, xla_options
-from jtbo.runner import ep_stats_file, numerics, planning, tbo_auto, tbo_options
+from jtbo.runner import ep_stats_file, last_rows, numerics, planning, tbo_auto, tbo_options
 from jtbo.runner import runner as runner_lib
 
 CONFIGURES_JAX = True  # main sets XLA / NCCL variables before the backend starts
@@ -102,6 +104,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--context", type=int, default=1024, help="decode KV length")
     parser.add_argument("--iters", type=int, default=15, help="timed steps per column")
+    parser.add_argument(
+        "--logits", choices=last_rows.LOGITS_MODES, default="last",
+        help="logits rows each step computes: each sequence's last (what generate serves, "
+        "the default) or every token's (ModelRunner.forward(logits=...))",
+    )  # fmt: skip
     parser.add_argument("--devices", type=int, help="shorthand for --dp N --attn-tp 1")
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--attn-tp", type=int, default=1)
@@ -315,13 +322,15 @@ def _time_interleaved(steps, iters: int) -> list[float]:
     return [statistics.median(column) for column in times]
 
 
-def _plan(runner, batches, tbo: bool):
-    """The plan of a case's per-rank batches (recorded first), TBO on or off."""
+def _plan(runner, batches, tbo: bool, logits: str):
+    """The plan of a case's per-rank batches (recorded first), TBO on or off, computing the
+    ``logits`` rows ("last": each sequence's last one, as ``generate`` serves; "all")."""
     for rank, batch in enumerate(batches):
         if batch.forward_mode.is_decode() and batch.seq_lens[0] > 1:
             runner.record(rank, _decode_prefix(batch))
         runner.record(rank, batch)
-    plan = planning.plan_step(list(batches), dataclasses.replace(runner.options, enable_tbo=tbo))
+    options = dataclasses.replace(runner.options, enable_tbo=tbo)
+    plan = planning.plan_step(list(batches), options, logits=logits)
     if tbo and plan.child_capacity is None:
         raise ValueError(
             f"{batches[0].forward_mode.name} batches of {_tokens(batches)} cannot run TBO"
@@ -335,10 +344,12 @@ def _tokens(batches) -> str:
     return counts[0] if len(set(counts)) == 1 else "/".join(counts)
 
 
-def _rank_logits(logits, batches) -> np.ndarray:
-    """Every rank's real rows of ``[dp, capacity, vocab]`` logits, rank after rank."""
+def _rank_logits(logits, batches, mode: str) -> np.ndarray:
+    """Every rank's real rows of a step's ``[dp, rows, vocab]`` logits, rank after rank
+    (``mode`` "all": its tokens; "last": its sequences)."""
     logits = np.asarray(logits)
-    return np.concatenate([logits[r, : b.num_tokens] for r, b in enumerate(batches)])
+    counts = [b.num_tokens if mode == "all" else len(last_rows.last_rows(b)) for b in batches]
+    return np.concatenate([logits[r, :count] for r, count in enumerate(counts)])
 
 
 def _prefill_batches(tokens: int, args, vocab: int) -> tuple[split.ForwardBatch, ...]:
@@ -495,11 +506,13 @@ def _trace(runner, plan, folder: str) -> str:
     return written[0]
 
 
-def _trace_case(runner, batches, directory: str, name: str) -> list[str]:
+def _trace_case(runner, batches, directory: str, name: str, logits: str) -> list[str]:
     """Trace files of the plain and the TBO step (``directory/{name}_plain``, ``_tbo``)."""
     return [
         _trace(
-            runner, _plan(runner, batches, tbo), f"{directory}/{name}_{'tbo' if tbo else 'plain'}"
+            runner,
+            _plan(runner, batches, tbo, logits),
+            f"{directory}/{name}_{'tbo' if tbo else 'plain'}",
         )
         for tbo in (False, True)
     ]
@@ -513,13 +526,15 @@ def _step_trace(trace_path: str, dump_dir: str) -> StepTrace:
     return StepTrace(mine, kernel_time.hlo_dump_of(dump_dir, module))
 
 
-def _case_overlap(runner, case, seconds, directory: str, per_operation: bool) -> list[OverlapRow]:
+def _case_overlap(
+    runner, case, seconds, directory: str, per_operation: bool, logits: str
+) -> list[OverlapRow]:
     """Traces a case's plain and TBO steps on a GPU and returns their ``OverlapRow``s;
     ``per_operation`` also prints their kernel time per model operation."""
     name, size, batches = case
     traces = [
         _step_trace(path, f"{directory}/hlo")
-        for path in _trace_case(runner, batches, directory, f"{name}_{size}")
+        for path in _trace_case(runner, batches, directory, f"{name}_{size}", logits)
     ]
     if per_operation:
         plain, tbo = (
@@ -541,7 +556,7 @@ def _case_overlap(runner, case, seconds, directory: str, per_operation: bool) ->
 
 
 def _report_overlap(
-    runner, cases, step_times, directory: str, per_operation: bool, on_gpu: bool
+    runner, cases, step_times, directory: str, per_operation: bool, on_gpu: bool, logits: str
 ) -> None:
     """Traces every case and prints the overlap table; without a GPU, one line (no NCCL
     kernels) and, for ``--profile DIR`` (``per_operation``), the traces alone."""
@@ -549,33 +564,36 @@ def _report_overlap(
         print("\noverlap table: needs a GPU (the CPU trace has no NCCL kernels)")
         if per_operation:  # --profile DIR: the traces are still written, to be read by hand
             for name, size, batches in cases:
-                _trace_case(runner, batches, directory, f"{name}_{size}")
+                _trace_case(runner, batches, directory, f"{name}_{size}", logits)
         return
     rows = []
     for case, seconds in zip(cases, step_times, strict=True):
-        rows += _case_overlap(runner, case, seconds, directory, per_operation)
+        rows += _case_overlap(runner, case, seconds, directory, per_operation, logits)
     print(f"\nWhat was hidden (traces and HLO in {directory}):\n{overlap_table(rows)}")
 
 
-def _case(runners, auto, batches, iters: int) -> tuple[list[float], str, tbo_auto.TboDecision]:
+def _case(
+    runners, auto, batches, iters: int, logits: str
+) -> tuple[list[float], str, tbo_auto.TboDecision]:
     """Seconds per step (plain, TBO, then TBO on each further runner, e.g. with barriers, and
     last the "auto" runner's chosen step), how the first TBO step's logits compare with the
     plain step's (``_agreement``), and the auto runner's decision."""
-    steps = [(runners[0], _plan(runners[0], batches, False))]
-    steps += [(runner, _plan(runner, batches, True)) for runner in runners]
-    auto_plan, decision = _auto_plan(auto, batches)
+    steps = [(runners[0], _plan(runners[0], batches, False, logits))]
+    steps += [(runner, _plan(runner, batches, True, logits)) for runner in runners]
+    auto_plan, decision = _auto_plan(auto, batches, logits)
     times = _time_interleaved(steps + [(auto, auto_plan)], iters)
-    want, got = (_rank_logits(runner.run_plan(plan), batches) for runner, plan in steps[:2])
+    want, got = (_rank_logits(runner.run_plan(plan), batches, logits) for runner, plan in steps[:2])
     return times, _agreement(got, want), decision
 
 
-def _auto_plan(runner, batches) -> tuple[planning.StepPlan, tbo_auto.TboDecision]:
+def _auto_plan(runner, batches, logits: str) -> tuple[planning.StepPlan, tbo_auto.TboDecision]:
     """An "auto" runner's plan of the case after its first step of the shape decided it."""
-    tbo_plan = _plan(runner, batches, True)  # also records the batches (and decode contexts)
-    runner.forward(list(batches))  # times both programs, keeps the faster
+    # _plan also records the batches (and decode contexts).
+    tbo_plan = _plan(runner, batches, True, logits)
+    runner.forward(list(batches), logits=logits)  # times both programs, keeps the faster
     shape = tbo_auto.TboShape(tbo_plan.capacity, tbo_plan.mode)
     decision = {d.shape: d for d in runner.tbo_decisions()}[shape]
-    return (tbo_plan if decision.use_tbo else _plan(runner, batches, False)), decision
+    return (tbo_plan if decision.use_tbo else _plan(runner, batches, False, logits)), decision
 
 
 def _agreement(got: np.ndarray, want: np.ndarray) -> str:
@@ -690,15 +708,15 @@ def _time_cases(runners, auto, cases, args) -> list[tuple[float, float]]:
     step_times, fills, paddings = [], [], []
     for name, size, batches in cases:
         (plain, *tbo_times, auto_time), agreement, decision = _case(
-            runners, auto, batches, args.iters
+            runners, auto, batches, args.iters, args.logits
         )
         cells = "".join(f" {t * 1e3:.2f} | {t / plain:.3f} |" for t in tbo_times)
-        guard = _guard_time(runners[0], batches, args.iters)
+        guard = _guard_time(runners[0], batches, args.iters, args.logits)
         print(f"| {name} {size} | {_tokens(batches)} | {plain * 1e3:.2f} |{cells}"
               f"{_auto_cells(auto_time, plain, tbo_times[0], decision)} {agreement} | "
               f"{guard * 1e3:.3f} |", flush=True)  # fmt: skip
         step_times.append((plain, tbo_times[0]))
-        fills.append(f"{name} {size}: {_ep_fill(runners[0], batches)}")
+        fills.append(f"{name} {size}: {_ep_fill(runners[0], batches, args.logits)}")
         paddings.append(f"{name} {size}: {_dp_padding(runners[0], batches)}")
     if args.moe_a2a_backend == "ep":
         print("EP buffer fill of the TBO step, peak / capacity per micro-batch (peer / expert): "
@@ -715,22 +733,22 @@ def _dp_padding(runner, batches) -> str:
     return f"{context.padding_mode.name} {context.global_buffer_len}"
 
 
-def _ep_fill(runner, batches) -> str:
+def _ep_fill(runner, batches, logits: str) -> str:
     """``peer / expert`` peak-over-capacity per micro-batch of one TBO step of ``batches``."""
-    runner.run_plan(_plan(runner, batches, True))
+    runner.run_plan(_plan(runner, batches, True, logits))
     return ", ".join(f"{peer:.2f} / {expert:.2f}" for peer, expert in runner.ep_buffer_fill())
 
 
-def _guard_time(runner, batches, iters: int) -> float:
+def _guard_time(runner, batches, iters: int, logits: str) -> float:
     """Median seconds the runner's numerics guard adds to a step of ``batches``: the on-device
     finiteness flags of the plain step's logits and their read-back (``numerics``; what
     ``ModelRunner(check_finite_logits=False)`` saves)."""
-    logits = runner.run_plan(_plan(runner, batches, False))
-    np.asarray(numerics.finite_rows(logits))  # compiled before timing
+    out = runner.run_plan(_plan(runner, batches, False, logits))
+    np.asarray(numerics.finite_rows(out))  # compiled before timing
     times = []
     for _ in range(iters):
         start = time.perf_counter()
-        np.asarray(numerics.finite_rows(logits))
+        np.asarray(numerics.finite_rows(out))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -789,4 +807,6 @@ def main(argv) -> None:
     # tracing prefill measured decode-128 TBO / no TBO at 1.04-1.06, runs without at 1.03-1.04).
     if directory is not None:
         on_gpu = jax.devices()[0].platform == "gpu"
-        _report_overlap(runners[0], cases, step_times, directory, bool(args.profile), on_gpu)
+        _report_overlap(
+            runners[0], cases, step_times, directory, bool(args.profile), on_gpu, args.logits
+        )

@@ -16,9 +16,14 @@ Per-rank inputs carry a leading ``dp`` axis (sharded over ``"dp"``, replicated o
 ``"attn_tp"``); DP contexts are replicated. Parameters are sharded by ``param_specs``:
 attention heads over ``attn_tp``; routed experts over all devices by expert (``ep``) or by
 their hidden width (``none``); everything else replicated. The step returns logits
-``[dp, capacity, vocab]`` (float32), the updated KV cache and, per dispatcher, the
-(peer, expert) counts of routed assignments dropped for lack of EP capacity, summed over
-devices, and their peak loads, max over devices (the host applies
+``[dp, capacity, vocab]`` (float32) or, when the plan carries ``logit_rows`` ``[dp, width]``
+(the rows a sampler reads, ``jtbo.runner.last_rows``), ``[dp, width, vocab]``: the operation
+lists then end with the final norm, the picked rows' hidden states are read from the batch (or
+from both micro-batches, ``activations.take_merged_rows``) and the LM head runs once, on those
+rows only (a prefill's LM head over every token is most of its epilogue, and a TBO step would
+merge ``[capacity, vocab]`` float32 logits). The step also returns the updated KV cache and,
+per dispatcher, the (peer, expert) counts of routed assignments dropped for lack of EP
+capacity, summed over devices, and their peak loads, max over devices (the host applies
 ``collectives.resolve_overflow``; it never takes a step with any overflow).
 
 The host plan reaches the step packed (``pack_step_inputs``, ``jtbo.split.packing``): the
@@ -167,7 +172,8 @@ def _run_tbo(
     operations_of, params, per_rank, contexts, child_capacity, barriers, isolate, issue_barriers,
     pin_issued,
 ):  # fmt: skip
-    """Both micro-batches staggered; their logits merged back at the parent offsets.
+    """Both micro-batches staggered; their outputs merged back at the parent offsets (or, for
+    a step with ``logit_rows``, the final hidden states of those rows read from both).
 
     ``operations_of(params) -> (ops, delta)`` builds one micro-batch's operation list over a
     view of the parameters. Where one micro-batch's exchange must run beside the other's
@@ -209,9 +215,10 @@ def _run_tbo(
         children, [ops for ops, _ in built], [0, delta], contexts_arr=contexts, barriers=barriers,
         issue_barriers=isolate and issue_barriers, pin_issued=isolate and pin_issued,
     )  # fmt: skip
+    if "logit_rows" in per_rank:
+        return activations.take_merged_rows(*outputs, t, per_rank["logit_rows"])
     capacity = per_rank["input_ids"].shape[0]
-    merged = activations.merge_outputs(*outputs, t, n, out_len=capacity)
-    return merged["logits"]
+    return activations.merge_outputs(*outputs, t, n, out_len=capacity)
 
 
 def step_body(
@@ -234,26 +241,35 @@ def step_body(
         multi-device meshes).
 
     Returns:
-      ``(logits [1, capacity, vocab], kv_cache, overflow [micro-batches, 2],
-      peak_load [micro-batches, 2])``.
+      ``(logits [1, rows, vocab], kv_cache, overflow [micro-batches, 2],
+      peak_load [micro-batches, 2])``: ``rows`` is the capacity, or the width of
+      ``per_rank["logit_rows"]`` when the plan has it.
     """
     per_rank = _squeeze_rank(per_rank)
     box = layer_ops.StepBox(_squeeze_rank(kv_cache), 1 if child_capacity is None else 2)
+    rows = per_rank.get("logit_rows")  # [width] rows to return, or None: every row
 
     def operations_of(view):
-        return step_operations.step_operations(nnx.merge(graphdef, view), parallel, mode)
+        model = nnx.merge(graphdef, view)
+        return step_operations.step_operations(model, parallel, mode, lm_head=rows is None)
 
     contexts = _contexts(per_rank, replicated, box, dispatchers, child_capacity)
     if child_capacity is None:
         ops, _ = operations_of(params)
         inputs = dict(input_ids=per_rank["input_ids"], positions=per_rank["positions"])
-        logits = operations.execute_operations(inputs, ops, context=contexts[0])["logits"]
+        out = operations.execute_operations(inputs, ops, context=contexts[0])
+        if rows is not None:
+            out = jax.tree.map(lambda x: x[rows], out)
     else:
-        logits = _run_tbo(
+        out = _run_tbo(
             operations_of, params, per_rank, contexts, child_capacity,
             parallel.tbo_round_barriers, isolate_micro_batches, parallel.issue_barriers,
             parallel.moe.moe_a2a_backend == "ep" and parallel.moe.exchange(True) == "peer_copy",
         )  # fmt: skip
+    # With logit_rows the LM head runs once, on the picked rows' final hidden states.
+    logits = (
+        out["logits"] if rows is None else nnx.merge(graphdef, params).logits(out["hidden_states"])
+    )
     # Reduced over the EP group so every process reads the same counts (16 bytes each; the
     # only collectives outside both micro-batches).
     overflow = jax.lax.psum(jnp.stack(box.overflow), mesh_lib.TP_AXES)
@@ -279,7 +295,8 @@ def make_step(
       ``pack_step_inputs(per_rank, replicated)`` (host buffers, or placed with ``Step.put``).
       ``per_rank`` holds ``input_ids``, ``positions`` ``[dp, capacity]``, ``num_tokens``
       ``[dp]`` and, without TBO, ``attn_metadata`` (stacked) or, with TBO,
-      ``split_token_index`` ``[dp]`` and ``child_metadata`` (A, B); ``replicated`` holds
+      ``split_token_index`` ``[dp]`` and ``child_metadata`` (A, B), and optionally
+      ``logit_rows`` ``[dp, width]`` (the logits rows to compute); ``replicated`` holds
       ``dp_context`` and, with TBO, ``child_dp_contexts`` (A, B). ``mode``,
       ``child_capacity`` (None: no TBO) and ``dispatchers`` are static. ``overflow``
       (dropped assignments) and ``peak_load`` (the capacities needed) are
@@ -325,7 +342,7 @@ def _sharded_step(
         P(),  # replicated_words [m]: DP contexts
     )
     out_specs = (
-        P(mesh_lib.DP_AXIS),  # logits [dp, capacity, vocab]
+        P(mesh_lib.DP_AXIS),  # logits [dp, capacity or logit_rows width, vocab]
         KV_CACHE_SPEC,  # the updated pools
         P(),  # overflow [micro-batches, 2], summed over every device
         P(),  # peak_load [micro-batches, 2], max over every device

@@ -23,7 +23,9 @@ collectives need cover:
   the prologue's dense layout in place.
 * epilogue: final norm and LM head, one stage (``final_norm, logits``), or two
   (``final_norm | logits``) for layouts whose last stage still communicates (Qwen3-style
-  decode ends with ``combine_b``), so B's last collective runs beside A's LM head.
+  decode ends with ``combine_b``), so B's last collective runs beside A's LM head. A step
+  that returns only the sampled rows (``step.step_body`` with ``logit_rows``) ends with the
+  final norm and runs the LM head once, after both micro-batches, on those few rows.
 
 The same list runs without TBO (one batch, yields ignored), so both paths execute the same
 operations per row.
@@ -118,8 +120,12 @@ def moe_operations(
     return strategy.OperationsStrategy(tuple(ops), delta)
 
 
-def epilogue_operations(model: model_lib.MoEModel, two_stages: bool) -> list:
-    """Final norm and LM head: ``logits`` ``[rows, vocab]`` float32 out."""
+def epilogue_operations(model: model_lib.MoEModel, two_stages: bool, lm_head: bool = True) -> list:
+    """Final norm and LM head: ``logits`` ``[rows, vocab]`` float32 out.
+
+    Without ``lm_head`` the epilogue is the final norm alone (``hidden_states`` out): the
+    step then runs the LM head once, on the rows a sampler reads (``step.step_body``).
+    """
 
     def final_norm(state, hidden_states, residual, positions):
         del positions
@@ -129,6 +135,8 @@ def epilogue_operations(model: model_lib.MoEModel, two_stages: bool) -> list:
     def logits(state, hidden_states):
         return dict(logits=model.logits(hidden_states))
 
+    if not lm_head:
+        return [operations.ExecutionOperation("final_norm", final_norm)]
     middle = [operations.YieldOperation()] if two_stages else []
     return [
         operations.ExecutionOperation("final_norm", final_norm),
@@ -138,7 +146,7 @@ def epilogue_operations(model: model_lib.MoEModel, two_stages: bool) -> list:
 
 
 def step_operations(
-    model: model_lib.MoEModel, parallel: layer_ops.ParallelConfig, mode
+    model: model_lib.MoEModel, parallel: layer_ops.ParallelConfig, mode, *, lm_head: bool = True
 ) -> tuple[list[operations.Operation], int]:
     """The whole step of one micro-batch and the stage delta of the global mode.
 
@@ -146,10 +154,11 @@ def step_operations(
       model: the model (local shards).
       parallel: the mesh layout.
       mode: the global forward mode (picks the MoE layout).
+      lm_head: end with the LM head over every row; False ends with the final norm.
 
     Returns:
       ``(operations, tbo_delta_stages)``: inputs ``input_ids``, ``positions``; output
-      ``logits``.
+      ``logits`` (``hidden_states`` without ``lm_head``).
     """
     ops = prologue_operations(model, parallel)
     moe = moe_operations(model, parallel, mode)
@@ -160,4 +169,4 @@ def step_operations(
         ops.append(operations.YieldOperation())
     kind = strategy.layout_kind(mode)
     two_stages = (layer_family(model.config), kind) in _TWO_STAGE_EPILOGUE
-    return ops + epilogue_operations(model, two_stages), delta
+    return ops + epilogue_operations(model, two_stages, lm_head), delta

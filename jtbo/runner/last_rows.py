@@ -1,17 +1,15 @@
 """The logits rows a sampler reads: each sequence's last token of the step.
 
 A serving loop samples one next token per sequence, from the logits of that sequence's last
-token in the step. Reading back every token's logits moves ``[num_tokens, vocab]`` float32 per
-DP rank to the host (512 MiB for a 4096-token prefill over a 32768-word vocabulary); the last
-rows move ``[num_seqs, vocab]``. ``ModelRunner.forward(batches, logits="last")`` picks them
-on the devices, before the transfer: ``last_rows`` names each sequence's row on the host,
-``row_index`` pads every rank's rows to one static width (the step's sequence bound, which
-every process agrees on), and ``take_rows`` gathers them from the step's logits. The step
-itself still computes every row.
+token in the step. ``ModelRunner.forward(batches, logits="last")`` plans its step with those
+rows (``planning.assemble(picked=...)``): ``last_rows`` names each sequence's row on the host
+and ``row_index`` pads every rank's rows to one static width (the step's sequence bound, which
+every process agrees on) as the step's ``logit_rows`` input. The step then runs the LM head on
+those rows only (``jtbo.models.step``) and returns ``[dp, width, vocab]``: a 4096-token
+prefill over a 32768-word vocabulary computes and reads back ``[num_seqs, vocab]`` float32
+per DP rank instead of ``[4096, vocab]`` (512 MiB).
 """
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jtbo import split
@@ -28,13 +26,15 @@ def last_rows(batch: split.ForwardBatch) -> np.ndarray:
 
     Returns:
       Decode: every row (one token per sequence). Extend: ``extend_start_loc +
-      extend_seq_lens - 1``.
+      extend_seq_lens - 1``. Idle: no row.
 
     Raises:
       ValueError: a target-verify batch (its sampler reads every draft row), another mode
         without per-sequence rows, or a sequence with no new token.
     """
     mode = batch.forward_mode
+    if mode.is_idle():
+        return np.zeros(0, np.int32)
     if mode.is_target_verify():
         raise ValueError("logits='last' has one row per sequence; a TARGET_VERIFY batch needs "
                          "every draft row: use logits='all'")  # fmt: skip
@@ -64,9 +64,3 @@ def row_index(rows: list[np.ndarray], width: int) -> np.ndarray:
             raise ValueError(f"{len(picked)} sequences on one rank exceed the bound {width}")
         index[rank, : len(picked)] = picked
     return index
-
-
-@jax.jit
-def take_rows(logits: jax.Array, index: jax.Array) -> jax.Array:
-    """``[dp, width, vocab]``: ``logits [dp, capacity, vocab]`` at ``index [dp, width]``."""
-    return jnp.take_along_axis(logits, index[:, :, None], axis=1, mode="promise_in_bounds")

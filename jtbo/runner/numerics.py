@@ -51,28 +51,31 @@ def sequence_of_row(batch: split.ForwardBatch, row: int) -> int:
     return int(np.searchsorted(starts, row, side="right")) - 1
 
 
-def check_finite(finite, ranks, batches, num_tokens) -> None:
+def check_finite(finite, ranks, batches, num_tokens, picked=None) -> None:
     """Raises on the first non-finite row of a real token.
 
     Args:
-      finite: ``[len(ranks), capacity]`` bool from ``finite_rows``, rows of ``ranks``.
+      finite: ``[len(ranks), rows]`` bool from ``finite_rows``, rows of ``ranks``.
       ranks: the DP ranks of ``finite``'s rows.
       batches: the ranks' host batches (None: idle), in ``ranks`` order.
       num_tokens: real tokens per DP rank (all ranks).
+      picked: per rank of ``ranks``, the token rows ``finite``'s rows stand for (a step that
+        computed only those logits rows, ``last_rows``); None: row ``r`` is token row ``r``.
 
     Raises:
       NonFiniteLogitsError: naming the DP rank, token row, sequence index, request-pool row
         and how many of the rank's rows are bad.
     """
     for i, (rank, batch) in enumerate(zip(ranks, batches, strict=True)):
-        bad = np.flatnonzero(~np.asarray(finite[i, : num_tokens[rank]]))
+        rows = np.arange(num_tokens[rank]) if picked is None else np.asarray(picked[i])
+        bad = rows[~np.asarray(finite[i, : len(rows)])]
         if batch is None or bad.size == 0:
             continue
         row = int(bad[0])
         seq = sequence_of_row(batch, row)
         pool_row = int(np.asarray(batch.req_pool_indices)[seq])
         raise NonFiniteLogitsError(
-            f"DP rank {rank}: non-finite logits in {bad.size} of {num_tokens[rank]} token rows; "
+            f"DP rank {rank}: non-finite logits in {bad.size} of {len(rows)} token rows; "
             f"first at token row {row}, request index {seq} of the batch (req_pool_indices="
             f"{pool_row}, {batch.forward_mode.name}); ModelRunner(check_finite_logits=False) "
             "returns them unchecked"

@@ -48,6 +48,7 @@ from jtbo.attention import metadata as metadata_lib
 from jtbo.attention import tbo_backend
 from jtbo.collectives import context as context_lib
 from jtbo.collectives import padding
+from jtbo.runner import last_rows
 from jtbo.split import arith
 from jtbo.split import forward_mode as forward_mode_lib
 
@@ -134,7 +135,8 @@ class StepPlan:
       capacity: token rows of every rank's buffers.
       child_capacity: TBO child rows, or None when the step runs without TBO.
       mode: static strategy key: the agreed mode with TBO, EXTEND without.
-      per_rank: arrays stacked over ``ranks`` (the step's ``per_rank`` argument).
+      per_rank: arrays stacked over ``ranks`` (the step's ``per_rank`` argument); with
+        ``logit_rows`` ``[ranks, seq_bound]`` the step computes only those rows' logits.
       replicated: DP contexts (the step's ``replicated`` argument).
       num_tokens: real tokens of each rank (all ranks).
       ranks: the DP ranks whose rows ``per_rank`` holds (all of them for a single process).
@@ -438,25 +440,34 @@ def without_tbo(decision: StepDecision) -> StepDecision:
     )
 
 
-def plan_step(batches: Sequence[split.ForwardBatch], options: PlanOptions) -> StepPlan:
+def plan_step(
+    batches: Sequence[split.ForwardBatch], options: PlanOptions, *, logits: str = "all"
+) -> StepPlan:
     """Plans one step for every DP rank (idle ranks given as ``idle_batch()``).
 
     Args:
       batches: one host batch per DP rank.
       options: the runner's planning options.
+      logits: ``"all"`` (every token's row) or ``"last"`` (each sequence's last row,
+        ``last_rows``), the logits the step computes.
 
     Returns:
       The ``StepPlan`` (rows for every rank).
 
     Raises:
       ValueError: ranks that cannot share a step (verify next to another mode, different
-        draft sizes) or a batch larger than the largest bucket.
+        draft sizes), a batch larger than the largest bucket, or ``"last"`` for a batch
+        without one row per sequence (``last_rows.last_rows``).
     """
-    return plan_step_for_ranks(batches, range(len(batches)), options)
+    return plan_step_for_ranks(batches, range(len(batches)), options, logits=logits)
 
 
 def plan_step_for_ranks(
-    batches: Sequence[split.ForwardBatch], ranks: Sequence[int], options: PlanOptions
+    batches: Sequence[split.ForwardBatch],
+    ranks: Sequence[int],
+    options: PlanOptions,
+    *,
+    logits: str = "all",
 ) -> StepPlan:
     """Plans a step whose batches every process knows, keeping only ``ranks``' rows.
 
@@ -464,17 +475,25 @@ def plan_step_for_ranks(
       batches: one host batch per DP rank (all ranks).
       ranks: the DP ranks whose per-rank rows the plan holds.
       options: planning options.
+      logits: ``"all"`` or ``"last"`` (see ``plan_step``).
 
     Returns:
       The ``StepPlan``.
     """
+    if logits not in last_rows.LOGITS_MODES:
+        raise ValueError(f"logits must be one of {last_rows.LOGITS_MODES}, got {logits!r}")
     local = [summarize(b, options) for b in batches]
     decision = decide([r.summary for r in local], options)
-    return assemble([local[r] for r in ranks], ranks, decision, options)
+    picked = [last_rows.last_rows(batches[r]) for r in ranks] if logits == "last" else None
+    return assemble([local[r] for r in ranks], ranks, decision, options, picked)
 
 
 def assemble(
-    local: Sequence[LocalRank], ranks: Sequence[int], decision: StepDecision, options: PlanOptions
+    local: Sequence[LocalRank],
+    ranks: Sequence[int],
+    decision: StepDecision,
+    options: PlanOptions,
+    picked: Sequence[np.ndarray] | None = None,
 ) -> StepPlan:
     """The step's arrays: per-rank rows for ``ranks``, replicated DP contexts for all ranks.
 
@@ -483,15 +502,18 @@ def assemble(
       ranks: DP ranks of ``local``.
       decision: from ``decide`` over every rank.
       options: planning options.
+      picked: per rank of ``ranks``, the token rows whose logits the step computes
+        (``last_rows.last_rows``; empty for an idle rank), padded to ``decision.seq_bound``
+        as ``per_rank["logit_rows"]``; None: every row.
 
     Returns:
       The ``StepPlan``.
 
     Raises:
-      ValueError: ``local`` and ``ranks`` differ in length, or a TBO step whose rank has no
-        children.
+      ValueError: ``local`` and ``ranks`` differ in length (or ``picked``), a TBO step whose
+        rank has no children, or a rank with more picked rows than ``decision.seq_bound``.
     """
-    if len(local) != len(ranks):
+    if len(local) != len(ranks) or (picked is not None and len(picked) != len(ranks)):
         raise ValueError(f"got {len(local)} local ranks for ranks {tuple(ranks)}")
     children = None
     if decision.child_capacity is not None:
@@ -503,7 +525,10 @@ def assemble(
                 raise ValueError(f"rank {rank}: a TBO step needs the rank's split children")
             else:
                 children.append(item.children)
-    return _assemble([r.batch for r in local], tuple(ranks), options, decision, children)
+    plan = _assemble([r.batch for r in local], tuple(ranks), options, decision, children)
+    if picked is not None:
+        plan.per_rank["logit_rows"] = last_rows.row_index(list(picked), decision.seq_bound)
+    return plan
 
 
 def _pad(values, rows: int) -> np.ndarray:

@@ -314,8 +314,9 @@ class ModelRunner:
             The caller owns request rows and KV slots (``req_pool_indices``,
             ``out_cache_loc``); the runner records them in its page table.
           logits: ``"all"``: every token's row; ``"last"``: each sequence's last token only
-            (what a sampler reads; ``jtbo.runner.last_rows``), picked on the devices so that
-            only those rows reach the host. Extend and decode batches.
+            (what a sampler reads; ``jtbo.runner.last_rows``): the step runs the LM head on
+            those rows only, and only they reach the host (the numerics guard checks them).
+            Extend and decode batches.
 
         Returns:
           Per local rank, float32 logits as numpy, ``[num_tokens, vocab]`` (``"all"``) or
@@ -399,14 +400,14 @@ class ModelRunner:
         ]
         if finite is not None:
             with self._phase(step, "numerics guard", collective=False):
-                numerics.check_finite(finite, plan.ranks, batches, plan.num_tokens)
+                numerics.check_finite(finite, plan.ranks, batches, plan.num_tokens, picked)
         return out, True
 
     def _plan_and_run(self, local, decision, step: int, picked=None):
         """Assembles the step (with "auto": in the shape's chosen mode) and runs it once.
 
-        ``picked``: per local rank, the logits rows to read back (``last_rows``), or None for
-        every row.
+        ``picked``: per local rank, the token rows whose logits the step computes
+        (``last_rows``), or None for every row.
 
         Returns:
           ``(plan, logits rows of plan.ranks, finite rows or None)``.
@@ -415,17 +416,17 @@ class ModelRunner:
         if shape is not None:
             known = self._tbo_auto.decision(shape)
             if known is None:
-                known = self._decide_shape(shape, local, decision, step)
+                known = self._decide_shape(shape, local, decision, step, picked)
             decision = decision if known.use_tbo else planning.without_tbo(decision)
         with self._phase(step, "assemble", collective=False):
-            plan = planning.assemble(local, self.local_dp_ranks, decision, self.options)
+            plan = planning.assemble(local, self.local_dp_ranks, decision, self.options, picked)
         with self._phase(step, "device step", collective=True, agreed=(ExpertCapacityError,)):
-            index = None if picked is None else last_rows.row_index(picked, decision.seq_bound)
-            logits, finite = self._run(plan, self.check_finite_logits, index)
+            logits, finite = self._run(plan, self.check_finite_logits)
         return plan, logits, finite
 
-    def _decide_shape(self, shape, local, decision, step: int) -> tbo_auto.TboDecision:
-        """Times both programs of a new shape on this step's inputs (``tbo_auto``).
+    def _decide_shape(self, shape, local, decision, step: int, picked) -> tbo_auto.TboDecision:
+        """Times both programs of a new shape on this step's inputs and logits rows
+        (``tbo_auto``).
 
         The trial runs change only the KV slots this step writes; the real run that follows
         rewrites each of them before reading it, so the step's result is exactly one run of
@@ -433,8 +434,9 @@ class ModelRunner:
         """
         ranks = self.local_dp_ranks
         with self._phase(step, "assemble", collective=False):
-            tbo_plan = planning.assemble(local, ranks, decision, self.options)
-            plain = planning.assemble(local, ranks, planning.without_tbo(decision), self.options)
+            tbo_plan = planning.assemble(local, ranks, decision, self.options, picked)
+            plain_decision = planning.without_tbo(decision)
+            plain = planning.assemble(local, ranks, plain_decision, self.options, picked)
         with self._phase(step, "timing TBO", collective=True):
             return self._tbo_auto.decide(
                 shape, lambda: self._execute(plain), lambda: self._execute(tbo_plan)
@@ -521,17 +523,12 @@ class ModelRunner:
         except ValueError as error:
             raise ValueError(f"rank {rank}: {error}") from error
 
-    def _run(self, plan: planning.StepPlan, check_finite: bool = False, index=None):
+    def _run(self, plan: planning.StepPlan, check_finite: bool = False):
         """Runs a plan; returns the logits rows of ``plan.ranks`` as numpy and, when
-        ``check_finite``, whether each token row is finite (``[ranks, capacity]`` bool).
-
-        ``index``: ``[len(plan.ranks), width]`` rows to read back per rank
-        (``last_rows.row_index``; the guard still checks every row), or None for all."""
+        ``check_finite``, whether each returned row is finite (``[ranks, rows]`` bool; a plan
+        with ``logit_rows`` computes and checks those rows only)."""
         logits = self.run_plan(plan)
         finite = numerics.finite_rows(logits) if check_finite else None
-        if index is not None:
-            on_mesh = distributed.rank_sharded_array(self.mesh, index, plan.ranks, self.dp_size)
-            logits = last_rows.take_rows(logits, on_mesh)
         if self.multiprocess:
             rows = distributed.local_rank_rows(logits, plan.ranks)
             return rows, None if finite is None else distributed.local_rank_rows(finite, plan.ranks)

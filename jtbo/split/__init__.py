@@ -4,11 +4,18 @@
 * ``batch``: ``ForwardBatch`` / ``SpecVerifyInput`` pytrees, validated on the host.
 * ``children``: ``split_batch``, the pure split of a host batch into TBO children.
 * ``buckets``: the token buckets a step's rows are padded to for jit.
-* ``activations``: in-graph split/merge of activations at a traced token index.
+* ``activations``: in-graph split/merge of activations at a traced token index (and rows of
+  the merged parent read straight from the children).
 * ``arith``: ``ceil_div`` / ``round_up``, the integer rounding the planners and buffers share.
 """
 
-from jtbo.split.activations import child_capacity, merge_outputs, plan_fits_capacity, split_inputs
+from jtbo.split.activations import (
+    child_capacity,
+    merge_outputs,
+    plan_fits_capacity,
+    split_inputs,
+    take_merged_rows,
+)
 from jtbo.split.batch import ForwardBatch, SpecVerifyInput
 from jtbo.split.buckets import default_token_buckets, token_bucket
 from jtbo.split.children import plan_tbo_split, split_batch
@@ -37,5 +44,6 @@ __all__ = [
     "plan_tbo_split",
     "split_batch",
     "split_inputs",
+    "take_merged_rows",
     "token_bucket",
 ]

@@ -29,6 +29,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jtbo import kernels
 from jtbo.split import arith, plan
@@ -187,3 +188,40 @@ def merge_outputs(
         return kernels.merge_rows((a, b), starts, lengths, out_len=out_len, impl=impl)
 
     return jax.tree.map(merge, tree_a, tree_b)
+
+
+def take_merged_rows(tree_a: Any, tree_b: Any, split_token_index: Any, rows: jax.Array) -> Any:
+    """Rows of the merged parent, read from the children without merging them.
+
+    ``take_merged_rows(a, b, t, rows)`` equals ``merge_outputs(a, b, t, n)[rows]`` for rows
+    below ``n``: a parent row ``r < t`` is A's row ``r``, any other B's row ``r - t``. A step
+    that needs only a few rows (each sequence's last one, for the LM head) reads them from
+    the two children instead of writing the whole merged buffer first.
+
+    Args:
+      tree_a: child A's outputs, leaves ``[child_capacity, ...]``.
+      tree_b: child B's outputs, same structure.
+      split_token_index: int32 scalar ``t`` (may be traced).
+      rows: ``[width]`` int32 parent rows (may be traced).
+
+    Returns:
+      Pytree like ``tree_a`` with leaves ``[width, ...]``.
+
+    Raises:
+      ValueError: trees of different structure or leaves without a shared leading axis.
+    """
+    if jax.tree.structure(tree_a) != jax.tree.structure(tree_b):
+        raise ValueError(
+            f"tree_a and tree_b differ in structure: {jax.tree.structure(tree_a)} vs "
+            f"{jax.tree.structure(tree_b)}"
+        )
+    capacity = _rows_of(tree_a, "tree_a")
+    in_a = rows < split_token_index
+    row_a = jnp.clip(rows, 0, capacity - 1)
+    row_b = jnp.clip(rows - split_token_index, 0, _rows_of(tree_b, "tree_b") - 1)
+
+    def take(a, b):
+        pick = in_a.reshape(in_a.shape + (1,) * (a.ndim - 1))
+        return jnp.where(pick, a[row_a], b[row_b])
+
+    return jax.tree.map(take, tree_a, tree_b)

@@ -181,9 +181,9 @@ def test_gpu_overlap_report_joins_traces_dumps_and_timings(tmp_path, monkeypatch
         paths.append(str(tmp_path / f"{column}.trace.json.gz"))
         _write_trace(paths[-1], f"jit_model_step_{n}", spans)
         under.append(hidden / 100.0)
-    monkeypatch.setattr(tbo, "_trace_case", lambda runner, batch, directory, name: paths)
+    monkeypatch.setattr(tbo, "_trace_case", lambda runner, batch, directory, name, logits: paths)
     cases = [("decode", 8, None)]
-    tbo._report_overlap(None, cases, [(2e-4, 3e-4)], str(tmp_path), True, on_gpu=True)
+    tbo._report_overlap(None, cases, [(2e-4, 3e-4)], str(tmp_path), True, True, "last")
     out = capsys.readouterr().out
     assert "| experts | 40.0 | 40.0 | +0.0 |" in out  # --profile DIR: per operation too
     rate = 32 * 64 * 2 / 100.0 / 1e3  # one all-to-all per step over 100 us of NCCL

@@ -49,3 +49,15 @@ def test_the_guard_switched_off_returns_the_logits_unchecked():
 def test_sequence_of_row_maps_token_rows_to_requests():
     batch = _batches()[1]
     assert [numerics.sequence_of_row(batch, r) for r in range(6)] == [0, 0, 1, 1, 1, 2]
+
+
+def test_last_rows_guard_names_the_request_of_the_picked_row():
+    # logits="last" computes one row per sequence: rank 1's second row is request index 1's
+    # last token (token row 4), the poisoned one.
+    clean = helpers.Rank().extend({0: [1, 2, 3], 1: [4, 5]})
+    poisoned = helpers.Rank().extend({0: [6, 7], 2: [8, 9, POISON], 3: [10]})
+    with pytest.raises(numerics.NonFiniteLogitsError) as error:
+        _runner(True).forward([clean, poisoned], logits="last")
+    message = str(error.value)
+    assert message.startswith("DP rank 1: non-finite logits in 1 of 3 token rows; ")
+    assert "first at token row 4, request index 1 of the batch (req_pool_indices=2" in message

@@ -150,3 +150,21 @@ def test_extend_tiles_follow_the_busiest_ranks_sequences():
             # The tile bound of ``seqs`` sequences (``extend_capacity``), not of 128.
             assert capacity.num_tiles == seqs + (tokens - seqs) // options.query_tile
             assert metadata.tile_q_len.shape[-1] == capacity.num_tiles
+
+
+def test_last_logits_plan_carries_each_sequences_last_row_padded_to_the_seq_bound():
+    options = dataclasses.replace(OPTIONS, token_buckets=(16, 32))
+    big = helpers.Rank().extend({0: list(range(9)), 2: list(range(10, 22))})  # rows 8, 20
+    small = helpers.Rank().extend({1: [5, 6, 7]})  # row 2
+    batches = [big, small, planning.idle_batch()]
+    for tbo in (True, False):
+        plan = planning.plan_step(
+            batches, dataclasses.replace(options, enable_tbo=tbo), logits="last"
+        )
+        rows = plan.per_rank["logit_rows"]
+        assert rows.dtype == np.int32 and rows.shape == (3, 8)  # the seq bound (OPTIONS: 8)
+        np.testing.assert_array_equal(rows[:, :2], [[8, 20], [2, 0], [0, 0]])
+        assert not rows[:, 2:].any()
+    assert "logit_rows" not in planning.plan_step(batches, options).per_rank
+    with pytest.raises(ValueError, match="logits must be one of"):
+        planning.plan_step(batches, options, logits="first")

@@ -579,7 +579,7 @@ def test_warmup_compiles_the_extend_programs_of_the_sequence_buckets_served():
 
 @pytest.mark.parametrize("tbo", [False, True])
 def test_last_logits_are_each_sequence_last_row_of_all_logits(tbo):
-    # forward(logits="last") gathers each sequence's last row on the devices; an identical
+    # forward(logits="last") runs the LM head on each sequence's last row only; an identical
     # runner's forward(logits="all") must hold the same values at those rows: an extend step
     # with an idle rank (rows 5 and 9 of rank 0), then a decode step.
     runners = [_runners(2, 1, "ep")[2 if tbo else 1] for _ in range(2)]

@@ -19,6 +19,7 @@ from jtbo.split import (
     merge_outputs,
     plan_fits_capacity,
     split_inputs,
+    take_merged_rows,
 )
 
 ROWS, CAP = 16, 10
@@ -89,6 +90,21 @@ _split_jit = jax.jit(lambda x, t, n: split_inputs(x, t, n, child_capacity=CAP))
 _merge_jit = jax.jit(lambda a, b, t, n: merge_outputs(a, b, t, n, out_len=ROWS))
 
 
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), seed=st.integers(0, 1000))
+def test_take_merged_rows_is_rows_of_the_merge(data, seed):
+    n = data.draw(st.integers(1, ROWS))
+    t = data.draw(st.integers(max(0, n - CAP), min(n, CAP)))
+    rows = np.asarray(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=6)), np.int32)
+    x = random_tree(seed)
+    a, b = _split_jit(x, jnp.int32(t), jnp.int32(n))
+    got = _take_jit(a, b, jnp.int32(t), jnp.asarray(rows))
+    chex.assert_trees_all_equal(got, jax.tree.map(lambda v: v[rows], x))
+
+
+_take_jit = jax.jit(take_merged_rows)
+
+
 def test_bad_trees():
     with pytest.raises(ValueError, match="same leading token axis"):
         split_inputs({"a": jnp.zeros(4), "b": jnp.zeros(5)}, 1, 3, child_capacity=4)
@@ -96,6 +112,8 @@ def test_bad_trees():
         split_inputs({}, 1, 3, child_capacity=4)
     with pytest.raises(ValueError, match="differ in structure"):
         merge_outputs({"a": jnp.zeros(4)}, {"b": jnp.zeros(4)}, 1, 3, out_len=4)
+    with pytest.raises(ValueError, match="differ in structure"):
+        take_merged_rows({"a": jnp.zeros(4)}, {"b": jnp.zeros(4)}, 1, jnp.zeros(2, jnp.int32))
 
 
 def test_child_capacity_values():
