@@ -504,7 +504,8 @@ def assemble(
       options: planning options.
       picked: per rank of ``ranks``, the token rows whose logits the step computes
         (``last_rows.last_rows``; empty for an idle rank), padded to ``decision.seq_bound``
-        as ``per_rank["logit_rows"]``; None: every row.
+        as ``per_rank["logit_rows"]``; None, or a decode step (whose picked rows are its
+        first rows, which a step over every row returns in place): every row.
 
     Returns:
       The ``StepPlan``.
@@ -526,7 +527,9 @@ def assemble(
             else:
                 children.append(item.children)
     plan = _assemble([r.batch for r in local], tuple(ranks), options, decision, children)
-    if picked is not None:
+    # A decode step's last rows are its first rows (one token per sequence): the step computes
+    # them without a gather (the caller reads each rank's first len(picked) rows either way).
+    if picked is not None and decision.kind != "decode":
         plan.per_rank["logit_rows"] = last_rows.row_index(list(picked), decision.seq_bound)
     return plan
 

@@ -166,5 +166,10 @@ def test_last_logits_plan_carries_each_sequences_last_row_padded_to_the_seq_boun
         np.testing.assert_array_equal(rows[:, :2], [[8, 20], [2, 0], [0, 0]])
         assert not rows[:, 2:].any()
     assert "logit_rows" not in planning.plan_step(batches, options).per_rank
+    rank = helpers.Rank()
+    rank.extend({0: [1, 2], 3: [4]})
+    decode = [rank.decode({0: 5, 3: 6}), planning.idle_batch(), planning.idle_batch()]
+    # Decode: the last rows are the first rows, which a step over every row returns in place.
+    assert "logit_rows" not in planning.plan_step(decode, options, logits="last").per_rank
     with pytest.raises(ValueError, match="logits must be one of"):
         planning.plan_step(batches, options, logits="first")
