@@ -339,7 +339,7 @@ def _received_columns(dispatcher, in_flight: peer_copy.InFlight, received, width
 
 def _to_own_rows(dispatcher, in_flight: peer_copy.InFlight, index: jax.Array) -> jax.Array:
     """``index`` of received rows -> rows of ``[received; sent]``: a row of the own block
-    becomes ``rows + row`` (the send buffer's same row) when the exchange skipped that block.
+    becomes ``num_rows + row`` (the send buffer's same row) when the exchange skipped that block.
     -1 stays -1."""
     if not in_flight.skip_self:
         return index

@@ -1,8 +1,9 @@
 // The peer-copy all-to-all on XLA:CPU devices of one process: the same rendezvous as the
 // GPU build, with the pushes done by memcpy inside the start call. It exists so that the
 // protocol (matching, block offsets, buffer lifetimes, the staged mode's two phases, the
-// self block left unwritten under `skip_self`) is tested on the CPU. A staged exchange copies through a heap buffer per device, freed by its
-// device's wait: every peer's copies out of it are done once all have pushed.
+// self block left unwritten under `skip_self`) is tested on the CPU. A staged exchange
+// copies through a heap buffer per device, freed by its device's wait: every peer's copies
+// out of it are done once all have pushed.
 #include <cstring>
 
 #include "peer_exchange.h"

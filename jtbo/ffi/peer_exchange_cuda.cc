@@ -21,9 +21,10 @@
 // copy engine) and records `staged_d`; once every device has, d's upload stream copies the
 // block addressed to d out of each peer's staging buffer into d's receive buffer (host to
 // device, the other copy engine), each copy after that peer's `staged`, and records
-// `done_d` (under `skip_self`, d's own block is neither staged nor uploaded). Staging buffers are pinned once and reused: d's buffer returns to d's pool at d's
-// wait, which orders the compute stream after every device's `done` (all reads of it); a
-// later start that takes it records its `ready` on the compute stream after that.
+// `done_d` (under `skip_self`, d's own block is neither staged nor uploaded). Staging
+// buffers are pinned once and reused: d's buffer returns to d's pool at d's wait, which
+// orders the compute stream after every device's `done` (all reads of it); a later start
+// that takes it records its `ready` on the compute stream after that.
 #include <cuda_runtime.h>
 
 #include <array>
