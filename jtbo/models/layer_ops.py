@@ -40,6 +40,9 @@ from jtbo.models import moe_exchange, router
 
 MOE_BACKENDS = ("ep", "none")
 MOE_RUNNER_BACKENDS = ("xla", "pallas")
+SINGLE_DEVICE_MERGE_MAX_ROWS = 1024
+"""Micro-batch rows up to which a one-device TBO step merges A's and B's matmuls (each weight
+read once: ``jtbo.models.step.step_compiler_options``, ``MoEOptions.moe_runner_backend_tbo``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,14 @@ class MoEOptions:
         filled slots only; ``jtbo.kernels.grouped_gemm``); None: the fastest here that tiles
         the model, resolved by the runner (``jtbo.runner.kernel_backends``; a
         ``ParallelConfig`` needs it resolved).
+      moe_runner_backend_tbo: impl of the routed experts' FFN in TBO steps. None: the XLA
+        capacity einsum for TBO steps on a one-device mesh whose micro-batches hold at most
+        ``SINGLE_DEVICE_MERGE_MAX_ROWS`` rows, ``moe_runner_backend`` otherwise
+        (``tbo_runner_backend``). Such steps are weight-bandwidth bound, and there XLA merges
+        the two micro-batches' expert einsums over the shared weights (``jtbo.models.step.
+        step_compiler_options``), so each expert weight is read once per step, as without
+        TBO; two grouped GEMM calls (custom calls, which XLA does not merge) read every
+        weight twice.
       ep_capacity_factor: "ep" slots per peer and per local expert as a multiple of the
         balanced load (``collectives.create_ep_dispatcher``); None takes the worst case, which
         never overflows.
@@ -78,6 +89,7 @@ class MoEOptions:
 
     moe_a2a_backend: Literal["ep", "none"] = "ep"
     moe_runner_backend: str | None = None
+    moe_runner_backend_tbo: str | None = None
     ep_capacity_factor: float | None = None
     ep_overflow_policy: str = "raise"
     ep_capacity_headroom: float = 1.25
@@ -115,11 +127,27 @@ class MoEOptions:
             )
         if self.ep_slot_alignment < 1:
             raise ValueError(f"ep_slot_alignment={self.ep_slot_alignment} must be >= 1")
-        if self.moe_runner_backend not in (None, *MOE_RUNNER_BACKENDS):
-            raise ValueError(
-                f"moe_runner_backend={self.moe_runner_backend!r}: expected None or one of "
-                f"{MOE_RUNNER_BACKENDS}"
-            )
+        for name in ("moe_runner_backend", "moe_runner_backend_tbo"):
+            if getattr(self, name) not in (None, *MOE_RUNNER_BACKENDS):
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r}: expected None or one of {MOE_RUNNER_BACKENDS}"
+                )
+
+    def tbo_runner_backend(self, num_devices: int, child_capacity: int) -> str:
+        """The experts' impl of a TBO step (``moe_runner_backend_tbo``; see the field).
+
+        Args:
+          num_devices: devices of the step's mesh.
+          child_capacity: rows of each micro-batch.
+
+        Returns:
+          "xla" or "pallas" (``moe_runner_backend`` must be resolved).
+        """
+        if self.moe_runner_backend_tbo is not None:
+            return self.moe_runner_backend_tbo
+        if num_devices == 1 and child_capacity <= SINGLE_DEVICE_MERGE_MAX_ROWS:
+            return "xla"
+        return self.moe_runner_backend
 
 
 @dataclasses.dataclass(frozen=True)

@@ -308,6 +308,28 @@ def make_step(
     return Step(functools.partial(_sharded_step, graphdef, parallel, mesh, specs), mesh, table)
 
 
+def step_parallel(
+    parallel: layer_ops.ParallelConfig, mesh: jax.sharding.Mesh, child_capacity: int | None
+) -> layer_ops.ParallelConfig:
+    """The layout one compiled step runs: a TBO step's experts take
+    ``MoEOptions.tbo_runner_backend`` (the XLA einsum that merges both micro-batches' expert
+    GEMMs on one device), a plain step's ``moe_runner_backend``.
+
+    Args:
+      parallel: the runner's layout.
+      mesh: the step's mesh.
+      child_capacity: TBO child rows, or None for a plain step.
+
+    Returns:
+      ``parallel``, its ``moe.moe_runner_backend`` replaced for a TBO step.
+    """
+    if child_capacity is None:
+        return parallel
+    impl = parallel.moe.tbo_runner_backend(mesh.devices.size, child_capacity)
+    moe = dataclasses.replace(parallel.moe, moe_runner_backend=impl)
+    return dataclasses.replace(parallel, moe=moe)
+
+
 def _sharded_step(
     graphdef, parallel, mesh, specs, params, kv_cache, per_rank_words, replicated_words, *, key
 ):
@@ -317,6 +339,7 @@ def _sharded_step(
     (``pack_step_inputs``); each DP rank unpacks its ``[1, n]`` row with ``key.layouts``.
     """
     per_rank_layout, replicated_layout = key.layouts
+    parallel = step_parallel(parallel, mesh, key.child_capacity)
 
     def body(params, kv_cache, per_rank_words, replicated_words):
         per_rank = packing.unpack(per_rank_words, per_rank_layout)  # leaves [1, ...]
@@ -397,8 +420,6 @@ def pack_step_inputs(per_rank: dict, replicated: dict) -> StepInputs:
 
 SINGLE_DEVICE_DOT_MERGER_MB = 1 << 20
 """``xla_gpu_dot_merger_threshold_mb`` of a small TBO step on one device: merge at any size."""
-SINGLE_DEVICE_MERGE_MAX_ROWS = 1024
-"""Micro-batch rows up to which a one-device TBO step merges A's and B's matmuls."""
 GPU_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 """``xla_gpu_enable_command_buffer`` of every GPU step: CUDA graphs take the loops in too.
 
@@ -423,9 +444,10 @@ def step_compiler_options(mesh: jax.sharding.Mesh, child_capacity: int | None) -
     A's and B's matmuls and collectives must stay apart so that one's communication can hide
     under the other's compute. On one GPU there is no communication to hide. Keeping the
     matmuls apart then makes each micro-batch read every weight, which is most of a decode
-    step. So small micro-batches (at most ``SINGLE_DEVICE_MERGE_MAX_ROWS`` rows: weight-
+    step. So small micro-batches (at most ``layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS`` rows: weight-
     bandwidth bound) let the dot merger loose (XLA's default stops at 32 MB, below an expert
-    weight): A's and B's matmuls over one weight become one matmul that reads it once. Large
+    weight): A's and B's matmuls over one weight become one matmul that reads it once (the
+    routed experts too: such steps run them on the XLA einsum, ``step_parallel``). Large
     ones (compute bound) keep XLA's defaults: merging them reads the weights once but
     concatenates both micro-batches' activations first, which costs more traffic
     (BENCHMARKS.md, "TBO step cost on one GPU"). The rows of the two micro-batches stay
@@ -445,7 +467,7 @@ def step_compiler_options(mesh: jax.sharding.Mesh, child_capacity: int | None) -
         return options
     if mesh.devices.size > 1:
         return options | xla_options.tbo_compiler_options()
-    if child_capacity <= SINGLE_DEVICE_MERGE_MAX_ROWS:
+    if child_capacity <= layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS:
         options["xla_gpu_dot_merger_threshold_mb"] = SINGLE_DEVICE_DOT_MERGER_MB
     return options
 

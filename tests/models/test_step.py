@@ -216,9 +216,9 @@ def test_step_compiler_options_keep_micro_batches_apart_only_with_communication(
     one, many = aot_report.h200_mesh(1, 1), aot_report.h200_mesh(4, 2)
     graphs = {"xla_gpu_enable_command_buffer": step.GPU_COMMAND_BUFFER}
     assert step.step_compiler_options(one, None) == graphs
-    small = step.step_compiler_options(one, step.SINGLE_DEVICE_MERGE_MAX_ROWS)
+    small = step.step_compiler_options(one, layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS)
     assert small == graphs | {"xla_gpu_dot_merger_threshold_mb": step.SINGLE_DEVICE_DOT_MERGER_MB}
-    assert step.step_compiler_options(one, step.SINGLE_DEVICE_MERGE_MAX_ROWS + 1) == graphs
+    assert step.step_compiler_options(one, layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS + 1) == graphs
     apart = step.step_compiler_options(many, 8)
     assert apart["xla_gpu_dot_merger_threshold_mb"] == 0
     assert apart["xla_gpu_enable_command_buffer"] == step.GPU_COMMAND_BUFFER
@@ -325,3 +325,22 @@ def test_peer_copy_windows_hold_the_other_micro_batchs_compute():
     held = [any(slot.micro_batch == other[w.micro_batch] for slot in w.between) for w in pinned]
     assert all(w.is_async for w in pinned) and sum(not h for h in held) <= 2, held
     assert sum(len(w.between) for w in pinned) > 1.5 * sum(len(w.between) for w in free)
+
+
+def test_tbo_steps_on_one_device_with_small_micro_batches_run_the_merging_experts():
+    one, many = mesh_lib.make_mesh(1, 1), mesh_lib.make_mesh(4, 2)
+    small, large = (
+        layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS,
+        layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS + 1,
+    )
+    parallel = layer_ops.ParallelConfig.for_mesh(
+        one, moe=layer_ops.MoEOptions(moe_runner_backend="pallas")
+    )
+    backend = lambda mesh, child: step.step_parallel(parallel, mesh, child).moe.moe_runner_backend  # noqa: E731
+    assert backend(one, None) == "pallas"  # plain steps keep moe_runner_backend
+    assert backend(one, small) == "xla"
+    assert backend(one, large) == backend(many, small) == "pallas"
+    fixed = dataclasses.replace(parallel.moe, moe_runner_backend_tbo="pallas")
+    assert fixed.tbo_runner_backend(1, small) == "pallas"  # an explicit choice stands
+    with pytest.raises(ValueError, match="moe_runner_backend_tbo='cutlass'"):
+        layer_ops.MoEOptions(moe_runner_backend_tbo="cutlass")
