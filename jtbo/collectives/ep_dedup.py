@@ -156,8 +156,7 @@ def dispatch_b(
     columns = ep_lib._received_columns(
         dispatcher, in_flight.recv_payload, payload, in_flight.hidden_width
     )
-    expert = columns[:, :m]
-    weights = jax.lax.bitcast_convert_type(columns[:, m : 2 * m], jnp.float32)
+    expert, weights = columns[:, :m], jax.lax.bitcast_convert_type(columns[:, m:], jnp.float32)
     assigned = (expert >= 0).reshape(-1)  # (source, slot, column) order
     rank = rows_lib.rank_within_group(jnp.where(assigned, expert.reshape(-1), num_local), num_local)
     kept = assigned & (rank < capacity)
@@ -263,7 +262,7 @@ def _fill_send_buffer(dispatcher, hidden_states, ids, topk_weights, peer, send_s
     weights = topk_weights[at].astype(jnp.float32)
     send_weights = jnp.sum(jnp.where(match, weights[:, None, :], 0.0), axis=2)
     bits = jax.lax.bitcast_convert_type(send_weights, jnp.int32)
-    return _pack(send_hidden, jnp.concatenate([send_ids, bits], axis=1))
+    return rows_lib.pack_int32_columns(send_hidden, jnp.concatenate([send_ids, bits], axis=1))
 
 
 def _column_on_device(peer):
@@ -279,11 +278,4 @@ def _empty_payload(dispatcher, width, dtype):
     rows = dispatcher.ep_size * dispatcher.peer_capacity
     m = dispatcher.local_ids_per_row
     ids = jnp.concatenate([jnp.full((rows, m), -1, jnp.int32), jnp.zeros((rows, m), jnp.int32)], 1)
-    return _pack(jnp.zeros((rows, width), dtype), ids)
-
-
-def _pack(rows: jax.Array, columns: jax.Array) -> jax.Array:
-    """``rows`` with the ids and weight bits packed after them, padded with zero words to
-    ``rows_lib.EXCHANGE_ROW_ALIGN_BYTES`` (the grouped GEMM reads received rows in place)."""
-    align = rows_lib.EXCHANGE_ROW_ALIGN_BYTES
-    return rows_lib.pack_int32_columns(rows, columns, row_align_bytes=align)
+    return rows_lib.pack_int32_columns(jnp.zeros((rows, width), dtype), ids)

@@ -120,10 +120,15 @@ def dispatch_a(
         dispatcher, topk_ids, num_valid_tokens
     )
     send_hidden, send_expert = _fill_send_buffer(dispatcher, hidden_states, topk_ids, send_slot)
-    payload = _pack_ids(send_hidden, send_expert)
+    # The expert id rides in 16 bytes of columns (the id and three zero words): the grouped
+    # GEMM reads the received rows in place (SlotRows.width), and rows whose byte length is a
+    # multiple of 16 keep its loads vectorized.
+    payload = rows_lib.pack_int32_columns(send_hidden, _id_columns(send_expert))
     received = _send(
         dispatcher, payload, send_counts,
-        lambda: _pack_ids(jnp.zeros_like(send_hidden), jnp.full_like(send_expert, -1)),
+        lambda: rows_lib.pack_int32_columns(  # empty rows: zeros, expert id -1
+            jnp.zeros_like(send_hidden), _id_columns(jnp.full_like(send_expert, -1))
+        ),
     )  # fmt: skip
     return DispatchInFlight(
         recv_payload=received,
@@ -315,12 +320,13 @@ def _finish(dispatcher, in_flight: peer_copy.InFlight) -> jax.Array:
     return in_flight.received
 
 
-def _pack_ids(rows: jax.Array, expert: jax.Array) -> jax.Array:
-    """``rows`` with each row's expert id packed after them (padded with zero words to
-    ``rows_lib.EXCHANGE_ROW_ALIGN_BYTES``: the grouped GEMM reads the received rows in
-    place)."""
-    align = rows_lib.EXCHANGE_ROW_ALIGN_BYTES
-    return rows_lib.pack_int32_columns(rows, expert[:, None], row_align_bytes=align)
+_ID_WORDS = 4
+"""int32 words each exchanged row carries after its hidden columns: the expert id, then zeros."""
+
+
+def _id_columns(expert: jax.Array) -> jax.Array:
+    """``[rows, _ID_WORDS]`` int32: ``expert`` then zeros."""
+    return jnp.pad(expert.astype(jnp.int32)[:, None], ((0, 0), (0, _ID_WORDS - 1)))
 
 
 def _own_block(dispatcher, num_rows: int) -> tuple[jax.Array, jax.Array]:

@@ -61,17 +61,7 @@ def rank_within_group(group: jax.Array, num_groups: int) -> jax.Array:
     return jnp.sum(jnp.where(one_hot, earlier, 0), axis=1)
 
 
-EXCHANGE_ROW_ALIGN_BYTES = 128
-"""Byte multiple the EP exchanges pad their packed rows to (``pack_int32_columns``'s
-``row_align_bytes``): the grouped GEMM reads received rows in place (``kernels.SlotRows.width``),
-and a row that starts on a 128-byte boundary keeps each 128-byte tile load within one cache
-line. Measured on one H200 (BENCHMARKS.md, 2026-12-01): rows of 7176 bf16 values (16-byte
-multiples) made the gate/up kernel 4.6 % slower than rows of 7168."""
-
-
-def pack_int32_columns(
-    rows: jax.Array, values: jax.Array, *, row_align_bytes: int | None = None
-) -> jax.Array:
+def pack_int32_columns(rows: jax.Array, values: jax.Array) -> jax.Array:
     """``rows`` with int32 ``values`` bitcast into trailing columns: one collective moves both.
 
     Every collective takes a slot of XLA:GPU's async-collective overlap limit and a window of
@@ -83,17 +73,13 @@ def pack_int32_columns(
     Args:
       rows: ``[N, H]`` rows of any dtype.
       values: ``[N, k]`` int32 (bitcast float32 to int32 first).
-      row_align_bytes: pad ``values`` with zero words until a packed row's bytes are a
-        multiple of this (None: no padding); ``unpack_int32_columns`` then returns the zero
-        words after the ``k`` values.
 
     Returns:
-      ``[N, H + k' * c]`` in ``rows.dtype``: ``c = 4 // itemsize`` columns per value for rows
-      of at most 4 bytes, one column (the value widened to the row's width) for wider rows;
-      ``k' >= k`` the values with their padding.
+      ``[N, H + k * c]`` in ``rows.dtype``: ``c = 4 // itemsize`` columns per value for rows
+      of at most 4 bytes, one column (the value widened to the row's width) for wider rows.
 
     Raises:
-      ValueError: values that are not int32, or rows no padding can align.
+      ValueError: values that are not int32.
     """
     if values.dtype != jnp.int32:
         raise ValueError(
@@ -102,28 +88,10 @@ def pack_int32_columns(
             f"{values.dtype}"
         )
     itemsize = jnp.dtype(rows.dtype).itemsize
-    if row_align_bytes is not None:
-        values = _aligned_values(
-            values, rows.shape[1] * itemsize, max(4, itemsize), row_align_bytes
-        )
     if itemsize > 4:
         values = values.astype(jnp.dtype(f"int{8 * itemsize}"))
     columns = jax.lax.bitcast_convert_type(values, rows.dtype)
     return jnp.concatenate([rows, columns.reshape(rows.shape[0], -1)], axis=1)
-
-
-def _aligned_values(values: jax.Array, row_bytes: int, word_bytes: int, align: int) -> jax.Array:
-    """``values`` with zero words appended until ``row_bytes`` plus theirs is a multiple of
-    ``align`` (each value takes ``word_bytes``)."""
-    words = values.shape[1]
-    while (row_bytes + words * word_bytes) % align:
-        words += 1
-        if words - values.shape[1] > align:
-            raise ValueError(
-                f"rows of {row_bytes} bytes cannot be padded with {word_bytes}-byte words to a "
-                f"multiple of {align} bytes"
-            )
-    return jnp.pad(values, ((0, 0), (0, words - values.shape[1])))
 
 
 def unpack_int32_columns(payload: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:

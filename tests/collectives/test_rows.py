@@ -116,20 +116,3 @@ def test_int_words_round_trip_and_integer_sums_keep_every_bit(dtype, row_shape):
     back = rows.from_int_words(summed, row_shape, dtype)
     assert back.dtype == dtype and back.shape == x.shape
     np.testing.assert_array_equal(np.asarray(back).view(np.uint8), np.asarray(x).view(np.uint8))
-
-
-@pytest.mark.parametrize("dtype, width", [(jnp.bfloat16, 64), (jnp.bfloat16, 70), (jnp.float32, 7)])
-def test_packed_rows_pad_to_the_alignment_with_zero_words(dtype, width):
-    rng = np.random.default_rng(width)
-    rows_in = jnp.asarray(rng.standard_normal((5, width)), dtype)
-    side = rng.integers(-(2**31), 2**31 - 1, (5, 3), dtype=np.int64).astype(np.int32)
-    payload = rows.pack_int32_columns(rows_in, jnp.asarray(side), row_align_bytes=128)
-    assert payload.shape[1] * payload.dtype.itemsize % 128 == 0
-    got_rows, got_side = rows.unpack_int32_columns(payload, width)
-    np.testing.assert_array_equal(np.asarray(got_side)[:, :3], side)
-    assert not np.asarray(got_side)[:, 3:].any()
-    np.testing.assert_array_equal(np.asarray(got_rows, np.float32), np.asarray(rows_in, np.float32))
-    with pytest.raises(ValueError, match="cannot be padded"):
-        rows.pack_int32_columns(
-            jnp.zeros((2, 3), jnp.int8), jnp.asarray(side[:2]), row_align_bytes=8
-        )
