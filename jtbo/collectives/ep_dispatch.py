@@ -120,14 +120,11 @@ def dispatch_a(
         dispatcher, topk_ids, num_valid_tokens
     )
     send_hidden, send_expert = _fill_send_buffer(dispatcher, hidden_states, topk_ids, send_slot)
-    # The expert id rides in 16 bytes of columns (the id and three zero words): the grouped
-    # GEMM reads the received rows in place (SlotRows.width), and rows whose byte length is a
-    # multiple of 16 keep its loads vectorized.
-    payload = rows_lib.pack_int32_columns(send_hidden, _id_columns(send_expert))
+    payload = rows_lib.pack_int32_columns(send_hidden, send_expert[:, None])
     received = _send(
         dispatcher, payload, send_counts,
         lambda: rows_lib.pack_int32_columns(  # empty rows: zeros, expert id -1
-            jnp.zeros_like(send_hidden), _id_columns(jnp.full_like(send_expert, -1))
+            jnp.zeros_like(send_hidden), jnp.full((send_expert.shape[0], 1), -1, jnp.int32)
         ),
     )  # fmt: skip
     return DispatchInFlight(
@@ -318,15 +315,6 @@ def _finish(dispatcher, in_flight: peer_copy.InFlight) -> jax.Array:
     if dispatcher.exchange == "peer_copy":
         return peer_copy.all_to_all_wait(in_flight, dispatcher.device_group)
     return in_flight.received
-
-
-_ID_WORDS = 4
-"""int32 words each exchanged row carries after its hidden columns: the expert id, then zeros."""
-
-
-def _id_columns(expert: jax.Array) -> jax.Array:
-    """``[rows, _ID_WORDS]`` int32: ``expert`` then zeros."""
-    return jnp.pad(expert.astype(jnp.int32)[:, None], ((0, 0), (0, _ID_WORDS - 1)))
 
 
 def _own_block(dispatcher, num_rows: int) -> tuple[jax.Array, jax.Array]:
