@@ -16,17 +16,13 @@ experts instead of once per expert. Same halves, same receive layout for the exp
    are numbered within their local expert in (source, slot, column) order; the first
    ``expert_capacity`` take that expert's slots of ``[num_local_experts, expert_capacity,
    H]``, the rest are expert overflow. The slots name their received rows
-   (``kernels.SlotRows``, the packed rows' first ``H`` columns) rather than copy them. The
-   layout is ``ep_dispatch``'s, so the expert FFN is unchanged.
+   (``kernels.SlotRows``) rather than copy them. The layout is ``ep_dispatch``'s, so the
+   expert FFN is unchanged.
 3. ``combine_a`` (receiver): per received row, the weighted sum of its kept experts' outputs
    (float32 accumulate, cast back to the outputs' dtype): one row per (token, device) goes
    back.
 4. ``combine_b`` (sender): per token, the sum (float32) of the rows that came back from each
    device it hit.
-
-The peer-copy exchange leaves each device's own block of the receive buffer unwritten in both
-directions, as in ``ep_dispatch``: ``dispatch_b`` reads that block's ids, weights and rows,
-and ``combine_b`` its partial sums, from the send buffer, at the same offsets.
 
 The result equals ``ep_dispatch``'s up to float rounding: each device's partial sum is rounded
 to the outputs' dtype once before the sender adds the partial sums. Overflow and peak load
@@ -152,9 +148,8 @@ def dispatch_b(
     """
     num_local, capacity = dispatcher.num_local_experts, dispatcher.expert_capacity
     m = dispatcher.local_ids_per_row
-    payload = ep_lib._finish(dispatcher, in_flight.recv_payload)
-    columns = ep_lib._received_columns(
-        dispatcher, in_flight.recv_payload, payload, in_flight.hidden_width
+    recv_hidden, columns = rows_lib.unpack_int32_columns(
+        ep_lib._finish(dispatcher, in_flight.recv_payload), in_flight.hidden_width
     )
     expert, weights = columns[:, :m], jax.lax.bitcast_convert_type(columns[:, m:], jnp.float32)
     assigned = (expert >= 0).reshape(-1)  # (source, slot, column) order
@@ -174,10 +169,7 @@ def dispatch_b(
         overflow=jnp.concatenate([in_flight.peer_overflow, expert_overflow.reshape(1)]),
         peak_load=jnp.concatenate([in_flight.peer_peak, ep_lib._peak(rank, assigned).reshape(1)]),
     )
-    inputs = ep_lib._received_slots(
-        dispatcher, in_flight.recv_payload, payload, row, in_flight.hidden_width
-    )
-    return inputs, state
+    return slot_rows.SlotRows(recv_hidden, row.reshape(num_local, capacity)), state
 
 
 def combine_a(
@@ -220,9 +212,11 @@ def combine_b(dispatcher: ep_config.EpDispatcher, in_flight: DedupCombineInFligh
       ``[num_tokens, H_out]`` in the expert outputs' dtype; zero for tokens that were not
       dispatched.
     """
-    per_device = ep_lib._gather_received(dispatcher, in_flight.returned, in_flight.send_slot)
+    returned = ep_lib._finish(dispatcher, in_flight.returned)
+    per_device = slot_rows.gather_rows(returned, in_flight.send_slot.reshape(-1))
+    per_device = per_device.reshape(in_flight.send_slot.shape + (-1,))
     combined = jnp.sum(per_device.astype(jnp.float32), axis=1)
-    return combined.astype(per_device.dtype)
+    return combined.astype(returned.dtype)
 
 
 def _assign_peer_slots(dispatcher, peer):

@@ -18,16 +18,7 @@ Dispatch:
    ``expert_capacity`` take that expert's slots of ``[num_local_experts, expert_capacity, H]``
    (empty elsewhere), the rest are expert overflow. The slots name their received rows
    (``kernels.SlotRows``): the grouped GEMM loads through that index, so no slot buffer is
-   written (nor a copy of the rows without their id columns: the slots name packed rows and
-   read their first ``H`` columns).
-
-The peer-copy exchange does not copy a device's own block (send block ``rank`` to receive
-block ``rank``; ``peer_copy.all_to_all_start(skip_self=True)``): that block of the receive
-buffer stays unwritten, and both consuming halves read those rows from the send buffer
-(``InFlight.sent``), which has them at the same offsets. ``dispatch_b`` takes their ids from
-it and points their slots at it (``SlotRows.second_rows``: index ``N + row``), ``combine_b``
-gathers their outputs from it (``slot_rows.gather_rows_of_two``); no big buffer is copied to
-join the two. XLA's exchanges deliver every block.
+   written.
 
 Combine runs the same way back: ``combine_a`` picks each received row's expert output and
 issues the reverse exchange; ``combine_b`` sums, per token, ``weight * output`` over its
@@ -154,9 +145,9 @@ def dispatch_b(
       state ``combine_a`` needs.
     """
     num_local, capacity = dispatcher.num_local_experts, dispatcher.expert_capacity
-    width = in_flight.hidden_width
     payload = _finish(dispatcher, in_flight.recv_payload)
-    expert = _received_columns(dispatcher, in_flight.recv_payload, payload, width)[:, 0]
+    recv_hidden, ids = rows_lib.unpack_int32_columns(payload, in_flight.hidden_width)
+    expert = ids[:, 0]
     received = expert >= 0
     rank = rows_lib.rank_within_group(jnp.where(received, expert, num_local), num_local)
     kept = received & (rank < capacity)
@@ -164,7 +155,6 @@ def dispatch_b(
     expert_peak = _peak(rank, received)
     recv_expert_slot = jnp.where(kept, expert * capacity + rank, -1)
     rows = slot_rows.invert_slots(recv_expert_slot, num_local * capacity)
-    inputs = _received_slots(dispatcher, in_flight.recv_payload, payload, rows, width)
     rows_per_peer = received.reshape(dispatcher.ep_size, dispatcher.peer_capacity)
     state = DispatchState(
         recv_expert_slot=recv_expert_slot,
@@ -175,7 +165,7 @@ def dispatch_b(
         overflow=jnp.concatenate([in_flight.peer_overflow, expert_overflow.reshape(1)]),
         peak_load=jnp.concatenate([in_flight.peer_peak, expert_peak.reshape(1)]),
     )
-    return inputs, state
+    return slot_rows.SlotRows(recv_hidden, rows.reshape(num_local, capacity)), state
 
 
 def combine_a(
@@ -214,10 +204,12 @@ def combine_b(dispatcher: ep_config.EpDispatcher, in_flight: CombineInFlight) ->
       ``[num_tokens, H_out]`` in the expert outputs' dtype; zero for tokens that were not
       dispatched.
     """
-    per_assignment = _gather_received(dispatcher, in_flight.returned, in_flight.send_slot)
+    returned = _finish(dispatcher, in_flight.returned)
+    per_assignment = slot_rows.gather_rows(returned, in_flight.send_slot.reshape(-1))
+    per_assignment = per_assignment.reshape(in_flight.send_slot.shape + (-1,))
     weights = in_flight.topk_weights.astype(jnp.float32)[..., None]
     combined = jnp.sum(weights * per_assignment.astype(jnp.float32), axis=1)
-    return combined.astype(per_assignment.dtype)
+    return combined.astype(returned.dtype)
 
 
 def _check_inputs(dispatcher, hidden_states, topk_ids, topk_weights):
@@ -290,10 +282,8 @@ def _send(dispatcher, payload, send_counts, empty_payload) -> peer_copy.InFlight
     filled rows; received rows land in ``empty_payload()`` (built only then), whose rows stay
     where nothing arrived.
     """
-    if dispatcher.exchange == "peer_copy":  # own block read from the send buffer: not copied
-        return peer_copy.all_to_all_start(
-            payload, dispatcher.device_group, dispatcher.platform, skip_self=True
-        )
+    if dispatcher.exchange == "peer_copy":
+        return peer_copy.all_to_all_start(payload, dispatcher.device_group, dispatcher.platform)
     if dispatcher.exchange == "dense":
         return peer_copy.InFlight(received=_all_to_all(dispatcher, payload), sent=None)
     recv_counts = _all_to_all(dispatcher, send_counts)
@@ -315,60 +305,6 @@ def _finish(dispatcher, in_flight: peer_copy.InFlight) -> jax.Array:
     if dispatcher.exchange == "peer_copy":
         return peer_copy.all_to_all_wait(in_flight, dispatcher.device_group)
     return in_flight.received
-
-
-def _own_block(dispatcher, num_rows: int) -> tuple[jax.Array, jax.Array]:
-    """(first, end) row of this device's block of an exchange buffer of ``num_rows`` rows."""
-    block = num_rows // dispatcher.ep_size
-    first = jax.lax.axis_index(dispatcher.axis_names).astype(jnp.int32) * block
-    return first, first + block
-
-
-def _received_columns(dispatcher, in_flight: peer_copy.InFlight, received, width: int):
-    """``[rows, k]`` int32 the columns packed after ``width`` in ``received`` (``_finish``'s
-    rows of ``in_flight``); the own block's from the send buffer when the exchange skipped
-    it. These columns are small: a select between the two buffers copies little."""
-    _, columns = rows_lib.unpack_int32_columns(received, width)
-    if not in_flight.skip_self:
-        return columns
-    _, own = rows_lib.unpack_int32_columns(in_flight.sent, width)
-    first, end = _own_block(dispatcher, columns.shape[0])
-    row = jnp.arange(columns.shape[0], dtype=jnp.int32)[:, None]
-    return jnp.where((row >= first) & (row < end), own, columns)
-
-
-def _to_own_rows(dispatcher, in_flight: peer_copy.InFlight, index: jax.Array) -> jax.Array:
-    """``index`` of received rows -> rows of ``[received; sent]``: a row of the own block
-    becomes ``num_rows + row`` (the send buffer's same row) when the exchange skipped that block.
-    -1 stays -1."""
-    if not in_flight.skip_self:
-        return index
-    num_rows = in_flight.received.shape[0]
-    first, end = _own_block(dispatcher, num_rows)
-    return jnp.where((index >= first) & (index < end), index + num_rows, index)
-
-
-def _received_slots(dispatcher, in_flight, received, slot_row, width: int):
-    """``SlotRows``: the slots ``slot_row`` (``[num_local * capacity]`` row of ``received``,
-    -1 empty) names, as the first ``width`` columns of the packed rows; the own block's rows
-    in the send buffer when the exchange skipped it."""
-    index = _to_own_rows(dispatcher, in_flight, slot_row)
-    index = index.reshape(dispatcher.num_local_experts, dispatcher.expert_capacity)
-    second = in_flight.sent if in_flight.skip_self else None
-    return slot_rows.SlotRows(received, index, second, width=width)
-
-
-def _gather_received(dispatcher, in_flight: peer_copy.InFlight, index: jax.Array) -> jax.Array:
-    """``index.shape + [H]``: the received rows ``index`` names (-1: zeros; waits for a peer
-    copy), the own block's from the send buffer when the exchange skipped it."""
-    received = _finish(dispatcher, in_flight)
-    flat = index.reshape(-1)
-    if in_flight.skip_self:
-        own_index = _to_own_rows(dispatcher, in_flight, flat)
-        rows = slot_rows.gather_rows_of_two(received, in_flight.sent, own_index)
-    else:
-        rows = slot_rows.gather_rows(received, flat)
-    return rows.reshape(index.shape + received.shape[1:])
 
 
 def _flat_expert_outputs(dispatcher, expert_outputs):

@@ -8,11 +8,7 @@ overlap on two H200s (issue 14)"). This exchange is a pair of XLA FFI custom cal
 * ``all_to_all_start(x, group)``: every device of ``group`` pushes block ``p`` of its ``x``
   into block ``rank`` of device ``p``'s receive buffer, by copy-engine transfers on a side
   stream (GPU; memcpy on the CPU build). It returns at once; the receive buffer must not be
-  read yet. With ``skip_self=True`` a device does not copy its own block (send block
-  ``rank`` to receive block ``rank``): that block of the receive buffer is left unwritten
-  (undefined) and the caller reads those rows from ``x`` itself (``InFlight.sent``). The
-  copy is of data already on the device, queued on the side stream behind the peer copies,
-  and the wait would wait for it; the EP exchanges skip it.
+  read yet.
   ``JTBO_PEER_COPY_STREAMS=N`` (read once per process, default 1) cuts each block over N
   side streams, so that several copy engines can move it. ``JTBO_PEER_COPY_VIA_HOST=1`` (read
   at every start; every device of an exchange must agree) stages the exchange through pinned
@@ -56,8 +52,6 @@ class InFlight:
     sent: jax.Array | None  # [rows, ...] the rows being sent (peer copy only), else None
     # The peer copy's number (its start's and wait's name scope), else None.
     exchange: int | None = dataclasses.field(default=None, metadata=dict(static=True))
-    # Whether this device's own block of ``received`` is left unwritten (read it from ``sent``).
-    skip_self: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def device_group(mesh: jax.sharding.Mesh) -> tuple[int, ...]:
@@ -90,9 +84,7 @@ def device_group(mesh: jax.sharding.Mesh) -> tuple[int, ...]:
     return tuple(int(d.id if d.local_hardware_id is None else d.local_hardware_id) for d in devices)
 
 
-def all_to_all_start(
-    x: jax.Array, group: tuple[int, ...], platform: str, *, skip_self: bool = False
-) -> InFlight:
+def all_to_all_start(x: jax.Array, group: tuple[int, ...], platform: str) -> InFlight:
     """Issues the all-to-all of ``x``'s ``len(group)`` row blocks (inside ``shard_map``).
 
     Args:
@@ -100,9 +92,6 @@ def all_to_all_start(
         device ``group[p]``.
       group: the exchange's devices (``device_group``), the same on every device.
       platform: "cpu" or "gpu", the platform the program compiles for.
-      skip_self: leave this device's own block of the receive buffer unwritten (undefined
-        after the wait) instead of copying block ``rank`` of ``x`` there; the caller reads
-        those rows from ``x`` (``InFlight.sent``). The devices of one exchange may differ.
 
     Returns:
       The exchange in flight; pass it to ``all_to_all_wait``.
@@ -119,14 +108,12 @@ def all_to_all_start(
     )
     exchange = next(_exchange_numbers)
     with jax.named_scope(f"{ffi.build.EXCHANGE_SCOPE}{exchange}"):
-        received = start(x, group=np.asarray(group, np.int64), skip_self=skip_self)
-    return InFlight(received=received, sent=x, exchange=exchange, skip_self=skip_self)
+        received = start(x, group=np.asarray(group, np.int64))
+    return InFlight(received=received, sent=x, exchange=exchange)
 
 
 def all_to_all_wait(in_flight: InFlight, group: tuple[int, ...]) -> jax.Array:
     """Waits for ``all_to_all_start``'s exchange; block ``s`` of the result came from ``s``.
-
-    Under ``skip_self`` the result's own block is undefined: read it from ``in_flight.sent``.
 
     Args:
       in_flight: ``all_to_all_start``'s result.

@@ -1,9 +1,8 @@
 // The peer-copy all-to-all on XLA:CPU devices of one process: the same rendezvous as the
 // GPU build, with the pushes done by memcpy inside the start call. It exists so that the
-// protocol (matching, block offsets, buffer lifetimes, the staged mode's two phases, the
-// self block left unwritten under `skip_self`) is tested on the CPU. A staged exchange
-// copies through a heap buffer per device, freed by its device's wait: every peer's copies
-// out of it are done once all have pushed.
+// protocol (matching, block offsets, buffer lifetimes, the staged mode's two phases) is
+// tested on the CPU. A staged exchange copies through a heap buffer per device, freed by its
+// device's wait: every peer's copies out of it are done once all have pushed.
 #include <cstring>
 
 #include "peer_exchange.h"
@@ -19,8 +18,7 @@ jtbo::ExchangeRegistry& Registry() {
 }
 
 ffi::Error Start(ffi::RunId run, int32_t device, ffi::AnyBuffer send,
-                 ffi::Result<ffi::AnyBuffer> recv, ffi::Span<const int64_t> group,
-                 bool skip_self) {
+                 ffi::Result<ffi::AnyBuffer> recv, ffi::Span<const int64_t> group) {
   const int64_t group_size = static_cast<int64_t>(group.size());
   const int rank = jtbo::RankOf(device, group.begin(), group_size);
   if (rank < 0) {
@@ -46,14 +44,12 @@ ffi::Error Start(ffi::RunId run, int32_t device, ffi::AnyBuffer send,
     // Pull the blocks addressed to this device out of every peer's staging buffer.
     char* target = static_cast<char*>(recv->untyped_data());
     for (int64_t sender = 0; sender < group_size; ++sender) {
-      if (skip_self && sender == rank) continue;
       std::memcpy(target + sender * block,
                   static_cast<const char*>(slot->staging[sender]) + rank * block, block);
     }
   } else {
     const char* source = static_cast<const char*>(send.untyped_data());
     for (int64_t peer = 0; peer < group_size; ++peer) {
-      if (skip_self && peer == rank) continue;
       std::memcpy(static_cast<char*>(slot->recv[peer]) + rank * block, source + peer * block,
                   block);
     }
@@ -89,8 +85,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtboPeerAllToAllStart, Start,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("group")
-                                  .Attr<bool>("skip_self"));
+                                  .Attr<ffi::Span<const int64_t>>("group"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtboPeerAllToAllWait, Wait,
                               ffi::Ffi::Bind()

@@ -11,26 +11,19 @@
 // device d: make the compute stream wait for every device's `done` (all blocks into d's
 // buffer have landed, and d's send buffer has been read).
 //
-// With `skip_self`, d's own block (send block d -> receive block d) is not copied: the
-// receive buffer's block d is left unwritten, and the caller reads those rows from the send
-// buffer. The copy would be a device-to-device transfer of data already on d, queued on the
-// side stream behind the peer copies, that the wait would have to wait for.
-//
 // Staged through host memory (JTBO_PEER_COPY_VIA_HOST=1): after `ready_d`, d's first side
 // stream copies the whole send buffer into a pinned host staging buffer (device to host, one
 // copy engine) and records `staged_d`; once every device has, d's upload stream copies the
 // block addressed to d out of each peer's staging buffer into d's receive buffer (host to
 // device, the other copy engine), each copy after that peer's `staged`, and records
-// `done_d` (under `skip_self`, d's own block is neither staged nor uploaded). Staging
-// buffers are pinned once and reused: d's buffer returns to d's pool at d's wait, which
-// orders the compute stream after every device's `done` (all reads of it); a later start
-// that takes it records its `ready` on the compute stream after that.
+// `done_d`. Staging buffers are pinned once and reused: d's buffer returns to d's pool at d's
+// wait, which orders the compute stream after every device's `done` (all reads of it); a
+// later start that takes it records its `ready` on the compute stream after that.
 #include <cuda_runtime.h>
 
 #include <array>
 #include <cstdlib>
 #include <mutex>
-#include <utility>
 #include <vector>
 
 #include "peer_exchange.h"
@@ -198,24 +191,13 @@ void ReturnEvents(const jtbo::ExchangeSlot& slot, ffi::Span<const int64_t> group
 // The staged exchange's copies on device `device` (see the file comment), after the join.
 ffi::Error StartStaged(int device, int rank, ffi::AnyBuffer send,
                        ffi::Result<ffi::AnyBuffer>& recv, cudaEvent_t ready, DeviceState& state,
-                       jtbo::ExchangeSlot& slot, bool skip_self) {
+                       jtbo::ExchangeSlot& slot) {
   const int64_t group_size = static_cast<int64_t>(slot.recv.size());
   const int64_t bytes = static_cast<int64_t>(send.size_bytes());
-  const int64_t block = bytes / group_size;
   cudaStream_t down = state.sides[0];
   JTBO_CUDA(cudaStreamWaitEvent(down, ready, 0));
-  // The send buffer into the staging buffer at the same offsets; under `skip_self` around
-  // this device's own block, which no one reads.
-  const char* source = static_cast<const char*>(send.untyped_data());
-  char* staging = static_cast<char*>(slot.staging[rank]);
-  const int64_t self_begin = skip_self ? rank * block : bytes;
-  const int64_t self_end = skip_self ? (rank + 1) * block : bytes;
-  for (auto [begin, end] : {std::pair<int64_t, int64_t>{0, self_begin}, {self_end, bytes}}) {
-    if (end > begin) {
-      JTBO_CUDA(cudaMemcpyAsync(staging + begin, source + begin, end - begin,
-                                cudaMemcpyDeviceToHost, down));
-    }
-  }
+  JTBO_CUDA(cudaMemcpyAsync(slot.staging[rank], send.untyped_data(), bytes,
+                            cudaMemcpyDeviceToHost, down));
   auto staged = TakeEvent(state);
   if (staged.has_error()) return staged.error();
   JTBO_CUDA(cudaEventRecord(*staged, down));
@@ -225,10 +207,10 @@ ffi::Error StartStaged(int device, int rank, ffi::AnyBuffer send,
   }
   // The receive buffer is free after `ready`; each peer's block after that peer's `staged`.
   JTBO_CUDA(cudaStreamWaitEvent(state.upload, ready, 0));
+  const int64_t block = bytes / group_size;
   char* target = static_cast<char*>(recv->untyped_data());
   for (int64_t step = 1; step <= group_size; ++step) {
     const int64_t sender = (rank + step) % group_size;
-    if (skip_self && sender == rank) continue;
     JTBO_CUDA(cudaStreamWaitEvent(state.upload, static_cast<cudaEvent_t>(slot.staged[sender]), 0));
     JTBO_CUDA(cudaMemcpyAsync(target + sender * block,
                               static_cast<const char*>(slot.staging[sender]) + rank * block,
@@ -242,8 +224,7 @@ ffi::Error StartStaged(int device, int rank, ffi::AnyBuffer send,
 }
 
 ffi::Error Start(cudaStream_t stream, ffi::RunId run, int32_t device, ffi::AnyBuffer send,
-                 ffi::Result<ffi::AnyBuffer> recv, ffi::Span<const int64_t> group,
-                 bool skip_self) {
+                 ffi::Result<ffi::AnyBuffer> recv, ffi::Span<const int64_t> group) {
   const int64_t group_size = static_cast<int64_t>(group.size());
   const int rank = jtbo::RankOf(device, group.begin(), group_size);
   if (rank < 0) {
@@ -278,7 +259,7 @@ ffi::Error Start(cudaStream_t stream, ffi::RunId run, int32_t device, ffi::AnyBu
     return ffi::Error::Internal(message);
   }
   if (staging != nullptr) {
-    return StartStaged(device, rank, send, recv, *ready, state, *slot, skip_self);
+    return StartStaged(device, rank, send, recv, *ready, state, *slot);
   }
   for (cudaStream_t side : state.sides) {
     for (void* peer_ready : slot->ready) {
@@ -289,10 +270,9 @@ ffi::Error Start(cudaStream_t stream, ffi::RunId run, int32_t device, ffi::AnyBu
   const int64_t streams = static_cast<int64_t>(state.sides.size());
   const int64_t chunk = ((block + streams - 1) / streams + 255) / 256 * 256;
   const char* source = static_cast<const char*>(send.untyped_data());
-  // Start with the next peer and end with this device (unless `skip_self`), so that the
-  // devices do not all push to the same peer at once.
-  const int64_t last_step = skip_self ? group_size - 1 : group_size;
-  for (int64_t step = 1; step <= last_step; ++step) {
+  // Start with the next peer and end with this device, so that the devices do not all push
+  // to the same peer at once.
+  for (int64_t step = 1; step <= group_size; ++step) {
     const int64_t peer = (rank + step) % group_size;
     char* target = static_cast<char*>(slot->recv[peer]) + rank * block;
     for (int64_t s = 0, offset = 0; offset < block; ++s, offset += chunk) {
@@ -348,8 +328,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JtboPeerAllToAllStart, Start,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("group")
-                                  .Attr<bool>("skip_self"));
+                                  .Attr<ffi::Span<const int64_t>>("group"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JtboPeerAllToAllWait, Wait,
                               ffi::Ffi::Bind()

@@ -5,8 +5,7 @@
 * ``merge_rows``: TBO children's rows written back at their parent offsets.
 * ``grouped_ffn``: the routed experts' SwiGLU over exactly each expert's filled capacity
   slots (a grouped GEMM; tuning knobs in ``GroupedFfnConfig``), given as a slot buffer or
-  as ``SlotRows`` (rows, from one or two sources, and one row index per slot, loaded
-  through the index).
+  as ``SlotRows`` (rows and one row index per slot, loaded through the index).
 
 Each op takes ``impl`` (``"xla"``, ``"pallas"``, ``"triton"`` or None for the fastest
 available) and ``config`` (a ``CopyConfig``). All impls share one out-of-range rule

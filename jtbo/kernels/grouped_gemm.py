@@ -28,12 +28,6 @@ A dead tile (expert -1) returns after reading its table entry: no loads, no matm
 past the end row inside a live tile are masked on load (read as zero) and on store. The
 intermediate is rounded to the input dtype as in the ``"xla"`` impl.
 
-The capacity slots may also come as ``kernels.SlotRows``: source rows and the row each slot
-holds. Kernel 1 then loads each tile's rows through that index (from one source, or from two
-numbered one after the other, each row from the source its index names), reading the first H
-columns of every source row; the rows' trailing columns (an EP exchange's packed ids) are
-never read, and no slot buffer or column slice is written.
-
 ``impl="xla"`` is the capacity-slot batched einsum over all ``C`` slots (the CPU path and
 the measured alternative), with the hidden rows past ``counts`` set to zero so that both impls
 mean the same thing. ``grouped_ffn_reference`` is the exact-count definition in float32:
@@ -71,26 +65,26 @@ def _tile_rows(tiles_ref, tile, block_m: int):
 
 
 def _gate_up_kernel(
-    tiles_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, ffn,
+    tiles_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, ffn, gathered,
 ):  # fmt: skip
-    # tiles_ref: [3, num_tiles] int32 (expert or -1, first row, end row); x_refs, one of:
-    # x_ref [R, H] slot rows; source_ref [R] int32 row of x_ref that each slot holds (-1
-    # empty) and x_ref [N, W >= H] source rows; or those and second_ref [M, W' >= H] rows
-    # numbered after x_ref's (source N + j is second_ref's row j); w_ref: [E, H, 2 * F] (gate
-    # columns, then up columns); h_ref: [R, F].
-    *x_refs, w_ref, h_ref = refs
+    # tiles_ref: [3, num_tiles] int32 (expert or -1, first row, end row); gathered only:
+    # source_ref [R] int32 row of x_ref that each slot holds (-1 empty); x_ref: [R, H] slot
+    # rows, or [N, H] source rows when gathered; w_ref: [E, H, 2 * F] (gate columns, then up
+    # columns); h_ref: [R, F].
+    source_ref, x_ref, w_ref, h_ref = refs if gathered else (None, *refs)
     tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
     expert = tiles_ref[0, tile]
 
     @pl.when(expert >= 0)
     def _compute():
         start, live = _tile_rows(tiles_ref, tile, block_m)
-        load_x = _x_tile(x_refs, start, live, block_m, block_k)
+        x_tile, x_live = _x_tile(source_ref, x_ref, start, live, block_m, block_k)
+        x_mask = jnp.broadcast_to(x_live, (block_m, block_k))
         n0 = pl.multiple_of(col * block_n, block_n)
 
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
-            x = load_x(k0)
+            x = plgpu.load(x_tile(k0), mask=x_mask, other=0)
             gate = w_ref[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)]
             up = w_ref[expert, pl.ds(k0, block_k), pl.ds(ffn + n0, block_n)]
             return (
@@ -99,49 +93,28 @@ def _gate_up_kernel(
             )
 
         zeros = jnp.zeros((block_m, block_n), _F32)
-        gate, up = jax.lax.fori_loop(0, w_ref.shape[1] // block_k, step, (zeros, zeros))
+        gate, up = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros, zeros))
         hidden = (gate * jax.nn.sigmoid(gate) * up).astype(h_ref.dtype)
         # Every live slot's row is written (an empty slot's as zero): the down kernel reads it.
         h_mask = jnp.broadcast_to(live, (block_m, block_n))
         plgpu.store(h_ref.at[pl.ds(start, block_m), pl.ds(n0, block_n)], hidden, mask=h_mask)
 
 
-def _x_tile(x_refs, start, live, block_m: int, block_k: int):
-    """k0 -> the tile's ``[block_m, block_k]`` block of x at column ``k0`` (``_gate_up_kernel``'s
-    ``x_refs``); rows past the tile's end and empty slots (-1) load as zero.
+def _x_tile(source_ref, x_ref, start, live, block_m: int, block_k: int):
+    """(k0 -> the tile's ``[block_m, block_k]`` view of x, ``[block_m, 1]`` rows to load).
 
     Slot rows are ``block_m`` consecutive rows of x from ``start``; gathered rows are the
     rows the tile's slots name, each row's ``block_k`` columns still contiguous. The gathered
     view indexes both axes with arrays (rows ``[block_m, 1]``, columns ``[1, block_k]``): the
-    Pallas interpreter cannot mix an array index with a slice. With two sources each row is
-    loaded from the one its index names (the other load is masked off) and selected.
+    Pallas interpreter cannot mix an array index with a slice. An empty slot (-1) loads as
+    zero.
     """
-    shape = (block_m, block_k)
-    if len(x_refs) == 1:
-        (x_ref,) = x_refs
-        mask = jnp.broadcast_to(live, shape)
-        return lambda k0: plgpu.load(
-            x_ref.at[pl.ds(start, block_m), pl.ds(k0, block_k)], mask=mask, other=0
-        )
-    source_ref, x_ref, *second = x_refs
+    if source_ref is None:
+        return (lambda k0: x_ref.at[pl.ds(start, block_m), pl.ds(k0, block_k)]), live
     source = plgpu.load(source_ref.at[pl.ds(start, block_m)], mask=live[:, 0], other=-1)
-    source = source[:, None]
-    num_first = x_ref.shape[0]
+    row = jnp.maximum(source, 0)[:, None]
     columns = jnp.arange(block_k, dtype=jnp.int32)[None, :]
-    in_first = jnp.broadcast_to(live & (source >= 0) & (source < num_first), shape)
-    row = jnp.clip(source, 0, num_first - 1)
-    if not second:
-        return lambda k0: plgpu.load(x_ref.at[row, k0 + columns], mask=in_first, other=0)
-    (second_ref,) = second
-    in_second = jnp.broadcast_to(live & (source >= num_first), shape)
-    second_row = jnp.clip(source - num_first, 0, second_ref.shape[0] - 1)
-
-    def load(k0):
-        x = plgpu.load(x_ref.at[row, k0 + columns], mask=in_first, other=0)
-        y = plgpu.load(second_ref.at[second_row, k0 + columns], mask=in_second, other=0)
-        return jnp.where(in_second, y, x)
-
-    return load
+    return (lambda k0: x_ref.at[row, k0 + columns]), live & (source >= 0)[:, None]
 
 
 def _down_kernel(
@@ -223,24 +196,26 @@ def _max_tiles(num_groups: int, group_rows: int, block_m: int, max_rows: int | N
     return max(1, min(every, (max_rows + num_groups * (block_m - 1)) // block_m))
 
 
-def _gate_up_call(x_refs, w_gate_up, group_start, counts, *, rows, max_rows, cfg, interpret):
-    """Kernel 1: the ``[E * C, F]`` hidden rows of every live tile, from ``x_refs``: slot rows
-    ``[E * C, H]`` alone, or ``source [E * C]`` (the row each slot holds, -1 empty) and the
-    source rows it indexes (``[N, W]``, then optionally a second ``[M, W']`` numbered after
-    them; the first H columns of each row are read)."""
+def _gate_up_call(
+    x_rows, source, w_gate_up, group_start, counts, *, rows, max_rows, cfg, interpret
+):  # fmt: skip
+    """Kernel 1: the ``[E * C, F]`` hidden rows of every live tile, from slot rows ``x_rows
+    [E * C, H]`` (``source`` None) or from source rows ``x_rows [N, H]`` through ``source
+    [E * C]`` (the row each slot holds, -1 empty)."""
     num_experts, hidden, _, ffn = w_gate_up.shape
     block_m, block_n, block_k = _launch(rows, hidden, ffn, cfg, interpret)
     num_tiles = _max_tiles(num_experts, rows, block_m, max_rows)
     num_n = ffn // block_n
     kernel = functools.partial(
         _gate_up_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
-        block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn,
+        block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn, gathered=source is not None,
     )  # fmt: skip
-    operands = [row_tiles(group_start, counts, block_m, num_tiles), *x_refs]
-    operands += [w_gate_up.reshape(num_experts, hidden, 2 * ffn)]
+    operands = [row_tiles(group_start, counts, block_m, num_tiles)]
+    operands += [] if source is None else [source]
+    operands += [x_rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn)]
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_experts * rows, ffn), w_gate_up.dtype),
+        out_shape=jax.ShapeDtypeStruct((num_experts * rows, ffn), x_rows.dtype),
         grid=(num_tiles * num_n,),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
@@ -282,11 +257,12 @@ def grouped_ffn_pallas(
     group_start = jnp.arange(num_experts, dtype=jnp.int32) * capacity
     common = dict(rows=capacity, max_rows=max_rows, interpret=interpret)
     if isinstance(x_slots, slot_rows.SlotRows):
-        x_refs = [x_slots.slot_row.reshape(-1).astype(jnp.int32), x_slots.rows]
-        x_refs += [] if x_slots.second_rows is None else [x_slots.second_rows]
+        x_rows, source = x_slots.rows, x_slots.slot_row.reshape(-1).astype(jnp.int32)
     else:
-        x_refs = [x_slots.reshape(num_experts * capacity, hidden)]
-    h_rows = _gate_up_call(x_refs, w_gate_up, group_start, counts, cfg=cfg.gate_up, **common)
+        x_rows, source = x_slots.reshape(num_experts * capacity, hidden), None
+    h_rows = _gate_up_call(
+        x_rows, source, w_gate_up, group_start, counts, cfg=cfg.gate_up, **common
+    )
     out = _down_call(
         h_rows, w_down, group_start, counts, cfg=cfg.down, zero_padding=zero_padding, **common
     )
@@ -313,7 +289,6 @@ def _check_inputs(x_slots, counts, w_gate_up, w_down) -> None:
             )
         if not jnp.issubdtype(x_slots.slot_row.dtype, jnp.integer):
             raise ValueError(f"slot_row must be integers, got {x_slots.slot_row.dtype}")
-        _check_row_sources(x_slots)
     elif x_slots.ndim != 3:
         raise ValueError(f"x_slots must be [E, C, H], got shape {x_slots.shape}")
     num_experts, _, hidden = x_slots.shape
@@ -333,23 +308,6 @@ def _check_inputs(x_slots, counts, w_gate_up, w_down) -> None:
         raise ValueError(f"x_slots, w_gate_up and w_down must share a dtype, got {dtypes}")
 
 
-def _check_row_sources(x_slots: slot_rows.SlotRows) -> None:
-    """Every source holds rows of at least the slots' width, in one dtype."""
-    sources = [("rows", x_slots.rows)]
-    if x_slots.second_rows is not None:
-        sources.append(("second_rows", x_slots.second_rows))
-    width = x_slots.shape[2]
-    for name, source in sources:
-        if source.ndim != 2 or source.shape[1] < width:
-            raise ValueError(
-                f"SlotRows.{name} shape {source.shape} must be [rows, >= width={width}]"
-            )
-        if source.dtype != x_slots.rows.dtype:
-            raise ValueError(
-                f"SlotRows.{name} dtype {source.dtype} must be the rows' {x_slots.rows.dtype}"
-            )
-
-
 def grouped_ffn(
     x_slots: jax.Array | slot_rows.SlotRows,
     counts: jax.Array,
@@ -365,10 +323,9 @@ def grouped_ffn(
 
     Args:
       x_slots: ``[E, C, H]`` rows per expert slot; expert ``e``'s rows are its first
-        ``counts[e]`` slots. Or ``SlotRows``, the same slots as source rows (one or two
-        sources, each row's first H columns) and a row index per slot: ``impl="pallas"``
-        loads the rows through the index (no slot buffer is written), ``impl="xla"``
-        materializes the slot buffer first.
+        ``counts[e]`` slots. Or ``SlotRows``, the same slots as source rows and a row index
+        per slot: ``impl="pallas"`` loads the rows through the index (no slot buffer is
+        written), ``impl="xla"`` materializes the slot buffer first.
       counts: ``[E]`` integer rows per expert (may be traced); clipped to ``[0, C]``.
       w_gate_up: ``[E, H, 2, F]`` (gate at index 0, up at 1).
       w_down: ``[E, F, H]``.

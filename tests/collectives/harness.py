@@ -7,13 +7,11 @@ TP group in tp_rank order) and come out the same way, so a test sees every devic
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from jtbo.collectives import mesh as mesh_lib
-from jtbo.collectives import peer_copy
 
 LAYOUTS = ((8, 1), (4, 2), (2, 4), (1, 8))
 
@@ -54,28 +52,3 @@ def per_device(stacked, num_devices):
     """Splits a stacked output back into ``[num_devices, rows, ...]``."""
     stacked = np.asarray(stacked)
     return stacked.reshape((num_devices, -1) + stacked.shape[1:])
-
-
-def poison_skipped_blocks(monkeypatch, axis_names=mesh_lib.TP_AXES):
-    """Makes every peer-copy wait whose start skipped the device's own block fill that block
-    with NaN (floats; all bits set otherwise), as garbage left in the unwritten block would be:
-    a consumer that reads it shows. Trace the program under test after this (a fresh jit).
-
-    Args:
-      monkeypatch: the test's pytest fixture.
-      axis_names: the mesh axes of the exchange group, major first (the device's rank).
-    """
-    real_wait = peer_copy.all_to_all_wait
-
-    def wait(in_flight, group):
-        received = real_wait(in_flight, group)
-        if not in_flight.skip_self:
-            return received
-        block = received.shape[0] // len(group)
-        rank = jax.lax.axis_index(axis_names)
-        floating = jnp.issubdtype(received.dtype, jnp.floating)
-        fill = jnp.nan if floating else -1
-        poison = jnp.full((block,) + received.shape[1:], fill, received.dtype)
-        return jax.lax.dynamic_update_slice_in_dim(received, poison, rank * block, axis=0)
-
-    monkeypatch.setattr(peer_copy, "all_to_all_wait", wait)

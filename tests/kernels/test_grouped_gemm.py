@@ -176,18 +176,15 @@ def test_gemm_config_fits_blocks():
     assert cfg.rows_block(5) == 16 and cfg.rows_block(40) == 64 and cfg.rows_block(999) == 128
 
 
-@pytest.mark.parametrize("gathered", [False, True, "two_packed"])
+@pytest.mark.parametrize("gathered", [False, True])
 def test_kernels_compile_for_an_h200_on_the_cpu(gathered):
     # The Triton lowering and XLA's Triton compile of both kernels at DeepSeek-V3's expert
     # shapes (H 7168, F 2048, bf16, default config), for a described H200 (jtbo.aot): slot
-    # rows, or source rows loaded through a row index per slot (SlotRows), or two sources
-    # of packed rows (an EP exchange's: 2 trailing id columns) read to the width H.
+    # rows, or source rows loaded through a row index per slot (SlotRows).
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
     sharding = jax.sharding.NamedSharding(aot.gpu_mesh((1,), ("x",)), jax.sharding.PartitionSpec())
-    width = 7170 if gathered == "two_packed" else 7168
-    shapes = [((300, width), jnp.bfloat16), ((4, 96), jnp.int32)] if gathered else []
-    shapes += [((300, width), jnp.bfloat16)] if gathered == "two_packed" else []
+    shapes = [((300, 7168), jnp.bfloat16), ((4, 96), jnp.int32)] if gathered else []
     shapes += [] if gathered else [((4, 96, 7168), jnp.bfloat16)]
     shapes += [((4,), jnp.int32)]
     shapes += [((4, 7168, 2, 2048), jnp.bfloat16), ((4, 2048, 7168), jnp.bfloat16)]
@@ -195,14 +192,7 @@ def test_kernels_compile_for_an_h200_on_the_cpu(gathered):
     kernel = functools.partial(
         grouped_gemm.grouped_ffn_pallas, max_rows=200, cfg=gemm_config.GROUPED_FFN, interpret=False
     )
-    if gathered == "two_packed":
-        kernel = functools.partial(
-            lambda rows, slot_row, second, *rest, run: run(
-                kernels.SlotRows(rows, slot_row, second, width=7168), *rest
-            ),
-            run=kernel,
-        )
-    elif gathered:
+    if gathered:
         kernel = functools.partial(
             lambda rows, slot_row, *rest, run: run(kernels.SlotRows(rows, slot_row), *rest),
             run=kernel,
@@ -261,46 +251,6 @@ def test_bad_slot_rows_raise():
     floats = kernels.SlotRows(rows=jnp.zeros((8, H)), slot_row=jnp.zeros((E, 21), jnp.float32))
     with pytest.raises(ValueError, match="integers"):
         kernels.grouped_ffn(floats, counts, w_gate_up, w_down, impl="xla")
-
-
-def _two_source_slot_rows(seed, capacity, counts):
-    """``_slot_rows``' slots over two packed sources: the rows split in two (every other row
-    into the second source, numbered after the first), each row with 3 trailing columns of
-    NaN that must not be read."""
-    one = _slot_rows(seed, capacity, counts)
-    rows = np.asarray(one.rows)
-    packed = np.concatenate([rows, np.full((rows.shape[0], 3), np.nan, np.float32)], axis=1)
-    first, second = packed[0::2], packed[1::2]
-    slot_row = np.asarray(one.slot_row)
-    index = np.where(slot_row % 2 == 0, slot_row // 2, first.shape[0] + slot_row // 2)
-    index = np.where(slot_row >= 0, index, -1).astype(np.int32)
-    two = kernels.SlotRows(jnp.asarray(first), jnp.asarray(index), jnp.asarray(second), width=H)
-    return two, one
-
-
-@pytest.mark.parametrize("impl", _impls())
-def test_two_source_slot_rows_match_one_source(impl):
-    counts = np.array([21, 4, 0, 13], np.int32)
-    two, one = _two_source_slot_rows(7, 21, counts)
-    np.testing.assert_array_equal(np.asarray(two.materialize()), np.asarray(one.materialize()))
-    _, w_gate_up, w_down = _inputs(7, 21)
-    run = functools.partial(kernels.grouped_ffn, counts=jnp.asarray(counts), w_gate_up=w_gate_up,
-                            w_down=w_down, impl=impl, config=SMALL)  # fmt: skip
-    chex.assert_trees_all_close(run(two), run(one), **F32_TOL)
-    want = _numpy_ffn(np.asarray(one.materialize()), counts, w_gate_up, w_down)
-    chex.assert_trees_all_close(run(two), want, **F32_TOL)
-
-
-def test_bad_second_rows_raise():
-    _, w_gate_up, w_down = _inputs(0, 21)
-    counts = jnp.zeros((E,), jnp.int32)
-    index = jnp.zeros((E, 21), jnp.int32)
-    narrow = kernels.SlotRows(jnp.zeros((8, H + 2)), index, jnp.zeros((8, H - 1)), width=H)
-    with pytest.raises(ValueError, match="second_rows shape"):
-        kernels.grouped_ffn(narrow, counts, w_gate_up, w_down, impl="xla")
-    mixed = kernels.SlotRows(jnp.zeros((8, H)), index, jnp.zeros((8, H), jnp.int32))
-    with pytest.raises(ValueError, match="second_rows dtype"):
-        kernels.grouped_ffn(mixed, counts, w_gate_up, w_down, impl="xla")
 
 
 @pytest.mark.parametrize("impl", _impls())

@@ -36,18 +36,3 @@ def test_invert_slots_names_each_slots_item_and_gather_rows_reads_them():
     source = rng.standard_normal((7, 3)).astype(np.float32) + 5.0
     rows = np.asarray(slot_rows.gather_rows(jnp.asarray(source), jnp.asarray(got)))
     np.testing.assert_array_equal(rows, np.where(want[:, None] >= 0, source[want], 0.0))
-
-
-def test_two_sources_are_numbered_one_after_the_other_and_read_to_the_width():
-    rng = np.random.default_rng(4)
-    rows = rng.standard_normal((5, 6)).astype(np.float32)  # 4 row columns, 2 trailing
-    second = rng.standard_normal((3, 7)).astype(np.float32) + 10.0
-    slot_row = np.array([[6, 0, -1], [4, 7, 5]], np.int32)  # 5.. name rows of `second`
-    slots = kernels.SlotRows(jnp.asarray(rows), jnp.asarray(slot_row), jnp.asarray(second), 4)
-    joined = np.concatenate([rows[:, :4], second[:, :4]])
-    want = np.where(slot_row[..., None] >= 0, joined[np.maximum(slot_row, 0)], 0.0)
-    assert slots.shape == (2, 3, 4)
-    np.testing.assert_array_equal(np.asarray(slots.materialize()), want)
-    flat = slot_rows.gather_rows_of_two(jnp.asarray(rows), jnp.asarray(second[:, :6]),
-                                        jnp.asarray(slot_row.reshape(-1)))  # fmt: skip
-    np.testing.assert_array_equal(np.asarray(flat)[:, :4], want.reshape(-1, 4))
