@@ -89,6 +89,7 @@ def test_interleaved_exchanges_each_find_their_own_buffer_over_repeated_runs(sta
             np.testing.assert_array_equal(np.asarray(got).reshape(want.shape), want)
 
 
+@pytest.mark.skipif(NDEV == 1, reason="any row count splits into a group of one device")
 def test_rows_must_split_into_the_group():
     mesh = _mesh()
     with pytest.raises(ValueError, match=f"multiple of {NDEV} devices"):
