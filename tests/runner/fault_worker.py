@@ -34,7 +34,7 @@ def _inject(fault: str) -> None:
     assemble, apply = planning.assemble, generate._apply
     calls = {"apply": 0}
 
-    def faulty_assemble(local, ranks, decision, options):
+    def faulty_assemble(local, ranks, decision, options, picked=None):
         modes = {item.batch.forward_mode.name for item in local}
         if (
             fault == "kill_prefill"
@@ -46,7 +46,7 @@ def _inject(fault: str) -> None:
         if fault == "raise_assemble" and "DECODE" in modes:
             print(f"fault at {time.time()}: raise in assemble", flush=True)
             raise RuntimeError("injected fault in planning.assemble")
-        return assemble(local, ranks, decision, options)
+        return assemble(local, ranks, decision, options, picked)
 
     def faulty_apply(*args, **kwargs):
         calls["apply"] += 1
