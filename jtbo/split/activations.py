@@ -113,6 +113,16 @@ def _rows_of(tree: Any, name: str) -> int:
     return rows.pop()
 
 
+def _child_rows(tree_a: Any, tree_b: Any) -> tuple[int, int]:
+    """Both children's row counts, after checking they share one structure and a leading axis."""
+    if jax.tree.structure(tree_a) != jax.tree.structure(tree_b):
+        raise ValueError(
+            f"tree_a and tree_b differ in structure: {jax.tree.structure(tree_a)} vs "
+            f"{jax.tree.structure(tree_b)}"
+        )
+    return _rows_of(tree_a, "tree_a"), _rows_of(tree_b, "tree_b")
+
+
 def split_inputs(
     tree: Any,
     split_token_index: Any,
@@ -174,13 +184,7 @@ def merge_outputs(
     Raises:
       ValueError: trees of different structure or leaves without a shared leading axis.
     """
-    if jax.tree.structure(tree_a) != jax.tree.structure(tree_b):
-        raise ValueError(
-            f"tree_a and tree_b differ in structure: {jax.tree.structure(tree_a)} vs "
-            f"{jax.tree.structure(tree_b)}"
-        )
-    _rows_of(tree_a, "tree_a")
-    _rows_of(tree_b, "tree_b")
+    _child_rows(tree_a, tree_b)
     starts = (0, split_token_index)
     lengths = (split_token_index, num_tokens - split_token_index)
 
@@ -210,15 +214,10 @@ def take_merged_rows(tree_a: Any, tree_b: Any, split_token_index: Any, rows: jax
     Raises:
       ValueError: trees of different structure or leaves without a shared leading axis.
     """
-    if jax.tree.structure(tree_a) != jax.tree.structure(tree_b):
-        raise ValueError(
-            f"tree_a and tree_b differ in structure: {jax.tree.structure(tree_a)} vs "
-            f"{jax.tree.structure(tree_b)}"
-        )
-    capacity = _rows_of(tree_a, "tree_a")
+    capacity_a, capacity_b = _child_rows(tree_a, tree_b)
     in_a = rows < split_token_index
-    row_a = jnp.clip(rows, 0, capacity - 1)
-    row_b = jnp.clip(rows - split_token_index, 0, _rows_of(tree_b, "tree_b") - 1)
+    row_a = jnp.clip(rows, 0, capacity_a - 1)
+    row_b = jnp.clip(rows - split_token_index, 0, capacity_b - 1)
 
     def take(a, b):
         pick = in_a.reshape(in_a.shape + (1,) * (a.ndim - 1))
