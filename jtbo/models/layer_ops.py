@@ -45,6 +45,12 @@ SINGLE_DEVICE_MERGE_MAX_ROWS = 1024
 read once: ``jtbo.models.step.step_compiler_options``, ``MoEOptions.moe_runner_backend_tbo``)."""
 
 
+def merges_micro_batches(num_devices: int, child_capacity: int) -> bool:
+    """Whether a TBO step merges A's and B's matmuls over each weight (one device, micro-batches
+    of at most ``SINGLE_DEVICE_MERGE_MAX_ROWS`` rows: nothing to hide, weight-bandwidth bound)."""
+    return num_devices == 1 and child_capacity <= SINGLE_DEVICE_MERGE_MAX_ROWS
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEOptions:
     """How the MoE layers exchange tokens and run their experts (SGLang's ``--moe-*`` options).
@@ -145,7 +151,7 @@ class MoEOptions:
         """
         if self.moe_runner_backend_tbo is not None:
             return self.moe_runner_backend_tbo
-        if num_devices == 1 and child_capacity <= SINGLE_DEVICE_MERGE_MAX_ROWS:
+        if merges_micro_batches(num_devices, child_capacity):
             return "xla"
         return self.moe_runner_backend
 

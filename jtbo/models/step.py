@@ -467,7 +467,7 @@ def step_compiler_options(mesh: jax.sharding.Mesh, child_capacity: int | None) -
         return options
     if mesh.devices.size > 1:
         return options | xla_options.tbo_compiler_options()
-    if child_capacity <= layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS:
+    if layer_ops.merges_micro_batches(mesh.devices.size, child_capacity):
         options["xla_gpu_dot_merger_threshold_mb"] = SINGLE_DEVICE_DOT_MERGER_MB
     return options
 
