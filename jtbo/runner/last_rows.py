@@ -18,6 +18,12 @@ LOGITS_MODES = ("all", "last")
 """``ModelRunner.forward(logits=...)``: every token's row, or each sequence's last one."""
 
 
+def check_mode(logits: str) -> None:
+    """Raises ValueError unless ``logits`` is one of ``LOGITS_MODES``."""
+    if logits not in LOGITS_MODES:
+        raise ValueError(f"logits must be one of {LOGITS_MODES}, got {logits!r}")
+
+
 def last_rows(batch: split.ForwardBatch) -> np.ndarray:
     """``[batch_size]`` int32 row of each sequence's last token in the step, in batch order.
 

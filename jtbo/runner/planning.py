@@ -480,8 +480,7 @@ def plan_step_for_ranks(
     Returns:
       The ``StepPlan``.
     """
-    if logits not in last_rows.LOGITS_MODES:
-        raise ValueError(f"logits must be one of {last_rows.LOGITS_MODES}, got {logits!r}")
+    last_rows.check_mode(logits)
     local = [summarize(b, options) for b in batches]
     decision = decide([r.summary for r in local], options)
     picked = [last_rows.last_rows(batches[r]) for r in ranks] if logits == "last" else None

@@ -330,8 +330,7 @@ class ModelRunner:
             also ``step_exchange.StepRejectedError`` on every other process.
           ExpertCapacityError: the step dropped routed tokens (raise ``ep_capacity_factor``).
         """
-        if logits not in last_rows.LOGITS_MODES:
-            raise ValueError(f"logits must be one of {last_rows.LOGITS_MODES}, got {logits!r}")
+        last_rows.check_mode(logits)
         return self._forward(batches, logits == "last")[0]
 
     def step_idle(self) -> bool:
