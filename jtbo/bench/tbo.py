@@ -150,6 +150,10 @@ def _parser() -> argparse.ArgumentParser:
         "(default: the runner's, the fastest on this platform)",
     )  # fmt: skip
     parser.add_argument(
+        "--moe-runner-backend-tbo", choices=("xla", "pallas"), default=None,
+        help="routed experts' FFN of the TBO steps (default: --moe-runner-backend)",
+    )  # fmt: skip
+    parser.add_argument(
         "--ep-overflow-policy", choices=("rerun", "raise"), default="rerun",
         help="a step that overflows EP capacity re-runs with the next bucket (warm-up absorbs it)",
     )  # fmt: skip
@@ -610,6 +614,7 @@ def _agreement(got: np.ndarray, want: np.ndarray) -> str:
 def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = False, shared=None):
     moe = layer_ops.MoEOptions(
         moe_a2a_backend=args.moe_a2a_backend, moe_runner_backend=args.moe_runner_backend,
+        moe_runner_backend_tbo=args.moe_runner_backend_tbo,
         ep_capacity_factor=args.ep_capacity_factor, ep_overflow_policy=args.ep_overflow_policy,
         ep_exchange=args.ep_exchange, ep_exchange_tbo=args.ep_exchange_tbo, ep_dedup=args.ep_dedup,
     )  # fmt: skip

@@ -179,7 +179,8 @@ def combine_a(
 
     Args:
       dispatcher: the micro-batch's dispatcher.
-      expert_outputs: ``[num_local_experts, expert_capacity, H_out]``.
+      expert_outputs: ``[num_local_experts, C, H_out]`` (``C`` as ``state``'s slots count:
+        ``expert_capacity``, or a joint GEMM's, ``ep_dispatch._flat_expert_outputs``).
       state: ``dispatch_b``'s state.
 
     Returns:

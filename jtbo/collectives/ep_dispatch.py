@@ -175,7 +175,8 @@ def combine_a(
 
     Args:
       dispatcher: the micro-batch's dispatcher.
-      expert_outputs: ``[num_local_experts, expert_capacity, H_out]``.
+      expert_outputs: ``[num_local_experts, C, H_out]`` (``C`` as ``state``'s slots count:
+        ``expert_capacity``, or a joint GEMM's, ``_flat_expert_outputs``).
       state: ``dispatch_b``'s state.
 
     Returns:
@@ -308,10 +309,22 @@ def _finish(dispatcher, in_flight: peer_copy.InFlight) -> jax.Array:
 
 
 def _flat_expert_outputs(dispatcher, expert_outputs):
-    """``[num_local_experts * expert_capacity, H_out]`` rows of the slot-layout outputs."""
-    slots = (dispatcher.num_local_experts, dispatcher.expert_capacity)
-    if expert_outputs.shape[:2] != slots:
-        raise ValueError(f"expert_outputs shape {expert_outputs.shape} must start with {slots}")
+    """``[num_local_experts * C, H_out]`` rows of the slot-layout outputs.
+
+    ``C`` is the dispatcher's ``expert_capacity``, or more where the outputs are a joint
+    grouped GEMM's over two micro-batches' slots (``slot_rows.concat_slots``; the state's
+    ``recv_expert_slot`` then counts in those slots, ``slot_rows.move_slots``).
+    """
+    num_local, capacity = dispatcher.num_local_experts, dispatcher.expert_capacity
+    if (
+        expert_outputs.ndim != 3
+        or expert_outputs.shape[0] != num_local
+        or (expert_outputs.shape[1] < capacity)
+    ):
+        raise ValueError(
+            f"expert_outputs shape {expert_outputs.shape} must be [{num_local}, C >= "
+            f"{capacity}, H_out]"
+        )
     return expert_outputs.reshape((-1,) + expert_outputs.shape[2:])
 
 

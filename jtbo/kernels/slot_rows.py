@@ -70,3 +70,60 @@ def gather_rows(source: jax.Array, index: jax.Array) -> jax.Array:
     rows = source.at[jnp.maximum(index, 0)].get(mode="promise_in_bounds")
     present = (index >= 0).reshape(index.shape + (1,) * (source.ndim - 1))
     return jnp.where(present, rows, jnp.zeros((), source.dtype))
+
+
+def concat_slots(first: SlotRows, first_counts: jax.Array, second: SlotRows) -> SlotRows:
+    """Both slot sets as one, each expert's rows of ``first`` followed by those of ``second``.
+
+    Two micro-batches' expert slots over the same experts become the slots of one grouped GEMM,
+    which then reads each expert's weights once for both. Expert ``e``'s rows stay its first
+    slots: ``first``'s ``first_counts[e]`` rows, then ``second``'s.
+
+    Args:
+      first: ``[E, C1, H]`` slots; expert ``e``'s rows fill its first ``first_counts[e]``.
+      first_counts: ``[E]`` int32 rows per expert in ``first``.
+      second: ``[E, C2, H]`` slots, rows filled from slot 0 up as in ``first``.
+
+    Returns:
+      ``[E, C1 + C2, H]`` slots over ``first.rows`` followed by ``second.rows``.
+
+    Raises:
+      ValueError: the slot sets differ in experts or row width.
+    """
+    if (
+        first.slot_row.shape[0] != second.slot_row.shape[0]
+        or first.rows.shape[1:] != (second.rows.shape[1:])
+    ):
+        raise ValueError(f"slot sets {first.shape} and {second.shape} do not concatenate")
+    first_capacity, second_capacity = first.slot_row.shape[1], second.slot_row.shape[1]
+    slot = jnp.arange(first_capacity + second_capacity, dtype=jnp.int32)[None, :]
+    padded = jnp.pad(first.slot_row, ((0, 0), (0, second_capacity)), constant_values=-1)
+    in_second = slot - first_counts[:, None].astype(jnp.int32)  # [E, C1 + C2]
+    taken = jnp.take_along_axis(
+        second.slot_row, jnp.clip(in_second, 0, second_capacity - 1), axis=1
+    )
+    shifted = jnp.where(taken >= 0, taken + first.rows.shape[0], -1)
+    from_second = jnp.where((in_second >= 0) & (in_second < second_capacity), shifted, -1)
+    index = jnp.where(in_second < 0, padded, from_second)
+    return SlotRows(jnp.concatenate([first.rows, second.rows]), index)
+
+
+def move_slots(
+    flat_slot: jax.Array, capacity: int, new_capacity: int, offset: jax.Array
+) -> jax.Array:
+    """Flat slot indices of ``[E, capacity]`` slots in ``[E, new_capacity]`` slots, each
+    expert's slots moved ``offset[e]`` places on (``concat_slots``: ``offset`` is 0 for the
+    first set, the first set's counts for the second).
+
+    Args:
+      flat_slot: ``[...]`` int32 ``e * capacity + position``, -1 for none.
+      capacity: the slots per expert ``flat_slot`` counts in.
+      new_capacity: the slots per expert of the result.
+      offset: ``[E]`` int32 places each expert's slots move.
+
+    Returns:
+      ``flat_slot``'s shape, int32 ``e * new_capacity + offset[e] + position`` (-1 stays).
+    """
+    expert, position = flat_slot // capacity, flat_slot % capacity
+    moved = expert * new_capacity + offset[jnp.maximum(expert, 0)] + position
+    return jnp.where(flat_slot >= 0, moved, -1).astype(jnp.int32)

@@ -41,8 +41,8 @@ from jtbo.models import moe_exchange, router
 MOE_BACKENDS = ("ep", "none")
 MOE_RUNNER_BACKENDS = ("xla", "pallas")
 SINGLE_DEVICE_MERGE_MAX_ROWS = 1024
-"""Micro-batch rows up to which a one-device TBO step merges A's and B's matmuls (each weight
-read once: ``jtbo.models.step.step_compiler_options``, ``MoEOptions.moe_runner_backend_tbo``)."""
+"""Micro-batch rows up to which a one-device TBO step lets XLA merge A's and B's matmuls (each
+weight read once: ``jtbo.models.step.step_compiler_options``)."""
 
 
 def merges_micro_batches(num_devices: int, child_capacity: int) -> bool:
@@ -63,14 +63,9 @@ class MoEOptions:
         filled slots only; ``jtbo.kernels.grouped_gemm``); None: the fastest here that tiles
         the model, resolved by the runner (``jtbo.runner.kernel_backends``; a
         ``ParallelConfig`` needs it resolved).
-      moe_runner_backend_tbo: impl of the routed experts' FFN in TBO steps. None: the XLA
-        capacity einsum for TBO steps on a one-device mesh whose micro-batches hold at most
-        ``SINGLE_DEVICE_MERGE_MAX_ROWS`` rows, ``moe_runner_backend`` otherwise
-        (``tbo_runner_backend``). Such steps are weight-bandwidth bound, and there XLA merges
-        the two micro-batches' expert einsums over the shared weights (``jtbo.models.step.
-        step_compiler_options``), so each expert weight is read once per step, as without
-        TBO; two grouped GEMM calls (custom calls, which XLA does not merge) read every
-        weight twice.
+      moe_runner_backend_tbo: impl of the routed experts' FFN in TBO steps; None:
+        ``moe_runner_backend``. (On a one-device mesh a TBO step runs both micro-batches'
+        experts as one call either way, ``jtbo.models.step._run_tbo``.)
       ep_capacity_factor: "ep" slots per peer and per local expert as a multiple of the
         balanced load (``collectives.create_ep_dispatcher``); None takes the worst case, which
         never overflows.
@@ -139,21 +134,10 @@ class MoEOptions:
                     f"{name}={getattr(self, name)!r}: expected None or one of {MOE_RUNNER_BACKENDS}"
                 )
 
-    def tbo_runner_backend(self, num_devices: int, child_capacity: int) -> str:
-        """The experts' impl of a TBO step (``moe_runner_backend_tbo``; see the field).
-
-        Args:
-          num_devices: devices of the step's mesh.
-          child_capacity: rows of each micro-batch.
-
-        Returns:
-          "xla" or "pallas" (``moe_runner_backend`` must be resolved).
-        """
-        if self.moe_runner_backend_tbo is not None:
-            return self.moe_runner_backend_tbo
-        if merges_micro_batches(num_devices, child_capacity):
-            return "xla"
-        return self.moe_runner_backend
+    def tbo_runner_backend(self) -> str:
+        """The experts' impl of a TBO step: ``moe_runner_backend_tbo``, else
+        ``moe_runner_backend`` (which must be resolved)."""
+        return self.moe_runner_backend_tbo or self.moe_runner_backend
 
 
 @dataclasses.dataclass(frozen=True)

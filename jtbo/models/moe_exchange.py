@@ -17,13 +17,21 @@ Two backends, as SGLang's DP-attention MoE has:
   expert ids and weights ride in the rows, ``rows.pack_int32_columns``); every device runs
   all experts on its slice of the expert hidden width; ``combine_a`` reduce-scatters the
   partial sums back to the DP ranks.
+
+Both backends' ``experts`` have a joint form (``operations.JointOperation``) for the lockstep
+executor of one-device TBO steps: one grouped GEMM over both micro-batches' rows (EP: their
+slots concatenated per expert, ``slot_rows.concat_slots``, and each micro-batch's slot indices
+moved to match, ``slot_rows.move_slots``), so each expert weight is read once per step.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from jtbo.collectives import ep_dedup, ep_dispatch, gather, rows, scatter
 from jtbo.collectives import mesh as mesh_lib
+from jtbo.kernels import slot_rows
 from jtbo.models import experts
 from jtbo.models import model as model_lib
 from jtbo.overlap import operations
@@ -68,23 +76,51 @@ def ep_operations(
       Operation name -> callable.
     """
 
-    def experts_op(state):
-        inputs, dispatch_state = state.pop("dispatch_output")
-        num_local, capacity = inputs.shape[:2]
-        counts = expert_counts(dispatch_state.recv_expert_slot, num_local, capacity)
+    def ffn(inputs, counts, max_rows):
         # combine_a reads only the filled slots: the kernel need not zero the rest.
-        outputs = experts.experts_ffn_slots(
-            inputs, counts, moe.experts.weights, impl=moe_runner_backend,
-            max_rows=min(num_local * capacity, dispatch_state.recv_expert_slot.shape[0]),
+        return experts.experts_ffn_slots(
+            inputs, counts, moe.experts.weights, impl=moe_runner_backend, max_rows=max_rows,
             zero_padding=False,
         )  # fmt: skip
-        state.expert_output = (outputs, dispatch_state)
+
+    def experts_op(state):
+        inputs, dispatch_state = state.pop("dispatch_output")
+        counts, max_rows = _slot_counts(inputs, dispatch_state)
+        state.expert_output = (ffn(inputs, counts, max_rows), dispatch_state)
+
+    def experts_joint(states, inputs):
+        del inputs  # the experts read the state only
+        (slots_a, state_a), (slots_b, state_b) = [s.pop("dispatch_output") for s in states]
+        (counts_a, rows_a), (counts_b, rows_b) = map(
+            _slot_counts, (slots_a, slots_b), (state_a, state_b)
+        )
+        joint = slot_rows.concat_slots(slots_a, counts_a, slots_b)
+        outputs = ffn(joint, counts_a + counts_b, rows_a + rows_b)
+        for state, slots, dispatch_state, offset in zip(
+            states, (slots_a, slots_b), (state_a, state_b), (jnp.zeros_like(counts_a), counts_a),
+            strict=True,
+        ):  # fmt: skip
+            moved = slot_rows.move_slots(
+                dispatch_state.recv_expert_slot, slots.shape[1], joint.shape[1], offset
+            )
+            state.expert_output = (
+                outputs,
+                dataclasses.replace(dispatch_state, recv_expert_slot=moved),
+            )
+        return None, None
 
     return dict(
         **_ep_dispatch_operations(attn_tp_size),
-        experts=experts_op,
+        experts=operations.JointOperation(experts_op, experts_joint),
         **_ep_combine_operations(attn_tp_size),
     )
+
+
+def _slot_counts(inputs: slot_rows.SlotRows, dispatch_state) -> tuple[jax.Array, int]:
+    """``([num_local] int32 filled slots per local expert, static bound on their sum)``."""
+    num_local, capacity = inputs.shape[:2]
+    counts = expert_counts(dispatch_state.recv_expert_slot, num_local, capacity)
+    return counts, min(num_local * capacity, dispatch_state.recv_expert_slot.shape[0])
 
 
 def _ep_dispatch_operations(tp: int) -> dict:
@@ -162,12 +198,22 @@ def gather_operations(moe: model_lib.MoEBlock, moe_runner_backend: str = "xla") 
         ids, weights = jnp.split(side, 2, axis=1)
         state.dispatch_output = (x, ids - 1, jax.lax.bitcast_convert_type(weights, jnp.float32))
 
-    def experts_op(state):
-        x, ids, weights = state.pop("dispatch_output")
+    def ffn(x, ids, weights):
         # Every device holds all experts' slice of the hidden width: a partial sum per row.
-        state.expert_output = experts.experts_capacity(
+        return experts.experts_capacity(
             x, ids, weights, moe.experts.weights, impl=moe_runner_backend
         )
+
+    def experts_op(state):
+        state.expert_output = ffn(*state.pop("dispatch_output"))
+
+    def experts_joint(states, inputs):
+        del inputs  # the experts read the state only
+        parts = [state.pop("dispatch_output") for state in states]
+        out = ffn(*(jnp.concatenate(columns) for columns in zip(*parts, strict=True)))
+        first_rows = parts[0][0].shape[0]
+        states[0].expert_output, states[1].expert_output = out[:first_rows], out[first_rows:]
+        return None, None
 
     def combine_a(state):
         reduced = scatter.dp_reduce_scatter_tensor(state.pop("expert_output"), state.dp_context)
@@ -179,7 +225,7 @@ def gather_operations(moe: model_lib.MoEBlock, moe_runner_backend: str = "xla") 
     return dict(
         dispatch_a=dispatch_a,
         dispatch_b=dispatch_b,
-        experts=experts_op,
+        experts=operations.JointOperation(experts_op, experts_joint),
         combine_a=combine_a,
         combine_b=combine_b,
     )

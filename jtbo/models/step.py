@@ -170,10 +170,16 @@ def _contexts(per_rank, replicated, box, dispatchers, child_capacity):
 
 def _run_tbo(
     operations_of, params, per_rank, contexts, child_capacity, barriers, isolate, issue_barriers,
-    pin_issued,
+    pin_issued, lockstep=False,
 ):  # fmt: skip
-    """Both micro-batches staggered; their outputs merged back at the parent offsets (or, for
-    a step with ``logit_rows``, the final hidden states of those rows read from both).
+    """Both micro-batches staggered (or in lockstep); their outputs merged back at the parent
+    offsets (or, for a step with ``logit_rows``, the final hidden states of those rows read
+    from both).
+
+    ``lockstep`` (one-device meshes: nothing is exchanged, so staggering hides nothing) runs
+    the micro-batches operation by operation, and operations with a joint form once for both
+    (``operations.execute_lockstep_operations``): the routed experts then run one grouped GEMM
+    over both micro-batches' rows, which reads each expert weight once, as the plain step does.
 
     ``operations_of(params) -> (ops, delta)`` builds one micro-batch's operation list over a
     view of the parameters. Where one micro-batch's exchange must run beside the other's
@@ -211,10 +217,16 @@ def _run_tbo(
     else:
         built = [operations_of(params)] * 2  # one operation list serves both micro-batches
     delta = built[0][1]
-    outputs = operations.execute_overlapped_operations(
-        children, [ops for ops, _ in built], [0, delta], contexts_arr=contexts, barriers=barriers,
-        issue_barriers=isolate and issue_barriers, pin_issued=isolate and pin_issued,
-    )  # fmt: skip
+    if lockstep:
+        outputs = operations.execute_lockstep_operations(
+            children, [ops for ops, _ in built], contexts_arr=contexts
+        )
+    else:
+        outputs = operations.execute_overlapped_operations(
+            children, [ops for ops, _ in built], [0, delta], contexts_arr=contexts,
+            barriers=barriers, issue_barriers=isolate and issue_barriers,
+            pin_issued=isolate and pin_issued,
+        )  # fmt: skip
     if "logit_rows" in per_rank:
         return activations.take_merged_rows(*outputs, t, per_rank["logit_rows"])
     capacity = per_rank["input_ids"].shape[0]
@@ -223,7 +235,7 @@ def _run_tbo(
 
 def step_body(
     graphdef, parallel, mode, child_capacity, dispatchers, params, kv_cache, per_rank, replicated,
-    *, isolate_micro_batches: bool = False,
+    *, isolate_micro_batches: bool = False, lockstep_micro_batches: bool = False,
 ):  # fmt: skip
     """One DP rank's forward over local shards (the ``shard_map`` body).
 
@@ -239,6 +251,8 @@ def step_body(
       replicated: the DP contexts.
       isolate_micro_batches: keep A and B apart for run-time overlap (``_run_tbo``; TBO on
         multi-device meshes).
+      lockstep_micro_batches: run A and B in lockstep, joint operations once for both
+        (``_run_tbo``; TBO on one-device meshes).
 
     Returns:
       ``(logits [1, rows, vocab], kv_cache, overflow [micro-batches, 2],
@@ -265,6 +279,7 @@ def step_body(
             operations_of, params, per_rank, contexts, child_capacity,
             parallel.tbo_round_barriers, isolate_micro_batches, parallel.issue_barriers,
             parallel.moe.moe_a2a_backend == "ep" and parallel.moe.exchange(True) == "peer_copy",
+            lockstep_micro_batches,
         )  # fmt: skip
     # With logit_rows the LM head runs once, on the picked rows' final hidden states.
     logits = (
@@ -309,15 +324,13 @@ def make_step(
 
 
 def step_parallel(
-    parallel: layer_ops.ParallelConfig, mesh: jax.sharding.Mesh, child_capacity: int | None
+    parallel: layer_ops.ParallelConfig, child_capacity: int | None
 ) -> layer_ops.ParallelConfig:
     """The layout one compiled step runs: a TBO step's experts take
-    ``MoEOptions.tbo_runner_backend`` (the XLA einsum that merges both micro-batches' expert
-    GEMMs on one device), a plain step's ``moe_runner_backend``.
+    ``MoEOptions.tbo_runner_backend``, a plain step's ``moe_runner_backend``.
 
     Args:
       parallel: the runner's layout.
-      mesh: the step's mesh.
       child_capacity: TBO child rows, or None for a plain step.
 
     Returns:
@@ -325,8 +338,7 @@ def step_parallel(
     """
     if child_capacity is None:
         return parallel
-    impl = parallel.moe.tbo_runner_backend(mesh.devices.size, child_capacity)
-    moe = dataclasses.replace(parallel.moe, moe_runner_backend=impl)
+    moe = dataclasses.replace(parallel.moe, moe_runner_backend=parallel.moe.tbo_runner_backend())
     return dataclasses.replace(parallel, moe=moe)
 
 
@@ -339,7 +351,7 @@ def _sharded_step(
     (``pack_step_inputs``); each DP rank unpacks its ``[1, n]`` row with ``key.layouts``.
     """
     per_rank_layout, replicated_layout = key.layouts
-    parallel = step_parallel(parallel, mesh, key.child_capacity)
+    parallel = step_parallel(parallel, key.child_capacity)
 
     def body(params, kv_cache, per_rank_words, replicated_words):
         per_rank = packing.unpack(per_rank_words, per_rank_layout)  # leaves [1, ...]
@@ -356,6 +368,7 @@ def _sharded_step(
         return step_body(
             graphdef, parallel, key.mode, key.child_capacity, key.dispatchers, params,
             kv_cache, per_rank, replicated, isolate_micro_batches=mesh.devices.size > 1,
+            lockstep_micro_batches=mesh.devices.size == 1,
         )  # fmt: skip
 
     in_specs = (
@@ -447,7 +460,7 @@ def step_compiler_options(mesh: jax.sharding.Mesh, child_capacity: int | None) -
     step. So small micro-batches (at most ``layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS`` rows: weight-
     bandwidth bound) let the dot merger loose (XLA's default stops at 32 MB, below an expert
     weight): A's and B's matmuls over one weight become one matmul that reads it once (the
-    routed experts too: such steps run them on the XLA einsum, ``step_parallel``). Large
+    routed experts are one joint call there anyway: ``_run_tbo``'s lockstep). Large
     ones (compute bound) keep XLA's defaults: merging them reads the weights once but
     concatenates both micro-batches' activations first, which costs more traffic
     (BENCHMARKS.md, "TBO step cost on one GPU"). The rows of the two micro-batches stay

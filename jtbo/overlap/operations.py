@@ -15,6 +15,12 @@ Every stage of micro-batch A is traced under ``jax.named_scope("tbo_a")`` and ev
 B under ``"tbo_b"`` (each operation under its own name inside), so the compiled program's
 ``op_name`` metadata says which micro-batch each instruction belongs to.
 
+Lockstep (``execute_lockstep_operations``). Where nothing is exchanged (a one-device mesh)
+staggering has nothing to hide and only costs: each micro-batch runs its own half-size
+kernels and reads every weight again. The lockstep executor runs A's and B's operations side
+by side, one operation at a time, and an operation that has a joint form (``JointOperation``)
+runs it once for both, e.g. the routed experts' grouped GEMM over both micro-batches' rows.
+
 Round barriers (optional). ``lax.optimization_barrier`` over both micro-batches' live arrays
 after every round pins the rounds: nothing of round ``k + 1`` can be hoisted above the
 barrier. A barrier must not include the result of a collective that is still in flight
@@ -44,6 +50,7 @@ import jax
 from jax import lax
 
 MICRO_BATCH_SCOPES = ("tbo_a", "tbo_b")  # named scopes of micro-batch A and B
+JOINT_SCOPE = "tbo_joint"  # named scope of an operation run once for both micro-batches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,12 +58,36 @@ class YieldOperation:
     """Marks the end of a stage: the other micro-batch may run its next stage here."""
 
 
+JointFn = Callable[
+    [tuple["OperationState", "OperationState"], tuple[Mapping[str, Any] | None, ...]],
+    tuple[Mapping[str, Any] | None, Mapping[str, Any] | None],
+]  # joint_fn((state_a, state_b), (inputs_a, inputs_b)) -> (outputs_a, outputs_b)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExecutionOperation:
-    """A named operation: ``fn(state, **inputs) -> outputs`` (outputs a mapping or None)."""
+    """A named operation: ``fn(state, **inputs) -> outputs`` (outputs a mapping or None).
+
+    ``joint_fn``, where given, does the operation's work for both micro-batches at once; only
+    the lockstep executor (``execute_lockstep_operations``) calls it.
+    """
 
     debug_name: str  # shown as a named scope in the compiled program's op_name
     fn: Callable[..., Mapping[str, Any] | None]
+    joint_fn: JointFn | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class JointOperation:
+    """A layer's operation with a form over both micro-batches at once.
+
+    ``strategy.layer_operations`` turns it into an ``ExecutionOperation`` with ``joint_fn``.
+    The joint form must leave each micro-batch's state exactly as ``fn`` run on each would
+    (same keys, same values up to the order of floating-point sums).
+    """
+
+    fn: Callable[..., Mapping[str, Any] | None]  # one micro-batch: fn(state, **inputs)
+    joint_fn: JointFn  # both micro-batches: see ``JointFn``
 
 
 Operation = YieldOperation | ExecutionOperation | Callable[..., Mapping[str, Any] | None]
@@ -335,6 +366,55 @@ def execute_overlapped_operations(
         if barriers:
             _pin_round(executors)
     return [executor_a.stage_output, executor_b.stage_output]
+
+
+def execute_lockstep_operations(
+    inputs_arr: Sequence[Mapping[str, Any]],
+    operations_arr: Sequence[Sequence[Operation]],
+    *,
+    contexts_arr: Sequence[Mapping[str, Any] | None] = (None, None),
+) -> list[Mapping[str, Any] | None]:
+    """Runs micro-batches A and B operation by operation, joint operations once for both.
+
+    For a mesh with nothing to exchange (one device), where staggering hides nothing: A's
+    operation ``i``, then B's, for every ``i`` (yields are ignored), except that an operation
+    with a ``joint_fn`` runs once, over both micro-batches' states (e.g. one grouped GEMM over
+    both micro-batches' expert rows, which reads each expert weight once). Each micro-batch
+    still runs in its own state and scope, so its rows meet only the other's inside a joint
+    operation.
+
+    Args:
+      inputs_arr: (inputs of A, inputs of B).
+      operations_arr: (operations of A, operations of B): the same names in the same order.
+      contexts_arr: read-only state entries of A and of B.
+
+    Returns:
+      [output of A, output of B].
+
+    Raises:
+      ValueError: two micro-batches are not given, or their operation names differ.
+    """
+    _check_pair("inputs_arr", inputs_arr)
+    _check_pair("operations_arr", operations_arr)
+    _check_pair("contexts_arr", contexts_arr)
+    flat = [
+        [op for stage in convert_operations_to_stages(ops) for op in stage]
+        for ops in operations_arr
+    ]
+    names = [[op.debug_name for op in ops] for ops in flat]
+    if names[0] != names[1]:
+        raise ValueError(f"lockstep needs the same operations in A and B: {names[0]} vs {names[1]}")
+    states = (OperationState(contexts_arr[0]), OperationState(contexts_arr[1]))
+    outputs: list[Mapping[str, Any] | None] = list(inputs_arr)
+    for op_a, op_b in zip(*flat, strict=True):
+        if op_a.joint_fn is not None:
+            with jax.named_scope(JOINT_SCOPE), jax.named_scope(op_a.debug_name):
+                outputs = list(op_a.joint_fn(states, tuple(outputs)))
+            continue
+        for index, (scope, op) in enumerate(zip(MICRO_BATCH_SCOPES, (op_a, op_b), strict=True)):
+            with jax.named_scope(scope), jax.named_scope(op.debug_name):
+                outputs[index] = op.fn(states[index], **(outputs[index] or {}))
+    return outputs
 
 
 def _check_pair(name: str, value: Sequence) -> None:

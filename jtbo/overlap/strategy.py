@@ -177,6 +177,13 @@ def layer_operations(
     return tuple(
         operations.YieldOperation()
         if name == YIELD
-        else operations.ExecutionOperation(debug_name=f"L{layer_index}.{name}", fn=ops[name])
+        else _execution_operation(f"L{layer_index}.{name}", ops[name])
         for name in layout
     )
+
+
+def _execution_operation(debug_name: str, op) -> operations.ExecutionOperation:
+    """A layer's callable, or ``JointOperation`` (keeping its joint form), as an operation."""
+    if isinstance(op, operations.JointOperation):
+        return operations.ExecutionOperation(debug_name, op.fn, op.joint_fn)
+    return operations.ExecutionOperation(debug_name=debug_name, fn=op)

@@ -165,13 +165,15 @@ def _pool_copies(hlo_text: str, pool_shape: str) -> int:
     return len(re.findall(rf"= {re.escape(pool_shape)}\{{[0-9,]+\}} copy\(", entry))
 
 
-def _weight_reads(hlo_text: str, weight: str) -> int:
-    """Kernels of the entry computation that take parameter ``weight`` (or a bitcast of it)."""
+def _weight_reads(hlo_text: str, weight: str, kinds: str = "fusion|custom-call") -> int:
+    """Instructions of the entry computation, of the ``kinds`` (an alternation), that take
+    parameter ``weight`` (or a bitcast of it): kernels by default; ``tuple`` counts the loops
+    (the Pallas grouped GEMM's launches run in one) that read it."""
     entry = hlo_text[hlo_text.index("\nENTRY") :]
     names = [re.search(rf"%({re.escape(weight)}[\w.]*) = \S+ parameter\(", entry).group(1)]
     names += re.findall(rf"%([\w.]+) = \S+ bitcast\(%{re.escape(names[0])}\)", entry)
     operand = "|".join(re.escape(name) for name in names)
-    return len(re.findall(rf"(?:fusion|custom-call)\([^)]*%(?:{operand})[,)]", entry))
+    return len(re.findall(rf"(?:{kinds})\([^)]*%(?:{operand})[,)]", entry))
 
 
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
@@ -207,6 +209,30 @@ def test_one_h200_tbo_step_keeps_the_pool_in_place_and_reads_each_weight_once(mo
         "params__layers___1___moe____experts____w_gate_up",
     ):
         assert _weight_reads(text[True], weight) == _weight_reads(text[False], weight) == 1
+
+
+def test_one_h200_tbo_step_runs_one_grouped_gemm_per_layer_for_both_micro_batches():
+    # The lockstep executor's joint experts: a one-device TBO prefill with the Pallas grouped
+    # GEMM (micro-batches past the dot merger's rows) compiles to as many grouped GEMM
+    # kernels as the plain step, not two per layer.
+    if not aot.aot_available():
+        pytest.skip("needs the aot extra (jax-cuda12-plugin)")
+    moe = layer_ops.MoEOptions(ep_capacity_factor=4.0, moe_runner_backend="pallas")
+    config = config_lib.MoEConfig.tiny()
+    reads = {}
+    for tbo in (False, True):
+        jitted, args, options = aot_report.model_step_program(
+            config, aot_report.h200_mesh(1, 1), mode=ForwardMode.EXTEND,
+            tokens_per_rank=2 * layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS + 64, enable_tbo=tbo,
+            moe=moe,
+        )  # fmt: skip
+        text = jitted.lower(*args).compile(compiler_options=options).as_text()
+        reads[tbo] = [
+            _weight_reads(text, f"params__layers___{layer}___moe____experts____w_{name}", "tuple")
+            for layer, moe_layer in enumerate(config.is_moe_layer) if moe_layer
+            for name in ("gate_up", "down")
+        ]  # fmt: skip
+    assert reads[True] == reads[False] == [1] * len(reads[False]), reads
 
 
 def test_step_compiler_options_keep_micro_batches_apart_only_with_communication():
@@ -327,20 +353,13 @@ def test_peer_copy_windows_hold_the_other_micro_batchs_compute():
     assert sum(len(w.between) for w in pinned) > 1.5 * sum(len(w.between) for w in free)
 
 
-def test_tbo_steps_on_one_device_with_small_micro_batches_run_the_merging_experts():
-    one, many = mesh_lib.make_mesh(1, 1), mesh_lib.make_mesh(4, 2)
-    small, large = (
-        layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS,
-        layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS + 1,
-    )
-    parallel = layer_ops.ParallelConfig.for_mesh(
-        one, moe=layer_ops.MoEOptions(moe_runner_backend="pallas")
-    )
-    backend = lambda mesh, child: step.step_parallel(parallel, mesh, child).moe.moe_runner_backend  # noqa: E731
-    assert backend(one, None) == "pallas"  # plain steps keep moe_runner_backend
-    assert backend(one, small) == "xla"
-    assert backend(one, large) == backend(many, small) == "pallas"
-    fixed = dataclasses.replace(parallel.moe, moe_runner_backend_tbo="pallas")
-    assert fixed.tbo_runner_backend(1, small) == "pallas"  # an explicit choice stands
+def test_tbo_steps_run_moe_runner_backend_tbo_and_plain_steps_moe_runner_backend():
+    moe = layer_ops.MoEOptions(moe_runner_backend="pallas")
+    parallel = layer_ops.ParallelConfig.for_mesh(mesh_lib.make_mesh(1, 1), moe=moe)
+    backend = lambda p, child: step.step_parallel(p, child).moe.moe_runner_backend  # noqa: E731
+    assert backend(parallel, None) == backend(parallel, 8) == "pallas"  # None: the plain one
+    fixed = dataclasses.replace(moe, moe_runner_backend_tbo="xla")
+    fixed_parallel = dataclasses.replace(parallel, moe=fixed)
+    assert (backend(fixed_parallel, None), backend(fixed_parallel, 8)) == ("pallas", "xla")
     with pytest.raises(ValueError, match="moe_runner_backend_tbo='cutlass'"):
         layer_ops.MoEOptions(moe_runner_backend_tbo="cutlass")

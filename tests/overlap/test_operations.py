@@ -246,3 +246,66 @@ def test_pin_issued_pins_every_issued_exchange_with_the_other_micro_batch():
     assert len(operands) == 4 and min(operands) >= 3, operands
     got, want = jax.jit(lambda a, b: run(a, b, True))(a, b), run(a, b, False)
     chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _joint_layer(log):
+    """``double`` has a joint form; ``scale`` and ``shift`` do not."""
+
+    def scale(state, x):
+        log.append(("scale", state.name))
+        return dict(x=x * 3.0)
+
+    def double(state, x):
+        log.append(("double", state.name))
+        return dict(x=x * 2.0)
+
+    def double_joint(states, inputs):
+        log.append(("double", "joint"))
+        both = jnp.concatenate([inputs[0]["x"], inputs[1]["x"]]) * 2.0
+        first = inputs[0]["x"].shape[0]
+        return dict(x=both[:first]), dict(x=both[first:])
+
+    def shift(state, x):
+        log.append(("shift", state.name))
+        return dict(x=x + 1.0)
+
+    joint = operations.JointOperation(double, double_joint)
+    return [
+        operations.ExecutionOperation("scale", scale),
+        operations.YieldOperation(),
+        operations.ExecutionOperation("double", joint.fn, joint.joint_fn),
+        operations.ExecutionOperation("shift", shift),
+    ]
+
+
+def test_lockstep_runs_each_operation_for_a_then_b_and_joint_ones_once():
+    log, ops = [], None
+    ops = _joint_layer(log)
+    x_a, x_b = (jax.random.normal(jax.random.key(i), (n, 4)) for i, n in ((0, 3), (1, 5)))
+    out = operations.execute_lockstep_operations(
+        [dict(x=x_a), dict(x=x_b)], [ops, ops], contexts_arr=(dict(name="a"), dict(name="b"))
+    )
+    assert log == [
+        ("scale", "a"), ("scale", "b"), ("double", "joint"), ("shift", "a"), ("shift", "b")
+    ]  # fmt: skip
+    for got, x in zip(out, (x_a, x_b), strict=True):
+        chex.assert_trees_all_close(got["x"], np.asarray(x) * 6.0 + 1.0, rtol=1e-6)
+    # The staggered executor never takes the joint form.
+    log.clear()
+    staggered = operations.execute_overlapped_operations(
+        [dict(x=x_a), dict(x=x_b)],
+        [ops, ops],
+        [0, 1],
+        contexts_arr=(dict(name="a"), dict(name="b")),
+    )
+    assert ("double", "joint") not in log and ("double", "a") in log and ("double", "b") in log
+    chex.assert_trees_all_close(staggered, out)
+
+
+def test_lockstep_refuses_micro_batches_with_different_operations():
+    log = []
+    ops = _joint_layer(log)
+    with pytest.raises(ValueError, match="same operations"):
+        operations.execute_lockstep_operations([dict(x=1.0), dict(x=1.0)], [ops, ops[:-1]])
+    with pytest.raises(ValueError, match="2 micro-batches"):
+        operations.execute_lockstep_operations([dict(x=1.0)], [ops, ops])

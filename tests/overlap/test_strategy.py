@@ -91,3 +91,17 @@ def test_concat_checks_deltas():
     b = strategy.OperationsStrategy(operations=(), tbo_delta_stages=2)
     with pytest.raises(ValueError, match="disagree"):
         strategy.OperationsStrategy.concat([a, b])
+
+
+def test_layer_operations_keep_a_joint_form():
+    def fn(state):
+        return None
+
+    def joint(states, inputs):
+        return None, None
+
+    layout = ("a", strategy.YIELD, "b")
+    ops = strategy.layer_operations(3, dict(a=fn, b=operations.JointOperation(fn, joint)), layout)
+    assert ops[0] == operations.ExecutionOperation("L3.a", fn)
+    assert isinstance(ops[1], operations.YieldOperation)
+    assert ops[2] == operations.ExecutionOperation("L3.b", fn, joint)
