@@ -125,9 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--ep-capacity-factor", type=float, default=4.0)
     parser.add_argument(
-        "--ep-dedup", action="store_true",
+        "--ep-dedup", action=argparse.BooleanOptionalAction, default=True,
         help="EP sends each token once per destination GPU (DeepEP-style) with its local "
-        "expert ids and weights, instead of once per (token, expert)",
+        "expert ids and weights (the default); --no-ep-dedup: once per (token, expert)",
     )  # fmt: skip
     parser.add_argument(
         "--ep-exchange-tbo", choices=ep_config.EXCHANGES, default=None,
@@ -692,7 +692,7 @@ def _header(args) -> str:
         f"attn_tp={args.attn_tp}; MoE {args.moe_a2a_backend}"
         f"{f' {args.ep_exchange}' if args.moe_a2a_backend == 'ep' else ''}"
         f"{f' (TBO {args.ep_exchange_tbo})' if args.ep_exchange_tbo else ''}"
-        f"{' dedup' if args.ep_dedup else ''}"
+        f"{' dedup' if args.ep_dedup and args.moe_a2a_backend == 'ep' else ''}"
         f"{'' if args.moe_a2a_backend == 'ep' else f', DP padding {args.dp_padding}'}"
         f"{'' if args.prefill_skew == 1 else f', prefill skew {args.prefill_skew}'}, experts "
         f"{args.moe_runner_backend}; attention {args.attention_backend}; link {args.link}; "

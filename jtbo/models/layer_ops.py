@@ -82,8 +82,11 @@ class MoEOptions:
         ep_exchange_tbo="peer_copy"``: NCCL where nothing overlaps it, copy engines where
         something does.
       ep_dedup: exchange one row per (token, destination device) with the token's local
-        expert ids and weights (``collectives.ep_dedup``, DeepEP's dispatch) instead of one per
-        (token, expert) assignment; combine then sums each device's experts before sending.
+        expert ids and weights (``collectives.ep_dedup``, DeepEP's dispatch; the default)
+        instead of one per (token, expert) assignment (False); combine then sums each
+        device's experts before sending. It moves fewer bytes (BENCHMARKS.md, "EP exchange
+        volume with dedup dispatch"), and on one H200 the per-assignment combine of a TBO
+        step ran 27x slower than the plain step's (BENCHMARKS.md, 2026-12-01, lockstep).
       ep_slot_alignment: EP capacities are rounded up to a multiple of this (8 suits GPU
         GEMMs; 1 keeps the factor exact).
     """
@@ -96,7 +99,7 @@ class MoEOptions:
     ep_capacity_headroom: float = 1.25
     ep_exchange: str = "dense"
     ep_exchange_tbo: str | None = None
-    ep_dedup: bool = False
+    ep_dedup: bool = True
     ep_slot_alignment: int = 1
 
     def exchange(self, tbo: bool) -> str:

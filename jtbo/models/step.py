@@ -461,10 +461,11 @@ def step_compiler_options(mesh: jax.sharding.Mesh, child_capacity: int | None) -
     bandwidth bound) let the dot merger loose (XLA's default stops at 32 MB, below an expert
     weight): A's and B's matmuls over one weight become one matmul that reads it once (the
     routed experts are one joint call there anyway: ``_run_tbo``'s lockstep). Large
-    ones (compute bound) keep XLA's defaults: merging them reads the weights once but
+    ones (compute bound) turn the dot merger off: merging them reads the weights once but
     concatenates both micro-batches' activations first, which costs more traffic
-    (BENCHMARKS.md, "TBO step cost on one GPU"). The rows of the two micro-batches stay
-    separate either way, so the numbers are the same.
+    (BENCHMARKS.md, "TBO step cost on one GPU"; XLA's default merged the router gates and
+    copied 61 MB of activations per layer for them, "H200s, 2026-12-01 (morning)"). The
+    rows of the two micro-batches stay separate either way, so the numbers are the same.
 
     Args:
       mesh: the step's mesh.
@@ -480,8 +481,8 @@ def step_compiler_options(mesh: jax.sharding.Mesh, child_capacity: int | None) -
         return options
     if mesh.devices.size > 1:
         return options | xla_options.tbo_compiler_options()
-    if layer_ops.merges_micro_batches(mesh.devices.size, child_capacity):
-        options["xla_gpu_dot_merger_threshold_mb"] = SINGLE_DEVICE_DOT_MERGER_MB
+    merges = layer_ops.merges_micro_batches(mesh.devices.size, child_capacity)
+    options["xla_gpu_dot_merger_threshold_mb"] = SINGLE_DEVICE_DOT_MERGER_MB if merges else 0
     return options
 
 

@@ -424,8 +424,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="EP capacity factor (default: worst case)",
     )  # fmt: skip
     parser.add_argument(
-        "--ep-dedup", action="store_true",
-        help="one EP row per (token, destination GPU) instead of per (token, expert)",
+        "--ep-dedup", action=argparse.BooleanOptionalAction, default=True,
+        help="one EP row per (token, destination GPU) (the default); --no-ep-dedup: one per "
+        "(token, expert)",
     )  # fmt: skip
 
 

@@ -244,7 +244,8 @@ def test_step_compiler_options_keep_micro_batches_apart_only_with_communication(
     assert step.step_compiler_options(one, None) == graphs
     small = step.step_compiler_options(one, layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS)
     assert small == graphs | {"xla_gpu_dot_merger_threshold_mb": step.SINGLE_DEVICE_DOT_MERGER_MB}
-    assert step.step_compiler_options(one, layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS + 1) == graphs
+    large = step.step_compiler_options(one, layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS + 1)
+    assert large == graphs | {"xla_gpu_dot_merger_threshold_mb": 0}
     apart = step.step_compiler_options(many, 8)
     assert apart["xla_gpu_dot_merger_threshold_mb"] == 0
     assert apart["xla_gpu_enable_command_buffer"] == step.GPU_COMMAND_BUFFER
@@ -267,6 +268,7 @@ def test_two_gpu_exchange_windows_hold_the_other_micro_batchs_compute(mode, toke
     jitted, args, options = aot_report.model_step_program(
         config, aot_report.h200_mesh(2, 1), mode=mode, tokens_per_rank=tokens,
         enable_tbo=True, dtype=jnp.bfloat16, tbo_issue_barriers=issue_barriers,
+        moe=layer_ops.MoEOptions(ep_dedup=False),  # the per-(token, expert) all-to-all
     )  # fmt: skip
     text = jitted.lower(*args).compile(compiler_options=options).as_text()
     windows = [w for w in hlo_schedule.collective_windows(text) if w.kind == "all-to-all"]

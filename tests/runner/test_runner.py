@@ -432,7 +432,7 @@ def _every_option_set(tmp_path) -> tuple[layer_ops.MoEOptions, tbo_options.TboOp
     tbo_plan_file.save(plan, [])
     moe = layer_ops.MoEOptions(
         moe_a2a_backend="none", moe_runner_backend="pallas", ep_capacity_factor=2.0,
-        ep_overflow_policy="rerun", ep_exchange="peer_copy", ep_dedup=True, ep_slot_alignment=8,
+        ep_overflow_policy="rerun", ep_exchange="peer_copy", ep_dedup=False, ep_slot_alignment=8,
         ep_capacity_headroom=1.5, ep_exchange_tbo="dense", moe_runner_backend_tbo="xla",
     )  # fmt: skip
     tbo = tbo_options.TboOptions(
