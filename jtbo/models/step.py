@@ -4,13 +4,15 @@ Body (local shards, per DP rank): the operation list of ``jtbo.models.step_opera
 (embedding -> dense layers -> MoE layers in the strategy layout of the global forward mode ->
 final norm -> LM head), either over the whole batch (``execute_operations``) or, with two-batch
 overlap, over two micro-batches: ``input_ids`` and ``positions`` are cut at the traced split
-token index into two zero-padded children (``jtbo.split.split_inputs``), run staggered with
-round barriers (``execute_overlapped_operations``), and the children's logits are written back
-at their parent offsets (``jtbo.split.merge_outputs``). Unlike SGLang, the dense layers, the
-embedding and the LM head run per micro-batch too, so that every collective of the step has
-the other micro-batch's compute to hide under (``step_operations`` says why). The KV cache is
-threaded through micro-batch A's and then B's attention of every layer (``layer_ops.StepBox``).
-Each micro-batch has its own EP dispatcher (``jtbo.models.ep_dispatchers``).
+token index into two zero-padded children (``jtbo.split.split_inputs``), run staggered
+(``execute_overlapped_operations``; on a one-device mesh, with nothing to exchange, in lockstep
+with the routed experts run once for both: ``execute_lockstep_operations``), and the children's
+logits are written back at their parent offsets (``jtbo.split.merge_outputs``). Unlike SGLang,
+the dense layers, the embedding and the LM head run per micro-batch too, so that every
+collective of the step has the other micro-batch's compute to hide under (``step_operations``
+says why). The KV cache is threaded through micro-batch A's and then B's attention of every
+layer (``layer_ops.StepBox``). Each micro-batch has its own EP dispatcher
+(``jtbo.models.ep_dispatchers``).
 
 Per-rank inputs carry a leading ``dp`` axis (sharded over ``"dp"``, replicated over
 ``"attn_tp"``); DP contexts are replicated. Parameters are sharded by ``param_specs``:
