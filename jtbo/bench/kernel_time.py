@@ -9,7 +9,8 @@ two answers "which operation costs what", per step:
   that fusion's ``op_name``;
 * cuBLAS kernels (``nvjet_*``, ``sm90_xmma_*``, ...) carry no HLO name: the k-th of a step is
   the k-th cuBLAS custom call of the entry computation, which is in schedule order;
-* the ``op_name`` becomes an operation: micro-batch prefix and layer index dropped
+* the ``op_name`` becomes an operation: micro-batch prefix (``tbo_a``, ``tbo_b``, or
+  ``tbo_joint`` for an operation run once for both) and layer index dropped
   (``attn_core``, ``experts``, ``dispatch_b``, ``attn_core (loop)`` for a loop body), a
   parameter's name for fusions XLA attributes to a weight (e.g. the input concatenation of
   a merged matmul), else the kernel family.
@@ -126,7 +127,7 @@ def operation(op_name: str, kernel_name: str) -> str:
     """The operation an ``op_name`` belongs to (see the module docstring)."""
     name = re.sub(r"jit\([^)]*\)/", "", op_name)
     name = re.sub(r"^(shard_map(/|$))+", "", name)  # multi-device steps nest in a shard_map
-    name = re.sub(r"^tbo_[ab]/", "", name)
+    name = re.sub(r"^tbo_(?:a|b|joint)/", "", name)  # the lockstep's joint operations too
     layer = re.match(r"L\d+\.(\w+)", name)
     if layer:
         return layer.group(1) + (" (loop)" if "/while/" in name else "")

@@ -159,6 +159,8 @@ def test_multi_gpu_attribution_is_the_mean_per_gpu_and_reads_shard_map_names():
     # cuBLAS calls match in each GPU's own order; GPU 2 ran everything twice as long.
     assert got["attn_prepare"] == 15.0 and got["experts"] == 30.0 and got["logits"] == 9.0
     assert kernel_time.operation("jit(step)/shard_map", "loop_add_fusion_3") == "loop_add_fusion"
+    # An operation the lockstep runs once for both micro-batches keeps its name.
+    assert kernel_time.operation("jit(step)/tbo_joint/L1.experts/concatenate", "f") == "experts"
 
 
 def test_busy_times_per_gpu_and_step():
