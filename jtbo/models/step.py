@@ -221,7 +221,7 @@ def _run_tbo(
     delta = built[0][1]
     if lockstep:
         outputs = operations.execute_lockstep_operations(
-            children, [ops for ops, _ in built], contexts_arr=contexts
+            children, [ops for ops, _ in built], contexts_arr=contexts, barriers=barriers
         )
     else:
         outputs = operations.execute_overlapped_operations(

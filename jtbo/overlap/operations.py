@@ -20,6 +20,7 @@ staggering has nothing to hide and only costs: each micro-batch runs its own hal
 kernels and reads every weight again. The lockstep executor runs A's and B's operations side
 by side, one operation at a time, and an operation that has a joint form (``JointOperation``)
 runs it once for both, e.g. the routed experts' grouped GEMM over both micro-batches' rows.
+Both micro-batches reach each yield together, so round barriers pin one stage of each.
 
 Round barriers (optional). ``lax.optimization_barrier`` over both micro-batches' live arrays
 after every round pins the rounds: nothing of round ``k + 1`` can be hoisted above the
@@ -373,48 +374,64 @@ def execute_lockstep_operations(
     operations_arr: Sequence[Sequence[Operation]],
     *,
     contexts_arr: Sequence[Mapping[str, Any] | None] = (None, None),
+    barriers: bool = False,
 ) -> list[Mapping[str, Any] | None]:
     """Runs micro-batches A and B operation by operation, joint operations once for both.
 
     For a mesh with nothing to exchange (one device), where staggering hides nothing: A's
-    operation ``i``, then B's, for every ``i`` (yields are ignored), except that an operation
-    with a ``joint_fn`` runs once, over both micro-batches' states (e.g. one grouped GEMM over
-    both micro-batches' expert rows, which reads each expert weight once). Each micro-batch
-    still runs in its own state and scope, so its rows meet only the other's inside a joint
-    operation.
+    operation ``i``, then B's, for every ``i``, except that an operation with a ``joint_fn``
+    runs once, over both micro-batches' states (e.g. one grouped GEMM over both micro-batches'
+    expert rows, which reads each expert weight once). Each micro-batch still runs in its own
+    state and scope, so its rows meet only the other's inside a joint operation. Both reach
+    each yield together: a round is one stage of each.
 
     Args:
       inputs_arr: (inputs of A, inputs of B).
-      operations_arr: (operations of A, operations of B): the same names in the same order.
+      operations_arr: (operations of A, operations of B): the same names in the same stages.
       contexts_arr: read-only state entries of A and of B.
+      barriers: close every round with an ``optimization_barrier`` over both micro-batches'
+        live arrays, as ``execute_overlapped_operations`` does.
 
     Returns:
       [output of A, output of B].
 
     Raises:
-      ValueError: two micro-batches are not given, or their operation names differ.
+      ValueError: two micro-batches are not given, or their stages' operation names differ.
     """
     _check_pair("inputs_arr", inputs_arr)
     _check_pair("operations_arr", operations_arr)
     _check_pair("contexts_arr", contexts_arr)
-    flat = [
-        [op for stage in convert_operations_to_stages(ops) for op in stage]
-        for ops in operations_arr
+    executors = [
+        _StageExecutor(scope, convert_operations_to_stages(ops), inputs, context)
+        for scope, ops, inputs, context in zip(
+            MICRO_BATCH_SCOPES, operations_arr, inputs_arr, contexts_arr, strict=True
+        )
     ]
-    names = [[op.debug_name for op in ops] for ops in flat]
+    names = [[[op.debug_name for op in stage] for stage in e.stages] for e in executors]
     if names[0] != names[1]:
         raise ValueError(f"lockstep needs the same operations in A and B: {names[0]} vs {names[1]}")
-    states = (OperationState(contexts_arr[0]), OperationState(contexts_arr[1]))
-    outputs: list[Mapping[str, Any] | None] = list(inputs_arr)
-    for op_a, op_b in zip(*flat, strict=True):
-        if op_a.joint_fn is not None:
-            with jax.named_scope(JOINT_SCOPE), jax.named_scope(op_a.debug_name):
-                outputs = list(op_a.joint_fn(states, tuple(outputs)))
-            continue
-        for index, (scope, op) in enumerate(zip(MICRO_BATCH_SCOPES, (op_a, op_b), strict=True)):
-            with jax.named_scope(scope), jax.named_scope(op.debug_name):
-                outputs[index] = op.fn(states[index], **(outputs[index] or {}))
-    return outputs
+    for stages in zip(*(e.stages for e in executors), strict=True):
+        for ops in zip(*stages, strict=True):
+            _run_lockstep_operation(executors, ops)
+        if barriers:
+            _pin_round(executors)
+    return [e.stage_output for e in executors]
+
+
+def _run_lockstep_operation(executors: Sequence[_StageExecutor], ops: Sequence[ExecutionOperation]):
+    """One operation of both micro-batches: its joint form once, else A's then B's."""
+    joint_fn = ops[0].joint_fn
+    if joint_fn is not None:
+        with jax.named_scope(JOINT_SCOPE), jax.named_scope(ops[0].debug_name):
+            outputs = joint_fn(
+                tuple(e.state for e in executors), tuple(e.stage_output for e in executors)
+            )
+        for executor, output in zip(executors, outputs, strict=True):
+            executor.stage_output = output
+        return
+    for executor, op in zip(executors, ops, strict=True):
+        with _maybe_scope(executor.scope), jax.named_scope(op.debug_name):
+            executor.stage_output = op.fn(executor.state, **(executor.stage_output or {}))
 
 
 def _check_pair(name: str, value: Sequence) -> None:

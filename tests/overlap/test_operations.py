@@ -309,3 +309,22 @@ def test_lockstep_refuses_micro_batches_with_different_operations():
         operations.execute_lockstep_operations([dict(x=1.0), dict(x=1.0)], [ops, ops[:-1]])
     with pytest.raises(ValueError, match="2 micro-batches"):
         operations.execute_lockstep_operations([dict(x=1.0)], [ops, ops])
+
+
+def test_lockstep_round_barriers_pin_each_stage_and_change_no_number():
+    log = []
+    ops = _joint_layer(log)  # two stages
+    x_a, x_b = (jax.random.normal(jax.random.key(i), (n, 4)) for i, n in ((2, 3), (3, 2)))
+
+    def run(barriers):
+        out = operations.execute_lockstep_operations(
+            [dict(x=x_a), dict(x=x_b)], [ops, ops], barriers=barriers,
+            contexts_arr=(dict(name="a"), dict(name="b")),
+        )  # fmt: skip
+        return [o["x"] for o in out]
+
+    jaxpr = str(jax.make_jaxpr(lambda: run(True))())
+    assert jaxpr.count("optimization_barrier") == 2 and "optimization_barrier" not in str(
+        jax.make_jaxpr(lambda: run(False))()
+    )
+    chex.assert_trees_all_close(run(True), run(False))
