@@ -18,13 +18,12 @@ back, so the kernel leaves them unwritten).
 Reference: ``experts_ragged_dot_reference`` sorts pairs by expert and runs ``jax.lax.ragged_dot``
 (exact, no capacity).
 
-Gate and up are one fused weight ``w_gate_up [E, H, 2, F]``, as in ``jtbo.models.mlp``. In a TBO
-step on one device XLA's dot merger joins micro-batch A's and B's expert matmuls (they share
-the weight, which a decode step is bound by reading), concatenating their slot rows. With two
-weights it joined the gate and the up matmuls separately, so both concatenations copied the
-same rows: XLA materialized each micro-batch's expert input and copied it twice per layer where
-one concatenation fused with the dispatch gather does it in one pass (BENCHMARKS.md, "TBO step
-cost on one H200, 2026-11-29 (decode-sized children, unsigned EP indices)", point 3).
+Gate and up are one fused weight ``w_gate_up [E, H, 2, F]``, as in ``jtbo.models.mlp``: one
+matmul reads it. (A one-device TBO step runs both micro-batches' experts as one call,
+``jtbo.models.moe_exchange``. Before that, XLA's dot merger joined A's and B's einsums. With
+two weights it joined the gate and the up matmuls separately, so both concatenations copied
+the same rows: BENCHMARKS.md, "TBO step cost on one H200, 2026-11-29 (decode-sized children,
+unsigned EP indices)", point 3.)
 """
 
 import jax
