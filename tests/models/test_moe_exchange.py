@@ -56,10 +56,14 @@ def test_one_device_tbo_runs_both_micro_batches_experts_as_one_call(moe, monkeyp
         chex.assert_trees_all_close(
             got, helpers.reference_new_rows(model, rank, {k: 1 for k in tokens}), **TOL
         )
-    assert runner.num_tbo_steps == 3
-    # One call per MoE layer and traced step (an extend and a decode program), not one per
-    # micro-batch.
-    assert len(calls) == 2 * sum(config.is_moe_layer), calls
+    # One long prompt: a two-chunk split, where B's queries read A's K/V from the pool.
+    long_prompt = {3: rng.integers(0, 128, 14).tolist()}
+    (got,) = runner.forward([rank.extend(long_prompt)])
+    chex.assert_trees_all_close(got, helpers.reference_new_rows(model, rank, {3: 14}), **TOL)
+    assert runner.num_tbo_steps == 4
+    # One call per MoE layer and traced step (two extend buckets and a decode program), not
+    # one per micro-batch.
+    assert len(calls) == 3 * sum(config.is_moe_layer), calls
 
 
 @pytest.mark.parametrize("backend", ["ep", "none"])
