@@ -40,15 +40,6 @@ from jtbo.models import moe_exchange, router
 
 MOE_BACKENDS = ("ep", "none")
 MOE_RUNNER_BACKENDS = ("xla", "pallas")
-SINGLE_DEVICE_MERGE_MAX_ROWS = 1024
-"""Micro-batch rows up to which a one-device TBO step lets XLA merge A's and B's matmuls (each
-weight read once: ``jtbo.models.step.step_compiler_options``)."""
-
-
-def merges_micro_batches(num_devices: int, child_capacity: int) -> bool:
-    """Whether a TBO step merges A's and B's matmuls over each weight (one device, micro-batches
-    of at most ``SINGLE_DEVICE_MERGE_MAX_ROWS`` rows: nothing to hide, weight-bandwidth bound)."""
-    return num_devices == 1 and child_capacity <= SINGLE_DEVICE_MERGE_MAX_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +75,8 @@ class MoEOptions:
       ep_dedup: exchange one row per (token, destination device) with the token's local
         expert ids and weights (``collectives.ep_dedup``, DeepEP's dispatch; the default)
         instead of one per (token, expert) assignment (False); combine then sums each
-        device's experts before sending. It moves fewer bytes (BENCHMARKS.md, "EP exchange
-        volume with dedup dispatch"), and on one H200 the per-assignment combine of a TBO
-        step ran 27x slower than the plain step's (BENCHMARKS.md, 2026-12-01, lockstep).
+        device's experts before sending. Why it is the default: BENCHMARKS.md, "EP exchange
+        volume with dedup dispatch" and "H200s, 2026-12-01 (morning)".
       ep_slot_alignment: EP capacities are rounded up to a multiple of this (8 suits GPU
         GEMMs; 1 keeps the factor exact).
     """

@@ -172,23 +172,24 @@ def _contexts(per_rank, replicated, box, dispatchers, child_capacity):
 
 def _run_tbo(
     operations_of, params, per_rank, contexts, child_capacity, barriers, isolate, issue_barriers,
-    pin_issued, lockstep=False,
+    pin_issued,
 ):  # fmt: skip
     """Both micro-batches staggered (or in lockstep); their outputs merged back at the parent
     offsets (or, for a step with ``logit_rows``, the final hidden states of those rows read
     from both).
 
-    ``lockstep`` (one-device meshes: nothing is exchanged, so staggering hides nothing) runs
-    the micro-batches operation by operation, and operations with a joint form once for both
-    (``operations.execute_lockstep_operations``): the routed experts then run one grouped GEMM
-    over both micro-batches' rows, which reads each expert weight once, as the plain step does.
+    Without ``isolate`` (one-device meshes: nothing is exchanged, so staggering hides nothing)
+    the micro-batches run in lockstep, operation by operation, and operations with a joint form
+    once for both (``operations.execute_lockstep_operations``): the routed experts then run one
+    grouped GEMM over both micro-batches' rows, which reads each expert weight once, as the
+    plain step does.
 
     ``operations_of(params) -> (ops, delta)`` builds one micro-batch's operation list over a
     view of the parameters. Where one micro-batch's exchange must run beside the other's
     compute (multi-device meshes):
 
-    * ``isolate``: each micro-batch reads the parameters through its own
-      ``optimization_barrier`` (tied to its own inputs). Over shared parameter buffers XLA's
+    * ``isolate``: the staggered executor, and each micro-batch reads the parameters through
+      its own ``optimization_barrier`` (tied to its own inputs). Over shared parameter buffers XLA's
       sibling multi-output fusion joined A's and B's small ops that read the same weight
       (routing, dispatch bookkeeping), so A's dispatch depended on B's gate and routing, and
       no schedule could put B's attention beside A's exchange;
@@ -219,16 +220,15 @@ def _run_tbo(
     else:
         built = [operations_of(params)] * 2  # one operation list serves both micro-batches
     delta = built[0][1]
-    if lockstep:
+    if isolate:
+        outputs = operations.execute_overlapped_operations(
+            children, [ops for ops, _ in built], [0, delta], contexts_arr=contexts,
+            barriers=barriers, issue_barriers=issue_barriers, pin_issued=pin_issued,
+        )  # fmt: skip
+    else:
         outputs = operations.execute_lockstep_operations(
             children, [ops for ops, _ in built], contexts_arr=contexts, barriers=barriers
         )
-    else:
-        outputs = operations.execute_overlapped_operations(
-            children, [ops for ops, _ in built], [0, delta], contexts_arr=contexts,
-            barriers=barriers, issue_barriers=isolate and issue_barriers,
-            pin_issued=isolate and pin_issued,
-        )  # fmt: skip
     if "logit_rows" in per_rank:
         return activations.take_merged_rows(*outputs, t, per_rank["logit_rows"])
     capacity = per_rank["input_ids"].shape[0]
@@ -237,7 +237,7 @@ def _run_tbo(
 
 def step_body(
     graphdef, parallel, mode, child_capacity, dispatchers, params, kv_cache, per_rank, replicated,
-    *, isolate_micro_batches: bool = False, lockstep_micro_batches: bool = False,
+    *, isolate_micro_batches: bool = False,
 ):  # fmt: skip
     """One DP rank's forward over local shards (the ``shard_map`` body).
 
@@ -251,10 +251,9 @@ def step_body(
       kv_cache: this rank's ``KVCache`` with a leading axis of 1.
       per_rank: this rank's inputs with a leading axis of 1 (see ``make_step``).
       replicated: the DP contexts.
-      isolate_micro_batches: keep A and B apart for run-time overlap (``_run_tbo``; TBO on
-        multi-device meshes).
-      lockstep_micro_batches: run A and B in lockstep, joint operations once for both
-        (``_run_tbo``; TBO on one-device meshes).
+      isolate_micro_batches: run A and B staggered and kept apart for run-time overlap (TBO on
+        multi-device meshes); False runs them in lockstep, joint operations once for both
+        (one-device meshes; ``_run_tbo``).
 
     Returns:
       ``(logits [1, rows, vocab], kv_cache, overflow [micro-batches, 2],
@@ -281,7 +280,6 @@ def step_body(
             operations_of, params, per_rank, contexts, child_capacity,
             parallel.tbo_round_barriers, isolate_micro_batches, parallel.issue_barriers,
             parallel.moe.moe_a2a_backend == "ep" and parallel.moe.exchange(True) == "peer_copy",
-            lockstep_micro_batches,
         )  # fmt: skip
     # With logit_rows the LM head runs once, on the picked rows' final hidden states.
     logits = (
@@ -370,7 +368,6 @@ def _sharded_step(
         return step_body(
             graphdef, parallel, key.mode, key.child_capacity, key.dispatchers, params,
             kv_cache, per_rank, replicated, isolate_micro_batches=mesh.devices.size > 1,
-            lockstep_micro_batches=mesh.devices.size == 1,
         )  # fmt: skip
 
     in_specs = (
@@ -433,6 +430,8 @@ def pack_step_inputs(per_rank: dict, replicated: dict) -> StepInputs:
     )
 
 
+SINGLE_DEVICE_MERGE_MAX_ROWS = 1024
+"""Micro-batch rows up to which a one-device TBO step lets XLA merge A's and B's matmuls."""
 SINGLE_DEVICE_DOT_MERGER_MB = 1 << 20
 """``xla_gpu_dot_merger_threshold_mb`` of a small TBO step on one device: merge at any size."""
 GPU_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
@@ -459,15 +458,15 @@ def step_compiler_options(mesh: jax.sharding.Mesh, child_capacity: int | None) -
     A's and B's matmuls and collectives must stay apart so that one's communication can hide
     under the other's compute. On one GPU there is no communication to hide. Keeping the
     matmuls apart then makes each micro-batch read every weight, which is most of a decode
-    step. So small micro-batches (at most ``layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS`` rows: weight-
+    step. So small micro-batches (at most ``SINGLE_DEVICE_MERGE_MAX_ROWS`` rows: weight-
     bandwidth bound) let the dot merger loose (XLA's default stops at 32 MB, below an expert
     weight): A's and B's matmuls over one weight become one matmul that reads it once (the
     routed experts are one joint call there anyway: ``_run_tbo``'s lockstep). Large
     ones (compute bound) turn the dot merger off: merging them reads the weights once but
     concatenates both micro-batches' activations first, which costs more traffic
-    (BENCHMARKS.md, "TBO step cost on one GPU"; XLA's default merged the router gates and
-    copied 61 MB of activations per layer for them, "H200s, 2026-12-01 (morning)"). The
-    rows of the two micro-batches stay separate either way, so the numbers are the same.
+    (BENCHMARKS.md, "TBO step cost on one GPU", and the router gates in "H200s, 2026-12-01
+    (morning)"). The rows of the two micro-batches stay separate either way, so the numbers
+    are the same.
 
     Args:
       mesh: the step's mesh.
@@ -483,7 +482,7 @@ def step_compiler_options(mesh: jax.sharding.Mesh, child_capacity: int | None) -
         return options
     if mesh.devices.size > 1:
         return options | xla_options.tbo_compiler_options()
-    merges = layer_ops.merges_micro_batches(mesh.devices.size, child_capacity)
+    merges = child_capacity <= SINGLE_DEVICE_MERGE_MAX_ROWS
     options["xla_gpu_dot_merger_threshold_mb"] = SINGLE_DEVICE_DOT_MERGER_MB if merges else 0
     return options
 

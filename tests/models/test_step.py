@@ -223,7 +223,7 @@ def test_one_h200_tbo_step_runs_one_grouped_gemm_per_layer_for_both_micro_batche
     for tbo in (False, True):
         jitted, args, options = aot_report.model_step_program(
             config, aot_report.h200_mesh(1, 1), mode=ForwardMode.EXTEND,
-            tokens_per_rank=2 * layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS + 64, enable_tbo=tbo,
+            tokens_per_rank=2 * step.SINGLE_DEVICE_MERGE_MAX_ROWS + 64, enable_tbo=tbo,
             moe=moe,
         )  # fmt: skip
         text = jitted.lower(*args).compile(compiler_options=options).as_text()
@@ -242,9 +242,9 @@ def test_step_compiler_options_keep_micro_batches_apart_only_with_communication(
     one, many = aot_report.h200_mesh(1, 1), aot_report.h200_mesh(4, 2)
     graphs = {"xla_gpu_enable_command_buffer": step.GPU_COMMAND_BUFFER}
     assert step.step_compiler_options(one, None) == graphs
-    small = step.step_compiler_options(one, layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS)
+    small = step.step_compiler_options(one, step.SINGLE_DEVICE_MERGE_MAX_ROWS)
     assert small == graphs | {"xla_gpu_dot_merger_threshold_mb": step.SINGLE_DEVICE_DOT_MERGER_MB}
-    large = step.step_compiler_options(one, layer_ops.SINGLE_DEVICE_MERGE_MAX_ROWS + 1)
+    large = step.step_compiler_options(one, step.SINGLE_DEVICE_MERGE_MAX_ROWS + 1)
     assert large == graphs | {"xla_gpu_dot_merger_threshold_mb": 0}
     apart = step.step_compiler_options(many, 8)
     assert apart["xla_gpu_dot_merger_threshold_mb"] == 0
