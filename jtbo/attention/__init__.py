@@ -1,8 +1,9 @@
-"""jtbo.attention: paged KV cache, native and Pallas paged attention (extend/decode/verify),
-TBO backend."""
+"""jtbo.attention: paged KV cache, native attention, the Pallas extend and paged kernels
+(extend/decode/verify), TBO backend."""
 
 from jtbo.attention.backend import NativeAttnBackend, PallasAttnBackend
 from jtbo.attention.batch_metadata import forward_batch_metadata
+from jtbo.attention.extend import ExtendAttentionConfig, extend_attention
 from jtbo.attention.kv_cache import PADDING_SLOT, KVCache, write_kv
 from jtbo.attention.metadata import (
     AttentionCapacity,
@@ -21,6 +22,7 @@ __all__ = [
     "PADDING_SLOT",
     "AttentionCapacity",
     "AttentionMetadata",
+    "ExtendAttentionConfig",
     "KVCache",
     "NativeAttentionConfig",
     "NativeAttnBackend",
@@ -32,6 +34,7 @@ __all__ = [
     "build_metadata",
     "decode_capacity",
     "empty_metadata",
+    "extend_attention",
     "extend_capacity",
     "forward",
     "forward_batch_metadata",

@@ -7,15 +7,16 @@ configuration (capacity, kernel knobs, score scale) and may be closed over by ji
 
 Two backends share the metadata and differ in the forward (``ATTENTION_BACKENDS``):
 ``"native"`` (``NativeAttnBackend``: blocked jnp attention, the exact reference and the CPU
-path) and ``"pallas"`` (``PallasAttnBackend``: the paged kernel of ``jtbo.attention.paged``,
-which reads K/V through the page table; the Pallas interpreter on the CPU).
+path) and ``"pallas"`` (``PallasAttnBackend``: the extend kernel of ``jtbo.attention.extend``
+for EXTEND / MIXED capacities and the paged kernel of ``jtbo.attention.paged``, which reads
+K/V through the page table, for decode and verify; the Pallas interpreter on the CPU).
 """
 
 from collections.abc import Callable
 
 import jax
 
-from jtbo.attention import batch_metadata, mla, native, paged
+from jtbo.attention import batch_metadata, extend, mla, native, paged
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.attention import metadata as metadata_lib
 from jtbo.split import batch as batch_lib
@@ -148,11 +149,17 @@ class NativeAttnBackend:
 
 
 class PallasAttnBackend(NativeAttnBackend):
-    """``NativeAttnBackend``'s metadata with the paged Pallas kernel as the forward.
+    """``NativeAttnBackend``'s metadata with Pallas kernels as the forward.
+
+    Causal capacities of several queries per tile (EXTEND / MIXED) run the two-stage extend
+    kernel (``jtbo.attention.extend``: the prefix through the page table, the step's tokens
+    from its own K/V); decode (one query per tile) and verify (custom mask) capacities run the
+    paged kernel (``jtbo.attention.paged``, split-K over long contexts).
 
     Attributes:
       capacity: the static sizes of the metadata this backend builds and consumes.
       config: the paged kernel's launch shape.
+      extend_config: the extend kernel's launch shape.
       scaling: score scale, or None for ``head_dim ** -0.5``.
     """
 
@@ -161,6 +168,7 @@ class PallasAttnBackend(NativeAttnBackend):
         capacity: metadata_lib.AttentionCapacity,
         config: paged.PagedAttentionConfig = paged.DEFAULT_CONFIG,
         scaling: float | None = None,
+        extend_config: extend.ExtendAttentionConfig = extend.DEFAULT_CONFIG,
     ):
         """Creates the backend.
 
@@ -168,9 +176,15 @@ class PallasAttnBackend(NativeAttnBackend):
           capacity: static sizes (one compile per distinct value).
           config: the paged kernel's launch shape.
           scaling: score scale; None means ``head_dim ** -0.5``.
+          extend_config: the extend kernel's launch shape.
         """
         super().__init__(capacity, scaling=scaling)
         self.config = config
+        self.extend_config = extend_config
+
+    def uses_extend_kernel(self) -> bool:
+        """Whether this backend's capacity runs the extend kernel (else the paged one)."""
+        return not self.capacity.custom_mask and self.capacity.query_tile > 1
 
     def forward(
         self,
@@ -181,7 +195,7 @@ class PallasAttnBackend(NativeAttnBackend):
         metadata: metadata_lib.AttentionMetadata,
         kv_cache: kv_cache_lib.KVCache,
     ) -> tuple[jax.Array, kv_cache_lib.KVCache]:
-        """Writes the new K/V at ``out_cache_loc`` and attends with the paged kernel.
+        """Writes the new K/V at ``out_cache_loc`` and attends with the capacity's kernel.
 
         Args and returns as ``NativeAttnBackend.forward``.
 
@@ -190,6 +204,11 @@ class PallasAttnBackend(NativeAttnBackend):
           KernelUnavailableError: the kernel cannot run these shapes on this platform.
         """
         self._check_capacity(metadata)
+        if self.uses_extend_kernel():
+            return extend.forward(
+                q, k, v, layer_id, metadata, kv_cache, scaling=self.scaling, impl="pallas",
+                config=self.extend_config,
+            )  # fmt: skip
         return paged.forward(
             q, k, v, layer_id, metadata, kv_cache, scaling=self.scaling, impl="pallas",
             config=self.config,

@@ -123,7 +123,7 @@ def _launch(
         max(1, pl.cdiv(config.min_programs, programs)),
     )
     return _Launch(
-        group, rows, block_rows, row_blocks, splits, _key_parts(head_dim, value_width), value_width
+        group, rows, block_rows, row_blocks, splits, key_parts(head_dim, value_width), value_width
     )
 
 
@@ -137,7 +137,7 @@ def _power_of_two_parts(offset: int, width: int) -> list[tuple[int, int]]:
     return parts
 
 
-def _key_parts(head_dim: int, value_width: int | None) -> tuple[tuple[int, int], ...]:
+def key_parts(head_dim: int, value_width: int | None) -> tuple[tuple[int, int], ...]:
     """The key's column parts: the head, or (latent) the value columns, then the rest, each
     cut into power-of-two widths.
 
@@ -340,9 +340,9 @@ def paged_attention_pallas(
     return _scatter_rows(q, _merge_splits(o, lse), md, launch, kv_heads)
 
 
-def _gpu_unavailable_reason(q, cache, value_width=None) -> str | None:
+def unavailable_reason(q, cache, value_width=None) -> str | None:
     """Why the Triton lowering cannot take these shapes (its blocks are powers of two >= 16)."""
-    parts = _key_parts(q.shape[-1], value_width)
+    parts = key_parts(q.shape[-1], value_width)
     sizes = [(f"head_dim part [{o}:{o + w}]", w) for o, w in parts]
     if value_width is None:
         sizes.append(("v_head_dim", cache.v.shape[-1]))
@@ -411,7 +411,7 @@ def paged_attention(
             q, cache, layer_id, md, scaling=scaling, config=native_config, view=view
         )
     interpret = impls.backend() == "cpu"
-    reason = None if interpret else _gpu_unavailable_reason(q, cache, value_width)
+    reason = None if interpret else unavailable_reason(q, cache, value_width)
     if reason is not None:
         raise impls.KernelUnavailableError(f"impl='pallas' is unavailable: {reason}")
     return paged_attention_pallas(

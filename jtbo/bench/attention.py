@@ -8,12 +8,15 @@ timed over ``--iters`` steps after a warm-up (``--cases``, default extend and de
 * verify: ``--decode-seqs`` sequences at ``--decode-context`` tokens, the last ``--draft``
   of them draft tokens verified with a causal EAGLE mask (TARGET_VERIFY).
 
-``--backends`` picks the attention backends ("native", "pallas"; default both), and the
-Pallas kernel's launch shape comes from the ``--block-kv`` .. ``--num-stages`` flags. Each of
-those takes a comma list (``--block-rows 64,128 --num-warps 4,8``): the Pallas backend then
-runs once per combination in the same process, a sweep of the kernel's launch shapes whose
-rows name their config. Prints tokens/s (extend also TF/s on the causal FLOPs,
-``2 * q_heads * (qk_dim + v_dim) * L (L + 1) / 2`` per prompt of ``L`` tokens) and the memory
+``--backends`` picks the attention backends ("native", "pallas"; default both). The Pallas
+backend runs the extend kernel for the extend case, its launch shape from the
+``--extend-block-kv`` .. ``--extend-num-stages`` flags, and the paged kernel for decode and
+verify, from the ``--block-kv`` .. ``--num-stages`` flags. Each of those takes a comma list
+(``--block-rows 64,128 --num-warps 4,8``): the Pallas backend then runs once per combination
+in the same process, a sweep of the kernel's launch shapes whose rows name their config.
+Prints tokens/s (extend also TF/s on the causal FLOPs,
+``2 * q_heads * (qk_dim + v_dim) * L (L + 1) / 2`` per prompt of ``L`` tokens, and their
+fraction of a dense bf16 ``8192^3`` matmul's rate measured in the same run) and the memory
 high-water mark from ``device.memory_stats()`` where the platform
 reports it (GPU), plus XLA's compiled temp-buffer size; for decode and verify also the K/V
 bytes the step must read (every sequence's context, K and V, all KV heads) per second and
@@ -48,7 +51,10 @@ from jtbo.bench import device_rates, limits
 
 CASES = ("extend", "decode", "verify")
 KNOBS = tuple(field.name for field in dataclasses.fields(attention.PagedAttentionConfig))
-"""The Pallas kernel's launch-shape flags (``PagedAttentionConfig``'s fields)."""
+"""The paged kernel's launch-shape flags (``PagedAttentionConfig``'s fields)."""
+EXTEND_KNOBS = tuple(field.name for field in dataclasses.fields(attention.ExtendAttentionConfig))
+"""The extend kernel's launch-shape flags (``--extend-`` + ``ExtendAttentionConfig``'s fields)."""
+MATMUL_N = 8192  # size of the dense bf16 matmul yardstick (256 with --small)
 CEILING_BYTES = 1 << 30  # size of the copy yardstick (16 MiB with --small)
 
 
@@ -78,13 +84,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
             f"--{name.replace('_', '-')}", type=_int_list, default=[getattr(defaults, name)],
             help=f"pallas: PagedAttentionConfig.{name} (a comma list sweeps it)",
         )  # fmt: skip
+    extend_defaults = attention.ExtendAttentionConfig()
+    for name in EXTEND_KNOBS:
+        parser.add_argument(
+            f"--extend-{name.replace('_', '-')}", type=_int_list,
+            default=[getattr(extend_defaults, name)],
+            help=f"pallas, extend case: ExtendAttentionConfig.{name} (a comma list sweeps it)",
+        )  # fmt: skip
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--mla", action="store_true", help="MLA over a latent pool (above)")
     parser.add_argument("--kv-lora-rank", type=int, default=512, help="MLA latent width")
     parser.add_argument("--qk-rope-dim", type=int, default=64, help="MLA RoPE key width")
     parser.add_argument("--qk-nope-dim", type=int, default=128, help="MLA query/key width")
     parser.add_argument("--v-head-dim", type=int, default=128, help="MLA value width")
-    parser.set_defaults(ceiling_bytes=CEILING_BYTES)
+    parser.set_defaults(ceiling_bytes=CEILING_BYTES, matmul_n=MATMUL_N)
     args = parser.parse_args(argv)
     args.cases, args.backends = args.cases.split(","), args.backends.split(",")
     for name in args.cases:
@@ -98,9 +111,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.q_heads, args.kv_heads, args.head_dim = 4, 2, 32
         args.dtype, args.query_tile, args.kv_block, args.iters = "float32", 32, 64, 2
         args.block_kv, args.min_split_kv, args.ceiling_bytes = [32], [32], 1 << 24
+        args.extend_block_kv, args.matmul_n = [32], 256
         args.kv_lora_rank, args.qk_rope_dim, args.qk_nope_dim, args.v_head_dim = 32, 16, 16, 16
-    try:
-        args.paged_configs = _paged_configs(args)  # after --small's knobs: the ones that run
+    try:  # after --small's knobs: the ones that run
+        args.paged_configs = _configs(args, attention.PagedAttentionConfig, KNOBS, "")
+        args.extend_configs = _configs(
+            args, attention.ExtendAttentionConfig, EXTEND_KNOBS, "extend_"
+        )
     except ValueError as error:
         parser.error(f"pallas launch shape: {error}")
     return args
@@ -116,15 +133,16 @@ def _int_list(text: str) -> list[int]:
         ) from error
 
 
-def _paged_configs(args) -> list[attention.PagedAttentionConfig]:
-    """Every combination of the knob flags' values, in flag order (the first varies slowest).
+def _configs(args, config_class, knobs: tuple[str, ...], flag_prefix: str) -> list:
+    """Every combination of a kernel's knob flags' values, in flag order (the first varies
+    slowest), as ``config_class`` objects.
 
     Raises:
-      ValueError: a combination the kernel refuses (``PagedAttentionConfig`` checks).
+      ValueError: a combination the kernel refuses (the config class checks).
     """
-    values = [getattr(args, name) for name in KNOBS]
+    values = [getattr(args, flag_prefix + name) for name in knobs]
     return [
-        attention.PagedAttentionConfig(**dict(zip(KNOBS, combination, strict=True)))
+        config_class(**dict(zip(knobs, combination, strict=True)))
         for combination in itertools.product(*values)
     ]
 
@@ -257,7 +275,9 @@ def _peak_bytes(device) -> int | None:
     return None if not stats else stats.get("peak_bytes_in_use")
 
 
-def _backend(args, name: str, capacity, config: attention.PagedAttentionConfig | None):
+def _backend(args, name: str, capacity, config):
+    if isinstance(config, attention.ExtendAttentionConfig):
+        return backend_lib.PallasAttnBackend(capacity, extend_config=config)
     if name == "pallas":
         return backend_lib.PallasAttnBackend(capacity, config)
     return backend_lib.NativeAttnBackend(
@@ -289,6 +309,7 @@ def _run_case(args, case, backend_name: str, config=None) -> tuple[dict, jax.Arr
         step_ms=seconds * 1e3,
         tokens_per_s=num_tokens / seconds,
         tflops=None if name != "extend" else _causal_flops(args) / seconds / 1e12,
+        dense_tflops=None if name != "extend" else args.dense_tflops,
         pallas_config=None if config is None else dataclasses.asdict(config),
         kv_read_bytes=kv_bytes,
         kv_gb_per_s=None if kv_bytes is None else kv_bytes / seconds / 1e9,
@@ -300,11 +321,22 @@ def _run_case(args, case, backend_name: str, config=None) -> tuple[dict, jax.Arr
     return result, out
 
 
+def _uses_extend_kernel(args, case) -> bool:
+    """Whether the Pallas backend runs the extend kernel for ``case`` (else the paged one;
+    MLA's extend has its own path, ``backend.forward_mla``)."""
+    return not args.mla and backend_lib.PallasAttnBackend(case[1]).uses_extend_kernel()
+
+
 def _line(result: dict, ceiling: tuple[float, str]) -> str:
     peak = result["peak_bytes_in_use"]
     config = result["pallas_config"]
     label = "" if config is None else " " + ",".join(f"{k}={v}" for k, v in config.items())
-    tflops = "" if result["tflops"] is None else f", {result['tflops']:.1f} TF/s causal"
+    tflops = ""
+    if result["tflops"] is not None:
+        tflops = (
+            f", {result['tflops']:.1f} TF/s causal = "
+            f"{result['tflops'] / result['dense_tflops']:.2f} of dense"
+        )
     line = (
         f"{result['case']:>6} {result['backend']:>6}{label}: {result['tokens']} tokens, "
         f"{result['step_ms']:.3f} ms/step, {result['tokens_per_s']:.1f} tokens/s{tflops}, peak "
@@ -334,19 +366,25 @@ def main(argv: list[str]) -> None:
     args.dtype = jnp.dtype(args.dtype)
     builders = dict(extend=_extend_case, decode=_decode_case, verify=_verify_case)
     ceiling = device_rates.copy_gbs(args.ceiling_bytes, iters=max(args.iters, 2), reps=3)
+    args.dense_tflops = device_rates.matmul_tflops(args.matmul_n, iters=max(args.iters, 2), reps=3)
     print(
         f"device: {jax.devices()[0].device_kind}, {'MLA, ' if args.mla else ''}dtype "
         f"{args.dtype}, native kv_block "
-        f"{args.kv_block}, pallas {len(args.paged_configs)} launch shape(s); copy ceiling "
+        f"{args.kv_block}, pallas {len(args.paged_configs)} paged and {len(args.extend_configs)} "
+        f"extend launch shape(s); copy ceiling "
         f"{ceiling[0]:.0f} GB/s "
-        f"({ceiling[1]}, {args.ceiling_bytes >> 20} MiB)"
+        f"({ceiling[1]}, {args.ceiling_bytes >> 20} MiB); dense bf16 matmul "
+        f"{args.dense_tflops:.1f} TF/s ({args.matmul_n}^3)"
     )
     for name in args.cases:
         case, first = builders[name](args), None
+        pallas_configs = (
+            args.extend_configs if _uses_extend_kernel(args, case) else args.paged_configs
+        )
         runs = [
             (backend_name, config)
             for backend_name in args.backends
-            for config in (args.paged_configs if backend_name == "pallas" else [None])
+            for config in (pallas_configs if backend_name == "pallas" else [None])
         ]
         for backend_name, config in runs:
             result, out = _run_case(args, case, backend_name, config)

@@ -32,6 +32,9 @@ FASTEST = {
     # jtbo.attention.paged: "xla" is the native attention, which the paged kernel beats in
     # decode and extend (BENCHMARKS.md, "Attention: the paged kernel").
     "paged_attention": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
+    # jtbo.attention.extend: the two-stage extend kernel against the native attention
+    # (BENCHMARKS.md, "Attention: the extend kernel").
+    "extend_attention": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
     # paged_attention(value_width=...) (MLA's absorbed decode): the paged kernel over the
     # latent pool beats the native attention (BENCHMARKS.md, "MLA on H200s, 2026-11-30").
     "mla_latent_attention": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},

@@ -268,8 +268,8 @@ def test_lowers_for_an_h200_without_a_gathered_kv_copy(kind):
 def test_lowers_for_an_h200_with_mla_decompressed_widths():
     # MLA's decompressed keys are 128 + 64 columns wide, its values 128: the key is loaded
     # and multiplied in two power-of-two parts, and the kernel lowers for an H200.
-    assert paged._key_parts(192, None) == ((0, 128), (128, 64))
-    assert paged._key_parts(576, 512) == ((0, 512), (512, 64))
+    assert paged.key_parts(192, None) == ((0, 128), (128, 64))
+    assert paged.key_parts(576, 512) == ((0, 512), (512, 64))
     capacity = metadata.extend_capacity(512, 4, 512)
     hlo = _h200_program(capacity, 4, 512, 16, 16, 192, 128)
     assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 1

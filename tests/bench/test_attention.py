@@ -34,19 +34,24 @@ def test_unknown_case_or_backend_is_rejected(flag, value):
         attention.main([flag, value])
 
 
-def test_a_knob_list_sweeps_the_pallas_launch_shapes(capsys):
-    attention.main(["--small", "--cases", "extend", "--iters", "1", "--block-rows", "16,32",
-                    "--num-warps", "4,8"])  # fmt: skip
+@pytest.mark.parametrize(("case", "flag"), [("extend", "--extend-"), ("decode", "--")])
+def test_a_knob_list_sweeps_the_pallas_launch_shapes(capsys, case, flag):
+    # The extend case sweeps the extend kernel's knobs, decode the paged kernel's.
+    attention.main(["--small", "--cases", case, "--iters", "1", f"{flag}block-rows", "16,32",
+                    f"{flag}num-warps", "4,8"])  # fmt: skip
     results = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
     native, *pallas = results
     assert native["pallas_config"] is None and len(pallas) == 4
     shapes = [(r["pallas_config"]["block_rows"], r["pallas_config"]["num_warps"]) for r in pallas]
     assert shapes == [(16, 4), (16, 8), (32, 4), (32, 8)]  # the first flag varies slowest
     assert all(r["max_abs_diff_vs_native"] < 1e-5 for r in pallas)
+    if case == "decode":
+        return
     # 2 prompts of 128 tokens, 4 heads of 32: 2 * 4 * (32 + 32) * 2 * 128 * 129 / 2 FLOPs.
     flops = 2 * 4 * 64 * 2 * 128 * 129 / 2
     for result in results:
         assert np.isclose(result["tflops"], flops / (result["step_ms"] / 1e3) / 1e12)
+        assert result["dense_tflops"] > 0
 
 
 @pytest.mark.parametrize("value", ["4,x", "24"])

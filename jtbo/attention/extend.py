@@ -1,0 +1,360 @@
+"""Causal extend attention in two stages: the prefix from the pool, the step's tokens as given.
+
+An EXTEND (or MIXED) step's query at flat token ``t`` of a sequence sees two kinds of keys:
+
+1. **prefix**: the KV positions ``[0, prefix_len)`` the sequence had before this step. They
+   live in the pool, scattered over slots, so they are read through the page table, as the
+   paged kernel (``jtbo.attention.paged``) reads them. Every query of the step sees all of them.
+2. **extend**: the step's own new tokens of the sequence. They are contiguous in the flat
+   ``k`` / ``v`` arrays the layer just computed (flat tokens ``[new_start, t]``, causal), so
+   they are read from there directly: no page-table load, and no wait on the pool write.
+
+SGLang's Triton ``extend_attention`` splits the work the same way. Here one Pallas program
+runs both stages for one (query tile, KV head, row block) with one online softmax (running
+max, denominator and weighted values in float32, exponentials in base 2), so nothing is merged
+afterwards and the result goes straight to the output's token rows in ``q.dtype``.
+
+* **Rows.** A program's matrix rows are (query, group head) pairs, row ``r`` = query
+  ``r // group`` and head ``r % group`` of the KV head's group (as in the paged kernel), loaded
+  from and stored to the flat ``[tokens * q_heads, dim]`` views of ``q`` and the output, so
+  neither is gathered nor scattered by XLA. Rows past the tile's queries are neither stored nor
+  needed; tokens that no tile covers (padding) stay zero.
+* **Masks.** Blocks every row sees whole skip the mask: all prefix blocks but a partial last
+  one, and the extend blocks up to the row block's first query. The rest are masked by range
+  (prefix) or by the causal rule (extend).
+* **Metadata.** A tile's ``prefix_len`` is its sequence's smallest ``tile_q_pos`` and its
+  ``new_start`` the flat token of that position; both come from the step's tile metadata
+  (one sequence per page-table row per step, as the runner builds it).
+
+The step's K/V are cast to the pool's dtype first, so both stages attend over the values the
+pool holds. ``impl="xla"`` is the native attention over the pool (the reference).
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jtbo.attention import kv_cache as kv_cache_lib
+from jtbo.attention import metadata as metadata_lib
+from jtbo.attention import native, paged
+from jtbo.kernels import impls, launch_checks
+
+OP = "extend_attention"
+"""This op's key in ``jtbo.kernels.impls.FASTEST``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtendAttentionConfig:
+    """Launch shape of the extend attention kernel.
+
+    Attributes:
+      block_kv: KV positions per loop step, in both stages (a power of two, at least 16).
+      block_rows: most matrix rows (query rows x group heads) per program (a power of two,
+        at least 16).
+      num_warps: warps per program (a power of two).
+      num_stages: software-pipelining stages Triton may use for the KV loops.
+    """
+
+    block_kv: int = 64
+    block_rows: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self):
+        launch_checks.require_powers_of_two(self, ("block_kv", "block_rows", "num_warps"))
+        launch_checks.require_at_least(self, ("block_kv", "block_rows"), 16)
+        launch_checks.require_at_least(self, ("num_stages",), 1)
+
+
+DEFAULT_CONFIG = ExtendAttentionConfig()
+"""The kernel knobs used when none are given."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+    """Static launch shape of one call."""
+
+    group: int  # query heads per KV head
+    q_heads: int
+    block_rows: int
+    row_blocks: int
+    block_kv: int
+    key_parts: tuple[tuple[int, int], ...]  # (offset, width) column parts of q and k
+
+
+def _launch(config: ExtendAttentionConfig, query_tile: int, q_heads, kv_heads, head_dim):
+    rows = query_tile * (q_heads // kv_heads)
+    block_rows = min(config.block_rows, max(16, pl.next_power_of_2(rows)))
+    return _Launch(
+        q_heads // kv_heads, q_heads, block_rows, pl.cdiv(rows, block_rows), config.block_kv,
+        paged.key_parts(head_dim, None),
+    )  # fmt: skip
+
+
+def _softmax_step(carry, scores, v):
+    """One online-softmax step over a KV block (``scores`` in base 2, masked keys -inf)."""
+    m, denom, acc = carry
+    m_new = jnp.maximum(m, scores.max(axis=1))
+    # A row that has seen no visible key keeps max -inf; shift it by 0 to avoid inf - inf.
+    m_shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp2(scores - m_shift[:, None])
+    correction = jnp.exp2(m - m_shift)
+    pv = lax.dot_general(
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    )
+    return m_new, denom * correction + p.sum(axis=1), acc * correction[:, None] + pv
+
+
+def _scores(q_parts, k_parts, scale_log2):
+    """``q . k`` over the key's column parts, times ``scaling * log2(e)``: ``[rows, block_kv]``."""
+    dims = (((1,), (1,)), ((), ()))
+    total = sum(
+        lax.dot_general(qp, kp.astype(qp.dtype), dims, preferred_element_type=jnp.float32)
+        for qp, kp in zip(q_parts, k_parts, strict=True)
+    )
+    return total * scale_log2
+
+
+def _extend_attention_kernel(
+    layer_ref, tile_req_ref, tile_q_start_ref, tile_q_len_ref, tile_prefix_ref,
+    tile_new_start_ref, req_to_token_ref, q_ref, k_pool_ref, v_pool_ref, k_ref, v_ref,
+    zeros_ref, o_ref, *, launch: _Launch, scale_log2: float,
+):  # fmt: skip
+    # layer_ref: [1]; tile_*_ref: [num_tiles]; req_to_token_ref: [max_reqs, max_context];
+    # q_ref: [tokens * q_heads, head_dim]; k_pool_ref: [layers, slots, kv_heads, head_dim];
+    # v_pool_ref: [layers, slots, kv_heads, v_head_dim]; k_ref: [tokens, kv_heads, head_dim];
+    # v_ref: [tokens, kv_heads, v_head_dim]; zeros_ref / o_ref (aliased): [tokens * q_heads,
+    # v_head_dim] in q's dtype.
+    del zeros_ref  # the output's initial zeros, aliased to o_ref
+    tile = pl.program_id(0)
+    head = lax.div(pl.program_id(1), launch.row_blocks)
+    row0 = lax.rem(pl.program_id(1), launch.row_blocks) * launch.block_rows
+    q_start, q_len = tile_q_start_ref[tile], tile_q_len_ref[tile]
+    prefix, new_start = tile_prefix_ref[tile], tile_new_start_ref[tile]
+    row = row0 + jnp.arange(launch.block_rows, dtype=jnp.int32)
+    query = lax.div(row, launch.group)
+    row_ok = query < q_len  # [block_rows]
+    flat_row = (q_start + query) * launch.q_heads + head * launch.group + lax.rem(row, launch.group)
+    q_parts = [
+        q_ref[jnp.minimum(flat_row, q_ref.shape[0] - 1), pl.ds(o, w)] for o, w in launch.key_parts
+    ]
+    first_query = lax.div(row0, launch.group)
+    real = first_query < q_len
+    block = launch.block_kv
+    offsets = jnp.arange(block, dtype=jnp.int32)
+
+    def prefix_body(b, carry, *, masked: bool):
+        pos = b * block + offsets
+        column = jnp.minimum(pos, req_to_token_ref.shape[1] - 1)
+        slots = jnp.where(
+            pos < prefix, req_to_token_ref[tile_req_ref[tile], column], kv_cache_lib.PADDING_SLOT
+        )
+        layer = layer_ref[0]
+        k_parts = [k_pool_ref[layer, slots, head, pl.ds(o, w)] for o, w in launch.key_parts]
+        scores = _scores(q_parts, k_parts, scale_log2)
+        if masked:
+            scores = jnp.where((pos < prefix)[None, :], scores, -jnp.inf)
+        return _softmax_step(carry, scores, v_pool_ref[layer, slots, head, :])
+
+    def extend_body(b, carry, *, masked: bool):
+        token = new_start + b * block + offsets
+        loaded = jnp.minimum(token, k_ref.shape[0] - 1)
+        k_parts = [k_ref[loaded, head, pl.ds(o, w)] for o, w in launch.key_parts]
+        scores = _scores(q_parts, k_parts, scale_log2)
+        if masked:
+            visible = token[None, :] <= (q_start + query)[:, None]
+            scores = jnp.where(visible, scores, -jnp.inf)
+        return _softmax_step(carry, scores, v_ref[loaded, head, :])
+
+    carry = (
+        jnp.full((launch.block_rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((launch.block_rows,), jnp.float32),
+        jnp.zeros((launch.block_rows, o_ref.shape[-1]), jnp.float32),
+    )
+    prefix_end = jnp.where(real, prefix, 0)
+    whole = lax.div(prefix_end, block)
+    carry = lax.fori_loop(0, whole, functools.partial(prefix_body, masked=False), carry)
+    trips = pl.cdiv(prefix_end, block)
+    carry = lax.fori_loop(whole, trips, functools.partial(prefix_body, masked=True), carry)
+    # Extend keys: flat tokens [new_start, one past the block's last query).
+    last_query = jnp.minimum(q_len, lax.div(row0 + launch.block_rows - 1, launch.group) + 1)
+    new_len = jnp.where(real, q_start + last_query - new_start, 0)
+    trips = pl.cdiv(new_len, block)
+    whole = jnp.clip(lax.div(q_start + first_query + 1 - new_start, block), 0, trips)
+    carry = lax.fori_loop(0, whole, functools.partial(extend_body, masked=False), carry)
+    _, denom, acc = lax.fori_loop(whole, trips, functools.partial(extend_body, masked=True), carry)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
+    # Rows past the tile's queries are masked off. The interpreter emulates a masked store by
+    # writing back what it read, so there each such row needs a row of its own: the output's
+    # spare rows (``_spare_rows``) keep their unclamped indices apart from every real row.
+    store_row = jnp.minimum(flat_row, o_ref.shape[0] - 1)[:, None]
+    column = jnp.arange(o_ref.shape[-1], dtype=jnp.int32)[None, :]
+    store_ok = jnp.broadcast_to(row_ok[:, None], out.shape)
+    plgpu.store(o_ref.at[store_row, column], out.astype(o_ref.dtype), mask=store_ok)
+
+
+def _tile_prefixes(md: metadata_lib.AttentionMetadata, num_reqs: int):
+    """Per tile: its sequence's prefix length and the flat token of the first new position.
+
+    A sequence's tiles share a page-table row; its smallest ``tile_q_pos`` is its prefix.
+    """
+    valid = md.tile_q_len > 0
+    never = jnp.iinfo(jnp.int32).max
+    first_pos = jax.ops.segment_min(
+        jnp.where(valid, md.tile_q_pos, never).astype(jnp.int32), md.tile_req, num_reqs
+    )
+    prefix = jnp.where(valid, first_pos[md.tile_req], 0).astype(jnp.int32)
+    return prefix, (md.tile_q_start - (md.tile_q_pos - prefix)).astype(jnp.int32)
+
+
+def _spare_rows(query_tile: int, q_heads: int) -> int:
+    """Output rows past the tokens' that the interpreter's masked-off rows write to: a tile's
+    rows reach at most ``query_tile`` tokens past its start."""
+    return query_tile * q_heads
+
+
+def extend_attention_pallas(q, k, v, cache, layer_id, md, *, scaling, config, interpret):
+    """Pallas impl: the two-stage kernel (see the module docstring)."""
+    tokens, q_heads, head_dim = q.shape
+    kv_heads, dv = cache.k.shape[2], cache.v.shape[-1]
+    launch = _launch(config, md.capacity.query_tile, q_heads, kv_heads, head_dim)
+    impls.check_pallas_elems(
+        [tokens * q_heads * max(head_dim, dv), cache.k.size, cache.v.size],
+        launch.block_rows * max(head_dim, dv),
+    )
+    prefix, new_start = _tile_prefixes(md, cache.req_to_token.shape[0])
+    out_rows = tokens * q_heads + (_spare_rows(md.capacity.query_tile, q_heads) if interpret else 0)
+    inputs = [
+        jnp.asarray(layer_id, jnp.int32).reshape(1),
+        md.tile_req.astype(jnp.int32), md.tile_q_start.astype(jnp.int32),
+        md.tile_q_len.astype(jnp.int32), prefix, new_start, cache.req_to_token,
+        q.reshape(tokens * q_heads, head_dim), cache.k, cache.v,
+        k.astype(cache.k.dtype), v.astype(cache.v.dtype),
+        jnp.zeros((out_rows, dv), q.dtype),
+    ]  # fmt: skip
+    kernel = functools.partial(
+        _extend_attention_kernel, launch=launch, scale_log2=scaling * math.log2(math.e)
+    )
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((out_rows, dv), q.dtype),
+        grid=(md.capacity.num_tiles, kv_heads * launch.row_blocks),
+        input_output_aliases={len(inputs) - 1: 0},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=config.num_warps, num_stages=config.num_stages
+        ),
+        name="jtbo_extend_attention",
+    )(*inputs)
+    return out[: tokens * q_heads].reshape(tokens, q_heads, dv)
+
+
+def extend_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cache: kv_cache_lib.KVCache,
+    layer_id: int | jax.Array,
+    md: metadata_lib.AttentionMetadata,
+    *,
+    scaling: float,
+    impl: str | None = None,
+    config: ExtendAttentionConfig = DEFAULT_CONFIG,
+    native_config: native.NativeAttentionConfig = native.DEFAULT_CONFIG,
+) -> jax.Array:
+    """Attends causal tiles over their prefix in the pool and the step's own K/V.
+
+    Args:
+      q: queries, ``[token_capacity, q_heads, head_dim]``.
+      k: the step's keys, ``[token_capacity, kv_heads, head_dim]``.
+      v: the step's values, ``[token_capacity, kv_heads, v_head_dim]``.
+      cache: the KV cache, holding this step's new tokens already (``"xla"`` reads them
+        there, ``"pallas"`` reads only the prefixes there).
+      layer_id: layer whose pool is read (static int or traced scalar).
+      md: the step's metadata, causal (no custom mask).
+      scaling: factor applied to ``q . k``.
+      impl: ``"xla"`` (the native attention over the pool, the reference), ``"pallas"``
+        (this module's kernel; the interpreter on the CPU) or None (the fastest available,
+        ``jtbo.kernels.impls.FASTEST``). There is no ``"triton"`` kernel.
+      config: the kernel's launch shape (``"pallas"``).
+      native_config: the native attention's knobs (``"xla"``).
+
+    Returns:
+      ``[token_capacity, q_heads, v_head_dim]`` in ``q.dtype``; zeros for rows past
+      ``md.num_tokens``.
+
+    Raises:
+      ValueError: custom-mask metadata, q heads not a multiple of the KV heads, or step K/V
+        whose shapes disagree with the pool's.
+      KernelUnavailableError: the named impl cannot serve this call here.
+    """
+    if md.custom_mask is not None:
+        raise ValueError("extend_attention is causal; custom-mask (verify) metadata goes to "
+                         "paged.paged_attention")  # fmt: skip
+    if q.shape[1] % cache.k.shape[2]:
+        raise ValueError(
+            f"q_heads = {q.shape[1]} is not a multiple of kv_heads = {cache.k.shape[2]}"
+        )
+    if k.shape[1:] != cache.k.shape[2:] or v.shape[1:] != cache.v.shape[2:]:
+        raise ValueError(
+            f"step k {k.shape} / v {v.shape} do not match the pool's rows "
+            f"k {cache.k.shape[2:]} / v {cache.v.shape[2:]}"
+        )
+    impl = impls.resolve(impl, op=OP)
+    if impl == "triton":
+        raise impls.KernelUnavailableError(
+            "impl='triton' is unavailable: extend attention has no jax-triton kernel"
+        )
+    if impl == "xla":
+        return native.attend(q, cache, layer_id, md, scaling=scaling, config=native_config)
+    interpret = impls.backend() == "cpu"
+    reason = None if interpret else paged.unavailable_reason(q, cache)
+    if reason is not None:
+        raise impls.KernelUnavailableError(f"impl='pallas' is unavailable: {reason}")
+    return extend_attention_pallas(
+        q, k, v, cache, layer_id, md, scaling=scaling, config=config, interpret=interpret
+    )
+
+
+def forward(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    layer_id: int | jax.Array,
+    md: metadata_lib.AttentionMetadata,
+    cache: kv_cache_lib.KVCache,
+    *,
+    scaling: float | None = None,
+    impl: str | None = None,
+    config: ExtendAttentionConfig = DEFAULT_CONFIG,
+) -> tuple[jax.Array, kv_cache_lib.KVCache]:
+    """Writes the step's K/V at ``out_cache_loc`` and attends with ``extend_attention``.
+
+    Args:
+      q: queries, ``[token_capacity, q_heads, head_dim]``.
+      k: new keys, ``[token_capacity, kv_heads, head_dim]``.
+      v: new values, ``[token_capacity, kv_heads, v_head_dim]``.
+      layer_id: layer index.
+      md: the step's causal metadata.
+      cache: the KV cache (donate it to update in place).
+      scaling: score scale; ``head_dim ** -0.5`` when None.
+      impl: as ``extend_attention``.
+      config: the kernel's launch shape.
+
+    Returns:
+      ``(out [token_capacity, q_heads, v_head_dim], new cache)``.
+
+    Raises:
+      ValueError: as ``extend_attention`` and ``native.write_step_kv``.
+      KernelUnavailableError: the named impl cannot serve this call here.
+    """
+    cache = native.write_step_kv(q, k, v, layer_id, md, cache)
+    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
+    out = extend_attention(q, k, v, cache, layer_id, md, scaling=scaling, impl=impl, config=config)
+    return out, cache
