@@ -17,8 +17,9 @@ afterwards and the result goes straight to the output's token rows in ``q.dtype`
 * **Rows.** A program's matrix rows are (query, group head) pairs, row ``r`` = query
   ``r // group`` and head ``r % group`` of the KV head's group (as in the paged kernel), loaded
   from and stored to the flat ``[tokens * q_heads, dim]`` views of ``q`` and the output, so
-  neither is gathered nor scattered by XLA. Rows past the tile's queries are neither stored nor
-  needed; tokens that no tile covers (padding) stay zero.
+  neither is gathered nor scattered by XLA. Rows past the tile's queries are not stored. The
+  padded tokens' rows (from ``num_tokens`` on) are zeroed by the programs too, each tile's
+  programs a share of them, so the output needs no zero fill beforehand.
 * **Masks.** Blocks every row sees whole skip the mask: all prefix blocks but a partial last
   one, and the extend blocks up to the row block's first query. The rest are masked by range
   (prefix) or by the causal rule (extend).
@@ -47,6 +48,8 @@ from jtbo.kernels import impls, launch_checks
 
 OP = "extend_attention"
 """This op's key in ``jtbo.kernels.impls.FASTEST``."""
+SPARE_ROWS = 1
+"""Output rows past the tokens' in the interpreter, for masked-off stores (``_store_rows``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +66,8 @@ class ExtendAttentionConfig:
 
     block_kv: int = 64
     block_rows: int = 128
-    num_warps: int = 8
-    num_stages: int = 3
+    num_warps: int = 4
+    num_stages: int = 2
 
     def __post_init__(self):
         launch_checks.require_powers_of_two(self, ("block_kv", "block_rows", "num_warps"))
@@ -73,7 +76,8 @@ class ExtendAttentionConfig:
 
 
 DEFAULT_CONFIG = ExtendAttentionConfig()
-"""The kernel knobs used when none are given."""
+"""The kernel knobs used when none are given: the fastest of a 40-shape sweep on an H200
+(BENCHMARKS.md, "Attention: the extend kernel")."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,18 +86,22 @@ class _Launch:
 
     group: int  # query heads per KV head
     q_heads: int
+    tokens: int  # token_capacity
+    query_tile: int
+    zero_per_tile: int  # padded tokens whose output rows each tile's programs zero
     block_rows: int
     row_blocks: int
     block_kv: int
     key_parts: tuple[tuple[int, int], ...]  # (offset, width) column parts of q and k
 
 
-def _launch(config: ExtendAttentionConfig, query_tile: int, q_heads, kv_heads, head_dim):
-    rows = query_tile * (q_heads // kv_heads)
+def _launch(config: ExtendAttentionConfig, capacity, q_heads, kv_heads, head_dim):
+    rows = capacity.query_tile * (q_heads // kv_heads)
     block_rows = min(config.block_rows, max(16, pl.next_power_of_2(rows)))
     return _Launch(
-        q_heads // kv_heads, q_heads, block_rows, pl.cdiv(rows, block_rows), config.block_kv,
-        paged.key_parts(head_dim, None),
+        q_heads // kv_heads, q_heads, capacity.token_capacity, capacity.query_tile,
+        pl.cdiv(capacity.token_capacity, capacity.num_tiles), block_rows,
+        pl.cdiv(rows, block_rows), config.block_kv, paged.key_parts(head_dim, None),
     )  # fmt: skip
 
 
@@ -121,17 +129,43 @@ def _scores(q_parts, k_parts, scale_log2):
     return total * scale_log2
 
 
+def _store_rows(o_ref, flat_row, values, row_ok):
+    """Stores ``values`` at output rows ``flat_row`` where ``row_ok``.
+
+    Rows past the output are clamped to its last row and masked off. The interpreter
+    emulates a masked store by writing back what it read, so there that last row is a spare
+    one (``SPARE_ROWS``) that no real row shares.
+    """
+    store_row = jnp.minimum(flat_row, o_ref.shape[0] - 1)[:, None]
+    column = jnp.arange(o_ref.shape[-1], dtype=jnp.int32)[None, :]
+    mask = jnp.broadcast_to(row_ok[:, None], values.shape)
+    plgpu.store(o_ref.at[store_row, column], values.astype(o_ref.dtype), mask=mask)
+
+
+def _zero_padded_rows(o_ref, num_tokens, tile, head, row, query, launch: _Launch):
+    """Zeros this program's rows of the padded tokens that tile ``tile`` answers for:
+    ``[num_tokens + tile * zero_per_tile, ...)`` (the tiles together cover every padded
+    token; real tokens are each in one tile, ``tiling`` checks that)."""
+    zeros = jnp.zeros((launch.block_rows, o_ref.shape[-1]), jnp.float32)
+    for chunk in range(pl.cdiv(launch.zero_per_tile, launch.query_tile)):
+        offset = chunk * launch.query_tile + query
+        token = num_tokens + tile * launch.zero_per_tile + offset
+        row_ok = (query < launch.query_tile) & (offset < launch.zero_per_tile)
+        row_ok = row_ok & (token < launch.tokens)
+        flat_row = token * launch.q_heads + head * launch.group + lax.rem(row, launch.group)
+        _store_rows(o_ref, flat_row, zeros, row_ok)
+
+
 def _extend_attention_kernel(
-    layer_ref, tile_req_ref, tile_q_start_ref, tile_q_len_ref, tile_prefix_ref,
-    tile_new_start_ref, req_to_token_ref, q_ref, k_pool_ref, v_pool_ref, k_ref, v_ref,
-    zeros_ref, o_ref, *, launch: _Launch, scale_log2: float,
+    layer_ref, num_tokens_ref, tile_req_ref, tile_q_start_ref, tile_q_len_ref,
+    tile_prefix_ref, tile_new_start_ref, req_to_token_ref, q_ref, k_pool_ref, v_pool_ref,
+    k_ref, v_ref, o_ref, *, launch: _Launch, scale_log2: float,
 ):  # fmt: skip
-    # layer_ref: [1]; tile_*_ref: [num_tiles]; req_to_token_ref: [max_reqs, max_context];
-    # q_ref: [tokens * q_heads, head_dim]; k_pool_ref: [layers, slots, kv_heads, head_dim];
-    # v_pool_ref: [layers, slots, kv_heads, v_head_dim]; k_ref: [tokens, kv_heads, head_dim];
-    # v_ref: [tokens, kv_heads, v_head_dim]; zeros_ref / o_ref (aliased): [tokens * q_heads,
-    # v_head_dim] in q's dtype.
-    del zeros_ref  # the output's initial zeros, aliased to o_ref
+    # layer_ref, num_tokens_ref: [1]; tile_*_ref: [num_tiles];
+    # req_to_token_ref: [max_reqs, max_context]; q_ref: [tokens * q_heads, head_dim];
+    # k_pool_ref: [layers, slots, kv_heads, head_dim]; v_pool_ref: [layers, slots, kv_heads,
+    # v_head_dim]; k_ref: [tokens, kv_heads, head_dim]; v_ref: [tokens, kv_heads, v_head_dim];
+    # o_ref: [tokens * q_heads (+ SPARE_ROWS in the interpreter), v_head_dim] in q's dtype.
     tile = pl.program_id(0)
     head = lax.div(pl.program_id(1), launch.row_blocks)
     row0 = lax.rem(pl.program_id(1), launch.row_blocks) * launch.block_rows
@@ -189,14 +223,8 @@ def _extend_attention_kernel(
     whole = jnp.clip(lax.div(q_start + first_query + 1 - new_start, block), 0, trips)
     carry = lax.fori_loop(0, whole, functools.partial(extend_body, masked=False), carry)
     _, denom, acc = lax.fori_loop(whole, trips, functools.partial(extend_body, masked=True), carry)
-    out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]
-    # Rows past the tile's queries are masked off. The interpreter emulates a masked store by
-    # writing back what it read, so there each such row needs a row of its own: the output's
-    # spare rows (``_spare_rows``) keep their unclamped indices apart from every real row.
-    store_row = jnp.minimum(flat_row, o_ref.shape[0] - 1)[:, None]
-    column = jnp.arange(o_ref.shape[-1], dtype=jnp.int32)[None, :]
-    store_ok = jnp.broadcast_to(row_ok[:, None], out.shape)
-    plgpu.store(o_ref.at[store_row, column], out.astype(o_ref.dtype), mask=store_ok)
+    _store_rows(o_ref, flat_row, acc / jnp.where(denom > 0, denom, 1.0)[:, None], row_ok)
+    _zero_padded_rows(o_ref, num_tokens_ref[0], tile, head, row, query, launch)
 
 
 def _tile_prefixes(md: metadata_lib.AttentionMetadata, num_reqs: int):
@@ -213,30 +241,24 @@ def _tile_prefixes(md: metadata_lib.AttentionMetadata, num_reqs: int):
     return prefix, (md.tile_q_start - (md.tile_q_pos - prefix)).astype(jnp.int32)
 
 
-def _spare_rows(query_tile: int, q_heads: int) -> int:
-    """Output rows past the tokens' that the interpreter's masked-off rows write to: a tile's
-    rows reach at most ``query_tile`` tokens past its start."""
-    return query_tile * q_heads
-
-
 def extend_attention_pallas(q, k, v, cache, layer_id, md, *, scaling, config, interpret):
     """Pallas impl: the two-stage kernel (see the module docstring)."""
     tokens, q_heads, head_dim = q.shape
     kv_heads, dv = cache.k.shape[2], cache.v.shape[-1]
-    launch = _launch(config, md.capacity.query_tile, q_heads, kv_heads, head_dim)
+    launch = _launch(config, md.capacity, q_heads, kv_heads, head_dim)
     impls.check_pallas_elems(
         [tokens * q_heads * max(head_dim, dv), cache.k.size, cache.v.size],
         launch.block_rows * max(head_dim, dv),
     )
     prefix, new_start = _tile_prefixes(md, cache.req_to_token.shape[0])
-    out_rows = tokens * q_heads + (_spare_rows(md.capacity.query_tile, q_heads) if interpret else 0)
+    out_rows = tokens * q_heads + (SPARE_ROWS if interpret else 0)
     inputs = [
         jnp.asarray(layer_id, jnp.int32).reshape(1),
-        md.tile_req.astype(jnp.int32), md.tile_q_start.astype(jnp.int32),
-        md.tile_q_len.astype(jnp.int32), prefix, new_start, cache.req_to_token,
+        jnp.asarray(md.num_tokens, jnp.int32).reshape(1), md.tile_req.astype(jnp.int32),
+        md.tile_q_start.astype(jnp.int32), md.tile_q_len.astype(jnp.int32), prefix, new_start,
+        cache.req_to_token,
         q.reshape(tokens * q_heads, head_dim), cache.k, cache.v,
         k.astype(cache.k.dtype), v.astype(cache.v.dtype),
-        jnp.zeros((out_rows, dv), q.dtype),
     ]  # fmt: skip
     kernel = functools.partial(
         _extend_attention_kernel, launch=launch, scale_log2=scaling * math.log2(math.e)
@@ -245,7 +267,6 @@ def extend_attention_pallas(q, k, v, cache, layer_id, md, *, scaling, config, in
         kernel,
         out_shape=jax.ShapeDtypeStruct((out_rows, dv), q.dtype),
         grid=(md.capacity.num_tiles, kv_heads * launch.row_blocks),
-        input_output_aliases={len(inputs) - 1: 0},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages

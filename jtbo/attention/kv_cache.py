@@ -12,22 +12,28 @@ Layout (the contract the model and runner code against):
   position, the pool slot that holds request ``r``'s token. The scheduler fills it for every
   token of the step *before* the forward (the prefix, the new extend tokens and, for
   target-verify, the draft tokens), exactly like SGLang's ``req_to_token_pool``.
-* Slot 0 is reserved as the padding slot: padded tokens carry ``out_cache_loc = 0`` and write
-  there harmlessly; real tokens never live in slot 0.
+* Slot 0 is reserved as the padding slot: padded tokens carry ``out_cache_loc = 0``, and
+  their writes are dropped; real tokens never live in slot 0, and no two real tokens of a
+  write share a slot. Reads past a sequence point at the padding slot and are masked.
 
 ``ModelRunner`` allocates every DP rank's cache at once: the pools stacked along a leading
 ``dp`` axis and sharded over the mesh, the page table on the host.
 
 Writes are functional (``.at[].set``); under ``jit`` with the cache donated XLA updates the
-pool in place, so a step does not copy it.
+pool in place, so a step does not copy it. A write's destinations are distinct (each padded
+token is sent to its own slot past the pool and dropped), so XLA scatters without atomics:
+on an H200 the scatter of 8192 tokens' K/V took 133 us with the padded tokens' shared slot
+(XLA then cannot rule out duplicates) and is far cheaper without (BENCHMARKS.md, "Attention:
+the extend kernel").
 """
 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 PADDING_SLOT = 0
-"""Pool slot that padded tokens write to; never holds a real token."""
+"""Pool slot of padded tokens (their writes are dropped); never holds a real token."""
 
 
 @jax.tree_util.register_dataclass
@@ -70,7 +76,8 @@ def write_kv(
     Args:
       cache: the cache to update.
       layer_id: layer index (static int or traced scalar).
-      loc: destination slot of each token, ``[num_tokens]`` int32; padded tokens use slot 0.
+      loc: destination slot of each token, ``[num_tokens]`` int32, distinct for real tokens;
+        padded tokens use ``PADDING_SLOT`` and are not written.
       k: keys, ``[num_tokens, kv_heads, head_dim]``.
       v: values, ``[num_tokens, kv_heads, v_head_dim]``; None exactly when the cache has no
         value pool (MLA).
@@ -95,8 +102,14 @@ def write_kv(
                 f"{name} has shape {new.shape}, expected {(loc.shape[0], *pool.shape[2:])} "
                 f"(num_tokens from out_cache_loc, heads/dim from the pool)"
             )
+    # Each padded token gets its own slot past the pool: every destination is distinct, and
+    # mode="drop" skips the padded ones.
+    beyond = cache.num_slots + jnp.arange(loc.shape[0], dtype=loc.dtype)
+    loc = jnp.where(loc == PADDING_SLOT, beyond, loc)
+
+    def store(pool, new):
+        return pool.at[layer_id, loc].set(new.astype(pool.dtype), mode="drop", unique_indices=True)
+
     return dataclasses.replace(
-        cache,
-        k=cache.k.at[layer_id, loc].set(k.astype(cache.k.dtype)),
-        v=None if v is None else cache.v.at[layer_id, loc].set(v.astype(cache.v.dtype)),
+        cache, k=store(cache.k, k), v=None if v is None else store(cache.v, v)
     )

@@ -138,7 +138,7 @@ def write_latent(
     md: metadata_lib.AttentionMetadata,
     cache: kv_cache_lib.KVCache,
 ) -> kv_cache_lib.KVCache:
-    """Stores the step's latent rows at ``out_cache_loc`` (padded rows: the padding slot).
+    """Stores the step's latent rows at ``out_cache_loc`` (padded rows are dropped).
 
     Args:
       latent: ``[token_capacity, kv_lora_rank + qk_rope_head_dim]`` (RoPE already applied).

@@ -333,8 +333,8 @@ def write_step_kv(
 ) -> kv_cache_lib.KVCache:
     """Checks the step's shapes and writes its real tokens' K/V at ``out_cache_loc``.
 
-    Padded rows (at or past ``md.num_tokens``) write to the padding slot. Every attention
-    impl writes this way before it attends.
+    Padded rows (at or past ``md.num_tokens``) target the padding slot and are dropped.
+    Every attention impl writes this way before it attends.
 
     Args:
       q: queries, ``[token_capacity, q_heads, head_dim]`` (shape-checked only).

@@ -33,12 +33,33 @@ def _validate(capacity, req, q_start, q_len, q_pos, kv_len, num_tokens) -> None:
     # Sequences without queries (padding) may point anywhere; only real rows must fit.
     _check_le("q_start + q_len", np.where(q_len > 0, q_start + q_len, 0), num_tokens, "num_tokens")
     _check_le("kv_len", kv_len, capacity.max_context, "max_context")
+    _check_covered(q_start, q_len, num_tokens)
     over = (q_pos + q_len > kv_len) & (q_len > 0)
     if over.any():
         i = int(np.argmax(over))
         raise ValueError(
             f"sequence {i}: queries reach KV position {q_pos[i] + q_len[i]} but kv_len is "
             f"{kv_len[i]} (seq_lens must count the step's new tokens)"
+        )
+
+
+def _check_covered(q_start: np.ndarray, q_len: np.ndarray, num_tokens: int) -> None:
+    """The sequences' query tokens must be ``[0, num_tokens)``, each token in one sequence.
+
+    The attention kernels write each output row once: a real token no tile covers would be
+    left unwritten, and one that two sequences claim written twice.
+    """
+    real = q_len > 0
+    order = np.argsort(q_start[real], kind="stable")
+    starts, ends = q_start[real][order], (q_start + q_len)[real][order]
+    bounds = np.concatenate([[0], ends])
+    gaps = np.flatnonzero(np.concatenate([starts, [num_tokens]]) != bounds)
+    if gaps.size:
+        at = int(gaps[0])
+        raise ValueError(
+            f"sequences' query tokens must cover [0, num_tokens = {num_tokens}) once, in "
+            f"runs that meet: after token {int(bounds[at])} the next run starts at "
+            f"{int(np.concatenate([starts, [num_tokens]])[at])}"
         )
 
 

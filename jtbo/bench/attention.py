@@ -23,7 +23,10 @@ bytes the step must read (every sequence's context, K and V, all KV heads) per s
 their fraction of the device's copy bandwidth, measured in the same run (torch ``copy_`` of
 1 GiB where torch sees the GPU, else a fused XLA copy). Each later backend's output is
 compared with the first one's (max abs difference), and one JSON line per (case, backend)
-follows. ``--small`` shrinks everything so the benchmark runs on a CPU in seconds.
+follows. ``--kernel-time`` traces ``--iters`` more steps on a GPU and splits a step's time
+into the attention kernel's own and the other kernels' (the K/V write into the pool, the
+output's zero fill), with the extend kernel's own TF/s. ``--small`` shrinks everything so the
+benchmark runs on a CPU in seconds.
 
 ``--mla`` benchmarks DeepSeek's multi-head latent attention instead (``backend.forward_mla``):
 the pool holds one latent row of ``--kv-lora-rank + --qk-rope-dim`` values per token (V3's
@@ -36,8 +39,10 @@ natively on both backends. The KV bytes are the latent rows read.
 import argparse
 import dataclasses
 import functools
+import glob
 import itertools
 import json
+import tempfile
 import time
 
 import jax
@@ -47,7 +52,7 @@ import numpy as np
 from jtbo import attention
 from jtbo.attention import backend as backend_lib
 from jtbo.attention import kv_cache as kv_cache_lib
-from jtbo.bench import device_rates, limits
+from jtbo.bench import device_rates, kernel_time, limits
 
 CASES = ("extend", "decode", "verify")
 KNOBS = tuple(field.name for field in dataclasses.fields(attention.PagedAttentionConfig))
@@ -91,6 +96,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
             default=[getattr(extend_defaults, name)],
             help=f"pallas, extend case: ExtendAttentionConfig.{name} (a comma list sweeps it)",
         )  # fmt: skip
+    parser.add_argument(
+        "--kernel-time", action="store_true",
+        help="on a GPU, also trace the timed steps and split their time into the attention "
+        "kernel's own (jtbo_*) and the other kernels' (the K/V write, the output's zeros)",
+    )  # fmt: skip
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--mla", action="store_true", help="MLA over a latent pool (above)")
     parser.add_argument("--kv-lora-rank", type=int, default=512, help="MLA latent width")
@@ -302,6 +312,9 @@ def _run_case(args, case, backend_name: str, config=None) -> tuple[dict, jax.Arr
         out, cache = step(*inputs, 0, md, cache)
     out.block_until_ready()
     seconds = (time.perf_counter() - start) / args.iters
+    kernels = _kernel_times(step, (*inputs, 0, md, cache), args.iters) if args.kernel_time else None
+    if kernels is not None:
+        out, cache = kernels.pop("outputs")
     result = dict(
         case=name,
         backend=backend_name,
@@ -317,8 +330,36 @@ def _run_case(args, case, backend_name: str, config=None) -> tuple[dict, jax.Arr
         compiled_temp_bytes=None if analysis is None else analysis.temp_size_in_bytes,
         kv_pool_bytes=int(cache.k.nbytes + (0 if cache.v is None else cache.v.nbytes)),
         finite=bool(jnp.isfinite(out).all()),
+        **(kernels or {}),
     )
+    if kernels and name == "extend":
+        result["kernel_tflops"] = _causal_flops(args) / (kernels["kernel_ms"] / 1e3) / 1e12
     return result, out
+
+
+def _kernel_times(step, step_args, iters: int) -> dict:
+    """GPU time per step of the attention kernels (``jtbo_*``) and of every other kernel,
+    from a trace of ``iters`` more steps; no figures off GPUs or without such kernels.
+
+    The trace's steps donate the cache like the timed ones, so the last outputs are returned
+    (``"outputs"``) for the caller to keep using.
+    """
+    folder = tempfile.mkdtemp(prefix="jtbo_attention_")
+    *head, cache = step_args
+    with jax.profiler.trace(folder):
+        for _ in range(iters):
+            out, cache = step(*head, cache)
+        out.block_until_ready()
+    times = dict(outputs=(out, cache))
+    if jax.devices()[0].platform != "gpu":
+        return times
+    (path,) = glob.glob(f"{folder}/**/*.trace.json.gz", recursive=True)
+    kernels = kernel_time.gpu_kernels(kernel_time.read_trace(path))
+    ours = sum(k.microseconds for k in kernels if k.name.startswith("jtbo_"))
+    others = sum(k.microseconds for k in kernels if not k.name.startswith("jtbo_"))
+    if not ours:  # the native backend: XLA's kernels only
+        return times
+    return times | dict(kernel_ms=ours / iters / 1e3, other_kernel_ms=others / iters / 1e3)
 
 
 def _uses_extend_kernel(args, case) -> bool:
@@ -344,6 +385,16 @@ def _line(result: dict, ceiling: tuple[float, str]) -> str:
         f"{(result['compiled_temp_bytes'] or 0) / 2**20:.1f} MiB, KV pool "
         f"{result['kv_pool_bytes'] / 2**20:.1f} MiB"
     )
+    if result.get("kernel_ms") is not None:
+        line += (
+            f"; kernels: attention {result['kernel_ms']:.3f} ms, others "
+            f"{result['other_kernel_ms']:.3f} ms"
+        )
+        if result.get("kernel_tflops") is not None:
+            line += (
+                f", attention kernel {result['kernel_tflops']:.1f} TF/s = "
+                f"{result['kernel_tflops'] / result['dense_tflops']:.2f} of dense"
+            )
     if result["kv_gb_per_s"] is not None:
         line += (
             f", KV read {result['kv_read_bytes'] / 2**20:.1f} MiB at "

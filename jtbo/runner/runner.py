@@ -658,7 +658,7 @@ class ModelRunner:
         With several processes, every process calls it with the same arguments.
 
         Runs a synthetic step (rank 0 busy, the rest idle) with the static keys a real step of
-        that many tokens in that mode has; its K/V writes go to the padding slot only. An
+        that many tokens in that mode has; its K/V writes target the padding slot (dropped). An
         "auto" runner compiles both the plain and the TBO program of each (it decides later,
         on real steps). With ``dp_padding="auto"`` the programs are MAX_LEN's (those of
         steps whose ranks are equal); SUM_LEN programs depend on a step's token sum (its

@@ -119,6 +119,22 @@ def test_empty_metadata_gives_zeros():
     assert not np.asarray(out).any()
 
 
+def test_padded_rows_are_zeroed_when_tiles_are_few():
+    # 5 tiles of 2 queries for 24 token rows: each tile's programs zero 5 padded tokens' rows
+    # in 3 chunks of the tile's 2 queries (the output starts uninitialized: NaN in the
+    # interpreter).
+    sc = _make(13, [3, 0], [3, 2], token_capacity=24)
+    capacity = metadata.AttentionCapacity(
+        token_capacity=24, seq_capacity=2, query_tile=2, num_tiles=5, max_context=CONTEXT
+    )
+    md = tiling.build_metadata(
+        capacity, req=sc.req_pool_indices, q_start=[0, 3], q_len=sc.extend_lens,
+        q_pos=sc.prefix_lens, kv_len=sc.prefix_lens + sc.extend_lens,
+        out_cache_loc=sc.out_cache_loc, num_tokens=sc.num_tokens,
+    )  # fmt: skip
+    _check(sc, md)
+
+
 def test_impl_choice_and_errors():
     sc = _make(9, [2], [3], token_capacity=4)
     md = _extend_md(sc)
