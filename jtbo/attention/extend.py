@@ -23,9 +23,10 @@ afterwards and the result goes straight to the output's token rows in ``q.dtype`
 * **Masks.** Blocks every row sees whole skip the mask: all prefix blocks but a partial last
   one, and the extend blocks up to the row block's first query. The rest are masked by range
   (prefix) or by the causal rule (extend).
-* **Metadata.** A tile's ``prefix_len`` is its sequence's smallest ``tile_q_pos`` and its
-  ``new_start`` the flat token of that position; both come from the step's tile metadata
-  (one sequence per page-table row per step, as the runner builds it).
+* **Metadata.** A tile's ``prefix_len`` is its sequence's smallest ``tile_q_pos``
+  (``metadata.tile_prefix_lens``) and its ``new_start`` the flat token of that position;
+  both come from the step's tile metadata (one sequence per page-table row per step, as the
+  runner builds it).
 
 The step's K/V are cast to the pool's dtype first, so both stages attend over the values the
 pool holds. ``impl="xla"`` is the native attention over the pool (the reference).
@@ -76,8 +77,8 @@ class ExtendAttentionConfig:
 
 
 DEFAULT_CONFIG = ExtendAttentionConfig()
-"""The kernel knobs used when none are given: the fastest of a 40-shape sweep on an H200
-(BENCHMARKS.md, "Attention: the extend kernel")."""
+"""The kernel knobs used when none are given: the fastest launch shape of the H200 sweeps in
+BENCHMARKS.md, "Attention: the extend kernel"."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,16 +229,8 @@ def _extend_attention_kernel(
 
 
 def _tile_prefixes(md: metadata_lib.AttentionMetadata, num_reqs: int):
-    """Per tile: its sequence's prefix length and the flat token of the first new position.
-
-    A sequence's tiles share a page-table row; its smallest ``tile_q_pos`` is its prefix.
-    """
-    valid = md.tile_q_len > 0
-    never = jnp.iinfo(jnp.int32).max
-    first_pos = jax.ops.segment_min(
-        jnp.where(valid, md.tile_q_pos, never).astype(jnp.int32), md.tile_req, num_reqs
-    )
-    prefix = jnp.where(valid, first_pos[md.tile_req], 0).astype(jnp.int32)
+    """Per tile: its sequence's prefix length and the flat token of the first new position."""
+    prefix = metadata_lib.tile_prefix_lens(md, num_reqs)
     return prefix, (md.tile_q_start - (md.tile_q_pos - prefix)).astype(jnp.int32)
 
 
@@ -318,26 +311,16 @@ def extend_attention(
     if md.custom_mask is not None:
         raise ValueError("extend_attention is causal; custom-mask (verify) metadata goes to "
                          "paged.paged_attention")  # fmt: skip
-    if q.shape[1] % cache.k.shape[2]:
-        raise ValueError(
-            f"q_heads = {q.shape[1]} is not a multiple of kv_heads = {cache.k.shape[2]}"
-        )
+    paged.check_heads(q, cache)
     if k.shape[1:] != cache.k.shape[2:] or v.shape[1:] != cache.v.shape[2:]:
         raise ValueError(
             f"step k {k.shape} / v {v.shape} do not match the pool's rows "
             f"k {cache.k.shape[2:]} / v {cache.v.shape[2:]}"
         )
-    impl = impls.resolve(impl, op=OP)
-    if impl == "triton":
-        raise impls.KernelUnavailableError(
-            "impl='triton' is unavailable: extend attention has no jax-triton kernel"
-        )
+    impl, interpret = paged.resolve_kernel_impl(impl, op=OP, kernel="extend attention",
+                                                q=q, cache=cache)  # fmt: skip
     if impl == "xla":
         return native.attend(q, cache, layer_id, md, scaling=scaling, config=native_config)
-    interpret = impls.backend() == "cpu"
-    reason = None if interpret else paged.unavailable_reason(q, cache)
-    if reason is not None:
-        raise impls.KernelUnavailableError(f"impl='pallas' is unavailable: {reason}")
     return extend_attention_pallas(
         q, k, v, cache, layer_id, md, scaling=scaling, config=config, interpret=interpret
     )

@@ -22,6 +22,7 @@ ranks stacks with ``jax.tree.map(np.stack, ...)`` and a jitted step traces once 
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -148,6 +149,27 @@ class AttentionMetadata:
     num_tokens: jax.Array  # [] int32
     custom_mask: jax.Array | None  # [num_tiles, query_tile, max_context] bool
     capacity: AttentionCapacity = dataclasses.field(metadata=dict(static=True))
+
+
+def tile_prefix_lens(md: AttentionMetadata, num_reqs: int) -> jax.Array:
+    """Per tile, its sequence's prefix: the KV positions cached before this step (traced).
+
+    A sequence's tiles share a page-table row, and its first tile starts at its prefix length,
+    so the prefix is the smallest ``tile_q_pos`` of the row's real tiles.
+
+    Args:
+      md: the step's metadata (one sequence per page-table row).
+      num_reqs: rows of the page table.
+
+    Returns:
+      ``[num_tiles]`` int32; 0 for unused tiles.
+    """
+    valid = md.tile_q_len > 0
+    never = jnp.iinfo(jnp.int32).max
+    first_pos = jax.ops.segment_min(
+        jnp.where(valid, md.tile_q_pos, never).astype(jnp.int32), md.tile_req, num_reqs
+    )
+    return jnp.where(valid, first_pos[md.tile_req], 0).astype(jnp.int32)
 
 
 def empty_metadata(capacity: AttentionCapacity) -> AttentionMetadata:

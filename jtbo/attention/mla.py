@@ -77,22 +77,14 @@ def decompressed_view(w_kv_b: jax.Array, qk_nope_head_dim: int) -> native.KVView
 def has_no_prefix(md: metadata_lib.AttentionMetadata, num_reqs: int) -> jax.Array:
     """Whether no sequence of the step has tokens in the pool from earlier steps.
 
-    A sequence's first tile starts at its prefix length (``tile_q_pos``), so the step has no
-    prefix when every sequence's smallest ``tile_q_pos`` is 0.
-
     Args:
       md: the step's metadata.
       num_reqs: rows of the page table.
 
     Returns:
-      A boolean scalar (traced).
+      A boolean scalar (traced): every tile's prefix (``metadata.tile_prefix_lens``) is 0.
     """
-    valid = md.tile_q_len > 0
-    never = jnp.iinfo(jnp.int32).max
-    first_pos = jax.ops.segment_min(
-        jnp.where(valid, md.tile_q_pos, never).astype(jnp.int32), md.tile_req, num_reqs
-    )
-    return jnp.all(jnp.where(valid, first_pos[md.tile_req] == 0, True))
+    return jnp.all(metadata_lib.tile_prefix_lens(md, num_reqs) == 0)
 
 
 def step_rows_cache(

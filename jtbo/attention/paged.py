@@ -352,6 +352,48 @@ def unavailable_reason(q, cache, value_width=None) -> str | None:
     return None
 
 
+def check_heads(q, cache) -> None:
+    """Raises ValueError when the query heads are not a multiple of the pool's KV heads."""
+    if q.shape[1] % cache.k.shape[2]:
+        raise ValueError(
+            f"q_heads = {q.shape[1]} is not a multiple of kv_heads = {cache.k.shape[2]}"
+        )
+
+
+def resolve_kernel_impl(
+    impl: str | None, *, op: str, kernel: str, q, cache, value_width=None
+) -> tuple[str, bool]:
+    """The impl of an attention op whose kernels are Pallas only, and whether it interprets.
+
+    Args:
+      impl: as ``paged_attention``'s.
+      op: the op's key in ``jtbo.kernels.impls.FASTEST``.
+      kernel: the op's name in error messages.
+      q: the queries (their widths decide whether the Triton lowering fits).
+      cache: the pool read.
+      value_width: as ``paged_attention``'s.
+
+    Returns:
+      ``(impl, interpret)``: ``"xla"`` or ``"pallas"``, and True where the Pallas kernel runs
+      in the interpreter (the CPU).
+
+    Raises:
+      ValueError: an unknown impl.
+      KernelUnavailableError: ``"triton"`` (no jax-triton kernel), or ``"pallas"`` on a GPU
+        for shapes the Triton lowering cannot tile.
+    """
+    impl = impls.resolve(impl, op=op)
+    if impl == "triton":
+        raise impls.KernelUnavailableError(
+            f"impl='triton' is unavailable: {kernel} has no jax-triton kernel"
+        )
+    interpret = impls.backend() == "cpu"
+    reason = None if impl == "xla" or interpret else unavailable_reason(q, cache, value_width)
+    if reason is not None:
+        raise impls.KernelUnavailableError(f"impl='pallas' is unavailable: {reason}")
+    return impl, interpret
+
+
 def latent_view(value_width: int) -> native.KVView:
     """Reads a latent pool's rows as one key head and their first ``value_width`` values as
     the value head (MLA's absorbed form)."""
@@ -396,24 +438,16 @@ def paged_attention(
       ValueError: an unknown impl, or q heads not a multiple of the KV heads.
       KernelUnavailableError: the named impl cannot serve this call here.
     """
-    if q.shape[1] % cache.k.shape[2]:
-        raise ValueError(
-            f"q_heads = {q.shape[1]} is not a multiple of kv_heads = {cache.k.shape[2]}"
-        )
-    impl = impls.resolve(impl, op=OP if value_width is None else LATENT_OP)
-    if impl == "triton":
-        raise impls.KernelUnavailableError(
-            "impl='triton' is unavailable: paged attention has no jax-triton kernel"
-        )
+    check_heads(q, cache)
+    impl, interpret = resolve_kernel_impl(
+        impl, op=OP if value_width is None else LATENT_OP, kernel="paged attention", q=q,
+        cache=cache, value_width=value_width,
+    )  # fmt: skip
     if impl == "xla":
         view = None if value_width is None else latent_view(value_width)
         return native.attend(
             q, cache, layer_id, md, scaling=scaling, config=native_config, view=view
         )
-    interpret = impls.backend() == "cpu"
-    reason = None if interpret else unavailable_reason(q, cache, value_width)
-    if reason is not None:
-        raise impls.KernelUnavailableError(f"impl='pallas' is unavailable: {reason}")
     return paged_attention_pallas(
         q, cache, layer_id, md, scaling=scaling, config=config, interpret=interpret,
         value_width=value_width,

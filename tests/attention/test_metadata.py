@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jtbo.attention import metadata
+from jtbo.attention import metadata, tiling
 
 
 def test_extend_capacity_bounds_any_ragged_batch():
@@ -34,3 +34,18 @@ def test_empty_metadata_is_a_pytree_of_static_shape():
     assert md.custom_mask.shape == (2, 3, 8)
     assert not any(np.asarray(x).any() for x in leaves)
     assert metadata.empty_metadata(metadata.decode_capacity(2, 8)).custom_mask is None
+
+
+def test_tile_prefix_lens_is_each_sequence_s_first_position():
+    # Three sequences (rows 2, 0, 1) with prefixes 3, 0 and 7, cut into tiles of 4; the
+    # numpy reference takes each sequence's q_pos directly, not through the tiles.
+    capacity = metadata.extend_capacity(16, 3, 24, query_tile=4)
+    q_len, q_pos = np.array([5, 2, 9]), np.array([3, 0, 7])
+    md = tiling.build_metadata(
+        capacity, req=[2, 0, 1], q_start=[0, 5, 7], q_len=q_len, q_pos=q_pos,
+        kv_len=q_pos + q_len, out_cache_loc=np.arange(1, 17), num_tokens=16,
+    )  # fmt: skip
+    tiles_per_seq = -(-q_len // 4)
+    expected = np.zeros(capacity.num_tiles, np.int32)
+    expected[: tiles_per_seq.sum()] = np.repeat(q_pos, tiles_per_seq)
+    np.testing.assert_array_equal(metadata.tile_prefix_lens(md, 3), expected)
