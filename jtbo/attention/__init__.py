@@ -1,7 +1,7 @@
-"""jtbo.attention: paged KV cache, native attention, the Pallas extend and paged kernels
-(extend/decode/verify), TBO backend."""
+"""jtbo.attention: paged KV cache, native attention, the extend and paged kernels
+(extend/decode/verify) in Pallas and in Triton (jax-triton), TBO backend."""
 
-from jtbo.attention.backend import NativeAttnBackend, PallasAttnBackend
+from jtbo.attention.backend import NativeAttnBackend, PallasAttnBackend, TritonAttnBackend
 from jtbo.attention.batch_metadata import forward_batch_metadata
 from jtbo.attention.extend import ExtendAttentionConfig, extend_attention
 from jtbo.attention.kv_cache import PADDING_SLOT, KVCache, write_kv
@@ -30,6 +30,7 @@ __all__ = [
     "PallasAttnBackend",
     "TboAttnBackend",
     "TboAttnMetadata",
+    "TritonAttnBackend",
     "attend",
     "build_metadata",
     "decode_capacity",

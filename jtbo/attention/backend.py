@@ -5,11 +5,13 @@ an input, so ``init_forward_metadata`` *returns* it (a numpy pytree to pass into
 step) and ``forward`` takes it as an argument. The backend object itself holds only static
 configuration (capacity, kernel knobs, score scale) and may be closed over by jitted code.
 
-Two backends share the metadata and differ in the forward (``ATTENTION_BACKENDS``):
+Three backends share the metadata and differ in the forward (``ATTENTION_BACKENDS``):
 ``"native"`` (``NativeAttnBackend``: blocked jnp attention, the exact reference and the CPU
-path) and ``"pallas"`` (``PallasAttnBackend``: the extend kernel of ``jtbo.attention.extend``
+path), ``"pallas"`` (``PallasAttnBackend``: the extend kernel of ``jtbo.attention.extend``
 for EXTEND / MIXED capacities and the paged kernel of ``jtbo.attention.paged``, which reads
-K/V through the page table, for decode and verify; the Pallas interpreter on the CPU).
+K/V through the page table, for decode and verify; the Pallas interpreter on the CPU) and
+``"triton"`` (``TritonAttnBackend``: the same two kernels written in Triton and run through
+jax-triton; GPUs only).
 """
 
 from collections.abc import Callable
@@ -161,7 +163,10 @@ class PallasAttnBackend(NativeAttnBackend):
       config: the paged kernel's launch shape.
       extend_config: the extend kernel's launch shape.
       scaling: score scale, or None for ``head_dim ** -0.5``.
+      impl: the kernels' impl (class attribute): ``"pallas"``.
     """
+
+    impl = "pallas"
 
     def __init__(
         self,
@@ -206,11 +211,11 @@ class PallasAttnBackend(NativeAttnBackend):
         self._check_capacity(metadata)
         if self.uses_extend_kernel():
             return extend.forward(
-                q, k, v, layer_id, metadata, kv_cache, scaling=self.scaling, impl="pallas",
+                q, k, v, layer_id, metadata, kv_cache, scaling=self.scaling, impl=self.impl,
                 config=self.extend_config,
             )  # fmt: skip
         return paged.forward(
-            q, k, v, layer_id, metadata, kv_cache, scaling=self.scaling, impl="pallas",
+            q, k, v, layer_id, metadata, kv_cache, scaling=self.scaling, impl=self.impl,
             config=self.config,
         )  # fmt: skip
 
@@ -219,12 +224,24 @@ class PallasAttnBackend(NativeAttnBackend):
         absorbed form); extend metadata in the decompressed form through the kernel over the
         step's up-projected rows when no sequence has a prefix, else through the native
         attention at its defaults (the kernel has no decompressing form)."""
-        return dict(impl="pallas", kernel_config=self.config)
+        return dict(impl=self.impl, kernel_config=self.config)
+
+
+class TritonAttnBackend(PallasAttnBackend):
+    """``PallasAttnBackend`` with the kernels' Triton twins (``impl="triton"``, jax-triton).
+
+    The same algorithm, launch shapes and configs as the Pallas kernels, written in Triton's
+    language (``jtbo.attention.triton_kernels``). GPUs with jax-triton only: elsewhere the
+    forward raises ``KernelUnavailableError``.
+    """
+
+    impl = "triton"
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[metadata_lib.AttentionCapacity], NativeAttnBackend]] = {
     "native": NativeAttnBackend,
     "pallas": PallasAttnBackend,
+    "triton": TritonAttnBackend,
 }
 """Backend name (``ModelRunner(attention_backend=...)``) -> backend class."""
 

@@ -9,7 +9,7 @@ An EXTEND (or MIXED) step's query at flat token ``t`` of a sequence sees two kin
    ``k`` / ``v`` arrays the layer just computed (flat tokens ``[new_start, t]``, causal), so
    they are read from there directly: no page-table load, and no wait on the pool write.
 
-SGLang's Triton ``extend_attention`` splits the work the same way. Here one Pallas program
+SGLang's Triton ``extend_attention`` splits the work the same way. Here one program
 runs both stages for one (query tile, KV head, row block) with one online softmax (running
 max, denominator and weighted values in float32, exponentials in base 2), so nothing is merged
 afterwards and the result goes straight to the output's token rows in ``q.dtype``.
@@ -23,13 +23,23 @@ afterwards and the result goes straight to the output's token rows in ``q.dtype`
 * **Masks.** Blocks every row sees whole skip the mask: all prefix blocks but a partial last
   one, and the extend blocks up to the row block's first query. The rest are masked by range
   (prefix) or by the causal rule (extend).
+* **The K/V write.** The programs of a tile's first row block also store the tile's tokens'
+  K/V rows of their KV head at the tokens' pool slots (``out_cache_loc``; the pools are
+  aliased outputs, updated in place). No program reads those slots in this call (prefixes
+  hold only older positions), so the step needs no separate scatter into the pool.
+* **Order.** The grid is (KV heads x row blocks, tiles), tiles taken from the last: a
+  prompt's later tiles see more keys, so the heavy programs start first and light ones fill
+  the last wave.
 * **Metadata.** A tile's ``prefix_len`` is its sequence's smallest ``tile_q_pos``
   (``metadata.tile_prefix_lens``) and its ``new_start`` the flat token of that position;
   both come from the step's tile metadata (one sequence per page-table row per step, as the
   runner builds it).
 
 The step's K/V are cast to the pool's dtype first, so both stages attend over the values the
-pool holds. ``impl="xla"`` is the native attention over the pool (the reference).
+pool holds. ``impl="pallas"`` is the kernel in Pallas (Triton lowering; the interpreter on the
+CPU), ``impl="triton"`` the same kernel in Triton's language through jax-triton
+(``triton_kernels.jtbo_extend_attention_kernel``), and ``impl="xla"`` the pool write followed
+by the native attention over the pool (the reference).
 """
 
 import dataclasses
@@ -62,7 +72,9 @@ class ExtendAttentionConfig:
       block_rows: most matrix rows (query rows x group heads) per program (a power of two,
         at least 16).
       num_warps: warps per program (a power of two).
-      num_stages: software-pipelining stages Triton may use for the KV loops.
+      num_stages: software-pipelining stages Triton may use for the KV loops (the
+        ``"triton"`` impl uses fewer where the staged K/V blocks would not fit in shared
+        memory: ``paged.triton_stages``).
     """
 
     block_kv: int = 64
@@ -90,6 +102,7 @@ class _Launch:
     tokens: int  # token_capacity
     query_tile: int
     zero_per_tile: int  # padded tokens whose output rows each tile's programs zero
+    write_rows: int  # the tile's token rows its K/V write covers (query_tile, power of two)
     block_rows: int
     row_blocks: int
     block_kv: int
@@ -101,7 +114,8 @@ def _launch(config: ExtendAttentionConfig, capacity, q_heads, kv_heads, head_dim
     block_rows = min(config.block_rows, max(16, pl.next_power_of_2(rows)))
     return _Launch(
         q_heads // kv_heads, q_heads, capacity.token_capacity, capacity.query_tile,
-        pl.cdiv(capacity.token_capacity, capacity.num_tiles), block_rows,
+        pl.cdiv(capacity.token_capacity, capacity.num_tiles),
+        max(16, pl.next_power_of_2(capacity.query_tile)), block_rows,
         pl.cdiv(rows, block_rows), config.block_kv, paged.key_parts(head_dim, None),
     )  # fmt: skip
 
@@ -157,19 +171,45 @@ def _zero_padded_rows(o_ref, num_tokens, tile, head, row, query, launch: _Launch
         _store_rows(o_ref, flat_row, zeros, row_ok)
 
 
+def _write_step_rows(loc_ref, k_ref, v_ref, k_out_ref, v_out_ref, layer, q_start, q_len,
+                     num_tokens, head, launch: _Launch):  # fmt: skip
+    """Stores the tile's tokens' K/V rows of KV head ``head`` into the pool at their slots
+    (``out_cache_loc``); tokens past the tile's queries or ``num_tokens``, and tokens whose
+    slot is the padding slot, are not written (as ``kv_cache.write_kv`` drops them)."""
+    offset = jnp.arange(launch.write_rows, dtype=jnp.int32)
+    token = q_start + offset
+    loaded = jnp.minimum(token, launch.tokens - 1)
+    slot = loc_ref[loaded]
+    keep = (offset < q_len) & (token < num_tokens) & (slot != kv_cache_lib.PADDING_SLOT)
+    # Masked-off rows aim at the padding slot, which no kept row writes: the interpreter's
+    # masked store writes back what it read there.
+    slot = jnp.where(keep, slot, kv_cache_lib.PADDING_SLOT)
+    # Keys in the kernel's power-of-two column parts, values whole.
+    parts = [(k_ref, k_out_ref, o, w) for o, w in launch.key_parts]
+    for src_ref, out_ref, offset, width in [*parts, (v_ref, v_out_ref, 0, v_ref.shape[-1])]:
+        column = offset + jnp.arange(width, dtype=jnp.int32)[None, :]
+        rows = src_ref[loaded, head, pl.ds(offset, width)]
+        mask = jnp.broadcast_to(keep[:, None], rows.shape)
+        plgpu.store(out_ref.at[layer, slot[:, None], head, column], rows, mask=mask)
+
+
 def _extend_attention_kernel(
     layer_ref, num_tokens_ref, tile_req_ref, tile_q_start_ref, tile_q_len_ref,
     tile_prefix_ref, tile_new_start_ref, req_to_token_ref, q_ref, k_pool_ref, v_pool_ref,
-    k_ref, v_ref, o_ref, *, launch: _Launch, scale_log2: float,
+    k_ref, v_ref, loc_ref, o_ref, k_out_ref, v_out_ref, *, launch: _Launch, scale_log2: float,
 ):  # fmt: skip
     # layer_ref, num_tokens_ref: [1]; tile_*_ref: [num_tiles];
     # req_to_token_ref: [max_reqs, max_context]; q_ref: [tokens * q_heads, head_dim];
     # k_pool_ref: [layers, slots, kv_heads, head_dim]; v_pool_ref: [layers, slots, kv_heads,
     # v_head_dim]; k_ref: [tokens, kv_heads, head_dim]; v_ref: [tokens, kv_heads, v_head_dim];
-    # o_ref: [tokens * q_heads (+ SPARE_ROWS in the interpreter), v_head_dim] in q's dtype.
-    tile = pl.program_id(0)
-    head = lax.div(pl.program_id(1), launch.row_blocks)
-    row0 = lax.rem(pl.program_id(1), launch.row_blocks) * launch.block_rows
+    # loc_ref: [tokens] (out_cache_loc); o_ref: [tokens * q_heads (+ SPARE_ROWS in the
+    # interpreter), v_head_dim] in q's dtype; k_out_ref / v_out_ref: the pools (aliased).
+    # Grid (kv_heads * row_blocks, num_tiles), tiles from the last: a prompt's later tiles see
+    # more keys, so the heavy programs start first and light ones fill the last wave.
+    tile = pl.num_programs(1) - 1 - pl.program_id(1)
+    head = lax.div(pl.program_id(0), launch.row_blocks)
+    row_block = lax.rem(pl.program_id(0), launch.row_blocks)
+    row0 = row_block * launch.block_rows
     q_start, q_len = tile_q_start_ref[tile], tile_q_len_ref[tile]
     prefix, new_start = tile_prefix_ref[tile], tile_new_start_ref[tile]
     row = row0 + jnp.arange(launch.block_rows, dtype=jnp.int32)
@@ -227,6 +267,11 @@ def _extend_attention_kernel(
     _store_rows(o_ref, flat_row, acc / jnp.where(denom > 0, denom, 1.0)[:, None], row_ok)
     _zero_padded_rows(o_ref, num_tokens_ref[0], tile, head, row, query, launch)
 
+    @pl.when(row_block == 0)
+    def _():
+        _write_step_rows(loc_ref, k_ref, v_ref, k_out_ref, v_out_ref, layer_ref[0], q_start,
+                         q_len, num_tokens_ref[0], head, launch)  # fmt: skip
+
 
 def _tile_prefixes(md: metadata_lib.AttentionMetadata, num_reqs: int):
     """Per tile: its sequence's prefix length and the flat token of the first new position."""
@@ -234,8 +279,43 @@ def _tile_prefixes(md: metadata_lib.AttentionMetadata, num_reqs: int):
     return prefix, (md.tile_q_start - (md.tile_q_pos - prefix)).astype(jnp.int32)
 
 
+def _kernel_inputs(q, k, v, cache, layer_id, md):
+    """The inputs both kernels take, in their order (the Pallas kernel's refs); the pools are
+    ``POOL_INPUTS``."""
+    tokens, q_heads, head_dim = q.shape
+    prefix, new_start = _tile_prefixes(md, cache.req_to_token.shape[0])
+    return [
+        jnp.asarray(layer_id, jnp.int32).reshape(1),
+        jnp.asarray(md.num_tokens, jnp.int32).reshape(1), md.tile_req.astype(jnp.int32),
+        md.tile_q_start.astype(jnp.int32), md.tile_q_len.astype(jnp.int32), prefix, new_start,
+        cache.req_to_token,
+        q.reshape(tokens * q_heads, head_dim), cache.k, cache.v,
+        k.astype(cache.k.dtype), v.astype(cache.v.dtype), md.out_cache_loc.astype(jnp.int32),
+    ]  # fmt: skip
+
+
+POOL_INPUTS = (9, 10)
+"""The K and V pools' places among the kernels' inputs; outputs 1 and 2 alias them (the
+kernels write the step's K/V in place)."""
+
+
+def _out_shapes(q, cache, extra_rows: int):
+    """The kernels' outputs: the attention rows, then the K and V pools (aliased)."""
+    tokens, q_heads, _ = q.shape
+    return (
+        jax.ShapeDtypeStruct((tokens * q_heads + extra_rows, cache.v.shape[-1]), q.dtype),
+        jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype),
+        jax.ShapeDtypeStruct(cache.v.shape, cache.v.dtype),
+    )
+
+
+def _grid(md, kv_heads: int, launch: _Launch) -> tuple[int, int]:
+    """(KV heads x row blocks, tiles): the kernels run a prompt's heavy tiles first."""
+    return kv_heads * launch.row_blocks, md.capacity.num_tiles
+
+
 def extend_attention_pallas(q, k, v, cache, layer_id, md, *, scaling, config, interpret):
-    """Pallas impl: the two-stage kernel (see the module docstring)."""
+    """Pallas impl: the two-stage kernel (see the module docstring); returns ``(out, cache)``."""
     tokens, q_heads, head_dim = q.shape
     kv_heads, dv = cache.k.shape[2], cache.v.shape[-1]
     launch = _launch(config, md.capacity, q_heads, kv_heads, head_dim)
@@ -243,30 +323,50 @@ def extend_attention_pallas(q, k, v, cache, layer_id, md, *, scaling, config, in
         [tokens * q_heads * max(head_dim, dv), cache.k.size, cache.v.size],
         launch.block_rows * max(head_dim, dv),
     )
-    prefix, new_start = _tile_prefixes(md, cache.req_to_token.shape[0])
-    out_rows = tokens * q_heads + (SPARE_ROWS if interpret else 0)
-    inputs = [
-        jnp.asarray(layer_id, jnp.int32).reshape(1),
-        jnp.asarray(md.num_tokens, jnp.int32).reshape(1), md.tile_req.astype(jnp.int32),
-        md.tile_q_start.astype(jnp.int32), md.tile_q_len.astype(jnp.int32), prefix, new_start,
-        cache.req_to_token,
-        q.reshape(tokens * q_heads, head_dim), cache.k, cache.v,
-        k.astype(cache.k.dtype), v.astype(cache.v.dtype),
-    ]  # fmt: skip
     kernel = functools.partial(
         _extend_attention_kernel, launch=launch, scale_log2=scaling * math.log2(math.e)
     )
-    out = pl.pallas_call(
+    out, k_pool, v_pool = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((out_rows, dv), q.dtype),
-        grid=(md.capacity.num_tiles, kv_heads * launch.row_blocks),
+        out_shape=_out_shapes(q, cache, SPARE_ROWS if interpret else 0),
+        grid=_grid(md, kv_heads, launch),
+        input_output_aliases={POOL_INPUTS[0]: 1, POOL_INPUTS[1]: 2},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages
         ),
         name="jtbo_extend_attention",
-    )(*inputs)
-    return out[: tokens * q_heads].reshape(tokens, q_heads, dv)
+    )(*_kernel_inputs(q, k, v, cache, layer_id, md))
+    out = out[: tokens * q_heads].reshape(tokens, q_heads, dv)
+    return out, dataclasses.replace(cache, k=k_pool, v=v_pool)
+
+
+def extend_attention_triton(q, k, v, cache, layer_id, md, *, scaling, config):
+    """jax-triton impl: ``triton_kernels.jtbo_extend_attention_kernel``, the Pallas kernel's
+    algorithm in Triton (64-bit offsets, so no element-count limit); returns ``(out, cache)``."""
+    from jtbo.attention import triton_kernels  # imports triton: GPU machines only
+
+    tokens, q_heads, head_dim = q.shape
+    kv_heads, dv = cache.k.shape[2], cache.v.shape[-1]
+    launch = _launch(config, md.capacity, q_heads, kv_heads, head_dim)
+    key0, key1 = paged.triton_parts(launch.key_parts)
+    out, k_pool, v_pool = impls.jax_triton().triton_call(
+        *_kernel_inputs(q, k, v, cache, layer_id, md),
+        kernel=triton_kernels.jtbo_extend_attention_kernel,
+        out_shape=_out_shapes(q, cache, 0),
+        grid=_grid(md, kv_heads, launch),
+        input_output_aliases={POOL_INPUTS[0]: 1, POOL_INPUTS[1]: 2},
+        num_warps=config.num_warps,
+        num_stages=paged.triton_stages(config.num_stages, config.block_kv, head_dim + dv,
+                                       cache.k.dtype.itemsize),
+        SCALE_LOG2=scaling * math.log2(math.e), NUM_SLOTS=cache.k.shape[1], KV_HEADS=kv_heads,
+        MAX_CONTEXT=cache.req_to_token.shape[1], TOKENS=tokens,
+        QUERY_TILE=launch.query_tile, ZERO_PER_TILE=launch.zero_per_tile,
+        WRITE_ROWS=launch.write_rows, GROUP=launch.group, ROW_BLOCKS=launch.row_blocks,
+        BLOCK_ROWS=launch.block_rows, BLOCK_KV=launch.block_kv, KEY0=key0, KEY1=key1, DV=dv,
+        PADDING_SLOT=kv_cache_lib.PADDING_SLOT, PREC=paged.triton_precision(q.dtype),
+    )  # fmt: skip
+    return out.reshape(tokens, q_heads, dv), dataclasses.replace(cache, k=k_pool, v=v_pool)
 
 
 def extend_attention(
@@ -281,46 +381,55 @@ def extend_attention(
     impl: str | None = None,
     config: ExtendAttentionConfig = DEFAULT_CONFIG,
     native_config: native.NativeAttentionConfig = native.DEFAULT_CONFIG,
-) -> jax.Array:
-    """Attends causal tiles over their prefix in the pool and the step's own K/V.
+) -> tuple[jax.Array, kv_cache_lib.KVCache]:
+    """Writes the step's K/V into the pool and attends causal tiles over their prefix in the
+    pool and the step's own K/V.
+
+    The kernels write the K/V themselves (each tile's first row block, its tokens' rows of
+    its KV head) while they attend, so the step needs no separate scatter into the pool;
+    ``"xla"`` writes with ``native.write_step_kv`` and then attends over the pool.
 
     Args:
       q: queries, ``[token_capacity, q_heads, head_dim]``.
       k: the step's keys, ``[token_capacity, kv_heads, head_dim]``.
       v: the step's values, ``[token_capacity, kv_heads, v_head_dim]``.
-      cache: the KV cache, holding this step's new tokens already (``"xla"`` reads them
-        there, ``"pallas"`` reads only the prefixes there).
-      layer_id: layer whose pool is read (static int or traced scalar).
+      cache: the KV cache before this step's tokens (donate it to update in place).
+      layer_id: layer written and read (static int or traced scalar).
       md: the step's metadata, causal (no custom mask).
       scaling: factor applied to ``q . k``.
-      impl: ``"xla"`` (the native attention over the pool, the reference), ``"pallas"``
-        (this module's kernel; the interpreter on the CPU) or None (the fastest available,
-        ``jtbo.kernels.impls.FASTEST``). There is no ``"triton"`` kernel.
-      config: the kernel's launch shape (``"pallas"``).
+      impl: ``"xla"`` (the write, then the native attention over the pool: the reference),
+        ``"pallas"`` (this module's kernel; the interpreter on the CPU), ``"triton"`` (the same
+        algorithm as a Triton kernel through jax-triton; GPUs only) or None (the fastest
+        available, ``jtbo.kernels.impls.FASTEST``).
+      config: the kernel's launch shape (``"pallas"`` and ``"triton"``).
       native_config: the native attention's knobs (``"xla"``).
 
     Returns:
-      ``[token_capacity, q_heads, v_head_dim]`` in ``q.dtype``; zeros for rows past
-      ``md.num_tokens``.
+      ``(out, cache)``: ``[token_capacity, q_heads, v_head_dim]`` in ``q.dtype`` (zeros for
+      rows past ``md.num_tokens``), and the cache holding the step's real tokens' K/V at
+      ``md.out_cache_loc`` (padded tokens and padding-slot targets are not written).
 
     Raises:
-      ValueError: custom-mask metadata, q heads not a multiple of the KV heads, or step K/V
-        whose shapes disagree with the pool's.
+      ValueError: custom-mask metadata, q heads not a multiple of the KV heads, or step
+        q/k/v whose shapes disagree with the metadata or the pool.
       KernelUnavailableError: the named impl cannot serve this call here.
     """
     if md.custom_mask is not None:
         raise ValueError("extend_attention is causal; custom-mask (verify) metadata goes to "
                          "paged.paged_attention")  # fmt: skip
-    paged.check_heads(q, cache)
+    native.check_step_shapes(q, k, cache, md)
     if k.shape[1:] != cache.k.shape[2:] or v.shape[1:] != cache.v.shape[2:]:
         raise ValueError(
             f"step k {k.shape} / v {v.shape} do not match the pool's rows "
             f"k {cache.k.shape[2:]} / v {cache.v.shape[2:]}"
         )
-    impl, interpret = paged.resolve_kernel_impl(impl, op=OP, kernel="extend attention",
-                                                q=q, cache=cache)  # fmt: skip
+    impl, interpret = paged.resolve_kernel_impl(impl, op=OP, q=q, cache=cache)
     if impl == "xla":
-        return native.attend(q, cache, layer_id, md, scaling=scaling, config=native_config)
+        cache = native.write_step_kv(q, k, v, layer_id, md, cache)
+        out = native.attend(q, cache, layer_id, md, scaling=scaling, config=native_config)
+        return out, cache
+    if impl == "triton":
+        return extend_attention_triton(q, k, v, cache, layer_id, md, scaling=scaling, config=config)
     return extend_attention_pallas(
         q, k, v, cache, layer_id, md, scaling=scaling, config=config, interpret=interpret
     )
@@ -338,7 +447,8 @@ def forward(
     impl: str | None = None,
     config: ExtendAttentionConfig = DEFAULT_CONFIG,
 ) -> tuple[jax.Array, kv_cache_lib.KVCache]:
-    """Writes the step's K/V at ``out_cache_loc`` and attends with ``extend_attention``.
+    """``extend_attention`` in the backends' argument order, ``scaling`` defaulting to
+    ``head_dim ** -0.5``.
 
     Args:
       q: queries, ``[token_capacity, q_heads, head_dim]``.
@@ -355,10 +465,7 @@ def forward(
       ``(out [token_capacity, q_heads, v_head_dim], new cache)``.
 
     Raises:
-      ValueError: as ``extend_attention`` and ``native.write_step_kv``.
-      KernelUnavailableError: the named impl cannot serve this call here.
+      ValueError, KernelUnavailableError: as ``extend_attention``.
     """
-    cache = native.write_step_kv(q, k, v, layer_id, md, cache)
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
-    out = extend_attention(q, k, v, cache, layer_id, md, scaling=scaling, impl=impl, config=config)
-    return out, cache
+    return extend_attention(q, k, v, cache, layer_id, md, scaling=scaling, impl=impl, config=config)

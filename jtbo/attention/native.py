@@ -351,13 +351,13 @@ def write_step_kv(
     Raises:
       ValueError: as ``forward``.
     """
-    _check_shapes(q, k, cache, md)
+    check_step_shapes(q, k, cache, md)
     valid = jnp.arange(q.shape[0]) < md.num_tokens
     loc = jnp.where(valid, md.out_cache_loc, kv_cache_lib.PADDING_SLOT)
     return kv_cache_lib.write_kv(cache, layer_id, loc, k, v)
 
 
-def _check_shapes(q, k, cache, md) -> None:
+def check_step_shapes(q, k, cache, md) -> None:
     """Raises ValueError when q/k do not fit the metadata's capacity or the cache."""
     capacity = md.capacity.token_capacity
     if q.shape[0] != capacity or k.shape[0] != capacity:

@@ -35,6 +35,7 @@ the Pallas Triton lowering.
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -74,7 +75,9 @@ class PagedAttentionConfig:
       min_split_kv: KV positions a split covers at least (of ``max_context``), so a split's
         fixed cost (its output and the merge) stays small next to its K/V reads.
       num_warps: warps per program (a power of two).
-      num_stages: software-pipelining stages Triton may use for the KV loop.
+      num_stages: software-pipelining stages Triton may use for the KV loop (the
+        ``"triton"`` impl uses fewer where the staged K/V blocks would not fit in shared
+        memory: ``triton_stages``).
     """
 
     block_kv: int = 64
@@ -298,6 +301,31 @@ def _scatter_rows(q, out_rows, md: metadata_lib.AttentionMetadata, launch: _Laun
     return out.at[target].set(values, mode="drop", unique_indices=True)
 
 
+def _kernel_inputs(q, cache, layer_id, md, config, value_width):
+    """The launch shape, the tiles' query rows and the inputs both kernels take first."""
+    kv_heads = cache.k.shape[2]
+    launch = _launch(
+        config, md.capacity, kv_heads, q.shape[1] // kv_heads, q.shape[-1], value_width
+    )
+    inputs = [
+        jnp.asarray(layer_id, jnp.int32).reshape(1),
+        *(x.astype(jnp.int32) for x in (md.tile_req, md.tile_q_len, md.tile_q_pos, md.tile_kv_len)),
+        cache.req_to_token, _tile_queries(q, md, kv_heads, launch), cache.k,
+    ]  # fmt: skip
+    return launch, inputs
+
+
+def _partial_shapes(md, cache, launch: _Launch, value_width):
+    """Shapes of the kernels' outputs: per split, the normalised rows and their log-sum-exp."""
+    dv = cache.v.shape[-1] if value_width is None else value_width
+    lead = (md.capacity.num_tiles, cache.k.shape[2], launch.row_blocks, launch.splits,
+            launch.block_rows)  # fmt: skip
+    return (
+        jax.ShapeDtypeStruct((*lead, dv), jnp.float32),
+        jax.ShapeDtypeStruct(lead, jnp.float32),
+    )
+
+
 def paged_attention_pallas(
     q, cache, layer_id, md, *, scaling, config, interpret, value_width=None
 ):  # fmt: skip
@@ -306,19 +334,9 @@ def paged_attention_pallas(
     ``value_width``: None reads values from ``cache.v``; an int reads them from the first
     ``value_width`` columns of ``cache.k`` (an MLA latent pool, ``cache.v`` unread).
     """
-    kv_heads = cache.k.shape[2]
-    dv = cache.v.shape[-1] if value_width is None else value_width
-    launch = _launch(
-        config, md.capacity, kv_heads, q.shape[1] // kv_heads, q.shape[-1], value_width
-    )
-    q_rows = _tile_queries(q, md, kv_heads, launch)
-    lead = (md.capacity.num_tiles, kv_heads, launch.row_blocks, launch.splits, launch.block_rows)
-    values = [cache.v] if value_width is None else []
-    inputs = [
-        jnp.asarray(layer_id, jnp.int32).reshape(1),
-        *(x.astype(jnp.int32) for x in (md.tile_req, md.tile_q_len, md.tile_q_pos, md.tile_kv_len)),
-        cache.req_to_token, q_rows, cache.k, *values,
-    ]  # fmt: skip
+    launch, inputs = _kernel_inputs(q, cache, layer_id, md, config, value_width)
+    if value_width is None:
+        inputs.append(cache.v)
     if md.custom_mask is not None:
         inputs.append(md.custom_mask.astype(jnp.int8))
     kernel = functools.partial(
@@ -326,22 +344,89 @@ def paged_attention_pallas(
     )
     o, lse = pl.pallas_call(
         kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((*lead, dv), jnp.float32),
-            jax.ShapeDtypeStruct(lead, jnp.float32),
-        ),
-        grid=(md.capacity.num_tiles, kv_heads * launch.row_blocks, launch.splits),
+        out_shape=_partial_shapes(md, cache, launch, value_width),
+        grid=(md.capacity.num_tiles, cache.k.shape[2] * launch.row_blocks, launch.splits),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(
             num_warps=config.num_warps, num_stages=config.num_stages
         ),
         name="jtbo_paged_attention",
     )(*inputs)
+    return _scatter_rows(q, _merge_splits(o, lse), md, launch, cache.k.shape[2])
+
+
+def paged_attention_triton(q, cache, layer_id, md, *, scaling, config, value_width=None):
+    """jax-triton impl: ``triton_kernels.jtbo_paged_attention_kernel`` (the Pallas kernel's
+    algorithm in Triton), then the same split merge and row scatter."""
+    from jtbo.attention import triton_kernels  # imports triton: GPU machines only
+
+    launch, inputs = _kernel_inputs(q, cache, layer_id, md, config, value_width)
+    kv_heads, (key0, key1) = cache.k.shape[2], triton_parts(launch.key_parts)
+    values = cache.v if value_width is None else cache.k  # latent: values are k's columns
+    mask = md.custom_mask
+    mask = jnp.zeros((1,), jnp.int8) if mask is None else mask.astype(jnp.int8)
+    dv = cache.v.shape[-1] if value_width is None else value_width
+    o, lse = impls.jax_triton().triton_call(
+        *inputs, values, mask,
+        kernel=triton_kernels.jtbo_paged_attention_kernel,
+        out_shape=_partial_shapes(md, cache, launch, value_width),
+        grid=(md.capacity.num_tiles, kv_heads * launch.row_blocks, launch.splits),
+        num_warps=config.num_warps,
+        num_stages=triton_stages(config.num_stages, config.block_kv, key0 + key1 + dv,
+                                 cache.k.dtype.itemsize),
+        SCALE_LOG2=scaling * math.log2(math.e), NUM_SLOTS=cache.k.shape[1], KV_HEADS=kv_heads,
+        MAX_CONTEXT=cache.req_to_token.shape[1], QUERY_TILE=md.capacity.query_tile,
+        GROUP=launch.group, ROW_BLOCKS=launch.row_blocks, BLOCK_ROWS=launch.block_rows,
+        SPLITS=launch.splits, BLOCK_KV=config.block_kv, KEY0=key0, KEY1=key1, DV=dv,
+        V_ROW=values.shape[-1], HAS_MASK=md.custom_mask is not None,
+        PADDING_SLOT=kv_cache_lib.PADDING_SLOT, PREC=triton_precision(q.dtype),
+    )  # fmt: skip
     return _scatter_rows(q, _merge_splits(o, lse), md, launch, kv_heads)
 
 
-def unavailable_reason(q, cache, value_width=None) -> str | None:
-    """Why the Triton lowering cannot take these shapes (its blocks are powers of two >= 16)."""
+TRITON_SHARED_MEMORY_BYTES = 232448
+"""Shared memory one program may use on an H100 / H200 (227 KiB; the launch fails above it)."""
+
+
+def triton_stages(num_stages: int, block_kv: int, row_width: int, itemsize: int) -> int:
+    """The Triton kernels' pipelining depth: ``num_stages`` at most, fewer where that many
+    staged K/V blocks would not fit in shared memory.
+
+    Triton keeps one copy of each loop load per stage: ``block_kv`` K/V rows of ``row_width``
+    elements together (key and value columns). A quarter more is left for the kernel's own
+    buffers. MLA's latent rows (512 + 64 key and 512 value columns) fit one stage of 64 rows.
+
+    Raises:
+      KernelUnavailableError: not even one stage fits.
+    """
+    per_stage = block_kv * row_width * itemsize
+    fits = TRITON_SHARED_MEMORY_BYTES // (per_stage + per_stage // 4)
+    if fits < 1:
+        raise impls.KernelUnavailableError(
+            f"impl='triton' is unavailable: a block of {block_kv} K/V rows of {row_width} "
+            f"elements needs {per_stage} bytes of shared memory per stage, more than the "
+            f"{TRITON_SHARED_MEMORY_BYTES} a program may use; lower block_kv"
+        )
+    return min(num_stages, fits)
+
+
+def triton_parts(parts: tuple[tuple[int, int], ...]) -> tuple[int, int]:
+    """The Triton kernels' ``(KEY0, KEY1)`` column widths of ``key_parts`` (``KEY1 = 0``: one
+    part); ``unavailable_reason`` rules out more than two."""
+    widths = [width for _, width in parts]
+    return widths[0], (widths[1] if len(widths) > 1 else 0)
+
+
+def triton_precision(dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for operands of ``dtype``: float32 in IEEE precision
+    (as the Pallas lowering and XLA's float32 dots on the CPU), else the tensor cores'
+    default."""
+    return "ieee" if jnp.dtype(dtype) == jnp.float32 else "tf32"
+
+
+def unavailable_reason(q, cache, value_width=None, impl: str = "pallas") -> str | None:
+    """Why the ``impl`` kernel cannot take these shapes: the Triton blocks of both kernels are
+    powers of two >= 16, and the ``"triton"`` kernels load a key in at most two parts."""
     parts = key_parts(q.shape[-1], value_width)
     sizes = [(f"head_dim part [{o}:{o + w}]", w) for o, w in parts]
     if value_width is None:
@@ -349,6 +434,8 @@ def unavailable_reason(q, cache, value_width=None) -> str | None:
     for name, size in sizes:
         if size < 16 or not launch_checks.is_power_of_two(size):
             return f"{name} = {size} is not a power of two >= 16"
+    if impl == "triton" and len(parts) > 2:
+        return f"the key's {len(parts)} power-of-two parts {parts} exceed the Triton kernels' two"
     return None
 
 
@@ -361,36 +448,32 @@ def check_heads(q, cache) -> None:
 
 
 def resolve_kernel_impl(
-    impl: str | None, *, op: str, kernel: str, q, cache, value_width=None
+    impl: str | None, *, op: str, q, cache, value_width=None
 ) -> tuple[str, bool]:
-    """The impl of an attention op whose kernels are Pallas only, and whether it interprets.
+    """The impl of an attention op, and whether its Pallas kernel runs in the interpreter.
 
     Args:
       impl: as ``paged_attention``'s.
       op: the op's key in ``jtbo.kernels.impls.FASTEST``.
-      kernel: the op's name in error messages.
-      q: the queries (their widths decide whether the Triton lowering fits).
+      q: the queries (their widths decide whether the kernels' tiles fit).
       cache: the pool read.
       value_width: as ``paged_attention``'s.
 
     Returns:
-      ``(impl, interpret)``: ``"xla"`` or ``"pallas"``, and True where the Pallas kernel runs
-      in the interpreter (the CPU).
+      ``(impl, interpret)``: ``"xla"``, ``"pallas"`` or ``"triton"``, and True where the
+      Pallas kernel runs in the interpreter (the CPU).
 
     Raises:
       ValueError: an unknown impl.
-      KernelUnavailableError: ``"triton"`` (no jax-triton kernel), or ``"pallas"`` on a GPU
-        for shapes the Triton lowering cannot tile.
+      KernelUnavailableError: ``"triton"`` off GPUs or without jax-triton, or a kernel impl
+        on a GPU for shapes its tiles cannot take.
     """
     impl = impls.resolve(impl, op=op)
-    if impl == "triton":
-        raise impls.KernelUnavailableError(
-            f"impl='triton' is unavailable: {kernel} has no jax-triton kernel"
-        )
     interpret = impls.backend() == "cpu"
-    reason = None if impl == "xla" or interpret else unavailable_reason(q, cache, value_width)
+    needs_tiles = impl == "triton" or (impl == "pallas" and not interpret)
+    reason = unavailable_reason(q, cache, value_width, impl) if needs_tiles else None
     if reason is not None:
-        raise impls.KernelUnavailableError(f"impl='pallas' is unavailable: {reason}")
+        raise impls.KernelUnavailableError(f"impl={impl!r} is unavailable: {reason}")
     return impl, interpret
 
 
@@ -421,9 +504,10 @@ def paged_attention(
       md: the step's metadata.
       scaling: factor applied to ``q . k``.
       impl: ``"xla"`` (the native backend's blocked jnp attention, the reference),
-        ``"pallas"`` (this module's kernel; the interpreter on the CPU) or None (the fastest
-        available, ``jtbo.kernels.impls.FASTEST``). There is no ``"triton"`` kernel.
-      config: the kernel's launch shape (``"pallas"``).
+        ``"pallas"`` (this module's kernel; the interpreter on the CPU), ``"triton"`` (the
+        same algorithm as a Triton kernel through jax-triton; GPUs only) or None (the fastest
+        available, ``jtbo.kernels.impls.FASTEST``).
+      config: the kernel's launch shape (``"pallas"`` and ``"triton"``).
       native_config: the native attention's knobs (``"xla"``).
       value_width: None: values from ``cache.v``. An int: ``cache`` is an MLA latent pool
         (one KV head of latent rows, ``cache.v`` unread), the values are each row's first
@@ -440,13 +524,17 @@ def paged_attention(
     """
     check_heads(q, cache)
     impl, interpret = resolve_kernel_impl(
-        impl, op=OP if value_width is None else LATENT_OP, kernel="paged attention", q=q,
-        cache=cache, value_width=value_width,
+        impl, op=OP if value_width is None else LATENT_OP, q=q, cache=cache,
+        value_width=value_width,
     )  # fmt: skip
     if impl == "xla":
         view = None if value_width is None else latent_view(value_width)
         return native.attend(
             q, cache, layer_id, md, scaling=scaling, config=native_config, view=view
+        )
+    if impl == "triton":
+        return paged_attention_triton(
+            q, cache, layer_id, md, scaling=scaling, config=config, value_width=value_width
         )
     return paged_attention_pallas(
         q, cache, layer_id, md, scaling=scaling, config=config, interpret=interpret,

@@ -8,12 +8,13 @@ timed over ``--iters`` steps after a warm-up (``--cases``, default extend and de
 * verify: ``--decode-seqs`` sequences at ``--decode-context`` tokens, the last ``--draft``
   of them draft tokens verified with a causal EAGLE mask (TARGET_VERIFY).
 
-``--backends`` picks the attention backends ("native", "pallas"; default both). The Pallas
-backend runs the extend kernel for the extend case, its launch shape from the
-``--extend-block-kv`` .. ``--extend-num-stages`` flags, and the paged kernel for decode and
-verify, from the ``--block-kv`` .. ``--num-stages`` flags. Each of those takes a comma list
-(``--block-rows 64,128 --num-warps 4,8``): the Pallas backend then runs once per combination
-in the same process, a sweep of the kernel's launch shapes whose rows name their config.
+``--backends`` picks the attention backends ("native", "pallas", "triton"; default native and
+pallas). The kernel backends ("pallas", and its jax-triton twin "triton") run the extend
+kernel for the extend case, its launch shape from the ``--extend-block-kv`` ..
+``--extend-num-stages`` flags, and the paged kernel for decode and verify, from the
+``--block-kv`` .. ``--num-stages`` flags. Each of those takes a comma list (``--block-rows
+64,128 --num-warps 4,8``): each kernel backend then runs once per combination in the same
+process, a sweep of the kernel's launch shapes whose rows name their config.
 Prints tokens/s (extend also TF/s on the causal FLOPs,
 ``2 * q_heads * (qk_dim + v_dim) * L (L + 1) / 2`` per prompt of ``L`` tokens, and their
 fraction of a dense bf16 ``8192^3`` matmul's rate measured in the same run) and the memory
@@ -59,6 +60,8 @@ KNOBS = tuple(field.name for field in dataclasses.fields(attention.PagedAttentio
 """The paged kernel's launch-shape flags (``PagedAttentionConfig``'s fields)."""
 EXTEND_KNOBS = tuple(field.name for field in dataclasses.fields(attention.ExtendAttentionConfig))
 """The extend kernel's launch-shape flags (``--extend-`` + ``ExtendAttentionConfig``'s fields)."""
+KERNEL_BACKENDS = ("pallas", "triton")
+"""The backends whose kernels take the launch-shape flags."""
 MATMUL_N = 8192  # size of the dense bf16 matmul yardstick (256 with --small)
 CEILING_BYTES = 1 << 30  # size of the copy yardstick (16 MiB with --small)
 
@@ -87,14 +90,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     for name in KNOBS:
         parser.add_argument(
             f"--{name.replace('_', '-')}", type=_int_list, default=[getattr(defaults, name)],
-            help=f"pallas: PagedAttentionConfig.{name} (a comma list sweeps it)",
+            help=f"pallas, triton: PagedAttentionConfig.{name} (a comma list sweeps it)",
         )  # fmt: skip
     extend_defaults = attention.ExtendAttentionConfig()
     for name in EXTEND_KNOBS:
         parser.add_argument(
             f"--extend-{name.replace('_', '-')}", type=_int_list,
             default=[getattr(extend_defaults, name)],
-            help=f"pallas, extend case: ExtendAttentionConfig.{name} (a comma list sweeps it)",
+            help=f"pallas, triton, extend case: ExtendAttentionConfig.{name} (a comma list "
+            "sweeps it)",
         )  # fmt: skip
     parser.add_argument(
         "--kernel-time", action="store_true",
@@ -129,7 +133,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
             args, attention.ExtendAttentionConfig, EXTEND_KNOBS, "extend_"
         )
     except ValueError as error:
-        parser.error(f"pallas launch shape: {error}")
+        parser.error(f"kernel launch shape: {error}")
     return args
 
 
@@ -287,9 +291,9 @@ def _peak_bytes(device) -> int | None:
 
 def _backend(args, name: str, capacity, config):
     if isinstance(config, attention.ExtendAttentionConfig):
-        return backend_lib.PallasAttnBackend(capacity, extend_config=config)
-    if name == "pallas":
-        return backend_lib.PallasAttnBackend(capacity, config)
+        return backend_lib.backend_class(name)(capacity, extend_config=config)
+    if name in KERNEL_BACKENDS:
+        return backend_lib.backend_class(name)(capacity, config)
     return backend_lib.NativeAttnBackend(
         capacity, attention.NativeAttentionConfig(kv_block=args.kv_block)
     )
@@ -323,7 +327,7 @@ def _run_case(args, case, backend_name: str, config=None) -> tuple[dict, jax.Arr
         tokens_per_s=num_tokens / seconds,
         tflops=None if name != "extend" else _causal_flops(args) / seconds / 1e12,
         dense_tflops=None if name != "extend" else args.dense_tflops,
-        pallas_config=None if config is None else dataclasses.asdict(config),
+        kernel_config=None if config is None else dataclasses.asdict(config),
         kv_read_bytes=kv_bytes,
         kv_gb_per_s=None if kv_bytes is None else kv_bytes / seconds / 1e9,
         peak_bytes_in_use=_peak_bytes(jax.devices()[0]),
@@ -370,7 +374,7 @@ def _uses_extend_kernel(args, case) -> bool:
 
 def _line(result: dict, ceiling: tuple[float, str]) -> str:
     peak = result["peak_bytes_in_use"]
-    config = result["pallas_config"]
+    config = result["kernel_config"]
     label = "" if config is None else " " + ",".join(f"{k}={v}" for k, v in config.items())
     tflops = ""
     if result["tflops"] is not None:
@@ -429,13 +433,13 @@ def main(argv: list[str]) -> None:
     )
     for name in args.cases:
         case, first = builders[name](args), None
-        pallas_configs = (
+        kernel_configs = (
             args.extend_configs if _uses_extend_kernel(args, case) else args.paged_configs
         )
         runs = [
             (backend_name, config)
             for backend_name in args.backends
-            for config in (pallas_configs if backend_name == "pallas" else [None])
+            for config in (kernel_configs if backend_name in KERNEL_BACKENDS else [None])
         ]
         for backend_name, config in runs:
             result, out = _run_case(args, case, backend_name, config)

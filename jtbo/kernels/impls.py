@@ -30,14 +30,15 @@ FASTEST = {
     # decode sizes (BENCHMARKS.md, "Grouped GEMM for the routed experts").
     "grouped_ffn": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
     # jtbo.attention.paged: "xla" is the native attention, which the paged kernel beats in
-    # decode and extend (BENCHMARKS.md, "Attention: the paged kernel").
-    "paged_attention": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
+    # decode and extend (BENCHMARKS.md, "Attention: the paged kernel"); its Triton twin is
+    # slower at decode (BENCHMARKS.md, "Attention: the jax-triton kernels").
+    "paged_attention": {"gpu": ("pallas", "triton", "xla"), "cpu": ("xla",)},
     # jtbo.attention.extend: the two-stage extend kernel against the native attention
-    # (BENCHMARKS.md, "Attention: the extend kernel").
-    "extend_attention": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
+    # (BENCHMARKS.md, "Attention: the extend kernel"); the Triton twin is slower.
+    "extend_attention": {"gpu": ("pallas", "triton", "xla"), "cpu": ("xla",)},
     # paged_attention(value_width=...) (MLA's absorbed decode): the paged kernel over the
     # latent pool beats the native attention (BENCHMARKS.md, "MLA on H200s, 2026-11-30").
-    "mla_latent_attention": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
+    "mla_latent_attention": {"gpu": ("pallas", "triton", "xla"), "cpu": ("xla",)},
 }
 
 

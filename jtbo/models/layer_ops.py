@@ -144,7 +144,7 @@ class ParallelConfig:
       attn_tp_size: devices per DP rank (the mesh's ``"attn_tp"`` size).
       moe: the MoE exchange and experts, ``moe_runner_backend`` resolved (not None).
       attention_backend: the attention forward, a key of
-        ``jtbo.attention.backend.ATTENTION_BACKENDS`` ("native" or "pallas"); each
+        ``jtbo.attention.backend.ATTENTION_BACKENDS`` ("native", "pallas" or "triton"); each
         micro-batch runs it at its own metadata's capacity.
       tbo_round_barriers: pin the TBO executor's rounds with optimization barriers. Off by
         default: on a 4 x 2 H200 compile of ``MoEConfig.tiny()`` the model's decode step

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from jtbo.kernels import gemm_config, impls, launch_checks
 
 # The attention backends by the impl name impls.FASTEST ranks them under.
-_ATTENTION_BACKEND_OF_IMPL = {"xla": "native", "pallas": "pallas"}
+_ATTENTION_BACKEND_OF_IMPL = {"xla": "native", "pallas": "pallas", "triton": "triton"}
+_TRITON_KEY_PARTS = 2  # the Triton attention kernels load a key in at most two parts
 
 
 def _tiles(dim: int) -> bool:
@@ -49,6 +50,7 @@ def attention_backend(
     attention_kind: str = "gqa",
     whole_widths: Sequence[int] = (),
     split_widths: Sequence[int] = (),
+    key_parts: int = 1,
 ) -> str:
     """``name``, or the fastest attention backend here that serves the model.
 
@@ -60,13 +62,24 @@ def attention_backend(
         ``kv_lora_rank`` and ``v_head_dim``, its two value widths).
       split_widths: widths the kernel loads in power-of-two parts (MLA's RoPE key part of
         the latent row, and its decompressed key ``qk_nope_head_dim + qk_rope_head_dim``).
+      key_parts: the most power-of-two column parts a key row is loaded in (MLA's latent row
+        of 512 + 64: 2); the Triton kernels take at most two.
 
     Returns:
-      "native" or "pallas".
+      "native", "pallas" or "triton".
     """
     if name is not None:
         return name
     op = "mla_latent_attention" if attention_kind == "mla" else "paged_attention"
     backend = _ATTENTION_BACKEND_OF_IMPL[impls.resolve(None, op=op)]
     fits = all(map(_power_of_two_tile, whole_widths)) and all(map(_tiles, split_widths))
-    return backend if backend != "pallas" or fits else "native"
+    if backend == "triton":
+        fits = fits and all(
+            _power_of_two_parts(width) <= _TRITON_KEY_PARTS for width in split_widths
+        )
+    return backend if backend == "native" or fits else "native"
+
+
+def _power_of_two_parts(width: int) -> int:
+    """How many power-of-two parts the kernels load a ``width``-wide key in (192: 128 + 64)."""
+    return width.bit_count()

@@ -124,10 +124,13 @@ class ModelRunner:
           token_buckets: token capacities of compiled steps; powers of two up to
             ``max_total_tokens`` when None.
           dtype: parameter, activation and KV dtype.
-          attention_backend: "native" (blocked jnp attention, the exact reference) or
-            "pallas" (the paged kernel, ``jtbo.attention.paged``; the Pallas interpreter on
-            the CPU), for the whole batch and both TBO micro-batches; None: the fastest here
-            that serves the model ("pallas" on GPUs for GQA heads it tiles, else "native").
+          attention_backend: "native" (blocked jnp attention, the exact reference),
+            "pallas" (the extend and paged kernels, ``jtbo.attention.extend`` / ``.paged``;
+            the Pallas interpreter on the CPU) or "triton" (the same kernels written in
+            Triton, through jax-triton; GPUs only), for the whole batch and both TBO
+            micro-batches; None: the fastest here that serves the model (measured:
+            ``jtbo.kernels.impls.FASTEST``; "native" on the CPU and for heads no kernel
+            tiles).
           query_tile: query rows per attention tile of extend steps
             (``planning.PlanOptions.query_tile``).
           dp_padding: layout of the ``"none"`` backend's DP gathers: "auto" picks MAX_LEN or
@@ -768,10 +771,12 @@ def _parallel_config(
     if config.attention_kind == "mla":  # the widths the paged kernel tiles
         whole = (config.kv_lora_rank, config.v_head_dim)
         split = (config.qk_rope_head_dim, config.qk_nope_head_dim + config.qk_rope_head_dim)
+        # The latent row: its value part, then the RoPE part in power-of-two pieces.
+        key_parts = max(1 + split[0].bit_count(), split[1].bit_count())
     else:
-        whole, split = (config.head_dim,), ()
+        whole, split, key_parts = (config.head_dim,), (), 1
     attention_backend = kernel_backends.attention_backend(
-        attention_backend, config.attention_kind, whole, split
+        attention_backend, config.attention_kind, whole, split, key_parts
     )
     return layer_ops.ParallelConfig.for_mesh(
         mesh, moe=moe, attention_backend=attention_backend,

@@ -21,6 +21,11 @@ from jtbo.attention import kv_cache as kv_cache_lib
 TF32_TOLERANCE = 1e-2
 
 
+KERNEL_IMPLS = ("pallas", "triton") if jax.default_backend() == "gpu" else ("pallas",)
+"""The attention kernel impls to test here: the Pallas kernel (the interpreter on the CPU) and,
+on GPUs, its jax-triton twin."""
+
+
 def f32_tolerance(elsewhere: float) -> float:
     """A float32 comparison's tolerance: ``elsewhere`` off GPUs, ``TF32_TOLERANCE`` on them."""
     return elsewhere if jax.default_backend() == "cpu" else TF32_TOLERANCE

@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from jtbo.attention import backend, metadata, native
 from jtbo.collectives import mesh as mesh_lib
+from jtbo.kernels import impls
 from tests.attention import scenarios
 
 CONTEXT = 32
@@ -64,6 +65,7 @@ def test_forward_rejects_metadata_of_another_capacity():
 def test_backend_names_and_the_pallas_backend_checks_its_capacity():
     assert backend.backend_class("native") is backend.NativeAttnBackend
     assert backend.backend_class("pallas") is backend.PallasAttnBackend
+    assert backend.backend_class("triton") is backend.TritonAttnBackend
     with pytest.raises(ValueError, match="attention_backend='flash'"):
         backend.backend_class("flash")
     pallas = backend.PallasAttnBackend(metadata.decode_capacity(4, 32))
@@ -72,3 +74,16 @@ def test_backend_names_and_the_pallas_backend_checks_its_capacity():
     cache = scenarios.zero_cache(1, 4, 2, 16, 2, 32)
     with pytest.raises(ValueError, match="metadata capacity"):
         pallas.forward(x, x, x, 0, other, cache)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU backend")
+@pytest.mark.parametrize(
+    "capacity", [metadata.decode_capacity(4, 32), metadata.extend_capacity(4, 2, 32, query_tile=2)]
+)
+def test_the_triton_backend_raises_off_gpus(capacity):
+    # Both of its kernels (paged for decode, extend for extend) name the impl and why.
+    triton = backend.TritonAttnBackend(capacity)
+    x = jnp.ones((4, 2, 16), jnp.float32)
+    cache = scenarios.zero_cache(1, 8, 2, 16, 2, 32)
+    with pytest.raises(impls.KernelUnavailableError, match="impl='triton'.*GPUs only"):
+        triton.forward(x, x, x, 0, triton.empty_metadata(), cache)

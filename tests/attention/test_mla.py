@@ -237,13 +237,17 @@ def test_tbo_verify_children_equal_the_parent():
     _tbo_mla(sc, tbo, md, [(0, 4), (4, 8)], np.random.default_rng(4))
 
 
+KERNEL_BACKENDS = {"pallas": backend_lib.PallasAttnBackend, "triton": backend_lib.TritonAttnBackend}
+
+
+@pytest.mark.parametrize("name", scenarios.KERNEL_IMPLS)
 @pytest.mark.parametrize("make", [_decode_case, _verify_case, _extend_case, _fresh_extend_case])
-def test_pallas_backend_matches_the_float64_reference(make):
+def test_kernel_backends_match_the_float64_reference(make, name):
     # Decode and verify: the paged kernel over the latent pool (interpreter on the CPU), the
     # values being the latent rows' first RANK columns; extend with prefixes: the native
     # decompressed form; fresh prompts: the kernel over the step's up-projected rows.
     case = make(5)
-    backend = backend_lib.PallasAttnBackend(case.md.capacity)
+    backend = KERNEL_BACKENDS[name](case.md.capacity)
     step = jax.jit(functools.partial(backend.forward_mla, scaling=SCALE), static_argnums=4)
     out, cache = step(case.q_nope, case.q_pe, case.latent, case.w_kv_b, 1, case.md, case.cache)
     n = case.num_tokens
@@ -261,15 +265,19 @@ def test_latent_kernel_equals_the_native_latent_attention(make):
     cache = mla.write_latent(jnp.asarray(case.latent), 1, case.md, case.cache)
     rng = np.random.default_rng(2)
     q = jnp.asarray(rng.normal(size=(case.q_nope.shape[0], HEADS, RANK + ROPE)), jnp.float32)
-    got, want = (
-        paged.paged_attention(q, cache, 1, case.md, scaling=SCALE, value_width=RANK, impl=impl)
-        for impl in ("pallas", "xla")
-    )
-    chex.assert_trees_all_close(
-        got, want, atol=scenarios.f32_tolerance(1e-5), rtol=scenarios.f32_tolerance(1e-5)
-    )
-    with pytest.raises(impls.KernelUnavailableError, match="impl='triton' is unavailable"):
-        paged.paged_attention(q, cache, 1, case.md, scaling=SCALE, value_width=RANK, impl="triton")
+    want = paged.paged_attention(q, cache, 1, case.md, scaling=SCALE, value_width=RANK, impl="xla")
+    for impl in scenarios.KERNEL_IMPLS:
+        got = paged.paged_attention(
+            q, cache, 1, case.md, scaling=SCALE, value_width=RANK, impl=impl
+        )
+        chex.assert_trees_all_close(
+            got, want, atol=scenarios.f32_tolerance(1e-5), rtol=scenarios.f32_tolerance(1e-5)
+        )
+    if jax.default_backend() == "cpu":
+        with pytest.raises(impls.KernelUnavailableError, match="impl='triton' is unavailable"):
+            paged.paged_attention(
+                q, cache, 1, case.md, scaling=SCALE, value_width=RANK, impl="triton"
+            )
 
 
 def test_fresh_prompts_take_the_step_rows_and_both_paths_agree():

@@ -55,14 +55,20 @@ _attend = jax.jit(paged.paged_attention, static_argnames=("scaling", "impl", "co
 
 
 def _check(sc, md, config=ONE_SPLIT, atol=None):
-    """pallas == float64 reference and == native (xla impl); returns the kernel's output."""
+    """Each kernel impl == float64 reference and == native (xla impl); returns the last
+    kernel output."""
     cache = _pool_with_step(sc, md)
     scale = HEAD_DIM**-0.5
-    out = _attend(jnp.asarray(sc.q), cache, 1, md, scaling=scale, impl="pallas", config=config)
     ref = _attend(jnp.asarray(sc.q), cache, 1, md, scaling=scale, impl="xla")
     atol = F32_ATOL if atol is None else atol
-    np.testing.assert_allclose(np.asarray(out, np.float64), sc.expected, atol=atol, rtol=F32_RTOL)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=atol, rtol=F32_RTOL)
+    for impl in scenarios.KERNEL_IMPLS:
+        out = _attend(jnp.asarray(sc.q), cache, 1, md, scaling=scale, impl=impl, config=config)
+        np.testing.assert_allclose(
+            np.asarray(out, np.float64), sc.expected, atol=atol, rtol=F32_RTOL, err_msg=impl
+        )
+        np.testing.assert_allclose(
+            np.asarray(out), np.asarray(ref), atol=atol, rtol=F32_RTOL, err_msg=impl
+        )
     return out
 
 
@@ -95,10 +101,11 @@ def test_decode_scattered_pages_one_token_and_max_context(config):
     assert not np.asarray(out[sc.num_tokens :]).any()
 
 
-def test_empty_metadata_gives_zeros():
+@pytest.mark.parametrize("impl", scenarios.KERNEL_IMPLS)
+def test_empty_metadata_gives_zeros(impl):
     sc = _make(6, [3, 5], [1, 1], token_capacity=4)
     md = metadata.empty_metadata(metadata.decode_capacity(4, CONTEXT))
-    out = _attend(jnp.asarray(sc.q), sc.cache, 1, md, scaling=0.25, impl="pallas", config=ONE_SPLIT)
+    out = _attend(jnp.asarray(sc.q), sc.cache, 1, md, scaling=0.25, impl=impl, config=ONE_SPLIT)
     assert out.shape == (4, 4, HEAD_DIM)
     assert not np.asarray(out).any()
 
@@ -168,25 +175,27 @@ def test_verify_custom_mask(draft):
     _check(sc, md, config=THREE_SPLITS)
 
 
-def test_bf16_pool_close_to_float64_and_native():
+@pytest.mark.parametrize("impl", scenarios.KERNEL_IMPLS)
+def test_bf16_pool_close_to_float64_and_native(impl):
     sc = _make(7, [7, 3, 30], [1, 1, 1], token_capacity=3)
     md = _decode_md(sc)
     cache = jax.tree.map(
         lambda x: x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x, _pool_with_step(sc, md)
     )
     q = jnp.asarray(sc.q, jnp.bfloat16)
-    out = _attend(q, cache, 1, md, scaling=0.25, impl="pallas", config=THREE_SPLITS)
+    out = _attend(q, cache, 1, md, scaling=0.25, impl=impl, config=THREE_SPLITS)
     ref = _attend(q, cache, 1, md, scaling=0.25, impl="xla")
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float64), sc.expected, atol=5e-2)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2)
 
 
-def test_forward_writes_the_step_and_takes_a_traced_layer():
+@pytest.mark.parametrize("impl", scenarios.KERNEL_IMPLS)
+def test_forward_writes_the_step_and_takes_a_traced_layer(impl):
     sc = _make(8, [2, 5], [1, 1], token_capacity=2)
     md = _decode_md(sc)
     fwd = jax.jit(paged.forward, static_argnames=("impl", "config"))
-    out, cache = fwd(sc.q, sc.k, sc.v, jnp.int32(1), md, sc.cache, impl="pallas", config=ONE_SPLIT)
+    out, cache = fwd(sc.q, sc.k, sc.v, jnp.int32(1), md, sc.cache, impl=impl, config=ONE_SPLIT)
     np.testing.assert_allclose(np.asarray(out, np.float64), sc.expected, atol=F32_ATOL)
     np.testing.assert_array_equal(np.asarray(cache.k[1, sc.out_cache_loc]), sc.k)
 
@@ -197,8 +206,8 @@ def test_impl_choice_and_errors():
     q = jnp.asarray(sc.q)
     if jax.default_backend() == "cpu":
         assert impls.resolve(None, op=paged.OP) == "xla"
-    with pytest.raises(impls.KernelUnavailableError, match="impl='triton'"):
-        paged.paged_attention(q, sc.cache, 1, md, scaling=0.25, impl="triton")
+        with pytest.raises(impls.KernelUnavailableError, match="impl='triton'.*GPUs only"):
+            paged.paged_attention(q, sc.cache, 1, md, scaling=0.25, impl="triton")
     with pytest.raises(ValueError, match="impl must be one of"):
         paged.paged_attention(q, sc.cache, 1, md, scaling=0.25, impl="cuda")
     with pytest.raises(ValueError, match="kv_heads"):
@@ -308,3 +317,23 @@ step(q, cache).block_until_ready()
 assert len(traces) == 1, f"traced {len(traces)} times"
 """
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ), timeout=120)
+
+
+def test_the_triton_kernels_take_a_key_in_at_most_two_parts():
+    # 224 = 128 + 64 + 32: the Pallas kernels load three parts, the Triton ones two at most.
+    q = jnp.zeros((2, 2, 224), jnp.float32)
+    cache = scenarios.zero_cache(1, 4, 2, 224, 2, CONTEXT, v_head_dim=128)
+    assert paged.unavailable_reason(q, cache) is None
+    assert "two" in paged.unavailable_reason(q, cache, impl="triton")
+    assert paged.triton_parts(paged.key_parts(576, 512)) == (512, 64)  # MLA's latent row
+    assert paged.triton_parts(paged.key_parts(128, None)) == (128, 0)
+    assert paged.triton_precision(jnp.float32) == "ieee"
+
+
+def test_triton_stages_fit_the_staged_kv_blocks_in_shared_memory():
+    # GQA heads of 128: two stages of 64 K/V rows fit; MLA's latent rows (512 + 64 key and
+    # 512 value columns) fit one; 1024 rows of them none.
+    assert paged.triton_stages(2, 64, 256, 2) == 2
+    assert paged.triton_stages(2, 64, 512 + 64 + 512, 2) == 1
+    with pytest.raises(impls.KernelUnavailableError, match="lower block_kv"):
+        paged.triton_stages(2, 1024, 512 + 64 + 512, 2)

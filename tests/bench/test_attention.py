@@ -46,8 +46,8 @@ def test_a_knob_list_sweeps_the_pallas_launch_shapes(capsys, case, flag):
                     f"{flag}num-warps", "4,8"])  # fmt: skip
     results = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line[:1] == "{"]
     native, *pallas = results
-    assert native["pallas_config"] is None and len(pallas) == 4
-    shapes = [(r["pallas_config"]["block_rows"], r["pallas_config"]["num_warps"]) for r in pallas]
+    assert native["kernel_config"] is None and len(pallas) == 4
+    shapes = [(r["kernel_config"]["block_rows"], r["kernel_config"]["num_warps"]) for r in pallas]
     assert shapes == [(16, 4), (16, 8), (32, 4), (32, 8)]  # the first flag varies slowest
     assert all(r["max_abs_diff_vs_native"] < AGREE for r in pallas)
     if case == "decode":

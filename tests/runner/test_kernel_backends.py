@@ -43,3 +43,15 @@ def test_gpu_defaults_skip_kernels_whose_tiles_do_not_fit(monkeypatch):
     assert mla((512, 96), (64, 192)) == "native"  # the value head is loaded whole
     assert mla((512, 128), (64, 200)) == "native"  # 200 = 128 + 64 + 8
     assert mla((12, 16), (16, 32)) == "native"
+
+
+def test_a_triton_default_needs_keys_in_at_most_two_parts(monkeypatch):
+    # Where the Triton kernels rank first, a key loaded in three parts keeps the reference.
+    monkeypatch.setattr(impls, "backend", lambda: "gpu")
+    monkeypatch.setattr(impls, "unavailable_reason", lambda impl, platform: None)
+    monkeypatch.setitem(impls.FASTEST, "mla_latent_attention", {"gpu": ("triton", "xla")})
+    monkeypatch.setitem(impls.FASTEST, "paged_attention", {"gpu": ("triton", "xla")})
+    assert kernel_backends.attention_backend(None, "gqa", (128,)) == "triton"
+    mla = functools.partial(kernel_backends.attention_backend, None, "mla")
+    assert mla((512, 128), (64, 192), key_parts=2) == "triton"
+    assert mla((512, 128), (48, 176), key_parts=3) == "native"  # 512 + 32 + 16
