@@ -52,15 +52,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jtbo.attention import flat_rows, native, paged
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.attention import metadata as metadata_lib
-from jtbo.attention import native, paged
 from jtbo.kernels import impls, launch_checks
 
 OP = "extend_attention"
 """This op's key in ``jtbo.kernels.impls.FASTEST``."""
-SPARE_ROWS = 1
-"""Output rows past the tokens' in the interpreter, for masked-off stores (``_store_rows``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +112,7 @@ def _launch(config: ExtendAttentionConfig, capacity, q_heads, kv_heads, head_dim
     block_rows = min(config.block_rows, max(16, pl.next_power_of_2(rows)))
     return _Launch(
         q_heads // kv_heads, q_heads, capacity.token_capacity, capacity.query_tile,
-        pl.cdiv(capacity.token_capacity, capacity.num_tiles),
+        flat_rows.zero_per_tile(capacity.token_capacity, capacity.num_tiles),
         max(16, pl.next_power_of_2(capacity.query_tile)), block_rows,
         pl.cdiv(rows, block_rows), config.block_kv, paged.key_parts(head_dim, None),
     )  # fmt: skip
@@ -142,33 +140,6 @@ def _scores(q_parts, k_parts, scale_log2):
         for qp, kp in zip(q_parts, k_parts, strict=True)
     )
     return total * scale_log2
-
-
-def _store_rows(o_ref, flat_row, values, row_ok):
-    """Stores ``values`` at output rows ``flat_row`` where ``row_ok``.
-
-    Rows past the output are clamped to its last row and masked off. The interpreter
-    emulates a masked store by writing back what it read, so there that last row is a spare
-    one (``SPARE_ROWS``) that no real row shares.
-    """
-    store_row = jnp.minimum(flat_row, o_ref.shape[0] - 1)[:, None]
-    column = jnp.arange(o_ref.shape[-1], dtype=jnp.int32)[None, :]
-    mask = jnp.broadcast_to(row_ok[:, None], values.shape)
-    plgpu.store(o_ref.at[store_row, column], values.astype(o_ref.dtype), mask=mask)
-
-
-def _zero_padded_rows(o_ref, num_tokens, tile, head, row, query, launch: _Launch):
-    """Zeros this program's rows of the padded tokens that tile ``tile`` answers for:
-    ``[num_tokens + tile * zero_per_tile, ...)`` (the tiles together cover every padded
-    token; real tokens are each in one tile, ``tiling`` checks that)."""
-    zeros = jnp.zeros((launch.block_rows, o_ref.shape[-1]), jnp.float32)
-    for chunk in range(pl.cdiv(launch.zero_per_tile, launch.query_tile)):
-        offset = chunk * launch.query_tile + query
-        token = num_tokens + tile * launch.zero_per_tile + offset
-        row_ok = (query < launch.query_tile) & (offset < launch.zero_per_tile)
-        row_ok = row_ok & (token < launch.tokens)
-        flat_row = token * launch.q_heads + head * launch.group + lax.rem(row, launch.group)
-        _store_rows(o_ref, flat_row, zeros, row_ok)
 
 
 def _write_step_rows(loc_ref, k_ref, v_ref, k_out_ref, v_out_ref, layer, q_start, q_len,
@@ -202,7 +173,7 @@ def _extend_attention_kernel(
     # req_to_token_ref: [max_reqs, max_context]; q_ref: [tokens * q_heads, head_dim];
     # k_pool_ref: [layers, slots, kv_heads, head_dim]; v_pool_ref: [layers, slots, kv_heads,
     # v_head_dim]; k_ref: [tokens, kv_heads, head_dim]; v_ref: [tokens, kv_heads, v_head_dim];
-    # loc_ref: [tokens] (out_cache_loc); o_ref: [tokens * q_heads (+ SPARE_ROWS in the
+    # loc_ref: [tokens] (out_cache_loc); o_ref: [tokens * q_heads (+ flat_rows.SPARE_ROWS in the
     # interpreter), v_head_dim] in q's dtype; k_out_ref / v_out_ref: the pools (aliased).
     # Grid (kv_heads * row_blocks, num_tiles), tiles from the last: a prompt's later tiles see
     # more keys, so the heavy programs start first and light ones fill the last wave.
@@ -215,10 +186,8 @@ def _extend_attention_kernel(
     row = row0 + jnp.arange(launch.block_rows, dtype=jnp.int32)
     query = lax.div(row, launch.group)
     row_ok = query < q_len  # [block_rows]
-    flat_row = (q_start + query) * launch.q_heads + head * launch.group + lax.rem(row, launch.group)
-    q_parts = [
-        q_ref[jnp.minimum(flat_row, q_ref.shape[0] - 1), pl.ds(o, w)] for o, w in launch.key_parts
-    ]
+    flat_row = flat_rows.flat_rows(q_start, head, row, group=launch.group, q_heads=launch.q_heads)
+    q_parts = flat_rows.load_rows(q_ref, flat_row, launch.key_parts)
     first_query = lax.div(row0, launch.group)
     real = first_query < q_len
     block = launch.block_kv
@@ -264,8 +233,11 @@ def _extend_attention_kernel(
     whole = jnp.clip(lax.div(q_start + first_query + 1 - new_start, block), 0, trips)
     carry = lax.fori_loop(0, whole, functools.partial(extend_body, masked=False), carry)
     _, denom, acc = lax.fori_loop(whole, trips, functools.partial(extend_body, masked=True), carry)
-    _store_rows(o_ref, flat_row, acc / jnp.where(denom > 0, denom, 1.0)[:, None], row_ok)
-    _zero_padded_rows(o_ref, num_tokens_ref[0], tile, head, row, query, launch)
+    flat_rows.store_rows(o_ref, flat_row, acc / jnp.where(denom > 0, denom, 1.0)[:, None], row_ok)
+    flat_rows.zero_padded_rows(
+        o_ref, num_tokens_ref[0], tile, head, row, group=launch.group, q_heads=launch.q_heads,
+        tokens=launch.tokens, query_tile=launch.query_tile, zero_per_tile=launch.zero_per_tile,
+    )  # fmt: skip
 
     @pl.when(row_block == 0)
     def _():
@@ -328,7 +300,7 @@ def extend_attention_pallas(q, k, v, cache, layer_id, md, *, scaling, config, in
     )
     out, k_pool, v_pool = pl.pallas_call(
         kernel,
-        out_shape=_out_shapes(q, cache, SPARE_ROWS if interpret else 0),
+        out_shape=_out_shapes(q, cache, flat_rows.SPARE_ROWS if interpret else 0),
         grid=_grid(md, kv_heads, launch),
         input_output_aliases={POOL_INPUTS[0]: 1, POOL_INPUTS[1]: 2},
         interpret=interpret,

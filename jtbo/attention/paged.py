@@ -26,7 +26,13 @@ Grid: one program per (query tile, KV head x row block, KV split).
   cut into ``splits`` (static) equal parts of its own visible length, rounded to whole
   blocks. Each split writes its normalised partial output and log-sum-exp; the wrapper merges
   them (``o = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M)``, ``M = max_s lse_s``), which
-  is exact.
+  is exact, and scatters the rows to their tokens.
+* **Queries and outputs in place.** Queries are loaded from the flat ``[tokens * q_heads,
+  head_dim]`` view (``flat_rows``). A causal launch of one split (decode) also stores its
+  rows straight into the flat output and zeros its tile's share of the padded tokens' rows,
+  so XLA neither gathers queries nor merges, scatters or zero-fills anything. Verify
+  launches (custom mask) write partial rows as several splits do: storing them in place
+  measured slower there.
 
 Rows that see no key come out as zeros (their log-sum-exp is ``-inf``), as do rows past
 ``num_tokens``. On the CPU the kernel runs in the Pallas interpreter (tests); on GPUs through
@@ -44,9 +50,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as _pallas_tpu  # noqa: F401 (see the comment below)
 from jax.experimental.pallas import triton as plgpu
 
+from jtbo.attention import flat_rows, native
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.attention import metadata as metadata_lib
-from jtbo.attention import native
 from jtbo.kernels import impls, launch_checks
 
 # The Pallas interpreter's first lowering imports this module, which registers a jax config
@@ -83,7 +89,7 @@ class PagedAttentionConfig:
     block_kv: int = 64
     block_rows: int = 64
     max_kv_splits: int = 16
-    min_programs: int = 1024
+    min_programs: int = 512
     min_split_kv: int = 256
     num_warps: int = 4
     num_stages: int = 2
@@ -111,6 +117,12 @@ class _Launch:
     splits: int
     key_parts: tuple[tuple[int, int], ...]  # (offset, width) column parts of q and k
     value_width: int | None  # latent: values are the first value_width key columns
+    q_heads: int
+    tokens: int  # token_capacity
+    query_tile: int
+    zero_per_tile: int  # padded tokens whose output rows each tile's programs zero
+    custom_mask: bool
+    stores_rows: bool  # the kernel stores the rows in place (else partial rows, merged by XLA)
 
 
 def _launch(
@@ -126,8 +138,14 @@ def _launch(
         max(1, pl.cdiv(config.min_programs, programs)),
     )
     return _Launch(
-        group, rows, block_rows, row_blocks, splits, key_parts(head_dim, value_width), value_width
-    )
+        group, rows, block_rows, row_blocks, splits, key_parts(head_dim, value_width),
+        value_width, kv_heads * group, capacity.token_capacity, capacity.query_tile,
+        flat_rows.zero_per_tile(capacity.token_capacity, capacity.num_tiles), capacity.custom_mask,
+        # One split of a causal capacity: rows in place. Verify (custom mask) tiles keep the
+        # partial rows: storing them in place made the verify case slower on an H200
+        # (BENCHMARKS.md, "The paged kernel's rows in place").
+        splits == 1 and not capacity.custom_mask,
+    )  # fmt: skip
 
 
 def _power_of_two_parts(offset: int, width: int) -> list[tuple[int, int]]:
@@ -165,8 +183,8 @@ def _whole_blocks(start, stop, q_pos, row0, trips, launch: _Launch, block_kv: in
 
     Those blocks skip the mask (as flash attention does): they lie inside the split and, with
     the causal rule, at or before the block's first query's position, so every later row sees
-    them too. Rows past the tile's queries see them as well; their outputs are dropped when
-    the rows are scattered back (``_scatter_rows``). A custom mask (verify) masks every block.
+    them too. Rows past the tile's queries see them as well; their outputs are never stored.
+    A custom mask (verify) masks every block.
     """
     if not causal:
         return 0
@@ -186,20 +204,23 @@ def _dot(a, b, *, contract_b: int):
 
 
 def _paged_attention_kernel(
-    layer_ref, tile_req_ref, tile_q_len_ref, tile_q_pos_ref, tile_kv_len_ref, req_to_token_ref,
-    q_ref, k_ref, *refs, launch: _Launch, block_kv: int, scaling: float,
+    layer_ref, num_tokens_ref, tile_req_ref, tile_q_start_ref, tile_q_len_ref, tile_q_pos_ref,
+    tile_kv_len_ref, req_to_token_ref, q_ref, k_ref, *refs, launch: _Launch, block_kv: int,
+    scaling: float,
 ):  # fmt: skip
-    # layer_ref: [1]; tile_*_ref: [num_tiles]; req_to_token_ref: [max_reqs, max_context];
-    # q_ref: [num_tiles, kv_heads, row_blocks, block_rows, head_dim];
+    # layer_ref, num_tokens_ref: [1]; tile_*_ref: [num_tiles];
+    # req_to_token_ref: [max_reqs, max_context]; q_ref: [tokens * q_heads, head_dim];
     # k_ref: [num_layers, num_slots, kv_heads, head_dim];
     # refs: (v_ref [..., v_head_dim],)? (absent for a latent pool: values are k's first
-    # value_width columns), (mask_ref [num_tiles, query_tile, max_context] int8,)? then
-    # o_ref: [num_tiles, kv_heads, row_blocks, splits, block_rows, v_head_dim] f32,
-    # lse_ref: [num_tiles, kv_heads, row_blocks, splits, block_rows] f32.
+    # value_width columns), (mask_ref [num_tiles, query_tile, max_context] int8,)? then the
+    # outputs: rows in place (launch.stores_rows): o_ref [tokens * q_heads (+
+    # flat_rows.SPARE_ROWS in the interpreter), v_head_dim] in q's dtype; else partial rows:
+    # o_ref [num_tiles, kv_heads, row_blocks, splits, block_rows, v_head_dim] f32 and
+    # lse_ref [..., block_rows] f32.
     refs = list(refs)
     v_ref = refs.pop(0) if launch.value_width is None else None
-    mask_ref = refs.pop(0) if len(refs) == 3 else None
-    o_ref, lse_ref = refs
+    mask_ref = refs.pop(0) if launch.custom_mask else None
+    o_ref, *lse_ref = refs
     tile, s = pl.program_id(0), pl.program_id(2)
     head, rb = (
         lax.div(pl.program_id(1), launch.row_blocks),
@@ -209,13 +230,17 @@ def _paged_attention_kernel(
     q_len, q_pos, kv_len = tile_q_len_ref[tile], tile_q_pos_ref[tile], tile_kv_len_ref[tile]
     max_context = req_to_token_ref.shape[1]
     row0 = rb * launch.block_rows
-    query = lax.div(row0 + jnp.arange(launch.block_rows, dtype=jnp.int32), launch.group)
+    row = row0 + jnp.arange(launch.block_rows, dtype=jnp.int32)
+    query = lax.div(row, launch.group)
     row_ok = query < q_len  # [block_rows]
     end = _visible_range(q_len, q_pos, kv_len, row0, launch, mask_ref is None)
     split_len = pl.cdiv(pl.cdiv(end, launch.splits), block_kv) * block_kv
     start = s * split_len
     stop = jnp.minimum(start + split_len, end)
-    q_parts = [q_ref[tile, head, rb, :, pl.ds(o, w)] for o, w in launch.key_parts]
+    flat_row = flat_rows.flat_rows(
+        tile_q_start_ref[tile], head, row, group=launch.group, q_heads=launch.q_heads
+    )
+    q_parts = flat_rows.load_rows(q_ref, flat_row, launch.key_parts)
 
     def body(b, carry, *, masked: bool):
         m, denom, acc = carry
@@ -260,19 +285,16 @@ def _paged_attention_kernel(
     m, denom, acc = lax.fori_loop(whole, trips, functools.partial(body, masked=True), carry)
     seen = denom > 0
     safe = jnp.where(seen, denom, 1.0)
-    o_ref[tile, head, rb, s] = jnp.where(seen[:, None], acc / safe[:, None], 0.0)
-    lse_ref[tile, head, rb, s] = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
-
-
-def _tile_queries(q, md: metadata_lib.AttentionMetadata, kv_heads: int, launch: _Launch):
-    """Queries per tile and KV head as matrix rows: ``[tiles, kvh, row_blocks, block_rows, d]``."""
-    tiles, query_tile = md.capacity.num_tiles, md.capacity.query_tile
-    token = jnp.minimum(md.tile_q_start[:, None] + jnp.arange(query_tile), q.shape[0] - 1)
-    q_tiles = q[token].reshape(tiles, query_tile, kv_heads, launch.group, q.shape[-1])
-    rows = q_tiles.transpose(0, 2, 1, 3, 4).reshape(tiles, kv_heads, launch.rows, q.shape[-1])
-    pad = launch.row_blocks * launch.block_rows - launch.rows
-    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, pad), (0, 0)))
-    return rows.reshape(tiles, kv_heads, launch.row_blocks, launch.block_rows, q.shape[-1])
+    out = jnp.where(seen[:, None], acc / safe[:, None], 0.0)
+    if lse_ref:  # partial rows for the merge
+        o_ref[tile, head, rb, s] = out
+        lse_ref[0][tile, head, rb, s] = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+        return
+    flat_rows.store_rows(o_ref, flat_row, out, row_ok)
+    flat_rows.zero_padded_rows(
+        o_ref, num_tokens_ref[0], tile, head, row, group=launch.group, q_heads=launch.q_heads,
+        tokens=launch.tokens, query_tile=launch.query_tile, zero_per_tile=launch.zero_per_tile,
+    )  # fmt: skip
 
 
 def _merge_splits(o, lse):
@@ -302,28 +324,42 @@ def _scatter_rows(q, out_rows, md: metadata_lib.AttentionMetadata, launch: _Laun
 
 
 def _kernel_inputs(q, cache, layer_id, md, config, value_width):
-    """The launch shape, the tiles' query rows and the inputs both kernels take first."""
+    """The launch shape and the inputs both kernels take first (the Pallas kernel's refs)."""
     kv_heads = cache.k.shape[2]
     launch = _launch(
         config, md.capacity, kv_heads, q.shape[1] // kv_heads, q.shape[-1], value_width
     )
     inputs = [
         jnp.asarray(layer_id, jnp.int32).reshape(1),
-        *(x.astype(jnp.int32) for x in (md.tile_req, md.tile_q_len, md.tile_q_pos, md.tile_kv_len)),
-        cache.req_to_token, _tile_queries(q, md, kv_heads, launch), cache.k,
+        jnp.asarray(md.num_tokens, jnp.int32).reshape(1),
+        *(x.astype(jnp.int32) for x in (md.tile_req, md.tile_q_start, md.tile_q_len,
+                                        md.tile_q_pos, md.tile_kv_len)),
+        cache.req_to_token, q.reshape(-1, q.shape[-1]), cache.k,
     ]  # fmt: skip
     return launch, inputs
 
 
-def _partial_shapes(md, cache, launch: _Launch, value_width):
-    """Shapes of the kernels' outputs: per split, the normalised rows and their log-sum-exp."""
+def _out_shapes(q, md, cache, launch: _Launch, value_width, extra_rows: int):
+    """The kernels' outputs: with one split, the attention rows in ``q``'s dtype; with
+    several, per split the normalised rows and their log-sum-exp (float32)."""
     dv = cache.v.shape[-1] if value_width is None else value_width
+    if launch.stores_rows:
+        return (jax.ShapeDtypeStruct((q.shape[0] * q.shape[1] + extra_rows, dv), q.dtype),)
     lead = (md.capacity.num_tiles, cache.k.shape[2], launch.row_blocks, launch.splits,
             launch.block_rows)  # fmt: skip
     return (
         jax.ShapeDtypeStruct((*lead, dv), jnp.float32),
         jax.ShapeDtypeStruct(lead, jnp.float32),
     )
+
+
+def _finish(q, outs, md, launch: _Launch, kv_heads: int):
+    """``[token_capacity, q_heads, dv]`` from the kernels' outputs: the rows as stored, or the
+    splits merged and scattered to their tokens."""
+    if launch.stores_rows:
+        return outs[0][: q.shape[0] * q.shape[1]].reshape(*q.shape[:2], -1)
+    o, lse = outs
+    return _scatter_rows(q, _merge_splits(o, lse), md, launch, kv_heads)
 
 
 def paged_attention_pallas(
@@ -342,9 +378,11 @@ def paged_attention_pallas(
     kernel = functools.partial(
         _paged_attention_kernel, launch=launch, block_kv=config.block_kv, scaling=scaling
     )
-    o, lse = pl.pallas_call(
+    outs = pl.pallas_call(
         kernel,
-        out_shape=_partial_shapes(md, cache, launch, value_width),
+        out_shape=_out_shapes(
+            q, md, cache, launch, value_width, flat_rows.SPARE_ROWS if interpret else 0
+        ),
         grid=(md.capacity.num_tiles, cache.k.shape[2] * launch.row_blocks, launch.splits),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(
@@ -352,7 +390,7 @@ def paged_attention_pallas(
         ),
         name="jtbo_paged_attention",
     )(*inputs)
-    return _scatter_rows(q, _merge_splits(o, lse), md, launch, cache.k.shape[2])
+    return _finish(q, outs, md, launch, cache.k.shape[2])
 
 
 def paged_attention_triton(q, cache, layer_id, md, *, scaling, config, value_width=None):
@@ -366,10 +404,13 @@ def paged_attention_triton(q, cache, layer_id, md, *, scaling, config, value_wid
     mask = md.custom_mask
     mask = jnp.zeros((1,), jnp.int8) if mask is None else mask.astype(jnp.int8)
     dv = cache.v.shape[-1] if value_width is None else value_width
-    o, lse = impls.jax_triton().triton_call(
+    outs = _out_shapes(q, md, cache, launch, value_width, 0)
+    if launch.stores_rows:  # the kernel's log-sum-exp output goes unread: one placeholder
+        outs = (*outs, jax.ShapeDtypeStruct((1,), jnp.float32))
+    outs = impls.jax_triton().triton_call(
         *inputs, values, mask,
         kernel=triton_kernels.jtbo_paged_attention_kernel,
-        out_shape=_partial_shapes(md, cache, launch, value_width),
+        out_shape=outs,
         grid=(md.capacity.num_tiles, kv_heads * launch.row_blocks, launch.splits),
         num_warps=config.num_warps,
         num_stages=triton_stages(config.num_stages, config.block_kv, key0 + key1 + dv,
@@ -380,8 +421,10 @@ def paged_attention_triton(q, cache, layer_id, md, *, scaling, config, value_wid
         SPLITS=launch.splits, BLOCK_KV=config.block_kv, KEY0=key0, KEY1=key1, DV=dv,
         V_ROW=values.shape[-1], HAS_MASK=md.custom_mask is not None,
         PADDING_SLOT=kv_cache_lib.PADDING_SLOT, PREC=triton_precision(q.dtype),
+        Q_HEADS=launch.q_heads, TOKENS=launch.tokens, ZERO_PER_TILE=launch.zero_per_tile,
+        STORES_ROWS=launch.stores_rows,
     )  # fmt: skip
-    return _scatter_rows(q, _merge_splits(o, lse), md, launch, kv_heads)
+    return _finish(q, outs[: 1 if launch.stores_rows else 2], md, launch, kv_heads)
 
 
 TRITON_SHARED_MEMORY_BYTES = 232448

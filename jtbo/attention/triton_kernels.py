@@ -70,17 +70,21 @@ def _load_query_parts(q_ptr, q_row, row_ok, KEY0: tl.constexpr, KEY1: tl.constex
 @triton.jit
 def jtbo_paged_attention_kernel(
     layer_ptr,  # [1] int32
+    num_tokens_ptr,  # [1] int32
     tile_req_ptr,  # [num_tiles] int32
+    tile_q_start_ptr,  # [num_tiles] int32
     tile_q_len_ptr,  # [num_tiles] int32
     tile_q_pos_ptr,  # [num_tiles] int32
     tile_kv_len_ptr,  # [num_tiles] int32
     req_to_token_ptr,  # [max_reqs, max_context] int32
-    q_ptr,  # [num_tiles, kv_heads, row_blocks, block_rows, head_dim]
+    q_ptr,  # [tokens * q_heads, head_dim]
     k_ptr,  # [num_layers, num_slots, kv_heads, head_dim]
     v_ptr,  # [num_layers, num_slots, kv_heads, v_row]; a latent pool passes k again
     mask_ptr,  # [num_tiles, query_tile, max_context] int8, or [1] unread (HAS_MASK False)
-    o_ptr,  # [num_tiles, kv_heads, row_blocks, splits, block_rows, dv] float32
-    lse_ptr,  # [num_tiles, kv_heads, row_blocks, splits, block_rows] float32 (natural log)
+    # STORES_ROWS: [tokens * q_heads, dv] in q's dtype, the rows stored in place. Else:
+    # [num_tiles, kv_heads, row_blocks, splits, block_rows, dv] float32 partial rows.
+    o_ptr,
+    lse_ptr,  # partial rows: [..., block_rows] float32 (natural log); else [1], unread
     SCALE_LOG2: tl.constexpr,
     NUM_SLOTS: tl.constexpr,
     KV_HEADS: tl.constexpr,
@@ -98,6 +102,10 @@ def jtbo_paged_attention_kernel(
     HAS_MASK: tl.constexpr,
     PADDING_SLOT: tl.constexpr,
     PREC: tl.constexpr,
+    Q_HEADS: tl.constexpr,
+    TOKENS: tl.constexpr,
+    ZERO_PER_TILE: tl.constexpr,
+    STORES_ROWS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     head = tl.program_id(1) // ROW_BLOCKS
@@ -123,9 +131,9 @@ def jtbo_paged_attention_kernel(
     stop = tl.minimum(start + split_len, end)
 
     key_width = KEY0 + KEY1
-    program_rows = ((tile * KV_HEADS + head) * ROW_BLOCKS + rb).to(tl.int64) * BLOCK_ROWS
-    q_row = (program_rows + rows) * key_width
-    q0, q1 = _load_query_parts(q_ptr, q_row, rows < BLOCK_ROWS, KEY0, KEY1)
+    head_row = head * GROUP + (row0 + rows) % GROUP
+    flat_row = (tl.load(tile_q_start_ptr + tile) + query).to(tl.int64) * Q_HEADS + head_row
+    q0, q1 = _load_query_parts(q_ptr, flat_row * key_width, row_ok, KEY0, KEY1)
     m = tl.full((BLOCK_ROWS,), float("-inf"), tl.float32)
     denom = tl.zeros((BLOCK_ROWS,), tl.float32)
     acc = tl.zeros((BLOCK_ROWS, DV), tl.float32)
@@ -152,13 +160,36 @@ def jtbo_paged_attention_kernel(
         m, denom, acc = _softmax_step(m, denom, acc, scores, v, PREC)
     seen = denom > 0
     safe = tl.where(seen, denom, 1.0)
-    out_row = (((tile * KV_HEADS + head) * ROW_BLOCKS + rb) * SPLITS + split).to(tl.int64)
-    out_row = out_row * BLOCK_ROWS + rows
     out = tl.where(seen[:, None], acc / safe[:, None], 0.0)
-    tl.store(o_ptr + out_row[:, None] * DV + value_cols[None, :], out)
-    # Natural-log LSE for the split merge: (m + log2(denom)) / log2(e).
-    lse = tl.where(seen, (m + tl.log2(safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(lse_ptr + out_row, lse)
+    if STORES_ROWS:  # the rows go straight to their tokens; padded tokens' rows are zeroed
+        _store_rows(o_ptr, flat_row, out.to(o_ptr.dtype.element_ty), row_ok, DV)
+        _zero_padded_rows(
+            o_ptr, tl.load(num_tokens_ptr), tile, query, head_row, Q_HEADS, TOKENS, QUERY_TILE,
+            ZERO_PER_TILE, BLOCK_ROWS, DV,
+        )  # fmt: skip
+    else:
+        out_row = (((tile * KV_HEADS + head) * ROW_BLOCKS + rb) * SPLITS + split).to(tl.int64)
+        out_row = out_row * BLOCK_ROWS + rows
+        tl.store(o_ptr + out_row[:, None] * DV + value_cols[None, :], out)
+        # Natural-log LSE for the split merge: (m + log2(denom)) / log2(e).
+        lse = tl.where(seen, (m + tl.log2(safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + out_row, lse)
+
+
+@triton.jit
+def _zero_padded_rows(
+    o_ptr, num_tokens, tile, query, head_row, Q_HEADS: tl.constexpr, TOKENS: tl.constexpr,
+    QUERY_TILE: tl.constexpr, ZERO_PER_TILE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    DV: tl.constexpr,
+):  # fmt: skip
+    """Zeros this program's rows of the padded tokens tile ``tile`` answers for:
+    ``ZERO_PER_TILE`` tokens from ``num_tokens + tile * ZERO_PER_TILE`` (``flat_rows``)."""
+    zeros = tl.zeros((BLOCK_ROWS, DV), o_ptr.dtype.element_ty)
+    for chunk in tl.static_range(0, (ZERO_PER_TILE + QUERY_TILE - 1) // QUERY_TILE):
+        offset = chunk * QUERY_TILE + query
+        token = num_tokens + tile * ZERO_PER_TILE + offset
+        keep = (query < QUERY_TILE) & (offset < ZERO_PER_TILE) & (token < TOKENS)
+        _store_rows(o_ptr, token.to(tl.int64) * Q_HEADS + head_row, zeros, keep, DV)
 
 
 @triton.jit
@@ -340,12 +371,10 @@ def jtbo_extend_attention_kernel(
     # The padded tokens' rows: each tile's programs zero ZERO_PER_TILE tokens from
     # num_tokens + tile * ZERO_PER_TILE on (real tokens are each in one tile).
     num_tokens = tl.load(num_tokens_ptr)
-    zeros = tl.zeros((BLOCK_ROWS, DV), o_ptr.dtype.element_ty)
-    for chunk in tl.static_range(0, (ZERO_PER_TILE + QUERY_TILE - 1) // QUERY_TILE):
-        offset = chunk * QUERY_TILE + query
-        token = num_tokens + tile * ZERO_PER_TILE + offset
-        keep = (query < QUERY_TILE) & (offset < ZERO_PER_TILE) & (token < TOKENS)
-        _store_rows(o_ptr, token.to(tl.int64) * q_heads + head_row, zeros, keep, DV)
+    _zero_padded_rows(
+        o_ptr, num_tokens, tile, query, head_row, q_heads, TOKENS, QUERY_TILE, ZERO_PER_TILE,
+        BLOCK_ROWS, DV,
+    )  # fmt: skip
 
     # The step's K/V rows of this tile and KV head into the pool (row block 0 only).
     if row_block == 0:

@@ -274,6 +274,18 @@ def test_lowers_for_an_h200_without_a_gathered_kv_copy(kind):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="compiles for an H200 on the CPU")
+def test_one_split_reads_queries_and_stores_rows_in_place_on_an_h200():
+    # 256 decode tiles x 8 KV heads fill the grid in one split: the program is the kernel
+    # alone, with no gather of queries and no scatter, merge or zero fill of the output.
+    n, ctx, kv_heads, d = 256, 1024, 8, 128
+    capacity = metadata.decode_capacity(n, ctx)
+    assert paged._launch(paged.DEFAULT_CONFIG, capacity, kv_heads, 4, d, None).splits == 1
+    hlo = _h200_program(capacity, n, ctx, kv_heads, 32, d, d)
+    assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 1
+    assert not re.search(r" (gather|scatter|broadcast|reduce|transpose)\(", hlo)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="compiles for an H200 on the CPU")
 def test_lowers_for_an_h200_with_mla_decompressed_widths():
     # MLA's decompressed keys are 128 + 64 columns wide, its values 128: the key is loaded
     # and multiplied in two power-of-two parts, and the kernel lowers for an H200.
