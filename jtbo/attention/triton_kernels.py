@@ -107,6 +107,10 @@ def jtbo_paged_attention_kernel(
     ZERO_PER_TILE: tl.constexpr,
     STORES_ROWS: tl.constexpr,
 ):
+    """``paged._paged_attention_kernel`` in Triton: one program per (tile, KV head x row
+    block, KV split) attends its rows over its split of the tile's visible context, read
+    through the page table; writes the rows in place (``STORES_ROWS``) or partial rows and
+    their log-sum-exp for the wrapper's merge."""
     tile = tl.program_id(0)
     head = tl.program_id(1) // ROW_BLOCKS
     rb = tl.program_id(1) % ROW_BLOCKS
@@ -306,6 +310,10 @@ def jtbo_extend_attention_kernel(
     PADDING_SLOT: tl.constexpr,
     PREC: tl.constexpr,
 ):
+    """``extend._extend_attention_kernel`` in Triton: one program per (KV head x row block,
+    tile) attends its rows over the tile's prefix (through the page table) and the step's
+    own tokens (causal) in one online softmax, stores them in place, zeros its share of the
+    padded tokens' rows and, in row block 0, writes the tile's K/V rows into the pools."""
     # Grid (kv_heads * row_blocks, num_tiles), tiles from the last: a prompt's later tiles see
     # more keys, so the heavy programs start first and light ones fill the last wave.
     tile = tl.num_programs(1) - 1 - tl.program_id(1)

@@ -74,12 +74,5 @@ def attention_backend(
     backend = _ATTENTION_BACKEND_OF_IMPL[impls.resolve(None, op=op)]
     fits = all(map(_power_of_two_tile, whole_widths)) and all(map(_tiles, split_widths))
     if backend == "triton":
-        fits = fits and all(
-            _power_of_two_parts(width) <= _TRITON_KEY_PARTS for width in split_widths
-        )
+        fits = fits and key_parts <= _TRITON_KEY_PARTS
     return backend if backend == "native" or fits else "native"
-
-
-def _power_of_two_parts(width: int) -> int:
-    """How many power-of-two parts the kernels load a ``width``-wide key in (192: 128 + 64)."""
-    return width.bit_count()

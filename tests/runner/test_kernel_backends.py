@@ -54,4 +54,7 @@ def test_a_triton_default_needs_keys_in_at_most_two_parts(monkeypatch):
     assert kernel_backends.attention_backend(None, "gqa", (128,)) == "triton"
     mla = functools.partial(kernel_backends.attention_backend, None, "mla")
     assert mla((512, 128), (64, 192), key_parts=2) == "triton"
-    assert mla((512, 128), (48, 176), key_parts=3) == "native"  # 512 + 32 + 16
+    assert mla((512, 128), (96, 160), key_parts=3) == "native"  # the latent row: 512 + 64 + 32
+    assert mla((512, 128), (96, 160), key_parts=3) != kernel_backends.attention_backend(
+        None, "mla", (512, 128), (96, 160), key_parts=2
+    )  # the part count alone decides (96 and 160 are two parts each)
