@@ -340,8 +340,9 @@ def _kernel_inputs(q, cache, layer_id, md, config, value_width):
 
 
 def _out_shapes(q, md, cache, launch: _Launch, value_width, extra_rows: int):
-    """The kernels' outputs: with one split, the attention rows in ``q``'s dtype; with
-    several, per split the normalised rows and their log-sum-exp (float32)."""
+    """The kernels' outputs: the attention rows in ``q``'s dtype where the kernel stores them
+    in place (``launch.stores_rows``), else per split the normalised rows and their
+    log-sum-exp (float32)."""
     dv = cache.v.shape[-1] if value_width is None else value_width
     if launch.stores_rows:
         return (jax.ShapeDtypeStruct((q.shape[0] * q.shape[1] + extra_rows, dv), q.dtype),)
@@ -395,7 +396,7 @@ def paged_attention_pallas(
 
 def paged_attention_triton(q, cache, layer_id, md, *, scaling, config, value_width=None):
     """jax-triton impl: ``triton_kernels.jtbo_paged_attention_kernel`` (the Pallas kernel's
-    algorithm in Triton), then the same split merge and row scatter."""
+    algorithm in Triton), its outputs finished as the Pallas kernel's (``_finish``)."""
     from jtbo.attention import triton_kernels  # imports triton: GPU machines only
 
     launch, inputs = _kernel_inputs(q, cache, layer_id, md, config, value_width)

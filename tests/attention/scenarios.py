@@ -31,6 +31,17 @@ def f32_tolerance(elsewhere: float) -> float:
     return elsewhere if jax.default_backend() == "cpu" else TF32_TOLERANCE
 
 
+def assert_kernel_output(out, expected, reference, *, atol, rtol, impl: str) -> None:
+    """A kernel impl's ``out`` equals the float64 ``expected`` and the native ``reference``
+    within ``atol`` / ``rtol`` (the failure names ``impl``)."""
+    np.testing.assert_allclose(
+        np.asarray(out, np.float64), expected, atol=atol, rtol=rtol, err_msg=impl
+    )
+    np.testing.assert_allclose(
+        np.asarray(out), np.asarray(reference), atol=atol, rtol=rtol, err_msg=impl
+    )
+
+
 @dataclasses.dataclass
 class Scenario:
     """One batch: per-sequence lengths, the pool, the new tokens and the reference output."""

@@ -63,12 +63,7 @@ def _check(sc, md, config=ONE_SPLIT, atol=None):
     atol = F32_ATOL if atol is None else atol
     for impl in scenarios.KERNEL_IMPLS:
         out = _attend(jnp.asarray(sc.q), cache, 1, md, scaling=scale, impl=impl, config=config)
-        np.testing.assert_allclose(
-            np.asarray(out, np.float64), sc.expected, atol=atol, rtol=F32_RTOL, err_msg=impl
-        )
-        np.testing.assert_allclose(
-            np.asarray(out), np.asarray(ref), atol=atol, rtol=F32_RTOL, err_msg=impl
-        )
+        scenarios.assert_kernel_output(out, sc.expected, ref, atol=atol, rtol=F32_RTOL, impl=impl)
     return out
 
 
