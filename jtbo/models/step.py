@@ -120,11 +120,29 @@ def _param_spec(path, _, moe_a2a_backend: str) -> P:
     return _HEAD_SPECS.get(name, P()) if "attn" in names else P()
 
 
-def param_specs(params: Any, moe_a2a_backend: str) -> Any:
-    """Partition specs of the model's parameter state (see the module docstring).
+def split_params(model: model_lib.MoEModel) -> tuple[nnx.GraphDef, dict]:
+    """The model's graph definition and its parameters in the form the step takes them.
+
+    The parameters are nested plain dicts of arrays (``nnx.to_pure_dict``), which
+    ``nnx.merge`` accepts as they are. jit flattens its arguments at every call; plain dicts
+    flatten in its C++ dispatch path, where an ``nnx.State`` calls back into Python for every
+    variable (host time on every step: BENCHMARKS.md, "The host's share of a decode step").
 
     Args:
-      params: the ``nnx.State`` from ``nnx.split(model)``.
+      model: the model.
+
+    Returns:
+      ``(graphdef, params)``.
+    """
+    graphdef, state = nnx.split(model)
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def param_specs(params: Any, moe_a2a_backend: str) -> Any:
+    """Partition specs of the model's parameters (see the module docstring).
+
+    Args:
+      params: the parameters from ``split_params`` (or the ``nnx.State`` of ``nnx.split``).
       moe_a2a_backend: "ep" or "none".
 
     Returns:
@@ -306,6 +324,7 @@ def make_step(
 
     Returns:
       A ``Step``: ``step(params, kv_cache, inputs, *, mode, child_capacity, dispatchers)`` ->
+      (``params`` as ``split_params`` gives them)
       ``(logits, kv_cache, overflow, peak_load)``; ``kv_cache`` is donated; ``inputs`` is
       ``pack_step_inputs(per_rank, replicated)`` (host buffers, or placed with ``Step.put``).
       ``per_rank`` holds ``input_ids``, ``positions`` ``[dp, capacity]``, ``num_tokens``
@@ -317,7 +336,7 @@ def make_step(
       (dropped assignments) and ``peak_load`` (the capacities needed) are
       ``[len(dispatchers), 2]`` (1 without EP).
     """
-    graphdef, params = nnx.split(model)
+    graphdef, params = split_params(model)
     specs = param_specs(params, parallel.moe.moe_a2a_backend)
     table = ep_dispatchers.DispatcherTable(mesh, model.config, parallel)
     return Step(functools.partial(_sharded_step, graphdef, parallel, mesh, specs), mesh, table)

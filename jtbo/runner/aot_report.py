@@ -161,7 +161,7 @@ def model_step_program(
     plan = _synthetic_plan(
         ForwardMode(mode), dp_size, attn_tp_size, tokens_per_rank, enable_tbo, seq_capacity
     )
-    _, params = nnx.split(model)
+    _, params = step.split_params(model)
     inputs = step.pack_step_inputs(plan.per_rank, plan.replicated)
     args = (
         _abstract(params, mesh, step.param_specs(params, moe.moe_a2a_backend)),

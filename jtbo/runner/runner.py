@@ -42,7 +42,6 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jtbo import split
 from jtbo.attention import kv_cache as kv_cache_lib
@@ -254,7 +253,7 @@ class ModelRunner:
         if params_from is not None:
             self._params = _shared_params(params_from, model, self)
             return
-        _, params = nnx.split(served)
+        _, params = step.split_params(served)
         shardings = jax.tree.map(
             lambda spec: jax.sharding.NamedSharding(self.mesh, spec),
             step.param_specs(params, self.parallel.moe.moe_a2a_backend),

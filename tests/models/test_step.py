@@ -40,6 +40,36 @@ def test_param_specs(backend):
     assert specs["embed"]["table"].get_value() == P()
 
 
+@pytest.mark.parametrize("backend", ["ep", "none"])
+def test_split_params_are_plain_dicts_with_the_state_values_and_specs(backend):
+    model = model_lib.MoEModel(config_lib.MoEConfig.tiny(), rngs=nnx.Rngs(3))
+    graphdef, params = step.split_params(model)
+    _, state = nnx.split(model)
+
+    def nodes(tree):  # every inner node: jit flattens plain dicts without calling Python
+        assert isinstance(tree, dict), type(tree)
+        for child in tree.values():
+            if not isinstance(child, jax.Array):
+                nodes(child)
+
+    nodes(params)
+    leaves, state_leaves = jax.tree.leaves(params), jax.tree.leaves(state)
+    assert len(leaves) == len(state_leaves) > 0
+    for got, want in zip(leaves, state_leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    merged = jax.tree.leaves(nnx.split(nnx.merge(graphdef, params))[1])
+    for got, want in zip(merged, state_leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # The specs of the plain dicts are the specs of the state, spec for spec.
+    plain = jax.tree.leaves(step.param_specs(params, backend), is_leaf=lambda x: isinstance(x, P))
+    of_state = [
+        v.get_value() for v in jax.tree.leaves(
+            step.param_specs(state, backend), is_leaf=lambda x: isinstance(x, nnx.Variable)
+        )
+    ]  # fmt: skip
+    assert plain == of_state and all(isinstance(spec, P) for spec in plain)
+
+
 @pytest.mark.parametrize("factory", [config_lib.MoEConfig.tiny, config_lib.MoEConfig.tiny_softmax])
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
 def test_operations_fill_the_strategy_layout(factory, mode):
