@@ -17,8 +17,10 @@ the TBO step's logits with the plain step's (``_agreement``; ``--dtype float32``
 rounding out); the last column is what the runner's numerics guard adds to a step (the
 on-device finiteness flags of the plain step's logits and their read-back, ``_guard_time``:
 what ``ModelRunner(check_finite_logits=False)`` saves). Prints a markdown table (target:
-ratio <= 1.05 at prefill >= 4096 tokens and decode >= 128 sequences), then one line per
-case comparing the plain step with its physical limit (``jtbo.bench.limits``: useful FLOPs
+ratio <= 1.05 at prefill >= 4096 tokens and decode >= 128 sequences), a table of the host
+phases of the plain and TBO steps of each case (``ModelRunner.last_step_phases``: the plan's
+inputs, the jitted call, the wait for the EP counts; ``jtbo.runner.step_phases``), then one
+line per case comparing the plain step with its physical limit (``jtbo.bench.limits``: useful FLOPs
 at a bf16 matmul rate for prefill, weight and KV bytes at the copy bandwidth for decode, both
 rates measured in the same run). ``--devices N`` runs
 DP attention over N devices (dp=N, EP over all of them: the multi-GPU measurement of issue 8),
@@ -79,7 +81,15 @@ from jtbo.models import config as config_lib
 from jtbo.models import ep_dispatchers, layer_ops
 from jtbo.models import model as model_lib
 from jtbo.overlap import hlo_schedule, xla_options
-from jtbo.runner import ep_stats_file, last_rows, numerics, planning, tbo_auto, tbo_options
+from jtbo.runner import (
+    ep_stats_file,
+    last_rows,
+    numerics,
+    planning,
+    step_phases,
+    tbo_auto,
+    tbo_options,
+)
 from jtbo.runner import runner as runner_lib
 
 CONFIGURES_JAX = True  # main sets XLA / NCCL variables before the backend starts
@@ -310,20 +320,33 @@ def _decode_prefix(batch: split.ForwardBatch) -> split.ForwardBatch:
     )  # fmt: skip
 
 
-def _time_interleaved(steps, iters: int) -> list[float]:
-    """Median seconds of each ``(runner, plan)`` step, the steps taking turns ``iters`` times
-    (after two warm-up runs each, which also absorb EP re-runs): a drift of the machine (clocks,
-    a neighbour) then moves every column alike instead of one."""
+PhasesAndRest = tuple[step_phases.StepPhases, float]
+"""Medians of a step's host phases and of the seconds of each step outside them."""
+
+
+def _time_interleaved(steps, iters: int) -> tuple[list[float], list[PhasesAndRest]]:
+    """Median seconds of each ``(runner, plan)`` step, and per step the medians of its host
+    phases and of the rest of its time (``_median_phases``), the steps taking turns ``iters``
+    times (after two warm-up runs each, which also absorb EP re-runs): a drift of the machine
+    (clocks, a neighbour) then moves every column alike instead of one."""
     for runner, plan in steps:
         for _ in range(2):
             runner.run_plan(plan).block_until_ready()
-    times = [[] for _ in steps]
+    times, phases = [[] for _ in steps], [[] for _ in steps]
     for _ in range(iters):
-        for column, (runner, plan) in zip(times, steps, strict=True):
+        for column, phase, (runner, plan) in zip(times, phases, steps, strict=True):
             start = time.perf_counter()
             runner.run_plan(plan).block_until_ready()
             column.append(time.perf_counter() - start)
-    return [statistics.median(column) for column in times]
+            phase.append(runner.last_step_phases)
+    medians = [statistics.median(column) for column in times]
+    return medians, [_median_phases(*timed) for timed in zip(times, phases, strict=True)]
+
+
+def _median_phases(times: list[float], phases: list[step_phases.StepPhases]) -> PhasesAndRest:
+    """``(StepPhases medians, median seconds of each step outside its phases)``."""
+    rest = statistics.median(t - p.total for t, p in zip(times, phases, strict=True))
+    return step_phases.median_phases(phases), rest
 
 
 def _plan(runner, batches, tbo: bool, logits: str):
@@ -578,16 +601,17 @@ def _report_overlap(
 
 def _case(
     runners, auto, batches, iters: int, logits: str
-) -> tuple[list[float], str, tbo_auto.TboDecision]:
+) -> tuple[list[float], list[PhasesAndRest], str, tbo_auto.TboDecision]:
     """Seconds per step (plain, TBO, then TBO on each further runner, e.g. with barriers, and
-    last the "auto" runner's chosen step), how the first TBO step's logits compare with the
-    plain step's (``_agreement``), and the auto runner's decision."""
+    last the "auto" runner's chosen step), the host phases of each (``_time_interleaved``),
+    how the first TBO step's logits compare with the plain step's (``_agreement``), and the
+    auto runner's decision."""
     steps = [(runners[0], _plan(runners[0], batches, False, logits))]
     steps += [(runner, _plan(runner, batches, True, logits)) for runner in runners]
     auto_plan, decision = _auto_plan(auto, batches, logits)
-    times = _time_interleaved(steps + [(auto, auto_plan)], iters)
+    times, phases = _time_interleaved(steps + [(auto, auto_plan)], iters)
     want, got = (_rank_logits(runner.run_plan(plan), batches, logits) for runner, plan in steps[:2])
-    return times, _agreement(got, want), decision
+    return times, phases, _agreement(got, want), decision
 
 
 def _auto_plan(runner, batches, logits: str) -> tuple[planning.StepPlan, tbo_auto.TboDecision]:
@@ -710,11 +734,17 @@ def _time_cases(runners, auto, cases, args) -> list[tuple[float, float]]:
         + " Δ logits (median row) / same token | numerics guard (ms) |"
     )
     print("|---|---|---|---|---|" + ("---|---|" if args.barriers else "") + "---|---|---|---|---|")
-    step_times, fills, paddings = [], [], []
+    step_times, fills, paddings, phase_lines = [], [], [], []
     for name, size, batches in cases:
-        (plain, *tbo_times, auto_time), agreement, decision = _case(
+        (plain, *tbo_times, auto_time), phases, agreement, decision = _case(
             runners, auto, batches, args.iters, args.logits
         )
+        phase_lines += [
+            _phase_line(f"{name} {size}", column, step_time, *step_phases_and_rest)
+            for column, step_time, step_phases_and_rest in zip(
+                ("no TBO", "TBO"), (plain, tbo_times[0]), phases[:2], strict=True
+            )
+        ]
         cells = "".join(f" {t * 1e3:.2f} | {t / plain:.3f} |" for t in tbo_times)
         guard = _guard_time(runners[0], batches, args.iters, args.logits)
         print(f"| {name} {size} | {_tokens(batches)} | {plain * 1e3:.2f} |{cells}"
@@ -728,7 +758,29 @@ def _time_cases(runners, auto, cases, args) -> list[tuple[float, float]]:
               + "; ".join(fills))  # fmt: skip
     else:
         print("DP gather of the plain step (mode, buffer rows): " + "; ".join(paddings))
+    print("\n".join(["", *PHASE_HEADER, *phase_lines, "", PHASE_FOOTNOTE]))
     return step_times
+
+
+PHASE_HEADER = (
+    "| case | column | inputs (ms) | dispatch (ms) | until the EP counts (ms) | rest (ms) | "
+    "step (ms) |",
+    "|---|---|---|---|---|---|---|",
+)
+PHASE_FOOTNOTE = (
+    "Host phases of a step (ModelRunner.last_step_phases, medians over the timed steps): "
+    "inputs = the page table, packing the plan and issuing its transfers; dispatch = the "
+    "jitted call until it returned; until the EP counts = from then until the overflow "
+    "counts were on the host (the devices' remaining work and the read-back); rest = each "
+    "step's time less the three (the wait for the logits and the bench's own calls)."
+)
+
+
+def _phase_line(case: str, column: str, step_time: float, phases, rest: float) -> str:
+    """One row of the host-phase table: the medians of a step's phases (``StepPhases``), of
+    the rest of its time and of its time."""
+    cells = (phases.inputs, phases.dispatch, phases.counts, rest, step_time)
+    return f"| {case} | {column} | " + " | ".join(f"{t * 1e3:.3f}" for t in cells) + " |"
 
 
 def _dp_padding(runner, batches) -> str:

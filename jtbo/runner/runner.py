@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import itertools
 import os
+import time
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -61,6 +62,7 @@ from jtbo.runner import (
     numerics,
     planning,
     step_exchange,
+    step_phases,
     tbo_auto,
     tbo_options,
     tbo_plan_file,
@@ -83,6 +85,8 @@ class ModelRunner:
       multiprocess: whether the mesh spans other processes' devices (``jax.distributed``).
       num_steps: device steps run; num_tbo_steps: those run with two-batch overlap (an
         "auto" shape's timing runs are not counted, its real step is).
+      last_step_phases: the host time of the last step's phases (``step_phases.StepPhases``;
+        None before the first step), an "auto" shape's timing runs included.
       tbo: the ``TboOptions`` as given (None: the defaults, TBO off).
       parallel: the layers' ``layer_ops.ParallelConfig`` (backends resolved, sizes from the mesh).
       options: the planner's ``planning.PlanOptions``.
@@ -193,6 +197,7 @@ class ModelRunner:
         measured = self._load_routing_stats(ep_routing_stats)
         self._init_kv()
         self.check_finite_logits = check_finite_logits
+        self.last_step_phases: step_phases.StepPhases | None = None  # of the last run_plan
         self._fingerprint = step_exchange.fingerprint(
             self.options, self.parallel, config, jnp.dtype(dtype).name, mesh.devices.shape,
             [d.id for d in mesh.devices.flat], self.dp_rank_owners, tbo.agreed_part(),
@@ -559,16 +564,19 @@ class ModelRunner:
             raise ValueError(
                 f"plan rows {plan.ranks} != this process's ranks {self.local_dp_ranks}"
             )
+        start = time.perf_counter()
         if self._req_to_token_device is None:
             self._req_to_token_device = self._upload_page_table()
         cache = kv_cache_lib.KVCache(k=self._k, v=self._v, req_to_token=self._req_to_token_device)
         inputs = self._step_inputs(plan)
         dispatchers = self._step.dispatchers.for_step(plan.capacity, plan.child_capacity)
+        clock = [start, time.perf_counter()]  # phase boundaries: inputs, then per run two
         while dispatchers is not None:  # re-runs rewrite the same KV slots before reading them
             logits, cache, overflow, peak_load = self._step(
                 self._params, cache, inputs, mode=int(plan.mode),
                 child_capacity=plan.child_capacity, dispatchers=dispatchers,
             )  # fmt: skip
+            clock.append(time.perf_counter())
             self._k, self._v, self._req_to_token_device = cache.k, cache.v, cache.req_to_token
             if self.multiprocess:  # waits with the GIL released: the failure monitor runs
                 jax.block_until_ready((logits, overflow, peak_load))
@@ -578,6 +586,8 @@ class ModelRunner:
             if dispatchers:
                 self._step.dispatchers.observe(dispatchers, peak_load)
             dispatchers = self._resolve_overflow(dispatchers, overflow, peak_load)
+            clock.append(time.perf_counter())
+        self.last_step_phases = _phases(clock)
         return logits
 
     def ep_buffer_fill(self) -> list[tuple[float, float]]:
@@ -704,6 +714,19 @@ class ModelRunner:
         padding = "max_len" if self.options.dp_padding == "auto" else self.options.dp_padding
         options = dataclasses.replace(self.options, enable_tbo=tbo, dp_padding=padding)
         return planning.plan_step_for_ranks(batches, self.local_dp_ranks, options)
+
+
+def _phases(clock: list[float]) -> step_phases.StepPhases:
+    """The phases of ``_execute``'s clock reads: start, inputs done, then per run the call's
+    return and the counts' check."""
+    returns, checks = clock[2::2], clock[3::2]
+    begins = [clock[1], *checks[:-1]]  # a re-run starts once the run before it was checked
+    return step_phases.StepPhases(
+        inputs=clock[1] - clock[0],
+        dispatch=sum(end - begin for begin, end in zip(begins, returns, strict=True)),
+        counts=sum(end - begin for begin, end in zip(returns, checks, strict=True)),
+        runs=len(returns),
+    )
 
 
 def _shared_params(source: ModelRunner, model: model_lib.MoEModel, runner: ModelRunner):

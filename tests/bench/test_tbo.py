@@ -2,6 +2,7 @@
 backend starts, the overlap table from synthetic kernels, and CPU smoke runs."""
 
 import gzip
+import itertools
 import json
 import os
 import subprocess
@@ -211,7 +212,8 @@ def test_tiny_run_prints_every_case_with_agreement(scratch_environment, capsys):
               "--dtype", "float32"])  # fmt: skip
     out = capsys.readouterr().out
     assert "link nvlink" in out.splitlines()[0]
-    lines = [line for line in out.splitlines() if line.startswith("| ")]
+    lines = list(itertools.takewhile(lambda line: line.startswith("|"), out.splitlines()[1:]))
+    lines = [line for line in lines if line.startswith("| ")]  # the timing table
     assert [line.split("|")[1].strip() for line in lines[1:]] == ["prefill 128", "decode 32"]
     for line in lines[1:]:
         median_row, same_token = line.split("|")[-3].split(" / ")
@@ -224,6 +226,18 @@ def test_tiny_run_prints_every_case_with_agreement(scratch_environment, capsys):
         assert float(cells[6]) > 0 and float(cells[7]) > 0, line
         assert cells[8].split()[0] in ("TBO", "plain") and cells[8].endswith("x)"), line
     assert "overlap table: needs a GPU" in out  # the CPU trace has no NCCL kernels
+    # The host phases of the plain and TBO step of each case: each phase took time and
+    # together they are at most the step.
+    phase_table = out.split(tbo.PHASE_HEADER[0])[1].split("\n\n")[0].strip().splitlines()[1:]
+    assert [row.split("|")[1:3] for row in phase_table] == [
+        [f" {case} ", f" {column} "]
+        for case in ("prefill 128", "decode 32")
+        for column in ("no TBO", "TBO")
+    ]
+    for row in phase_table:
+        inputs, dispatch, counts, rest, step_ms = map(float, row.split("|")[3:8])
+        assert min(inputs, dispatch, counts) > 0 and rest >= 0, row  # one timed step each
+        assert inputs + dispatch + counts + rest == pytest.approx(step_ms, abs=2e-3), row
     fill = out.split("EP buffer fill")[1].splitlines()[0]
     assert "prefill 128: " in fill and "decode 32: " in fill, fill
     ratios = [

@@ -263,6 +263,8 @@ def test_dedup_exchange_with_and_without_tbo_matches_reference():
         outs = runner.forward([r.extend(n) for r, n in zip(ranks, new, strict=True)])
         assert all(d.dedup for d in runner._step.dispatchers._by_rows.values())
         assert runner._step.num_keys == 1 + tbo  # TBO re-ran once
+        phases = runner.last_step_phases  # the host phases of both runs
+        assert phases.runs == 1 + tbo and min(phases.inputs, phases.dispatch, phases.counts) > 0
         fills = np.array(runner.ep_buffer_fill())  # the re-run's: it fit
         assert fills.shape == (1 + tbo, 2) and np.all((fills > 0) & (fills <= 1)), fills
         for r, n in enumerate(new):
