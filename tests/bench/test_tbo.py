@@ -268,7 +268,7 @@ def test_skewed_prefill_through_sum_len_gathers(scratch_environment, capsys):
               "sum_len", "--iters", "1", "--dtype", "float32", "--no-profile"])  # fmt: skip
     out = capsys.readouterr().out
     assert "MoE none, DP padding sum_len, prefill skew 0.25" in out.splitlines()[0]
-    (line,) = [line for line in out.splitlines() if line.startswith("| prefill 64 |")]
+    (line,) = [line for line in out.splitlines() if line.startswith("| prefill 64 | 64/16 |")]
     cells = [cell.strip() for cell in line.split("|")]
     assert cells[2] == "64/16" and float(cells[-3].split(" / ")[0]) < 1e-5, line
     assert "DP gather of the plain step (mode, buffer rows): prefill 64: SUM_LEN 80" in out
