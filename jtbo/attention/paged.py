@@ -122,7 +122,16 @@ class _Launch:
     query_tile: int
     zero_per_tile: int  # padded tokens whose output rows each tile's programs zero
     custom_mask: bool
-    stores_rows: bool  # the kernel stores the rows in place (else partial rows, merged by XLA)
+
+    @property
+    def stores_rows(self) -> bool:
+        """Whether the kernel stores the rows in place (else partial rows, merged by XLA).
+
+        One split of a causal capacity stores in place. Verify (custom mask) tiles keep the
+        partial rows: storing them in place made the verify case slower on an H200
+        (BENCHMARKS.md, "The paged kernel's rows in place").
+        """
+        return self.splits == 1 and not self.custom_mask
 
 
 def _launch(
@@ -141,10 +150,6 @@ def _launch(
         group, rows, block_rows, row_blocks, splits, key_parts(head_dim, value_width),
         value_width, kv_heads * group, capacity.token_capacity, capacity.query_tile,
         flat_rows.zero_per_tile(capacity.token_capacity, capacity.num_tiles), capacity.custom_mask,
-        # One split of a causal capacity: rows in place. Verify (custom mask) tiles keep the
-        # partial rows: storing them in place made the verify case slower on an H200
-        # (BENCHMARKS.md, "The paged kernel's rows in place").
-        splits == 1 and not capacity.custom_mask,
     )  # fmt: skip
 
 

@@ -324,8 +324,8 @@ def make_step(
 
     Returns:
       A ``Step``: ``step(params, kv_cache, inputs, *, mode, child_capacity, dispatchers)`` ->
-      (``params`` as ``split_params`` gives them)
-      ``(logits, kv_cache, overflow, peak_load)``; ``kv_cache`` is donated; ``inputs`` is
+      ``(logits, kv_cache, overflow, peak_load)``; ``params`` are as ``split_params`` gives
+      them; ``kv_cache`` is donated; ``inputs`` is
       ``pack_step_inputs(per_rank, replicated)`` (host buffers, or placed with ``Step.put``).
       ``per_rank`` holds ``input_ids``, ``positions`` ``[dp, capacity]``, ``num_tokens``
       ``[dp]`` and, without TBO, ``attn_metadata`` (stacked) or, with TBO,

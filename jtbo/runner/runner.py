@@ -587,7 +587,7 @@ class ModelRunner:
                 self._step.dispatchers.observe(dispatchers, peak_load)
             dispatchers = self._resolve_overflow(dispatchers, overflow, peak_load)
             clock.append(time.perf_counter())
-        self.last_step_phases = _phases(clock)
+        self.last_step_phases = step_phases.from_clock(clock)
         return logits
 
     def ep_buffer_fill(self) -> list[tuple[float, float]]:
@@ -714,19 +714,6 @@ class ModelRunner:
         padding = "max_len" if self.options.dp_padding == "auto" else self.options.dp_padding
         options = dataclasses.replace(self.options, enable_tbo=tbo, dp_padding=padding)
         return planning.plan_step_for_ranks(batches, self.local_dp_ranks, options)
-
-
-def _phases(clock: list[float]) -> step_phases.StepPhases:
-    """The phases of ``_execute``'s clock reads: start, inputs done, then per run the call's
-    return and the counts' check."""
-    returns, checks = clock[2::2], clock[3::2]
-    begins = [clock[1], *checks[:-1]]  # a re-run starts once the run before it was checked
-    return step_phases.StepPhases(
-        inputs=clock[1] - clock[0],
-        dispatch=sum(end - begin for begin, end in zip(begins, returns, strict=True)),
-        counts=sum(end - begin for begin, end in zip(returns, checks, strict=True)),
-        runs=len(returns),
-    )
 
 
 def _shared_params(source: ModelRunner, model: model_lib.MoEModel, runner: ModelRunner):

@@ -5,8 +5,9 @@ plan and issuing its two transfers, then the jitted call, which returns once the
 enqueued), the devices' work, and the read-back of the EP overflow counts and peak loads that
 the host needs before it may accept the step (an overflowing step re-runs with the next
 capacity bucket, so the phases are summed over its runs). The runner reads the host clock at
-each boundary (``time.perf_counter``, four reads per run) and keeps the last step's
-``StepPhases``; ``python -m jtbo.bench tbo`` prints their medians per case.
+each boundary (``time.perf_counter``: two reads before the first run, two per run), turns
+the reads into the last step's ``StepPhases`` (``from_clock``) and keeps them;
+``python -m jtbo.bench tbo`` prints their medians per case.
 """
 
 import dataclasses
@@ -38,6 +39,32 @@ class StepPhases:
     def total(self) -> float:
         """Seconds of all three phases."""
         return self.inputs + self.dispatch + self.counts
+
+
+def from_clock(clock: Sequence[float]) -> StepPhases:
+    """The phases of one step's clock reads.
+
+    Args:
+      clock: host seconds at the step's start, once its inputs were issued, then per run of
+        the program two reads: when the jitted call returned and when its EP counts were
+        checked.
+
+    Returns:
+      The ``StepPhases`` (a re-run starts once the run before it was checked).
+
+    Raises:
+      ValueError: not two reads before the runs and two per run, at least one run.
+    """
+    if len(clock) < 4 or len(clock) % 2:
+        raise ValueError(f"a step's clock holds 2 + 2 * runs reads (runs >= 1), got {len(clock)}")
+    returns, checks = clock[2::2], clock[3::2]
+    begins = [clock[1], *checks[:-1]]
+    return StepPhases(
+        inputs=clock[1] - clock[0],
+        dispatch=sum(end - begin for begin, end in zip(begins, returns, strict=True)),
+        counts=sum(end - begin for begin, end in zip(returns, checks, strict=True)),
+        runs=len(returns),
+    )
 
 
 def median_phases(phases: Sequence[StepPhases]) -> StepPhases:
