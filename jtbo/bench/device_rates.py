@@ -44,6 +44,36 @@ def time_fn(fn, args, *, warmup: int, iters: int, reps: int) -> float:
     return statistics.median(times)
 
 
+def time_fns_interleaved(cases, *, warmup: int, iters: int, reps: int) -> list[float]:
+    """Median seconds per call of each ``fn(*args)`` in ``cases``, timed in turns.
+
+    Each rep times one batch of ``iters`` calls of every case, one case after the other, so
+    the cases share the GPU's state (its clock falls as it heats: 1965 to about 1600 MHz within
+    a few seconds of matmuls on an H200), and a ratio of two medians compares like with like.
+
+    Args:
+      cases: ``(fn, args)`` pairs, each a jitted function and its arguments.
+      warmup: untimed calls of each first (compiles).
+      iters: back-to-back calls per batch.
+      reps: batches of each.
+
+    Returns:
+      Seconds per call of each case, in order.
+    """
+    for fn, args in cases:
+        for _ in range(warmup):
+            jax.block_until_ready(fn(*args))
+    times = [[] for _ in cases]
+    for _ in range(reps):
+        for case_times, (fn, args) in zip(times, cases, strict=True):
+            start = time.perf_counter()
+            for _ in range(iters):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            case_times.append((time.perf_counter() - start) / iters)
+    return [statistics.median(case_times) for case_times in times]
+
+
 def copy_gbs(nbytes: int, *, iters: int, reps: int) -> tuple[float, str]:
     """(GB/s read + written, label) of a device copy of ``nbytes`` on the default device.
 

@@ -33,6 +33,13 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
   padding slots must come out zero (a log line; a failure is an error row). Each ``pallas``
   row is followed by ``pallas (kernel)``: ``kernels.grouped_ffn`` alone on a slot buffer laid
   out beforehand, without the layer's slot index and its gather out of the slots.
+* ``mosaic``: ``experts_capacity`` with ``impl="mosaic"``: the Hopper kernels (Pallas Mosaic
+  GPU, ``jtbo.kernels.grouped_gemm_mosaic``) over the same filled slots, gathered into
+  tile-major rows first; the layer reads its result through the rows' slot index.
+  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT]`` for both kernels or
+  ``GATE_UP/DOWN`` (row tile x columns per CTA x contraction step, pipeline stages, row
+  tiles walked together), e.g. ``mosaic:128x128x64s4/128x256x64s4``. It is checked and
+  followed by a ``mosaic (kernel)`` row as ``pallas`` is.
 * ``dense``: the yardstick of the issue-15 target, not a routed layer: one dense SwiGLU
   (``[T * k, H] @ [H, 2F]``, ``silu * up``, ``@ [F, H]``, bf16 hidden, float32 accumulate)
   over as many rows as the routed pairs, with one expert's weights. Its useful TF/s is the
@@ -50,7 +57,10 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
 
 Timing: each impl is one jitted function of (tokens, ids, routing weights, expert weights);
 after ``--warmup`` calls, ``--reps`` batches of ``--iters`` calls are enqueued back to back and
-waited for (``block_until_ready``); the table gives the median per-call time. ``useful TF/s``
+waited for (``block_until_ready``); the table gives the median per-call time. The impls of
+one T are timed in turns, one batch of each per rep (``device_rates.time_fns_interleaved``):
+an H200's clock falls from about 1965 to 1600 MHz within seconds of matmuls, so impls timed
+one after the other would compare different clocks. ``useful TF/s``
 = 2 * 3 * T * k * H * F / time; ``time / capacity`` is the impl's time over ``capacity``'s at
 the same T (< 1: faster); ``vs dense`` = the dense row's time over the impl's (its useful TF/s
 as a fraction of dense; target >= 0.75 at 4096-16384 tokens). ``weight GB/s`` = the bytes of
@@ -82,6 +92,7 @@ import functools
 import math
 import re
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +104,9 @@ from jtbo.kernels import grouped_gemm
 from jtbo.models import config as config_lib
 from jtbo.models import experts
 
-IMPLS = ("capacity", "dense", "pallas", "ragged_dot", "tokamax")
+IMPLS = ("capacity", "dense", "pallas", "mosaic", "ragged_dot", "tokamax")
+KERNEL_IMPLS = ("pallas", "mosaic")
+"""The impls that are jtbo kernels: a kernel check first, an ``IMPL (kernel)`` row after."""
 GIB = 1 << 30
 TOKAMAX_WHEEL = "tokamax-0.0.17-py3-none-any.whl"
 # tokamax 0.0.17 data/autotuning/nvidia_h100_80gb_hbm3/pallas_mosaic_gpu_ragged_dot.json: the
@@ -247,14 +260,50 @@ def parse_gemm_config(spec: str) -> kernels.GemmConfig:
     )
 
 
-def pallas_config(variant: str) -> kernels.GroupedFfnConfig | None:
-    """The ``GroupedFfnConfig`` of ``pallas:VARIANT`` (None for the default)."""
+def _two_kernels(variant: str, parse, make):
+    """``make(gate_up=..., down=...)`` of ``GATE_UP[/DOWN]`` (one spec: both), None for ``""``."""
     if not variant:
         return None
     gate_up, _, down = variant.partition("/")
-    return kernels.GroupedFfnConfig(
-        gate_up=parse_gemm_config(gate_up), down=parse_gemm_config(down or gate_up)
-    )
+    return make(gate_up=parse(gate_up), down=parse(down or gate_up))
+
+
+def pallas_config(variant: str) -> kernels.GroupedFfnConfig | None:
+    """The ``GroupedFfnConfig`` of ``pallas:VARIANT`` (None for the default)."""
+    return _two_kernels(variant, parse_gemm_config, kernels.GroupedFfnConfig)
+
+
+_MOSAIC_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?")
+
+
+def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
+    """``MxNxK[sS][tT]`` -> ``MosaicGemmConfig``: M the row tile (two warpgroups of M / 2
+    rows), N the columns per CTA, K the contraction step, S the pipeline stages, T the row
+    tiles walked together (omitted parts keep the defaults).
+
+    Raises:
+      ValueError: a spec that does not match, or values ``MosaicGemmConfig`` rejects.
+    """
+    match = _MOSAIC_SPEC.fullmatch(spec)
+    if match is None or int(match.group(1)) % 2:
+        raise ValueError(
+            f"mosaic config {spec!r}: expected MxNxK[sS][tT] with M even, e.g. 128x256x64s4"
+        )
+    block_m, tile_n, tile_k, stages, width = match.groups()
+    fields = dict(tile_m=int(block_m) // 2, tile_n=int(tile_n), tile_k=int(tile_k))
+    fields.update({} if stages is None else {"max_concurrent_steps": int(stages)})
+    fields.update({} if width is None else {"grid_tile_width": int(width)})
+    return kernels.MosaicGemmConfig(**fields)
+
+
+def mosaic_config(variant: str) -> kernels.MosaicFfnConfig | None:
+    """The ``MosaicFfnConfig`` of ``mosaic:VARIANT`` (None for the default)."""
+    return _two_kernels(variant, parse_mosaic_config, kernels.MosaicFfnConfig)
+
+
+def kernel_config(name: str, variant: str):
+    """The launch shapes of ``NAME:VARIANT`` for a kernel impl (``KERNEL_IMPLS``)."""
+    return pallas_config(variant) if name == "pallas" else mosaic_config(variant)
 
 
 def dense_layer(x_rows, w_gate_up, w_down) -> jax.Array:
@@ -269,15 +318,15 @@ def layer_fn(impl: str, shapes: Shapes, capacity: int):
     """The jitted layer ``(x, ids, routing weights, expert weights) -> [T, H]`` of ``impl``."""
     if impl == "capacity":
         return jax.jit(functools.partial(experts.experts_capacity, capacity=capacity))
-    if impl.partition(":")[0] == "pallas":
+    name, _, variant = impl.partition(":")
+    if name in KERNEL_IMPLS:
         layer = functools.partial(
-            experts.experts_capacity, capacity=capacity, impl="pallas",
-            config=pallas_config(impl.partition(":")[2]),
+            experts.experts_capacity, capacity=capacity, impl=name,
+            config=kernel_config(name, variant),
         )  # fmt: skip
         return jax.jit(layer)
     if impl == "ragged_dot":
         return jax.jit(experts.experts_ragged_dot_reference)
-    name, _, variant = impl.partition(":")
     if name == "tokamax":
         dot = tokamax_dot(variant, shapes.hidden)
         sorted_layer = functools.partial(
@@ -285,7 +334,8 @@ def layer_fn(impl: str, shapes: Shapes, capacity: int):
         )
         return jax.jit(sorted_layer)
     raise ValueError(
-        f"unknown impl {impl!r}; expected one of {IMPLS}, pallas:SPEC or tokamax:VARIANT"
+        f"unknown impl {impl!r}; expected one of {IMPLS}, pallas:SPEC, mosaic:SPEC or "
+        "tokamax:VARIANT"
     )
 
 
@@ -381,7 +431,7 @@ def _log(line: str) -> None:
     print(f"{line}  [{time.perf_counter() - _START:.0f}s]", flush=True)
 
 
-def check_pallas_kernel(variant: str, x, ids_np, weights, capacity: int) -> float:
+def check_kernel(name: str, variant: str, x, ids_np, weights, capacity: int) -> float:
     """The kernel alone on the first two experts' slots: rel err vs ``grouped_ffn_reference``.
 
     Raises:
@@ -392,7 +442,7 @@ def check_pallas_kernel(variant: str, x, ids_np, weights, capacity: int) -> floa
     w2 = tuple(w[:2] for w in weights)
     counts_arr = jnp.asarray(counts, jnp.int32)
     fn = jax.jit(
-        functools.partial(kernels.grouped_ffn, impl="pallas", config=pallas_config(variant))
+        functools.partial(kernels.grouped_ffn, impl=name, config=kernel_config(name, variant))
     )
     out = np.asarray(fn(slots, counts_arr, *w2), np.float32)
     with jax.default_matmul_precision("highest"):
@@ -414,28 +464,38 @@ def slot_inputs(x, ids, num_experts: int, capacity: int) -> tuple[jax.Array, jax
     return slots, counts.astype(jnp.int32)
 
 
-def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Row:
-    """``IMPL (kernel)``: ``kernels.grouped_ffn`` alone on ready slots (no routing bookkeeping)."""
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A row whose impl ran and passed its checks, to be timed with the others of its T."""
+
+    row: Row  # every field but ``seconds``
+    fn: Callable  # the jitted function timed
+    args: tuple  # its arguments
+
+
+def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Pending:
+    """``IMPL (kernel)``: the grouped FFN alone on ready slots (no routing bookkeeping); the
+    ``"mosaic"`` impl's result stays in its tile-major rows (``grouped_ffn_rows``)."""
     x, ids_np, ids, _, weights, _, _ = inputs
     slots, counts = slot_inputs(x, ids, shapes.experts, capacity)
     pairs = num_tokens * shapes.top_k
+    name, _, variant = impl.partition(":")
     fn = jax.jit(
         functools.partial(
-            kernels.grouped_ffn, impl="pallas", config=pallas_config(impl.partition(":")[2]),
+            grouped_gemm.grouped_ffn_rows, impl=name, config=kernel_config(name, variant),
             max_rows=min(shapes.experts * capacity, pairs),
         )
     )  # fmt: skip
-    timing = dict(warmup=args.warmup, iters=args.iters, reps=args.reps)
-    return Row(
+    row = Row(
         tokens=num_tokens, impl=f"{impl} (kernel)", capacity=None, dropped=None,
-        seconds=device_rates.time_fn(fn, (slots, counts, *weights), **timing),
         useful_flops=shapes.useful_flops(num_tokens), computed_flops=shapes.slot_flops(pairs),
         weight_bytes=shapes.weight_bytes(len(np.unique(ids_np)), jnp.dtype(args.dtype).itemsize),
     )  # fmt: skip
+    return Pending(row, fn, (slots, counts, *weights))
 
 
-def _impl_row(impl, num_tokens, shapes, capacity, inputs, args) -> Row:
-    """Measures one impl (any failure becomes an error row)."""
+def _prepare(impl, num_tokens, shapes, capacity, inputs, args) -> Row | Pending:
+    """Runs and checks one impl; an error row for any failure, else its pending timing."""
     x, ids_np, ids, routing, weights, rows, ref = inputs
     is_cap = impl == "capacity"
     base = dict(
@@ -446,39 +506,60 @@ def _impl_row(impl, num_tokens, shapes, capacity, inputs, args) -> Row:
     )
     pairs = num_tokens * shapes.top_k
     itemsize = jnp.dtype(args.dtype).itemsize
-    timing = dict(warmup=args.warmup, iters=args.iters, reps=args.reps)
     try:
         if impl == "dense":
-            fn = jax.jit(dense_layer)
             dense_args = (jnp.tile(x, (shapes.top_k, 1)), weights[0][0], weights[1][0])
-            return Row(
-                **base, seconds=device_rates.time_fn(fn, dense_args, **timing),
-                useful_flops=shapes.useful_flops(num_tokens),
+            row = Row(
+                **base, useful_flops=shapes.useful_flops(num_tokens),
                 computed_flops=shapes.slot_flops(pairs),
                 weight_bytes=shapes.weight_bytes(1, itemsize),
             )  # fmt: skip
+            return Pending(row, jax.jit(dense_layer), dense_args)
         name, _, variant = impl.partition(":")
-        if name == "pallas":
-            kernel_err = check_pallas_kernel(variant, x, ids_np, weights, capacity)
+        if name in KERNEL_IMPLS:
+            kernel_err = check_kernel(name, variant, x, ids_np, weights, capacity)
             _log(f"{impl} T={num_tokens}: kernel alone vs grouped_ffn_reference {kernel_err:.2e}")
         fn = layer_fn(impl, shapes, capacity)
         err = rel_error(np.asarray(fn(x, ids, routing, weights))[rows], ref)
         computed_rows = shapes.experts * capacity if is_cap else pairs
         touched = shapes.experts if is_cap else len(np.unique(ids_np))
-        return Row(
+        row = Row(
             **base,
-            seconds=device_rates.time_fn(fn, (x, ids, routing, weights), **timing),
             useful_flops=shapes.useful_flops(num_tokens),
             computed_flops=shapes.slot_flops(computed_rows),
             rel_err=err,
             weight_bytes=shapes.weight_bytes(touched, itemsize),
         )
+        return Pending(row, fn, (x, ids, routing, weights))
     except Exception as e:  # noqa: BLE001  (reported as an error row, never skipped)
-        return Row(**base, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        return Row(**base, error=_error_text(e))
+
+
+def _error_text(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+
+
+def timed(prepared: list[Row | Pending], args) -> list[Row]:
+    """The rows of ``prepared``, the pending ones timed in turns
+    (``device_rates.time_fns_interleaved``); a failure while timing makes them error rows."""
+    pending = [p for p in prepared if isinstance(p, Pending)]
+    try:
+        seconds = device_rates.time_fns_interleaved(
+            [(p.fn, p.args) for p in pending], warmup=args.warmup, iters=args.iters,
+            reps=args.reps,
+        )  # fmt: skip
+    except Exception as e:  # noqa: BLE001  (reported as error rows, never skipped)
+        failed = {id(p): dataclasses.replace(p.row, error=_error_text(e)) for p in pending}
+        return [failed.get(id(p), p) for p in prepared]
+    done = {
+        id(p): dataclasses.replace(p.row, seconds=t) for p, t in zip(pending, seconds, strict=True)
+    }
+    return [done.get(id(p), p) for p in prepared]
 
 
 def measure(num_tokens: int, impls: list[str], shapes: Shapes, args) -> list[Row]:
-    """Rows of every impl at ``num_tokens`` tokens (same routing and inputs for all)."""
+    """Rows of every impl at ``num_tokens`` tokens (same routing and inputs for all), timed
+    in turns so that their ratios compare one GPU state."""
     ids_np, routing_np = route(num_tokens, shapes, args.skew, args.seed + num_tokens)
     x, weights = make_inputs(num_tokens, shapes, jnp.dtype(args.dtype), jax.random.key(args.seed))
     ids, routing = jnp.asarray(ids_np), jnp.asarray(routing_np)
@@ -486,15 +567,15 @@ def measure(num_tokens: int, impls: list[str], shapes: Shapes, args) -> list[Row
     ref = reference(x, ids, routing, weights, rows)
     capacity = capacity_for(num_tokens, shapes, args.capacity_factor)
     inputs = (x, ids_np, ids, routing, weights, rows, ref)
-    out_rows = []
+    prepared = []
     for impl in impls:
-        row = _impl_row(impl, num_tokens, shapes, capacity, inputs, args)
+        row = _prepare(impl, num_tokens, shapes, capacity, inputs, args)
+        prepared.append(row)
+        if impl.partition(":")[0] in KERNEL_IMPLS and isinstance(row, Pending):
+            prepared.append(kernel_row(impl, num_tokens, shapes, capacity, inputs, args))
+    out_rows = timed(prepared, args)
+    for row in out_rows:
         _log(format_row(row, None))
-        out_rows.append(row)
-        if impl.partition(":")[0] == "pallas" and row.error is None:
-            row = kernel_row(impl, num_tokens, shapes, capacity, inputs, args)
-            _log(format_row(row, None))
-            out_rows.append(row)
     return out_rows
 
 

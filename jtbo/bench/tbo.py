@@ -155,12 +155,12 @@ def _parser() -> argparse.ArgumentParser:
         "(ragged), or copy-engine peer copies on a side stream (peer_copy, one process)",
     )  # fmt: skip
     parser.add_argument(
-        "--moe-runner-backend", choices=("xla", "pallas"), default=None,
+        "--moe-runner-backend", choices=layer_ops.MOE_RUNNER_BACKENDS, default=None,
         help="routed experts' FFN: batched matmul over every slot, or the grouped GEMM kernel "
         "(default: the runner's, the fastest on this platform)",
     )  # fmt: skip
     parser.add_argument(
-        "--moe-runner-backend-tbo", choices=("xla", "pallas"), default=None,
+        "--moe-runner-backend-tbo", choices=layer_ops.MOE_RUNNER_BACKENDS, default=None,
         help="routed experts' FFN of the TBO steps (default: --moe-runner-backend)",
     )  # fmt: skip
     parser.add_argument(

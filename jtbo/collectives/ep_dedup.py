@@ -180,7 +180,8 @@ def combine_a(
     Args:
       dispatcher: the micro-batch's dispatcher.
       expert_outputs: ``[num_local_experts, C, H_out]`` (``C`` as ``state``'s slots count:
-        ``expert_capacity``, or a joint GEMM's, ``ep_dispatch._flat_expert_outputs``).
+        ``expert_capacity``, or a joint GEMM's, ``ep_dispatch.checked_expert_outputs``), or
+        ``SlotRows`` standing for it (the ``"mosaic"`` grouped FFN's).
       state: ``dispatch_b``'s state.
 
     Returns:
@@ -189,13 +190,13 @@ def combine_a(
     Raises:
       ValueError: ``expert_outputs`` does not have the slot layout.
     """
-    flat = ep_lib._flat_expert_outputs(dispatcher, expert_outputs)
+    outputs = ep_lib.checked_expert_outputs(dispatcher, expert_outputs)
     slot = state.recv_expert_slot.reshape(state.recv_weights.shape)
     # One [rows, H] gather per id column, summed as they come: a [rows, m, H] float32
     # intermediate would be m times the exchange's size if XLA did not fuse the reduction.
-    back = jnp.zeros((slot.shape[0],) + flat.shape[1:], jnp.float32)
+    back = jnp.zeros((slot.shape[0],) + tuple(outputs.shape[2:]), jnp.float32)
     for column in range(slot.shape[1]):
-        rows = slot_rows.gather_rows(flat, slot[:, column]).astype(jnp.float32)
+        rows = slot_rows.take_flat(outputs, slot[:, column]).astype(jnp.float32)
         back = back + state.recv_weights[:, column, None] * rows
     back = back.astype(expert_outputs.dtype)
     returned = ep_lib._send_back(dispatcher, back, state.recv_counts, state.send_counts)

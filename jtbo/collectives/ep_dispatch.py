@@ -176,7 +176,8 @@ def combine_a(
     Args:
       dispatcher: the micro-batch's dispatcher.
       expert_outputs: ``[num_local_experts, C, H_out]`` (``C`` as ``state``'s slots count:
-        ``expert_capacity``, or a joint GEMM's, ``_flat_expert_outputs``).
+        ``expert_capacity``, or a joint GEMM's, ``checked_expert_outputs``), or ``SlotRows``
+        standing for it (the ``"mosaic"`` grouped FFN's).
       state: ``dispatch_b``'s state.
 
     Returns:
@@ -185,8 +186,8 @@ def combine_a(
     Raises:
       ValueError: ``expert_outputs`` does not have the slot layout.
     """
-    back = slot_rows.gather_rows(
-        _flat_expert_outputs(dispatcher, expert_outputs), state.recv_expert_slot
+    back = slot_rows.take_flat(
+        checked_expert_outputs(dispatcher, expert_outputs), state.recv_expert_slot
     )
     returned = _send_back(dispatcher, back, state.recv_counts, state.send_counts)
     return CombineInFlight(
@@ -308,24 +309,24 @@ def _finish(dispatcher, in_flight: peer_copy.InFlight) -> jax.Array:
     return in_flight.received
 
 
-def _flat_expert_outputs(dispatcher, expert_outputs):
-    """``[num_local_experts * C, H_out]`` rows of the slot-layout outputs.
+def checked_expert_outputs(dispatcher, expert_outputs):
+    """``expert_outputs`` (``[num_local_experts, C, H_out]`` or ``SlotRows`` standing for
+    it), once its shape is the slot layout's.
 
     ``C`` is the dispatcher's ``expert_capacity``, or more where the outputs are a joint
     grouped GEMM's over two micro-batches' slots (``slot_rows.concat_slots``; the state's
     ``recv_expert_slot`` then counts in those slots, ``slot_rows.move_slots``).
+
+    Raises:
+      ValueError: another shape.
     """
     num_local, capacity = dispatcher.num_local_experts, dispatcher.expert_capacity
-    if (
-        expert_outputs.ndim != 3
-        or expert_outputs.shape[0] != num_local
-        or (expert_outputs.shape[1] < capacity)
-    ):
+    shape = tuple(expert_outputs.shape)
+    if len(shape) != 3 or shape[0] != num_local or shape[1] < capacity:
         raise ValueError(
-            f"expert_outputs shape {expert_outputs.shape} must be [{num_local}, C >= "
-            f"{capacity}, H_out]"
+            f"expert_outputs shape {shape} must be [{num_local}, C >= {capacity}, H_out]"
         )
-    return expert_outputs.reshape((-1,) + expert_outputs.shape[2:])
+    return expert_outputs
 
 
 def _all_to_all(dispatcher, x):

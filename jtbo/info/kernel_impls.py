@@ -1,4 +1,5 @@
-"""Which kernel impls (``xla``, ``pallas``, ``triton``) run on this backend, and why not.
+"""Which kernel impls (``xla``, ``pallas``, ``triton``, ``mosaic``) run on this backend, and why
+not.
 
 The checks are ``jtbo.kernels.impls.unavailable_reason``'s; this module only words them.
 """
@@ -13,13 +14,18 @@ def impl_status(impl: str, platform: str) -> str:
         return f"unavailable: {reason}"
     if impl == "pallas" and platform == "cpu":
         return "runs (Pallas interpreter: for tests, not speed)"
+    if impl == impls.MOSAIC and platform == "cpu":
+        return "runs (Mosaic GPU interpreter: for tests, not speed)"
     return "runs"
 
 
 def impl_lines() -> list[str]:
-    """One line per impl in ``impls.IMPLS`` for the default backend."""
+    """One line per impl in ``impls.IMPLS``, then ``mosaic`` (its ops named), for the default
+    backend."""
     platform = impls.backend()
-    return [f"{impl}: {impl_status(impl, platform)}" for impl in impls.IMPLS]
+    lines = [f"{impl}: {impl_status(impl, platform)}" for impl in impls.IMPLS]
+    ops = ", ".join(impls.MOSAIC_OPS)
+    return lines + [f"{impls.MOSAIC} ({ops}): {impl_status(impls.MOSAIC, platform)}"]
 
 
 def available_phrase() -> str:

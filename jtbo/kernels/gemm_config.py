@@ -10,6 +10,10 @@ Block sizes are upper bounds: ``fit`` shrinks a block to the largest power of tw
 the dimension it tiles (contraction and column dimensions must be tiled exactly) and
 ``rows_block`` shrinks ``block_m`` to the row count rounded up to a power of two (at least
 16, Triton's smallest matmul tile).
+
+``MosaicFfnConfig`` holds the launch shapes of the ``"mosaic"`` impl's kernels
+(``jtbo.kernels.grouped_gemm_mosaic``): a CTA of two compute warpgroups takes a
+``2 * tile_m``-row tile and ``tile_n`` columns, a 2-CTA cluster two neighbouring column tiles.
 """
 
 import dataclasses
@@ -18,6 +22,7 @@ from jtbo.kernels import launch_checks
 from jtbo.split import arith
 
 MIN_DOT_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16
+MOSAIC_EPILOGUE_TILE = 64  # rows and columns of one output store of the Mosaic GPU kernels
 
 
 def fit(block: int, dim: int) -> int:
@@ -87,3 +92,69 @@ class GroupedFfnConfig:
 
 # Default launch shapes (measured: see GroupedFfnConfig).
 GROUPED_FFN = GroupedFfnConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGemmConfig:
+    """Launch shape of one Mosaic GPU grouped GEMM.
+
+    Attributes:
+      tile_m: rows per compute warpgroup; a row tile (``block_m``) is ``2 * tile_m`` rows.
+      tile_n: output columns per CTA (the gate / up kernel: per accumulator).
+      tile_k: contraction step of one pipeline stage.
+      max_concurrent_steps: pipeline stages in flight (shared-memory buffers per operand).
+      grid_tile_width: row tiles walked together over the column tiles (L2 reuse of the
+        weight columns, ``plgpu.planar_snake``).
+    """
+
+    tile_m: int = 64
+    tile_n: int = 256
+    tile_k: int = 64
+    max_concurrent_steps: int = 4
+    grid_tile_width: int = 4
+
+    def __post_init__(self):
+        launch_checks.require_powers_of_two(self, ("tile_m", "tile_n", "tile_k"))
+        launch_checks.require_at_least(self, ("tile_m", "tile_n", "tile_k"), MOSAIC_EPILOGUE_TILE)
+        launch_checks.require_at_least(self, ("max_concurrent_steps", "grid_tile_width"), 1)
+
+    @property
+    def block_m(self) -> int:
+        """Rows of one row tile (both compute warpgroups)."""
+        return 2 * self.tile_m
+
+    def describe(self) -> str:
+        """Short label for tables: ``MxNxK sS tT`` (M the row tile)."""
+        return (
+            f"{self.block_m}x{self.tile_n}x{self.tile_k} s{self.max_concurrent_steps} "
+            f"t{self.grid_tile_width}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicFfnConfig:
+    """Launch shapes of the two Mosaic GPU kernels of the grouped FFN.
+
+    Attributes:
+      gate_up: the gate / up GEMM (two accumulators of ``tile_m x tile_n`` per warpgroup).
+      down: the down GEMM.
+    """
+
+    gate_up: MosaicGemmConfig = MosaicGemmConfig(tile_n=128)
+    down: MosaicGemmConfig = MosaicGemmConfig(tile_n=256)
+
+    def __post_init__(self):
+        if self.gate_up.block_m != self.down.block_m:
+            raise ValueError(
+                f"both kernels tile the same rows: block_m {self.gate_up.block_m} != "
+                f"{self.down.block_m}"
+            )
+
+    def describe(self) -> str:
+        """Short label for tables: ``gate_up <label> / down <label>``."""
+        return f"mosaic gate_up {self.gate_up.describe()} / down {self.down.describe()}"
+
+
+# Default Mosaic GPU launch shapes: the 2-CTA-cluster, two-warpgroup shape of the fastest
+# dense Mosaic GPU matmul measured on one H200 (BENCHMARKS.md), with 128-row tiles.
+MOSAIC_FFN = MosaicFfnConfig()

@@ -28,6 +28,12 @@ A dead tile (expert -1) returns after reading its table entry: no loads, no matm
 past the end row inside a live tile are masked on load (read as zero) and on store. The
 intermediate is rounded to the input dtype as in the ``"xla"`` impl.
 
+``impl="mosaic"`` runs the same FFN as Hopper kernels (Pallas Mosaic GPU, TMA and ``wgmma``;
+``grouped_gemm_mosaic``) over the filled slots gathered into tile-major rows, and returns its
+result as ``SlotRows`` over those rows (``grouped_ffn_rows``; ``grouped_ffn`` materializes the
+slot layout). ``impl="auto"`` (or None) picks by the call's static rows (``auto_impl``): the
+Mosaic kernels from ``MOSAIC_MIN_ROWS`` on a Hopper GPU, the Pallas ones below.
+
 ``impl="xla"`` is the capacity-slot batched einsum over all ``C`` slots (the CPU path and
 the measured alternative), with the hidden rows past ``counts`` set to zero so that both impls
 mean the same thing. ``grouped_ffn_reference`` is the exact-count definition in float32:
@@ -42,10 +48,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jtbo.kernels import gemm_config, impls, slot_rows
-from jtbo.split import arith
+from jtbo.kernels import gemm_config, grouped_gemm_mosaic, impls, slot_rows, tile_table
 
 _F32 = jnp.float32
+AUTO = "auto"
+"""``impl="auto"`` (or None): the impl by the call's rows (``auto_impl``)."""
+MOSAIC_MIN_ROWS = 16384
+"""Rows (``max_rows``, else ``E * C``) from which ``"auto"`` takes ``"mosaic"`` on a Hopper
+GPU: on one H200 the Mosaic GPU layer beat the Pallas one from 2048 tokens x 8 experts (16384
+rows) up, and lost at 2048 rows (decode: both read the weights once; BENCHMARKS.md)."""
 
 
 def _tile_at(pid, *, num_tiles: int, num_n: int, group_m: int):
@@ -148,33 +159,6 @@ def _down_kernel(
         plgpu.store(out_ref.at[pl.ds(start, block_m), pl.ds(n0, block_n)], out, mask=out_mask)
 
 
-def row_tiles(
-    group_start: jax.Array, group_size: jax.Array, block_m: int, num_tiles: int
-) -> jax.Array:
-    """The tile table: ``block_m``-row tiles of every group, live tiles first.
-
-    Args:
-      group_start: ``[E]`` int32 first row of each group in the flat row array.
-      group_size: ``[E]`` int32 rows of each group (>= 0).
-      block_m: rows per tile.
-      num_tiles: table length (static); tiles past it are not listed.
-
-    Returns:
-      ``[3, num_tiles]`` int32: expert (-1 past the live tiles), first row, end row (the
-      group's end, so the last tile of a group masks its rows past it).
-    """
-    blocks = arith.ceil_div(group_size, block_m)
-    ends = jnp.cumsum(blocks)
-    index = jnp.arange(num_tiles, dtype=jnp.int32)
-    group = jnp.searchsorted(ends, index, side="right", method="compare_all")
-    group = jnp.minimum(group, group_size.shape[0] - 1).astype(jnp.int32)
-    live = index < ends[-1]
-    start = group_start[group] + (index - (ends[group] - blocks[group])) * block_m
-    end = group_start[group] + group_size[group]
-    table = [jnp.where(live, group, -1), jnp.where(live, start, 0), jnp.where(live, end, 0)]
-    return jnp.stack(table).astype(jnp.int32)
-
-
 def _launch(rows: int, k_dim: int, n_dim: int, cfg: gemm_config.GemmConfig, interpret: bool):
     """(block_m, block_n, block_k) of one kernel; raises when Triton cannot tile the shape."""
     blocks = (cfg.rows_block(rows), gemm_config.fit(cfg.block_n, n_dim))
@@ -187,15 +171,6 @@ def _launch(rows: int, k_dim: int, n_dim: int, cfg: gemm_config.GemmConfig, inte
     return blocks
 
 
-def _max_tiles(num_groups: int, group_rows: int, block_m: int, max_rows: int | None) -> int:
-    """Tiles the table needs: every possible tile, or fewer under a bound on the total rows."""
-    every = num_groups * pl.cdiv(group_rows, block_m)
-    if max_rows is None:
-        return every
-    # sum_e ceil(n_e / b) <= (sum_e n_e + E * (b - 1)) / b
-    return max(1, min(every, (max_rows + num_groups * (block_m - 1)) // block_m))
-
-
 def _gate_up_call(
     x_rows, source, w_gate_up, group_start, counts, *, rows, max_rows, cfg, interpret
 ):  # fmt: skip
@@ -204,13 +179,13 @@ def _gate_up_call(
     [E * C]`` (the row each slot holds, -1 empty)."""
     num_experts, hidden, _, ffn = w_gate_up.shape
     block_m, block_n, block_k = _launch(rows, hidden, ffn, cfg, interpret)
-    num_tiles = _max_tiles(num_experts, rows, block_m, max_rows)
+    num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = ffn // block_n
     kernel = functools.partial(
         _gate_up_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
         block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn, gathered=source is not None,
     )  # fmt: skip
-    operands = [row_tiles(group_start, counts, block_m, num_tiles)]
+    operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles)]
     operands += [] if source is None else [source]
     operands += [x_rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn)]
     return pl.pallas_call(
@@ -229,14 +204,14 @@ def _down_call(
     (``zero_padding``, a zero buffer aliased to the output) or never written."""
     num_experts, ffn, hidden = w_down.shape
     block_m, block_n, block_k = _launch(rows, ffn, hidden, cfg, interpret)
-    num_tiles = _max_tiles(num_experts, rows, block_m, max_rows)
+    num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = hidden // block_n
     kernel = functools.partial(
         _down_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
         block_m=block_m, block_n=block_n, block_k=block_k,
     )  # fmt: skip
     out_shape = jax.ShapeDtypeStruct((h_rows.shape[0], hidden), h_rows.dtype)
-    operands = [row_tiles(group_start, counts, block_m, num_tiles), h_rows, w_down]
+    operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles), h_rows, w_down]
     operands += [jnp.zeros(out_shape.shape, out_shape.dtype)] if zero_padding else []
     return pl.pallas_call(
         kernel,
@@ -315,7 +290,7 @@ def grouped_ffn(
     w_down: jax.Array,
     *,
     impl: str | None = None,
-    config: gemm_config.GroupedFfnConfig | None = None,
+    config: gemm_config.GroupedFfnConfig | gemm_config.MosaicFfnConfig | None = None,
     max_rows: int | None = None,
     zero_padding: bool = True,
 ) -> jax.Array:
@@ -329,9 +304,12 @@ def grouped_ffn(
       counts: ``[E]`` integer rows per expert (may be traced); clipped to ``[0, C]``.
       w_gate_up: ``[E, H, 2, F]`` (gate at index 0, up at 1).
       w_down: ``[E, F, H]``.
-      impl: ``"xla"`` (batched einsum over all slots), ``"pallas"`` (the kernel) or None
-        (the fastest measured on this backend, ``impls.FASTEST``).
-      config: the kernel's launch shapes; None for ``gemm_config.GROUPED_FFN``.
+      impl: ``"xla"`` (batched einsum over all slots), ``"pallas"`` (the Triton-lowered
+        kernels), ``"mosaic"`` (the Mosaic GPU kernels, Hopper; ``grouped_gemm_mosaic``), or
+        ``"auto"`` / None: the fastest measured for the call's rows (``auto_impl``).
+      config: the kernels' launch shapes: a ``GroupedFfnConfig`` for ``"pallas"`` (None:
+        ``gemm_config.GROUPED_FFN``), a ``MosaicFfnConfig`` for ``"mosaic"`` (None:
+        ``gemm_config.MOSAIC_FFN``).
       max_rows: static bound on ``sum(min(counts, C))`` that the caller guarantees (e.g. the
         rows an exchange can deliver); the kernel's grid then covers only that many rows'
         tiles. A larger sum leaves the rows of tiles past the bound as padding. None: no
@@ -339,7 +317,7 @@ def grouped_ffn(
       zero_padding: whether slots at or past ``counts[e]`` come out zero. False is for a
         caller that never reads them (the EP combine reads only filled slots): the Pallas
         kernel then leaves them unwritten (undefined values) and skips zeroing an
-        ``[E * C, H]`` buffer per call. The XLA impl returns zeros either way.
+        ``[E * C, H]`` buffer per call. The XLA and Mosaic impls return zeros either way.
 
     Returns:
       ``[E, C, H]`` in ``x_slots.dtype``, zero in slots at or past ``counts[e]`` (undefined
@@ -350,20 +328,93 @@ def grouped_ffn(
       ValueError: shapes or dtypes that do not fit together, an unknown impl, a bad max_rows.
       KernelUnavailableError: the impl cannot run here or cannot tile these shapes.
     """
+    out = grouped_ffn_rows(
+        x_slots, counts, w_gate_up, w_down, impl=impl, config=config, max_rows=max_rows,
+        zero_padding=zero_padding,
+    )  # fmt: skip
+    return out if not isinstance(out, slot_rows.SlotRows) else out.materialize()
+
+
+def grouped_ffn_rows(
+    x_slots: jax.Array | slot_rows.SlotRows,
+    counts: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    impl: str | None = None,
+    config: gemm_config.GroupedFfnConfig | gemm_config.MosaicFfnConfig | None = None,
+    max_rows: int | None = None,
+    zero_padding: bool = True,
+) -> jax.Array | slot_rows.SlotRows:
+    """``grouped_ffn`` without materializing the slot layout where an impl has its own.
+
+    The ``"mosaic"`` impl computes in tile-major rows (``grouped_gemm_mosaic``) and returns
+    ``SlotRows`` over them: the ``[E, C, H]`` result as rows and a row per slot (-1 for the
+    slots past ``counts[e]``, which stand for zeros), which a caller that reads a few slots
+    per token gathers from directly. The other impls return the ``[E, C, H]`` array.
+
+    Args, Raises: as ``grouped_ffn``; ``config`` a ``MosaicFfnConfig`` for ``"mosaic"``.
+
+    Returns:
+      ``[E, C, H]`` or ``SlotRows`` standing for it (``SlotRows.materialize`` gives the array,
+      zero past the counts whatever ``zero_padding``).
+    """
     _check_inputs(x_slots, counts, w_gate_up, w_down)
     if max_rows is not None and max_rows < 0:
         raise ValueError(f"max_rows must be >= 0 or None, got {max_rows}")
+    num_experts, capacity, hidden = x_slots.shape
+    rows = num_experts * capacity if max_rows is None else max_rows
+    if impl in (None, AUTO):
+        if config is not None:
+            raise ValueError("launch shapes are an impl's: name the impl with config=")
+        impl = auto_impl(rows, hidden, w_gate_up.shape[3], x_slots.dtype)
     impl = impls.resolve(impl, op="grouped_ffn")
-    counts = jnp.clip(counts.astype(jnp.int32), 0, x_slots.shape[1])
+    counts = jnp.clip(counts.astype(jnp.int32), 0, capacity)
     if impl == "triton":
         raise impls.KernelUnavailableError("grouped_ffn has no impl='triton'; use 'pallas'")
+    _check_config(impl, config)
     if impl == "xla" or math.prod(x_slots.shape) == 0:
         return grouped_ffn_xla(_materialized(x_slots), counts, w_gate_up, w_down)
+    interpret = impls.backend() == "cpu"
+    if impl == impls.MOSAIC:
+        return grouped_gemm_mosaic.grouped_ffn_mosaic(
+            x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
+            cfg=config or gemm_config.MOSAIC_FFN, interpret=interpret,
+        )  # fmt: skip
     return grouped_ffn_pallas(
         x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
-        cfg=config or gemm_config.GROUPED_FFN, interpret=impls.backend() == "cpu",
-        zero_padding=zero_padding,
+        cfg=config or gemm_config.GROUPED_FFN, interpret=interpret, zero_padding=zero_padding,
     )  # fmt: skip
+
+
+def auto_impl(rows: int, hidden: int, ffn: int, dtype=jnp.bfloat16) -> str:
+    """The impl ``"auto"`` takes for ``rows`` rows of ``dtype`` through an FFN ``hidden`` wide
+    and ``ffn`` deep.
+
+    ``"mosaic"`` from ``MOSAIC_MIN_ROWS`` rows where it runs and tiles the shapes and dtype,
+    else the backend's fastest (``impls.FASTEST``) if it tiles them, else ``"xla"``.
+    """
+    platform = impls.backend()
+    if (
+        platform == "gpu"
+        and rows >= MOSAIC_MIN_ROWS
+        and grouped_gemm_mosaic.runs_dtype(dtype)
+        and impls.unavailable_reason(impls.MOSAIC, platform) is None
+        and grouped_gemm_mosaic.tiles(hidden, ffn, gemm_config.MOSAIC_FFN)
+    ):
+        return impls.MOSAIC
+    impl = impls.resolve(None, op="grouped_ffn")
+    tiled = all(dim % gemm_config.MIN_DOT_BLOCK == 0 for dim in (hidden, ffn))
+    return impl if impl != "pallas" or tiled else "xla"
+
+
+def _check_config(impl: str, config) -> None:
+    """Raises ValueError when ``config`` is not the launch-shape type of ``impl``."""
+    wanted = {impls.MOSAIC: gemm_config.MosaicFfnConfig, "pallas": gemm_config.GroupedFfnConfig}
+    if config is not None and impl in wanted and not isinstance(config, wanted[impl]):
+        raise ValueError(
+            f"impl={impl!r} takes a {wanted[impl].__name__}, got {type(config).__name__}"
+        )
 
 
 def grouped_ffn_reference(

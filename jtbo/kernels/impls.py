@@ -6,7 +6,9 @@ through the Triton lowering on GPUs and through the Pallas interpreter on the CP
 jax-triton is imported on first use, since it does not import on a CPU-only
 jaxlib. An impl asked for by name either serves the call or raises
 ``KernelUnavailableError``; ``impl=None`` takes the first available impl in the
-op's and backend's order of measured speed (``FASTEST``).
+op's and backend's order of measured speed (``FASTEST``). ``"mosaic"`` (Pallas Mosaic GPU:
+TMA loads and ``wgmma``) serves the ops of ``MOSAIC_OPS`` only, on Hopper GPUs (compute
+capability 9.x), and through Mosaic GPU's interpreter on the CPU.
 """
 
 import functools
@@ -15,6 +17,10 @@ import importlib
 import jax
 
 IMPLS = ("xla", "pallas", "triton")
+"""The impls every op has."""
+MOSAIC = "mosaic"
+MOSAIC_OPS = ("grouped_ffn",)
+"""The ops that also have ``MOSAIC``."""
 
 # Fastest first, per op and backend (measured: BENCHMARKS.md, "Kernels"). dp_memcpy's kernel
 # beats XLA's row scatter; XLA fuses slice_pad and merge_rows into neighbouring work, which
@@ -27,8 +33,13 @@ FASTEST = {
     "slice_pad": {"gpu": _GPU_XLA_FIRST, "cpu": ("xla",)},
     "merge_rows": {"gpu": _GPU_XLA_FIRST, "cpu": ("xla",)},
     # The grouped GEMM skips empty capacity slots: faster from prefill sizes on, even at
-    # decode sizes (BENCHMARKS.md, "Grouped GEMM for the routed experts").
+    # decode sizes (BENCHMARKS.md, "Grouped GEMM for the routed experts"). grouped_ffn's
+    # impl=None also takes MOSAIC from grouped_gemm.MOSAIC_MIN_ROWS rows on Hopper GPUs
+    # (grouped_gemm.auto_impl; BENCHMARKS.md, "the Mosaic GPU grouped GEMM").
     "grouped_ffn": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
+    # jtbo.kernels.tile_gather: the kernel skips dead tiles, XLA's gather writes them (the
+    # Mosaic grouped GEMM's input; BENCHMARKS.md, "the Mosaic GPU grouped GEMM").
+    "gather_tiles": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
     # jtbo.attention.paged: "xla" is the native attention, which the paged kernel beats in
     # decode and extend (BENCHMARKS.md, "Attention: the paged kernel"); its Triton twin is
     # slower at decode (BENCHMARKS.md, "Attention: the jax-triton kernels").
@@ -56,10 +67,17 @@ def _import_jax_triton():
     return importlib.import_module("jax_triton")
 
 
+def op_impls(op: str) -> tuple[str, ...]:
+    """The impl names ``op`` takes."""
+    return IMPLS + ((MOSAIC,) if op in MOSAIC_OPS else ())
+
+
 def unavailable_reason(impl: str, platform: str) -> str | None:
     """Why ``impl`` cannot run on ``platform``, or None when it can."""
     if impl == "xla":
         return None
+    if impl == MOSAIC:
+        return _mosaic_unavailable_reason(platform)
     if impl == "pallas":
         return None if platform in ("cpu", "gpu") else f"no Pallas Triton lowering on {platform}"
     if platform != "gpu":
@@ -71,11 +89,24 @@ def unavailable_reason(impl: str, platform: str) -> str | None:
     return None
 
 
+def _mosaic_unavailable_reason(platform: str) -> str | None:
+    if platform == "cpu":
+        return None  # Mosaic GPU's interpreter
+    if platform != "gpu":
+        return f"Mosaic GPU runs on NVIDIA GPUs only; the backend is {platform}"
+    capability = getattr(jax.devices()[0], "compute_capability", "")
+    if not str(capability).startswith("9."):
+        return (
+            f"the Mosaic GPU kernels use Hopper's wgmma (compute capability 9.x), not {capability}"
+        )
+    return None
+
+
 def resolve(impl: str | None, *, op: str, payload_bytes: int = 0, xla_below_bytes: int = 0) -> str:
     """Returns the impl that serves a call.
 
     Args:
-      impl: one of ``IMPLS`` or None for the fastest available for ``op`` on this backend.
+      impl: one of ``op_impls(op)`` or None for the fastest available for ``op`` here.
       op: the op's name, a key of ``FASTEST``.
       payload_bytes: the largest number of bytes the call can copy (static).
       xla_below_bytes: with ``impl=None``, payloads up to this size take ``"xla"`` (0: no
@@ -94,8 +125,8 @@ def resolve(impl: str | None, *, op: str, payload_bytes: int = 0, xla_below_byte
     if impl is None:
         order = FASTEST[op].get(platform, ("xla",))
         return next(name for name in order if unavailable_reason(name, platform) is None)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS} or None, got {impl!r}")
+    if impl not in op_impls(op):
+        raise ValueError(f"{op}: impl must be one of {op_impls(op)} or None, got {impl!r}")
     reason = unavailable_reason(impl, platform)
     if reason is not None:
         raise KernelUnavailableError(f"impl={impl!r} is unavailable: {reason}")

@@ -72,6 +72,44 @@ def gather_rows(source: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.where(present, rows, jnp.zeros((), source.dtype))
 
 
+def take_flat(slots: "jax.Array | SlotRows", flat_slot: jax.Array) -> jax.Array:
+    """The rows of flat slots ``e * C + j``, zero for -1.
+
+    Args:
+      slots: ``[E, C, H]`` slot buffer, or ``SlotRows`` standing for one (a slot whose row
+        index is -1 reads as zero).
+      flat_slot: ``[...]`` int32 flat slot per output row, in ``[0, E * C)`` or -1.
+
+    Returns:
+      ``flat_slot.shape + (H,)`` in the slots' dtype.
+    """
+    if not isinstance(slots, SlotRows):
+        return gather_rows(slots.reshape((-1,) + slots.shape[2:]), flat_slot)
+    index = slots.slot_row.reshape(-1)
+    row = jnp.where(flat_slot >= 0, index[jnp.maximum(flat_slot, 0)], -1)
+    # The barrier keeps the index out of the row gather's fusion: XLA otherwise recomputes
+    # the row index (and what it derives from) for every element of every row (measured on
+    # an H200: 7.1 ms instead of 0.14 for 4096 tokens x 8 experts x 7168 values).
+    return gather_rows(slots.rows, jax.lax.optimization_barrier(row))
+
+
+def take_slots(slots: "jax.Array | SlotRows", expert: jax.Array, position: jax.Array):
+    """Slot ``(expert, position)``'s row for each pair, zero for a slot out of range.
+
+    Args:
+      slots: ``[E, C, H]`` slot buffer or ``SlotRows`` (``take_flat``).
+      expert: ``[...]`` int expert of each pair (out of range: a zero row).
+      position: ``[...]`` int slot within the expert (out of range: a zero row).
+
+    Returns:
+      ``expert.shape + (H,)`` in the slots' dtype.
+    """
+    num_experts, capacity = slots.shape[:2]
+    inside = (expert >= 0) & (expert < num_experts) & (position >= 0) & (position < capacity)
+    flat = jnp.where(inside, expert * capacity + position, -1).astype(jnp.int32)
+    return take_flat(slots, flat)
+
+
 def concat_slots(first: SlotRows, first_counts: jax.Array, second: SlotRows) -> SlotRows:
     """Both slot sets as one, each expert's rows of ``first`` followed by those of ``second``.
 

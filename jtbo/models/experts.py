@@ -13,7 +13,9 @@ experts").
 The slot FFN takes each expert's row count and an ``impl`` (``jtbo.kernels.grouped_gemm``):
 ``"xla"`` runs the batched matmul over every slot; ``"pallas"`` runs a grouped GEMM kernel over
 the filled slots only (padding slots cost neither loads nor matmuls; they are never read
-back, so the kernel leaves them unwritten).
+back, so the kernel leaves them unwritten); ``"mosaic"`` runs the Hopper twin of that kernel,
+whose outputs stay in its own tile-major rows and are read back through their slot index
+(``slot_rows.take_slots``); ``"auto"`` picks between the two by the call's rows.
 
 Reference: ``experts_ragged_dot_reference`` sorts pairs by expert and runs ``jax.lax.ragged_dot``
 (exact, no capacity).
@@ -58,9 +60,9 @@ def experts_ffn_slots(
     *,
     impl: str = "xla",
     max_rows: int | None = None,
-    config: gemm_config.GroupedFfnConfig | None = None,
+    config: gemm_config.GroupedFfnConfig | gemm_config.MosaicFfnConfig | None = None,
     zero_padding: bool = True,
-) -> jax.Array:
+) -> jax.Array | slot_rows.SlotRows:
     """SwiGLU of every expert over its first ``counts[e]`` slots (``kernels.grouped_gemm``).
 
     Args:
@@ -68,22 +70,25 @@ def experts_ffn_slots(
         (an EP dispatch's; the Pallas kernel loads through the index).
       counts: ``[E]`` int32 rows per expert (its first slots; clipped to ``[0, C]``).
       weights: ``(w_gate_up [E, H, 2, F] (gate at index 0, up at 1), w_down [E, F, H])``.
-      impl: ``"xla"`` (batched einsum over all ``C`` slots) or ``"pallas"`` (the exact-count
-        grouped GEMM kernel), as ``MoEOptions.moe_runner_backend`` names it.
+      impl: ``"xla"`` (batched einsum over all ``C`` slots), ``"pallas"`` (the exact-count
+        grouped GEMM kernels), ``"mosaic"`` (their Hopper twins) or ``"auto"`` (by the rows),
+        as ``MoEOptions.moe_runner_backend`` names it.
       max_rows: static bound on the total rows (see ``kernels.grouped_gemm``); None: ``E * C``.
-      config: the kernel's launch shapes; None for the default.
+      config: the kernels' launch shapes; None for the default.
       zero_padding: False when the caller never reads the slots past ``counts``: the Pallas
         kernel then leaves them undefined instead of zeroing them.
 
     Returns:
       ``[E, C, H]`` in ``x_slots.dtype``, zero in slots past ``counts`` (undefined with
-      ``zero_padding=False`` on the Pallas impl; partial sums when F is a shard).
+      ``zero_padding=False`` on the Pallas impl; partial sums when F is a shard); with
+      ``"mosaic"``, ``SlotRows`` standing for it (``grouped_gemm.grouped_ffn_rows``), which
+      ``slot_rows.take_flat`` / ``take_slots`` read.
 
     Raises:
       ValueError: shapes that do not fit, an unknown impl.
       KernelUnavailableError: the impl cannot run here.
     """
-    return grouped_gemm.grouped_ffn(
+    return grouped_gemm.grouped_ffn_rows(
         x_slots, counts, *weights, impl=impl, config=config, max_rows=max_rows,
         zero_padding=zero_padding,
     )  # fmt: skip
@@ -97,7 +102,7 @@ def experts_capacity(
     capacity: int | None = None,
     *,
     impl: str = "xla",
-    config: gemm_config.GroupedFfnConfig | None = None,
+    config: gemm_config.GroupedFfnConfig | gemm_config.MosaicFfnConfig | None = None,
 ) -> jax.Array:
     """Routed-expert output per token through the capacity-slot layout.
 
@@ -107,8 +112,10 @@ def experts_capacity(
       topk_weights: ``[T, k]`` routing weights.
       weights: ``(w_gate_up [E, H, 2, F], w_down [E, F, H])``.
       capacity: slots per expert; None means ``T`` (never drops).
-      impl: the slot FFN's impl (``experts_ffn_slots``): "xla" or "pallas".
-      config: the kernel's launch shapes (``impl="pallas"``); None for the default.
+      impl: the slot FFN's impl (``grouped_gemm.grouped_ffn_rows``): "xla", "pallas",
+        "mosaic" or "auto".
+      config: the kernels' launch shapes (a ``GroupedFfnConfig`` for "pallas", a
+        ``MosaicFfnConfig`` for "mosaic"); None for the default.
 
     Returns:
       ``[T, H]`` in ``x.dtype``; pairs beyond ``capacity`` are dropped.
@@ -123,10 +130,10 @@ def experts_capacity(
     max_rows = min(num_experts * capacity, topk_ids.size)  # a pair fills at most one slot
     # The gather below reads only filled slots: the kernel need not zero the rest.
     out_slots = experts_ffn_slots(
-        slots, counts.astype(jnp.int32), weights, impl=impl, max_rows=max_rows, config=config,
-        zero_padding=False,
+        slots, counts.astype(jnp.int32), weights, impl=impl, max_rows=max_rows,
+        config=config, zero_padding=False,
     )  # fmt: skip
-    gathered = out_slots.at[expert, position].get(mode="fill", fill_value=0)  # [T, k, H]
+    gathered = slot_rows.take_slots(out_slots, expert, position)  # [T, k, H]
     scale = jnp.where(valid, topk_weights, 0.0).astype(jnp.float32)
     return jnp.einsum("tkh,tk->th", gathered.astype(jnp.float32), scale).astype(x.dtype)
 

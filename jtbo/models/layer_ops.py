@@ -39,7 +39,7 @@ from jtbo.models import model as model_lib
 from jtbo.models import moe_exchange, router
 
 MOE_BACKENDS = ("ep", "none")
-MOE_RUNNER_BACKENDS = ("xla", "pallas")
+MOE_RUNNER_BACKENDS = ("auto", "xla", "pallas", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +50,12 @@ class MoEOptions:
       moe_a2a_backend: "ep" (expert parallel, all-to-all) or "none" (DP gather + experts
         sharded on their hidden width + reduce-scatter).
       moe_runner_backend: impl of the routed experts' FFN (SGLang's ``--moe-runner-backend``):
-        "xla" (batched matmul over every capacity slot) or "pallas" (grouped GEMM over the
-        filled slots only; ``jtbo.kernels.grouped_gemm``); None: the fastest here that tiles
-        the model, resolved by the runner (``jtbo.runner.kernel_backends``; a
-        ``ParallelConfig`` needs it resolved).
+        "xla" (batched matmul over every capacity slot), "pallas" (grouped GEMM over the
+        filled slots only; ``jtbo.kernels.grouped_gemm``), "mosaic" (the same on Hopper's
+        TMA and wgmma, ``jtbo.kernels.grouped_gemm_mosaic``) or "auto" (per compiled step,
+        the fastest for its rows: ``grouped_gemm.auto_impl``); None: resolved by the runner
+        to "auto" where a kernel tiles the model, else "xla"
+        (``jtbo.runner.kernel_backends``; a ``ParallelConfig`` needs it resolved).
       moe_runner_backend_tbo: impl of the routed experts' FFN in TBO steps; None:
         ``moe_runner_backend``. (On a one-device mesh a TBO step runs both micro-batches'
         experts as one call either way, ``jtbo.models.step._run_tbo``.)

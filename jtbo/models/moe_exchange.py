@@ -8,7 +8,9 @@ Two backends, as SGLang's DP-attention MoE has:
   ``combine_a`` issue the all-to-alls and leave their results ``InFlight`` across the yield
   (so round barriers leave them out); ``dispatch_b`` / ``combine_b`` consume them. The local
   experts run over their capacity slots (``experts.experts_ffn_slots``: a batched matmul over
-  every slot, or with ``moe_runner_backend="pallas"`` a grouped GEMM over the filled ones).
+  every slot, or with ``moe_runner_backend="pallas"`` or ``"mosaic"`` a grouped GEMM over the
+  filled ones; ``"mosaic"``'s outputs stay in its tile-major rows, which the combine reads
+  through their slot index).
   ``combine_b`` all-gathers the blocks back over ``attn_tp``. Overflow counts go to the step
   box under the micro-batch's index. A dispatcher with ``dedup`` exchanges one row per
   (token, destination device) (``jtbo.collectives.ep_dedup``) instead of one per (token,
@@ -70,7 +72,8 @@ def ep_operations(
     Args:
       moe: the layer's MoE block (local expert shards).
       attn_tp_size: devices per DP rank.
-      moe_runner_backend: the expert FFN's impl, "xla" or "pallas" (``experts_ffn_slots``).
+      moe_runner_backend: the expert FFN's impl, "xla", "pallas" or "mosaic"
+        (``experts_ffn_slots``).
 
     Returns:
       Operation name -> callable.
@@ -173,7 +176,8 @@ def gather_operations(moe: model_lib.MoEBlock, moe_runner_backend: str = "xla") 
 
     Args:
       moe: the layer's MoE block (every expert, a slice of its hidden width).
-      moe_runner_backend: the expert FFN's impl, "xla" or "pallas" (``experts_ffn_slots``).
+      moe_runner_backend: the expert FFN's impl, "xla", "pallas" or "mosaic"
+        (``experts_ffn_slots``).
 
     Returns:
       Operation name -> callable.

@@ -30,19 +30,24 @@ def _power_of_two_tile(dim: int) -> bool:
 
 
 def moe_runner_backend(name: str | None, matmul_dims: Sequence[int] = ()) -> str:
-    """``name``, or the routed experts' fastest FFN impl here that tiles ``matmul_dims``.
+    """``name``, or ``"auto"`` where the routed experts' fastest FFN impl here is a kernel
+    that tiles ``matmul_dims``, else ``"xla"``.
+
+    ``"auto"`` leaves the choice to each compiled step: the Pallas kernels at decode sizes,
+    the Mosaic GPU ones from ``grouped_gemm.MOSAIC_MIN_ROWS`` rows on Hopper GPUs
+    (``grouped_gemm.auto_impl``).
 
     Args:
-      name: "xla" / "pallas" (kept as given) or None.
+      name: a ``layer_ops.MOE_RUNNER_BACKENDS`` name (kept as given) or None.
       matmul_dims: the expert FFN's hidden size and per-device intermediate size.
 
     Returns:
-      "xla" or "pallas".
+      "auto" or "xla", or ``name``.
     """
     if name is not None:
         return name
     impl = impls.resolve(None, op="grouped_ffn")
-    return impl if impl != "pallas" or all(map(_tiles, matmul_dims)) else "xla"
+    return "auto" if impl != "xla" and all(map(_tiles, matmul_dims)) else "xla"
 
 
 def attention_backend(

@@ -121,7 +121,8 @@ class ModelRunner:
           max_running_requests: requests per DP rank (page-table rows, sequences per step).
           moe: the MoE exchange and experts (``layer_ops.MoEOptions``); None: its defaults
             (EP all-to-all, no token dropped). ``moe_runner_backend=None`` takes the fastest
-            here that tiles the model ("pallas" on GPUs where its tiles fit, else "xla";
+            here that tiles the model ("auto" on GPUs where a kernel's tiles fit: per step,
+            the Pallas or the Mosaic GPU grouped GEMM by its rows; else "xla";
             ``jtbo.runner.kernel_backends``).
           tbo: two-batch overlap (``tbo_options.TboOptions``); None: off.
           token_buckets: token capacities of compiled steps; powers of two up to

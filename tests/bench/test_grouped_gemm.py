@@ -58,6 +58,65 @@ def test_pallas_spec_parses_per_kernel_configs():
         grouped_gemm.pallas_config("64x64")
 
 
+def test_mosaic_spec_parses_per_kernel_configs():
+    cfg = grouped_gemm.mosaic_config("128x128x64s3/128x256x128t8")
+    assert (cfg.gate_up.tile_m, cfg.gate_up.tile_n, cfg.gate_up.max_concurrent_steps) == (
+        64,
+        128,
+        3,
+    )
+    assert (cfg.down.tile_n, cfg.down.tile_k, cfg.down.grid_tile_width) == (256, 128, 8)
+    assert grouped_gemm.mosaic_config("") is None
+    with pytest.raises(ValueError, match="MxNxK"):
+        grouped_gemm.mosaic_config("127x64x64")
+
+
+def test_the_mosaic_layer_row_is_checked_and_timed(capsys):
+    grouped_gemm.main(
+        [
+            "--hidden",
+            "128",
+            "--ffn",
+            "128",
+            "--experts",
+            "4",
+            "--top-k",
+            "2",
+            "--tokens",
+            "32",
+            "--warmup",
+            "1",
+            "--iters",
+            "1",
+            "--reps",
+            "1",
+            "--impls",
+            "dense,mosaic:128x64x64s2",
+            "--no-copy-ceiling",
+        ]
+    )
+    rows = _table(capsys.readouterr().out)
+    assert [r[1] for r in rows] == ["dense", "mosaic:128x64x64s2", "mosaic:128x64x64s2 (kernel)"]
+    assert float(rows[1][8]) < 1e-2  # rel err against float32
+
+
+def test_interleaved_timing_gives_one_median_per_case():
+    calls = []
+
+    def case(name):
+        def fn():
+            calls.append(name)
+            return np.zeros(1)
+
+        return fn, ()
+
+    from jtbo.bench import device_rates
+
+    seconds = device_rates.time_fns_interleaved([case("a"), case("b")], warmup=1, iters=2, reps=2)
+    assert len(seconds) == 2 and all(t >= 0 for t in seconds)
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 2  # warmup, then turns
+
+
 def test_routing_is_distinct_and_skew_hits_expert_zero():
     ids, weights = grouped_gemm.route(200, SMALL, skew=0.5, seed=0)
     assert ids.shape == (200, 2) and ids.dtype == np.int32

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jtbo.collectives import ep_config, ep_dedup, ep_dispatch, ep_overflow
 from jtbo.collectives import mesh as mesh_lib
+from jtbo.kernels import slot_rows
 from tests.collectives import harness
 
 NUM_DEVICES = 8
@@ -22,7 +23,7 @@ NUM_EXPERTS = 16  # two per device
 HIDDEN = 4
 
 
-def _moe_step(dispatcher, hidden, ids, weights, num_valid):
+def _moe_step(dispatcher, hidden, ids, weights, num_valid, outputs_as_rows=False):
     module = ep_dedup if dispatcher.dedup else ep_dispatch
     in_flight = module.dispatch_a(dispatcher, hidden, ids, weights, num_valid[0])
     slots, state = module.dispatch_b(dispatcher, in_flight)
@@ -31,16 +32,20 @@ def _moe_step(dispatcher, hidden, ids, weights, num_valid):
     me = jax.lax.axis_index(mesh_lib.TP_AXES)
     global_ids = me * dispatcher.num_local_experts + jnp.arange(dispatcher.num_local_experts)
     outputs = expert_inputs * (global_ids + 1).astype(expert_inputs.dtype)[:, None, None]
+    if outputs_as_rows:  # the outputs as rows in reverse slot order and a row per slot
+        flat = outputs.reshape(-1, outputs.shape[-1])
+        reverse = jnp.arange(flat.shape[0] - 1, -1, -1, dtype=jnp.int32)
+        outputs = slot_rows.SlotRows(flat[reverse], reverse.reshape(outputs.shape[:2]))
     combined = module.combine_b(dispatcher, module.combine_a(dispatcher, outputs, state))
     return combined, state.overflow, state.peak_load
 
 
 @functools.cache
-def runner(dispatcher, dp_size):
+def runner(dispatcher, dp_size, outputs_as_rows=False):
     shard = P(mesh_lib.TP_AXES)
     return jax.jit(
         jax.shard_map(
-            functools.partial(_moe_step, dispatcher),
+            functools.partial(_moe_step, dispatcher, outputs_as_rows=outputs_as_rows),
             mesh=harness.mesh(dp_size, NUM_DEVICES // dp_size),
             in_specs=(shard,) * 4,  # hidden, topk ids, weights, valid counts
             out_specs=(shard,) * 3,  # combined, overflow [2], peak_load [2] per device
@@ -49,9 +54,9 @@ def runner(dispatcher, dp_size):
     )
 
 
-def run(dispatcher, dp_size, hidden, ids, weights, num_valid):
+def run(dispatcher, dp_size, hidden, ids, weights, num_valid, outputs_as_rows=False):
     top_k = ids.shape[-1]
-    out = runner(dispatcher, dp_size)(
+    out = runner(dispatcher, dp_size, outputs_as_rows)(
         hidden.reshape(-1, HIDDEN), ids.reshape(-1, top_k), weights.reshape(-1, top_k), num_valid
     )
     return [harness.per_device(x, NUM_DEVICES) for x in out]
@@ -140,6 +145,15 @@ def test_dedup_equals_per_assignment_exchange_and_reference(case, top_k, dp_size
     assert overflow.sum() == 0
     chex.assert_trees_all_close(got, want, rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_both_combines_read_expert_outputs_given_as_slot_rows():
+    rng = np.random.default_rng(11)
+    hidden, ids, weights, num_valid = routing(rng, 3, "random")
+    ref, _, _ = reference(hidden, ids, weights, num_valid, TOKENS, TOKENS * NUM_DEVICES)
+    for dispatcher in dispatchers(4, 3, worst_case=True):
+        got, _, _ = run(dispatcher, 4, hidden, ids, weights, num_valid, outputs_as_rows=True)
+        chex.assert_trees_all_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("via_host", ["0", "1"], ids=["direct", "via_host"])

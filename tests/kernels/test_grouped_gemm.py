@@ -109,16 +109,6 @@ def test_max_rows_bounds_the_grid_without_changing_results():
     chex.assert_trees_all_close(out, _numpy_ffn(x, counts, w_gate_up, w_down), **F32_TOL)
 
 
-def test_row_tiles_lists_live_tiles_first():
-    table = grouped_gemm.row_tiles(
-        jnp.array([0, 10, 20], jnp.int32), jnp.array([5, 0, 9], jnp.int32), 4, 6
-    )
-    np.testing.assert_array_equal(
-        np.asarray(table),
-        [[0, 0, 2, 2, 2, -1], [0, 4, 20, 24, 28, 0], [5, 5, 29, 29, 29, 0]],
-    )
-
-
 def test_jit_traces_once_per_shape():
     x, w_gate_up, w_down = _inputs(1, 21)
     fn = jax.jit(

@@ -62,3 +62,20 @@ def test_default_small_copies_take_xla(monkeypatch):
         == impls.FASTEST["dp_memcpy"]["gpu"][0]
     )
     assert impls.resolve("pallas", op="dp_memcpy", **small, xla_below_bytes=1 << 20) == "pallas"
+
+
+def test_mosaic_is_an_impl_of_grouped_ffn_only():
+    assert impls.MOSAIC in impls.op_impls("grouped_ffn")
+    assert impls.MOSAIC not in impls.op_impls("dp_memcpy")
+    with pytest.raises(ValueError, match="dp_memcpy: impl must be one of"):
+        impls.resolve("mosaic", op="dp_memcpy")
+    assert impls.resolve("mosaic", op="grouped_ffn") == "mosaic"  # the interpreter on CPUs
+
+
+def test_mosaic_needs_a_hopper_gpu(monkeypatch):
+    class Ampere:
+        compute_capability = "8.0"
+
+    monkeypatch.setattr(jax, "devices", lambda: [Ampere()])
+    assert "compute capability 9.x" in impls.unavailable_reason("mosaic", "gpu")
+    assert "NVIDIA GPUs only" in impls.unavailable_reason("mosaic", "tpu")

@@ -1,5 +1,7 @@
 """SlotRows: the slot buffer its rows and row index stand for."""
 
+import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -94,3 +96,15 @@ def test_concat_slots_refuses_sets_of_other_experts():
     b = slot_rows.SlotRows(jnp.zeros((2, 3)), jnp.zeros((3, 1), jnp.int32))
     with pytest.raises(ValueError, match="do not concatenate"):
         slot_rows.concat_slots(a, jnp.zeros((2,), jnp.int32), b)
+
+
+def test_take_slots_reads_the_same_rows_from_a_buffer_and_from_slot_rows():
+    rows = jax.random.normal(jax.random.key(0), (6, 3), jnp.float32)
+    slot_row = jnp.array([[4, 0, -1], [2, -1, -1]], jnp.int32)
+    slots = slot_rows.SlotRows(rows, slot_row)
+    expert = jnp.array([[0, 1], [1, 2], [0, 0]], jnp.int32)  # expert 2 is out of range
+    position = jnp.array([[1, 0], [1, 0], [0, 2]], jnp.int32)
+    got = slot_rows.take_slots(slots, expert, position)
+    chex.assert_trees_all_close(got, slot_rows.take_slots(slots.materialize(), expert, position))
+    np.testing.assert_array_equal(np.asarray(got[0, 0]), np.asarray(rows[0]))
+    assert not np.asarray(got[1]).any() and not np.asarray(got[2, 1]).any()

@@ -15,12 +15,12 @@ def test_cpu_defaults_are_the_xla_references():
 
 def test_gpu_defaults_are_the_kernels(monkeypatch):
     monkeypatch.setattr(impls, "backend", lambda: "gpu")
-    assert kernel_backends.moe_runner_backend(None) == "pallas"
+    assert kernel_backends.moe_runner_backend(None) == "auto"
     assert kernel_backends.attention_backend(None) == "pallas"
     assert kernel_backends.attention_backend(None, "mla", (512, 128), (64, 192)) == "pallas"
 
 
-@pytest.mark.parametrize("name", ["xla", "pallas"])
+@pytest.mark.parametrize("name", ["xla", "pallas", "mosaic", "auto"])
 def test_a_named_backend_is_kept(monkeypatch, name):
     monkeypatch.setattr(impls, "backend", lambda: "gpu")
     assert kernel_backends.moe_runner_backend(name) == name
@@ -32,7 +32,7 @@ def test_gpu_defaults_skip_kernels_whose_tiles_do_not_fit(monkeypatch):
     # raises where it is built): expert widths not in multiples of 16, widths loaded whole
     # that are not powers of two >= 16, widths loaded in parts that are not multiples of 16.
     monkeypatch.setattr(impls, "backend", lambda: "gpu")
-    assert kernel_backends.moe_runner_backend(None, (7168, 2048)) == "pallas"
+    assert kernel_backends.moe_runner_backend(None, (7168, 2048)) == "auto"
     assert kernel_backends.moe_runner_backend(None, (64, 40)) == "xla"
     assert kernel_backends.attention_backend(None, "gqa", (128,)) == "pallas"
     assert kernel_backends.attention_backend(None, "gqa", (96,)) == "native"

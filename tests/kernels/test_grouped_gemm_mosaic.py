@@ -1,0 +1,158 @@
+"""grouped_ffn(impl="mosaic"): the Mosaic GPU kernels (Mosaic GPU's interpreter on the CPU)
+against the float32 exact-count reference, and their tile-major layout against numpy.
+
+The interpreter runs a kernel in seconds, so the kernel cases are few and each covers several
+edge cases at once: an empty expert, a full one (count == capacity), partial last tiles, a
+capacity that is not a multiple of the row tile, and slot rows loaded through an index.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jtbo import kernels
+from jtbo.kernels import gemm_config, grouped_gemm, grouped_gemm_mosaic, impls, slot_rows
+from jtbo.models import experts
+
+E, C, H, F = 3, 200, 128, 128
+# The smallest launch shapes: 128-row tiles, 64 columns per CTA (a cluster covers 128).
+SMALL = gemm_config.MosaicFfnConfig(
+    gate_up=gemm_config.MosaicGemmConfig(tile_n=64, max_concurrent_steps=2),
+    down=gemm_config.MosaicGemmConfig(tile_n=64, max_concurrent_steps=2, grid_tile_width=2),
+)
+# The interpreter computes in float32; the GPU kernels take 16-bit floats only, held to the
+# float32 reference at 3e-2 of the output's scale (the hidden activation is rounded too).
+ON_CPU = jax.default_backend() == "cpu"
+DTYPE = jnp.float32 if ON_CPU else jnp.bfloat16
+
+
+def _close(got, want):
+    scale = float(jnp.abs(want).max())
+    tol = dict(atol=1e-4 * scale, rtol=1e-4) if ON_CPU else dict(atol=3e-2 * scale, rtol=0)
+    chex.assert_trees_all_close(
+        jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32), **tol
+    )
+
+
+def _weights(seed: int, dtype=DTYPE):
+    k_gu, k_d = jax.random.split(jax.random.key(seed))
+    w_gate_up = jax.random.normal(k_gu, (E, H, 2, F), jnp.float32) / np.sqrt(H)
+    w_down = jax.random.normal(k_d, (E, F, H), jnp.float32) / np.sqrt(F)
+    return w_gate_up.astype(dtype), w_down.astype(dtype)
+
+
+def test_slot_buffer_matches_the_reference_and_zeros_the_padding():
+    counts = jnp.array([130, 0, C], jnp.int32)  # a partial second tile, empty, full
+    x = jax.random.normal(jax.random.key(0), (E, C, H), DTYPE)
+    out = kernels.grouped_ffn(x, counts, *_weights(1), impl="mosaic", config=SMALL)
+    _close(out, grouped_gemm.grouped_ffn_reference(x, counts, *_weights(1)))
+    assert not np.asarray(out)[0, 130:].any() and not np.asarray(out)[1].any()
+
+
+def test_slot_rows_load_through_the_index_bf16():
+    rows = jax.random.normal(jax.random.key(2), (50, H), jnp.bfloat16)
+    slot_row = np.full((E, C), -1, np.int32)
+    slot_row[0, :7] = np.arange(7)
+    slot_row[2, :140] = np.random.default_rng(3).integers(0, 50, 140)
+    slots = slot_rows.SlotRows(rows, jnp.asarray(slot_row))
+    counts = jnp.array([7, 0, 140], jnp.int32)
+    weights = _weights(4, jnp.bfloat16)
+    got = grouped_gemm.grouped_ffn_rows(slots, counts, *weights, impl="mosaic", config=SMALL)
+    assert isinstance(got, slot_rows.SlotRows)
+    want = grouped_gemm.grouped_ffn_reference(slots, counts, *weights)
+    scale = float(jnp.abs(want).max())  # bfloat16 on every backend: 3e-2 of the scale
+    chex.assert_trees_all_close(
+        got.materialize().astype(jnp.float32), want, atol=3e-2 * scale, rtol=0
+    )
+
+
+def test_the_layer_matches_the_xla_layer():
+    tokens = jax.random.normal(jax.random.key(5), (64, H), DTYPE)
+    first = np.random.default_rng(6).integers(0, E, 64)
+    ids = jnp.asarray(np.stack([first, (first + 1) % E], axis=1).astype(np.int32))
+    routing = jax.random.uniform(jax.random.key(7), (64, 2), jnp.float32)
+    weights = _weights(8)
+    got = experts.experts_capacity(tokens, ids, routing, weights, 50, impl="mosaic", config=SMALL)
+    want = experts.experts_capacity(tokens, ids, routing, weights, 50, impl="xla")
+    _close(got, want)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 9), min_size=1, max_size=5),
+    block_m=st.sampled_from([2, 4]),
+    bounded=st.booleans(),
+)
+def test_tile_rows_places_each_slot_once_in_its_experts_tiles(counts, block_m, bounded):
+    capacity = 9
+    num_tiles = sum(-(-c // block_m) for c in counts) + (0 if bounded else 2)
+    tile_expert, slot_of_row, row_of_slot = map(
+        np.asarray,
+        grouped_gemm_mosaic.tile_rows(jnp.asarray(counts, jnp.int32), capacity, block_m, num_tiles),
+    )
+    for e, count in enumerate(counts):
+        for j in range(capacity):
+            row = row_of_slot[e, j]
+            if j >= count:
+                assert row == -1
+                continue
+            assert slot_of_row[row] == e * capacity + j
+            assert tile_expert[row // block_m] == e
+    filled = slot_of_row[slot_of_row >= 0]
+    assert len(filled) == len(set(filled.tolist())) == sum(counts)
+    assert (tile_expert[: sum(-(-c // block_m) for c in counts)] >= 0).all()
+    assert (tile_expert[sum(-(-c // block_m) for c in counts) :] == -1).all()
+
+
+def test_shapes_the_kernels_cannot_tile_are_refused():
+    x = jnp.ones((E, C, H), DTYPE)
+    w_gate_up, w_down = jnp.ones((E, H, 2, 32), DTYPE), jnp.ones((E, 32, H), DTYPE)
+    with pytest.raises(kernels.KernelUnavailableError, match="impl='mosaic' tiles 32 columns"):
+        kernels.grouped_ffn(x, jnp.ones((E,), jnp.int32), w_gate_up, w_down, impl="mosaic")
+
+
+def test_a_launch_shape_of_the_other_impl_is_refused():
+    x = jnp.ones((E, C, H), DTYPE)
+    with pytest.raises(ValueError, match="impl='mosaic' takes a MosaicFfnConfig"):
+        kernels.grouped_ffn(
+            x, jnp.ones((E,), jnp.int32), *_weights(0), impl="mosaic",
+            config=gemm_config.GroupedFfnConfig(),
+        )  # fmt: skip
+
+
+def test_launch_shapes_are_checked():
+    with pytest.raises(ValueError, match="tile_m must be >= 64"):
+        gemm_config.MosaicGemmConfig(tile_m=32)
+    with pytest.raises(ValueError, match="both kernels tile the same rows"):
+        gemm_config.MosaicFfnConfig(down=gemm_config.MosaicGemmConfig(tile_m=128))
+
+
+def test_auto_takes_mosaic_from_its_rows_on_hopper_and_pallas_below(monkeypatch):
+    monkeypatch.setattr(impls, "backend", lambda: "cpu")
+    assert grouped_gemm.auto_impl(1 << 20, 7168, 2048) == "xla"  # the CPU: the reference
+    monkeypatch.setattr(impls, "backend", lambda: "gpu")
+    monkeypatch.setattr(impls, "unavailable_reason", lambda impl, platform: None)
+    assert grouped_gemm.auto_impl(grouped_gemm.MOSAIC_MIN_ROWS, 7168, 2048) == "mosaic"
+    assert grouped_gemm.auto_impl(grouped_gemm.MOSAIC_MIN_ROWS - 1, 7168, 2048) == "pallas"
+    assert grouped_gemm.auto_impl(1 << 20, 7168, 96) == "pallas"  # mosaic cannot tile 96
+    assert grouped_gemm.auto_impl(1 << 20, 7168, 40) == "xla"  # nor can pallas tile 40
+    assert grouped_gemm.auto_impl(1 << 20, 7168, 2048, jnp.float32) == "pallas"  # 16-bit only
+
+
+@pytest.mark.skipif(ON_CPU, reason="the interpreter takes float32")
+def test_float32_is_refused_on_gpus():
+    x = jnp.ones((E, C, H), jnp.float32)
+    with pytest.raises(kernels.KernelUnavailableError, match="16-bit floats on GPUs"):
+        kernels.grouped_ffn(
+            x, jnp.ones((E,), jnp.int32), *_weights(0, jnp.float32), impl="mosaic", config=SMALL
+        )
+
+
+def test_auto_with_launch_shapes_is_refused():
+    x = jnp.ones((E, C, H), DTYPE)
+    with pytest.raises(ValueError, match="name the impl"):
+        kernels.grouped_ffn(x, jnp.ones((E,), jnp.int32), *_weights(0), config=SMALL)

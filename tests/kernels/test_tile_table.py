@@ -1,0 +1,29 @@
+"""tile_table: the grouped GEMM's row-tile table and its length bound."""
+
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jtbo.kernels import tile_table
+
+
+def test_row_tiles_lists_live_tiles_first():
+    table = tile_table.row_tiles(
+        jnp.array([0, 10, 20], jnp.int32), jnp.array([5, 0, 9], jnp.int32), 4, 6
+    )
+    np.testing.assert_array_equal(
+        np.asarray(table),
+        [[0, 0, 2, 2, 2, -1], [0, 4, 20, 24, 28, 0], [5, 5, 29, 29, 29, 0]],
+    )
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+    block_m=st.sampled_from([4, 8, 16]),
+)
+def test_max_tiles_bounds_the_live_tiles(counts, block_m):
+    live = sum(-(-c // block_m) for c in counts)
+    bound = tile_table.max_tiles(len(counts), 40, block_m, max_rows=sum(counts))
+    assert live <= bound <= tile_table.max_tiles(len(counts), 40, block_m, max_rows=None)
