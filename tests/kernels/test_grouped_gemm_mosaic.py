@@ -81,7 +81,7 @@ def test_the_layer_matches_the_xla_layer():
     _close(got, want)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(
     counts=st.lists(st.integers(0, 9), min_size=1, max_size=5),
     block_m=st.sampled_from([2, 4]),
