@@ -25,6 +25,11 @@ MIN_DOT_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16
 MOSAIC_EPILOGUE_TILE = 64  # rows and columns of one output store of the Mosaic GPU kernels
 
 
+def dot_tiles(dim: int) -> bool:
+    """Whether Triton's power-of-two matmul tiles (>= ``MIN_DOT_BLOCK``) divide ``dim``."""
+    return dim % MIN_DOT_BLOCK == 0
+
+
 def fit(block: int, dim: int) -> int:
     """The largest power of two that is at most ``block`` and divides ``dim``."""
     largest_divisor = dim & -dim  # the lowest set bit: the largest power of two dividing dim
@@ -156,5 +161,6 @@ class MosaicFfnConfig:
 
 
 # Default Mosaic GPU launch shapes: the 2-CTA-cluster, two-warpgroup shape of the fastest
-# dense Mosaic GPU matmul measured on one H200 (BENCHMARKS.md), with 128-row tiles.
+# dense Mosaic GPU matmul measured, with 128-row tiles; the swept variants were not faster
+# (BENCHMARKS.md, "H200, 2026-12-01 (late afternoon)").
 MOSAIC_FFN = MosaicFfnConfig()

@@ -55,8 +55,9 @@ AUTO = "auto"
 """``impl="auto"`` (or None): the impl by the call's rows (``auto_impl``)."""
 MOSAIC_MIN_ROWS = 16384
 """Rows (``max_rows``, else ``E * C``) from which ``"auto"`` takes ``"mosaic"`` on a Hopper
-GPU: on one H200 the Mosaic GPU layer beat the Pallas one from 2048 tokens x 8 experts (16384
-rows) up, and lost at 2048 rows (decode: both read the weights once; BENCHMARKS.md)."""
+GPU: the smallest size measured where the Mosaic GPU layer beat the Pallas one (2048 tokens x 8
+experts; at decode sizes, where both read the weights once, Pallas was ahead: BENCHMARKS.md,
+"H200, 2026-12-01 (late afternoon)")."""
 
 
 def _tile_at(pid, *, num_tiles: int, num_n: int, group_m: int):
@@ -404,7 +405,7 @@ def auto_impl(rows: int, hidden: int, ffn: int, dtype=jnp.bfloat16) -> str:
     ):
         return impls.MOSAIC
     impl = impls.resolve(None, op="grouped_ffn")
-    tiled = all(dim % gemm_config.MIN_DOT_BLOCK == 0 for dim in (hidden, ffn))
+    tiled = gemm_config.dot_tiles(hidden) and gemm_config.dot_tiles(ffn)
     return impl if impl != "pallas" or tiled else "xla"
 
 

@@ -228,7 +228,7 @@ def tile_rows(counts: jax.Array, capacity: int, block_m: int, num_tiles: int):
     slot = start[:, None] + jnp.arange(block_m, dtype=jnp.int32)[None, :]
     live = (tile_expert[:, None] >= 0) & (slot < end[:, None])
     slot_of_row = jnp.where(live, slot, -1).reshape(-1)
-    first_tile = jnp.cumsum(-(-counts // block_m)) - (-(-counts // block_m))
+    first_tile, _ = tile_table.tile_spans(counts, block_m)
     position = jnp.arange(capacity, dtype=jnp.int32)[None, :]
     row = first_tile[:, None] * block_m + position
     placed = (position < counts[:, None]) & (row < num_tiles * block_m)
@@ -256,12 +256,7 @@ def grouped_ffn_mosaic(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, int
     block_m = cfg.gate_up.block_m
     num_tiles = tile_table.max_tiles(num_experts, capacity, block_m, max_rows)
     tile_expert, slot_of_row, row_of_slot = tile_rows(counts, capacity, block_m, num_tiles)
-    if isinstance(x_slots, slot_rows.SlotRows):
-        flat_source = x_slots.slot_row.reshape(-1).astype(jnp.int32)
-        source = jnp.where(slot_of_row >= 0, flat_source[jnp.maximum(slot_of_row, 0)], -1)
-        source_rows = x_slots.rows
-    else:
-        source, source_rows = slot_of_row, x_slots.reshape(-1, hidden)
+    source_rows, source = slot_rows.flat_slot_source(x_slots, slot_of_row)
     rows = tile_gather.gather_tiles(source_rows, _unfused(source), tile_expert, block_m)
     hidden_rows = _grouped_matmul(
         tile_expert, rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn), out_cols=ffn,

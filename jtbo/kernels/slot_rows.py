@@ -72,6 +72,23 @@ def gather_rows(source: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.where(present, rows, jnp.zeros((), source.dtype))
 
 
+def flat_slot_source(slots: "jax.Array | SlotRows", flat_slot: jax.Array):
+    """Where flat slots ``e * C + j`` read from: ``(rows [N, H], row index [...])``.
+
+    Args:
+      slots: ``[E, C, H]`` slot buffer (its rows flattened, the flat slot its own index), or
+        ``SlotRows`` (its rows, and each flat slot's row index looked up).
+      flat_slot: ``[...]`` int32 flat slot per output row, in ``[0, E * C)`` or -1.
+
+    Returns:
+      The rows and an int32 row index per output row, -1 for a zero row.
+    """
+    if not isinstance(slots, SlotRows):
+        return slots.reshape((-1,) + slots.shape[2:]), flat_slot
+    index = slots.slot_row.reshape(-1).astype(jnp.int32)
+    return slots.rows, jnp.where(flat_slot >= 0, index[jnp.maximum(flat_slot, 0)], -1)
+
+
 def take_flat(slots: "jax.Array | SlotRows", flat_slot: jax.Array) -> jax.Array:
     """The rows of flat slots ``e * C + j``, zero for -1.
 
@@ -83,14 +100,13 @@ def take_flat(slots: "jax.Array | SlotRows", flat_slot: jax.Array) -> jax.Array:
     Returns:
       ``flat_slot.shape + (H,)`` in the slots' dtype.
     """
-    if not isinstance(slots, SlotRows):
-        return gather_rows(slots.reshape((-1,) + slots.shape[2:]), flat_slot)
-    index = slots.slot_row.reshape(-1)
-    row = jnp.where(flat_slot >= 0, index[jnp.maximum(flat_slot, 0)], -1)
-    # The barrier keeps the index out of the row gather's fusion: XLA otherwise recomputes
-    # the row index (and what it derives from) for every element of every row (measured on
-    # an H200: 7.1 ms instead of 0.14 for 4096 tokens x 8 experts x 7168 values).
-    return gather_rows(slots.rows, jax.lax.optimization_barrier(row))
+    rows, row = flat_slot_source(slots, flat_slot)
+    if isinstance(slots, SlotRows):
+        # The barrier keeps the looked-up index out of the row gather's fusion: XLA otherwise
+        # recomputes it (and what it derives from) for every element of every row, which
+        # made the gather 50x slower (BENCHMARKS.md, "H200, 2026-12-01 (late afternoon)").
+        row = jax.lax.optimization_barrier(row)
+    return gather_rows(rows, row)
 
 
 def take_slots(slots: "jax.Array | SlotRows", expert: jax.Array, position: jax.Array):

@@ -31,6 +31,21 @@ def max_tiles(num_groups: int, group_rows: int, block_m: int, max_rows: int | No
     return max(1, min(every, (max_rows + num_groups * (block_m - 1)) // block_m))
 
 
+def tile_spans(group_size: jax.Array, block_m: int) -> tuple[jax.Array, jax.Array]:
+    """Where each group's tiles sit in the table of live tiles.
+
+    Args:
+      group_size: ``[E]`` int32 rows of each group (>= 0).
+      block_m: rows per tile.
+
+    Returns:
+      ``([E] first tile of each group, [E] one past its last tile)``, int32.
+    """
+    blocks = arith.ceil_div(group_size, block_m).astype(jnp.int32)
+    ends = jnp.cumsum(blocks, dtype=jnp.int32)
+    return ends - blocks, ends
+
+
 def row_tiles(
     group_start: jax.Array, group_size: jax.Array, block_m: int, num_tiles: int
 ) -> jax.Array:
@@ -46,13 +61,12 @@ def row_tiles(
       ``[3, num_tiles]`` int32: expert (-1 past the live tiles), first row, end row (the
       group's end, so the last tile of a group masks its rows past it).
     """
-    blocks = arith.ceil_div(group_size, block_m)
-    ends = jnp.cumsum(blocks)
+    first, ends = tile_spans(group_size, block_m)
     index = jnp.arange(num_tiles, dtype=jnp.int32)
     group = jnp.searchsorted(ends, index, side="right", method="compare_all")
     group = jnp.minimum(group, group_size.shape[0] - 1).astype(jnp.int32)
     live = index < ends[-1]
-    start = group_start[group] + (index - (ends[group] - blocks[group])) * block_m
+    start = group_start[group] + (index - first[group]) * block_m
     end = group_start[group] + group_size[group]
     table = [jnp.where(live, group, -1), jnp.where(live, start, 0), jnp.where(live, end, 0)]
     return jnp.stack(table).astype(jnp.int32)

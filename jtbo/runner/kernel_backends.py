@@ -20,11 +20,6 @@ _ATTENTION_BACKEND_OF_IMPL = {"xla": "native", "pallas": "pallas", "triton": "tr
 _TRITON_KEY_PARTS = 2  # the Triton attention kernels load a key in at most two parts
 
 
-def _tiles(dim: int) -> bool:
-    """Whether Triton's power-of-two matmul tiles (>= 16) divide ``dim``."""
-    return dim % gemm_config.MIN_DOT_BLOCK == 0
-
-
 def _power_of_two_tile(dim: int) -> bool:
     return dim >= gemm_config.MIN_DOT_BLOCK and launch_checks.is_power_of_two(dim)
 
@@ -47,7 +42,7 @@ def moe_runner_backend(name: str | None, matmul_dims: Sequence[int] = ()) -> str
     if name is not None:
         return name
     impl = impls.resolve(None, op="grouped_ffn")
-    return "auto" if impl != "xla" and all(map(_tiles, matmul_dims)) else "xla"
+    return "auto" if impl != "xla" and all(map(gemm_config.dot_tiles, matmul_dims)) else "xla"
 
 
 def attention_backend(
@@ -77,7 +72,9 @@ def attention_backend(
         return name
     op = "mla_latent_attention" if attention_kind == "mla" else "paged_attention"
     backend = _ATTENTION_BACKEND_OF_IMPL[impls.resolve(None, op=op)]
-    fits = all(map(_power_of_two_tile, whole_widths)) and all(map(_tiles, split_widths))
+    fits = all(map(_power_of_two_tile, whole_widths)) and all(
+        map(gemm_config.dot_tiles, split_widths)
+    )
     if backend == "triton":
         fits = fits and key_parts <= _TRITON_KEY_PARTS
     return backend if backend == "native" or fits else "native"

@@ -27,3 +27,12 @@ def test_max_tiles_bounds_the_live_tiles(counts, block_m):
     live = sum(-(-c // block_m) for c in counts)
     bound = tile_table.max_tiles(len(counts), 40, block_m, max_rows=sum(counts))
     assert live <= bound <= tile_table.max_tiles(len(counts), 40, block_m, max_rows=None)
+
+
+@settings(max_examples=20, deadline=None)
+@given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=6), block_m=st.sampled_from([4, 8]))
+def test_tile_spans_are_each_groups_tiles_in_order(counts, block_m):
+    first, ends = map(np.asarray, tile_table.tile_spans(jnp.asarray(counts, jnp.int32), block_m))
+    blocks = [-(-c // block_m) for c in counts]
+    np.testing.assert_array_equal(ends, np.cumsum(blocks))
+    np.testing.assert_array_equal(first, np.cumsum(blocks) - blocks)
