@@ -28,7 +28,9 @@ and ``--barriers`` adds a column for TBO with round barriers (a second runner).
 ``--prefill-skew S`` gives every rank but rank 0 ``S`` times the case's prefill tokens (the
 tokens/rank column lists each rank's); with ``--moe-a2a-backend none`` the DP gathers of such
 steps are where SUM_LEN pays, and ``--dp-padding auto|max_len|sum_len`` picks the runners'
-mode (a line under the table names each case's mode and gathered rows).
+mode (a line under the table names each case's mode and gathered rows). A line under the table
+names each case's TBO micro-batch rows: the child capacity its plan took (the smallest of
+``--tbo-child-buckets`` capacities that holds its split, ``planning.child_capacities``).
 
 The ``auto`` columns are a third runner with ``enable_two_batch_overlap="auto"``: one
 ``forward`` of the case's batch lets it time both programs and choose (``tbo_auto``, its
@@ -181,6 +183,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype", choices=("bfloat16", "float32"), default="bfloat16",
         help="parameter / activation dtype (float32: the agreement column without bf16 rounding)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tbo-child-buckets", type=int, default=split.DEFAULT_CHILD_BUCKETS, metavar="N",
+        help="TboOptions(tbo_child_buckets=N): micro-batch capacities per token bucket, from "
+        "the even split's half bucket to the most uneven split's bound (1: the bound alone)",
     )  # fmt: skip
     parser.add_argument(
         "--barriers", action="store_true",
@@ -644,7 +651,10 @@ def _runner(model, mesh, args, largest: int, barriers: bool, tbo: bool | str = F
     )  # fmt: skip
     return runner_lib.ModelRunner(
         model, mesh, moe=moe,
-        tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo, tbo_round_barriers=barriers),
+        tbo=tbo_options.TboOptions(
+            enable_two_batch_overlap=tbo, tbo_round_barriers=barriers,
+            tbo_child_buckets=args.tbo_child_buckets,
+        ),
         max_total_tokens=largest + 1,
         max_running_requests=max(args.decode + [largest // args.prompt_len + 1]),
         token_buckets=sorted(set(args.prefill + args.decode)), dtype=jnp.dtype(args.dtype),
@@ -734,7 +744,7 @@ def _time_cases(runners, auto, cases, args) -> list[tuple[float, float]]:
         + " Δ logits (median row) / same token | numerics guard (ms) |"
     )
     print("|---|---|---|---|---|" + ("---|---|" if args.barriers else "") + "---|---|---|---|---|")
-    step_times, fills, paddings, phase_lines = [], [], [], []
+    step_times, child_rows, fills, paddings, phase_lines = [], [], [], [], []
     for name, size, batches in cases:
         (plain, *tbo_times, auto_time), phases, agreement, decision = _case(
             runners, auto, batches, args.iters, args.logits
@@ -751,8 +761,11 @@ def _time_cases(runners, auto, cases, args) -> list[tuple[float, float]]:
               f"{_auto_cells(auto_time, plain, tbo_times[0], decision)} {agreement} | "
               f"{guard * 1e3:.3f} |", flush=True)  # fmt: skip
         step_times.append((plain, tbo_times[0]))
-        fills.append(f"{name} {size}: {_ep_fill(runners[0], batches, args.logits)}")
+        rows, fill = _tbo_rows_and_fill(runners[0], batches, args.logits)
+        child_rows.append(f"{name} {size}: {rows}")
+        fills.append(f"{name} {size}: {fill}")
         paddings.append(f"{name} {size}: {_dp_padding(runners[0], batches)}")
+    print("TBO micro-batch rows (child capacity of the bucket): " + "; ".join(child_rows))
     if args.moe_a2a_backend == "ep":
         print("EP buffer fill of the TBO step, peak / capacity per micro-batch (peer / expert): "
               + "; ".join(fills))  # fmt: skip
@@ -790,10 +803,13 @@ def _dp_padding(runner, batches) -> str:
     return f"{context.padding_mode.name} {context.global_buffer_len}"
 
 
-def _ep_fill(runner, batches, logits: str) -> str:
-    """``peer / expert`` peak-over-capacity per micro-batch of one TBO step of ``batches``."""
-    runner.run_plan(_plan(runner, batches, True, logits))
-    return ", ".join(f"{peer:.2f} / {expert:.2f}" for peer, expert in runner.ep_buffer_fill())
+def _tbo_rows_and_fill(runner, batches, logits: str) -> tuple[str, str]:
+    """One TBO step of ``batches``: its micro-batch rows (``"2048 of 4096"``: the child capacity
+    the plan took, of the bucket) and ``peer / expert`` peak-over-capacity per micro-batch."""
+    plan = _plan(runner, batches, True, logits)
+    runner.run_plan(plan)
+    fill = ", ".join(f"{peer:.2f} / {expert:.2f}" for peer, expert in runner.ep_buffer_fill())
+    return f"{plan.child_capacity} of {plan.capacity}", fill
 
 
 def _guard_time(runner, batches, iters: int, logits: str) -> float:

@@ -107,5 +107,5 @@ class MLAttention(nnx.Module):
 
     def output(self, attn: jax.Array) -> jax.Array:
         """Projects ``attn [T, heads, v_head_dim]`` to ``[T, H]`` (partial sum over local heads)."""
-        out = jnp.einsum("tnd,ndh->th", attn, self.wo[...], preferred_element_type=jnp.float32)
-        return out.astype(attn.dtype)
+        # In attn's dtype, as ``self_attention.SelfAttention.output`` (one rounding either way).
+        return jnp.einsum("tnd,ndh->th", attn, self.wo[...], preferred_element_type=attn.dtype)

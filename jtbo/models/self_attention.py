@@ -102,5 +102,6 @@ class SelfAttention(nnx.Module):
 
     def output(self, attn: jax.Array) -> jax.Array:
         """Projects ``attn [T, heads, D]`` back to ``[T, H]`` (partial sum over local heads)."""
-        out = jnp.einsum("tnd,ndh->th", attn, self.wo[...], preferred_element_type=jnp.float32)
-        return out.astype(attn.dtype)
+        # In attn's dtype: the GPU's dot accumulates in float32 and rounds once either way, and a
+        # float32 result would cost a separate convert wherever XLA picks cuBLAS.
+        return jnp.einsum("tnd,ndh->th", attn, self.wo[...], preferred_element_type=attn.dtype)

@@ -19,8 +19,10 @@ ranks' batches:
   ``verify`` (any rank verifies), ``decode`` (every busy rank decodes) or ``extend`` (anything
   else, including EXTEND ranks next to DECODE ranks).
 * TBO agreement (SGLang ``TboDPAttentionPreparer``): TBO runs only if it is enabled, at least
-  one rank is busy, all busy ranks run the same TBO-able mode, and every rank's split fits the
-  static child capacity (``jtbo.split.plan_fits_capacity``); IDLE ranks can always join.
+  one rank is busy, all busy ranks run the same TBO-able mode, and every rank's split fits a
+  static child capacity (``jtbo.split.plan_fits_capacity``); IDLE ranks can always join. The
+  step takes the smallest of its bucket's ``child_capacities`` that holds every split: an
+  even split runs children of half the bucket, not of the most uneven split's bound.
 * Split: ``compute_split_seq_index`` then ``split_batch`` per rank (in ``summarize``, so a
   batch that cannot be split fails before any exchange); children's metadata comes from the
   TBO attention backend at the child capacity.
@@ -77,6 +79,8 @@ class PlanOptions:
         ``jtbo.attention.backend.ATTENTION_BACKENDS``; they share one metadata layout).
       dp_padding: the DP padding mode of every step, one of ``DP_PADDING_CHOICES``: "auto"
         picks per step (module docstring), "max_len" / "sum_len" force one.
+      child_buckets: TBO child capacities per token bucket (``split.child_capacities``): a
+        TBO step takes the smallest that holds its split; each one used is a compile.
     """
 
     attn_tp_size: int
@@ -88,15 +92,19 @@ class PlanOptions:
     query_tile: int = DEFAULT_QUERY_TILE
     attention_backend: str = "native"
     dp_padding: str = "auto"
+    child_buckets: int = split.DEFAULT_CHILD_BUCKETS
 
     def __post_init__(self):
-        """Checks ``dp_padding`` and ``query_tile``.
+        """Checks ``dp_padding``, ``query_tile`` and ``child_buckets``.
 
         Raises:
-          ValueError: ``dp_padding`` is not one of ``DP_PADDING_CHOICES``, or ``query_tile < 1``.
+          ValueError: ``dp_padding`` is not one of ``DP_PADDING_CHOICES``, ``query_tile < 1``
+            or ``child_buckets < 1``.
         """
         if self.query_tile < 1:
             raise ValueError(f"query_tile={self.query_tile} must be >= 1")
+        if self.child_buckets < 1:
+            raise ValueError(f"child_buckets={self.child_buckets} must be >= 1")
         if self.dp_padding not in DP_PADDING_CHOICES:
             raise ValueError(f"dp_padding={self.dp_padding!r} must be one of {DP_PADDING_CHOICES}")
 
@@ -386,19 +394,68 @@ def dp_padding_mode(
     return mode
 
 
-def decide(summaries: Sequence[RankSummary], options: PlanOptions) -> StepDecision:
+def child_capacities(
+    capacity: int, mode: ForwardMode, draft_token_num: int | None, options: PlanOptions
+) -> tuple[int, ...]:
+    """The child capacities a TBO step of this bucket and mode picks from, in increasing order.
+
+    Args:
+      capacity: the step's token rows per rank.
+      mode: the agreed TBO mode.
+      draft_token_num: the verify step's draft size, else None.
+      options: planning options (``threshold``, ``attn_tp_size``, ``child_buckets``).
+
+    Returns:
+      ``split.child_capacities`` of the step, each rounded up like the capacity (to
+      ``attn_tp_size`` and the draft size).
+    """
+    values = split.child_capacities(
+        capacity,
+        count=options.child_buckets,
+        threshold=options.threshold,
+        attn_tp_size=options.attn_tp_size,
+        token_num_per_seq=draft_token_num or 1,
+        decode_like=mode.is_decode() or mode.is_target_verify(),
+    )
+    multiple = math.lcm(options.attn_tp_size, draft_token_num or 1)
+    return tuple(sorted({arith.round_up(value, multiple) for value in values}))
+
+
+def _fitting_child(summaries, choices, forced: int | None):
+    """The smallest of ``choices`` (or ``forced``) that holds every rank's split, and the
+    splits; (None, None) when none does."""
+    if forced is not None:
+        if forced not in choices:
+            raise ValueError(f"child_capacity={forced} is not one of this step's {choices}")
+        if _split_indices(summaries, forced) is None:
+            raise ValueError(f"child_capacity={forced} does not hold every rank's split")
+        choices = (forced,)
+    for choice in choices:
+        indices = _split_indices(summaries, choice)
+        if indices is not None:
+            return choice, indices
+    return None, None
+
+
+def decide(
+    summaries: Sequence[RankSummary], options: PlanOptions, *, child_capacity: int | None = None
+) -> StepDecision:
     """The step's global facts from every rank's summary (deterministic integer arithmetic).
 
     Args:
       summaries: one ``RankSummary`` per DP rank, in rank order.
       options: planning options.
+      child_capacity: with TBO, this one of ``child_capacities`` instead of the smallest that
+        holds the splits (warm-up compiles each); None: the smallest.
 
     Returns:
       The ``StepDecision``.
 
     Raises:
       ValueError: ranks that cannot share a step (verify next to another mode, different
-        draft sizes) or a rank with more tokens than the largest bucket.
+        draft sizes), a rank with more tokens than the largest bucket, or a ``child_capacity``
+        that is not one of the step's, does not hold its splits, or is given for a step that
+        cannot run TBO.
     """
     draft = _draft_token_num(summaries)
     kind = _attention_kind(summaries, draft)
@@ -409,16 +466,11 @@ def decide(summaries: Sequence[RankSummary], options: PlanOptions) -> StepDecisi
     )
     mode = _tbo_mode(summaries) if options.enable_tbo else None
     child_cap, indices = None, None
+    if mode is None and child_capacity is not None:
+        raise ValueError(f"child_capacity={child_capacity} for a step that cannot run TBO")
     if mode is not None:
-        child_cap = split.child_capacity(
-            capacity,
-            threshold=options.threshold,
-            attn_tp_size=options.attn_tp_size,
-            token_num_per_seq=draft or 1,
-            decode_like=mode.is_decode() or mode.is_target_verify(),
-        )
-        child_cap = arith.round_up(child_cap, multiple)
-        indices = _split_indices(summaries, child_cap)
+        choices = child_capacities(capacity, mode, draft, options)
+        child_cap, indices = _fitting_child(summaries, choices, child_capacity)
     if indices is None:
         child_cap, mode = None, ForwardMode.EXTEND
     padding_mode = dp_padding_mode(summaries, capacity, options)
@@ -468,6 +520,7 @@ def plan_step_for_ranks(
     options: PlanOptions,
     *,
     logits: str = "all",
+    child_capacity: int | None = None,
 ) -> StepPlan:
     """Plans a step whose batches every process knows, keeping only ``ranks``' rows.
 
@@ -476,13 +529,18 @@ def plan_step_for_ranks(
       ranks: the DP ranks whose per-rank rows the plan holds.
       options: planning options.
       logits: ``"all"`` or ``"last"`` (see ``plan_step``).
+      child_capacity: a TBO step's child capacity instead of the smallest that fits (see
+        ``decide``).
 
     Returns:
       The ``StepPlan``.
+
+    Raises:
+      ValueError: what ``decide`` raises.
     """
     last_rows.check_mode(logits)
     local = [summarize(b, options) for b in batches]
-    decision = decide([r.summary for r in local], options)
+    decision = decide([r.summary for r in local], options, child_capacity=child_capacity)
     picked = [last_rows.last_rows(batches[r]) for r in ranks] if logits == "last" else None
     return assemble([local[r] for r in ranks], ranks, decision, options, picked)
 

@@ -182,6 +182,7 @@ class ModelRunner:
             max_context=max_total_tokens,
             enable_tbo=tbo.enabled,
             threshold=tbo.tbo_token_distribution_threshold,
+            child_buckets=tbo.tbo_child_buckets,
             query_tile=query_tile,
             attention_backend=self.parallel.attention_backend,
             dp_padding=planning.dp_padding_for_backend(dp_padding, moe.moe_a2a_backend),
@@ -673,9 +674,11 @@ class ModelRunner:
         Runs a synthetic step (rank 0 busy, the rest idle) with the static keys a real step of
         that many tokens in that mode has; its K/V writes target the padding slot (dropped). An
         "auto" runner compiles both the plain and the TBO program of each (it decides later,
-        on real steps). With ``dp_padding="auto"`` the programs are MAX_LEN's (those of
-        steps whose ranks are equal); SUM_LEN programs depend on a step's token sum (its
-        bucket) and compile on first use. An extend step's attention is sized by its
+        on real steps). A TBO step compiles at each of its bucket's child capacities
+        (``planning.child_capacities``): a real step's split picks one of them. With
+        ``dp_padding="auto"`` the programs are MAX_LEN's (those of steps whose ranks are
+        equal); SUM_LEN programs depend on a step's token sum (its bucket) and compile on
+        first use. An extend step's attention is sized by its
         sequence bucket (``planning.seq_bucket``): ``seq_counts`` names the sequence counts
         to compile extend programs for (each count's bucket; counts above a token count are
         skipped for it), and a step in another bucket compiles on first use.
@@ -702,19 +705,33 @@ class ModelRunner:
             for mode in map(ForwardMode, modes):
                 seqs = [count] if mode.is_decode() else [s for s in seq_counts if s <= count]
                 for num_seqs, tbo in itertools.product(seqs, both):
-                    plan = self._warmup_plan(count, mode, num_seqs, tbo)
-                    self._run(plan, self.check_finite_logits)
+                    for plan in self._warmup_plans(count, mode, num_seqs, tbo):
+                        self._run(plan, self.check_finite_logits)
         return self.compile_count
 
-    def _warmup_plan(
+    def _warmup_plans(
         self, count: int, mode: ForwardMode, num_seqs: int, tbo: bool
-    ) -> planning.StepPlan:
-        """A real plan for one synthetic batch on rank 0 that writes only the padding slot."""
+    ) -> list[planning.StepPlan]:
+        """Real plans for one synthetic batch on rank 0 that write only the padding slot: the
+        plain plan, or the TBO plan at its child capacity and at each larger one."""
         batch = _synthetic_batch(mode, count, num_seqs)
         batches = [batch] + [planning.idle_batch()] * (self.dp_size - 1)
         padding = "max_len" if self.options.dp_padding == "auto" else self.options.dp_padding
         options = dataclasses.replace(self.options, enable_tbo=tbo, dp_padding=padding)
-        return planning.plan_step_for_ranks(batches, self.local_dp_ranks, options)
+        plan = planning.plan_step_for_ranks(batches, self.local_dp_ranks, options)
+        if plan.child_capacity is None:
+            return [plan]
+        larger = [
+            child
+            for child in planning.child_capacities(plan.capacity, plan.mode, None, options)
+            if child > plan.child_capacity
+        ]
+        return [plan] + [
+            planning.plan_step_for_ranks(
+                batches, self.local_dp_ranks, options, child_capacity=child
+            )
+            for child in larger
+        ]
 
 
 def _shared_params(source: ModelRunner, model: model_lib.MoEModel, runner: ModelRunner):

@@ -7,7 +7,9 @@ programs that a TBO-able step selects between. A shape is the step's token capac
 ``StepPlan.capacity``) and its agreed TBO mode (``StepDecision.mode``: EXTEND, MIXED, DECODE or
 TARGET_VERIFY); that is the part of ``step.StepKey`` the plain and the TBO program of one step
 share (the plain program's key has mode EXTEND and no child capacity; its attention layout
-follows from the mode). Verify steps of different draft sizes share one decision.
+follows from the mode). Verify steps of different draft sizes share one decision, and so do
+the TBO programs of a bucket's child capacities (``planning.child_capacities``): the first
+step's split picks the one that is timed.
 
 The algorithm, on the first step of a shape whose plan can run TBO (every DP rank agreed):
 

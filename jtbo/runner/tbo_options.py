@@ -1,7 +1,7 @@
 """``TboOptions``: a runner's two-batch-overlap options, in one frozen object.
 
-They act at three places: the planner (``enable_two_batch_overlap`` and the split threshold:
-``planning.PlanOptions``), the compiled step (the barrier fields:
+They act at three places: the planner (``enable_two_batch_overlap``, the split threshold and
+the child buckets: ``planning.PlanOptions``), the compiled step (the barrier fields:
 ``layer_ops.ParallelConfig``) and the "auto" decisions (trials, margin, timer and plan file:
 ``tbo_auto.TboAuto``). ``ModelRunner(tbo=TboOptions(...))`` hands each field to its place;
 the names are the runner's former keyword arguments (SGLang's where it has one).
@@ -24,6 +24,10 @@ class TboOptions:
         measured to be faster by ``tbo_auto_margin`` (``jtbo.runner.tbo_auto``).
       tbo_token_distribution_threshold: SGLang's split threshold, in [0, 0.5]
         (``jtbo.split.plan``).
+      tbo_child_buckets: static micro-batch capacities per token bucket, >= 1
+        (``split.child_capacities``): a TBO step takes the smallest that holds its split, so
+        an even split pads each micro-batch to half the bucket and not to the most uneven
+        split's bound; each capacity a step uses is one more compile of the TBO program.
       tbo_round_barriers: pin each TBO round with optimization barriers that leave the
         in-flight collective results out (``layer_ops.ParallelConfig.tbo_round_barriers``).
       tbo_issue_barriers: on multi-device meshes, pin both micro-batches before every
@@ -42,6 +46,7 @@ class TboOptions:
 
     enable_two_batch_overlap: bool | str = False
     tbo_token_distribution_threshold: float = split.plan.DEFAULT_THRESHOLD
+    tbo_child_buckets: int = split.DEFAULT_CHILD_BUCKETS
     tbo_round_barriers: bool = False
     tbo_issue_barriers: bool | None = None
     tbo_auto_trials: int = tbo_auto.DEFAULT_TRIALS
@@ -54,11 +59,13 @@ class TboOptions:
 
         Raises:
           ValueError: an ``enable_two_batch_overlap`` other than True / False / "auto", a
-            threshold outside [0, 0.5], bad auto settings, or a timer or plan file without
-            "auto" (names the field).
+            threshold outside [0, 0.5], ``tbo_child_buckets < 1``, bad auto settings, or a
+            timer or plan file without "auto" (names the field).
         """
         tbo_auto.parse_switch(self.enable_two_batch_overlap)
         split.plan.check_threshold(self.tbo_token_distribution_threshold)
+        if self.tbo_child_buckets < 1:
+            raise ValueError(f"tbo_child_buckets={self.tbo_child_buckets} must be >= 1")
         tbo_auto.check_settings(self.tbo_auto_trials, self.tbo_auto_margin)
         if not self.auto and (self.tbo_plan is not None or self.tbo_timer is not None):
             raise ValueError(

@@ -10,6 +10,8 @@
 """
 
 from jtbo.split.activations import (
+    DEFAULT_CHILD_BUCKETS,
+    child_capacities,
     child_capacity,
     merge_outputs,
     plan_fits_capacity,
@@ -29,9 +31,11 @@ from jtbo.split.plan import (
 )
 
 __all__ = [
+    "DEFAULT_CHILD_BUCKETS",
     "ForwardBatch",
     "ForwardMode",
     "SpecVerifyInput",
+    "child_capacities",
     "child_capacity",
     "compute_split_seq_index",
     "compute_split_token_index",

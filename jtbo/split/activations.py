@@ -23,6 +23,11 @@ Each term grows with ``n``, so the bound at ``n = C`` is the capacity, rounded u
 ``attn_tp_size``. Zero-length sequences in an EXTEND batch can defeat the fallback argument, so
 the runner checks every plan with ``plan_fits_capacity`` on the host and runs a plan that does
 not fit without TBO: out-of-capacity rows would otherwise be dropped by the copy kernels.
+
+The bound is the capacity of the most uneven split; a step's split is usually closer to even,
+and each child computes every row of its capacity. ``child_capacities`` therefore lists a few
+static capacities from the even split's ``ceil(C / 2)`` up to the bound, and the runner picks
+the smallest that holds the step's split (one compile each).
 """
 
 import math
@@ -79,6 +84,57 @@ def child_capacity(
     if decode_like:
         return arith.round_up(decode, attn_tp_size)
     return arith.round_up(max(balanced, half, decode), attn_tp_size)
+
+
+DEFAULT_CHILD_BUCKETS = 2
+"""Child capacities per parent bucket (``child_capacities``): the even split's and the bound."""
+
+
+def child_capacities(
+    token_capacity: int,
+    *,
+    count: int = DEFAULT_CHILD_BUCKETS,
+    threshold: float = plan.DEFAULT_THRESHOLD,
+    attn_tp_size: int = 1,
+    token_num_per_seq: int = 1,
+    decode_like: bool = False,
+) -> tuple[int, ...]:
+    """The static child capacities a TBO step of a ``token_capacity`` parent picks from.
+
+    ``child_capacity`` holds every split the plan rules allow, but every row of a child's
+    buffers is computed (its matmuls, norms, attention inputs), so a step whose split is even
+    would carry ``bound - C / 2`` padding rows per child: 81 of 2129 at 4096 tokens and the
+    default threshold, 4 % more rows than the plain step. The runner instead picks, per step,
+    the smallest of these capacities that holds its split (``jtbo.runner.planning``): up to
+    ``count`` values evenly spaced from the even split's ``ceil(C / 2)`` to the bound, each a
+    separate compile of the TBO program.
+
+    Args:
+      token_capacity: static token rows of the parent (its bucket).
+      count: how many capacities at most (>= 1); 1 gives the bound alone.
+      threshold: SGLang's ``tbo_token_distribution_threshold``.
+      attn_tp_size: every capacity is a multiple of it.
+      token_num_per_seq: tokens per sequence of decode-like steps.
+      decode_like: a DECODE / TARGET_VERIFY parent, whose split is always half the sequences:
+        its bound is the only capacity.
+
+    Returns:
+      Strictly increasing capacities ending with ``child_capacity(...)`` of the same arguments.
+
+    Raises:
+      ValueError: ``count < 1``, or what ``child_capacity`` raises.
+    """
+    if count < 1:
+        raise ValueError(f"count={count} must be >= 1")
+    bound = child_capacity(
+        token_capacity, threshold=threshold, attn_tp_size=attn_tp_size,
+        token_num_per_seq=token_num_per_seq, decode_like=decode_like,
+    )  # fmt: skip
+    even = min(arith.round_up(arith.ceil_div(token_capacity, 2), attn_tp_size), bound)
+    if decode_like or count == 1:
+        return (bound,)
+    steps = [even + arith.ceil_div((bound - even) * i, count - 1) for i in range(count)]
+    return tuple(sorted({arith.round_up(value, attn_tp_size) for value in steps}))
 
 
 def plan_fits_capacity(split_token_index: int, num_tokens: int, *, child_capacity: int) -> bool:

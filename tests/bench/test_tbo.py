@@ -238,6 +238,10 @@ def test_tiny_run_prints_every_case_with_agreement(scratch_environment, capsys):
         inputs, dispatch, counts, rest, step_ms = map(float, row.split("|")[3:8])
         assert min(inputs, dispatch, counts) > 0 and rest >= 0, row  # one timed step each
         assert inputs + dispatch + counts + rest == pytest.approx(step_ms, abs=2e-3), row
+    # One 128-token prompt (two-chunk split) and 32 decode sequences: even splits, children
+    # of half the bucket.
+    rows = out.split("TBO micro-batch rows (child capacity of the bucket): ")[1].splitlines()[0]
+    assert rows == "prefill 128: 64 of 128; decode 32: 16 of 32", rows
     fill = out.split("EP buffer fill")[1].splitlines()[0]
     assert "prefill 128: " in fill and "decode 32: " in fill, fill
     ratios = [

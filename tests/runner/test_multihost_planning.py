@@ -93,13 +93,13 @@ def test_assemble_needs_children_for_a_tbo_step():
 def test_decode_steps_plan_children_of_half_the_sequences(monkeypatch):
     # Every rank decodes or idles: the planner asks for the decode-only child bound.
     asked = []
-    child_capacity = planning.split.child_capacity
+    child_capacities = planning.split.child_capacities
 
     def spy(*args, **kwargs):
         asked.append(kwargs["decode_like"])
-        return child_capacity(*args, **kwargs)
+        return child_capacities(*args, **kwargs)
 
-    monkeypatch.setattr(planning.split, "child_capacity", spy)
+    monkeypatch.setattr(planning.split, "child_capacities", spy)
     plan = planning.plan_step(_batches(["decode", None, "decode", "decode"], 1), OPTIONS)
     assert plan.mode == planning.ForwardMode.DECODE and plan.child_capacity == 4
     assert "attn_metadata" not in plan.per_rank  # a TBO step reads only the children's

@@ -173,3 +173,28 @@ def test_last_logits_plan_carries_each_sequences_last_row_padded_to_the_seq_boun
     assert "logit_rows" not in planning.plan_step(decode, options, logits="last").per_rank
     with pytest.raises(ValueError, match="logits must be one of"):
         planning.plan_step(batches, options, logits="first")
+
+
+def test_tbo_step_takes_the_smallest_child_capacity_that_holds_every_split():
+    # Bucket 64 at threshold 0.48: the even split's 32 rows, or the bound's 33.
+    options = dataclasses.replace(OPTIONS, token_buckets=(64,))
+    assert planning.child_capacities(64, FM.EXTEND, None, options) == (32, 33)
+    assert planning.child_capacities(64, FM.DECODE, None, options) == (32,)
+    even = [rank(FM.EXTEND, 64, split=32), rank(FM.EXTEND, 40), IDLE]
+    uneven = [rank(FM.EXTEND, 64, split=33), IDLE]
+    assert planning.decide(even, options).child_capacity == 32
+    assert planning.decide(uneven, options).child_capacity == 33
+    one = dataclasses.replace(options, child_buckets=1)
+    assert planning.decide(even, one).child_capacity == 33
+    forced = planning.decide(even, options, child_capacity=33)
+    assert forced.child_capacity == 33
+    assert forced.split_token_index == planning.decide(even, options).split_token_index
+    with pytest.raises(ValueError, match=r"child_capacity=40 is not one of this step's \(32, 33\)"):
+        planning.decide(even, options, child_capacity=40)
+    with pytest.raises(ValueError, match="child_capacity=32 does not hold every rank's split"):
+        planning.decide(uneven, options, child_capacity=32)
+    plain = dataclasses.replace(options, enable_tbo=False)
+    with pytest.raises(ValueError, match="child_capacity=33 for a step that cannot run TBO"):
+        planning.decide(even, plain, child_capacity=33)
+    with pytest.raises(ValueError, match="child_buckets=0 must be >= 1"):
+        dataclasses.replace(options, child_buckets=0)

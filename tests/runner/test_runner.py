@@ -441,6 +441,7 @@ def _every_option_set(tmp_path) -> tuple[layer_ops.MoEOptions, tbo_options.TboOp
         enable_two_batch_overlap="auto", tbo_token_distribution_threshold=0.3,
         tbo_round_barriers=True, tbo_issue_barriers=False, tbo_auto_trials=2,
         tbo_auto_margin=0.1, tbo_timer=lambda shape, use_tbo, run: 1.0, tbo_plan=plan,
+        tbo_child_buckets=3,
     )  # fmt: skip
     kwargs = dict(
         max_total_tokens=32, max_running_requests=3, token_buckets=(8, 16),
@@ -471,6 +472,7 @@ def test_every_parallel_and_plan_option_is_settable_through_the_runner(tmp_path)
     assert plan == dict(
         attn_tp_size=2, token_buckets=(8, 16), seq_capacity=3, max_context=32, enable_tbo=True,
         threshold=0.3, query_tile=16, attention_backend="pallas", dp_padding="sum_len",
+        child_buckets=3,
     )  # fmt: skip
     auto = runner._tbo_auto
     assert (auto.trials, auto.margin, auto.timer) == (2, 0.1, tbo.tbo_timer)
@@ -577,6 +579,22 @@ def test_warmup_compiles_the_extend_programs_of_the_sequence_buckets_served():
         assert runner.compile_count == warm + compiles_on_serving
     with pytest.raises(ValueError, match=r"seq_counts \[33\] outside \[1, max_running_requests"):
         runner.warmup([32], [split.ForwardMode.EXTEND], seq_counts=(1, 33))
+
+
+def test_warmup_compiles_every_child_capacity_of_a_tbo_bucket():
+    # Bucket 64 has child capacities 32 (an even split) and 33 (the bound): warm-up compiles
+    # both, an even and an uneven step then compile nothing, and the runner counts the
+    # two TBO steps.
+    model = model_lib.MoEModel(config_lib.MoEConfig.tiny(), rngs=nnx.Rngs(0))
+    runner = runner_lib.ModelRunner(
+        model, mesh_lib.make_mesh(8, 1), tbo=tbo_options.TboOptions(enable_two_batch_overlap=True),
+        max_total_tokens=160, max_running_requests=4, token_buckets=(64,), dtype=jnp.float32,
+    )  # fmt: skip
+    assert runner.warmup([64], [split.ForwardMode.EXTEND]) == 2
+    rng = np.random.default_rng(8)
+    for lens in ([20, 20], [33, 31]):  # splits 20 / 20 and 33 / 31
+        runner.forward([helpers.Rank().extend(_prompts(rng, lens))] + [None] * 7)
+    assert runner.compile_count == 2 and runner.num_tbo_steps == 2 + 2
 
 
 @pytest.mark.parametrize("tbo", [False, True])

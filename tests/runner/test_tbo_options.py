@@ -24,6 +24,7 @@ def test_the_switch_reads_as_enabled_and_auto(switch, enabled, auto):
     [
         (dict(enable_two_batch_overlap="on"), "True, False or 'auto', got 'on'"),
         (dict(tbo_token_distribution_threshold=0.6), "tbo_token_distribution_threshold"),
+        (dict(tbo_child_buckets=0), "tbo_child_buckets=0 must be >= 1"),
         (dict(tbo_auto_trials=0), "tbo_auto_trials must be an int >= 1"),
         (dict(tbo_auto_margin=-0.1), "tbo_auto_margin must be in"),
         (dict(tbo_timer=_timer), "need enable_two_batch_overlap='auto', got False"),

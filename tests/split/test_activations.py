@@ -1,5 +1,5 @@
 """In-graph split_inputs / merge_outputs against numpy, one trace across split indices, and the
-child-capacity bound against the planner."""
+child-capacity bound (and the capacities between the even split and it) against the planner."""
 
 import math
 
@@ -13,6 +13,7 @@ from hypothesis import given, settings
 
 from jtbo.split import (
     ForwardMode,
+    child_capacities,
     child_capacity,
     compute_split_seq_index,
     compute_split_token_index,
@@ -167,3 +168,42 @@ def test_decode_like_plans_fit_child_capacity(bs, per_seq, slack):
     tight = child_capacity(n + slack, token_num_per_seq=per_seq, decode_like=True)
     assert plan_fits_capacity(t, n, child_capacity=tight)
     assert tight <= cap
+
+
+def test_child_capacities_values():
+    # 4096 tokens at the default threshold: the even split's 2048, the bound 2129.
+    assert child_capacities(4096) == (2048, 2129)
+    assert child_capacities(4096, count=4) == (2048, 2075, 2102, 2129)
+    assert child_capacities(4096, count=1) == (2129,)
+    assert child_capacities(4096, count=4, attn_tp_size=64) == (2048, 2112, 2176)
+    assert child_capacities(128, decode_like=True, count=3) == (64,)
+    assert child_capacities(7, threshold=0.5) == (4,)  # the bound is the even split
+    assert child_capacities(0) == (0,)
+    with pytest.raises(ValueError, match="count=0"):
+        child_capacities(16, count=0)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 60), min_size=1, max_size=12),
+    slack=st.integers(0, 40),
+    threshold=st.sampled_from([0.0, 0.2, 0.48, 0.5]),
+    tp=st.sampled_from([1, 2, 4]),
+    count=st.integers(1, 5),
+)
+def test_child_capacities_hold_the_even_split_first_and_every_split_last(
+    lens, slack, threshold, tp, count
+):
+    # Increasing multiples of tp ending at the bound; the smallest holds a parent's even
+    # split (both halves at most ceil(C / 2)); the bound holds every planned split.
+    n = sum(lens)
+    capacity = n + slack
+    caps = child_capacities(capacity, count=count, threshold=threshold, attn_tp_size=tp)
+    assert list(caps) == sorted(set(caps)) and len(caps) <= count
+    assert caps[-1] == child_capacity(capacity, threshold=threshold, attn_tp_size=tp)
+    assert all(cap % tp == 0 for cap in caps)
+    assert plan_fits_capacity(capacity // 2, capacity, child_capacity=caps[0])
+    mode = ForwardMode.EXTEND
+    s = compute_split_seq_index(mode, n, lens, None, threshold=threshold)
+    t = compute_split_token_index(s, mode, lens, None, threshold=threshold)
+    assert plan_fits_capacity(t, n, child_capacity=caps[-1])
