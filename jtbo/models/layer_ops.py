@@ -37,6 +37,7 @@ from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
 from jtbo.models import moe_exchange, router
+from jtbo.overlap import row_joint
 
 MOE_BACKENDS = ("ep", "none")
 MOE_RUNNER_BACKENDS = ("auto", "xla", "pallas", "mosaic")
@@ -300,10 +301,10 @@ def attention_operations(layer: model_lib.DecoderLayer, parallel: ParallelConfig
         state.hidden_states_after_attn, box.kv_cache = box.after_attention(out, cache)
 
     return dict(
-        comm_prepare_attn=comm_prepare_attn,
-        attn_prepare=attn_prepare,
+        comm_prepare_attn=row_joint.RowWiseOperation(comm_prepare_attn),
+        attn_prepare=row_joint.RowWiseOperation(attn_prepare),
         attn_core=attn_core,
-        comm_prepare_mlp=_comm_prepare_mlp(layer, parallel),
+        comm_prepare_mlp=row_joint.RowWiseOperation(_comm_prepare_mlp(layer, parallel)),
     )
 
 
@@ -354,7 +355,7 @@ def dense_layer_operations(
 
     return dict(
         attention_operations(layer, parallel),
-        mlp=mlp,
+        mlp=row_joint.RowWiseOperation(mlp),
         comm_postprocess_layer=comm_postprocess_layer,
     )
 
@@ -408,7 +409,7 @@ def _routing_operations(moe: model_lib.MoEBlock, config: config_lib.MoEConfig) -
         state.topk_weights_local = weights
         state.topk_ids_local = _padding_ids(ids, state.num_tokens)
 
-    return dict(gate=gate, select_experts=select_experts)
+    return dict(gate=row_joint.RowWiseOperation(gate), select_experts=select_experts)
 
 
 def _output_operations(moe: model_lib.MoEBlock) -> dict:
@@ -427,7 +428,9 @@ def _output_operations(moe: model_lib.MoEBlock) -> dict:
     def comm_postprocess_layer(state):
         return _postprocess(state, state.pop("hidden_states_mlp_output"))
 
-    ops = dict(output=output, comm_postprocess_layer=comm_postprocess_layer)
+    ops = dict(
+        output=row_joint.RowWiseOperation(output), comm_postprocess_layer=comm_postprocess_layer
+    )
     if moe.shared is not None:
-        ops["shared_experts"] = shared_experts
+        ops["shared_experts"] = row_joint.RowWiseOperation(shared_experts)
     return ops

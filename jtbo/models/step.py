@@ -200,7 +200,9 @@ def _run_tbo(
     the micro-batches run in lockstep, operation by operation, and operations with a joint form
     once for both (``operations.execute_lockstep_operations``): the routed experts then run one
     grouped GEMM over both micro-batches' rows, which reads each expert weight once, as the
-    plain step does.
+    plain step does. Micro-batches of at most ``SINGLE_DEVICE_MERGE_MAX_ROWS`` rows (bound by
+    launches and weight reads, not by compute) also run the row-wise operations (norms,
+    projections, router gate, shared experts) once over both (``jtbo.overlap.row_joint``).
 
     ``operations_of(params) -> (ops, delta)`` builds one micro-batch's operation list over a
     view of the parameters. Where one micro-batch's exchange must run beside the other's
@@ -245,8 +247,9 @@ def _run_tbo(
         )  # fmt: skip
     else:
         outputs = operations.execute_lockstep_operations(
-            children, [ops for ops, _ in built], contexts_arr=contexts, barriers=barriers
-        )
+            children, [ops for ops, _ in built], contexts_arr=contexts, barriers=barriers,
+            join_row_wise=child_capacity <= SINGLE_DEVICE_MERGE_MAX_ROWS,
+        )  # fmt: skip
     if "logit_rows" in per_rank:
         return activations.take_merged_rows(*outputs, t, per_rank["logit_rows"])
     capacity = per_rank["input_ids"].shape[0]
@@ -450,7 +453,8 @@ def pack_step_inputs(per_rank: dict, replicated: dict) -> StepInputs:
 
 
 SINGLE_DEVICE_MERGE_MAX_ROWS = 1024
-"""Micro-batch rows up to which a one-device TBO step lets XLA merge A's and B's matmuls."""
+"""Micro-batch rows up to which a one-device TBO step lets XLA merge A's and B's matmuls and
+runs the row-wise operations once over both micro-batches (``_run_tbo``)."""
 SINGLE_DEVICE_DOT_MERGER_MB = 1 << 20
 """``xla_gpu_dot_merger_threshold_mb`` of a small TBO step on one device: merge at any size."""
 GPU_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"

@@ -82,7 +82,7 @@ def prologue_operations(
         hidden = model.embed(input_ids)
         return dict(hidden_states=hidden, residual=jnp.zeros_like(hidden), positions=positions)
 
-    ops: list[operations.Operation] = [operations.ExecutionOperation("embed", embed)]
+    ops: list[operations.Operation] = [operations.ExecutionOperation("embed", embed, row_wise=True)]
     dense = model.layers[: _leading_dense(model)]
     if not dense:
         return ops + [operations.YieldOperation()]
@@ -135,14 +135,11 @@ def epilogue_operations(model: model_lib.MoEModel, two_stages: bool, lm_head: bo
     def logits(state, hidden_states):
         return dict(logits=model.logits(hidden_states))
 
+    norm_op = operations.ExecutionOperation("final_norm", final_norm, row_wise=True)
     if not lm_head:
-        return [operations.ExecutionOperation("final_norm", final_norm)]
+        return [norm_op]
     middle = [operations.YieldOperation()] if two_stages else []
-    return [
-        operations.ExecutionOperation("final_norm", final_norm),
-        *middle,
-        operations.ExecutionOperation("logits", logits),
-    ]
+    return [norm_op, *middle, operations.ExecutionOperation("logits", logits, row_wise=True)]
 
 
 def step_operations(

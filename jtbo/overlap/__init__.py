@@ -17,6 +17,7 @@ from jtbo.overlap.operations import (
     execute_overlapped_operations,
 )
 from jtbo.overlap.report import OverlapReport, coverage, format_report, overlap_report
+from jtbo.overlap.row_joint import RowWiseOperation
 from jtbo.overlap.strategy import LayerFamily, OperationsStrategy
 from jtbo.overlap.xla_options import TBO_XLA_OPTIONS, TboXlaOptions, tbo_compiler_options
 
@@ -31,6 +32,7 @@ __all__ = [
     "LayerFamily",
     "Operation",
     "OperationState",
+    "RowWiseOperation",
     "OperationsStrategy",
     "OverlapReport",
     "TboXlaOptions",

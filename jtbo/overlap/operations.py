@@ -50,6 +50,8 @@ from typing import Any
 import jax
 from jax import lax
 
+from jtbo.overlap import row_joint
+
 MICRO_BATCH_SCOPES = ("tbo_a", "tbo_b")  # named scopes of micro-batch A and B
 JOINT_SCOPE = "tbo_joint"  # named scope of an operation run once for both micro-batches
 
@@ -70,12 +72,15 @@ class ExecutionOperation:
     """A named operation: ``fn(state, **inputs) -> outputs`` (outputs a mapping or None).
 
     ``joint_fn``, where given, does the operation's work for both micro-batches at once; only
-    the lockstep executor (``execute_lockstep_operations``) calls it.
+    the lockstep executor (``execute_lockstep_operations``) calls it. ``row_wise`` marks an
+    operation whose every array has the rows as leading axis and whose rows do not mix
+    (``row_joint``): the lockstep executor may run it once over both micro-batches' rows.
     """
 
     debug_name: str  # shown as a named scope in the compiled program's op_name
     fn: Callable[..., Mapping[str, Any] | None]
     joint_fn: JointFn | None = None
+    row_wise: bool = False  # rows independent: row_joint.run_joint may run it for both
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,6 +380,7 @@ def execute_lockstep_operations(
     *,
     contexts_arr: Sequence[Mapping[str, Any] | None] = (None, None),
     barriers: bool = False,
+    join_row_wise: bool = False,
 ) -> list[Mapping[str, Any] | None]:
     """Runs micro-batches A and B operation by operation, joint operations once for both.
 
@@ -391,6 +397,9 @@ def execute_lockstep_operations(
       contexts_arr: read-only state entries of A and of B.
       barriers: close every round with an ``optimization_barrier`` over both micro-batches'
         live arrays, as ``execute_overlapped_operations`` does.
+      join_row_wise: also run every ``row_wise`` operation once over both micro-batches' rows
+        (``row_joint.run_joint``): where the micro-batches are small, a second launch of each
+        small kernel costs more than concatenating their rows.
 
     Returns:
       [output of A, output of B].
@@ -412,15 +421,19 @@ def execute_lockstep_operations(
         raise ValueError(f"lockstep needs the same operations in A and B: {names[0]} vs {names[1]}")
     for stages in zip(*(e.stages for e in executors), strict=True):
         for ops in zip(*stages, strict=True):
-            _run_lockstep_operation(executors, ops)
+            _run_lockstep_operation(executors, ops, join_row_wise)
         if barriers:
             _pin_round(executors)
     return [e.stage_output for e in executors]
 
 
-def _run_lockstep_operation(executors: Sequence[_StageExecutor], ops: Sequence[ExecutionOperation]):
+def _run_lockstep_operation(
+    executors: Sequence[_StageExecutor], ops: Sequence[ExecutionOperation], join_row_wise: bool
+):
     """One operation of both micro-batches: its joint form once, else A's then B's."""
     joint_fn = ops[0].joint_fn
+    if joint_fn is None and join_row_wise and ops[0].row_wise:
+        joint_fn = functools.partial(row_joint.run_joint, ops[0].fn)
     if joint_fn is not None:
         with jax.named_scope(JOINT_SCOPE), jax.named_scope(ops[0].debug_name):
             outputs = joint_fn(

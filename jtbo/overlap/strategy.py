@@ -31,7 +31,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jtbo.overlap import operations
+from jtbo.overlap import operations, row_joint
 from jtbo.split import forward_mode as forward_mode_lib
 
 ForwardMode = forward_mode_lib.ForwardMode
@@ -183,7 +183,10 @@ def layer_operations(
 
 
 def _execution_operation(debug_name: str, op) -> operations.ExecutionOperation:
-    """A layer's callable, or ``JointOperation`` (keeping its joint form), as an operation."""
+    """A layer's callable, ``JointOperation`` (keeping its joint form) or
+    ``row_joint.RowWiseOperation`` (keeping the mark), as an operation."""
     if isinstance(op, operations.JointOperation):
         return operations.ExecutionOperation(debug_name, op.fn, op.joint_fn)
+    if isinstance(op, row_joint.RowWiseOperation):
+        return operations.ExecutionOperation(debug_name, op.fn, row_wise=True)
     return operations.ExecutionOperation(debug_name=debug_name, fn=op)

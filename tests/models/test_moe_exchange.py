@@ -12,7 +12,7 @@ from jtbo.models import config as config_lib
 from jtbo.models import experts as experts_lib
 from jtbo.models import layer_ops, moe_exchange
 from jtbo.models import model as model_lib
-from jtbo.overlap import operations
+from jtbo.overlap import operations, row_joint
 from jtbo.runner import runner as runner_lib
 from jtbo.runner import tbo_options
 from tests.runner import helpers
@@ -39,6 +39,11 @@ def test_one_device_tbo_runs_both_micro_batches_experts_as_one_call(moe, monkeyp
         "experts_ffn_slots",
         lambda x, *a, **k: calls.append(x.shape) or ffn(x, *a, **k),
     )
+    joint_ops = []  # row-wise operations run once for both micro-batches (small ones)
+    run_joint = row_joint.run_joint
+    monkeypatch.setattr(
+        row_joint, "run_joint", lambda fn, *a: joint_ops.append(fn.__name__) or run_joint(fn, *a)
+    )
     runner = runner_lib.ModelRunner(
         model, mesh_lib.make_mesh(1, 1), moe=moe, max_total_tokens=64, max_running_requests=4,
         token_buckets=(16, 32), dtype=jnp.float32,
@@ -64,6 +69,8 @@ def test_one_device_tbo_runs_both_micro_batches_experts_as_one_call(moe, monkeyp
     # One call per MoE layer and traced step (two extend buckets and a decode program), not
     # one per micro-batch.
     assert len(calls) == 3 * sum(config.is_moe_layer), calls
+    row_wise = {"embed", "comm_prepare_attn", "attn_prepare", "comm_prepare_mlp", "gate", "output"}
+    assert row_wise | {"final_norm"} <= set(joint_ops), sorted(set(joint_ops))
 
 
 @pytest.mark.parametrize("backend", ["ep", "none"])
