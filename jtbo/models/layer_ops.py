@@ -37,7 +37,7 @@ from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
 from jtbo.models import moe_exchange, router
-from jtbo.overlap import row_joint
+from jtbo.overlap import operations, row_joint
 
 MOE_BACKENDS = ("ep", "none")
 MOE_RUNNER_BACKENDS = ("auto", "xla", "pallas", "mosaic")
@@ -403,13 +403,31 @@ def _routing_operations(moe: model_lib.MoEBlock, config: config_lib.MoEConfig) -
     def gate(state):
         state.router_logits = moe.router.gate(state.hidden_states_mlp_input)
 
-    def select_experts(state):
+    def top_k(router_logits):
         bias = None if moe.router.correction_bias is None else moe.router.correction_bias[...]
-        weights, ids = router.select_experts(state.pop("router_logits"), bias, config)
+        return router.select_experts(router_logits, bias, config)
+
+    def set_selection(state, selection):
+        weights, ids = selection
         state.topk_weights_local = weights
         state.topk_ids_local = _padding_ids(ids, state.num_tokens)
 
-    return dict(gate=row_joint.RowWiseOperation(gate), select_experts=select_experts)
+    def select_experts(state):
+        set_selection(state, top_k(state.pop("router_logits")))
+
+    def select_experts_joint(states, inputs):
+        # Top-k is row-wise; the padding mask reads each micro-batch's own token count, so it
+        # runs after the split.
+        del inputs  # the selection reads the state only
+        logits, rows = row_joint.concat_rows([state.pop("router_logits") for state in states])
+        for state, selection in zip(states, row_joint.split_rows(top_k(logits), rows), strict=True):
+            set_selection(state, selection)
+        return None, None
+
+    return dict(
+        gate=row_joint.RowWiseOperation(gate),
+        select_experts=operations.JointOperation(select_experts, select_experts_joint),
+    )
 
 
 def _output_operations(moe: model_lib.MoEBlock) -> dict:
