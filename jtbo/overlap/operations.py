@@ -20,7 +20,9 @@ staggering has nothing to hide and only costs: each micro-batch runs its own hal
 kernels and reads every weight again. The lockstep executor runs A's and B's operations side
 by side, one operation at a time, and an operation that has a joint form (``JointOperation``)
 runs it once for both, e.g. the routed experts' grouped GEMM over both micro-batches' rows.
-Both micro-batches reach each yield together, so round barriers pin one stage of each.
+With ``join_row_wise`` an operation marked ``row_wise`` runs once as well, over both
+micro-batches' concatenated rows (``row_joint``). Both micro-batches reach each yield
+together, so round barriers pin one stage of each.
 
 Round barriers (optional). ``lax.optimization_barrier`` over both micro-batches' live arrays
 after every round pins the rounds: nothing of round ``k + 1`` can be hoisted above the
