@@ -103,8 +103,7 @@ class PlanOptions:
         """
         if self.query_tile < 1:
             raise ValueError(f"query_tile={self.query_tile} must be >= 1")
-        if self.child_buckets < 1:
-            raise ValueError(f"child_buckets={self.child_buckets} must be >= 1")
+        split.activations.check_child_buckets(self.child_buckets, "child_buckets")
         if self.dp_padding not in DP_PADDING_CHOICES:
             raise ValueError(f"dp_padding={self.dp_padding!r} must be one of {DP_PADDING_CHOICES}")
 
@@ -417,8 +416,13 @@ def child_capacities(
         token_num_per_seq=draft_token_num or 1,
         decode_like=mode.is_decode() or mode.is_target_verify(),
     )
-    multiple = math.lcm(options.attn_tp_size, draft_token_num or 1)
+    multiple = _capacity_multiple(options, draft_token_num)
     return tuple(sorted({arith.round_up(value, multiple) for value in values}))
+
+
+def _capacity_multiple(options: PlanOptions, draft_token_num: int | None) -> int:
+    """What a step's capacities are multiples of: ``attn_tp_size`` and the draft size."""
+    return math.lcm(options.attn_tp_size, draft_token_num or 1)
 
 
 def _fitting_child(summaries, choices, forced: int | None):
@@ -427,9 +431,10 @@ def _fitting_child(summaries, choices, forced: int | None):
     if forced is not None:
         if forced not in choices:
             raise ValueError(f"child_capacity={forced} is not one of this step's {choices}")
-        if _split_indices(summaries, forced) is None:
+        indices = _split_indices(summaries, forced)
+        if indices is None:
             raise ValueError(f"child_capacity={forced} does not hold every rank's split")
-        choices = (forced,)
+        return forced, indices
     for choice in choices:
         indices = _split_indices(summaries, choice)
         if indices is not None:
@@ -460,9 +465,9 @@ def decide(
     draft = _draft_token_num(summaries)
     kind = _attention_kind(summaries, draft)
     counts = tuple(int(s.num_tokens) for s in summaries)
-    multiple = math.lcm(options.attn_tp_size, draft or 1)
     capacity = arith.round_up(
-        split.token_bucket(max(max(counts), 1), options.token_buckets), multiple
+        split.token_bucket(max(max(counts), 1), options.token_buckets),
+        _capacity_multiple(options, draft),
     )
     mode = _tbo_mode(summaries) if options.enable_tbo else None
     child_cap, indices = None, None

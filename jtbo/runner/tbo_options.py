@@ -64,8 +64,7 @@ class TboOptions:
         """
         tbo_auto.parse_switch(self.enable_two_batch_overlap)
         split.plan.check_threshold(self.tbo_token_distribution_threshold)
-        if self.tbo_child_buckets < 1:
-            raise ValueError(f"tbo_child_buckets={self.tbo_child_buckets} must be >= 1")
+        split.activations.check_child_buckets(self.tbo_child_buckets, "tbo_child_buckets")
         tbo_auto.check_settings(self.tbo_auto_trials, self.tbo_auto_margin)
         if not self.auto and (self.tbo_plan is not None or self.tbo_timer is not None):
             raise ValueError(

@@ -90,6 +90,12 @@ DEFAULT_CHILD_BUCKETS = 2
 """Child capacities per parent bucket (``child_capacities``): the even split's and the bound."""
 
 
+def check_child_buckets(count: int, name: str = "count") -> None:
+    """Raises ValueError (naming the field ``name``) unless ``count >= 1`` child capacities."""
+    if count < 1:
+        raise ValueError(f"{name}={count} must be >= 1")
+
+
 def child_capacities(
     token_capacity: int,
     *,
@@ -124,15 +130,14 @@ def child_capacities(
     Raises:
       ValueError: ``count < 1``, or what ``child_capacity`` raises.
     """
-    if count < 1:
-        raise ValueError(f"count={count} must be >= 1")
+    check_child_buckets(count)
     bound = child_capacity(
         token_capacity, threshold=threshold, attn_tp_size=attn_tp_size,
         token_num_per_seq=token_num_per_seq, decode_like=decode_like,
     )  # fmt: skip
-    even = min(arith.round_up(arith.ceil_div(token_capacity, 2), attn_tp_size), bound)
     if decode_like or count == 1:
         return (bound,)
+    even = min(arith.round_up(arith.ceil_div(token_capacity, 2), attn_tp_size), bound)
     steps = [even + arith.ceil_div((bound - even) * i, count - 1) for i in range(count)]
     return tuple(sorted({arith.round_up(value, attn_tp_size) for value in steps}))
 
