@@ -47,6 +47,11 @@ class MoEConfig:
     rope_yarn_mscale_all_dim: float = _field(
         0.0, "YaRN: mscale of the softmax scale, applied squared (0: unset)"
     )
+    max_position_embeddings: int | None = _field(
+        None,
+        "positions the model was trained for (Hugging Face max_position_embeddings): the "
+        "runner's default longest context; None: no bound of the model's own",
+    )
     rms_norm_eps: float = _field(1e-6, "epsilon inside every RMSNorm")
     first_k_dense: int = _field(1, "the first k layers use a dense MLP instead of the MoE")
     decoder_sparse_step: int = _field(

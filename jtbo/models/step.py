@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import mesh as mesh_lib
-from jtbo.models import ep_dispatchers, layer_ops, step_operations
+from jtbo.models import ep_dispatchers, layer_ops, step_io, step_operations
 from jtbo.models import model as model_lib
 from jtbo.overlap import operations, xla_options
 from jtbo.split import activations, packing
@@ -258,7 +258,7 @@ def _run_tbo(
 
 def step_body(
     graphdef, parallel, mode, child_capacity, dispatchers, params, kv_cache, per_rank, replicated,
-    *, isolate_micro_batches: bool = False,
+    prev_tokens=None, *, isolate_micro_batches: bool = False, sampler_key=None,
 ):  # fmt: skip
     """One DP rank's forward over local shards (the ``shard_map`` body).
 
@@ -272,17 +272,31 @@ def step_body(
       kv_cache: this rank's ``KVCache`` with a leading axis of 1.
       per_rank: this rank's inputs with a leading axis of 1 (see ``make_step``).
       replicated: the DP contexts.
+      prev_tokens: ``[1, rows]`` the previous step's token output on this rank, read by the
+        rows ``per_rank["token_source"]`` names (``step_io.resolve_input_ids``); None when the
+        plan has no ``token_source``.
       isolate_micro_batches: run A and B staggered and kept apart for run-time overlap (TBO on
         multi-device meshes); False runs them in lockstep, joint operations once for both
         (one-device meshes; ``_run_tbo``).
+      sampler_key: a ``step_io.SamplerKey`` to return token ids instead of logits (static).
 
     Returns:
       ``(logits [1, rows, vocab], kv_cache, overflow [micro-batches, 2],
       peak_load [micro-batches, 2])``: ``rows`` is the capacity, or the width of
-      ``per_rank["logit_rows"]`` when the plan has it.
+      ``per_rank["logit_rows"]`` when the plan has it. With ``sampler_key`` the first item is
+      ``step_io.step_output``'s dict instead, each leaf with a leading axis of 1.
     """
     per_rank = _squeeze_rank(per_rank)
-    box = layer_ops.StepBox(_squeeze_rank(kv_cache), 1 if child_capacity is None else 2)
+    cache = _squeeze_rank(kv_cache)
+    if "page_writes" in per_rank:  # the step's new tokens' slots, before attention reads them
+        table = step_io.write_pages(cache.req_to_token, per_rank["page_writes"])
+        cache = dataclasses.replace(cache, req_to_token=table)
+    if "token_source" in per_rank:  # rows whose ids the previous step sampled on the devices
+        ids = step_io.resolve_input_ids(
+            per_rank["input_ids"], per_rank["token_source"], prev_tokens[0]
+        )
+        per_rank = dict(per_rank, input_ids=ids)
+    box = layer_ops.StepBox(cache, 1 if child_capacity is None else 2)
     rows = per_rank.get("logit_rows")  # [width] rows to return, or None: every row
 
     def operations_of(view):
@@ -306,6 +320,8 @@ def step_body(
     logits = (
         out["logits"] if rows is None else nnx.merge(graphdef, params).logits(out["hidden_states"])
     )
+    if sampler_key is not None:
+        logits = step_io.step_output(logits, per_rank.get("sampling"), sampler_key)
     # Reduced over the EP group so every process reads the same counts (16 bytes each; the
     # only collectives outside both micro-batches).
     overflow = jax.lax.psum(jnp.stack(box.overflow), mesh_lib.TP_AXES)
@@ -365,8 +381,9 @@ def step_parallel(
 
 
 def _sharded_step(
-    graphdef, parallel, mesh, specs, params, kv_cache, per_rank_words, replicated_words, *, key
-):
+    graphdef, parallel, mesh, specs, params, kv_cache, per_rank_words, replicated_words,
+    prev_tokens=None, *, key,
+):  # fmt: skip
     """The ``shard_map`` of ``step_body`` over packed plan buffers for one compile key.
 
     ``per_rank_words`` is ``[dp, n]`` int32 and ``replicated_words`` ``[m]`` int32
@@ -375,7 +392,7 @@ def _sharded_step(
     per_rank_layout, replicated_layout = key.layouts
     parallel = step_parallel(parallel, key.child_capacity)
 
-    def body(params, kv_cache, per_rank_words, replicated_words):
+    def body(params, kv_cache, per_rank_words, replicated_words, prev_tokens):
         per_rank = packing.unpack(per_rank_words, per_rank_layout)  # leaves [1, ...]
         replicated = packing.unpack(replicated_words, replicated_layout)
         if mesh.devices.size > 1:
@@ -389,7 +406,8 @@ def _sharded_step(
             per_rank, replicated = jax.lax.optimization_barrier((per_rank, replicated))
         return step_body(
             graphdef, parallel, key.mode, key.child_capacity, key.dispatchers, params,
-            kv_cache, per_rank, replicated, isolate_micro_batches=mesh.devices.size > 1,
+            kv_cache, per_rank, replicated, prev_tokens,
+            isolate_micro_batches=mesh.devices.size > 1, sampler_key=key.sampler,
         )  # fmt: skip
 
     in_specs = (
@@ -397,15 +415,16 @@ def _sharded_step(
         KV_CACHE_SPEC,  # kv_cache: one pool per DP rank, kv heads over attn_tp
         P(mesh_lib.DP_AXIS),  # per_rank_words [dp, n]: one row per DP rank
         P(),  # replicated_words [m]: DP contexts
+        P(mesh_lib.DP_AXIS),  # prev_tokens [dp, rows] (or None): the last step's tokens
     )
     out_specs = (
-        P(mesh_lib.DP_AXIS),  # logits [dp, capacity or logit_rows width, vocab]
+        P(mesh_lib.DP_AXIS),  # logits [dp, capacity or logit_rows width, vocab] or tokens
         KV_CACHE_SPEC,  # the updated pools
         P(),  # overflow [micro-batches, 2], summed over every device
         P(),  # peak_load [micro-batches, 2], max over every device
     )
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(
-        params, kv_cache, per_rank_words, replicated_words
+        params, kv_cache, per_rank_words, replicated_words, prev_tokens
     )
 
 
@@ -521,6 +540,7 @@ class StepKey:
     mode: forward_mode_lib.ForwardMode  # the global mode (strategy layout)
     child_capacity: int | None  # TBO child rows; None: no TBO
     dispatchers: ep_dispatchers.Dispatchers | None  # EP dispatcher per micro-batch
+    sampler: step_io.SamplerKey | None = None  # token ids instead of logits; None: logits
 
 
 _STEP_IDS = itertools.count()
@@ -541,7 +561,9 @@ class Step:
         self._jitted: dict[StepKey, Any] = {}
         self.dispatchers = table
 
-    def key(self, inputs: StepInputs, *, mode, child_capacity, dispatchers) -> StepKey:
+    def key(
+        self, inputs: StepInputs, *, mode, child_capacity, dispatchers, sampler=None
+    ) -> StepKey:
         """The compile key of a step's (packed) arguments."""
         return StepKey(
             capacity=inputs.capacity,
@@ -549,12 +571,16 @@ class Step:
             mode=forward_mode_lib.ForwardMode(mode),
             child_capacity=child_capacity,
             dispatchers=dispatchers,
+            sampler=sampler,
         )
 
     def jitted(self, key: StepKey):
-        """The jitted ``(params, kv_cache, per_rank_words, replicated_words)`` of ``key``.
+        """The jitted ``(params, kv_cache, per_rank_words, replicated_words, prev_tokens=None)``
+        of ``key``.
 
-        The two buffers are ``StepInputs.per_rank`` / ``.replicated`` of ``key.layouts``.
+        The two buffers are ``StepInputs.per_rank`` / ``.replicated`` of ``key.layouts``;
+        ``prev_tokens`` is the previous step's ``[dp, rows]`` token output (plans with a
+        ``token_source``).
         """
         if key not in self._jitted:
             self._jitted[key] = self._build(key)
@@ -563,8 +589,8 @@ class Step:
     def _build(self, key: StepKey):
         bound = functools.partial(self._sharded_step, key=key)
 
-        def model_step(params, kv_cache, per_rank_words, replicated_words):
-            return bound(params, kv_cache, per_rank_words, replicated_words)
+        def model_step(params, kv_cache, per_rank_words, replicated_words, prev_tokens=None):
+            return bound(params, kv_cache, per_rank_words, replicated_words, prev_tokens)
 
         # chex counts traces per name + source + call stack: a unique name gives every
         # (Step, key) its own count, so the guard reads "this key traced once".
@@ -573,7 +599,7 @@ class Step:
         options = step_compiler_options(self._mesh, key.child_capacity)
         everywhere = _named(self._mesh, P())
         out_shardings = (  # the shard_map's out_specs on the mesh (_sharded_step)
-            _named(self._mesh, P(mesh_lib.DP_AXIS)),  # logits
+            _named(self._mesh, P(mesh_lib.DP_AXIS)),  # logits (or tokens, finite, logprobs)
             kv_cache_shardings(self._mesh),  # the pools: as the runner created them
             everywhere,  # overflow
             everywhere,  # peak_load
@@ -602,10 +628,19 @@ class Step:
         )
         return dataclasses.replace(inputs, per_rank=per_rank, replicated=replicated)
 
-    def __call__(self, params, kv_cache, inputs: StepInputs, *, mode, child_capacity, dispatchers):
+    def __call__(
+        self, params, kv_cache, inputs: StepInputs, *, mode, child_capacity, dispatchers,
+        sampler=None, prev_tokens=None,
+    ):  # fmt: skip
         """Runs the step (see ``make_step``) on packed inputs (``pack_step_inputs``)."""
-        key = self.key(inputs, mode=mode, child_capacity=child_capacity, dispatchers=dispatchers)
-        return self.jitted(key)(params, kv_cache, inputs.per_rank, inputs.replicated)
+        key = self.key(
+            inputs, mode=mode, child_capacity=child_capacity, dispatchers=dispatchers,
+            sampler=sampler,
+        )  # fmt: skip
+        args = (params, kv_cache, inputs.per_rank, inputs.replicated)
+        if prev_tokens is not None:
+            args += (prev_tokens,)
+        return self.jitted(key)(*args)
 
     @property
     def num_keys(self) -> int:

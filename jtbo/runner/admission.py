@@ -28,18 +28,26 @@ class Request:
       prompt: [prompt_len] token ids.
       row: its page-table row.
       slots: [prompt_len + max_new_tokens] its reserved KV slots, by position.
-      prefilled: prompt tokens already run.
-      generated: tokens generated so far.
-      generator: the request's seeded generator when it is sampled (``jtbo.runner.sampling``).
+      request_id: the id that keys its random draws (``jtbo.models.sampler``).
+      prefilled: prompt tokens already dispatched.
+      generated: tokens read back so far.
+      logprobs: their log-probabilities, when asked for.
+      dispatched: tokens whose step was dispatched (read back or not).
+      source_step: the step that makes its latest dispatched token.
+      source_row: that token's row of the step's token output.
     """
 
     index: int
     prompt: np.ndarray  # [prompt_len]
     row: int
     slots: np.ndarray  # [prompt_len + max_new_tokens]
+    request_id: int = 0
     prefilled: int = 0
     generated: list[int] = dataclasses.field(default_factory=list)
-    generator: np.random.Generator | None = None  # sampling only
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    dispatched: int = 0
+    source_step: object = None  # a token_step.PendingStep
+    source_row: int = -1
 
 
 def running_limit(max_running_requests: int, token_buckets) -> int:
@@ -79,13 +87,14 @@ class RankQueue:
           max_new_tokens: tokens each request generates (its slots are reserved now).
         """
         while self.waiting and self.free_rows and len(self.running) < self.limit:
-            index, prompt = self.waiting[0]
+            index, prompt, request_id = self.waiting[0]
             need = len(prompt) + max_new_tokens
             if need > len(self.free_slots):
                 return
             self.waiting.popleft()
             slots = np.array([self.free_slots.popleft() for _ in range(need)], np.int32)
-            self.running.append(Request(index, prompt, self.free_rows.pop(0), slots))
+            row = self.free_rows.pop(0)
+            self.running.append(Request(index, prompt, row, slots, request_id))
 
     def release(self, request: Request) -> None:
         """Returns a finished request's row and slots to the rank."""

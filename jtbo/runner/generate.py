@@ -1,16 +1,24 @@
-"""A small serving loop over many requests (``ModelRunner.generate``), greedy by default.
+"""The serving loop over many requests (``ModelRunner.generate``): sampled on the devices and
+pipelined, so that the devices never wait for the host.
 
 Each DP rank has its own page-table rows and KV slots. Requests wait in a FIFO queue per rank
 and are admitted when a row and ``len(prompt) + max_new_tokens`` slots are free (reserved up
-front, so no preemption; ``jtbo.runner.admission``); one that could never fit is refused in
-its result. Every step, each rank either prefills (chunked: at most ``chunk_size`` prompt
-tokens over its admitted requests, so a long prompt spans several EXTEND steps), or decodes
-all its running requests, or idles; ranks decide independently, so EXTEND ranks meet DECODE
-and IDLE ranks in one step. The next token comes from the last row of a request's chunk
-(prefill done) or from its decode row, the only rows read back from the devices
-(``forward(logits="last")``): the argmax, or a sample (``jtbo.runner.sampling``:
-temperature, top-p, a seeded generator per request). Bad requests are rejected before any
-device work; the rest keep going.
+front, so no preemption; ``jtbo.runner.admission``); one that could never fit, or that is
+longer than the runner's ``max_context_len``, is refused in its own result and the rest are
+served. Every step, each rank either prefills (chunked: at most ``chunk_size`` prompt tokens
+over its admitted requests, so a long prompt spans several EXTEND steps), or decodes all its
+running requests, or idles; ranks decide independently, so EXTEND ranks meet DECODE and IDLE
+ranks in one step.
+
+The step samples each sequence's next token on the devices (``ModelRunner.dispatch``: the
+argmax, or temperature / top-p draws keyed by the seed, the request and the token's index,
+``jtbo.models.sampler``) and only token ids come back. The loop keeps one step in flight (as
+SGLang's overlap scheduler does): it plans and dispatches step N+1 before it reads step N's
+tokens, and step N+1's decode rows read their input ids from step N's device output. Planning
+needs only counts (how many tokens each request has been given), never the tokens
+themselves; a request's row and slots are released once the step that made its last token has
+been read, so a re-run of that step (an EP overflow) still finds them. The tokens are those of
+the synchronous loop (``pipeline=False``), which reads every step before planning the next.
 """
 
 import dataclasses
@@ -21,9 +29,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jtbo import split
-from jtbo.runner import admission, sampling
+from jtbo.runner import admission, sampling, token_step
 
 ForwardMode = split.ForwardMode
+DEFAULT_CHUNK_SIZE = 8192
+"""Prompt tokens a rank prefills per step at most (SGLang's chunked-prefill size on an
+H200-class GPU), capped by the runner's largest token bucket (``chunk_size_for``)."""
 
 
 @dataclasses.dataclass
@@ -37,9 +48,37 @@ class GenerationResult:
 
     token_ids: list[int]
     error: str | None = None
+    logprobs: list[float] | None = None
 
 
-def validate_prompt(prompt, vocab_size: int, max_new_tokens: int, max_tokens: int) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One step of ``generate`` (``step_log=``), for benchmarks.
+
+    Attributes:
+      kind: "extend" (every busy rank prefills), "decode" (every busy rank decodes) or
+        "mixed".
+      num_tokens: new tokens over all ranks.
+      num_seqs: sequences over all ranks.
+      host_s: host seconds to plan and dispatch the step (not waiting for the devices).
+      wall_s: seconds from the previous step's tokens reaching the host to this step's (the
+        first step: from the loop's start).
+    """
+
+    kind: str
+    num_tokens: int
+    num_seqs: int
+    host_s: float
+    wall_s: float
+
+
+def validate_prompt(
+    prompt,
+    vocab_size: int,
+    max_new_tokens: int,
+    max_tokens: int,
+    max_context_len: int | None = None,
+) -> str | None:
     """Returns why a prompt cannot be served, or None.
 
     Args:
@@ -47,6 +86,7 @@ def validate_prompt(prompt, vocab_size: int, max_new_tokens: int, max_tokens: in
       vocab_size: the model's vocabulary.
       max_new_tokens: tokens to generate.
       max_tokens: KV slots of one DP rank.
+      max_context_len: the longest context a request may hold (None: ``max_tokens``).
     """
     ids = np.asarray(prompt)
     if ids.ndim != 1 or ids.size == 0:
@@ -58,7 +98,18 @@ def validate_prompt(prompt, vocab_size: int, max_new_tokens: int, max_tokens: in
             f"prompt of {ids.size} tokens + max_new_tokens={max_new_tokens} exceeds the KV budget"
             f" of {max_tokens} tokens per DP rank"
         )
+    if max_context_len is not None and ids.size + max_new_tokens > max_context_len:
+        return (
+            f"prompt of {ids.size} tokens + max_new_tokens={max_new_tokens} exceeds "
+            f"max_context_len={max_context_len}"
+        )
     return None
+
+
+def chunk_size_for(runner) -> int:
+    """``generate``'s default chunk size for ``runner``: ``DEFAULT_CHUNK_SIZE``, at most the
+    largest token bucket (a larger chunk could not run in one step)."""
+    return min(DEFAULT_CHUNK_SIZE, max(runner.options.token_buckets))
 
 
 def _extend_batch(rank: admission.RankQueue, chunk_size: int):
@@ -90,54 +141,145 @@ def _extend_batch(rank: admission.RankQueue, chunk_size: int):
     ), chunks
 
 
-def _decode_batch(rank: admission.RankQueue):
-    requests = [r for r in rank.running if r.generated]
+def _decode_batch(rank: admission.RankQueue, max_new_tokens: int, in_flight):
+    """The rank's decode batch, its requests and each row's token source: the row of the
+    in-flight step's output that holds the request's last token, or -1 (read on the host)."""
+    requests = [r for r in rank.running if 0 < r.dispatched < max_new_tokens]
     if not requests:
         return None
-    positions = [len(r.prompt) + len(r.generated) - 1 for r in requests]
-    return split.ForwardBatch(
+    positions = [len(r.prompt) + r.dispatched - 1 for r in requests]
+    sources = [
+        r.source_row if in_flight is not None and r.source_step is in_flight else -1
+        for r in requests
+    ]
+    ids = [
+        0 if source >= 0 else r.generated[-1] for r, source in zip(requests, sources, strict=True)
+    ]
+    batch = split.ForwardBatch(
         forward_mode=ForwardMode.DECODE,
         batch_size=len(requests),
-        input_ids=[r.generated[-1] for r in requests],
+        input_ids=ids,
         positions=positions,
         out_cache_loc=[r.slots[p] for r, p in zip(requests, positions, strict=True)],
         req_pool_indices=[r.row for r in requests],
         seq_lens=[p + 1 for p in positions],
-    ), requests
+    )
+    return batch, requests, np.asarray(sources, np.int32)
 
 
-def _plan_rank(rank: admission.RankQueue, chunk_size: int):
+@dataclasses.dataclass
+class _RankWork:
+    """What one rank runs in a step: its batch, and per sequence the request that gets a
+    token from it (None: a prompt chunk that does not finish its prompt)."""
+
+    kind: str  # "extend", "decode" or "idle"
+    batch: split.ForwardBatch | None = None
+    makes: list = dataclasses.field(default_factory=list)  # [num_seqs] Request | None
+    sources: np.ndarray | None = None  # [num_tokens] token sources (decode)
+
+
+def _plan_rank(rank: admission.RankQueue, chunk_size: int, max_new_tokens: int, in_flight):
     batch, chunks = _extend_batch(rank, chunk_size)
     if batch is not None:
-        return batch, ("extend", chunks)
-    decoded = _decode_batch(rank)
-    if decoded is None:
-        return None, ("idle", [])
-    return decoded[0], ("decode", decoded[1])
-
-
-def _apply(
-    rank: admission.RankQueue, logits: np.ndarray, work, max_new_tokens: int, results, pick
-) -> int:
-    """Records the next tokens from one rank's logits, one row per sequence of the step (its
-    last token's: ``forward(logits="last")``; ``pick(request, row)`` chooses each); returns
-    how many tokens it generated."""
-    kind, items = work
-    made = 0
-    if kind == "extend":
-        for row, (request, n) in enumerate(items):
+        makes = [r if r.prefilled + n == len(r.prompt) else None for r, n in chunks]
+        for request, n in chunks:
             request.prefilled += n
-            if request.prefilled == len(request.prompt):
-                pick(request, logits[row])
-                made += 1
-    elif kind == "decode":
-        for row, request in enumerate(items):
-            pick(request, logits[row])
-            made += 1
-    for request in [r for r in rank.running if len(r.generated) >= max_new_tokens]:
-        results[request.index] = GenerationResult(request.generated[:max_new_tokens])
-        rank.release(request)
-    return made
+        return _RankWork("extend", batch, makes)
+    decoded = _decode_batch(rank, max_new_tokens, in_flight)
+    if decoded is None:
+        return _RankWork("idle")
+    return _RankWork("decode", decoded[0], decoded[1], decoded[2])
+
+
+def _row_sampling(work: _RankWork, params_of) -> token_step.RowSampling | None:
+    """The sampling parameters of a rank's sequences (None: all greedy)."""
+    params = [params_of(r) for r in work.makes]
+    if all(p.greedy for p in params):
+        return None
+    return token_step.RowSampling(
+        temperature=np.asarray([p.temperature for p in params], np.float32),
+        top_p=np.asarray([p.top_p for p in params], np.float32),
+        seed=np.asarray([p.seed for p in params], np.int32),
+        request_index=np.asarray([0 if r is None else r.request_id for r in work.makes], np.int32),
+        token_index=np.asarray([0 if r is None else r.dispatched for r in work.makes], np.int32),
+    )
+
+
+def _mark_dispatched(work: list[_RankWork], step) -> None:
+    """Counts the token each sequence of a dispatched step makes and where it will be."""
+    for rank_work in work:
+        for row, request in enumerate(rank_work.makes):
+            if request is not None:
+                request.dispatched += 1
+                request.source_step, request.source_row = step, row
+
+
+def _step_kind(work: list[_RankWork]) -> str:
+    kinds = {w.kind for w in work} - {"idle"}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
+class _Loop:
+    """The state of one ``generate`` call (see the module docstring)."""
+
+    def __init__(self, runner, ranks, results, max_new_tokens, params_of, on_token, logprobs):
+        self.runner, self.ranks, self.results = runner, ranks, results
+        self.max_new_tokens, self.params_of = max_new_tokens, params_of
+        self.on_token, self.logprobs = on_token, logprobs
+        self.made = 0
+
+    def dispatch(self, chunk_size: int, in_flight):
+        """Admits, plans and dispatches one step; returns ``(pending, work)``."""
+        for rank in self.ranks:
+            rank.admit(self.max_new_tokens)
+        work = [_plan_rank(r, chunk_size, self.max_new_tokens, in_flight) for r in self.ranks]
+        if in_flight is None and all(w.batch is None for w in work):
+            raise RuntimeError("no rank can make progress (a request cannot be admitted)")
+        pending = self.runner.dispatch(
+            [w.batch for w in work],
+            sampling=[None if w.batch is None else _row_sampling(w, self.params_of) for w in work],
+            token_sources=[w.sources for w in work],
+            after=in_flight,
+            logprobs=self.logprobs,
+        )
+        _mark_dispatched(work, pending)
+        return pending, work
+
+    def apply(self, pending, work: list[_RankWork]) -> None:
+        """Reads a step's tokens into its requests; releases the finished ones."""
+        for rank, rank_work, out in zip(
+            self.ranks, work, self.runner.resolve(pending), strict=True
+        ):
+            for row, request in enumerate(rank_work.makes):
+                if request is not None:
+                    self._append(request, out, row)
+            for request in [r for r in rank.running if len(r.generated) >= self.max_new_tokens]:
+                self.results[request.index] = GenerationResult(
+                    request.generated, None, request.logprobs if self.logprobs else None
+                )
+                rank.release(request)
+
+    def _append(self, request, out: token_step.StepTokens, row: int) -> None:
+        token = int(out.tokens[row])
+        request.generated.append(token)
+        if out.logprobs is not None:
+            request.logprobs.append(float(out.logprobs[row]))
+        self.made += 1
+        if self.on_token is not None:
+            self.on_token(request.index, token)
+
+
+def _params_of(sampling_params, count: int):
+    """Per prompt index, its ``SamplingParams`` (one for all, or one per prompt)."""
+    if isinstance(sampling_params, sampling.SamplingParams):
+        return lambda request: sampling_params
+    if len(sampling_params) != count:
+        raise ValueError(
+            f"sampling_params: {len(sampling_params)} entries for {count} prompts (pass one "
+            "SamplingParams for all, or one per prompt)"
+        )
+    listed = list(sampling_params)
+    return lambda request: sampling.GREEDY if request is None else listed[request.index]
 
 
 def generate(
@@ -146,10 +288,14 @@ def generate(
     *,
     max_new_tokens: int,
     dp_rank_of: Callable[[int], int] | None = None,
-    chunk_size: int = 32,
+    chunk_size: int | None = None,
     progress: bool | None = None,
-    sampling_params: sampling.SamplingParams = sampling.GREEDY,
+    sampling_params: sampling.SamplingParams | Sequence[sampling.SamplingParams] = sampling.GREEDY,
     on_token: Callable[[int, int], None] | None = None,
+    logprobs: bool = False,
+    pipeline: bool = True,
+    step_log: list[StepRecord] | None = None,
+    request_ids: Sequence[int] | None = None,
 ) -> list[GenerationResult]:
     """Generation for many prompts over all DP ranks (see the module docstring).
 
@@ -158,21 +304,80 @@ def generate(
       prompts: token-id sequences.
       max_new_tokens: tokens generated per prompt (>= 1).
       dp_rank_of: prompt index -> DP rank; round-robin when None.
-      chunk_size: prompt tokens a rank prefills per step.
+      chunk_size: prompt tokens a rank prefills per step; None: ``chunk_size_for(runner)``.
       progress: print a progress line (tokens/s) and, at the end, how many steps ran TBO
         and why (``runner.tbo_summary()``); None: only on a terminal.
-      sampling_params: greedy (default) or temperature / top-p sampling with a seed.
-      on_token: called as ``on_token(prompt_index, token_id)`` for every token as soon as it
-        is generated (streaming).
+      sampling_params: greedy (default) or temperature / top-p sampling with a seed, for
+        every prompt or one per prompt. A request's draws depend on its seed, its id
+        (``request_ids``) and the token's index only.
+      on_token: called as ``on_token(prompt_index, token_id)`` for every token once its step
+        has been read (streaming).
+      logprobs: also return each token's log-probability (``GenerationResult.logprobs``).
+      pipeline: dispatch each step before reading the last (False: read every step first;
+        the tokens are the same).
+      step_log: a list to append one ``StepRecord`` per step to.
+      request_ids: per prompt, the id that keys its random draws; None: its index.
 
     Returns:
       One ``GenerationResult`` per prompt, in order.
 
     Raises:
-      ValueError: ``max_new_tokens`` or ``chunk_size`` below 1.
+      ValueError: ``max_new_tokens`` or ``chunk_size`` below 1, ``sampling_params`` or
+        ``request_ids`` of another length than ``prompts``.
     """
+    chunk_size = chunk_size_for(runner) if chunk_size is None else chunk_size
     if max_new_tokens < 1 or chunk_size < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}, chunk_size={chunk_size} must be >= 1")
+    if request_ids is not None and len(request_ids) != len(prompts):
+        raise ValueError(f"request_ids: {len(request_ids)} entries for {len(prompts)} prompts")
+    params_of = _params_of(sampling_params, len(prompts))
+    ranks, results = _queue(runner, prompts, max_new_tokens, dp_rank_of, request_ids)
+    loop = _Loop(runner, ranks, results, max_new_tokens, params_of, on_token, logprobs)
+    show = sys.stderr.isatty() if progress is None else progress
+    start = last = time.perf_counter()
+    in_flight = None  # (pending step, its work, host seconds), dispatched and not yet read
+    while any(r.waiting or r.running for r in ranks):
+        begin = time.perf_counter()
+        step = loop.dispatch(chunk_size, None if in_flight is None else in_flight[0])
+        step += (time.perf_counter() - begin,)
+        if not pipeline:
+            in_flight, step = step, None
+        if in_flight is not None:
+            loop.apply(*in_flight[:2])
+            last = _log(step_log, in_flight, last)
+        in_flight = step
+        if show:
+            rate = loop.made / max(time.perf_counter() - start, 1e-9)
+            print(f"\rgenerated {loop.made} tokens, {rate:.1f} tokens/s", end="", file=sys.stderr)
+    if in_flight is not None:
+        loop.apply(*in_flight[:2])
+        _log(step_log, in_flight, last)
+    if show:
+        print(f"\n{runner.tbo_summary()}", file=sys.stderr)
+    return results
+
+
+def _log(step_log, read, last: float) -> float:
+    """Appends the step just read to ``step_log``; returns the clock of its reading."""
+    now = time.perf_counter()
+    _, work, host = read
+    batches = [w.batch for w in work if w.batch is not None]
+    if step_log is not None and batches:  # a step with every rank idle ran nothing
+        step_log.append(
+            StepRecord(
+                kind=_step_kind(work),
+                num_tokens=sum(b.num_tokens for b in batches),
+                num_seqs=sum(b.batch_size for b in batches),
+                host_s=host,
+                wall_s=now - last,
+            )
+        )
+    return now
+
+
+def _queue(runner, prompts, max_new_tokens: int, dp_rank_of, request_ids):
+    """The ranks' queues with every valid prompt waiting, and the results with every invalid
+    one refused."""
     limit = admission.running_limit(runner.max_running_requests, runner.options.token_buckets)
     ranks = [
         admission.RankQueue(runner.max_running_requests, runner.num_slots, limit)
@@ -181,38 +386,15 @@ def generate(
     results: list[GenerationResult | None] = [None] * len(prompts)
     for index, prompt in enumerate(prompts):
         rank = index % runner.dp_size if dp_rank_of is None else dp_rank_of(index)
-        error = validate_prompt(prompt, runner.config.vocab_size, max_new_tokens,
-                                runner.max_total_tokens)  # fmt: skip
+        error = validate_prompt(
+            prompt, runner.config.vocab_size, max_new_tokens, runner.max_total_tokens,
+            runner.max_context_len,
+        )  # fmt: skip
         if error is None and not 0 <= rank < runner.dp_size:
             error = f"dp_rank_of({index}) = {rank} outside [0, {runner.dp_size})"
         if error is not None:
             results[index] = GenerationResult([], error)
         else:
-            ranks[rank].waiting.append((index, np.asarray(prompt, np.int32)))
-    show = sys.stderr.isatty() if progress is None else progress
-
-    def pick(request: admission.Request, row: np.ndarray) -> None:
-        if request.generator is None and not sampling_params.greedy:
-            request.generator = sampling.request_generator(sampling_params, request.index)
-        token = sampling.next_token(row, sampling_params, request.generator)
-        request.generated.append(token)
-        if on_token is not None and len(request.generated) <= max_new_tokens:
-            on_token(request.index, token)
-
-    made, start = 0, time.perf_counter()
-    while any(r.waiting or r.running for r in ranks):
-        for rank in ranks:
-            rank.admit(max_new_tokens)
-        planned = [_plan_rank(rank, chunk_size) for rank in ranks]
-        if all(batch is None for batch, _ in planned):
-            raise RuntimeError("no rank can make progress (a request cannot be admitted)")
-        # Only each sequence's last row is sampled: only those rows leave the devices.
-        logits = runner.forward([batch for batch, _ in planned], logits="last")
-        for rank, out, (_, work) in zip(ranks, logits, planned, strict=True):
-            made += _apply(rank, out, work, max_new_tokens, results, pick)
-        if show:
-            rate = made / max(time.perf_counter() - start, 1e-9)
-            print(f"\rgenerated {made} tokens, {rate:.1f} tokens/s", end="", file=sys.stderr)
-    if show:
-        print(f"\n{runner.tbo_summary()}", file=sys.stderr)
-    return results
+            request_id = index if request_ids is None else int(request_ids[index])
+            ranks[rank].waiting.append((index, np.asarray(prompt, np.int32), request_id))
+    return ranks, results

@@ -1,9 +1,12 @@
-"""Host page table of every DP rank: which KV-pool slot holds each (request, position).
+"""The page table of every DP rank: which KV-pool slot holds each (request, position).
 
-The runner owns it (SGLang's ``req_to_token_pool``): before a step, every new token's slot
-(``out_cache_loc``) is recorded at its KV position — ``prefix + i`` for extend rows,
-``seq_len - 1`` for a decode row, ``seq_len + i`` for the i-th draft token of a verify row —
-and the whole table travels to the device with the step.
+The runner owns it (SGLang's ``req_to_token_pool``) and keeps it on the devices. Every new
+token's slot (``out_cache_loc``) is recorded at its KV position — ``prefix + i`` for extend
+rows, ``seq_len - 1`` for a decode row, ``seq_len + i`` for the i-th draft token of a verify
+row. The host computes only those writes (``page_writes``: a step's tokens, never the table)
+and the step scatters them into the device table before attention reads it
+(``jtbo.models.step_io.write_pages``); ``record`` applies the same writes to a numpy table, the
+host reference.
 
 A row's positions that were never recorded hold slot 0, the padding slot, which every padding
 row of a step writes; attention over them would read whatever was written last. So the runner
@@ -16,6 +19,8 @@ batch that writes a row from position 0 starts a new request there.
 import numpy as np
 
 from jtbo import split
+from jtbo.attention import kv_cache as kv_cache_lib
+from jtbo.models import step_io
 from jtbo.split import forward_mode as forward_mode_lib
 
 ForwardMode = forward_mode_lib.ForwardMode
@@ -98,17 +103,26 @@ def _check_ranges(filled, rows, starts, _) -> None:
         )
 
 
-def record(
-    table: np.ndarray, batch: split.ForwardBatch, num_slots: int, filled: np.ndarray | None = None
-) -> None:
-    """Writes a batch's new-token slots into one rank's ``[max_reqs, max_context]`` table.
+def page_writes(
+    batch: split.ForwardBatch,
+    table_shape: tuple[int, int],
+    num_slots: int,
+    filled: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Checks a batch's new-token slots against one rank's table and returns the writes.
+
+    The work is the batch's tokens': nothing here reads or copies the table.
 
     Args:
-      table: the rank's page table.
       batch: an unpadded host batch.
+      table_shape: the rank's page table ``(max_reqs, max_context)``.
       num_slots: KV-pool slots of the rank (slot 0 is the padding slot).
       filled: the rank's ``[max_reqs]`` recorded leading positions (``check_context``), checked
         and updated; None skips the check.
+
+    Returns:
+      ``(rows, positions, slots)``, each ``[num_tokens]`` int64: ``table[rows, positions] =
+      slots`` records the batch.
 
     Raises:
       ValueError: a request row, position or slot outside the table / pool (names the numbers),
@@ -118,25 +132,58 @@ def record(
     if filled is not None:
         _check_ranges(filled, *ranges)
     rows, positions = _token_positions(*ranges)
+    slots = np.asarray(batch.out_cache_loc if rows.size else [], np.int64)
     if rows.size == 0:
-        return
-    slots = np.asarray(batch.out_cache_loc, np.int64)
-    if rows.max() >= table.shape[0] or rows.min() < 0:
+        return rows, positions, slots
+    if rows.max() >= table_shape[0] or rows.min() < 0:
         raise ValueError(
-            f"req_pool_indices span [{rows.min()}, {rows.max()}], outside [0, {table.shape[0]})"
+            f"req_pool_indices span [{rows.min()}, {rows.max()}], outside [0, {table_shape[0]})"
         )
-    if positions.max() >= table.shape[1]:
-        raise ValueError(f"KV position {positions.max()} >= max_context {table.shape[1]}")
+    if positions.max() >= table_shape[1]:
+        raise ValueError(f"KV position {positions.max()} >= max_context {table_shape[1]}")
     if slots.min() < 1 or slots.max() >= num_slots:
         raise ValueError(
             f"out_cache_loc range [{slots.min()}, {slots.max()}] outside [1, {num_slots}) "
             "(slot 0 is the padding slot)"
         )
     _check_distinct_slots(slots)
-    table[rows, positions] = slots
     if filled is not None:
         req, starts, ends = ranges
         filled[req] = np.where(starts == 0, ends, np.maximum(filled[req], ends))
+    return rows, positions, slots
+
+
+def record(
+    table: np.ndarray, batch: split.ForwardBatch, num_slots: int, filled: np.ndarray | None = None
+) -> None:
+    """Writes a batch's new-token slots into one rank's numpy ``[max_reqs, max_context]``
+    table (the host reference of the device table; ``page_writes`` has the checks).
+
+    Raises:
+      ValueError: what ``page_writes`` raises.
+    """
+    rows, positions, slots = page_writes(batch, table.shape, num_slots, filled)
+    table[rows, positions] = slots
+
+
+def write_rows(batch: split.ForwardBatch, capacity: int) -> np.ndarray:
+    """A step's ``page_writes`` input: ``[3, capacity]`` int32 request row, KV position and
+    slot per token row (``jtbo.models.step_io.write_pages``).
+
+    Token rows past the batch, and rows whose slot is the padding slot (the runner's warm-up
+    batches), name ``step_io.DROPPED_ROW`` and write nothing. The batch was checked when it
+    was recorded (``page_writes``).
+    """
+    out = np.zeros((3, capacity), np.int32)
+    out[0] = step_io.DROPPED_ROW
+    if batch.forward_mode.is_idle() or batch.batch_size == 0:
+        return out
+    rows, positions = kv_positions(batch)
+    slots = np.asarray(batch.out_cache_loc, np.int64)
+    n = rows.shape[0]
+    out[0, :n] = np.where(slots == kv_cache_lib.PADDING_SLOT, step_io.DROPPED_ROW, rows)
+    out[1, :n], out[2, :n] = positions, slots
+    return out
 
 
 def _check_distinct_slots(slots: np.ndarray) -> None:

@@ -1,17 +1,19 @@
-"""Greedy generation when each process drives only some DP ranks (``jax.distributed``).
+"""Generation when each process drives only some DP ranks (``jax.distributed``).
 
 Every process is given the same prompts and assigns prompt ``i`` to DP rank
 ``dp_rank_of(i)`` (round-robin by default) exactly as a single process would. Each process
-then runs the ordinary greedy loop (``jtbo.runner.generate``) over its own ranks only, through
-a view of the runner whose DP ranks are this process's. Since every rank plans its batches
-from its own requests alone, each rank sees the same sequence of batches as in a
-single-process run, and the global steps line up one-to-one: every loop iteration is one
-``forward``, so the processes stay in lockstep.
+then runs the ordinary loop (``jtbo.runner.generate``) over its own ranks only, through a view
+of the runner whose DP ranks are this process's, with each prompt's draws keyed by its global
+index. Since every rank plans its batches from its own requests alone, each rank sees the same
+sequence of batches as in a single-process run, and the global steps line up one-to-one: every
+loop iteration dispatches one step (with every local rank idle, if need be), so the processes
+stay in lockstep.
 
 A process that finishes first keeps joining steps with idle ranks (``step_idle``) until a step
 finds every rank of every process idle; then all processes leave together. Finally the
-generated tokens are exchanged (``process_allgather``), so every process returns every
-prompt's result; requests refused by validation are refused identically everywhere, since
+generated tokens (and log-probabilities) are exchanged (``process_allgather``), so every
+process returns every prompt's result (``on_token`` sees this process's prompts only);
+requests refused by validation are refused identically everywhere, since
 every process validates every prompt itself.
 """
 
@@ -22,6 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from jtbo.runner import generate as generate_lib
+from jtbo.runner import sampling
 
 
 class _LocalRanksView:
@@ -33,12 +36,17 @@ class _LocalRanksView:
         self.config = runner.config
         self.max_running_requests = runner.max_running_requests
         self.max_total_tokens = runner.max_total_tokens
+        self.max_context_len = runner.max_context_len
         self.num_slots = runner.num_slots
         self.options = runner.options
 
-    def forward(self, batches, *, logits: str = "all"):
-        """This process's part of one step (``ModelRunner.forward``)."""
-        return self._runner.forward(batches, logits=logits)
+    def dispatch(self, batches, **kwargs):
+        """This process's part of one step (``ModelRunner.dispatch``)."""
+        return self._runner.dispatch(batches, **kwargs)
+
+    def resolve(self, pending):
+        """This process's tokens of a dispatched step (``ModelRunner.resolve``)."""
+        return self._runner.resolve(pending)
 
     def tbo_summary(self) -> str:
         """How many steps ran TBO and why (``ModelRunner.tbo_summary``)."""
@@ -51,8 +59,9 @@ def _assign(runner, prompts, max_new_tokens, dp_rank_of):
     for index, prompt in enumerate(prompts):
         rank = index % runner.dp_size if dp_rank_of is None else dp_rank_of(index)
         error = generate_lib.validate_prompt(
-            prompt, runner.config.vocab_size, max_new_tokens, runner.max_total_tokens
-        )
+            prompt, runner.config.vocab_size, max_new_tokens, runner.max_total_tokens,
+            runner.max_context_len,
+        )  # fmt: skip
         if error is None and not 0 <= rank < runner.dp_size:
             error = f"dp_rank_of({index}) = {rank} outside [0, {runner.dp_size})"
         out.append((rank, error))
@@ -60,7 +69,7 @@ def _assign(runner, prompts, max_new_tokens, dp_rank_of):
 
 
 def _gather_tokens(tokens: np.ndarray, owner: np.ndarray) -> np.ndarray:
-    """Every prompt's tokens from the process that served it."""
+    """Every prompt's rows (tokens, log-probabilities) from the process that served it."""
     if jax.process_count() == 1:
         return tokens
     gathered = np.asarray(multihost_utils.process_allgather(tokens))
@@ -73,10 +82,14 @@ def generate(
     *,
     max_new_tokens: int,
     dp_rank_of: Callable[[int], int] | None = None,
-    chunk_size: int = 32,
+    chunk_size: int | None = None,
     progress: bool | None = None,
+    sampling_params=sampling.GREEDY,
+    on_token: Callable[[int, int], None] | None = None,
+    logprobs: bool = False,
+    pipeline: bool = True,
 ) -> list[generate_lib.GenerationResult]:
-    """Greedy generation across processes (see the module docstring).
+    """Generation across processes (see the module docstring).
 
     Every process must call it with the same prompts and arguments.
 
@@ -85,8 +98,10 @@ def generate(
       prompts: token-id sequences, the same on every process.
       max_new_tokens: tokens generated per prompt (>= 1).
       dp_rank_of: prompt index -> global DP rank; round-robin when None.
-      chunk_size: prompt tokens a rank prefills per step.
+      chunk_size: prompt tokens a rank prefills per step (None: ``generate``'s default).
       progress: print this process's progress line; None: only on a terminal.
+      sampling_params, logprobs, pipeline: as ``jtbo.runner.generate.generate``'s.
+      on_token: called for every token of this process's prompts, with the global index.
 
     Returns:
       One ``GenerationResult`` per prompt, in order, on every process.
@@ -94,8 +109,12 @@ def generate(
     Raises:
       ValueError: ``max_new_tokens`` or ``chunk_size`` below 1.
     """
-    if max_new_tokens < 1 or chunk_size < 1:
+    if max_new_tokens < 1 or (chunk_size is not None and chunk_size < 1):
         raise ValueError(f"max_new_tokens={max_new_tokens}, chunk_size={chunk_size} must be >= 1")
+    if not isinstance(sampling_params, sampling.SamplingParams):
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(sampling_params)} for {len(prompts)} prompts")
     assigned = _assign(runner, prompts, max_new_tokens, dp_rank_of)
     local = {rank: i for i, rank in enumerate(runner.local_dp_ranks)}
     mine = [i for i, (rank, error) in enumerate(assigned) if error is None and rank in local]
@@ -107,20 +126,34 @@ def generate(
             dp_rank_of=lambda j: local[assigned[mine[j]][0]],
             chunk_size=chunk_size,
             progress=progress,
+            sampling_params=(
+                sampling_params
+                if isinstance(sampling_params, sampling.SamplingParams)
+                else [sampling_params[i] for i in mine]
+            ),
+            on_token=None if on_token is None else (lambda j, token: on_token(mine[j], token)),
+            logprobs=logprobs,
+            pipeline=pipeline,
+            request_ids=mine,
         )
         while runner.step_idle():  # other processes still serve: take part in their steps
             pass
         tokens = np.zeros((len(prompts), max_new_tokens), np.int32)
+        scores = np.zeros((len(prompts), max_new_tokens), np.float32)
         for i, result in zip(mine, served, strict=True):
             tokens[i] = result.token_ids
+            scores[i] = result.logprobs if logprobs else 0.0
         owners = np.asarray(
             [runner.dp_rank_owners[rank] if error is None else -1 for rank, error in assigned]
         )
     with runner.failure_phase("gather results", collective=True):
         tokens = _gather_tokens(tokens, owners)
+        scores = _gather_tokens(scores, owners) if logprobs else None
     return [
         generate_lib.GenerationResult([], error)
         if error is not None
-        else generate_lib.GenerationResult(tokens[i].tolist())
+        else generate_lib.GenerationResult(
+            tokens[i].tolist(), None, None if scores is None else scores[i].tolist()
+        )
         for i, (_, error) in enumerate(assigned)
     ]

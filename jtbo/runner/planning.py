@@ -50,7 +50,7 @@ from jtbo.attention import metadata as metadata_lib
 from jtbo.attention import tbo_backend
 from jtbo.collectives import context as context_lib
 from jtbo.collectives import padding
-from jtbo.runner import last_rows
+from jtbo.runner import kv_table, last_rows
 from jtbo.split import arith
 from jtbo.split import forward_mode as forward_mode_lib
 
@@ -625,6 +625,7 @@ def _assemble(batches, ranks, options, decision: StepDecision, children) -> Step
             [_pad(np.zeros(0) if b.positions is None else b.positions, capacity) for b in batches]
         ),
         num_tokens=np.asarray([b.num_tokens for b in batches], np.int32),
+        page_writes=np.stack([kv_table.write_rows(b, capacity) for b in batches]),
     )
     if children is None:
         metadata = [backend.primary.init_forward_metadata(b) for b in batches]

@@ -33,6 +33,7 @@ is the special case that owns every rank.
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -48,7 +49,7 @@ from jtbo import split
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import ep_overflow
 from jtbo.collectives import mesh as mesh_lib
-from jtbo.models import ep_dispatchers, layer_ops, step
+from jtbo.models import ep_dispatchers, layer_ops, step, step_io
 from jtbo.models import model as model_lib
 from jtbo.overlap import xla_options
 from jtbo.runner import (
@@ -66,6 +67,7 @@ from jtbo.runner import (
     tbo_auto,
     tbo_options,
     tbo_plan_file,
+    token_step,
 )
 from jtbo.runner import generate as generate_lib
 
@@ -99,6 +101,7 @@ class ModelRunner:
         *,
         max_total_tokens: int,
         max_running_requests: int,
+        max_context_len: int | None = None,
         moe: layer_ops.MoEOptions | None = None,
         tbo: tbo_options.TboOptions | None = None,
         token_buckets: Sequence[int] | None = None,
@@ -117,8 +120,11 @@ class ModelRunner:
           model: the model (float32 parameters; cast to ``dtype`` here).
           mesh: a mesh with axes ``("dp", "attn_tp")`` (``jtbo.collectives.make_mesh``); the
             layers' mesh-derived sizes are read off it (``layer_ops.ParallelConfig.for_mesh``).
-          max_total_tokens: KV slots per DP rank (also the longest sequence).
+          max_total_tokens: KV slots per DP rank.
           max_running_requests: requests per DP rank (page-table rows, sequences per step).
+          max_context_len: the longest context one request may hold (the page table's
+            width); None: the model's ``max_position_embeddings``, at most
+            ``max_total_tokens``.
           moe: the MoE exchange and experts (``layer_ops.MoEOptions``); None: its defaults
             (EP all-to-all, no token dropped). ``moe_runner_backend=None`` takes the fastest
             here that tiles the model ("auto" on GPUs where a kernel's tiles fit: per step,
@@ -168,6 +174,7 @@ class ModelRunner:
                 f"{max_running_requests} must be >= 1"
             )
         config = model.config
+        self.max_context_len = _max_context_len(config, max_total_tokens, max_context_len)
         self.dp_size, self.attn_tp_size = mesh.shape["dp"], self.parallel.attn_tp_size
         self.config, self.mesh, self.dtype, self.tbo = config, mesh, dtype, tbo
         self.dp_rank_owners = distributed.dp_rank_owners(mesh)
@@ -179,7 +186,7 @@ class ModelRunner:
             attn_tp_size=self.attn_tp_size,
             token_buckets=tuple(int(b) for b in buckets),
             seq_capacity=max_running_requests,
-            max_context=max_total_tokens,
+            max_context=self.max_context_len,
             enable_tbo=tbo.enabled,
             threshold=tbo.tbo_token_distribution_threshold,
             child_buckets=tbo.tbo_child_buckets,
@@ -281,25 +288,40 @@ class ModelRunner:
 
         # An MLA latent pool has no value width (config.kv_pool_heads): no value pool.
         self._k, self._v = zeros(k_dim)(), zeros(v_dim)() if v_dim else None
-        self.req_to_token = np.zeros(
-            (self.dp_size, self.max_running_requests, self.max_total_tokens), np.int32
-        )
+        # The page table lives on the devices; each step writes its new tokens' slots into
+        # it (planning's page_writes). Unrecorded positions hold slot 0, the padding slot.
+        table = (self.dp_size, self.max_running_requests, self.max_context_len)
+        self.req_to_token = jax.jit(
+            lambda: jnp.zeros(table, jnp.int32),
+            out_shardings=step.kv_cache_shardings(self.mesh).req_to_token,
+        )()
         # Recorded leading KV positions per request row (kv_table.check_context).
         self.kv_filled = np.zeros((self.dp_size, self.max_running_requests), np.int64)
-        self._req_to_token_device = None  # uploaded copy; None when the host table changed
+        self._no_tokens = None  # [dp, rows] zeros: prev_tokens of a step that reads none
+
+    def _check_writes(self, rank: int, batch: split.ForwardBatch):
+        """Checks a batch's KV writes against rank ``rank``'s table and records their
+        positions in ``kv_filled``; returns the writes (``kv_table.page_writes``)."""
+        if rank not in self.local_dp_ranks:
+            raise ValueError(f"DP rank {rank} is not driven by this process {self.local_dp_ranks}")
+        return kv_table.page_writes(
+            batch, self.req_to_token.shape[1:], self.num_slots, self.kv_filled[rank]
+        )
 
     def record(self, rank: int, batch: split.ForwardBatch) -> None:
-        """Records a batch's new-token KV slots in rank ``rank``'s page table.
+        """Records a batch's new-token KV slots in rank ``rank``'s page table without running
+        it (``forward`` and ``dispatch`` record their batches inside the step).
 
         Raises:
-          ValueError: a rank this process does not drive, a request row, KV position or slot
+          ValueError: several processes (their tables change only inside steps, in
+            lockstep), a rank this process does not drive, a request row, KV position or slot
             outside the table / pool, or a request row written past its recorded context
             (``kv_table.check_context``: its attention would read the padding slot).
         """
-        if rank not in self.local_dp_ranks:
-            raise ValueError(f"DP rank {rank} is not driven by this process {self.local_dp_ranks}")
-        kv_table.record(self.req_to_token[rank], batch, self.num_slots, self.kv_filled[rank])
-        self._req_to_token_device = None
+        if self.multiprocess:
+            raise ValueError("record() needs a single process; forward() records its batches")
+        rows, positions, slots = self._check_writes(rank, batch)
+        self.req_to_token = _write_table(self.req_to_token, rank, rows, positions, slots)
 
     @property
     def num_slots(self) -> int:
@@ -375,7 +397,15 @@ class ModelRunner:
         """
         return self._phase(lambda: self._exchanges, name, collective=collective)
 
-    def _forward(self, batches, last: bool = False) -> tuple[list[np.ndarray | None], bool]:
+    def _agree(self, batches, last: bool, check=None):
+        """Validates this process's batches and agrees on the step with every process.
+
+        ``check()`` validates a caller's other inputs in the same place, so that a refusal
+        raises on every process before any device work.
+
+        Returns:
+          ``(step number, local ranks, decision, picked rows or None)``.
+        """
         step = self._exchanges
         local, error, picked = [], None, None
         try:
@@ -383,6 +413,8 @@ class ModelRunner:
             if last:  # a bad batch is refused on every process, before any device work
                 picked = [np.zeros(0, np.int32) if b is None else last_rows.last_rows(b)
                           for b in batches]  # fmt: skip
+            if check is not None:
+                check()
         except Exception as exc:  # noqa: BLE001 - re-raised on every process by the exchange
             error = exc
         summaries = {r: item.summary for r, item in zip(self.local_dp_ranks, local, strict=False)}
@@ -394,6 +426,10 @@ class ModelRunner:
             decision = planning.decide(
                 step_exchange.exchange(report, self.dp_rank_owners), self.options
             )
+        return step, local, decision, picked
+
+    def _forward(self, batches, last: bool = False) -> tuple[list[np.ndarray | None], bool]:
+        step, local, decision, picked = self._agree(batches, last)
         if decision.all_idle:
             return [None] * len(batches), False
         plan, logits, finite = self._plan_and_run(local, decision, step, picked)
@@ -420,19 +456,30 @@ class ModelRunner:
         Returns:
           ``(plan, logits rows of plan.ranks, finite rows or None)``.
         """
-        shape = None if self._tbo_auto is None else tbo_auto.shape_of(decision)
-        if shape is not None:
-            known = self._tbo_auto.decision(shape)
-            if known is None:
-                known = self._decide_shape(shape, local, decision, step, picked)
-            decision = decision if known.use_tbo else planning.without_tbo(decision)
-        with self._phase(step, "assemble", collective=False):
-            plan = planning.assemble(local, self.local_dp_ranks, decision, self.options, picked)
+        plan = self._choose_plan(local, decision, step, picked)
         with self._phase(step, "device step", collective=True, agreed=(ExpertCapacityError,)):
             logits, finite = self._run(plan, self.check_finite_logits)
         return plan, logits, finite
 
-    def _decide_shape(self, shape, local, decision, step: int, picked) -> tbo_auto.TboDecision:
+    def _choose_plan(self, local, decision, step: int, picked, finish=None, run=None):
+        """Assembles the step (with "auto": in the shape's chosen mode, timing a new shape).
+
+        ``finish(plan)`` adds a caller's inputs to an assembled plan; ``run(plan)`` runs one
+        synchronously (the timing runs; default ``_execute``).
+        """
+        shape = None if self._tbo_auto is None else tbo_auto.shape_of(decision)
+        if shape is not None:
+            known = self._tbo_auto.decision(shape)
+            if known is None:
+                known = self._decide_shape(shape, local, decision, step, picked, finish, run)
+            decision = decision if known.use_tbo else planning.without_tbo(decision)
+        with self._phase(step, "assemble", collective=False):
+            plan = planning.assemble(local, self.local_dp_ranks, decision, self.options, picked)
+            return plan if finish is None else finish(plan)
+
+    def _decide_shape(
+        self, shape, local, decision, step: int, picked, finish=None, run=None
+    ) -> tbo_auto.TboDecision:
         """Times both programs of a new shape on this step's inputs and logits rows
         (``tbo_auto``).
 
@@ -441,14 +488,163 @@ class ModelRunner:
         the chosen program's.
         """
         ranks = self.local_dp_ranks
+        finish = finish or (lambda plan: plan)
+        run = run or self._execute
         with self._phase(step, "assemble", collective=False):
-            tbo_plan = planning.assemble(local, ranks, decision, self.options, picked)
+            tbo_plan = finish(planning.assemble(local, ranks, decision, self.options, picked))
             plain_decision = planning.without_tbo(decision)
-            plain = planning.assemble(local, ranks, plain_decision, self.options, picked)
+            plain = finish(planning.assemble(local, ranks, plain_decision, self.options, picked))
         with self._phase(step, "timing TBO", collective=True):
-            return self._tbo_auto.decide(
-                shape, lambda: self._execute(plain), lambda: self._execute(tbo_plan)
+            return self._tbo_auto.decide(shape, lambda: run(plain), lambda: run(tbo_plan))
+
+    def dispatch(
+        self,
+        batches: Sequence[split.ForwardBatch | None],
+        *,
+        sampling: Sequence[token_step.RowSampling | None] | None = None,
+        token_sources: Sequence[np.ndarray | None] | None = None,
+        after: token_step.PendingStep | None = None,
+        logprobs: bool = False,
+    ) -> token_step.PendingStep:
+        """Starts a step that samples one token per sequence on the devices; does not wait.
+
+        The step records its batches' KV slots, runs the model, samples each sequence's next
+        token from its last row (greedy, or ``sampling``'s temperature / top-p draws) and keeps
+        ``[dp, max_running_requests]`` token ids on the devices (``jtbo.runner.token_step``).
+        ``resolve`` reads them. The host may dispatch the next step first: its decode rows can
+        read this step's tokens on the devices (``token_sources`` with ``after``).
+
+        Args:
+          batches: as ``forward``'s (extend and decode batches). Ids of rows that
+            ``token_sources`` names may be any valid id (they are replaced).
+          sampling: per local rank, its sequences' parameters (None: greedy); None: all
+            greedy.
+          token_sources: per local rank, ``[num_tokens]`` rows of ``after``'s token output that
+            give the row's input id (-1: the batch's id); None: every id from the batches.
+          after: the step whose tokens ``token_sources`` reads (dispatched before this one).
+          logprobs: also return each token's log-probability (every process passes the same).
+
+        Returns:
+          The ``token_step.PendingStep``.
+
+        Raises:
+          ValueError: what ``forward(logits="last")`` raises, per-rank inputs of the wrong
+            length, token sources outside ``after``'s rows or without ``after``.
+          ExpertCapacityError: a timing run of a new "auto" shape dropped routed tokens.
+        """
+        count = len(self.local_dp_ranks)
+        sampling = list(sampling or [None] * count)
+        token_sources = list(token_sources or [None] * count)
+        rows = self.max_running_requests
+
+        def check():
+            token_step.check_step_inputs(batches, sampling, token_sources, after is not None)
+
+        step, local, decision, picked = self._agree(batches, True, check)
+        pending = token_step.PendingStep(step, None, list(batches), picked)
+        if decision.all_idle:
+            pending.result = [None] * count
+            return pending
+        # Several processes do not see each other's rows: they always take the sampling
+        # program, so that every process compiles the same one.
+        greedy = not self.multiprocess and all(s is None or s.greedy for s in sampling)
+        pending.sampler = step_io.SamplerKey(rows, greedy_only=greedy, logprobs=logprobs)
+
+        def finish(plan):
+            plan.per_rank["token_source"] = token_step.source_rows(
+                token_sources, plan.capacity, rows
             )
+            if not greedy:
+                plan.per_rank["sampling"] = token_step.sampling_rows(sampling, rows)
+            return plan
+
+        def run(plan):
+            return self._execute(plan, pending.sampler, self._prev_tokens(after))
+
+        pending.plan = self._choose_plan(local, decision, step, picked, finish, run)
+        pending.after = after
+        with self._phase(step, "device step", collective=True, agreed=(ExpertCapacityError,)):
+            self._launch_pending(pending, time.perf_counter())
+        self.num_steps += 1
+        self.num_tbo_steps += pending.plan.child_capacity is not None
+        return pending
+
+    def _prev_tokens(self, after: token_step.PendingStep | None) -> jax.Array:
+        """The token output a step's ``token_source`` rows read (zeros without ``after``)."""
+        if after is not None and after.outputs is not None:
+            return after.outputs["tokens"]
+        if self._no_tokens is None:
+            shape = (self.dp_size, self.max_running_requests)
+            self._no_tokens = jax.jit(
+                lambda: jnp.zeros(shape, jnp.int32),
+                out_shardings=jax.sharding.NamedSharding(
+                    self.mesh, jax.sharding.PartitionSpec(mesh_lib.DP_AXIS)
+                ),
+            )()
+        return self._no_tokens
+
+    def _launch_pending(self, pending: token_step.PendingStep, start: float) -> None:
+        """Enqueues a pending step's program (again, after an EP overflow or a re-run of the
+        step it reads tokens from)."""
+        if pending.inputs is None:
+            pending.inputs = self._step_inputs(pending.plan)
+            pending.dispatchers = self._step.dispatchers.for_step(
+                pending.plan.capacity, pending.plan.child_capacity
+            )
+        pending.clock = [start, time.perf_counter()]
+        launched = self._launch(
+            pending.plan, pending.inputs, pending.dispatchers, pending.sampler,
+            self._prev_tokens(pending.after),
+        )  # fmt: skip
+        pending.outputs, pending.overflow, pending.peak_load = launched
+        pending.after_runs = 0 if pending.after is None else pending.after.runs
+        pending.clock.append(time.perf_counter())
+
+    def resolve(self, pending: token_step.PendingStep) -> list[token_step.StepTokens | None]:
+        """Waits for a dispatched step and reads its tokens.
+
+        A step that dropped routed tokens re-runs (policy "rerun"), and so does a step whose
+        ``after`` step re-ran since (it read that step's tokens and K/V); resolve steps in
+        the order they were dispatched.
+
+        Returns:
+          Per local rank, its ``token_step.StepTokens`` (None: idle).
+
+        Raises:
+          ExpertCapacityError: the step dropped routed tokens (policy "raise").
+          numerics.NonFiniteLogitsError: a sampled row's logits held a NaN or an infinity
+            (names the step, the DP rank and the request), when ``check_finite_logits``.
+        """
+        if pending.result is not None:
+            return pending.result
+        step = pending.index
+        with self._phase(step, "device step", collective=True, agreed=(ExpertCapacityError,)):
+            if pending.stale:
+                self._launch_pending(pending, time.perf_counter())
+                pending.runs += 1
+            while True:
+                if self.multiprocess:  # waits with the GIL released: the failure monitor runs
+                    jax.block_until_ready((pending.outputs, pending.overflow))
+                rerun = self._settle(pending.dispatchers, pending.overflow, pending.peak_load)
+                if rerun is None:
+                    break
+                pending.dispatchers = rerun
+                self._launch_pending(pending, time.perf_counter())
+                pending.runs += 1
+            host = self._local_rows(pending.outputs, pending.plan)
+        pending.clock.append(time.perf_counter())
+        self.last_step_phases = step_phases.from_clock(pending.clock)
+        if self.check_finite_logits:
+            with self._phase(step, "numerics guard", collective=False):
+                token_step.check_finite_tokens(host["finite"], pending, step)
+        pending.result = token_step.step_tokens(host, pending)
+        return pending.result
+
+    def _local_rows(self, outputs: dict, plan: planning.StepPlan) -> dict:
+        """This process's ranks' rows of a step's device outputs, as numpy."""
+        if self.multiprocess:
+            return {k: distributed.local_rank_rows(v, plan.ranks) for k, v in outputs.items()}
+        return jax.device_get(outputs)
 
     def tbo_decisions(self) -> tuple[tbo_auto.TboDecision, ...]:
         """An "auto" runner's TBO choice per step shape, with both programs' timings.
@@ -496,7 +692,7 @@ class ModelRunner:
         for rank, batch in zip(ranks, full, strict=True):
             self._validate(rank, batch)
         for rank, batch in zip(ranks, full, strict=True):
-            self.record(rank, batch)
+            self._check_writes(rank, batch)  # the step writes them into the device table
         return [planning.summarize(batch, self.options) for batch in full]
 
     def _validate(self, rank: int, batch: split.ForwardBatch) -> None:
@@ -521,10 +717,10 @@ class ModelRunner:
                 f"{batch.batch_size}, len(input_ids)={ids.size}); pass None for an idle rank"
             )
         positions = np.asarray(batch.positions if ids.size else [0])
-        if positions.min() < 0 or positions.max() >= self.max_total_tokens:
+        if positions.min() < 0 or positions.max() >= self.max_context_len:
             raise ValueError(
                 f"rank {rank}: positions span [{positions.min()}, {positions.max()}], outside "
-                f"[0, max_total_tokens={self.max_total_tokens})"
+                f"[0, max_context_len={self.max_context_len})"
             )
         try:
             kv_table.check_context(self.kv_filled[rank], batch)
@@ -560,37 +756,54 @@ class ModelRunner:
         self.num_tbo_steps += plan.child_capacity is not None
         return logits
 
-    def _execute(self, plan: planning.StepPlan) -> jax.Array:
-        """``run_plan`` without counting the step (also the runs that time an auto shape)."""
+    def _execute(self, plan: planning.StepPlan, sampler=None, prev_tokens=None) -> jax.Array:
+        """``run_plan`` without counting the step (also the runs that time an auto shape);
+        with ``sampler`` a token step's outputs (``dispatch``)."""
         if tuple(plan.ranks) != self.local_dp_ranks:
             raise ValueError(
                 f"plan rows {plan.ranks} != this process's ranks {self.local_dp_ranks}"
             )
         start = time.perf_counter()
-        if self._req_to_token_device is None:
-            self._req_to_token_device = self._upload_page_table()
-        cache = kv_cache_lib.KVCache(k=self._k, v=self._v, req_to_token=self._req_to_token_device)
         inputs = self._step_inputs(plan)
         dispatchers = self._step.dispatchers.for_step(plan.capacity, plan.child_capacity)
         clock = [start, time.perf_counter()]  # phase boundaries: inputs, then per run two
         while dispatchers is not None:  # re-runs rewrite the same KV slots before reading them
-            logits, cache, overflow, peak_load = self._step(
-                self._params, cache, inputs, mode=int(plan.mode),
-                child_capacity=plan.child_capacity, dispatchers=dispatchers,
-            )  # fmt: skip
+            logits, overflow, peak_load = self._launch(
+                plan, inputs, dispatchers, sampler, prev_tokens
+            )
             clock.append(time.perf_counter())
-            self._k, self._v, self._req_to_token_device = cache.k, cache.v, cache.req_to_token
             if self.multiprocess:  # waits with the GIL released: the failure monitor runs
                 jax.block_until_ready((logits, overflow, peak_load))
-            if dispatchers:  # one wait for the step, both small copies issued together
-                overflow, peak_load = jax.device_get((overflow, peak_load))
-            self._last_ep_load = (dispatchers, peak_load)
-            if dispatchers:
-                self._step.dispatchers.observe(dispatchers, peak_load)
-            dispatchers = self._resolve_overflow(dispatchers, overflow, peak_load)
+            dispatchers = self._settle(dispatchers, overflow, peak_load)
             clock.append(time.perf_counter())
         self.last_step_phases = step_phases.from_clock(clock)
         return logits
+
+    def _launch(self, plan, inputs, dispatchers, sampler=None, prev_tokens=None):
+        """Enqueues one run of a planned step on the runner's pools; returns its device
+        ``(logits or token outputs, overflow, peak_load)`` without waiting."""
+        cache = kv_cache_lib.KVCache(k=self._k, v=self._v, req_to_token=self.req_to_token)
+        out, cache, overflow, peak_load = self._step(
+            self._params, cache, inputs, mode=int(plan.mode), child_capacity=plan.child_capacity,
+            dispatchers=dispatchers, sampler=sampler, prev_tokens=prev_tokens,
+        )  # fmt: skip
+        self._k, self._v, self.req_to_token = cache.k, cache.v, cache.req_to_token
+        return out, overflow, peak_load
+
+    def _settle(self, dispatchers, overflow, peak_load):
+        """Reads a run's EP counts (waiting for it) and applies the overflow policy.
+
+        Returns:
+          None when the run stands, else the dispatchers to re-run it with.
+
+        Raises:
+          ExpertCapacityError: policy "raise" and the run overflowed.
+        """
+        if dispatchers:  # one wait for the step, both small copies issued together
+            overflow, peak_load = jax.device_get((overflow, peak_load))
+            self._step.dispatchers.observe(dispatchers, peak_load)
+        self._last_ep_load = (dispatchers, peak_load)
+        return self._resolve_overflow(dispatchers, overflow, peak_load)
 
     def ep_buffer_fill(self) -> list[tuple[float, float]]:
         """How full the last step's EP buffers were, per micro-batch (one without TBO).
@@ -633,15 +846,6 @@ class ModelRunner:
                 f"{error} [ep_capacity_factor={self.parallel.moe.ep_capacity_factor}; None never "
                 "overflows, ep_overflow_policy='rerun' re-runs]"
             ) from error
-
-    def _upload_page_table(self) -> jax.Array:
-        if self.multiprocess:  # this process's rows only
-            rows = self.req_to_token[list(self.local_dp_ranks)]
-            return distributed.rank_sharded_array(
-                self.mesh, rows, self.local_dp_ranks, self.dp_size
-            )
-        sharding = step.kv_cache_shardings(self.mesh).req_to_token
-        return jax.device_put(self.req_to_token, sharding)
 
     def generate(self, prompts, *, max_new_tokens: int, dp_rank_of=None, **kwargs):
         """Greedy generation for many prompts; see ``jtbo.runner.generate.generate``.
@@ -732,6 +936,29 @@ class ModelRunner:
             )
             for child in larger
         ]
+
+
+def _max_context_len(config, max_total_tokens: int, requested: int | None) -> int:
+    """The page table's width: ``requested``, or the model's trained positions capped by the
+    pool.
+
+    Raises:
+      ValueError: a requested width outside ``[1, max_total_tokens]``.
+    """
+    if requested is None:
+        trained = config.max_position_embeddings or max_total_tokens
+        return max(1, min(trained, max_total_tokens))
+    if not 1 <= requested <= max_total_tokens:
+        raise ValueError(
+            f"max_context_len={requested} must be in [1, max_total_tokens={max_total_tokens}]"
+        )
+    return requested
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_table(table, rank: int, rows, positions, slots):
+    """``table[rank, rows, positions] = slots`` on the devices (``ModelRunner.record``)."""
+    return table.at[rank, rows, positions].set(slots)
 
 
 def _shared_params(source: ModelRunner, model: model_lib.MoEModel, runner: ModelRunner):

@@ -1,19 +1,15 @@
-"""Choosing the next token from a row of logits: greedy, or temperature + top-p sampling.
+"""How ``generate`` picks tokens: greedy, or temperature + top-p sampling with a seed.
 
 Greedy (``temperature == 0``, the default) takes the argmax. Sampling divides the logits by
-the temperature, takes the softmax (float64, on the host: a row is one vocabulary), keeps the
-*nucleus* - the most likely tokens, in order, up to the first whose cumulative probability
-reaches ``top_p`` (at least one token) - renormalises it and draws one token by inverting the
-cumulative distribution at a uniform number.
-
-Every request draws from its own generator, seeded by ``(seed, request index)``: a request's
-tokens depend only on its own logits and the seed, not on which DP rank serves it, what it is
-batched with, or whether the step ran two-batch overlap.
+the temperature, takes the softmax, keeps the *nucleus* - the most likely tokens, in order, up
+to the first whose cumulative probability reaches ``top_p`` (at least one token) - and draws
+one token from it. The step does this on the devices (``jtbo.models.sampler``), with one
+uniform number per token keyed by ``(seed, request, token index)``: a request's tokens depend
+only on its own logits and the seed, not on which DP rank serves it, what it is batched with,
+whether the step ran two-batch overlap or whether the loop was pipelined.
 """
 
 import dataclasses
-
-import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,51 +39,3 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
-
-
-def nucleus_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
-    """The distribution a token is drawn from.
-
-    Args:
-      logits: ``[V]`` one row of logits.
-      temperature: > 0.
-      top_p: in (0, 1].
-
-    Returns:
-      ``[V]`` float64 probabilities, zero outside the nucleus, summing to 1.
-    """
-    scaled = np.asarray(logits, np.float64) / temperature
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    order = np.argsort(-probs, kind="stable")
-    before = np.cumsum(probs[order]) - probs[order]  # mass of the more likely tokens
-    keep = order[before < top_p]  # the first token always stays (before == 0)
-    nucleus = np.zeros_like(probs)
-    nucleus[keep] = probs[keep]
-    return nucleus / nucleus.sum()
-
-
-def request_generator(params: SamplingParams, request_index: int) -> np.random.Generator:
-    """The generator of one request (see the module docstring)."""
-    return np.random.default_rng([params.seed, request_index])
-
-
-def next_token(
-    logits: np.ndarray, params: SamplingParams, generator: np.random.Generator | None
-) -> int:
-    """Picks one token from ``logits [V]``.
-
-    Args:
-      logits: one row of logits.
-      params: greedy or sampling settings.
-      generator: the request's generator (unused, and may be None, when greedy).
-
-    Returns:
-      The token id.
-    """
-    if params.greedy:
-        return int(np.argmax(logits))
-    probs = nucleus_probs(logits, params.temperature, params.top_p)
-    cumulative = np.cumsum(probs)
-    token = int(np.searchsorted(cumulative, generator.random() * cumulative[-1], side="right"))
-    return min(token, len(probs) - 1)

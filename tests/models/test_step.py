@@ -174,10 +174,10 @@ def test_pack_step_inputs_packs_a_tbo_plan_into_two_buffers():
     assert plan.child_capacity is not None
     inputs = step.pack_step_inputs(plan.per_rank, plan.replicated)
     per_rank_layout, replicated_layout = inputs.layouts
-    # ids, positions, num_tokens, split index and 7 metadata arrays per child: no whole-batch
-    # metadata, which a TBO step never reads.
+    # ids, positions, num_tokens, page writes, split index and 7 metadata arrays per child: no
+    # whole-batch metadata, which a TBO step never reads.
     assert "attn_metadata" not in plan.per_rank
-    assert (per_rank_layout.treedef.num_leaves, replicated_layout.treedef.num_leaves) == (18, 3)
+    assert (per_rank_layout.treedef.num_leaves, replicated_layout.treedef.num_leaves) == (19, 3)
     assert inputs.per_rank.shape == (2, per_rank_layout.width) and inputs.capacity == 16
     assert inputs.replicated.shape == (replicated_layout.width,)
     chex.assert_trees_all_equal(packing.unpack(inputs.per_rank, per_rank_layout), plan.per_rank)

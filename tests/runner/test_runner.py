@@ -161,8 +161,8 @@ def test_qwen3_style_model_with_tbo_matches_reference():
 
 
 def test_a_tbo_step_moves_its_plan_to_the_devices_in_two_buffers(monkeypatch):
-    # The plan's 28 leaves travel packed: one [dp, n] and one [m] int32 buffer (plus the page
-    # table, re-uploaded after ``record``); nothing reaches the devices implicitly.
+    # The plan's leaves travel packed: one [dp, n] and one [m] int32 buffer; the page table
+    # stays on the devices (the plan carries its writes); nothing reaches them implicitly.
     config = config_lib.MoEConfig.tiny()
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     runner = runner_lib.ModelRunner(
@@ -183,8 +183,8 @@ def test_a_tbo_step_moves_its_plan_to_the_devices_in_two_buffers(monkeypatch):
     with jax.transfer_guard_host_to_device("disallow"):
         outs = runner.forward([r.extend(n) for r, n in zip(ranks, news, strict=True)])
     assert runner.num_tbo_steps == 2 and runner._step.num_keys == 1
-    assert [jax.tree.structure(x).num_leaves for x in put] == [1, 2]  # page table, plan
-    per_rank, replicated = put[1]
+    assert [jax.tree.structure(x).num_leaves for x in put] == [2]  # the plan
+    per_rank, replicated = put[0]
     assert per_rank.dtype == replicated.dtype == np.int32
     assert per_rank.shape[0] == 8 and replicated.ndim == 1
     for r, n in enumerate(news):

@@ -142,6 +142,7 @@ def _common(fields: _Fields, default_theta: float, allow_yarn: bool = False) -> 
         head_dim=fields.get("head_dim", None) or hidden // heads,
         **rope_fields,
         rms_norm_eps=fields.get("rms_norm_eps"),
+        max_position_embeddings=fields.get("max_position_embeddings", None),
         num_experts_per_tok=fields.get("num_experts_per_tok"),
         tie_word_embeddings=fields.get("tie_word_embeddings", False),
         first_k_dense=0,
@@ -341,6 +342,8 @@ class Family:
             num_experts_per_tok=config.num_experts_per_tok,
             tie_word_embeddings=config.tie_word_embeddings,
         )  # fmt: skip
+        if config.max_position_embeddings is not None:
+            raw["max_position_embeddings"] = config.max_position_embeddings
         if self.is_deepseek:
             return _deepseek_hf_config(self, config, raw)
         if self.model_type == "mixtral":

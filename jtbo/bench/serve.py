@@ -1,0 +1,674 @@
+"""``python -m jtbo.bench serve``: what users run, ``ModelRunner.generate`` end to end.
+
+The model is a ``MoEConfig`` preset with random weights (``--preset``, by default
+``deepseek_v3_reduced``, the model of ``bench tbo``), a Hugging Face ``config.json``
+(``--hf-config``: jtbo maps it to a ``MoEConfig`` and draws random weights; ``--num-layers``
+keeps only the first N layers, e.g. 8 of Qwen3-30B-A3B's 48) or a Hugging Face model directory
+(``--model``). ``--prompts`` random prompts of ``--prompt-len`` token ids each (numpy,
+``--seed``) are served by one ``ModelRunner`` (``--pool`` KV slots and ``--rows`` request rows
+per DP rank, ``--tbo``, ``--devices`` DP ranks of one device each), greedy, for
+``--max-new-tokens`` tokens each. Everything below is measured in one run, so the ratios
+compare like with like:
+
+1. One ``generate`` call compiles (warm-up), then ``--iters`` timed calls serve the same
+   prompts (generate frees its requests' rows and slots at the end, so every call starts
+   from the same state). Each call logs its steps (``generate(step_log=...)``: a
+   ``StepRecord`` per step with its kind, tokens, sequences, host seconds and wall seconds).
+   From the timed calls' records: prefill tokens/s (extend tokens over extend wall seconds),
+   decode tokens/s likewise, the median decode-step wall and host time, and the number of
+   steps of each kind; from the calls themselves: the median generate wall and output
+   tokens/s (every generated token over that wall).
+2. The device time of the same decode batch: the prompts split over the DP ranks round
+   robin, as ``generate`` splits them, each sequence at context ``L + T // 2`` (the middle of
+   the decode phase), in the runner's own KV pool after the generate timings (``bench tbo``'s
+   synthetic decode batch and context), planned as the runner plans it (with ``--tbo auto``
+   in the mode the runner chose for that shape); the median of ``DEVICE_ITERS``
+   device-synchronised ``run_plan`` calls after two warm-ups. The ratio decode-step wall /
+   device step is what serving adds around the step: planning, dispatch, the read-back.
+3. ``--peer transformers`` (needs ``torch`` and ``transformers``): the same checkpoint
+   directory (``--model``, or for ``--hf-config`` the model transformers builds from that
+   config with random weights, seed ``--seed``, saved as safetensors and loaded by jtbo
+   too, so both serve identical weights) is loaded by
+   ``AutoModelForCausalLM.from_pretrained`` (``--dtype``, on CUDA when there is one; the
+   ``grouped_mm`` experts implementation where this transformers accepts one) and times
+   ``model.generate`` on the same prompts as one batch (greedy, exactly ``T`` new tokens),
+   and its prefill alone (``max_new_tokens=1``), one warm-up and ``--iters`` timed runs
+   each. This runs before jtbo starts, so each library has the GPU to itself. Printed: the
+   speed ratios (transformers wall over jtbo's) and greedy-token agreement (random bf16
+   weights may diverge after a few tokens: the first token, every token, whole prompts).
+
+The table comes last, under a title line naming the model, its dimensions, the workload, the
+pool, rows and TBO mode; ``--json`` prints the results as one JSON object after it.
+"""
+
+import argparse
+import dataclasses
+import gc
+import importlib
+import inspect
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jtbo.bench import tbo as tbo_bench
+from jtbo.collectives import mesh as mesh_lib
+from jtbo.models import config as config_lib
+from jtbo.models import hf
+from jtbo.models import model as model_lib
+from jtbo.models.hf import families
+from jtbo.runner import admission, planning, tbo_auto, tbo_options
+from jtbo.runner import runner as runner_lib
+from jtbo.split import arith
+
+CONFIGURES_JAX = True  # main may set the CPU device count before the backend starts
+
+PRESETS = {
+    "deepseek_v3_reduced": config_lib.MoEConfig.deepseek_v3_reduced,
+    "deepseek_v3_gqa_reduced": config_lib.MoEConfig.deepseek_v3_gqa_reduced,
+    "tiny": config_lib.MoEConfig.tiny,
+    "tiny_mla": config_lib.MoEConfig.tiny_mla,
+}
+"""``--preset`` names: the ``MoEConfig`` presets of ``bench tbo``."""
+DEFAULT_PRESET = "deepseek_v3_reduced"
+TBO_CHOICES = {"on": True, "off": False, "auto": "auto"}
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+STEP_KINDS = ("extend", "decode", "mixed")
+"""``StepRecord.kind`` values, in the order the table counts them."""
+DEVICE_ITERS = 10
+"""Timed ``run_plan`` calls of the device decode step (after two warm-ups)."""
+PEER_MODULES = ("torch", "transformers")
+EXIT_NO_PEER = 2
+"""Exit status of ``--peer transformers`` where torch or transformers cannot be imported."""
+DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"
+
+
+def _positive(text: str) -> int:
+    """An integer flag that must be >= 1.
+
+    Raises:
+      argparse.ArgumentTypeError: not an integer >= 1.
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jtbo.bench serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help=f"a MoEConfig preset, random weights (default: {DEFAULT_PRESET})",
+    )
+    source.add_argument(
+        "--hf-config",
+        type=Path,
+        metavar="FILE",
+        help="a Hugging Face config.json: jtbo maps it, random weights",
+    )
+    source.add_argument("--model", type=Path, metavar="DIR", help="a Hugging Face model directory")
+    parser.add_argument(
+        "--num-layers", type=_positive, metavar="N", help="keep the first N layers of --hf-config"
+    )
+    parser.add_argument("--prompts", type=_positive, default=64)
+    parser.add_argument("--prompt-len", type=_positive, default=512, metavar="L")
+    parser.add_argument("--max-new-tokens", type=_positive, default=32, metavar="T")
+    parser.add_argument("--seed", type=int, default=0, help="prompts and random weights")
+    parser.add_argument(
+        "--pool",
+        type=_positive,
+        metavar="SLOTS",
+        help="KV slots per DP rank (default: its prompts x (L + T))",
+    )
+    parser.add_argument("--rows", type=_positive, help="max_running_requests (default: --prompts)")
+    parser.add_argument(
+        "--max-context-len",
+        type=_positive,
+        help="ModelRunner(max_context_len=...) (default: the runner's)",
+    )
+    parser.add_argument(
+        "--chunk-size",
+        type=_positive,
+        help="prompt tokens a rank prefills per step (default: generate's)",
+    )
+    parser.add_argument("--tbo", choices=sorted(TBO_CHOICES), default="off")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument(
+        "--devices",
+        type=_positive,
+        default=1,
+        help="DP ranks, one device each (dp=N, attn_tp=1; CPU: virtual devices)",
+    )
+    parser.add_argument("--iters", type=_positive, default=2, help="timed runs after a warm-up")
+    parser.add_argument(
+        "--peer",
+        choices=("none", "transformers"),
+        default="none",
+        help="also time transformers' generate on the same checkpoint",
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON last")
+    return parser
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The flags, checked together (``parser.error``: exit status 2 with the reason)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.num_layers is not None and args.hf_config is None:
+        parser.error("--num-layers applies to --hf-config only")
+    if args.peer == "transformers" and args.hf_config is None and args.model is None:
+        parser.error("--peer transformers needs a checkpoint: --hf-config or --model")
+    if args.hf_config is not None and not args.hf_config.is_file():
+        parser.error(f"--hf-config {args.hf_config}: no such file")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json (not a Hugging Face model directory)")
+    if args.hf_config is None and args.model is None and args.preset is None:
+        args.preset = DEFAULT_PRESET
+    try:
+        args.raw = None if args.hf_config is None else _hf_raw(args.hf_config, args.num_layers)
+        args.config = _moe_config(args.preset, args.raw, args.model)
+        args.name = args.preset or f"{args.hf_config or args.model} ({_model_type(args)})"
+    except (ValueError, OSError) as error:
+        parser.error(f"{args.hf_config or args.model}: {error}")
+    return args
+
+
+def configure_environment(args: argparse.Namespace, environ) -> None:
+    """Sets what must be in place before the JAX backend starts.
+
+    Args:
+      args: the parsed flags (``--devices``).
+      environ: the environment to change (``os.environ`` in ``main``).
+    """
+    environ.setdefault(*tbo_bench.NVLS_ENVIRONMENT)  # NVLink multicast off
+    flags = environ.get("XLA_FLAGS", "")
+    if args.devices > 1 and DEVICE_COUNT_FLAG not in flags:  # only the host platform reads it
+        environ["XLA_FLAGS"] = f"{flags} --{DEVICE_COUNT_FLAG}={args.devices}".strip()
+
+
+def _require_peer_modules() -> None:
+    """Exits with ``EXIT_NO_PEER`` and names the module when torch or transformers is missing."""
+    for name in PEER_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            print(f"--peer transformers needs the `{name}` module, which cannot be imported "
+                  f"({error}): pip install torch transformers", file=sys.stderr)  # fmt: skip
+            raise SystemExit(EXIT_NO_PEER) from error
+
+
+def _hf_raw(path: Path, num_layers: int | None) -> dict:
+    """A ``config.json`` as a dict, cut to its first ``num_layers`` layers when given (the
+    per-layer lists too)."""
+    raw = json.loads(path.read_text())
+    if num_layers is None:
+        return raw
+    raw["num_hidden_layers"] = num_layers
+    if raw.get("mlp_only_layers"):
+        raw["mlp_only_layers"] = [layer for layer in raw["mlp_only_layers"] if layer < num_layers]
+    if raw.get("layer_types"):
+        raw["layer_types"] = raw["layer_types"][:num_layers]
+    return raw
+
+
+def _moe_config(preset: str | None, raw: dict | None, directory: Path | None):
+    """The served model's ``MoEConfig``: a preset's, ``raw``'s or the directory's config.json's.
+
+    Raises:
+      ValueError: an unsupported config (``families``).
+    """
+    if preset is not None:
+        return PRESETS[preset]()
+    if raw is None:
+        raw = json.loads((directory / "config.json").read_text())
+    return families.family_of(raw).to_moe_config(raw)
+
+
+def _model_type(args) -> str:
+    """``model_type`` of the ``--hf-config`` or ``--model`` config.json."""
+    raw = args.raw or json.loads((args.model / "config.json").read_text())
+    return str(raw.get("model_type"))
+
+
+def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> np.ndarray:
+    """``count`` prompts of ``length`` token ids drawn uniformly from ``[0, vocab_size)``.
+
+    Args:
+      count: prompts.
+      length: tokens per prompt.
+      vocab_size: the model's vocabulary.
+      seed: numpy seed.
+
+    Returns:
+      ``[count, length]`` int32.
+    """
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab_size, size=(count, length), dtype=np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """What the timed ``generate`` calls measured (``step_stats``); None: no such step."""
+
+    generate_s: float  # median wall seconds of one call
+    output_tokens_per_s: float  # every generated token over that wall
+    prefill_tokens_per_s: float | None  # extend tokens / extend wall seconds
+    decode_tokens_per_s: float | None  # decode tokens / decode wall seconds
+    decode_step_ms: float | None  # median wall of a decode step
+    decode_host_ms: float | None  # median host time (plan and dispatch) of a decode step
+    steps: dict[str, int]  # steps of each kind in one call
+    peak_running: int  # the most sequences of one step (all ranks)
+
+
+def _rate(records, kind: str) -> float | None:
+    """Tokens per second of the steps of one kind: their tokens over their wall seconds."""
+    chosen = [r for r in records if r.kind == kind]
+    seconds = sum(r.wall_s for r in chosen)
+    return sum(r.num_tokens for r in chosen) / seconds if chosen and seconds > 0 else None
+
+
+def _median_ms(values: list[float]) -> float | None:
+    return statistics.median(values) * 1e3 if values else None
+
+
+def step_stats(walls: list[float], logs: list[list], output_tokens: int) -> StepStats:
+    """Summarizes the timed ``generate`` calls.
+
+    Args:
+      walls: each call's wall seconds.
+      logs: each call's ``StepRecord`` list (``generate(step_log=...)``).
+      output_tokens: tokens one call generated.
+
+    Returns:
+      The ``StepStats``: rates and medians over every call's steps, step counts of the first.
+    """
+    records = [record for log in logs for record in log]
+    decode = [r for r in records if r.kind == "decode"]
+    wall = statistics.median(walls)
+    return StepStats(
+        generate_s=wall, output_tokens_per_s=output_tokens / wall,
+        prefill_tokens_per_s=_rate(records, "extend"), decode_tokens_per_s=_rate(records, "decode"),
+        decode_step_ms=_median_ms([r.wall_s for r in decode]),
+        decode_host_ms=_median_ms([r.host_s for r in decode]),
+        steps={kind: sum(r.kind == kind for r in logs[0]) for kind in STEP_KINDS},
+        peak_running=max((r.num_seqs for r in records), default=0),
+    )  # fmt: skip
+
+
+def agreement(got: np.ndarray, want: np.ndarray) -> tuple[float, float, float]:
+    """Greedy-token agreement of two ``[prompts, tokens]`` continuations of the same prompts.
+
+    Args:
+      got: one library's generated token ids.
+      want: the other's.
+
+    Returns:
+      The share of prompts whose first token agrees, of (prompt, position) tokens that agree,
+      and of prompts whose whole continuation agrees.
+    """
+    same = np.asarray(got) == np.asarray(want)
+    return float(same[:, 0].mean()), float(same.mean()), float(same.all(axis=1).mean())
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerRun:
+    """What ``--peer transformers`` measured."""
+
+    generate_s: float  # median wall of one batched generate of T tokens
+    prefill_s: float  # median wall of a generate of one token (the prefill)
+    tokens: np.ndarray  # [prompts, T] its greedy tokens
+    experts: str  # the experts implementation that ran
+    device: str  # "cuda" or "cpu"
+
+
+def _write_peer_checkpoint(raw: dict, directory: Path, dtype: str, seed: int) -> None:
+    """transformers' model of ``raw`` with random weights (seed ``seed``; drawn on the GPU
+    where there is one), saved (safetensors)."""
+    torch, transformers = (importlib.import_module(name) for name in PEER_MODULES)
+    fields = dict(raw)
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(seed)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # drawn where it runs
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(directory)
+    del model
+    gc.collect()
+
+
+def _experts_kwargs(transformers) -> dict:
+    """``experts_implementation="grouped_mm"`` where this transformers has that setting."""
+    setter = getattr(transformers.PreTrainedModel, "set_experts_implementation", None)
+    loader = inspect.signature(transformers.PreTrainedModel.from_pretrained).parameters
+    if "experts_implementation" in loader or (
+        setter is not None and "experts_implementation" in inspect.signature(setter).parameters
+    ):
+        return {"experts_implementation": "grouped_mm"}
+    return {}
+
+
+def _peer_timed(torch, model, ids, new_tokens: int, iters: int):
+    """Median seconds of ``iters`` batched greedy generates of exactly ``new_tokens`` tokens
+    (after one warm-up), and the last one's output ids."""
+    config = model.config
+    eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    pad = next((t for t in (config.pad_token_id, eos) if t is not None), 0)
+    cuda = ids.is_cuda
+
+    def once():
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
+            )  # fmt: skip
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, out
+
+    once()
+    runs = [once() for _ in range(iters)]
+    return statistics.median(seconds for seconds, _ in runs), runs[-1][1]
+
+
+def _peer_run(directory: Path, prompts: np.ndarray, args) -> PeerRun:
+    """Times transformers on ``directory`` (see the module docstring), then frees its GPU
+    memory for jtbo."""
+    torch, transformers = (importlib.import_module(name) for name in PEER_MODULES)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=getattr(torch, args.dtype), **_experts_kwargs(transformers)
+    ).to(device)
+    model.eval()
+    experts = str(getattr(model.config, "_experts_implementation", None) or "default")
+    ids = torch.as_tensor(prompts, dtype=torch.long, device=device)
+    generate_s, out = _peer_timed(torch, model, ids, args.max_new_tokens, args.iters)
+    prefill_s, _ = _peer_timed(torch, model, ids, 1, args.iters)
+    tokens = out[:, prompts.shape[1] :].cpu().numpy()
+    del model, out
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return PeerRun(generate_s, prefill_s, tokens, experts, device)
+
+
+def _pool(args) -> int:
+    """``--pool``, or enough KV slots for a DP rank's share of the prompts."""
+    per_rank = arith.ceil_div(args.prompts, args.devices)
+    return args.pool or per_rank * (args.prompt_len + args.max_new_tokens)
+
+
+def _runner(args, mesh, directory: Path | None) -> runner_lib.ModelRunner:
+    """The served model (random weights of ``args.config``, or loaded from ``directory``)
+    in a ``ModelRunner`` sized by the flags."""
+    dtype = DTYPES[args.dtype]
+    if directory is None:
+        model = model_lib.MoEModel(args.config, rngs=nnx.Rngs(args.seed))
+    else:
+        model = hf.from_pretrained(directory, dtype=dtype, mesh=mesh)
+    extra = {} if args.max_context_len is None else {"max_context_len": args.max_context_len}
+    return runner_lib.ModelRunner(
+        model, mesh, max_total_tokens=_pool(args), max_running_requests=args.rows or args.prompts,
+        tbo=tbo_options.TboOptions(enable_two_batch_overlap=TBO_CHOICES[args.tbo]), dtype=dtype,
+        **extra,
+    )  # fmt: skip
+
+
+def _time_generate(runner, prompts: np.ndarray, args) -> tuple[list[float], list[list], list]:
+    """One warm-up ``generate`` and ``--iters`` timed ones of the same prompts.
+
+    Returns:
+      ``(wall seconds per timed call, step records per timed call, the last call's results)``.
+
+    Raises:
+      ValueError: a prompt was rejected (the pool or the context too small).
+    """
+    kwargs = dict(max_new_tokens=args.max_new_tokens, progress=False)
+    if args.chunk_size is not None:
+        kwargs["chunk_size"] = args.chunk_size
+    walls, logs = [], []
+    for call in range(args.iters + 1):
+        records = []
+        start = time.perf_counter()
+        results = runner.generate(list(prompts), step_log=records, **kwargs)
+        if call:  # the first call compiles
+            walls.append(time.perf_counter() - start)
+            logs.append(records)
+        rejected = [(i, r.error) for i, r in enumerate(results) if r.error]
+        if rejected:
+            raise ValueError(f"{len(rejected)} prompts rejected, the first: {rejected[0]}")
+    return walls, logs, results
+
+
+def _decode_batches(runner, prompts: int, context: int):
+    """Per DP rank the decode batch ``generate`` would run at ``context``: its round-robin share
+    of the prompts, at most its running limit (``bench tbo``'s synthetic batch), or an idle
+    batch; or ``(None, why)`` where the runner cannot hold them."""
+    dp = runner.dp_size
+    limit = admission.running_limit(runner.max_running_requests, runner.options.token_buckets)
+    counts = [min(len(range(rank, prompts, dp)), limit) for rank in range(dp)]
+    needed = max(counts) * context
+    if needed > runner.max_total_tokens or context > runner.max_context_len:
+        return None, (
+            f"{max(counts)} sequences of context {context} need {needed} slots and context "
+            f"{context}; the runner has {runner.max_total_tokens} and {runner.max_context_len}"
+        )
+    vocab = runner.config.vocab_size
+    return tuple(
+        tbo_bench._decode_batch(n, context, vocab) if n else planning.idle_batch() for n in counts
+    ), None
+
+
+def _decode_plan(runner, batches) -> planning.StepPlan:
+    """The runner's plan of ``batches`` (recorded, with their cached context), in the TBO mode
+    it would run them in (``--tbo auto``: its choice for that shape, where it made one)."""
+    for rank, batch in enumerate(batches):
+        if batch.batch_size and batch.seq_lens[0] > 1:
+            runner.record(rank, tbo_bench._decode_prefix(batch))
+        if batch.batch_size:
+            runner.record(rank, batch)
+    plan = planning.plan_step(list(batches), runner.options, logits="last")
+    chosen = {d.shape: d.use_tbo for d in runner.tbo_decisions()}
+    if plan.child_capacity is not None and not chosen.get(
+        tbo_auto.TboShape(plan.capacity, plan.mode), True
+    ):
+        plain = dataclasses.replace(runner.options, enable_tbo=False)
+        plan = planning.plan_step(list(batches), plain, logits="last")
+    return plan
+
+
+def _device_step(runner, args) -> tuple[float | None, str | None]:
+    """Median device seconds of the decode step in the middle of the decode phase, or
+    ``(None, why not)``."""
+    context = args.prompt_len + args.max_new_tokens // 2
+    batches, why = _decode_batches(runner, args.prompts, context)
+    if batches is None:
+        return None, why
+    plan = _decode_plan(runner, batches)
+    times, _ = tbo_bench._time_interleaved([(runner, plan)], DEVICE_ITERS)
+    return times[0], None
+
+
+def _tokens(results) -> np.ndarray:
+    return np.asarray([result.token_ids for result in results], np.int32)
+
+
+def _cell(value, digits: int | None = None) -> str:
+    """A table cell: "-" for None; a float with ``digits`` decimals, else one decimal from 100
+    up and three significant digits below."""
+    if not isinstance(value, float):
+        return "-" if value is None else str(value)
+    if digits is not None:
+        return f"{value:.{digits}f}"
+    return f"{value:.1f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def _title(args, runner) -> str:
+    """The line above the table: model, dimensions, workload, pool, rows, TBO, devices."""
+    c = args.config
+    device = jax.devices()[0]
+    return (
+        f"serve: {args.name}: hidden {c.hidden_size}, {c.num_layers} layers, "
+        f"{c.num_experts} experts top-{c.num_experts_per_tok}, {c.attention_kind} attention, "
+        f"vocab {c.vocab_size}; "
+        f"{args.prompts} prompts x {args.prompt_len} tokens + {args.max_new_tokens} new; pool "
+        f"{runner.max_total_tokens} slots/rank, rows {runner.max_running_requests}, max context "
+        f"{runner.max_context_len}; TBO {args.tbo}; dp {runner.dp_size} x {device.device_kind}; "
+        f"{args.dtype}"
+    )
+
+
+def _rows(stats: StepStats, device_s: float | None) -> list[tuple[str, object]]:
+    """The jtbo column of the table: (measure, value)."""
+    device_ms = None if device_s is None else device_s * 1e3
+    ratio = None if device_ms is None or stats.decode_step_ms is None else (
+        stats.decode_step_ms / device_ms
+    )  # fmt: skip
+    return [
+        ("generate wall (s)", stats.generate_s),
+        ("output tokens/s", stats.output_tokens_per_s),
+        ("prefill tokens/s", stats.prefill_tokens_per_s),
+        ("decode tokens/s", stats.decode_tokens_per_s),
+        ("decode step wall (ms, median)", stats.decode_step_ms),
+        ("decode step host (ms, median)", stats.decode_host_ms),
+        ("device decode step (ms, median)", device_ms),
+        ("decode step wall / device step", ratio),
+        ("steps extend / decode / mixed", " / ".join(str(stats.steps[k]) for k in STEP_KINDS)),
+        ("peak running sequences", stats.peak_running),
+    ]
+
+
+def peer_summary(peer: PeerRun, stats: StepStats, prompts: int, prompt_len: int, tokens) -> dict:
+    """transformers' figures beside jtbo's.
+
+    Args:
+      peer: what ``--peer transformers`` measured.
+      stats: jtbo's ``step_stats``.
+      prompts: prompts served.
+      prompt_len: tokens per prompt.
+      tokens: ``[prompts, T]`` jtbo's generated tokens.
+
+    Returns:
+      Its rates, the speed ratios (transformers wall over jtbo's, prefill likewise) and the
+      greedy agreement (``agreement``), by name.
+    """
+    first, every, whole = agreement(tokens, peer.tokens)
+    prefill_rate = prompts * prompt_len / peer.prefill_s
+    jtbo_prefill = stats.prefill_tokens_per_s
+    return dict(
+        device=peer.device, experts=peer.experts, generate_s=peer.generate_s,
+        output_tokens_per_s=tokens.size / peer.generate_s, prefill_s=peer.prefill_s,
+        prefill_tokens_per_s=prefill_rate, generate_speedup=peer.generate_s / stats.generate_s,
+        prefill_speedup=None if jtbo_prefill is None else jtbo_prefill / prefill_rate,
+        first_token_agreement=first, token_agreement=every, prompt_agreement=whole,
+    )  # fmt: skip
+
+
+def table(rows: list[tuple[str, object]], peer: dict | None) -> str:
+    """The markdown table: jtbo's measures, and with a peer transformers' and the ratio.
+
+    Args:
+      rows: ``(measure, jtbo value)`` pairs (``_rows``).
+      peer: ``peer_summary`` or None.
+
+    Returns:
+      The table's lines, joined.
+    """
+    if peer is None:
+        lines = ["| measure | jtbo |", "|---|---|"]
+        return "\n".join(lines + [f"| {name} | {_cell(value)} |" for name, value in rows])
+    theirs = {
+        "generate wall (s)": (peer["generate_s"], peer["generate_speedup"]),
+        "output tokens/s": (peer["output_tokens_per_s"], peer["generate_speedup"]),
+        "prefill tokens/s": (peer["prefill_tokens_per_s"], peer["prefill_speedup"]),
+    }
+    lines = ["| measure | jtbo | transformers | jtbo speed / transformers |", "|---|---|---|---|"]
+    for name, value in rows:
+        other, ratio = theirs.get(name, (None, None))
+        lines.append(f"| {name} | {_cell(value)} | {_cell(other)} | {_cell(ratio, 3)} |")
+    shares = (peer["first_token_agreement"], peer["token_agreement"], peer["prompt_agreement"])
+    cells = " / ".join(f"{share:.3f}" for share in shares)
+    lines.append(
+        f"| greedy agreement: first token / all tokens / whole prompts | - | {cells} | - |"
+    )
+    return "\n".join(lines)
+
+
+def _json(args, runner, stats: StepStats, device_s, peer: dict | None) -> str:
+    """The results as one JSON object."""
+    c = args.config
+    return json.dumps(dict(
+        model=dict(source=args.name,
+                   hidden_size=c.hidden_size, num_layers=c.num_layers,
+                   num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                   attention_kind=c.attention_kind, vocab_size=c.vocab_size),
+        prompts=args.prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
+        pool=runner.max_total_tokens, rows=runner.max_running_requests,
+        max_context_len=runner.max_context_len, dp=runner.dp_size, tbo=args.tbo,
+        dtype=args.dtype, iters=args.iters, jtbo=dataclasses.asdict(stats),
+        device_decode_step_ms=None if device_s is None else device_s * 1e3, transformers=peer,
+    ))  # fmt: skip
+
+
+def _serve(args, scratch: Path) -> None:
+    """Runs the measurements in order (peer, generate, device step) and prints the results."""
+    prompts = random_prompts(args.prompts, args.prompt_len, args.config.vocab_size, args.seed)
+    directory = args.model
+    if args.peer == "transformers" and args.hf_config is not None:
+        directory = scratch
+        _write_peer_checkpoint(args.raw, directory, args.dtype, args.seed)
+    peer = None if args.peer == "none" else _peer_run(directory, prompts, args)
+    runner = _runner(args, mesh_lib.make_mesh(args.devices, 1), directory)
+    walls, logs, results = _time_generate(runner, prompts, args)
+    tokens = _tokens(results)
+    stats = step_stats(walls, logs, tokens.size)
+    print(runner.tbo_summary())  # the generate calls' steps, before the device-step runs
+    device_s, why = _device_step(runner, args)
+    if why is not None:
+        print(f"device decode step: not timed ({why})")
+    summary = None
+    if peer is not None:
+        summary = peer_summary(peer, stats, args.prompts, args.prompt_len, tokens)
+        print(f"transformers on {peer.device}, experts implementation {peer.experts}")
+    print(_title(args, runner))
+    print(table(_rows(stats, device_s), summary))
+    if args.json:
+        print(_json(args, runner, stats, device_s, summary))
+
+
+def main(argv: list[str]) -> None:
+    """Runs the benchmark and prints its table (see the module docstring).
+
+    Args:
+      argv: the flags (``--help`` lists them).
+
+    Raises:
+      SystemExit: bad flags (status 2, argparse's message), or ``--peer transformers`` where
+        torch or transformers cannot be imported (``EXIT_NO_PEER``, naming the module).
+      ValueError: a prompt the runner rejected (a ``--pool`` or ``--max-context-len`` too small).
+    """
+    args = _parse(argv)
+    configure_environment(args, os.environ)  # before anything starts the backend
+    if args.peer == "transformers":
+        _require_peer_modules()
+    with tempfile.TemporaryDirectory(prefix="jtbo_serve_") as scratch:
+        _serve(args, Path(scratch))
