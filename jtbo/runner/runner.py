@@ -85,6 +85,8 @@ class ModelRunner:
       dp_rank_owners: per DP rank, the process that drives it (its mesh row's devices).
       local_dp_ranks: the DP ranks this process drives, in rank order (``forward``'s batches).
       multiprocess: whether the mesh spans other processes' devices (``jax.distributed``).
+      num_reruns: extra runs of steps: EP overflow re-runs, and token steps run again on the
+        tokens of a step before them that re-ran.
       num_steps: device steps run; num_tbo_steps: those run with two-batch overlap (an
         "auto" shape's timing runs are not counted, its real step is).
       last_step_phases: the host time of the last step's phases (``step_phases.StepPhases``;
@@ -216,6 +218,7 @@ class ModelRunner:
         self._monitor = failure.monitor(peer_timeout_s) if self.multiprocess else None
         self.num_steps = 0
         self.num_tbo_steps = 0
+        self.num_reruns = 0
         self._last_ep_load = ((), None)  # the last run's dispatchers and peak loads
 
     def ep_routing_model(self) -> dict:
@@ -622,6 +625,7 @@ class ModelRunner:
             if pending.stale:
                 self._launch_pending(pending, time.perf_counter())
                 pending.runs += 1
+                self.num_reruns += 1
             while True:
                 if self.multiprocess:  # waits with the GIL released: the failure monitor runs
                     jax.block_until_ready((pending.outputs, pending.overflow))
@@ -631,6 +635,7 @@ class ModelRunner:
                 pending.dispatchers = rerun
                 self._launch_pending(pending, time.perf_counter())
                 pending.runs += 1
+                self.num_reruns += 1
             host = self._local_rows(pending.outputs, pending.plan)
         pending.clock.append(time.perf_counter())
         self.last_step_phases = step_phases.from_clock(pending.clock)
@@ -775,6 +780,7 @@ class ModelRunner:
             if self.multiprocess:  # waits with the GIL released: the failure monitor runs
                 jax.block_until_ready((logits, overflow, peak_load))
             dispatchers = self._settle(dispatchers, overflow, peak_load)
+            self.num_reruns += dispatchers is not None
             clock.append(time.perf_counter())
         self.last_step_phases = step_phases.from_clock(clock)
         return logits
