@@ -876,6 +876,7 @@ class ModelRunner:
         token_counts: Sequence[int],
         modes: Sequence[ForwardMode],
         seq_counts: Sequence[int] = (1,),
+        outputs: str = "logits",
     ) -> int:
         """Compiles the steps of the given token counts and modes before serving.
 
@@ -898,13 +899,18 @@ class ModelRunner:
           modes: EXTEND, DECODE (TARGET_VERIFY needs a draft size: compile it by serving).
           seq_counts: sequences per rank of the extend programs (decode programs hold one
             sequence per token).
+          outputs: "logits" compiles ``forward``'s programs, "tokens" the greedy token
+            programs of ``dispatch`` (what ``generate`` runs with greedy sampling).
 
         Returns:
           The compile count afterwards.
 
         Raises:
-          ValueError: a sequence count below 1 or above ``max_running_requests``.
+          ValueError: a sequence count below 1 or above ``max_running_requests``, an unknown
+            ``outputs``.
         """
+        if outputs not in ("logits", "tokens"):
+            raise ValueError(f"outputs must be 'logits' or 'tokens', got {outputs!r}")
         bad = [s for s in seq_counts if not 1 <= s <= self.max_running_requests]
         if bad:
             raise ValueError(
@@ -915,20 +921,38 @@ class ModelRunner:
             for mode in map(ForwardMode, modes):
                 seqs = [count] if mode.is_decode() else [s for s in seq_counts if s <= count]
                 for num_seqs, tbo in itertools.product(seqs, both):
-                    for plan in self._warmup_plans(count, mode, num_seqs, tbo):
-                        self._run(plan, self.check_finite_logits)
+                    for plan in self._warmup_plans(count, mode, num_seqs, tbo, outputs):
+                        if outputs == "logits":
+                            self._run(plan, self.check_finite_logits)
+                        else:
+                            sampler = step_io.SamplerKey(self.max_running_requests)
+                            jax.block_until_ready(
+                                self._execute(plan, sampler, self._prev_tokens(None))
+                            )
         return self.compile_count
 
     def _warmup_plans(
-        self, count: int, mode: ForwardMode, num_seqs: int, tbo: bool
+        self, count: int, mode: ForwardMode, num_seqs: int, tbo: bool, outputs: str
     ) -> list[planning.StepPlan]:
         """Real plans for one synthetic batch on rank 0 that write only the padding slot: the
-        plain plan, or the TBO plan at its child capacity and at each larger one."""
+        plain plan, or the TBO plan at its child capacity and at each larger one (token
+        plans: sampled from each sequence's last row, every id from the host)."""
         batch = _synthetic_batch(mode, count, num_seqs)
         batches = [batch] + [planning.idle_batch()] * (self.dp_size - 1)
         padding = "max_len" if self.options.dp_padding == "auto" else self.options.dp_padding
         options = dataclasses.replace(self.options, enable_tbo=tbo, dp_padding=padding)
-        plan = planning.plan_step_for_ranks(batches, self.local_dp_ranks, options)
+        logits = "last" if outputs == "tokens" else "all"
+        plans = self._warmup_tbo_plans(batches, options, logits)
+        if outputs == "tokens":
+            for plan in plans:
+                plan.per_rank["token_source"] = np.full(
+                    (len(plan.ranks), plan.capacity), -1, np.int32
+                )
+        return plans
+
+    def _warmup_tbo_plans(self, batches, options, logits: str) -> list[planning.StepPlan]:
+        """``_warmup_plans``' plans before their token inputs."""
+        plan = planning.plan_step_for_ranks(batches, self.local_dp_ranks, options, logits=logits)
         if plan.child_capacity is None:
             return [plan]
         larger = [
@@ -938,7 +962,7 @@ class ModelRunner:
         ]
         return [plan] + [
             planning.plan_step_for_ranks(
-                batches, self.local_dp_ranks, options, child_capacity=child
+                batches, self.local_dp_ranks, options, logits=logits, child_capacity=child
             )
             for child in larger
         ]

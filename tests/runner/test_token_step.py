@@ -12,6 +12,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jtbo import split
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import layer_ops
@@ -187,3 +188,17 @@ def test_row_sampling_refuses_bad_parameters():
         token_step.RowSampling(*[np.zeros(2)] * 4, np.zeros(3))
     with pytest.raises(ValueError, match="top_p"):
         token_step.RowSampling(np.ones(1), np.zeros(1), *[np.zeros(1, np.int32)] * 3)
+
+
+def test_warmup_of_token_programs_leaves_generate_nothing_to_compile(model):
+    runner = runner_lib.ModelRunner(
+        model, mesh_lib.make_mesh(2, 1), max_total_tokens=128, max_running_requests=ROWS,
+        token_buckets=(8,), dtype=jnp.float32,
+    )  # fmt: skip
+    modes = [split.ForwardMode.EXTEND, split.ForwardMode.DECODE]
+    warm = runner.warmup([8], modes, seq_counts=(1, ROWS), outputs="tokens")
+    assert warm == 2  # the extend program (one sequence bucket for both counts) and decode
+    runner.generate([[1, 2, 3], [4, 5], [6, 7, 8, 9]], max_new_tokens=3, chunk_size=8)
+    assert runner.compile_count == warm
+    with pytest.raises(ValueError, match="outputs must be"):
+        runner.warmup([8], modes, outputs="ids")
