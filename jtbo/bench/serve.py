@@ -23,8 +23,13 @@ compare like with like:
    the decode phase), in the runner's own KV pool after the generate timings (``bench tbo``'s
    synthetic decode batch and context), planned as the runner plans it (with ``--tbo auto``
    in the mode the runner chose for that shape); the median of ``DEVICE_ITERS``
-   device-synchronised ``run_plan`` calls after two warm-ups. The ratio decode-step wall /
-   device step is what serving adds around the step: planning, dispatch, the read-back.
+   device-synchronised ``run_plan`` calls after two warm-ups, and of their host part (the
+   runner's ``last_step_phases``: inputs and dispatch, before the devices run). The ratio
+   decode-step wall / device step is what serving adds around the step (planning, dispatch,
+   sampling, the read-back) or, below 1, what it hides: ``generate`` dispatches each step
+   before it reads the last, so its host work runs under the devices' work, while one
+   ``run_plan`` at a time pays its host part in full (and returns the logits, where
+   ``generate``'s step returns the sampled tokens).
 3. ``--peer transformers`` (needs ``torch`` and ``transformers``): the same checkpoint
    directory (``--model``, or for ``--hf-config`` the model transformers builds from that
    config with random weights, seed ``--seed``, saved as safetensors and loaded by jtbo
@@ -112,6 +117,24 @@ def _parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_model_arguments(parser)
+    parser.add_argument("--prompts", type=_positive, default=64, help="random prompts served")
+    parser.add_argument("--prompt-len", type=_positive, default=512, metavar="L")
+    parser.add_argument("--max-new-tokens", type=_positive, default=32, metavar="T")
+    parser.add_argument("--seed", type=int, default=0, help="prompts and random weights")
+    _add_runner_arguments(parser)
+    parser.add_argument("--iters", type=_positive, default=2, help="timed runs after a warm-up")
+    parser.add_argument(
+        "--peer",
+        choices=("none", "transformers"),
+        default="none",
+        help="also time transformers' generate on the same checkpoint",
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON last")
+    return parser
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
         "--preset",
@@ -128,15 +151,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--num-layers", type=_positive, metavar="N", help="keep the first N layers of --hf-config"
     )
-    parser.add_argument("--prompts", type=_positive, default=64)
-    parser.add_argument("--prompt-len", type=_positive, default=512, metavar="L")
-    parser.add_argument("--max-new-tokens", type=_positive, default=32, metavar="T")
-    parser.add_argument("--seed", type=int, default=0, help="prompts and random weights")
+
+
+def _add_runner_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pool",
         type=_positive,
         metavar="SLOTS",
-        help="KV slots per DP rank (default: its prompts x (L + T))",
+        help="KV slots per DP rank (default: ceil(prompts / devices) x (L + T))",
     )
     parser.add_argument("--rows", type=_positive, help="max_running_requests (default: --prompts)")
     parser.add_argument(
@@ -149,7 +171,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive,
         help="prompt tokens a rank prefills per step (default: generate's)",
     )
-    parser.add_argument("--tbo", choices=sorted(TBO_CHOICES), default="off")
+    parser.add_argument("--tbo", choices=sorted(TBO_CHOICES), default="off", help="TBO mode")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument(
         "--devices",
@@ -157,15 +179,6 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="DP ranks, one device each (dp=N, attn_tp=1; CPU: virtual devices)",
     )
-    parser.add_argument("--iters", type=_positive, default=2, help="timed runs after a warm-up")
-    parser.add_argument(
-        "--peer",
-        choices=("none", "transformers"),
-        default="none",
-        help="also time transformers' generate on the same checkpoint",
-    )
-    parser.add_argument("--json", action="store_true", help="print the results as JSON last")
-    return parser
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -496,16 +509,23 @@ def _decode_plan(runner, batches) -> planning.StepPlan:
     return plan
 
 
-def _device_step(runner, args) -> tuple[float | None, str | None]:
-    """Median device seconds of the decode step in the middle of the decode phase, or
-    ``(None, why not)``."""
+@dataclasses.dataclass(frozen=True)
+class DeviceStep:
+    """The device-synchronised decode step (``_device_step``), medians."""
+
+    step_ms: float  # one run_plan until its logits are ready
+    host_ms: float  # of it on the host before the devices run: inputs + dispatch (StepPhases)
+
+
+def _device_step(runner, args) -> tuple[DeviceStep | None, str | None]:
+    """The decode step in the middle of the decode phase, run alone, or ``(None, why not)``."""
     context = args.prompt_len + args.max_new_tokens // 2
     batches, why = _decode_batches(runner, args.prompts, context)
     if batches is None:
         return None, why
     plan = _decode_plan(runner, batches)
-    times, _ = tbo_bench._time_interleaved([(runner, plan)], DEVICE_ITERS)
-    return times[0], None
+    times, [(phases, _)] = tbo_bench._time_interleaved([(runner, plan)], DEVICE_ITERS)
+    return DeviceStep(times[0] * 1e3, (phases.inputs + phases.dispatch) * 1e3), None
 
 
 def _tokens(results) -> np.ndarray:
@@ -537,21 +557,22 @@ def _title(args, runner) -> str:
     )
 
 
-def _rows(stats: StepStats, device_s: float | None) -> list[tuple[str, object]]:
+def _rows(stats: StepStats, device: DeviceStep | None) -> list[tuple[str, object]]:
     """The jtbo column of the table: (measure, value)."""
-    device_ms = None if device_s is None else device_s * 1e3
-    ratio = None if device_ms is None or stats.decode_step_ms is None else (
-        stats.decode_step_ms / device_ms
-    )  # fmt: skip
+    wall = stats.decode_step_ms
     return [
         ("generate wall (s)", stats.generate_s),
         ("output tokens/s", stats.output_tokens_per_s),
         ("prefill tokens/s", stats.prefill_tokens_per_s),
         ("decode tokens/s", stats.decode_tokens_per_s),
-        ("decode step wall (ms, median)", stats.decode_step_ms),
+        ("decode step wall (ms, median)", wall),
         ("decode step host (ms, median)", stats.decode_host_ms),
-        ("device decode step (ms, median)", device_ms),
-        ("decode step wall / device step", ratio),
+        ("device decode step (ms, median)", None if device is None else device.step_ms),
+        ("device step's host part: inputs + dispatch (ms)", device and device.host_ms),
+        (
+            "decode step wall / device step",
+            None if None in (device, wall) else wall / device.step_ms,
+        ),
         ("steps extend / decode / mixed", " / ".join(str(stats.steps[k]) for k in STEP_KINDS)),
         ("peak running sequences", stats.peak_running),
     ]
@@ -613,7 +634,7 @@ def table(rows: list[tuple[str, object]], peer: dict | None) -> str:
     return "\n".join(lines)
 
 
-def _json(args, runner, stats: StepStats, device_s, peer: dict | None) -> str:
+def _json(args, runner, stats: StepStats, device: DeviceStep | None, peer: dict | None) -> str:
     """The results as one JSON object."""
     c = args.config
     return json.dumps(dict(
@@ -625,7 +646,7 @@ def _json(args, runner, stats: StepStats, device_s, peer: dict | None) -> str:
         pool=runner.max_total_tokens, rows=runner.max_running_requests,
         max_context_len=runner.max_context_len, dp=runner.dp_size, tbo=args.tbo,
         dtype=args.dtype, iters=args.iters, jtbo=dataclasses.asdict(stats),
-        device_decode_step_ms=None if device_s is None else device_s * 1e3, transformers=peer,
+        device_step=device and dataclasses.asdict(device), transformers=peer,
     ))  # fmt: skip
 
 
@@ -642,7 +663,7 @@ def _serve(args, scratch: Path) -> None:
     tokens = _tokens(results)
     stats = step_stats(walls, logs, tokens.size)
     print(runner.tbo_summary())  # the generate calls' steps, before the device-step runs
-    device_s, why = _device_step(runner, args)
+    device, why = _device_step(runner, args)
     if why is not None:
         print(f"device decode step: not timed ({why})")
     summary = None
@@ -650,9 +671,9 @@ def _serve(args, scratch: Path) -> None:
         summary = peer_summary(peer, stats, args.prompts, args.prompt_len, tokens)
         print(f"transformers on {peer.device}, experts implementation {peer.experts}")
     print(_title(args, runner))
-    print(table(_rows(stats, device_s), summary))
+    print(table(_rows(stats, device), summary))
     if args.json:
-        print(_json(args, runner, stats, device_s, summary))
+        print(_json(args, runner, stats, device, summary))
 
 
 def main(argv: list[str]) -> None:

@@ -629,14 +629,17 @@ class ModelRunner:
             while True:
                 if self.multiprocess:  # waits with the GIL released: the failure monitor runs
                     jax.block_until_ready((pending.outputs, pending.overflow))
-                rerun = self._settle(pending.dispatchers, pending.overflow, pending.peak_load)
+                # One wait: the tokens, flags and EP counts come back together.
+                host, counts = self._local_rows(
+                    pending.outputs, pending.plan, (pending.overflow, pending.peak_load)
+                )
+                rerun = self._settle(pending.dispatchers, *counts)
                 if rerun is None:
                     break
                 pending.dispatchers = rerun
                 self._launch_pending(pending, time.perf_counter())
                 pending.runs += 1
                 self.num_reruns += 1
-            host = self._local_rows(pending.outputs, pending.plan)
         pending.clock.append(time.perf_counter())
         self.last_step_phases = step_phases.from_clock(pending.clock)
         if self.check_finite_logits:
@@ -645,11 +648,13 @@ class ModelRunner:
         pending.result = token_step.step_tokens(host, pending)
         return pending.result
 
-    def _local_rows(self, outputs: dict, plan: planning.StepPlan) -> dict:
-        """This process's ranks' rows of a step's device outputs, as numpy."""
+    def _local_rows(self, outputs: dict, plan: planning.StepPlan, replicated):
+        """This process's ranks' rows of a step's device outputs and the ``replicated``
+        arrays, as numpy."""
         if self.multiprocess:
-            return {k: distributed.local_rank_rows(v, plan.ranks) for k, v in outputs.items()}
-        return jax.device_get(outputs)
+            rows = {k: distributed.local_rank_rows(v, plan.ranks) for k, v in outputs.items()}
+            return rows, jax.device_get(replicated)
+        return jax.device_get((outputs, replicated))
 
     def tbo_decisions(self) -> tuple[tbo_auto.TboDecision, ...]:
         """An "auto" runner's TBO choice per step shape, with both programs' timings.
