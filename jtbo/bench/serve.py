@@ -22,14 +22,12 @@ compare like with like:
    robin, as ``generate`` splits them, each sequence at context ``L + T // 2`` (the middle of
    the decode phase), in the runner's own KV pool after the generate timings (``bench tbo``'s
    synthetic decode batch and context), planned as the runner plans it (with ``--tbo auto``
-   in the mode the runner chose for that shape); the median of ``DEVICE_ITERS``
-   device-synchronised ``run_plan`` calls after two warm-ups, and of their host part (the
-   runner's ``last_step_phases``: inputs and dispatch, before the devices run). The ratio
-   decode-step wall / device step is what serving adds around the step (planning, dispatch,
-   sampling, the read-back) or, below 1, what it hides: ``generate`` dispatches each step
-   before it reads the last, so its host work runs under the devices' work, while one
-   ``run_plan`` at a time pays its host part in full (and returns the logits, where
-   ``generate``'s step returns the sampled tokens).
+   in the mode the runner chose for that shape). Its greedy token program is enqueued
+   ``DEVICE_ITERS`` times back to back (``ModelRunner.run_token_plan``; median of three such
+   runs): the devices' time per step, the host's hidden under it. The ratio decode-step wall
+   inside ``generate`` / that device step is what serving adds around the step. For
+   comparison, the synchronous ``run_plan`` of the same plan (logits back, EP counts read
+   before the next) is timed too, with its host part (inputs and dispatch).
 3. ``--peer transformers`` (needs ``torch`` and ``transformers``): the same checkpoint
    directory (``--model``, or for ``--hf-config`` the model transformers builds from that
    config with random weights, seed ``--seed``, saved as safetensors and loaded by jtbo
@@ -511,10 +509,25 @@ def _decode_plan(runner, batches) -> planning.StepPlan:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceStep:
-    """The device-synchronised decode step (``_device_step``), medians."""
+    """The decode step of the same batch outside ``generate`` (``_device_step``), medians."""
 
-    step_ms: float  # one run_plan until its logits are ready
-    host_ms: float  # of it on the host before the devices run: inputs + dispatch (StepPhases)
+    step_ms: float  # the token program enqueued back to back: the devices' time per step
+    run_plan_ms: float  # one synchronous run_plan (logits) until its logits are ready
+    host_ms: float  # of run_plan on the host before the devices run: inputs + dispatch
+
+
+def _back_to_back_ms(runner, plan) -> float:
+    """Milliseconds per step of ``runner.run_token_plan(plan)`` enqueued ``DEVICE_ITERS``
+    times back to back (median of three such runs, after a warm-up)."""
+    jax.block_until_ready(runner.run_token_plan(plan))
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(DEVICE_ITERS):
+            out = runner.run_token_plan(plan)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / DEVICE_ITERS * 1e3)
+    return statistics.median(times)
 
 
 def _device_step(runner, args) -> tuple[DeviceStep | None, str | None]:
@@ -525,7 +538,8 @@ def _device_step(runner, args) -> tuple[DeviceStep | None, str | None]:
         return None, why
     plan = _decode_plan(runner, batches)
     times, [(phases, _)] = tbo_bench._time_interleaved([(runner, plan)], DEVICE_ITERS)
-    return DeviceStep(times[0] * 1e3, (phases.inputs + phases.dispatch) * 1e3), None
+    host = (phases.inputs + phases.dispatch) * 1e3
+    return DeviceStep(_back_to_back_ms(runner, plan), times[0] * 1e3, host), None
 
 
 def _tokens(results) -> np.ndarray:
@@ -567,8 +581,9 @@ def _rows(stats: StepStats, device: DeviceStep | None) -> list[tuple[str, object
         ("decode tokens/s", stats.decode_tokens_per_s),
         ("decode step wall (ms, median)", wall),
         ("decode step host (ms, median)", stats.decode_host_ms),
-        ("device decode step (ms, median)", None if device is None else device.step_ms),
-        ("device step's host part: inputs + dispatch (ms)", device and device.host_ms),
+        ("device decode step, back to back (ms, median)", device and device.step_ms),
+        ("run_plan decode step, synchronous (ms, median)", device and device.run_plan_ms),
+        ("run_plan's host part: inputs + dispatch (ms)", device and device.host_ms),
         (
             "decode step wall / device step",
             None if None in (device, wall) else wall / device.step_ms,

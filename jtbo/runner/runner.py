@@ -572,6 +572,28 @@ class ModelRunner:
         self.num_tbo_steps += pending.plan.child_capacity is not None
         return pending
 
+    def run_token_plan(self, plan: planning.StepPlan) -> dict:
+        """Enqueues a planned greedy token step and returns its device outputs, unread.
+
+        For benchmarks: runs enqueued back to back take the devices' time of the step, the
+        host's work hidden under it. Nothing is checked (no EP counts, no numerics guard), the
+        step is not counted, and its decode rows read their ids from the plan.
+
+        Args:
+          plan: a plan with ``logits="last"`` rows (``planning.plan_step_for_ranks``); its
+            KV writes are recorded by the step.
+
+        Returns:
+          The step's device ``tokens`` and ``finite`` ``[dp, max_running_requests]``.
+        """
+        plan.per_rank.setdefault(
+            "token_source", np.full((len(plan.ranks), plan.capacity), -1, np.int32)
+        )
+        dispatchers = self._step.dispatchers.for_step(plan.capacity, plan.child_capacity)
+        sampler = step_io.SamplerKey(self.max_running_requests)
+        inputs = self._step_inputs(plan)
+        return self._launch(plan, inputs, dispatchers, sampler, self._prev_tokens(None))[0]
+
     def _prev_tokens(self, after: token_step.PendingStep | None) -> jax.Array:
         """The token output a step's ``token_source`` rows read (zeros without ``after``)."""
         if after is not None and after.outputs is not None:
