@@ -36,7 +36,9 @@ compare like with like:
    ``grouped_mm`` experts implementation where this transformers accepts one) and times
    ``model.generate`` on the same prompts as one batch (greedy, exactly ``T`` new tokens),
    and its prefill alone (``max_new_tokens=1``), one warm-up and ``--iters`` timed runs
-   each. This runs before jtbo starts, so each library has the GPU to itself. Printed: the
+   each. This runs first, in a child process of its own (spawned, so it shares nothing with
+   jtbo's process: torch's CUDA context, allocator and threads end with it), so each library
+   has the GPU and a process to itself. Printed: the
    speed ratios (transformers wall over jtbo's) and greedy-token agreement (random bf16
    weights may diverge after a few tokens: the first token, every token, whole prompts).
 
@@ -50,11 +52,13 @@ import gc
 import importlib
 import inspect
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
+from concurrent import futures
 from pathlib import Path
 
 import jax
@@ -422,6 +426,22 @@ def _peer_run(directory: Path, prompts: np.ndarray, args) -> PeerRun:
     return PeerRun(generate_s, prefill_s, tokens, experts, device)
 
 
+def _peer_checkpoint_and_run(directory: Path, prompts: np.ndarray, args) -> PeerRun:
+    """The peer's part of the run: for ``--hf-config``, its random checkpoint first."""
+    if args.hf_config is not None:
+        _write_peer_checkpoint(args.raw, directory, args.dtype, args.seed)
+    return _peer_run(directory, prompts, args)
+
+
+def _peer_in_child(directory: Path, prompts: np.ndarray, args) -> PeerRun:
+    """``_peer_checkpoint_and_run`` in a child process (started fresh, "spawn"): torch's CUDA
+    context, allocator and threads end with it, so jtbo's timings run in a process that
+    never held them."""
+    context = multiprocessing.get_context("spawn")
+    with futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(_peer_checkpoint_and_run, directory, prompts, args).result()
+
+
 def _pool(args) -> int:
     """``--pool``, or enough KV slots for a DP rank's share of the prompts."""
     per_rank = arith.ceil_div(args.prompts, args.devices)
@@ -671,8 +691,7 @@ def _serve(args, scratch: Path) -> None:
     directory = args.model
     if args.peer == "transformers" and args.hf_config is not None:
         directory = scratch
-        _write_peer_checkpoint(args.raw, directory, args.dtype, args.seed)
-    peer = None if args.peer == "none" else _peer_run(directory, prompts, args)
+    peer = None if args.peer == "none" else _peer_in_child(directory, prompts, args)
     runner = _runner(args, mesh_lib.make_mesh(args.devices, 1), directory)
     walls, logs, results = _time_generate(runner, prompts, args)
     tokens = _tokens(results)
