@@ -782,9 +782,9 @@ PHASE_HEADER = (
 )
 PHASE_FOOTNOTE = (
     "Host phases of a step (ModelRunner.last_step_phases, medians over the timed steps): "
-    "inputs = the page table, packing the plan and issuing its transfers; dispatch = the "
-    "jitted call until it returned; until the EP counts = from then until the overflow "
-    "counts were on the host (the devices' remaining work and the read-back); rest = each "
+    "inputs = packing the plan (its page-table writes too) and issuing its transfers; "
+    "dispatch = the jitted call until it returned; until the EP counts = from then until the "
+    "overflow counts were on the host (the devices' remaining work and the read-back); rest = each "
     "step's time less the three (the wait for the logits and the bench's own calls)."
 )
 

@@ -3,8 +3,11 @@
 ``forward(batches)`` takes one host ``ForwardBatch`` per DP rank (None: idle), records the new
 tokens' KV slots in the page table it owns, plans the step (``planning.plan_step``: bucket,
 attention kind, DP agreement on TBO, split, metadata), runs the jitted ``shard_map`` step and
-returns each rank's logits. The KV pools stay on the devices between steps (donated to the
-step, replaced by its output). One compile per (bucket, attention kind, extend sequence bucket, TBO
+returns each rank's logits. ``dispatch(batches)`` runs the same step but samples each
+sequence's next token on the devices and returns at once; ``resolve`` reads the tokens back
+(``jtbo.runner.token_step``; what ``generate`` runs). The KV pools and the page table stay on
+the devices between steps (donated to the step, replaced by its output): a plan carries only
+its new tokens' page writes. One compile per (bucket, attention kind, extend sequence bucket, TBO
 child capacity, DP padding mode and SUM_LEN length bucket: ``planning``);
 ``warmup`` compiles them ahead of serving.
 
@@ -773,7 +776,8 @@ class ModelRunner:
     def run_plan(self, plan: planning.StepPlan) -> jax.Array:
         """Runs a planned step (``planning.plan_step``) and returns the device logits.
 
-        The page table must already hold the plan's tokens (``forward`` records them).
+        The plan's KV writes are recorded in the page table by the step itself (the plan's
+        ``page_writes``); its batches must have passed ``forward``'s checks or ``record``.
 
         Returns:
           ``[dp, capacity, vocab]`` float32 logits, still on the devices (with several

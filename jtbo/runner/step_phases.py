@@ -1,7 +1,7 @@
 """Host time of the phases of one ``ModelRunner.run_plan``: where a step's wall time goes.
 
-A step's wall time is host work before the devices start (the page table's upload, packing the
-plan and issuing its two transfers, then the jitted call, which returns once the program is
+A step's wall time is host work before the devices start (packing the plan, with its page-table
+writes, and issuing its two transfers, then the jitted call, which returns once the program is
 enqueued), the devices' work, and the read-back of the EP overflow counts and peak loads that
 the host needs before it may accept the step (an overflowing step re-runs with the next
 capacity bucket, so the phases are summed over its runs). The runner reads the host clock at
@@ -20,7 +20,7 @@ class StepPhases:
     """Host seconds of one step's phases.
 
     Attributes:
-      inputs: before the first jitted call: the page table (when it changed), packing the plan
+      inputs: before the first jitted call: packing the plan (its page-table writes included)
         and issuing its host->device transfers.
       dispatch: inside the jitted calls, until each returned (the program enqueued; summed
         over EP re-runs).
