@@ -561,7 +561,7 @@ class ModelRunner:
                 token_sources, plan.capacity, rows
             )
             if not greedy:
-                plan.per_rank["sampling"] = token_step.sampling_rows(sampling, rows)
+                plan.per_rank["sampling"] = token_step.sampling_rows(sampling, rows, always=True)
             return plan
 
         def run(plan):

@@ -60,17 +60,21 @@ class RowSampling:
         return bool((np.asarray(self.temperature) == 0).all())
 
 
-def sampling_rows(sampling: list[RowSampling | None], rows: int) -> dict | None:
+def sampling_rows(
+    sampling: list[RowSampling | None], rows: int, always: bool = False
+) -> dict | None:
     """A plan's ``per_rank["sampling"]``: each field ``[ranks, rows]`` (padding rows greedy).
 
     Args:
       sampling: per local rank, its sequences' parameters (None: greedy or idle).
       rows: token rows per rank of the step's output.
+      always: return the arrays even when every row is greedy.
 
     Returns:
-      The arrays, or None when every row is greedy (the step then takes the argmax only).
+      The arrays, or None when every row is greedy and not ``always`` (the step then takes
+      the argmax only).
     """
-    if all(s is None or s.greedy for s in sampling):
+    if not always and all(s is None or s.greedy for s in sampling):
         return None
     out = {
         "temperature": np.zeros((len(sampling), rows), np.float32),

@@ -109,6 +109,14 @@ def test_greedy_only_skips_the_sort():
     assert "sort" not in greedy and "cumsum" not in greedy
 
 
+def _assert_both_sample(logits, temperature, top_p, uniforms, want) -> None:
+    """The device sampler and the numpy reference both draw ``want``."""
+    got = sampler.sample_rows(logits, temperature, top_p, uniforms)
+    np.testing.assert_array_equal(got, np.asarray(want, np.int32))
+    reference = sampler.sample_rows_reference(logits, temperature, top_p, uniforms)
+    np.testing.assert_array_equal(reference, np.asarray(want, np.int32))
+
+
 def test_inverse_cdf_runs_in_sorted_order():
     # probabilities [0.2, 0.5, 0.3]: sorted order is token 1, 2, 0 with cumulative 0.5, 0.8, 1.
     logits = np.log(np.array([0.2, 0.5, 0.3], np.float32))[None, :].repeat(4, 0)
@@ -117,10 +125,7 @@ def test_inverse_cdf_runs_in_sorted_order():
     # the last row keeps the nucleus {1, 2} (0.5 of more likely mass < 0.6, 0.8 is not):
     # target 0.9 * 0.8 = 0.72 falls in token 2's interval (0.5, 0.8].
     top_p = np.array([1.0, 1.0, 1.0, 0.6], np.float32)
-    want = np.array([1, 2, 0, 2], np.int32)
-    np.testing.assert_array_equal(sampler.sample_rows(logits, temperature, top_p, uniforms), want)
-    got = sampler.sample_rows_reference(logits, temperature, top_p, uniforms)
-    np.testing.assert_array_equal(got, want)
+    _assert_both_sample(logits, temperature, top_p, uniforms, [1, 2, 0, 2])
 
 
 def test_equal_probabilities_keep_vocabulary_order():
@@ -129,10 +134,7 @@ def test_equal_probabilities_keep_vocabulary_order():
     # top_p 0.5 keeps tokens 0 and 1 (0.5 of more likely mass is not < 0.5), mass 0.5.
     top_p = np.array([1.0, 1.0, 0.5, 0.5], np.float32)
     uniforms = np.array([0.3, 0.8, 0.3, 0.7], np.float32)
-    want = np.array([1, 3, 0, 1], np.int32)
-    np.testing.assert_array_equal(sampler.sample_rows(logits, temperature, top_p, uniforms), want)
-    got = sampler.sample_rows_reference(logits, temperature, top_p, uniforms)
-    np.testing.assert_array_equal(got, want)
+    _assert_both_sample(logits, temperature, top_p, uniforms, [1, 3, 0, 1])
 
 
 def test_uniforms_do_not_depend_on_batching():
