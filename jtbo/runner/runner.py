@@ -415,12 +415,12 @@ class ModelRunner:
         step = self._exchanges
         local, error, picked = [], None, None
         try:
+            if check is not None:  # before _prepare_local records the batches' positions
+                check()
             local = self._prepare_local(batches)
             if last:  # a bad batch is refused on every process, before any device work
                 picked = [np.zeros(0, np.int32) if b is None else last_rows.last_rows(b)
                           for b in batches]  # fmt: skip
-            if check is not None:
-                check()
         except Exception as exc:  # noqa: BLE001 - re-raised on every process by the exchange
             error = exc
         summaries = {r: item.summary for r, item in zip(self.local_dp_ranks, local, strict=False)}
@@ -544,7 +544,7 @@ class ModelRunner:
         rows = self.max_running_requests
 
         def check():
-            token_step.check_step_inputs(batches, sampling, token_sources, after is not None)
+            token_step.check_step_inputs(batches, sampling, token_sources, after is not None, rows)
 
         step, local, decision, picked = self._agree(batches, True, check)
         pending = token_step.PendingStep(step, None, list(batches), picked)

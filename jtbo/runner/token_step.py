@@ -178,13 +178,18 @@ class StepTokens:
     logprobs: np.ndarray | None  # [num_seqs] float32
 
 
-def check_step_inputs(batches, sampling, token_sources, has_after: bool) -> None:
+def check_step_inputs(batches, sampling, token_sources, has_after: bool, rows: int) -> None:
     """Refuses per-rank token-step inputs that do not match their batches.
+
+    Args:
+      batches, sampling, token_sources: per local rank, as ``ModelRunner.dispatch`` takes them.
+      has_after: whether the step names the step whose tokens it reads.
+      rows: token rows per rank of that step's output.
 
     Raises:
       ValueError: lists of another length than ``batches``, parameters for an idle rank or
         of another length than its sequences, token sources of another length than its
-        tokens, or token sources without the step they read.
+        tokens, outside ``[-1, rows)``, or without the step they read.
     """
     if len(sampling) != len(batches) or len(token_sources) != len(batches):
         raise ValueError(
@@ -202,6 +207,8 @@ def check_step_inputs(batches, sampling, token_sources, has_after: bool) -> None
             raise ValueError(f"local rank {rank}: token_sources needs one entry per token")
         if not has_after and (np.asarray(sources) >= 0).any():
             raise ValueError(f"local rank {rank}: token_sources read a step; pass after=")
+    longest = max((len(s) for s in token_sources if s is not None), default=0)
+    source_rows(token_sources, longest, rows)  # raises on a row outside [-1, rows)
 
 
 def check_finite_tokens(finite: np.ndarray, pending: PendingStep, step: int) -> None:

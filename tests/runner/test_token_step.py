@@ -202,3 +202,17 @@ def test_warmup_of_token_programs_leaves_generate_nothing_to_compile(model):
     assert runner.compile_count == warm
     with pytest.raises(ValueError, match="outputs must be"):
         runner.warmup([8], modes, outputs="ids")
+
+
+def test_bad_token_step_inputs_are_refused_before_the_batches_are_recorded(table_runner):
+    rank = helpers.Rank()
+    first = table_runner.dispatch([rank.extend({0: [1, 2, 3]}), None])
+    filled = table_runner.kv_filled.copy()
+    decode = rank.decode({0: 0})
+    with pytest.raises(ValueError, match=r"outside \[-1, 4\)"):
+        table_runner.dispatch([decode, None], token_sources=[np.array([9]), None], after=first)
+    with pytest.raises(ValueError, match="one row per sequence"):
+        bad = token_step.RowSampling(*[np.ones(2, np.float32)] * 2, *[np.zeros(2, np.int32)] * 3)
+        table_runner.dispatch([decode, None], sampling=[bad, None])
+    np.testing.assert_array_equal(table_runner.kv_filled, filled)  # nothing was recorded
+    table_runner.resolve(first)
