@@ -6,7 +6,8 @@ The model is a ``MoEConfig`` preset with random weights (``--preset``, by defaul
 keeps only the first N layers, e.g. 8 of Qwen3-30B-A3B's 48) or a Hugging Face model directory
 (``--model``). ``--prompts`` random prompts of ``--prompt-len`` token ids each (numpy,
 ``--seed``) are served by one ``ModelRunner`` (``--pool`` KV slots and ``--rows`` request rows
-per DP rank, ``--tbo``, ``--devices`` DP ranks of one device each), greedy, for
+per DP rank, ``--tbo``, ``--devices`` DP ranks of one device each), greedy (or sampled on the
+devices with ``--temperature`` / ``--top-p``, seeded by ``--seed``), for
 ``--max-new-tokens`` tokens each. Everything below is measured in one run, so the ratios
 compare like with like:
 
@@ -72,7 +73,7 @@ from jtbo.models import config as config_lib
 from jtbo.models import hf
 from jtbo.models import model as model_lib
 from jtbo.models.hf import families
-from jtbo.runner import admission, planning, tbo_auto, tbo_options
+from jtbo.runner import admission, planning, sampling, tbo_auto, tbo_options
 from jtbo.runner import runner as runner_lib
 from jtbo.split import arith
 
@@ -173,6 +174,13 @@ def _add_runner_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         help="prompt tokens a rank prefills per step (default: generate's)",
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="jtbo samples with this temperature (0: greedy) and --top-p, seeded by --seed",
+    )
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, in (0, 1]")
     parser.add_argument("--tbo", choices=sorted(TBO_CHOICES), default="off", help="TBO mode")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument(
@@ -191,6 +199,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         parser.error("--num-layers applies to --hf-config only")
     if args.peer == "transformers" and args.hf_config is None and args.model is None:
         parser.error("--peer transformers needs a checkpoint: --hf-config or --model")
+    if args.peer == "transformers" and args.temperature:
+        parser.error("--peer transformers compares greedy tokens: leave --temperature at 0")
+    try:
+        args.sampling = sampling.SamplingParams(args.temperature, args.top_p, args.seed)
+    except ValueError as error:
+        parser.error(str(error))
     if args.hf_config is not None and not args.hf_config.is_file():
         parser.error(f"--hf-config {args.hf_config}: no such file")
     if args.model is not None and not (args.model / "config.json").is_file():
@@ -473,7 +487,7 @@ def _time_generate(runner, prompts: np.ndarray, args) -> tuple[list[float], list
     Raises:
       ValueError: a prompt was rejected (the pool or the context too small).
     """
-    kwargs = dict(max_new_tokens=args.max_new_tokens, progress=False)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, progress=False, sampling_params=args.sampling)
     if args.chunk_size is not None:
         kwargs["chunk_size"] = args.chunk_size
     walls, logs = [], []
@@ -587,7 +601,12 @@ def _title(args, runner) -> str:
         f"{args.prompts} prompts x {args.prompt_len} tokens + {args.max_new_tokens} new; pool "
         f"{runner.max_total_tokens} slots/rank, rows {runner.max_running_requests}, max context "
         f"{runner.max_context_len}; TBO {args.tbo}; dp {runner.dp_size} x {device.device_kind}; "
-        f"{args.dtype}"
+        f"{args.dtype}; "
+        + (
+            "greedy"
+            if args.sampling.greedy
+            else f"sampled (temperature {args.temperature}, top-p {args.top_p})"
+        )
     )
 
 

@@ -139,6 +139,19 @@ def test_peer_without_torch_exits_naming_the_module(monkeypatch, capsys):
         (["--prompts", "0"], "0 must be >= 1"),
         (["--hf-config", "/no/such/config.json"], "no such file"),
         (["--model", "/no/such/dir"], "no config.json"),
+        (["--temperature", "-1"], "temperature=-1.0 must be >= 0"),
+        (["--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
+        (
+            [
+                "--model",
+                str(FIXTURES / "qwen3_moe"),
+                "--peer",
+                "transformers",
+                "--temperature",
+                "1",
+            ],
+            "compares greedy tokens",
+        ),
     ],
 )
 def test_bad_flags_are_argparse_errors(argv, message, capsys):
