@@ -229,12 +229,20 @@ class _Loop:
         self.made = 0
 
     def dispatch(self, chunk_size: int, in_flight):
-        """Admits, plans and dispatches one step; returns ``(pending, work)``."""
+        """Admits, plans and dispatches one step; returns ``(pending, work)``, or None when
+        no rank has work before the in-flight step is read.
+
+        A step with every local rank idle is never dispatched while one is in flight: with
+        several processes, the others would take it for this process having finished
+        (``multiprocess_generate``), and it has nothing to run.
+        """
         for rank in self.ranks:
             rank.admit(self.max_new_tokens)
         work = [_plan_rank(r, chunk_size, self.max_new_tokens, in_flight) for r in self.ranks]
-        if in_flight is None and all(w.batch is None for w in work):
-            raise RuntimeError("no rank can make progress (a request cannot be admitted)")
+        if all(w.batch is None for w in work):
+            if in_flight is None:
+                raise RuntimeError("no rank can make progress (a request cannot be admitted)")
+            return None
         pending = self.runner.dispatch(
             [w.batch for w in work],
             sampling=[None if w.batch is None else _row_sampling(w, self.params_of) for w in work],
@@ -339,7 +347,8 @@ def generate(
     while any(r.waiting or r.running for r in ranks):
         begin = time.perf_counter()
         step = loop.dispatch(chunk_size, None if in_flight is None else in_flight[0])
-        step += (time.perf_counter() - begin,)
+        if step is not None:
+            step += (time.perf_counter() - begin,)
         if not pipeline:
             in_flight, step = step, None
         if in_flight is not None:

@@ -28,10 +28,10 @@ STAY_EXIT_CODE = 5
 
 
 def _inject(fault: str) -> None:
-    """Wraps ``planning.assemble`` or the greedy loop's ``_apply`` to fire ``fault``."""
+    """Wraps ``planning.assemble`` or the serving loop's ``_Loop.apply`` to fire ``fault``."""
     from jtbo.runner import generate, planning  # noqa: PLC0415 - after jax is set up
 
-    assemble, apply = planning.assemble, generate._apply
+    assemble, apply = planning.assemble, generate._Loop.apply
     calls = {"apply": 0}
 
     def faulty_assemble(local, ranks, decision, options, picked=None):
@@ -55,7 +55,7 @@ def _inject(fault: str) -> None:
             raise RuntimeError("injected fault in the greedy loop")
         return apply(*args, **kwargs)
 
-    planning.assemble, generate._apply = faulty_assemble, faulty_apply
+    planning.assemble, generate._Loop.apply = faulty_assemble, faulty_apply
 
 
 def main(argv: list[str]) -> None:

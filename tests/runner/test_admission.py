@@ -72,7 +72,7 @@ def test_running_requests_are_capped_by_rows_and_the_largest_bucket():
 def test_the_queue_admits_in_order_as_slots_free():
     rank = admission.RankQueue(max_reqs=4, num_slots=11, limit=3)  # 10 usable slots
     for index, length in enumerate([4, 4, 1, 1]):
-        rank.waiting.append((index, np.arange(length)))
+        rank.waiting.append((index, np.arange(length), index))  # (index, prompt, request id)
     rank.admit(max_new_tokens=2)  # 6 + 6 > 10: the second waits, and the third behind it
     assert [r.index for r in rank.running] == [0] and len(rank.waiting) == 3
     rank.release(rank.running[0])
