@@ -28,7 +28,7 @@ from jtbo.runner import sampling
 
 
 class _LocalRanksView:
-    """The runner as the greedy loop sees it: only this process's DP ranks."""
+    """The runner as the serving loop sees it: only this process's DP ranks."""
 
     def __init__(self, runner):
         self._runner = runner

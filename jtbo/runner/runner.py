@@ -390,7 +390,7 @@ class ModelRunner:
     def failure_phase(self, name: str, *, collective: bool):
         """A context in which an exception counts as this process's failure (several processes).
 
-        Code that runs between steps in lockstep with other processes (the greedy loop of
+        Code that runs between steps in lockstep with other processes (the serving loop of
         ``generate``) runs in one, so that its errors end the other processes in bounded time
         instead of leaving them in the next step's collectives (``jtbo.runner.failure``).
 
