@@ -35,4 +35,4 @@ demo: $(STAMP)
 
 test: lint
 	$(PY) tools/unused_exports.py
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile --durations=25

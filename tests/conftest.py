@@ -17,6 +17,19 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
+# A persistent compilation cache shared by the run's workers: many tests build runners of the
+# same model and compile the same step programs, so each program compiles once per run (and
+# once per checkout while jax and the code are unchanged). ``JTBO_TEST_COMPILATION_CACHE=""``
+# turns it off.
+_CACHE = os.environ.get(
+    "JTBO_TEST_COMPILATION_CACHE",
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), "build", "jax-compilation-cache"),
+)
+if _CACHE:
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
 from hypothesis import settings  # noqa: E402
 
 # `pytest --hypothesis-profile=long` runs the fuzz tests (tests/runner/test_fuzz_batches.py)
