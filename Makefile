@@ -12,7 +12,7 @@ EXTRAS := $(shell $(PYTHON) -m jtbo.info.accelerator --gpu $(if $(filter gpu,$(A
 STAMP := $(VENV)/.installed-$(ACCEL)
 EXPECT_GPU := $(if $(filter gpu,$(ACCEL)),1,0)
 
-.PHONY: demo test install lint
+.PHONY: demo test test-fast install lint
 
 $(STAMP): pyproject.toml
 	@echo "jtbo set-up: $(ACCEL) ($(shell $(DETECT) --print reason)); extras [$(EXTRAS)]"
@@ -36,3 +36,7 @@ demo: $(STAMP)
 test: lint
 	$(PY) tools/unused_exports.py
 	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile --durations=25
+
+# The inner loop: every tier but slow, multiprocess and wheel (tests/conftest.py, TIERS).
+test-fast: lint
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not multiprocess and not wheel" --durations=10

@@ -5,6 +5,7 @@
 """
 
 import os
+import pathlib
 
 # JAX_PLATFORMS=cpu also keeps the jax-cuda12 plugin (the `aot` extra) from trying to
 # initialise CUDA on a machine without a GPU; the 8xH200 topology is still reachable.
@@ -30,8 +31,52 @@ if _CACHE:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # `pytest --hypothesis-profile=long` runs the fuzz tests (tests/runner/test_fuzz_batches.py)
 # with many more examples than `make test` does.
 settings.register_profile("long", max_examples=5000, deadline=None)
+
+
+# Test tiers, applied by path so that a new test lands in its file's tier (``--strict-markers``:
+# pyproject.toml declares them). ``make test`` runs every tier; ``make test-fast`` leaves out
+# ``slow``, ``multiprocess`` and ``wheel``.
+_TESTS = pathlib.Path(__file__).parent
+TIERS = {
+    "multiprocess": (  # jax.distributed runs of several processes
+        "runner/test_multihost.py",
+        "runner/test_failure_multiprocess.py",
+    ),
+    "aot": (  # compiles for an 8xH200 target on the CPU (the aot extra)
+        "aot/",
+        "collectives/test_aot_h200.py",
+        "overlap/test_report.py",
+    ),
+    "slow": (  # files whose tests build and compile whole runners (10 s and more each)
+        "runner/test_runner.py",
+        "runner/test_tbo_auto.py",
+        "runner/test_mla_runner.py",
+        "runner/test_token_step.py",
+        "runner/test_admission.py",
+        "runner/test_generate.py",
+        "bench/test_tbo.py",
+        "models/hf/test_transformers_reference.py",
+        "models/test_moe_exchange.py",
+        "models/test_step.py",
+        "models/test_ep_dispatchers.py",
+        "kernels/test_slot_rows.py",
+    ),
+}
+
+
+def _tiers(path: pathlib.Path) -> list[str]:
+    relative = path.relative_to(_TESTS).as_posix()
+    return [tier for tier, prefixes in TIERS.items() if relative.startswith(prefixes)]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks every test with the tiers of its file (``TIERS``)."""
+    for item in items:
+        for tier in _tiers(pathlib.Path(item.fspath)):
+            item.add_marker(getattr(pytest.mark, tier))

@@ -238,6 +238,7 @@ def test_expected_ranks_per_token_and_capacity_rule():
         )  # fmt: skip
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="ragged_all_to_all needs a GPU")
 def test_dedup_dense_ragged_and_peer_copy_agree_on_gpu():
     num_devices = len(jax.devices())

@@ -253,6 +253,7 @@ def test_capacity_rule():
         ep_config.create_ep_dispatcher(mesh, num_experts=16, num_tokens=4, top_k=2, exchange="nccl")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="ragged_all_to_all needs a GPU")
 def test_dense_ragged_and_peer_copy_agree_on_gpu():
     num_devices = len(jax.devices())
