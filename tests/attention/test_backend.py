@@ -23,6 +23,9 @@ def _rank_forward(q, k, v, md, cache):
     return jax.tree.map(lambda x: x[None], (out, cache))
 
 
+@pytest.mark.skipif(
+    jax.device_count() < 2, reason=f"needs 2 devices, this host has {jax.device_count()}"
+)
 def test_dp_ranks_attend_their_own_requests_under_shard_map():
     rank_lens = [([2, 0, 5], [3, 6, 2]), ([9], [4])]  # different batches per rank
     scs = [
