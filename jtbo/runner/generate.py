@@ -253,6 +253,30 @@ class _Loop:
         _mark_dispatched(work, pending)
         return pending, work
 
+    def run(self, chunk_size: int, pipeline: bool, step_log, show: bool) -> None:
+        """Serves every queued request: one step in flight (``pipeline``) or none."""
+        start = last = time.perf_counter()
+        in_flight = None  # (pending step, its work, host seconds), dispatched and not yet read
+        while any(r.waiting or r.running for r in self.ranks):
+            begin = time.perf_counter()
+            step = self.dispatch(chunk_size, None if in_flight is None else in_flight[0])
+            if step is not None:
+                step += (time.perf_counter() - begin,)
+            if not pipeline:
+                in_flight, step = step, None
+            if in_flight is not None:
+                self.apply(*in_flight[:2])
+                last = _log(step_log, in_flight, last)
+            in_flight = step
+            if show:
+                rate = self.made / max(time.perf_counter() - start, 1e-9)
+                print(
+                    f"\rgenerated {self.made} tokens, {rate:.1f} tokens/s", end="", file=sys.stderr
+                )
+        if in_flight is not None:
+            self.apply(*in_flight[:2])
+            _log(step_log, in_flight, last)
+
     def apply(self, pending, work: list[_RankWork]) -> None:
         """Reads a step's tokens into its requests; releases the finished ones."""
         for rank, rank_work, out in zip(
@@ -342,25 +366,7 @@ def generate(
     ranks, results = _queue(runner, prompts, max_new_tokens, dp_rank_of, request_ids)
     loop = _Loop(runner, ranks, results, max_new_tokens, params_of, on_token, logprobs)
     show = sys.stderr.isatty() if progress is None else progress
-    start = last = time.perf_counter()
-    in_flight = None  # (pending step, its work, host seconds), dispatched and not yet read
-    while any(r.waiting or r.running for r in ranks):
-        begin = time.perf_counter()
-        step = loop.dispatch(chunk_size, None if in_flight is None else in_flight[0])
-        if step is not None:
-            step += (time.perf_counter() - begin,)
-        if not pipeline:
-            in_flight, step = step, None
-        if in_flight is not None:
-            loop.apply(*in_flight[:2])
-            last = _log(step_log, in_flight, last)
-        in_flight = step
-        if show:
-            rate = loop.made / max(time.perf_counter() - start, 1e-9)
-            print(f"\rgenerated {loop.made} tokens, {rate:.1f} tokens/s", end="", file=sys.stderr)
-    if in_flight is not None:
-        loop.apply(*in_flight[:2])
-        _log(step_log, in_flight, last)
+    loop.run(chunk_size, pipeline, step_log, show)
     if show:
         print(f"\n{runner.tbo_summary()}", file=sys.stderr)
     return results

@@ -76,6 +76,32 @@ def _gather_tokens(tokens: np.ndarray, owner: np.ndarray) -> np.ndarray:
     return gathered[np.maximum(owner, 0), np.arange(tokens.shape[0])]
 
 
+def _subset_of(sampling_params, count: int):
+    """``indices -> those prompts' sampling parameters`` (one ``SamplingParams`` for all, or
+    one per prompt).
+
+    Raises:
+      ValueError: a list of another length than the prompts.
+    """
+    if isinstance(sampling_params, sampling.SamplingParams):
+        return lambda indices: sampling_params
+    listed = list(sampling_params)
+    if len(listed) != count:
+        raise ValueError(f"sampling_params: {len(listed)} for {count} prompts")
+    return lambda indices: [listed[i] for i in indices]
+
+
+def _result_rows(served, mine, count: int, max_new_tokens: int, logprobs: bool):
+    """``[count, max_new_tokens]`` tokens and log-probabilities (zeros where this process did
+    not serve the prompt, or without ``logprobs``) of this process's results."""
+    tokens = np.zeros((count, max_new_tokens), np.int32)
+    scores = np.zeros((count, max_new_tokens), np.float32)
+    for i, result in zip(mine, served, strict=True):
+        tokens[i] = result.token_ids
+        scores[i] = result.logprobs if logprobs else 0.0
+    return tokens, scores
+
+
 def generate(
     runner,
     prompts: Sequence[Sequence[int]],
@@ -111,10 +137,7 @@ def generate(
     """
     if max_new_tokens < 1 or (chunk_size is not None and chunk_size < 1):
         raise ValueError(f"max_new_tokens={max_new_tokens}, chunk_size={chunk_size} must be >= 1")
-    if not isinstance(sampling_params, sampling.SamplingParams):
-        sampling_params = list(sampling_params)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params: {len(sampling_params)} for {len(prompts)} prompts")
+    mine_of = _subset_of(sampling_params, len(prompts))
     assigned = _assign(runner, prompts, max_new_tokens, dp_rank_of)
     local = {rank: i for i, rank in enumerate(runner.local_dp_ranks)}
     mine = [i for i, (rank, error) in enumerate(assigned) if error is None and rank in local]
@@ -126,11 +149,7 @@ def generate(
             dp_rank_of=lambda j: local[assigned[mine[j]][0]],
             chunk_size=chunk_size,
             progress=progress,
-            sampling_params=(
-                sampling_params
-                if isinstance(sampling_params, sampling.SamplingParams)
-                else [sampling_params[i] for i in mine]
-            ),
+            sampling_params=mine_of(mine),
             on_token=None if on_token is None else (lambda j, token: on_token(mine[j], token)),
             logprobs=logprobs,
             pipeline=pipeline,
@@ -138,11 +157,7 @@ def generate(
         )
         while runner.step_idle():  # other processes still serve: take part in their steps
             pass
-        tokens = np.zeros((len(prompts), max_new_tokens), np.int32)
-        scores = np.zeros((len(prompts), max_new_tokens), np.float32)
-        for i, result in zip(mine, served, strict=True):
-            tokens[i] = result.token_ids
-            scores[i] = result.logprobs if logprobs else 0.0
+        tokens, scores = _result_rows(served, mine, len(prompts), max_new_tokens, logprobs)
         owners = np.asarray(
             [runner.dp_rank_owners[rank] if error is None else -1 for rank, error in assigned]
         )

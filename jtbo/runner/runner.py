@@ -543,9 +543,9 @@ class ModelRunner:
         token_sources = list(token_sources or [None] * count)
         rows = self.max_running_requests
 
-        def check():
-            token_step.check_step_inputs(batches, sampling, token_sources, after is not None, rows)
-
+        check = functools.partial(
+            token_step.check_step_inputs, batches, sampling, token_sources, after is not None, rows
+        )
         step, local, decision, picked = self._agree(batches, True, check)
         pending = token_step.PendingStep(step, None, list(batches), picked)
         if decision.all_idle:
@@ -555,18 +555,13 @@ class ModelRunner:
         # program, so that every process compiles the same one.
         greedy = not self.multiprocess and all(s is None or s.greedy for s in sampling)
         pending.sampler = step_io.SamplerKey(rows, greedy_only=greedy, logprobs=logprobs)
-
-        def finish(plan):
-            plan.per_rank["token_source"] = token_step.source_rows(
-                token_sources, plan.capacity, rows
-            )
-            if not greedy:
-                plan.per_rank["sampling"] = token_step.sampling_rows(sampling, rows, always=True)
-            return plan
-
-        def run(plan):
-            return self._execute(plan, pending.sampler, self._prev_tokens(after))
-
+        finish = functools.partial(
+            token_step.add_token_inputs, token_sources=token_sources, sampling=sampling,
+            rows=rows, greedy=greedy,
+        )  # fmt: skip
+        run = functools.partial(
+            self._execute, sampler=pending.sampler, prev_tokens=self._prev_tokens(after)
+        )
         pending.plan = self._choose_plan(local, decision, step, picked, finish, run)
         pending.after = after
         with self._phase(step, "device step", collective=True, agreed=(ExpertCapacityError,)):
@@ -589,12 +584,12 @@ class ModelRunner:
         Returns:
           The step's device ``tokens`` and ``finite`` ``[dp, max_running_requests]``.
         """
-        plan.per_rank.setdefault(
-            "token_source", np.full((len(plan.ranks), plan.capacity), -1, np.int32)
-        )
+        rows = self.max_running_requests
+        if "token_source" not in plan.per_rank:
+            token_step.add_token_inputs(plan, [None] * len(plan.ranks), None, rows, greedy=True)
         dispatchers = self._step.dispatchers.for_step(plan.capacity, plan.child_capacity)
-        sampler = step_io.SamplerKey(self.max_running_requests)
         inputs = self._step_inputs(plan)
+        sampler = step_io.SamplerKey(rows)
         return self._launch(plan, inputs, dispatchers, sampler, self._prev_tokens(None))[0]
 
     def _prev_tokens(self, after: token_step.PendingStep | None) -> jax.Array:
@@ -976,9 +971,9 @@ class ModelRunner:
         plans = self._warmup_tbo_plans(batches, options, logits)
         if outputs == "tokens":
             for plan in plans:
-                plan.per_rank["token_source"] = np.full(
-                    (len(plan.ranks), plan.capacity), -1, np.int32
-                )
+                no_sources = [None] * len(plan.ranks)
+                rows = self.max_running_requests
+                token_step.add_token_inputs(plan, no_sources, None, rows, greedy=True)
         return plans
 
     def _warmup_tbo_plans(self, batches, options, logits: str) -> list[planning.StepPlan]:

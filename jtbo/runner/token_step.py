@@ -60,22 +60,38 @@ class RowSampling:
         return bool((np.asarray(self.temperature) == 0).all())
 
 
-def sampling_rows(
-    sampling: list[RowSampling | None], rows: int, always: bool = False
-) -> dict | None:
+def add_token_inputs(
+    plan: planning.StepPlan, token_sources: list, sampling: list | None, rows: int, greedy: bool
+) -> planning.StepPlan:
+    """Adds a token step's inputs to an assembled plan (in place; returns it).
+
+    Args:
+      plan: the assembled plan.
+      token_sources: per local rank, as ``source_rows`` takes them.
+      sampling: per local rank, as ``sampling_rows`` takes them (unused when ``greedy``).
+      rows: token rows per rank of the step's output.
+      greedy: the step takes the argmax of every row (no sampling inputs).
+
+    Returns:
+      ``plan``, with ``per_rank["token_source"]`` and, unless ``greedy``,
+      ``per_rank["sampling"]``.
+    """
+    plan.per_rank["token_source"] = source_rows(token_sources, plan.capacity, rows)
+    if not greedy:
+        plan.per_rank["sampling"] = sampling_rows(sampling, rows)
+    return plan
+
+
+def sampling_rows(sampling: list[RowSampling | None], rows: int) -> dict:
     """A plan's ``per_rank["sampling"]``: each field ``[ranks, rows]`` (padding rows greedy).
 
     Args:
       sampling: per local rank, its sequences' parameters (None: greedy or idle).
       rows: token rows per rank of the step's output.
-      always: return the arrays even when every row is greedy.
 
     Returns:
-      The arrays, or None when every row is greedy and not ``always`` (the step then takes
-      the argmax only).
+      The arrays.
     """
-    if not always and all(s is None or s.greedy for s in sampling):
-        return None
     out = {
         "temperature": np.zeros((len(sampling), rows), np.float32),
         "top_p": np.ones((len(sampling), rows), np.float32),
