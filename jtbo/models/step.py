@@ -342,14 +342,20 @@ def make_step(
       parallel: layout options.
 
     Returns:
-      A ``Step``: ``step(params, kv_cache, inputs, *, mode, child_capacity, dispatchers)`` ->
-      ``(logits, kv_cache, overflow, peak_load)``; ``params`` are as ``split_params`` gives
+      A ``Step``: ``step(params, kv_cache, inputs, *, mode, child_capacity, dispatchers,
+      sampler=None, prev_tokens=None)`` -> ``(logits, kv_cache, overflow, peak_load)`` (with a
+      ``step_io.SamplerKey`` ``sampler``: token outputs in place of the logits,
+      ``step_io.step_output``); ``params`` are as ``split_params`` gives
       them; ``kv_cache`` is donated; ``inputs`` is
       ``pack_step_inputs(per_rank, replicated)`` (host buffers, or placed with ``Step.put``).
       ``per_rank`` holds ``input_ids``, ``positions`` ``[dp, capacity]``, ``num_tokens``
       ``[dp]`` and, without TBO, ``attn_metadata`` (stacked) or, with TBO,
       ``split_token_index`` ``[dp]`` and ``child_metadata`` (A, B), and optionally
-      ``logit_rows`` ``[dp, width]`` (the logits rows to compute); ``replicated`` holds
+      ``logit_rows`` ``[dp, width]`` (the logits rows to compute), ``page_writes``
+      ``[dp, 3, capacity]`` (written into the page table first, ``step_io.write_pages``),
+      ``token_source`` ``[dp, capacity]`` (rows of ``prev_tokens`` ``[dp, rows]`` that give
+      input ids) and ``sampling`` (each ``[dp, rows]``, with a sampling ``sampler``);
+      ``replicated`` holds
       ``dp_context`` and, with TBO, ``child_dp_contexts`` (A, B). ``mode``,
       ``child_capacity`` (None: no TBO) and ``dispatchers`` are static. ``overflow``
       (dropped assignments) and ``peak_load`` (the capacities needed) are

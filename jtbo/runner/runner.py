@@ -579,7 +579,8 @@ class ModelRunner:
 
         Args:
           plan: a plan with ``logits="last"`` rows (``planning.plan_step_for_ranks``); its
-            KV writes are recorded by the step.
+            KV writes are recorded by the step. A plan without ``token_source`` gets one
+            (every id from the plan) added in place.
 
         Returns:
           The step's device ``tokens`` and ``finite`` ``[dp, max_running_requests]``.

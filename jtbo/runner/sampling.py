@@ -19,7 +19,7 @@ class SamplingParams:
     Attributes:
       temperature: 0 for greedy (argmax); > 0 divides the logits before the softmax.
       top_p: nucleus size as cumulative probability, in (0, 1]; 1 keeps every token.
-      seed: seeds each request's generator together with the request's index.
+      seed: keys each request's draws together with its index and the token's index.
     """
 
     temperature: float = 0.0
