@@ -175,6 +175,11 @@ def _add_runner_arguments(parser: argparse.ArgumentParser) -> None:
         help="prompt tokens a rank prefills per step (default: generate's)",
     )
     parser.add_argument(
+        "--mixed-chunk",
+        action="store_true",
+        help="generate(mixed_chunk=True): prompt chunks and decodes share MIXED steps",
+    )
+    parser.add_argument(
         "--temperature",
         type=float,
         default=0.0,
@@ -487,7 +492,10 @@ def _time_generate(runner, prompts: np.ndarray, args) -> tuple[list[float], list
     Raises:
       ValueError: a prompt was rejected (the pool or the context too small).
     """
-    kwargs = dict(max_new_tokens=args.max_new_tokens, progress=False, sampling_params=args.sampling)
+    kwargs = dict(
+        max_new_tokens=args.max_new_tokens, progress=False, sampling_params=args.sampling,
+        mixed_chunk=args.mixed_chunk,
+    )  # fmt: skip
     if args.chunk_size is not None:
         kwargs["chunk_size"] = args.chunk_size
     walls, logs = [], []

@@ -8,19 +8,24 @@ longer than the runner's ``max_context_len``, is refused in its own result and t
 served. Every step, each rank either prefills (chunked: at most ``chunk_size`` prompt tokens
 over its admitted requests, so a long prompt spans several EXTEND steps), or decodes all its
 running requests, or idles; ranks decide independently, so EXTEND ranks meet DECODE and IDLE
-ranks in one step.
+ranks in one step. With ``mixed_chunk`` a rank that has both prompt chunks and decodes runs
+them together in one MIXED batch (SGLang's mixed chunk): its decode rows are one-token
+extends at the end of the batch, and they count against ``chunk_size``.
 
 The step samples each sequence's next token on the devices (``ModelRunner.dispatch``: the
 argmax, or temperature / top-p draws keyed by the seed, the request and the token's index,
-``jtbo.models.sampler``) and only token ids come back. The loop keeps one step in flight (as
-SGLang's overlap scheduler does): it plans and dispatches step N+1 before it reads step N's
-tokens, and step N+1's decode rows read their input ids from step N's device output. Planning
+``jtbo.models.sampler``) and only token ids come back. The loop keeps steps in flight (as
+SGLang's overlap scheduler does, ``PIPELINE_DEPTH`` of them by default): it plans and
+dispatches step N+1 before it reads step N's tokens, and step N+1's decode rows read their
+input ids from step N's device output. A request whose last token is in an older in-flight
+step waits until that step is read. Planning
 needs only counts (how many tokens each request has been given), never the tokens
 themselves; a request's row and slots are released once the step that made its last token has
 been read, so a re-run of that step (an EP overflow) still finds them. The tokens are those of
 the synchronous loop (``pipeline=False``), which reads every step before planning the next.
 """
 
+import collections
 import dataclasses
 import sys
 import time
@@ -35,6 +40,9 @@ ForwardMode = split.ForwardMode
 DEFAULT_CHUNK_SIZE = 8192
 """Prompt tokens a rank prefills per step at most (SGLang's chunked-prefill size on an
 H200-class GPU), capped by the runner's largest token bucket (``chunk_size_for``)."""
+PIPELINE_DEPTH = 2
+"""Dispatched steps ``generate`` keeps in flight while it plans the next: with two, a host
+that plans a step in nearly the device's time for it still keeps the devices busy."""
 
 
 @dataclasses.dataclass
@@ -57,7 +65,7 @@ class StepRecord:
 
     Attributes:
       kind: "extend" (every busy rank prefills), "decode" (every busy rank decodes) or
-        "mixed".
+        "mixed" (prefill and decode in one step: on different ranks, or in a MIXED batch).
       num_tokens: new tokens over all ranks.
       num_seqs: sequences over all ranks.
       host_s: host seconds to plan and dispatch the step (not waiting for the devices).
@@ -106,6 +114,19 @@ def validate_prompt(
     return None
 
 
+def pipeline_depth(pipeline: bool | int) -> int:
+    """The steps ``generate(pipeline=...)`` keeps in flight while it plans the next.
+
+    Raises:
+      ValueError: an int below 0, or neither a bool nor an int.
+    """
+    if isinstance(pipeline, bool):
+        return PIPELINE_DEPTH if pipeline else 0
+    if not isinstance(pipeline, int) or pipeline < 0:
+        raise ValueError(f"pipeline={pipeline!r}: pass a bool or an int >= 0")
+    return pipeline
+
+
 def chunk_size_for(runner) -> int:
     """``generate``'s default chunk size for ``runner``: ``DEFAULT_CHUNK_SIZE``, at most the
     largest token bucket (a larger chunk could not run in one step)."""
@@ -141,17 +162,20 @@ def _extend_batch(rank: admission.RankQueue, chunk_size: int):
     ), chunks
 
 
-def _decode_batch(rank: admission.RankQueue, max_new_tokens: int, in_flight):
+def _decode_batch(rank: admission.RankQueue, max_new_tokens: int, newest):
     """The rank's decode batch, its requests and each row's token source: the row of the
-    in-flight step's output that holds the request's last token, or -1 (read on the host)."""
-    requests = [r for r in rank.running if 0 < r.dispatched < max_new_tokens]
+    newest in-flight step's output that holds the request's last token, or -1 (read on the
+    host). A request whose last token is in an older in-flight step waits for it to be read."""
+    requests = [
+        r
+        for r in rank.running
+        if 0 < r.dispatched < max_new_tokens
+        and (len(r.generated) == r.dispatched or r.source_step is newest)
+    ]
     if not requests:
         return None
     positions = [len(r.prompt) + r.dispatched - 1 for r in requests]
-    sources = [
-        r.source_row if in_flight is not None and r.source_step is in_flight else -1
-        for r in requests
-    ]
+    sources = [r.source_row if len(r.generated) < r.dispatched else -1 for r in requests]
     ids = [
         0 if source >= 0 else r.generated[-1] for r, source in zip(requests, sources, strict=True)
     ]
@@ -178,14 +202,43 @@ class _RankWork:
     sources: np.ndarray | None = None  # [num_tokens] token sources (decode)
 
 
-def _plan_rank(rank: admission.RankQueue, chunk_size: int, max_new_tokens: int, in_flight):
-    batch, chunks = _extend_batch(rank, chunk_size)
+def _mixed_batch(extend: split.ForwardBatch, decode: split.ForwardBatch) -> split.ForwardBatch:
+    """One MIXED batch: the prompt chunks of ``extend``, then the decode rows of ``decode``
+    as one-token extends (SGLang's mixed chunk)."""
+    lens = np.ones(decode.batch_size, np.int64)
+    prefix = np.asarray(decode.seq_lens) - 1
+
+    def joined(name, decode_values):
+        return np.concatenate([np.asarray(getattr(extend, name)), np.asarray(decode_values)])
+
+    return split.ForwardBatch(
+        forward_mode=ForwardMode.MIXED,
+        batch_size=extend.batch_size + decode.batch_size,
+        input_ids=joined("input_ids", decode.input_ids),
+        positions=joined("positions", decode.positions),
+        out_cache_loc=joined("out_cache_loc", decode.out_cache_loc),
+        req_pool_indices=joined("req_pool_indices", decode.req_pool_indices),
+        seq_lens=joined("seq_lens", decode.seq_lens),
+        extend_seq_lens=joined("extend_seq_lens", lens),
+        extend_prefix_lens=joined("extend_prefix_lens", prefix),
+    )
+
+
+def _plan_rank(
+    rank: admission.RankQueue, chunk_size: int, max_new_tokens: int, in_flight, mixed: bool
+):
+    decoded = _decode_batch(rank, max_new_tokens, in_flight)
+    # A mixed step's decode rows take their share of the chunk's token budget.
+    budget = chunk_size - (decoded[0].batch_size if mixed and decoded is not None else 0)
+    batch, chunks = _extend_batch(rank, budget) if budget > 0 else (None, [])
     if batch is not None:
         makes = [r if r.prefilled + n == len(r.prompt) else None for r, n in chunks]
         for request, n in chunks:
             request.prefilled += n
-        return _RankWork("extend", batch, makes)
-    decoded = _decode_batch(rank, max_new_tokens, in_flight)
+        if not mixed or decoded is None:
+            return _RankWork("extend", batch, makes)
+        sources = np.concatenate([np.full(batch.num_tokens, -1, np.int32), decoded[2]])
+        return _RankWork("mixed", _mixed_batch(batch, decoded[0]), makes + decoded[1], sources)
     if decoded is None:
         return _RankWork("idle")
     return _RankWork("decode", decoded[0], decoded[1], decoded[2])
@@ -228,7 +281,7 @@ class _Loop:
         self.on_token, self.logprobs = on_token, logprobs
         self.made = 0
 
-    def dispatch(self, chunk_size: int, in_flight):
+    def dispatch(self, chunk_size: int, in_flight, mixed_chunk: bool = False):
         """Admits, plans and dispatches one step; returns ``(pending, work)``, or None when
         no rank has work before the in-flight step is read.
 
@@ -238,7 +291,10 @@ class _Loop:
         """
         for rank in self.ranks:
             rank.admit(self.max_new_tokens)
-        work = [_plan_rank(r, chunk_size, self.max_new_tokens, in_flight) for r in self.ranks]
+        work = [
+            _plan_rank(r, chunk_size, self.max_new_tokens, in_flight, mixed_chunk)
+            for r in self.ranks
+        ]
         if all(w.batch is None for w in work):
             if in_flight is None:
                 raise RuntimeError("no rank can make progress (a request cannot be admitted)")
@@ -253,29 +309,31 @@ class _Loop:
         _mark_dispatched(work, pending)
         return pending, work
 
-    def run(self, chunk_size: int, pipeline: bool, step_log, show: bool) -> None:
-        """Serves every queued request: one step in flight (``pipeline``) or none."""
+    def run(
+        self, chunk_size: int, depth: int, step_log, show: bool, mixed_chunk: bool = False
+    ) -> None:
+        """Serves every queued request, keeping ``depth`` steps in flight while it plans."""
         start = last = time.perf_counter()
-        in_flight = None  # (pending step, its work, host seconds), dispatched and not yet read
+        in_flight = collections.deque()  # (pending step, its work, host seconds), oldest first
         while any(r.waiting or r.running for r in self.ranks):
             begin = time.perf_counter()
-            step = self.dispatch(chunk_size, None if in_flight is None else in_flight[0])
+            newest = in_flight[-1][0] if in_flight else None
+            step = self.dispatch(chunk_size, newest, mixed_chunk)
             if step is not None:
-                step += (time.perf_counter() - begin,)
-            if not pipeline:
-                in_flight, step = step, None
-            if in_flight is not None:
-                self.apply(*in_flight[:2])
-                last = _log(step_log, in_flight, last)
-            in_flight = step
+                in_flight.append((*step, time.perf_counter() - begin))
+            if step is None or len(in_flight) > depth:
+                read = in_flight.popleft()
+                self.apply(*read[:2])
+                last = _log(step_log, read, last)
             if show:
                 rate = self.made / max(time.perf_counter() - start, 1e-9)
                 print(
                     f"\rgenerated {self.made} tokens, {rate:.1f} tokens/s", end="", file=sys.stderr
                 )
-        if in_flight is not None:
-            self.apply(*in_flight[:2])
-            _log(step_log, in_flight, last)
+        while in_flight:
+            read = in_flight.popleft()
+            self.apply(*read[:2])
+            last = _log(step_log, read, last)
 
     def apply(self, pending, work: list[_RankWork]) -> None:
         """Reads a step's tokens into its requests; releases the finished ones."""
@@ -325,9 +383,10 @@ def generate(
     sampling_params: sampling.SamplingParams | Sequence[sampling.SamplingParams] = sampling.GREEDY,
     on_token: Callable[[int, int], None] | None = None,
     logprobs: bool = False,
-    pipeline: bool = True,
+    pipeline: bool | int = True,
     step_log: list[StepRecord] | None = None,
     request_ids: Sequence[int] | None = None,
+    mixed_chunk: bool = False,
 ) -> list[GenerationResult]:
     """Generation for many prompts over all DP ranks (see the module docstring).
 
@@ -345,19 +404,24 @@ def generate(
       on_token: called as ``on_token(prompt_index, token_id)`` for every token once its step
         has been read (streaming).
       logprobs: also return each token's log-probability (``GenerationResult.logprobs``).
-      pipeline: dispatch each step before reading the last (False: read every step first;
-        the tokens are the same).
+      pipeline: how many dispatched steps stay in flight while the host plans the next (an
+        int >= 0); True: ``PIPELINE_DEPTH``, False: 0 (read every step before planning the
+        next). The tokens are the same.
       step_log: a list to append one ``StepRecord`` per step to.
       request_ids: per prompt, the id that keys its random draws; None: its index.
+      mixed_chunk: a rank with prompt chunks to prefill and requests to decode runs both in
+        one MIXED step (SGLang's mixed chunk: the decode rows are one-token extends and take
+        their share of ``chunk_size``); False: it prefills first and its decodes wait.
 
     Returns:
       One ``GenerationResult`` per prompt, in order.
 
     Raises:
-      ValueError: ``max_new_tokens`` or ``chunk_size`` below 1, ``sampling_params`` or
-        ``request_ids`` of another length than ``prompts``.
+      ValueError: ``max_new_tokens`` or ``chunk_size`` below 1, ``pipeline`` below 0,
+        ``sampling_params`` or ``request_ids`` of another length than ``prompts``.
     """
     chunk_size = chunk_size_for(runner) if chunk_size is None else chunk_size
+    pipeline_depth(pipeline)  # refuses a bad value before any work
     if max_new_tokens < 1 or chunk_size < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}, chunk_size={chunk_size} must be >= 1")
     if request_ids is not None and len(request_ids) != len(prompts):
@@ -366,7 +430,7 @@ def generate(
     ranks, results = _queue(runner, prompts, max_new_tokens, dp_rank_of, request_ids)
     loop = _Loop(runner, ranks, results, max_new_tokens, params_of, on_token, logprobs)
     show = sys.stderr.isatty() if progress is None else progress
-    loop.run(chunk_size, pipeline, step_log, show)
+    loop.run(chunk_size, pipeline_depth(pipeline), step_log, show, mixed_chunk)
     if show:
         print(f"\n{runner.tbo_summary()}", file=sys.stderr)
     return results

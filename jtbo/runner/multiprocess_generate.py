@@ -114,6 +114,7 @@ def generate(
     on_token: Callable[[int, int], None] | None = None,
     logprobs: bool = False,
     pipeline: bool = True,
+    mixed_chunk: bool = False,
 ) -> list[generate_lib.GenerationResult]:
     """Generation across processes (see the module docstring).
 
@@ -126,7 +127,7 @@ def generate(
       dp_rank_of: prompt index -> global DP rank; round-robin when None.
       chunk_size: prompt tokens a rank prefills per step (None: ``generate``'s default).
       progress: print this process's progress line; None: only on a terminal.
-      sampling_params, logprobs, pipeline: as ``jtbo.runner.generate.generate``'s.
+      sampling_params, logprobs, pipeline, mixed_chunk: as ``jtbo.runner.generate.generate``'s.
       on_token: called for every token of this process's prompts, with the global index.
 
     Returns:
@@ -154,6 +155,7 @@ def generate(
             logprobs=logprobs,
             pipeline=pipeline,
             request_ids=mine,
+            mixed_chunk=mixed_chunk,
         )
         while runner.step_idle():  # other processes still serve: take part in their steps
             pass

@@ -108,6 +108,15 @@ def test_preset_over_two_ranks_prints_the_table_and_consistent_json(capsys, serv
     assert result["transformers"] is None
 
 
+def test_mixed_chunk_runs_a_prompt_chunk_beside_a_decode(capsys):
+    # Two prompts of 8 tokens, chunks of 10: the first step prefills A and 2 tokens of B; the
+    # second decodes A and prefills B's other 6 in one MIXED step; then both decode.
+    serve.main(["--preset", "tiny", "--prompts", "2", "--prompt-len", "8", "--max-new-tokens",
+                "3", "--iters", "1", "--chunk-size", "10", "--mixed-chunk", "--json"])  # fmt: skip
+    result = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["jtbo"]["steps"] == {"extend": 1, "decode": 2, "mixed": 1}
+
+
 def test_hf_config_is_mapped_and_cut_to_num_layers(tmp_path, capsys, serving_api):
     raw = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
     raw["mlp_only_layers"] = [1, 2]  # layer 2 is cut away

@@ -2,6 +2,7 @@
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jtbo.collectives import mesh as mesh_lib
@@ -54,3 +55,36 @@ def test_generate_tbo_matches_plain_and_reference_and_rejects_bad_requests():
     assert "KV budget" in plain[8].error
     for index in (0, 5):
         assert plain[index].token_ids == _reference_greedy(model, prompts[index], NEW_TOKENS)
+
+
+def test_mixed_chunk_steps_give_the_tokens_of_separate_prefill_and_decode_steps():
+    # Four rows for ten prompts: prompts are admitted while others decode, and with
+    # mixed_chunk their chunks share MIXED steps with those decodes (one DP rank, so a
+    # "mixed" step is a MIXED batch). Tokens equal the separate steps' and the reference's,
+    # with 0, 1 or 2 (``True``) steps in flight.
+    config = config_lib.MoEConfig.tiny()
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(7))
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, 128, int(n)).tolist() for n in rng.integers(3, 14, 10)]
+    runner = runner_lib.ModelRunner(
+        model, mesh_lib.make_mesh(1, 2), max_total_tokens=160, max_running_requests=4,
+        token_buckets=(8, 16), dtype=jnp.float32,
+    )  # fmt: skip
+    outputs, kinds = {}, {}
+    for mixed, pipeline in ((False, True), (True, True), (True, False), (True, 1), (False, 1)):
+        log = []
+        out = runner.generate(
+            prompts, max_new_tokens=6, chunk_size=8, mixed_chunk=mixed, pipeline=pipeline,
+            step_log=log,
+        )  # fmt: skip
+        outputs[mixed, pipeline] = [r.token_ids for r in out]
+        kinds[mixed, pipeline] = [record.kind for record in log]
+    assert "mixed" not in kinds[False, True]
+    assert kinds[True, True].count("mixed") >= 3
+    assert len(kinds[True, True]) < len(kinds[False, True])  # decodes no longer wait
+    assert outputs[True, True] == outputs[True, False] == outputs[False, True]
+    assert outputs[True, 1] == outputs[False, 1] == outputs[True, True]
+    for index in (0, 9):
+        assert outputs[True, True][index] == _reference_greedy(model, prompts[index], 6)
+    with pytest.raises(ValueError, match=r"pipeline=-1: pass a bool or an int >= 0"):
+        runner.generate(prompts, max_new_tokens=1, pipeline=-1)
