@@ -74,6 +74,7 @@ from jtbo.models import hf
 from jtbo.models import model as model_lib
 from jtbo.models.hf import families
 from jtbo.runner import admission, planning, sampling, tbo_auto, tbo_options
+from jtbo.runner import generate as generate_lib
 from jtbo.runner import runner as runner_lib
 from jtbo.split import arith
 
@@ -173,6 +174,12 @@ def _add_runner_arguments(parser: argparse.ArgumentParser) -> None:
         "--chunk-size",
         type=_positive,
         help="prompt tokens a rank prefills per step (default: generate's)",
+    )
+    parser.add_argument(
+        "--pipeline",
+        type=int,
+        metavar="DEPTH",
+        help="generate(pipeline=DEPTH): steps in flight while the host plans (default: generate's)",
     )
     parser.add_argument(
         "--mixed-chunk",
@@ -498,6 +505,7 @@ def _time_generate(runner, prompts: np.ndarray, args) -> tuple[list[float], list
     )  # fmt: skip
     if args.chunk_size is not None:
         kwargs["chunk_size"] = args.chunk_size
+    kwargs["pipeline"] = _pipeline(args)
     walls, logs = [], []
     for call in range(args.iters + 1):
         records = []
@@ -598,6 +606,11 @@ def _cell(value, digits: int | None = None) -> str:
     return f"{value:.1f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
+def _pipeline(args) -> bool | int:
+    """``generate``'s ``pipeline`` argument: ``--pipeline``, else its default."""
+    return True if args.pipeline is None else args.pipeline
+
+
 def _title(args, runner) -> str:
     """The line above the table: model, dimensions, workload, pool, rows, TBO, devices."""
     c = args.config
@@ -609,7 +622,8 @@ def _title(args, runner) -> str:
         f"{args.prompts} prompts x {args.prompt_len} tokens + {args.max_new_tokens} new; pool "
         f"{runner.max_total_tokens} slots/rank, rows {runner.max_running_requests}, max context "
         f"{runner.max_context_len}; TBO {args.tbo}; dp {runner.dp_size} x {device.device_kind}; "
-        f"{args.dtype}; "
+        f"{args.dtype}; pipeline {generate_lib.pipeline_depth(_pipeline(args))}"
+        f"{', mixed chunk' if args.mixed_chunk else ''}; "
         + (
             "greedy"
             if args.sampling.greedy
