@@ -20,6 +20,19 @@ ATTN_TP_AXIS = "attn_tp"
 TP_AXES = (DP_AXIS, ATTN_TP_AXIS)
 
 
+class TooFewDevicesError(ValueError):
+    """The host has fewer devices than a mesh needs.
+
+    Attributes:
+      needed: the mesh's devices.
+      available: the host's devices.
+    """
+
+    def __init__(self, message: str, needed: int, available: int):
+        super().__init__(message)
+        self.needed, self.available = needed, available
+
+
 def make_mesh(dp_size: int, attn_tp_size: int, devices=None) -> jax.sharding.Mesh:
     """Returns a ``(dp_size, attn_tp_size)`` mesh with axes ``("dp", "attn_tp")``.
 
@@ -36,7 +49,8 @@ def make_mesh(dp_size: int, attn_tp_size: int, devices=None) -> jax.sharding.Mes
       The mesh.
 
     Raises:
-      ValueError: a size is below 1 or there are not exactly enough devices.
+      TooFewDevicesError: ``devices`` is None and the host has too few.
+      ValueError: a size is below 1, or ``devices`` holds another number of devices.
     """
     if dp_size < 1 or attn_tp_size < 1:
         raise ValueError(f"dp_size={dp_size} and attn_tp_size={attn_tp_size} must be >= 1")
@@ -44,9 +58,11 @@ def make_mesh(dp_size: int, attn_tp_size: int, devices=None) -> jax.sharding.Mes
     if devices is None:
         available = jax.devices()
         if len(available) < num_devices:
-            raise ValueError(
+            raise TooFewDevicesError(
                 f"dp_size={dp_size} x attn_tp_size={attn_tp_size} needs {num_devices} devices, "
-                f"only {len(available)} available"
+                f"only {len(available)} available",
+                num_devices,
+                len(available),
             )
         devices = available[:num_devices]
     devices = list(np.asarray(devices).flat)

@@ -21,7 +21,10 @@ def test_make_mesh_orders_devices_like_tp_rank(dp_size, attn_tp_size):
 def test_make_mesh_errors():
     with pytest.raises(ValueError, match="needs 16 devices"):
         mesh_lib.make_mesh(4, 4)
+    with pytest.raises(mesh_lib.TooFewDevicesError, match="needs 16 devices") as raised:
+        mesh_lib.make_mesh(16, 1)
+    assert (raised.value.needed, raised.value.available) == (16, jax.device_count())
     with pytest.raises(ValueError, match="got 3"):
-        mesh_lib.make_mesh(2, 2, devices=jax.devices()[:3])
+        mesh_lib.make_mesh(2, 2, devices=[jax.devices()[0]] * 3)
     with pytest.raises(ValueError, match="dp_size=0"):
         mesh_lib.make_mesh(0, 2)

@@ -241,6 +241,7 @@ def test_one_h200_tbo_step_keeps_the_pool_in_place_and_reads_each_weight_once(mo
         assert _weight_reads(text[True], weight) == _weight_reads(text[False], weight) == 1
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="compiles for an H200 on the CPU")
 def test_one_h200_tbo_step_runs_one_grouped_gemm_per_layer_for_both_micro_batches():
     # The lockstep executor's joint experts: a one-device TBO prefill with the Pallas grouped
     # GEMM (micro-batches past the dot merger's rows) compiles to as many grouped GEMM
@@ -266,7 +267,8 @@ def test_one_h200_tbo_step_runs_one_grouped_gemm_per_layer_for_both_micro_batche
 
 
 def test_step_compiler_options_keep_micro_batches_apart_only_with_communication():
-    assert step.step_compiler_options(mesh_lib.make_mesh(1, 1), 8) is None
+    if jax.default_backend() == "cpu":  # a GPU mesh always records CUDA graphs
+        assert step.step_compiler_options(mesh_lib.make_mesh(1, 1), 8) is None
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
     one, many = aot_report.h200_mesh(1, 1), aot_report.h200_mesh(4, 2)
@@ -349,7 +351,7 @@ def test_issue_barriers_default_on_only_without_attention_tensor_parallelism():
 
 def test_unknown_attention_backend_names_the_field():
     with pytest.raises(ValueError, match="attention_backend='flash'"):
-        _parallel(8, 1, attention_backend="flash")
+        _parallel(1, 1, attention_backend="flash")
 
 
 def _peer_copy_windows(config, pin_issued: bool) -> list[hlo_schedule.CollectiveWindow]:
@@ -361,7 +363,7 @@ def _peer_copy_windows(config, pin_issued: bool) -> list[hlo_schedule.Collective
 
     with mock.patch.object(operations, "execute_overlapped_operations", execute):
         jitted, args, options = aot_report.model_step_program(
-            config, mesh_lib.make_mesh(2, 1, devices=jax.devices()[:2]),
+            config, mesh_lib.make_mesh(2, 1),
             mode=ForwardMode.EXTEND, tokens_per_rank=64, enable_tbo=True, dtype=jnp.float32,
             moe=layer_ops.MoEOptions(ep_exchange="peer_copy"),
         )  # fmt: skip
