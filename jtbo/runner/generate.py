@@ -41,8 +41,9 @@ DEFAULT_CHUNK_SIZE = 8192
 """Prompt tokens a rank prefills per step at most (SGLang's chunked-prefill size on an
 H200-class GPU), capped by the runner's largest token bucket (``chunk_size_for``)."""
 PIPELINE_DEPTH = 1
-"""Dispatched steps ``generate`` keeps in flight while it plans the next: with two, a host
-that plans a step in nearly the device's time for it still keeps the devices busy."""
+"""Dispatched steps ``generate`` keeps in flight while it plans the next (SGLang's overlap
+scheduler keeps one). A deeper pipeline makes a request whose token is in an older in-flight
+step wait a step, and reads each step later."""
 
 
 @dataclasses.dataclass
