@@ -35,8 +35,8 @@ demo: $(STAMP)
 
 test: lint
 	$(PY) tools/unused_exports.py
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile --durations=25
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadgroup --durations=25
 
 # The inner loop: every tier but slow, multiprocess and wheel (tests/conftest.py, TIERS).
 test-fast: lint
-	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not multiprocess and not wheel" --durations=10
+	JAX_PLATFORMS=cpu $(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow and not multiprocess and not wheel" --durations=10

@@ -12,7 +12,13 @@ import pathlib
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = f"{_flags} --xla_force_host_platform_device_count=8".strip()
+    _flags = f"{_flags} --xla_force_host_platform_device_count=8"
+# The CPU tests compile far more than they run (small shapes, many programs): LLVM's
+# optimisation passes are most of a compile and buy no accuracy (float semantics are the same at
+# every level), so the tests skip them. Processes the tests start inherit the flag.
+if os.environ["JAX_PLATFORMS"].startswith("cpu") and "xla_backend_optimization_level" not in _flags:
+    _flags = f"{_flags} --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
 
@@ -80,11 +86,26 @@ def _tiers(path: pathlib.Path) -> list[str]:
     return [tier for tier, prefixes in TIERS.items() if relative.startswith(prefixes)]
 
 
+_SHARED_SCOPES = ("class", "module", "package")
+
+
+def _shares_fixtures(item) -> bool:
+    """Whether the test uses a fixture that outlives it within its file (one built runner or
+    model, say): such tests run on one xdist worker, which builds it once."""
+    definitions = item._fixtureinfo.name2fixturedefs.values()
+    return any(defs[-1].scope in _SHARED_SCOPES for defs in definitions)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Marks every test with the tiers of its file (``TIERS``)."""
+    """Marks every test with the tiers of its file (``TIERS``), and groups the tests of a
+    file on one xdist worker where they share fixtures (``make test``'s ``--dist loadgroup``;
+    the others spread over the workers one by one)."""
     for item in items:
-        for tier in _tiers(pathlib.Path(item.fspath)):
+        path = pathlib.Path(item.fspath)
+        for tier in _tiers(path):
             item.add_marker(getattr(pytest.mark, tier))
+        if _shares_fixtures(item):
+            item.add_marker(pytest.mark.xdist_group(path.relative_to(_TESTS).as_posix()))
 
 
 def _skip_on_too_few_devices():
