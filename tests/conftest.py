@@ -13,11 +13,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags = f"{_flags} --xla_force_host_platform_device_count=8"
-# The CPU tests compile far more than they run (small shapes, many programs): LLVM's
-# optimisation passes are most of a compile and buy no accuracy (float semantics are the same at
-# every level), so the tests skip them. Processes the tests start inherit the flag.
-if os.environ["JAX_PLATFORMS"].startswith("cpu") and "xla_backend_optimization_level" not in _flags:
-    _flags = f"{_flags} --xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402

@@ -1,15 +1,10 @@
 """``python -m jtbo.bench serve``: the flags, the step statistics and the agreement on synthetic
-input, and two CPU smoke runs (a preset over two DP ranks with ``--json``, and ``--hf-config``).
-
-Until ``generate`` logs its steps (``step_log=``, ``StepRecord``) and the runner has
-``max_context_len``, the ``serving_api`` fixture stands in for them with the same interface.
+input, and CPU smoke runs (a preset over two DP ranks with ``--json``, ``--mixed-chunk`` and
+``--hf-config``).
 """
 
-import dataclasses
-import inspect
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,58 +12,12 @@ import pytest
 
 from jtbo.bench import serve
 from jtbo.runner import generate as generate_lib
-from jtbo.runner import runner as runner_lib
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "hf"
 TABLE_ROWS = [name for name, _ in serve._rows(serve.step_stats([1.0], [[]], 1), None)]
 
 
-@dataclasses.dataclass(frozen=True)
-class Record:
-    """``generate.StepRecord``'s fields."""
-
-    kind: str
-    num_tokens: int
-    num_seqs: int
-    host_s: float
-    wall_s: float
-
-
-def _logging_generate(original):
-    """``ModelRunner.generate`` that fills ``step_log`` (one ``Record`` per forward)."""
-
-    def generate(self, prompts, *, max_new_tokens, step_log=None, **kwargs):
-        forward, last = self.forward, [time.perf_counter()]
-
-        def logged(batches, **forward_kwargs):
-            start = time.perf_counter()
-            out = forward(batches, **forward_kwargs)
-            now, busy = time.perf_counter(), [b for b in batches if b is not None]
-            kinds = {"decode" if b.forward_mode.is_decode() else "extend" for b in busy}
-            kind = kinds.pop() if len(kinds) == 1 else "mixed"
-            tokens, seqs = sum(b.num_tokens for b in busy), sum(b.batch_size for b in busy)
-            step_log.append(Record(kind, tokens, seqs, now - start, now - last[0]))
-            last[0] = now
-            return out
-
-        self.forward = logged
-        try:
-            return original(self, prompts, max_new_tokens=max_new_tokens, **kwargs)
-        finally:
-            del self.forward
-
-    return generate
-
-
-@pytest.fixture
-def serving_api(monkeypatch):
-    """The stand-ins for the parts of the serving API that have not landed yet."""
-    runner_class = runner_lib.ModelRunner
-    if "step_log" not in inspect.signature(generate_lib.generate).parameters:
-        monkeypatch.setattr(runner_class, "generate", _logging_generate(runner_class.generate))
-    if "max_context_len" not in inspect.signature(runner_class.__init__).parameters:
-        context = property(lambda runner: runner.max_total_tokens)
-        monkeypatch.setattr(runner_class, "max_context_len", context, raising=False)
+Record = generate_lib.StepRecord
 
 
 def _table(out: str) -> dict[str, str]:
@@ -77,7 +26,7 @@ def _table(out: str) -> dict[str, str]:
     return {name.strip(): value.strip() for name, value, *_ in rows[1:]}
 
 
-def test_preset_over_two_ranks_prints_the_table_and_consistent_json(capsys, serving_api):
+def test_preset_over_two_ranks_prints_the_table_and_consistent_json(capsys):
     serve.main(["--preset", "tiny", "--prompts", "3", "--prompt-len", "8", "--max-new-tokens",
                 "3", "--iters", "1", "--chunk-size", "32", "--devices", "2", "--json"])  # fmt: skip
     out = capsys.readouterr().out
@@ -117,7 +66,7 @@ def test_mixed_chunk_runs_a_prompt_chunk_beside_a_decode(capsys):
     assert result["jtbo"]["steps"] == {"extend": 1, "decode": 2, "mixed": 1}
 
 
-def test_hf_config_is_mapped_and_cut_to_num_layers(tmp_path, capsys, serving_api):
+def test_hf_config_is_mapped_and_cut_to_num_layers(tmp_path, capsys):
     raw = json.loads((FIXTURES / "qwen3_moe" / "config.json").read_text())
     raw["mlp_only_layers"] = [1, 2]  # layer 2 is cut away
     path = tmp_path / "config.json"
