@@ -91,16 +91,41 @@ def _shares_fixtures(item) -> bool:
     return any(defs[-1].scope in _SHARED_SCOPES for defs in definitions)
 
 
+# Files whose tests take the longest (whole runners, several processes) are handed out first,
+# so that no long group starts last and runs alone on one worker while the other waits.
+_FIRST_TIERS = ("multiprocess", "slow")
+
+
+# Before xdist's own hook, which reads the ``xdist_group`` marks to put each group on one worker.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Marks every test with the tiers of its file (``TIERS``), and groups the tests of a
-    file on one xdist worker where they share fixtures (``make test``'s ``--dist loadgroup``;
-    the others spread over the workers one by one)."""
+    """Marks every test with the tiers of its file (``TIERS``), groups the tests of a file on
+    one xdist worker where they share fixtures (``make test``'s ``--dist loadgroup``; the
+    others spread over the workers one by one), and puts the slow tiers' files first."""
     for item in items:
         path = pathlib.Path(item.fspath)
         for tier in _tiers(path):
             item.add_marker(getattr(pytest.mark, tier))
         if _shares_fixtures(item):
             item.add_marker(pytest.mark.xdist_group(path.relative_to(_TESTS).as_posix()))
+    items.sort(key=lambda item: not any(item.get_closest_marker(t) for t in _FIRST_TIERS))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session):
+    """Refuses a ``--dist loadgroup`` run whose groups xdist did not take: each grouped test's
+    id must end in ``@group``. (pytest 9.2 keeps ids where xdist 3.8 cannot append it, and the
+    grouped files would then build their shared fixtures once per worker.)"""
+    config = session.config
+    if not hasattr(config, "workerinput") or not config.getvalue("loadgroup"):
+        return
+    lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group")]
+    lost = [nodeid for nodeid in lost if "@" not in nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"--dist loadgroup did not group {len(lost)} tests (first: {lost[0]}); "
+            "this pytest / pytest-xdist pair does not support xdist_group"
+        )
 
 
 def _skip_on_too_few_devices():
