@@ -53,7 +53,7 @@ import numpy as np
 from jtbo import attention
 from jtbo.attention import backend as backend_lib
 from jtbo.attention import kv_cache as kv_cache_lib
-from jtbo.bench import device_rates, kernel_time, limits
+from jtbo.bench import arguments, device_rates, kernel_time, limits
 
 CASES = ("extend", "decode", "verify")
 KNOBS = tuple(field.name for field in dataclasses.fields(attention.PagedAttentionConfig))
@@ -105,7 +105,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="on a GPU, also trace the timed steps and split their time into the attention "
         "kernel's own (jtbo_*) and the other kernels' (the K/V write, the output's zeros)",
     )  # fmt: skip
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--iters", type=arguments.positive_int, default=10)
     parser.add_argument("--mla", action="store_true", help="MLA over a latent pool (above)")
     parser.add_argument("--kv-lora-rank", type=int, default=512, help="MLA latent width")
     parser.add_argument("--qk-rope-dim", type=int, default=64, help="MLA RoPE key width")

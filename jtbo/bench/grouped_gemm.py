@@ -99,7 +99,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtbo import kernels
-from jtbo.bench import device_rates
+from jtbo.bench import arguments, device_rates
 from jtbo.kernels import grouped_gemm
 from jtbo.models import config as config_lib
 from jtbo.models import experts
@@ -596,7 +596,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=cfg.num_experts_per_tok)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5, help="calls per timed batch")
+    p.add_argument("--iters", type=arguments.positive_int, default=5, help="calls per timed batch")
     p.add_argument("--reps", type=int, default=5, help="timed batches (median)")
     p.add_argument("--check-rows", type=int, default=2048, help="tokens checked vs float32")
     p.add_argument("--seed", type=int, default=0)

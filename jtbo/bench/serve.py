@@ -67,6 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jtbo.bench import arguments
 from jtbo.bench import tbo as tbo_bench
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
@@ -100,21 +101,6 @@ EXIT_NO_PEER = 2
 DEVICE_COUNT_FLAG = "xla_force_host_platform_device_count"
 
 
-def _positive(text: str) -> int:
-    """An integer flag that must be >= 1.
-
-    Raises:
-      argparse.ArgumentTypeError: not an integer >= 1.
-    """
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jtbo.bench serve",
@@ -122,12 +108,16 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_model_arguments(parser)
-    parser.add_argument("--prompts", type=_positive, default=64, help="random prompts served")
-    parser.add_argument("--prompt-len", type=_positive, default=512, metavar="L")
-    parser.add_argument("--max-new-tokens", type=_positive, default=32, metavar="T")
+    parser.add_argument(
+        "--prompts", type=arguments.positive_int, default=64, help="random prompts served"
+    )
+    parser.add_argument("--prompt-len", type=arguments.positive_int, default=512, metavar="L")
+    parser.add_argument("--max-new-tokens", type=arguments.positive_int, default=32, metavar="T")
     parser.add_argument("--seed", type=int, default=0, help="prompts and random weights")
     _add_runner_arguments(parser)
-    parser.add_argument("--iters", type=_positive, default=2, help="timed runs after a warm-up")
+    parser.add_argument(
+        "--iters", type=arguments.positive_int, default=2, help="timed runs after a warm-up"
+    )
     parser.add_argument(
         "--peer",
         choices=("none", "transformers"),
@@ -153,26 +143,31 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     source.add_argument("--model", type=Path, metavar="DIR", help="a Hugging Face model directory")
     parser.add_argument(
-        "--num-layers", type=_positive, metavar="N", help="keep the first N layers of --hf-config"
+        "--num-layers",
+        type=arguments.positive_int,
+        metavar="N",
+        help="keep the first N layers of --hf-config",
     )
 
 
 def _add_runner_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pool",
-        type=_positive,
+        type=arguments.positive_int,
         metavar="SLOTS",
         help="KV slots per DP rank (default: ceil(prompts / devices) x (L + T))",
     )
-    parser.add_argument("--rows", type=_positive, help="max_running_requests (default: --prompts)")
+    parser.add_argument(
+        "--rows", type=arguments.positive_int, help="max_running_requests (default: --prompts)"
+    )
     parser.add_argument(
         "--max-context-len",
-        type=_positive,
+        type=arguments.positive_int,
         help="ModelRunner(max_context_len=...) (default: the runner's)",
     )
     parser.add_argument(
         "--chunk-size",
-        type=_positive,
+        type=arguments.positive_int,
         help="prompt tokens a rank prefills per step (default: generate's)",
     )
     parser.add_argument(
@@ -197,7 +192,7 @@ def _add_runner_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument(
         "--devices",
-        type=_positive,
+        type=arguments.positive_int,
         default=1,
         help="DP ranks, one device each (dp=N, attn_tp=1; CPU: virtual devices)",
     )

@@ -76,7 +76,7 @@ from flax import nnx
 
 from jtbo import split
 from jtbo.attention import backend as attn_backend_lib
-from jtbo.bench import device_rates, kernel_time, limits
+from jtbo.bench import arguments, device_rates, kernel_time, limits
 from jtbo.collectives import ep_config
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
@@ -115,7 +115,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode", type=int, nargs="*", default=[64, 128, 256])
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--context", type=int, default=1024, help="decode KV length")
-    parser.add_argument("--iters", type=int, default=15, help="timed steps per column")
+    parser.add_argument(
+        "--iters", type=arguments.positive_int, default=15, help="timed steps per column"
+    )
     parser.add_argument(
         "--logits", choices=last_rows.LOGITS_MODES, default="last",
         help="logits rows each step computes: each sequence's last (what generate serves, "

@@ -94,7 +94,7 @@ def test_peer_without_torch_exits_naming_the_module(monkeypatch, capsys):
         (["--num-layers", "2"], "--num-layers applies to --hf-config only"),
         (["--peer", "transformers"], "--peer transformers needs a checkpoint"),
         (["--preset", "tiny", "--model", "x"], "not allowed with argument"),
-        (["--prompts", "0"], "0 must be >= 1"),
+        (["--prompts", "0"], "must be >= 1, got 0"),
         (["--hf-config", "/no/such/config.json"], "no such file"),
         (["--model", "/no/such/dir"], "no config.json"),
         (["--temperature", "-1"], "temperature=-1.0 must be >= 0"),

@@ -5,6 +5,7 @@ import argparse
 import re
 
 import jtbo.bench.overlap
+from jtbo.bench import arguments
 from jtbo.bench.overlap import check, children, collectives, probe, processes, programs, table
 from jtbo.bench.overlap import results as results_lib
 from jtbo.bench.overlap import variants as variants_lib
@@ -29,13 +30,6 @@ def _collective_names(text: str) -> list[str]:
     return names
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def parser() -> argparse.ArgumentParser:
     """The flags of ``python -m jtbo.bench overlap`` (the package docstring as help)."""
     result = argparse.ArgumentParser(
@@ -47,10 +41,18 @@ def parser() -> argparse.ArgumentParser:
         help="comma-separated, from " + ",".join(names) + "; default: all (all but "
              "all_to_all_peer_copy with --processes > 1: it runs within one process)")  # fmt: skip
     add("--bytes", type=_byte_count, help="per device and exchange (see above); 448MiB on GPU")
-    add("--matmul", type=_positive_int, help="square matmul size N (8192 on GPU, 128 on CPU)")
-    add("--chain", type=_positive_int, default=3, help="collectives (windows) per program")
-    add("--matmuls-per-window", type=_positive_int, help="default: balanced to the collective")
-    add("--iters", type=_positive_int, default=10, help="timed runs per program (median)")
+    add(
+        "--matmul",
+        type=arguments.positive_int,
+        help="square matmul size N (8192 on GPU, 128 on CPU)",
+    )
+    add("--chain", type=arguments.positive_int, default=3, help="collectives (windows) per program")
+    add(
+        "--matmuls-per-window",
+        type=arguments.positive_int,
+        help="default: balanced to the collective",
+    )
+    add("--iters", type=arguments.positive_int, default=10, help="timed runs per program (median)")
     add("--dtype", choices=tuple(check.TOLERANCE), default="bfloat16")
     add("--seed", type=int, default=0, help="seed of the random inputs")
     add("--xla-option", action="append", default=[], metavar="K=V", help="compile option")
@@ -60,8 +62,8 @@ def parser() -> argparse.ArgumentParser:
              "subprocess each")  # fmt: skip
     add("--windows", choices=programs.WINDOW_MODES, default=programs.WINDOW_MODES[0],
         help="both program: windows tied by barriers (pinned) or left to XLA (free)")  # fmt: skip
-    add("--processes", type=_positive_int, default=1, help="one process per local device")
-    add("--cpu-devices", type=_positive_int, default=2, help="CPU devices per process")
+    add("--processes", type=arguments.positive_int, default=1, help="one process per local device")
+    add("--cpu-devices", type=arguments.positive_int, default=2, help="CPU devices per process")
     add("--variant-timeout", type=float, default=900.0, help="seconds per variant")
     add("--profile", metavar="DIR", help="trace the comm-alone and both programs into DIR")
     # Set by the parent for its children only.
