@@ -119,8 +119,8 @@ def pytest_collection_finish(session):
     config = session.config
     if not hasattr(config, "workerinput") or not config.getvalue("loadgroup"):
         return
-    lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group")]
-    lost = [nodeid for nodeid in lost if "@" not in nodeid]
+    grouped = [item for item in session.items if item.get_closest_marker("xdist_group")]
+    lost = [item.nodeid for item in grouped if "@" not in item.nodeid]
     if lost:
         raise pytest.UsageError(
             f"--dist loadgroup did not group {len(lost)} tests (first: {lost[0]}); "

@@ -597,7 +597,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=arguments.positive_int, default=5, help="calls per timed batch")
-    p.add_argument("--reps", type=int, default=5, help="timed batches (median)")
+    p.add_argument("--reps", type=arguments.positive_int, default=5, help="timed batches (median)")
     p.add_argument("--check-rows", type=int, default=2048, help="tokens checked vs float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")

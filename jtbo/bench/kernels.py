@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtbo import kernels
+from jtbo.bench import arguments
 from jtbo.kernels import copy_config
 from jtbo.kernels import impls as impls_lib
 
@@ -346,7 +347,9 @@ def _parse(argv):
     p.add_argument("--cols", type=int, default=4096)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--impls", default=None, help="comma list; default: all available here")
-    p.add_argument("--reps", type=int, default=5, help="timed batches per case (median)")
+    p.add_argument(
+        "--reps", type=arguments.positive_int, default=5, help="timed batches per case (median)"
+    )
     p.add_argument("--iters", type=int, default=0, help="calls per timed batch (0: automatic)")
     p.add_argument("--sweep-mib", type=int, default=0, help="also sweep configs at this size")
     p.add_argument("--sweep-ops", default=SWEEP_OPS)

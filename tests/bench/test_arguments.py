@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jtbo.bench import arguments, attention, grouped_gemm, serve, tbo
+from jtbo.bench import arguments, attention, grouped_gemm, kernels, serve, tbo
 from jtbo.bench.overlap import cli as overlap_cli
 
 
@@ -24,18 +24,28 @@ def test_positive_int_refuses_what_is_not_a_count(text, message):
 
 
 @pytest.mark.parametrize(
-    "parse",
+    "parse, flag",
     [
-        tbo._parser().parse_args,
-        attention._parse,
-        grouped_gemm._parse,
-        serve._parser().parse_args,
-        overlap_cli.parser().parse_args,
+        (tbo._parser().parse_args, "--iters"),
+        (attention._parse, "--iters"),
+        (grouped_gemm._parse, "--iters"),
+        (grouped_gemm._parse, "--reps"),
+        (kernels._parse, "--reps"),
+        (serve._parser().parse_args, "--iters"),
+        (overlap_cli.parser().parse_args, "--iters"),
     ],
-    ids=["tbo", "attention", "grouped_gemm", "serve", "overlap"],
+    ids=[
+        "tbo",
+        "attention",
+        "grouped_gemm",
+        "grouped_gemm-reps",
+        "kernels-reps",
+        "serve",
+        "overlap",
+    ],
 )
-def test_every_bench_refuses_zero_iterations_with_a_usage_error(parse, capsys):
+def test_every_bench_refuses_zero_timed_runs_with_a_usage_error(parse, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        parse(["--iters", "0"])
+        parse([flag, "0"])
     assert exit_info.value.code == 2
-    assert "--iters: must be >= 1, got 0" in capsys.readouterr().err
+    assert f"{flag}: must be >= 1, got 0" in capsys.readouterr().err
