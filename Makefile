@@ -14,7 +14,13 @@ EXPECT_GPU := $(if $(filter gpu,$(ACCEL)),1,0)
 
 .PHONY: demo test test-fast install lint
 
+# pip would refuse an older Python with "No matching distribution found for jax": say why.
+PYTHON_CHECK := import sys; v = sys.version_info; sys.exit(0 if v >= (3, 12) else \
+  'jtbo needs Python >= 3.12 (jax >= 0.11 does); $(PYTHON) is %d.%d.%d: run make PYTHON=python3.12 ...' \
+  % v[:3])
+
 $(STAMP): pyproject.toml
+	@$(PYTHON) -c "$(PYTHON_CHECK)"
 	@echo "jtbo set-up: $(ACCEL) ($(shell $(DETECT) --print reason)); extras [$(EXTRAS)]"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -4,31 +4,24 @@ Example::
 
     python -m jtbo.generate --model DIR --prompt "Hello" --max-new-tokens 32 --tbo auto
 
-The environment is set here, before jax starts: on a machine without an NVIDIA GPU the
-command runs on ``dp * attn_tp`` virtual CPU devices (``JAX_PLATFORMS=cpu`` also keeps the
-CUDA plugin of the ``aot`` extra from failing to initialise).
+The platform is chosen here, before jax starts (``jtbo.info.platform``): on a machine
+without an NVIDIA GPU the command runs on ``dp * attn_tp`` virtual CPU devices.
 """
 
-import os
 import sys
 
+from jtbo.info import platform
 
-def _configure_cpu_if_no_gpu(argv: list[str]) -> None:
-    if "JAX_PLATFORMS" not in os.environ and not os.path.exists("/dev/nvidiactl"):
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    if os.environ.get("JAX_PLATFORMS") != "cpu":
-        return
-    from jtbo.runner import generate_cli
 
-    args, _ = generate_cli.parser().parse_known_args(argv)
-    devices = (args.dp or 1) * args.attn_tp
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
+def _configure_platform(argv: list[str]) -> None:
+    from jtbo.runner import generate_cli  # noqa: PLC0415 - imports jax, after nothing started it
+
+    args, _ = generate_cli.parser().parse_known_args(argv)  # exits 2 on a bad flag
+    platform.configure_platform(cpu_devices=(args.dp or 1) * args.attn_tp)
 
 
 if __name__ == "__main__":
-    _configure_cpu_if_no_gpu(sys.argv[1:])
+    _configure_platform(sys.argv[1:])
     from jtbo.runner import generate_cli
 
     sys.exit(generate_cli.main())

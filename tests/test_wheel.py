@@ -25,6 +25,7 @@ import venv
 import pytest
 
 from jtbo.bench import __main__ as bench_main
+from tests import xla_flags
 
 pytestmark = pytest.mark.wheel
 
@@ -54,7 +55,8 @@ print("jtbo", jtbo.__file__, jtbo.__version__)
 def _run(python: pathlib.Path, args: list[str], cwd: pathlib.Path, timeout: int = 300):
     """Runs ``python args`` in ``cwd`` on 8 CPU devices, without the checkout on any path."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
-    env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    flags = xla_flags.with_fast_compile("--xla_force_host_platform_device_count=8")
+    env |= {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
     out = subprocess.run(
         [str(python), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )

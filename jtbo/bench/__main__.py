@@ -1,7 +1,8 @@
 """Runs one benchmark: ``python -m jtbo.bench NAME [flags]``; ``--help`` lists them.
 
 Each benchmark is a module ``jtbo.bench.NAME`` with ``main(argv: list[str]) -> None``. The
-first line printed is ``jtbo.info.summary_line()``. A bench module that sets
+platform is chosen first (``jtbo.info.platform``: the CPU where no NVIDIA GPU is present);
+the first line printed is ``jtbo.info.summary_line()``. A bench module that sets
 ``CONFIGURES_JAX = True`` sets XLA / NCCL variables or jax options in its ``main`` before the
 backend starts, so its summary line names no devices (starting the backend here would fix
 them too early).
@@ -12,7 +13,7 @@ import pkgutil
 import sys
 
 import jtbo.bench
-from jtbo.info import report
+from jtbo.info import platform, report
 
 EXIT_USAGE = 2  # no or an unknown benchmark name
 
@@ -52,4 +53,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    platform.configure_platform()  # the CPU where no NVIDIA GPU is present, without a traceback
     sys.exit(main(sys.argv[1:]))

@@ -53,7 +53,8 @@ import numpy as np
 from jtbo import attention
 from jtbo.attention import backend as backend_lib
 from jtbo.attention import kv_cache as kv_cache_lib
-from jtbo.bench import arguments, device_rates, kernel_time, limits
+from jtbo.bench import device_rates, kernel_time, limits
+from jtbo.runner import cli_arguments
 
 CASES = ("extend", "decode", "verify")
 KNOBS = tuple(field.name for field in dataclasses.fields(attention.PagedAttentionConfig))
@@ -75,17 +76,24 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         default="native,pallas",
         help=f"comma list of {tuple(backend_lib.ATTENTION_BACKENDS)}",
     )
-    parser.add_argument("--extend-tokens", type=int, default=8192)
-    parser.add_argument("--extend-seqs", type=int, default=4)
-    parser.add_argument("--decode-seqs", type=int, default=256)
-    parser.add_argument("--decode-context", type=int, default=4096)
-    parser.add_argument("--draft", type=int, default=4, help="verify: draft tokens per sequence")
-    parser.add_argument("--q-heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--extend-tokens", type=cli_arguments.positive_int, default=8192)
+    parser.add_argument("--extend-seqs", type=cli_arguments.positive_int, default=4)
+    parser.add_argument("--decode-seqs", type=cli_arguments.positive_int, default=256)
+    parser.add_argument("--decode-context", type=cli_arguments.positive_int, default=4096)
+    parser.add_argument(
+        "--draft",
+        type=cli_arguments.positive_int,
+        default=4,
+        help="verify: draft tokens per sequence",
+    )
+    parser.add_argument("--q-heads", type=cli_arguments.positive_int, default=32)
+    parser.add_argument("--kv-heads", type=cli_arguments.positive_int, default=8)
+    parser.add_argument("--head-dim", type=cli_arguments.positive_int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--query-tile", type=int, default=64)
-    parser.add_argument("--kv-block", type=int, default=256, help="native: KV block")
+    parser.add_argument("--query-tile", type=cli_arguments.positive_int, default=64)
+    parser.add_argument(
+        "--kv-block", type=cli_arguments.positive_int, default=256, help="native: KV block"
+    )
     defaults = attention.PagedAttentionConfig()
     for name in KNOBS:
         parser.add_argument(
@@ -105,12 +113,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="on a GPU, also trace the timed steps and split their time into the attention "
         "kernel's own (jtbo_*) and the other kernels' (the K/V write, the output's zeros)",
     )  # fmt: skip
-    parser.add_argument("--iters", type=arguments.positive_int, default=10)
+    parser.add_argument("--iters", type=cli_arguments.positive_int, default=10)
     parser.add_argument("--mla", action="store_true", help="MLA over a latent pool (above)")
-    parser.add_argument("--kv-lora-rank", type=int, default=512, help="MLA latent width")
-    parser.add_argument("--qk-rope-dim", type=int, default=64, help="MLA RoPE key width")
-    parser.add_argument("--qk-nope-dim", type=int, default=128, help="MLA query/key width")
-    parser.add_argument("--v-head-dim", type=int, default=128, help="MLA value width")
+    parser.add_argument(
+        "--kv-lora-rank", type=cli_arguments.positive_int, default=512, help="MLA latent width"
+    )
+    parser.add_argument(
+        "--qk-rope-dim", type=cli_arguments.positive_int, default=64, help="MLA RoPE key width"
+    )
+    parser.add_argument(
+        "--qk-nope-dim", type=cli_arguments.positive_int, default=128, help="MLA query/key width"
+    )
+    parser.add_argument(
+        "--v-head-dim", type=cli_arguments.positive_int, default=128, help="MLA value width"
+    )
     parser.set_defaults(ceiling_bytes=CEILING_BYTES, matmul_n=MATMUL_N)
     args = parser.parse_args(argv)
     args.cases, args.backends = args.cases.split(","), args.backends.split(",")

@@ -99,10 +99,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtbo import kernels
-from jtbo.bench import arguments, device_rates
+from jtbo.bench import device_rates
 from jtbo.kernels import grouped_gemm
 from jtbo.models import config as config_lib
 from jtbo.models import experts
+from jtbo.runner import cli_arguments
 
 IMPLS = ("capacity", "dense", "pallas", "mosaic", "ragged_dot", "tokamax")
 KERNEL_IMPLS = ("pallas", "mosaic")
@@ -590,15 +591,24 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--impls", default=",".join(IMPLS), help="comma list; tokamax:VARIANT too")
     p.add_argument("--capacity-factor", type=float, default=4.0)
     p.add_argument("--skew", type=float, default=0.0, help="fraction of tokens also on expert 0")
-    p.add_argument("--hidden", type=int, default=cfg.hidden_size)
-    p.add_argument("--ffn", type=int, default=cfg.moe_intermediate_size)
-    p.add_argument("--experts", type=int, default=cfg.num_experts)
-    p.add_argument("--top-k", type=int, default=cfg.num_experts_per_tok)
+    p.add_argument("--hidden", type=cli_arguments.positive_int, default=cfg.hidden_size)
+    p.add_argument("--ffn", type=cli_arguments.positive_int, default=cfg.moe_intermediate_size)
+    p.add_argument("--experts", type=cli_arguments.positive_int, default=cfg.num_experts)
+    p.add_argument("--top-k", type=cli_arguments.positive_int, default=cfg.num_experts_per_tok)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=arguments.positive_int, default=5, help="calls per timed batch")
-    p.add_argument("--reps", type=arguments.positive_int, default=5, help="timed batches (median)")
-    p.add_argument("--check-rows", type=int, default=2048, help="tokens checked vs float32")
+    p.add_argument(
+        "--iters", type=cli_arguments.positive_int, default=5, help="calls per timed batch"
+    )
+    p.add_argument(
+        "--reps", type=cli_arguments.positive_int, default=5, help="timed batches (median)"
+    )
+    p.add_argument(
+        "--check-rows",
+        type=cli_arguments.positive_int,
+        default=2048,
+        help="tokens checked vs float32",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
     p.add_argument(

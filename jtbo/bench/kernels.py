@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtbo import kernels
-from jtbo.bench import arguments
 from jtbo.kernels import copy_config
 from jtbo.kernels import impls as impls_lib
+from jtbo.runner import cli_arguments
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -344,11 +344,11 @@ def sweep(size_bytes, cols, dtype, impl_names, args, lines):
 def _parse(argv):
     p = argparse.ArgumentParser(prog="python -m jtbo.bench kernels", description=__doc__)
     p.add_argument("--sizes-mib", default="1,16,256,1024")
-    p.add_argument("--cols", type=int, default=4096)
+    p.add_argument("--cols", type=cli_arguments.positive_int, default=4096)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--impls", default=None, help="comma list; default: all available here")
     p.add_argument(
-        "--reps", type=arguments.positive_int, default=5, help="timed batches per case (median)"
+        "--reps", type=cli_arguments.positive_int, default=5, help="timed batches per case (median)"
     )
     p.add_argument("--iters", type=int, default=0, help="calls per timed batch (0: automatic)")
     p.add_argument("--sweep-mib", type=int, default=0, help="also sweep configs at this size")

@@ -67,14 +67,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jtbo.bench import arguments
 from jtbo.bench import tbo as tbo_bench
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import hf
 from jtbo.models import model as model_lib
 from jtbo.models.hf import families
-from jtbo.runner import admission, planning, sampling, tbo_auto, tbo_options
+from jtbo.runner import admission, cli_arguments, planning, sampling, tbo_auto, tbo_options
 from jtbo.runner import generate as generate_lib
 from jtbo.runner import runner as runner_lib
 from jtbo.split import arith
@@ -109,14 +108,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_model_arguments(parser)
     parser.add_argument(
-        "--prompts", type=arguments.positive_int, default=64, help="random prompts served"
+        "--prompts", type=cli_arguments.positive_int, default=64, help="random prompts served"
     )
-    parser.add_argument("--prompt-len", type=arguments.positive_int, default=512, metavar="L")
-    parser.add_argument("--max-new-tokens", type=arguments.positive_int, default=32, metavar="T")
+    parser.add_argument("--prompt-len", type=cli_arguments.positive_int, default=512, metavar="L")
+    parser.add_argument(
+        "--max-new-tokens", type=cli_arguments.positive_int, default=32, metavar="T"
+    )
     parser.add_argument("--seed", type=int, default=0, help="prompts and random weights")
     _add_runner_arguments(parser)
     parser.add_argument(
-        "--iters", type=arguments.positive_int, default=2, help="timed runs after a warm-up"
+        "--iters", type=cli_arguments.positive_int, default=2, help="timed runs after a warm-up"
     )
     parser.add_argument(
         "--peer",
@@ -144,7 +145,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--model", type=Path, metavar="DIR", help="a Hugging Face model directory")
     parser.add_argument(
         "--num-layers",
-        type=arguments.positive_int,
+        type=cli_arguments.positive_int,
         metavar="N",
         help="keep the first N layers of --hf-config",
     )
@@ -153,26 +154,26 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_runner_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pool",
-        type=arguments.positive_int,
+        type=cli_arguments.positive_int,
         metavar="SLOTS",
         help="KV slots per DP rank (default: ceil(prompts / devices) x (L + T))",
     )
     parser.add_argument(
-        "--rows", type=arguments.positive_int, help="max_running_requests (default: --prompts)"
+        "--rows", type=cli_arguments.positive_int, help="max_running_requests (default: --prompts)"
     )
     parser.add_argument(
         "--max-context-len",
-        type=arguments.positive_int,
+        type=cli_arguments.positive_int,
         help="ModelRunner(max_context_len=...) (default: the runner's)",
     )
     parser.add_argument(
         "--chunk-size",
-        type=arguments.positive_int,
+        type=cli_arguments.positive_int,
         help="prompt tokens a rank prefills per step (default: generate's)",
     )
     parser.add_argument(
         "--pipeline",
-        type=int,
+        type=cli_arguments.non_negative_int,
         metavar="DEPTH",
         help="generate(pipeline=DEPTH): steps in flight while the host plans (default: generate's)",
     )
@@ -183,16 +184,18 @@ def _add_runner_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--temperature",
-        type=float,
+        type=cli_arguments.non_negative_float,
         default=0.0,
         help="jtbo samples with this temperature (0: greedy) and --top-p, seeded by --seed",
     )
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, in (0, 1]")
+    parser.add_argument(
+        "--top-p", type=cli_arguments.probability, default=1.0, help="nucleus mass, in (0, 1]"
+    )
     parser.add_argument("--tbo", choices=sorted(TBO_CHOICES), default="off", help="TBO mode")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument(
         "--devices",
-        type=arguments.positive_int,
+        type=cli_arguments.positive_int,
         default=1,
         help="DP ranks, one device each (dp=N, attn_tp=1; CPU: virtual devices)",
     )

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 
+from jtbo.runner import cli_arguments
 from jtbo.split import batch as batch_lib
 from jtbo.split import children as children_lib
 from jtbo.split import forward_mode as forward_mode_lib
@@ -80,9 +81,9 @@ def main(argv: list[str]) -> None:
       argv: ``[--runs N] [--seqs N] [--attn-tp N] [--seed N]``.
     """
     parser = argparse.ArgumentParser(prog="python -m jtbo.bench split")
-    parser.add_argument("--runs", type=int, default=2000)
-    parser.add_argument("--seqs", type=int, default=256)
-    parser.add_argument("--attn-tp", type=int, default=1)
+    parser.add_argument("--runs", type=cli_arguments.positive_int, default=2000)
+    parser.add_argument("--seqs", type=cli_arguments.positive_int, default=256)
+    parser.add_argument("--attn-tp", type=cli_arguments.positive_int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     rng = np.random.default_rng(args.seed)

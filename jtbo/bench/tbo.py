@@ -76,7 +76,7 @@ from flax import nnx
 
 from jtbo import split
 from jtbo.attention import backend as attn_backend_lib
-from jtbo.bench import arguments, device_rates, kernel_time, limits
+from jtbo.bench import device_rates, kernel_time, limits
 from jtbo.collectives import ep_config
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
@@ -84,6 +84,7 @@ from jtbo.models import ep_dispatchers, layer_ops
 from jtbo.models import model as model_lib
 from jtbo.overlap import hlo_schedule, xla_options
 from jtbo.runner import (
+    cli_arguments,
     ep_stats_file,
     last_rows,
     numerics,
@@ -111,21 +112,29 @@ NVLS_ENVIRONMENT = ("NCCL_NVLS_ENABLE", "0")
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jtbo.bench tbo", description=__doc__)
-    parser.add_argument("--prefill", type=int, nargs="*", default=[4096, 8192, 16384])
-    parser.add_argument("--decode", type=int, nargs="*", default=[64, 128, 256])
-    parser.add_argument("--prompt-len", type=int, default=2048)
-    parser.add_argument("--context", type=int, default=1024, help="decode KV length")
     parser.add_argument(
-        "--iters", type=arguments.positive_int, default=15, help="timed steps per column"
+        "--prefill", type=cli_arguments.positive_int, nargs="*", default=[4096, 8192, 16384]
+    )
+    parser.add_argument(
+        "--decode", type=cli_arguments.positive_int, nargs="*", default=[64, 128, 256]
+    )
+    parser.add_argument("--prompt-len", type=cli_arguments.positive_int, default=2048)
+    parser.add_argument(
+        "--context", type=cli_arguments.positive_int, default=1024, help="decode KV length"
+    )
+    parser.add_argument(
+        "--iters", type=cli_arguments.positive_int, default=15, help="timed steps per column"
     )
     parser.add_argument(
         "--logits", choices=last_rows.LOGITS_MODES, default="last",
         help="logits rows each step computes: each sequence's last (what generate serves, "
         "the default) or every token's (ModelRunner.forward(logits=...))",
     )  # fmt: skip
-    parser.add_argument("--devices", type=int, help="shorthand for --dp N --attn-tp 1")
-    parser.add_argument("--dp", type=int, default=1)
-    parser.add_argument("--attn-tp", type=int, default=1)
+    parser.add_argument(
+        "--devices", type=cli_arguments.positive_int, help="shorthand for --dp N --attn-tp 1"
+    )
+    parser.add_argument("--dp", type=cli_arguments.positive_int, default=1)
+    parser.add_argument("--attn-tp", type=cli_arguments.positive_int, default=1)
     parser.add_argument("--moe-a2a-backend", choices=("ep", "none"), default="ep")
     parser.add_argument(
         "--dp-padding", choices=planning.DP_PADDING_CHOICES, default="auto",

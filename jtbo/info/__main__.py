@@ -1,19 +1,22 @@
 """``python -m jtbo.info``: the report to paste into a bug report.
 
-Reports the environment as it is: it sets no ``JAX_PLATFORMS`` or ``XLA_FLAGS`` itself.
+Reports the environment as it is, with one choice made first (``jtbo.info.platform``): where
+``JAX_PLATFORMS`` is unset and no NVIDIA GPU is present it runs on the CPU, so the CUDA
+plugin of the ``aot`` extra prints no traceback; the report's first section says so.
 """
 
 import sys
 
-from jtbo.info import report
+from jtbo.info import platform, report
 
 
-def main() -> int:
-    """Prints the summary line and every section; returns 0."""
+def main(choice: platform.PlatformChoice) -> int:
+    """Prints the summary line, the platform ``choice`` and every section; returns 0."""
     print(report.summary_line())
+    print(f"jax platform: {choice.platform or '(jax picks)'} ({choice.reason})")
     print(report.render(report.sections()))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(platform.configure_platform()))

@@ -172,7 +172,7 @@ class ModelRunner:
         """
         moe = moe or layer_ops.MoEOptions()
         tbo = tbo or tbo_options.TboOptions()
-        self.parallel = _parallel_config(model.config, mesh, moe, tbo, attention_backend)
+        self.parallel = parallel_config(model.config, mesh, moe, tbo, attention_backend)
         if max_total_tokens < 1 or max_running_requests < 1:
             raise ValueError(
                 f"max_total_tokens={max_total_tokens} and max_running_requests="
@@ -1055,12 +1055,23 @@ def _synthetic_batch(mode: ForwardMode, count: int, num_seqs: int) -> split.Forw
     )  # fmt: skip
 
 
-def _parallel_config(
+def parallel_config(
     config, mesh: jax.sharding.Mesh, moe: layer_ops.MoEOptions, tbo: tbo_options.TboOptions,
     attention_backend: str | None,
 ) -> layer_ops.ParallelConfig:  # fmt: skip
     """The layers' ``ParallelConfig`` on ``mesh``, with the platform defaults (None backends)
-    resolved for the model's shapes (``kernel_backends``).
+    resolved for the model's shapes (``kernel_backends``). It needs only the model's config,
+    so a caller can check a layout before loading the weights.
+
+    Args:
+      config: the model's ``MoEConfig``.
+      mesh: the ``("dp", "attn_tp")`` mesh.
+      moe: the MoE options (a None ``moe_runner_backend`` is resolved here).
+      tbo: the TBO options (their barrier settings).
+      attention_backend: a backend name, or None for the fastest that serves the model here.
+
+    Returns:
+      The ``ParallelConfig`` a ``ModelRunner`` with these arguments runs.
 
     Raises:
       ValueError: a mesh without the ``("dp", "attn_tp")`` axes, model shapes that do not

@@ -97,8 +97,8 @@ def test_peer_without_torch_exits_naming_the_module(monkeypatch, capsys):
         (["--prompts", "0"], "must be >= 1, got 0"),
         (["--hf-config", "/no/such/config.json"], "no such file"),
         (["--model", "/no/such/dir"], "no config.json"),
-        (["--temperature", "-1"], "temperature=-1.0 must be >= 0"),
-        (["--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
+        (["--temperature", "-1"], "--temperature: must be >= 0, got -1"),
+        (["--top-p", "0"], "--top-p: must be in (0, 1], got 0"),
         (
             [
                 "--model",

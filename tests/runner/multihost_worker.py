@@ -12,15 +12,15 @@ import os
 import pickle
 import sys
 
+from tests import xla_flags as test_xla_flags
+
 TOTAL_DEVICES = 8
-# Cheaper CPU compiles: the test compiles the same handful of steps in three processes.
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def xla_flags(num_processes: int) -> str:
     """The ``XLA_FLAGS`` of one of ``num_processes`` processes sharing ``TOTAL_DEVICES``."""
     count = TOTAL_DEVICES // num_processes
-    return f"--xla_force_host_platform_device_count={count} {FAST_COMPILE_FLAGS}"
+    return test_xla_flags.with_fast_compile(f"--xla_force_host_platform_device_count={count}")
 
 
 def main(argv: list[str]) -> None:

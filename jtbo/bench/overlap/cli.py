@@ -5,10 +5,10 @@ import argparse
 import re
 
 import jtbo.bench.overlap
-from jtbo.bench import arguments
 from jtbo.bench.overlap import check, children, collectives, probe, processes, programs, table
 from jtbo.bench.overlap import results as results_lib
 from jtbo.bench.overlap import variants as variants_lib
+from jtbo.runner import cli_arguments
 
 
 def _byte_count(text: str) -> int:
@@ -43,16 +43,26 @@ def parser() -> argparse.ArgumentParser:
     add("--bytes", type=_byte_count, help="per device and exchange (see above); 448MiB on GPU")
     add(
         "--matmul",
-        type=arguments.positive_int,
+        type=cli_arguments.positive_int,
         help="square matmul size N (8192 on GPU, 128 on CPU)",
     )
-    add("--chain", type=arguments.positive_int, default=3, help="collectives (windows) per program")
+    add(
+        "--chain",
+        type=cli_arguments.positive_int,
+        default=3,
+        help="collectives (windows) per program",
+    )
     add(
         "--matmuls-per-window",
-        type=arguments.positive_int,
+        type=cli_arguments.positive_int,
         help="default: balanced to the collective",
     )
-    add("--iters", type=arguments.positive_int, default=10, help="timed runs per program (median)")
+    add(
+        "--iters",
+        type=cli_arguments.positive_int,
+        default=10,
+        help="timed runs per program (median)",
+    )
     add("--dtype", choices=tuple(check.TOLERANCE), default="bfloat16")
     add("--seed", type=int, default=0, help="seed of the random inputs")
     add("--xla-option", action="append", default=[], metavar="K=V", help="compile option")
@@ -62,8 +72,13 @@ def parser() -> argparse.ArgumentParser:
              "subprocess each")  # fmt: skip
     add("--windows", choices=programs.WINDOW_MODES, default=programs.WINDOW_MODES[0],
         help="both program: windows tied by barriers (pinned) or left to XLA (free)")  # fmt: skip
-    add("--processes", type=arguments.positive_int, default=1, help="one process per local device")
-    add("--cpu-devices", type=arguments.positive_int, default=2, help="CPU devices per process")
+    add(
+        "--processes",
+        type=cli_arguments.positive_int,
+        default=1,
+        help="one process per local device",
+    )
+    add("--cpu-devices", type=cli_arguments.positive_int, default=2, help="CPU devices per process")
     add("--variant-timeout", type=float, default=900.0, help="seconds per variant")
     add("--profile", metavar="DIR", help="trace the comm-alone and both programs into DIR")
     # Set by the parent for its children only.

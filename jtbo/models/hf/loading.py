@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
 from jtbo.models import step
 from jtbo.models.hf import checkpoint, families, fp8, placement, safetensors_io, tensor_map
@@ -32,13 +33,35 @@ def _read_config(path: str | os.PathLike) -> tuple[families.Family, dict]:
     """The family and the raw ``config.json`` of a model directory.
 
     Raises:
-      ValueError: no ``config.json``, or an unsupported ``model_type``.
+      ValueError: no ``config.json``, one that is not a JSON object, or an unsupported
+        ``model_type``.
     """
     config_path = Path(path) / "config.json"
     if not config_path.exists():
         raise ValueError(f"{path}: no config.json (not a Hugging Face model directory)")
-    raw = json.loads(config_path.read_text())
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_path}: not valid JSON ({error})") from error
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path}: expected a JSON object, got {type(raw).__name__}")
     return families.family_of(raw), raw
+
+
+def read_config(path: str | os.PathLike) -> config_lib.MoEConfig:
+    """The ``MoEConfig`` of a model directory's ``config.json``, without reading its weights.
+
+    Args:
+      path: the model directory.
+
+    Returns:
+      The mapped config (what ``from_pretrained(path).config`` will be).
+
+    Raises:
+      ValueError: as ``from_pretrained`` for the config file and its fields.
+    """
+    family, raw = _read_config(path)
+    return family.to_moe_config(raw)
 
 
 def from_pretrained(
@@ -64,7 +87,8 @@ def from_pretrained(
       The ``MoEModel`` (``model.config`` is the mapped ``MoEConfig``).
 
     Raises:
-      ValueError: an unsupported ``model_type`` or config field, a missing or extra tensor, a
+      ValueError: a missing or malformed ``config.json`` (naming the file), an unsupported
+        ``model_type`` or config field, a missing or extra tensor, a
         tensor of the wrong shape or dtype (each names the field or tensor with the expected
         and found values), or no weights in the directory.
     """
