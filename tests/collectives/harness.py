@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jtbo.collectives import mesh as mesh_lib
+from tests import xla_flags
 
 LAYOUTS = ((8, 1), (4, 2), (2, 4), (1, 8))
 
@@ -44,7 +45,9 @@ def sharded(fn, dp_size, attn_tp_size, num_arrays, num_outputs):
             in_specs=(P(),) + (P(mesh_lib.TP_AXES),) * num_arrays,  # context; per-device arrays
             out_specs=(P(mesh_lib.TP_AXES),) * num_outputs,
             check_vma=False,
-        )
+        ),
+        # Collectives move bits (ids bitcast into rows): compiled as users' programs are.
+        compiler_options=xla_flags.XLA_DEFAULT_OPTIMIZATION,
     )
 
 
