@@ -15,7 +15,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags:
     _flags = f"{_flags} --xla_force_host_platform_device_count=8"
-os.environ["XLA_FLAGS"] = xla_flags.with_fast_compile(_flags.strip())
+if os.environ["JAX_PLATFORMS"].startswith("cpu"):  # GPU kernels keep their optimisation
+    _flags = xla_flags.with_fast_compile(_flags)
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
 
