@@ -19,6 +19,20 @@ if os.environ["JAX_PLATFORMS"].startswith("cpu"):  # GPU kernels keep their opti
     _flags = xla_flags.with_fast_compile(_flags)
 os.environ["XLA_FLAGS"] = _flags.strip()
 
+# A persistent compilation cache shared by the run's workers and the processes they start
+# (set in the environment, which children inherit): many tests build runners of the same model
+# and compile the same step programs, so each program compiles once per run (and once per
+# checkout while jax and the code are unchanged). ``JTBO_TEST_COMPILATION_CACHE=""`` turns it
+# off.
+_CACHE = os.environ.get(
+    "JTBO_TEST_COMPILATION_CACHE",
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), "build", "jax-compilation-cache"),
+)
+if _CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+
 import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
@@ -27,19 +41,6 @@ jax.config.update("jax_enable_x64", False)
 # ask for full float32 there. The CPU computes float32 matmuls in full either way.
 if not os.environ["JAX_PLATFORMS"].startswith("cpu"):
     jax.config.update("jax_default_matmul_precision", "highest")
-
-# A persistent compilation cache shared by the run's workers: many tests build runners of the
-# same model and compile the same step programs, so each program compiles once per run (and
-# once per checkout while jax and the code are unchanged). ``JTBO_TEST_COMPILATION_CACHE=""``
-# turns it off.
-_CACHE = os.environ.get(
-    "JTBO_TEST_COMPILATION_CACHE",
-    os.path.join(os.path.dirname(os.path.dirname(__file__)), "build", "jax-compilation-cache"),
-)
-if _CACHE:
-    jax.config.update("jax_compilation_cache_dir", _CACHE)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402

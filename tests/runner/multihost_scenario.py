@@ -161,3 +161,18 @@ def refusals(runner: runner_lib.ModelRunner) -> dict:
     out["setup"] = _error_of(lambda: other.forward([None] * local))
     out["after"] = runner.forward([ok] + [None] * (local - 1))[0]
     return out
+
+
+def run(num_processes: int) -> dict:
+    """The whole scenario as one of ``num_processes`` processes: ``serve`` with TBO off and
+    on, then (with several processes) the refusals and the "auto" runner.
+
+    Returns:
+      Every result, keyed as ``serve``, ``refusals`` and ``serve_auto`` key them.
+    """
+    results, plain = serve(False)
+    results.update(serve(True)[0])
+    if num_processes > 1:
+        results["refusals"] = refusals(plain)
+        results.update(serve_auto())
+    return results

@@ -43,11 +43,7 @@ def main(argv: list[str]) -> None:
         )
     from tests.runner import multihost_scenario  # noqa: PLC0415 - imports jax-using modules
 
-    results, plain = multihost_scenario.serve(False)
-    results.update(multihost_scenario.serve(True)[0])
-    if num_processes > 1:
-        results["refusals"] = multihost_scenario.refusals(plain)
-        results.update(multihost_scenario.serve_auto())
+    results = multihost_scenario.run(num_processes)
     with open(out_path, "wb") as f:
         pickle.dump(results, f)
     if num_processes > 1:

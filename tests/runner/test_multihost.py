@@ -1,13 +1,13 @@
 """jtbo under ``jax.distributed``: 2 processes x 4 CPU devices == 1 process x 8 devices.
 
-Two child processes (``multihost_worker``) join a ``jax.distributed`` run on localhost with
-gloo CPU collectives and serve ``multihost_scenario`` (a forward script and greedy generation,
-TBO off and on) over a ``(4, 2)`` mesh spanning both; each passes only its own DP ranks'
-batches. A third child serves the same scenario alone on 8 devices (same XLA flags; this test
-process's jax is already set up by conftest). Together the two processes' outputs must equal
-the single process's; then the refusal cases must have raised on both processes, and "auto"
-runners whose processes time the programs differently must have made one choice. Every child
-is killed in a ``finally``, on timeout or on any failure.
+Two child processes (``multihost_worker``) join a ``jax.distributed`` run on localhost with gloo
+CPU collectives and serve ``multihost_scenario`` (a forward script and greedy generation, TBO
+off and on) over a ``(4, 2)`` mesh spanning both; each passes only its own DP ranks' batches.
+Meanwhile this test process serves the same scenario alone on its 8 devices (the XLA flags
+conftest set are those of ``multihost_worker.xla_flags(1)``). Together the two processes'
+outputs must equal the single process's; then the refusal cases must have raised on both
+processes, and "auto" runners whose processes time the programs differently must have made one
+choice. Every child is killed in a ``finally``, on timeout or on any failure.
 """
 
 import os
@@ -56,7 +56,7 @@ def _tail(path: Path) -> str:
 
 
 def _wait(procs, logs, deadline) -> None:
-    for name, proc, log in zip(("process 0", "process 1", "reference"), procs, logs, strict=True):
+    for name, proc, log in zip(("process 0", "process 1"), procs, logs, strict=True):
         try:
             code = proc.wait(timeout=max(deadline - time.monotonic(), 1))
         except subprocess.TimeoutExpired:
@@ -70,13 +70,13 @@ def runs(tmp_path_factory):
     """(per-process results, single-process results); the children always end."""
     tmp = tmp_path_factory.mktemp("multihost")
     port, deadline = _free_port(), time.monotonic() + TIMEOUT_S
-    outs = [tmp / f"out{i}.pkl" for i in range(NUM_PROCESSES + 1)]
-    logs = [tmp / f"log{i}.txt" for i in range(NUM_PROCESSES + 1)]
+    outs = [tmp / f"out{i}.pkl" for i in range(NUM_PROCESSES)]
+    logs = [tmp / f"log{i}.txt" for i in range(NUM_PROCESSES)]
     procs = []
     try:
         for i in range(NUM_PROCESSES):
             procs.append(_start(i, NUM_PROCESSES, port, outs[i], logs[i]))
-        procs.append(_start(0, 1, port, outs[-1], logs[-1]))  # the single-process reference
+        single = multihost_scenario.run(1)  # the single-process reference, here meanwhile
         _wait(procs, logs, deadline)
         results = [pickle.loads(out.read_bytes()) for out in outs]
     finally:
@@ -84,7 +84,7 @@ def runs(tmp_path_factory):
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-    return results[:-1], results[-1]
+    return results, single
 
 
 def test_each_process_drives_the_dp_ranks_its_devices_hold(runs):
