@@ -35,6 +35,7 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check jtbo tests
 	$(VENV)/bin/ruff check jtbo tests
+	$(VENV)/bin/lint-imports
 
 demo: $(STAMP)
 	JTBO_EXPECT_GPU=$(EXPECT_GPU) $(PY) -m jtbo.demo

@@ -1,11 +1,15 @@
 """jtbo: two-batch overlap (TBO) and DP attention for MoE inference in JAX/XLA.
 
-Packages, lowest layer first: ``jtbo.kernels`` (DP memcpy, slice-and-pad, merge),
-``jtbo.split`` (host planning, batch pytrees, in-graph split/merge), ``jtbo.collectives``
-(DP-attention gather/scatter, EP dispatch/combine), ``jtbo.attention``
-(paged KV cache, native and TBO backends), ``jtbo.overlap`` (operations, staggered executor,
-overlap report), ``jtbo.models`` (a Flax MoE model and its TBO step) and ``jtbo.runner``
-(``ModelRunner``).
+Packages, lowest layer first (each imports only those below it; ``pyproject.toml``'s
+import-linter contract checks it): ``jtbo.core`` (integer rounding, argument types),
+``jtbo.aot`` and ``jtbo.ffi`` (H200 targets described on a CPU; the peer-copy handlers),
+``jtbo.kernels`` (DP memcpy, slice-and-pad, merge, grouped GEMM), ``jtbo.split`` (host
+planning, batch pytrees, in-graph split/merge), ``jtbo.collectives`` (DP-attention
+gather/scatter, EP dispatch/combine), ``jtbo.attention`` (paged KV cache, native and TBO
+backends) and ``jtbo.overlap`` (operations, staggered executor), ``jtbo.models`` (a Flax MoE
+model and its TBO step), ``jtbo.runner`` (``ModelRunner``), ``jtbo.analysis`` (a compiled
+step's schedule and overlap report) and ``jtbo.info`` (the environment), and at the top
+``jtbo.cli`` and ``jtbo.bench``.
 
 The names a user needs are importable from ``jtbo`` itself: the runner and its options, the
 model and its config, the batch pytree and its modes, ``make_mesh``, ``from_pretrained``,

@@ -1,4 +1,4 @@
-"""``python -m jtbo.demo`` (``make demo``): the end-to-end model demo of ``jtbo.runner.demo``.
+"""``python -m jtbo.demo`` (``make demo``): the end-to-end model demo of ``jtbo.cli.demo``.
 
 Serves random prompts through a tiny MoE model with two-batch overlap off and on and exits
 non-zero if the two runs disagree. The host-planning demo is ``python -m jtbo.split.demo``.
@@ -16,6 +16,6 @@ DEMO_CPU_DEVICES = 8
 
 if __name__ == "__main__":
     platform.configure_platform(cpu_devices=DEMO_CPU_DEVICES)
-    from jtbo.runner import demo
+    from jtbo.cli import demo
 
     sys.exit(demo.main())

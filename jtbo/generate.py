@@ -1,4 +1,4 @@
-"""``python -m jtbo.generate``: serve a Hugging Face MoE checkpoint (``jtbo.runner.generate_cli``).
+"""``python -m jtbo.generate``: serve a Hugging Face MoE checkpoint (``jtbo.cli.generate``).
 
 Example::
 
@@ -14,7 +14,7 @@ from jtbo.info import platform
 
 
 def _configure_platform(argv: list[str]) -> None:
-    from jtbo.runner import generate_cli  # noqa: PLC0415 - imports jax, after nothing started it
+    from jtbo.cli import generate as generate_cli  # noqa: PLC0415 - imports jax: not before
 
     args, _ = generate_cli.parser().parse_known_args(argv)  # exits 2 on a bad flag
     platform.configure_platform(cpu_devices=(args.dp or 1) * args.attn_tp)
@@ -22,6 +22,6 @@ def _configure_platform(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _configure_platform(sys.argv[1:])
-    from jtbo.runner import generate_cli
+    from jtbo.cli import generate as generate_cli
 
     sys.exit(generate_cli.main())

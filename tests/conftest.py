@@ -62,7 +62,7 @@ TIERS = {
     "aot": (  # compiles for an 8xH200 target on the CPU (the aot extra)
         "aot/",
         "collectives/test_aot_h200.py",
-        "overlap/test_report.py",
+        "analysis/test_report_cli.py",
     ),
     "slow": (  # files whose tests build and compile whole runners (10 s and more each)
         "runner/test_runner.py",

@@ -3,7 +3,7 @@
 import pytest
 
 from jtbo.bench import __main__ as bench_main
-from jtbo.runner import demo
+from jtbo.cli import demo
 
 
 def test_demo_refuses_when_a_gpu_is_expected_on_the_cpu(capsys, monkeypatch):

@@ -42,7 +42,7 @@ from jax import lax
 
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.attention import metadata as metadata_lib
-from jtbo.split import arith
+from jtbo.core import arith
 
 
 @dataclasses.dataclass(frozen=True)

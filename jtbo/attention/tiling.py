@@ -10,7 +10,7 @@ once, on small integers, so the device kernel can trust the metadata.
 import numpy as np
 
 from jtbo.attention import metadata as metadata_lib
-from jtbo.split import arith
+from jtbo.core import arith
 
 
 def _check_le(name: str, values: np.ndarray, limit: int, what: str) -> None:

@@ -54,7 +54,7 @@ from jtbo import attention
 from jtbo.attention import backend as backend_lib
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.bench import device_rates, kernel_time, limits
-from jtbo.runner import cli_arguments
+from jtbo.core import cli_arguments
 
 CASES = ("extend", "decode", "verify")
 KNOBS = tuple(field.name for field in dataclasses.fields(attention.PagedAttentionConfig))

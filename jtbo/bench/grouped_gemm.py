@@ -100,10 +100,10 @@ import numpy as np
 
 from jtbo import kernels
 from jtbo.bench import device_rates
+from jtbo.core import cli_arguments
 from jtbo.kernels import grouped_gemm
 from jtbo.models import config as config_lib
 from jtbo.models import experts
-from jtbo.runner import cli_arguments
 
 IMPLS = ("capacity", "dense", "pallas", "mosaic", "ragged_dot", "tokamax")
 KERNEL_IMPLS = ("pallas", "mosaic")

@@ -32,7 +32,7 @@ import json
 import os
 import re
 
-from jtbo.overlap import hlo_schedule
+from jtbo.analysis import hlo_schedule
 
 CUBLAS_PREFIXES = ("nvjet", "sm90_", "sm80_", "cutlass", "void cutlass", "gemv", "gemmk1")
 """Kernel-name prefixes of cuBLAS / cuBLASLt kernels."""

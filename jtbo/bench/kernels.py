@@ -35,9 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtbo import kernels
+from jtbo.core import cli_arguments
 from jtbo.kernels import copy_config
 from jtbo.kernels import impls as impls_lib
-from jtbo.runner import cli_arguments
 
 MIB = 1 << 20
 GIB = 1 << 30

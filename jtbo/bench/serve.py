@@ -69,14 +69,14 @@ from flax import nnx
 
 from jtbo.bench import tbo as tbo_bench
 from jtbo.collectives import mesh as mesh_lib
+from jtbo.core import arith, cli_arguments
 from jtbo.models import config as config_lib
 from jtbo.models import hf
 from jtbo.models import model as model_lib
 from jtbo.models.hf import families
-from jtbo.runner import admission, cli_arguments, planning, sampling, tbo_auto, tbo_options
+from jtbo.runner import admission, planning, sampling, tbo_auto, tbo_options
 from jtbo.runner import generate as generate_lib
 from jtbo.runner import runner as runner_lib
-from jtbo.split import arith
 
 CONFIGURES_JAX = True  # main may set the CPU device count before the backend starts
 

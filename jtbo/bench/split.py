@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from jtbo.runner import cli_arguments
+from jtbo.core import cli_arguments
 from jtbo.split import batch as batch_lib
 from jtbo.split import children as children_lib
 from jtbo.split import forward_mode as forward_mode_lib

@@ -75,16 +75,17 @@ import numpy as np
 from flax import nnx
 
 from jtbo import split
+from jtbo.analysis import hlo_schedule
 from jtbo.attention import backend as attn_backend_lib
 from jtbo.bench import device_rates, kernel_time, limits
 from jtbo.collectives import ep_config
 from jtbo.collectives import mesh as mesh_lib
+from jtbo.core import cli_arguments
 from jtbo.models import config as config_lib
 from jtbo.models import ep_dispatchers, layer_ops
 from jtbo.models import model as model_lib
-from jtbo.overlap import hlo_schedule, xla_options
+from jtbo.overlap import xla_options
 from jtbo.runner import (
-    cli_arguments,
     ep_stats_file,
     last_rows,
     numerics,

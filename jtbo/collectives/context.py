@@ -26,7 +26,7 @@ import numpy as np
 
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.collectives import padding
-from jtbo.split import arith
+from jtbo.core import arith
 
 
 @jax.tree_util.register_dataclass

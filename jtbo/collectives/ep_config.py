@@ -38,7 +38,7 @@ import jax
 
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.collectives import peer_copy
-from jtbo.split import arith
+from jtbo.core import arith
 
 EXCHANGES = ("dense", "ragged", "peer_copy")
 

@@ -28,7 +28,7 @@ process (a single-process mesh): the copies address the peers' buffers directly.
 
 Each exchange's start and wait run under one name scope, ``jtbo.ffi.build.EXCHANGE_SCOPE``
 and a number unique in the process, so that tools reading the compiled HLO
-(``jtbo.overlap.hlo_schedule``) pair them by their ``op_name`` metadata, whatever XLA puts
+(``jtbo.analysis.hlo_schedule``) pair them by their ``op_name`` metadata, whatever XLA puts
 between the two calls' operands.
 """
 

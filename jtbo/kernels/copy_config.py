@@ -17,8 +17,8 @@ until the grid has ``min_programs`` programs (never below one vector per thread)
 import dataclasses
 import math
 
+from jtbo.core import arith
 from jtbo.kernels import launch_checks
-from jtbo.split import arith
 
 EVICTION_POLICIES = (None, "evict_first", "evict_last")
 

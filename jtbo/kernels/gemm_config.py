@@ -18,8 +18,8 @@ the dimension it tiles (contraction and column dimensions must be tiled exactly)
 
 import dataclasses
 
+from jtbo.core import arith
 from jtbo.kernels import launch_checks
-from jtbo.split import arith
 
 MIN_DOT_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16
 MOSAIC_EPILOGUE_TILE = 64  # rows and columns of one output store of the Mosaic GPU kernels

@@ -9,7 +9,7 @@ counts are traced.
 import jax
 import jax.numpy as jnp
 
-from jtbo.split import arith
+from jtbo.core import arith
 
 
 def max_tiles(num_groups: int, group_rows: int, block_m: int, max_rows: int | None) -> int:

@@ -152,7 +152,7 @@ class ParallelConfig:
       tbo_round_barriers: pin the TBO executor's rounds with optimization barriers. Off by
         default: on a 4 x 2 H200 compile of ``MoEConfig.tiny()`` the model's decode step
         covered 0.859 of its collective bytes with barriers and 1.000 without (prefill 1.000
-        both ways); see ``jtbo.runner.aot_report``.
+        both ways); see ``jtbo.analysis.aot_report``.
       tbo_issue_barriers: on multi-device meshes, pin both micro-batches' live arrays before
         every collective-issuing (``*_a``) operation (``jtbo.models.step._run_tbo``). None
         (default): on where attention has no tensor parallelism (``attn_tp_size == 1``): they

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jtbo.core import arith
 from jtbo.models import model as model_lib
 from jtbo.models import norm, router
-from jtbo.split import arith
 
 
 def causal_mask(length: int) -> np.ndarray:

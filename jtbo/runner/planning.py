@@ -50,8 +50,8 @@ from jtbo.attention import metadata as metadata_lib
 from jtbo.attention import tbo_backend
 from jtbo.collectives import context as context_lib
 from jtbo.collectives import padding
+from jtbo.core import arith
 from jtbo.runner import kv_table, last_rows
-from jtbo.split import arith
 from jtbo.split import forward_mode as forward_mode_lib
 
 ForwardMode = forward_mode_lib.ForwardMode

@@ -6,7 +6,6 @@
 * ``buckets``: the token buckets a step's rows are padded to for jit.
 * ``activations``: in-graph split/merge of activations at a traced token index (and rows of
   the merged parent read straight from the children).
-* ``arith``: ``ceil_div`` / ``round_up``, the integer rounding the planners and buffers share.
 """
 
 from jtbo.split.activations import (

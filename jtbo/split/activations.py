@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 
 from jtbo import kernels
-from jtbo.split import arith, plan
+from jtbo.core import arith
+from jtbo.split import plan
 
 
 def child_capacity(

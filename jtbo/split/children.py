@@ -28,9 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from jtbo.split import arith, plan, spec
+from jtbo.core import arith
 from jtbo.split import batch as batch_lib
 from jtbo.split import forward_mode as forward_mode_lib
+from jtbo.split import plan, spec
 
 ForwardMode = forward_mode_lib.ForwardMode
 _TWO_CHUNK_MODES = (ForwardMode.EXTEND, ForwardMode.MIXED)

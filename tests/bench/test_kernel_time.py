@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jtbo.analysis import hlo_schedule
 from jtbo.bench import kernel_time
-from jtbo.overlap import hlo_schedule
 
 HLO = """HloModule jit_model_step_1, is_scheduled=true
 

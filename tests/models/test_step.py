@@ -13,13 +13,14 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jtbo import aot
+from jtbo.analysis import aot_report, hlo_schedule, report, schedule_costs
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import layer_ops, step
 from jtbo.models import model as model_lib
-from jtbo.overlap import hlo_schedule, operations, report, schedule_costs, strategy
-from jtbo.runner import aot_report, planning
+from jtbo.overlap import operations, strategy
+from jtbo.runner import planning
 from jtbo.runner import runner as runner_lib
 from jtbo.split import ForwardMode, packing
 from tests.runner import helpers

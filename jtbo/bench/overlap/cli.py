@@ -8,7 +8,7 @@ import jtbo.bench.overlap
 from jtbo.bench.overlap import check, children, collectives, probe, processes, programs, table
 from jtbo.bench.overlap import results as results_lib
 from jtbo.bench.overlap import variants as variants_lib
-from jtbo.runner import cli_arguments
+from jtbo.core import cli_arguments
 
 
 def _byte_count(text: str) -> int:

@@ -15,8 +15,8 @@ import dataclasses
 
 import numpy as np
 
+from jtbo.core import arith
 from jtbo.models.hf import safetensors_io
-from jtbo.split import arith
 
 SCALE_SUFFIX = "_scale_inv"
 """Suffix of a quantized weight's per-block factors (``<weight name>_scale_inv``)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from jtbo.runner import generate_cli
+from jtbo.cli import generate as generate_cli
 from tests.models.hf import fixtures
 
 tokenizers = pytest.importorskip("tokenizers")  # the `hf` extra (part of `test`)

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jtbo.split import arith
+from jtbo.core import arith
 
 _INTS = st.integers(-(10**30), 10**30)
 _POSITIVE = st.integers(1, 10**12)

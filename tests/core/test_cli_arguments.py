@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from jtbo.bench import attention, grouped_gemm, kernels, serve, tbo
 from jtbo.bench.overlap import cli as overlap_cli
-from jtbo.runner import cli_arguments
+from jtbo.core import cli_arguments
 
 
 @given(st.integers(min_value=1, max_value=10**9))

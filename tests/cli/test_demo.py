@@ -5,10 +5,10 @@ import argparse
 import numpy as np
 from flax import nnx
 
+from jtbo.cli import demo
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
-from jtbo.runner import demo
 
 
 def test_reference_error_is_small_for_the_runner_and_large_for_swapped_ranks():

@@ -3,7 +3,7 @@
 Builds the same jitted ``shard_map`` step the runner serves, for a mesh of described H200s
 (``jtbo.aot.gpu_mesh``), with abstract parameters (``nnx.eval_shape``: no memory) and the
 arrays of a real host plan (``planning.plan_step`` over synthetic EXTEND or DECODE batches),
-then measures it with ``jtbo.overlap.report.overlap_report``. Needs the ``aot`` extra and
+then measures it with ``jtbo.analysis.report.overlap_report``. Needs the ``aot`` extra and
 ``JAX_PLATFORMS=cpu``.
 
 With ``tbo_round_barriers=False`` and the step's per-micro-batch embedding, dense layers and
@@ -23,12 +23,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jtbo import aot, split
+from jtbo.analysis import report
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import layer_ops, step
 from jtbo.models import model as model_lib
-from jtbo.overlap import report
 from jtbo.runner import planning
 
 ForwardMode = split.ForwardMode

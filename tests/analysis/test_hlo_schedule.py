@@ -1,6 +1,6 @@
 """Parsing a scheduled module: windows, bytes, micro-batch attribution, sync collectives."""
 
-from jtbo.overlap import hlo_schedule
+from jtbo.analysis import hlo_schedule
 
 _TEXT = """\
 HloModule m, is_scheduled=true

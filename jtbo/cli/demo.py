@@ -31,12 +31,13 @@ import numpy as np
 from flax import nnx
 
 from jtbo import aot, info, split
+from jtbo.analysis import aot_report
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import layer_ops, reference
 from jtbo.models import model as model_lib
-from jtbo.runner import aot_report, tbo_options
 from jtbo.runner import runner as runner_lib
+from jtbo.runner import tbo_options
 
 TOLERANCE = 1e-3  # max |logits difference| allowed between TBO and plain (float32)
 REFERENCE_TOLERANCE = 1e-3  # max |logits error| against the float64 reference (IEEE float32)

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jtbo.overlap import schedule_costs
+from jtbo.analysis import schedule_costs
 
 MODEL = schedule_costs.CostModel(
     matmul_flops_per_s=1e12, memory_bytes_per_s=1e9, launch_us=1.0,

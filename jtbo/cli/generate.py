@@ -29,11 +29,11 @@ import jax.numpy as jnp
 from jtbo.attention import backend as attn_backend_lib
 from jtbo.collectives import ep_config
 from jtbo.collectives import mesh as mesh_lib
+from jtbo.core import arith, cli_arguments
 from jtbo.kernels import impls
 from jtbo.models import hf, layer_ops
-from jtbo.runner import cli_arguments, sampling, tbo_options
 from jtbo.runner import runner as runner_lib
-from jtbo.split import arith
+from jtbo.runner import sampling, tbo_options
 
 EXIT_USAGE = 2
 EXIT_RUN_ERROR = 1

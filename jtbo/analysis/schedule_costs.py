@@ -4,7 +4,7 @@ XLA's latency-hiding scheduler decides how much compute to place between a colle
 ``-start`` and ``-done`` from two estimates: how long the collective takes, and how long each
 instruction runs. Whatever it decides, the GPU then runs the schedule in order on one compute
 stream: an exchange hides only under the compute placed inside its window. The coverage of
-``jtbo.overlap.report`` counts a window as covered when any other-micro-batch compute is
+``jtbo.analysis.report`` counts a window as covered when any other-micro-batch compute is
 inside, so one small fusion beside a 466 MiB all-to-all passes it.
 
 This module prices every instruction from its shapes - a roofline: matmul FLOPs over the
@@ -22,7 +22,7 @@ import dataclasses
 import math
 import re
 
-from jtbo.overlap import hlo_schedule
+from jtbo.analysis import hlo_schedule
 
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
