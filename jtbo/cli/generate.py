@@ -234,12 +234,13 @@ def layout_line(mesh: jax.sharding.Mesh, parallel: layer_ops.ParallelConfig, arg
     """The run's first line: the devices, the layout and the kernels chosen.
 
     Returns:
-      E.g. ``"jtbo.generate: 8 cpu devices (cpu) | mesh dp=4 x attn_tp=2 | attention native
-      | experts xla | MoE ep, exchange dense | TBO auto | bfloat16"``.
+      E.g. ``"python -m jtbo.generate: 8 cpu devices (cpu) | mesh dp=4 x attn_tp=2 |
+      attention native | experts xla | MoE ep, exchange dense | TBO auto | bfloat16"``.
     """
     first = mesh.devices.flat[0]
     return (
-        f"jtbo.generate: {mesh.devices.size} {first.platform} devices ({first.device_kind}) | "
+        f"python -m jtbo.generate: {mesh.devices.size} {first.platform} devices "
+        f"({first.device_kind}) | "
         f"mesh dp={mesh.shape['dp']} x attn_tp={mesh.shape['attn_tp']} | "
         f"attention {parallel.attention_backend} | experts {parallel.moe.moe_runner_backend} | "
         f"MoE {args.moe_a2a_backend}, exchange {args.ep_exchange} | TBO {args.tbo} | {args.dtype}"

@@ -1,7 +1,7 @@
 """DP-attention collectives and expert-parallel dispatch/combine.
 
 The step's TBO decision across DP ranks (SGLang's ``TboDPAttentionPreparer`` rules) is made by
-the runner's planner, ``jtbo.runner.planning.decide``.
+the runner's planner on the host.
 
 In-graph pieces work on local shards inside ``jax.shard_map`` over the ``("dp", "attn_tp")``
 mesh (``make_mesh``) with ``check_vma=False``; host pieces are plain Python on small integers.

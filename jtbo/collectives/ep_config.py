@@ -12,7 +12,7 @@ Shapes must be static under jit, so the exchange uses fixed slot counts:
   layout the batched expert einsum consumes.
 
 Measured capacities (``sized_from_peaks``): ``headroom`` times the peak loads a runner
-recorded for dispatches of the same size (``jtbo.runner.ep_stats_file``). Otherwise, default
+recorded for dispatches of the same size (its saved routing statistics). Otherwise, default
 capacities (``create_ep_dispatcher``): ``capacity_factor`` times the balanced load
 (``tokens * top_k / ep_size`` per peer, ``tokens * top_k / num_local_experts`` per expert),
 rounded up to ``slot_alignment`` and never above the worst case (``tokens * min(top_k,

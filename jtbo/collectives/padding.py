@@ -15,7 +15,7 @@ uses SUM_LEN, since prefill counts are very uneven; otherwise the cheaper mode b
 model, MAX_LEN on a tie (``sum * 2 >= max * dp``). SGLang replays CUDA graphs in MAX_LEN only;
 here both modes are jitted per bucket (the SUM_LEN length is bucketed,
 ``jtbo.collectives.context.sum_len_bucket``), and the runner's planner applies the rule per
-step where the SUM_LEN buffer is the smaller (``jtbo.runner.planning``).
+step where the SUM_LEN buffer is the smaller.
 """
 
 import enum

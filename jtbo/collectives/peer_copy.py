@@ -27,8 +27,8 @@ process (a single-process mesh): the copies address the peers' buffers directly.
 ``sent=None``): the dispatch's halves hand one type between them whatever the exchange.
 
 Each exchange's start and wait run under one name scope, ``jtbo.ffi.build.EXCHANGE_SCOPE``
-and a number unique in the process, so that tools reading the compiled HLO
-(``jtbo.analysis.hlo_schedule``) pair them by their ``op_name`` metadata, whatever XLA puts
+and a number unique in the process, so that tools reading the compiled HLO pair them by
+their ``op_name`` metadata, whatever XLA puts
 between the two calls' operands.
 """
 

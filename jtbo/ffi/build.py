@@ -1,6 +1,6 @@
 """Builds jtbo's XLA FFI libraries from their C++ source on first use, and registers them.
 
-The peer-copy all-to-all (``jtbo.collectives.peer_copy``) is a pair of FFI handlers in C++:
+The collectives' peer-copy all-to-all is a pair of FFI handlers in C++:
 ``peer_exchange_cpu.cc`` for XLA:CPU (built with the host C++ compiler) and
 ``peer_exchange_cuda.cc`` for CUDA GPUs (built with ``nvcc``, on GPU hosts only). The source
 ships inside the package; the shared library is compiled into a cache folder keyed by the

@@ -40,11 +40,11 @@ FASTEST = {
     # jtbo.kernels.tile_gather: the kernel skips dead tiles, XLA's gather writes them (the
     # Mosaic grouped GEMM's input; BENCHMARKS.md, "the Mosaic GPU grouped GEMM").
     "gather_tiles": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
-    # jtbo.attention.paged: "xla" is the native attention, which the paged kernel beats in
+    # The paged attention op: "xla" is the native attention, which the paged kernel beats in
     # decode and extend (BENCHMARKS.md, "Attention: the paged kernel"); its Triton twin is
     # slower at decode (BENCHMARKS.md, "Attention: the jax-triton kernels").
     "paged_attention": {"gpu": ("pallas", "triton", "xla"), "cpu": ("xla",)},
-    # jtbo.attention.extend: the two-stage extend kernel against the native attention
+    # The extend attention op: the two-stage extend kernel against the native attention
     # (BENCHMARKS.md, "Attention: the extend kernel"); the Triton twin is slower.
     "extend_attention": {"gpu": ("pallas", "triton", "xla"), "cpu": ("xla",)},
     # paged_attention(value_width=...) (MLA's absorbed decode): the paged kernel over the

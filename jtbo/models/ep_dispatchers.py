@@ -10,8 +10,8 @@ are static arguments of the jitted step: part of its compile key.
 
 Capacities come from ``collectives.create_ep_dispatcher``'s rule (``capacity_factor`` times the
 balanced load; ``None`` takes the worst case, which cannot overflow), or, for sizes with
-measured peak loads (``use_measured_peaks``: a runner's saved routing statistics,
-``jtbo.runner.ep_stats_file``), ``ep_capacity_headroom`` times those peaks
+measured peak loads (``use_measured_peaks``: a runner's saved routing statistics),
+``ep_capacity_headroom`` times those peaks
 (``ep_config.sized_from_peaks``). The table records the peak loads of every step it sees
 (``observe``), so a runner can save them for the next one. Routing is data-dependent,
 so the step returns each dispatcher's overflow counts and the host applies

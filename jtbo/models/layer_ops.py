@@ -56,7 +56,7 @@ class MoEOptions:
         TMA and wgmma, ``jtbo.kernels.grouped_gemm_mosaic``) or "auto" (per compiled step,
         the fastest for its rows: ``grouped_gemm.auto_impl``); None: resolved by the runner
         to "auto" where a kernel tiles the model, else "xla"
-        (``jtbo.runner.kernel_backends``; a ``ParallelConfig`` needs it resolved).
+        (for the platform; a ``ParallelConfig`` needs it resolved).
       moe_runner_backend_tbo: impl of the routed experts' FFN in TBO steps; None:
         ``moe_runner_backend``. (On a one-device mesh a TBO step runs both micro-batches'
         experts as one call either way, ``jtbo.models.step._run_tbo``.)
@@ -152,7 +152,7 @@ class ParallelConfig:
       tbo_round_barriers: pin the TBO executor's rounds with optimization barriers. Off by
         default: on a 4 x 2 H200 compile of ``MoEConfig.tiny()`` the model's decode step
         covered 0.859 of its collective bytes with barriers and 1.000 without (prefill 1.000
-        both ways); see ``jtbo.analysis.aot_report``.
+        both ways).
       tbo_issue_barriers: on multi-device meshes, pin both micro-batches' live arrays before
         every collective-issuing (``*_a``) operation (``jtbo.models.step._run_tbo``). None
         (default): on where attention has no tensor parallelism (``attn_tp_size == 1``): they
@@ -216,8 +216,7 @@ class ParallelConfig:
         if self.moe.moe_runner_backend is None:
             raise ValueError(
                 "ParallelConfig needs moe.moe_runner_backend resolved to one of "
-                f"{MOE_RUNNER_BACKENDS}, got None (ModelRunner resolves None per platform: "
-                "jtbo.runner.kernel_backends)"
+                f"{MOE_RUNNER_BACKENDS}, got None (ModelRunner resolves None per platform)"
             )
         attn_backend_lib.backend_class(self.attention_backend)  # ValueError naming the field
 

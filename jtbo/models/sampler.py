@@ -15,7 +15,7 @@ A row whose temperature is 0 takes the argmax of its logits (the first maximum).
    is the first kept one whose inclusive cumulative sum exceeds that target.
 
 The inverse CDF runs in **sorted** order (most likely token first), not in vocabulary order as
-the host sampler (``jtbo.runner.sampling``) does: both draw from the same distribution, but one
+the runner's host sampler does: both draw from the same distribution, but one
 uniform number maps to different tokens in the two. If rounding leaves the target at or above
 the last cumulative sum, the draw is clipped to the last kept token of nonzero probability
 (a token whose float32 probability underflowed to 0 is never drawn).

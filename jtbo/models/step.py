@@ -19,7 +19,7 @@ Per-rank inputs carry a leading ``dp`` axis (sharded over ``"dp"``, replicated o
 attention heads over ``attn_tp``; routed experts over all devices by expert (``ep``) or by
 their hidden width (``none``); everything else replicated. The step returns logits
 ``[dp, capacity, vocab]`` (float32) or, when the plan carries ``logit_rows`` ``[dp, width]``
-(the rows a sampler reads, ``jtbo.runner.last_rows``), ``[dp, width, vocab]``: the operation
+(the rows a sampler reads), ``[dp, width, vocab]``: the operation
 lists then end with the final norm, the picked rows' hidden states are read from the batch (or
 from both micro-batches, ``activations.take_merged_rows``) and the LM head runs once, on those
 rows only (a prefill's LM head over every token is most of its epilogue, and a TBO step would

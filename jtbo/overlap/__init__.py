@@ -1,6 +1,6 @@
 """jtbo.overlap: operations, the staggered two-micro-batch executor, strategies and the XLA
-options that keep micro-batches apart (the layer loop that drives them is the model's step,
-``jtbo.models.step``; the overlap report of a compiled step is ``jtbo.analysis``)."""
+options that keep micro-batches apart (a model's step drives them through its layer loop; a
+report read from the compiled schedule says how much communication ran beside compute)."""
 
 from jtbo.overlap.operations import (
     MICRO_BATCH_SCOPES,

@@ -112,7 +112,7 @@ def child_capacities(
     buffers is computed (its matmuls, norms, attention inputs), so a step whose split is even
     would carry ``bound - C / 2`` padding rows per child: 81 of 2129 at 4096 tokens and the
     default threshold, 4 % more rows than the plain step. The runner instead picks, per step,
-    the smallest of these capacities that holds its split (``jtbo.runner.planning``): up to
+    the smallest of these capacities that holds its split (in its planning): up to
     ``count`` values evenly spaced from the even split's ``ceil(C / 2)`` to the bound, each a
     separate compile of the TBO program.
 

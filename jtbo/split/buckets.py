@@ -1,7 +1,7 @@
 """Token buckets: the static token capacities a step is padded to for jit.
 
 jit compiles per shape, so the runner pads a step's token rows to a bucketed capacity and the
-real sizes travel as data (``jtbo.runner.planning``: the token capacity is the smallest bucket
+real sizes travel as data (the runner's planning: the token capacity is the smallest bucket
 holding the busiest DP rank's tokens). A program compiled for a bucket then serves every step
 that fits it - the JAX counterpart of SGLang's CUDA-graph capture at a padded batch size.
 ``default_token_buckets`` gives powers of two, so a step pads to at most twice its tokens.

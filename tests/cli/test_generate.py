@@ -37,7 +37,7 @@ def test_cli_serves_a_batch_and_matches_transformers(tmp_path):
             "--dp-padding", "max_len"]  # fmt: skip
     assert generate_cli.main(argv, out=out, err=err) == 0
     assert err.getvalue().splitlines()[0] == (
-        "jtbo.generate: 8 cpu devices (cpu) | mesh dp=4 x attn_tp=2 | attention native | "
+        "python -m jtbo.generate: 8 cpu devices (cpu) | mesh dp=4 x attn_tp=2 | attention native | "
         "experts xla | MoE ep, exchange peer_copy | TBO on | float32"
     )
     lines = out.getvalue().splitlines()
