@@ -138,7 +138,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     source.add_argument(
         "--hf-config",
-        type=Path,
+        type=cli_arguments.existing_file,
         metavar="FILE",
         help="a Hugging Face config.json: jtbo maps it, random weights",
     )
@@ -215,8 +215,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         args.sampling = sampling.SamplingParams(args.temperature, args.top_p, args.seed)
     except ValueError as error:
         parser.error(str(error))
-    if args.hf_config is not None and not args.hf_config.is_file():
-        parser.error(f"--hf-config {args.hf_config}: no such file")
     if args.model is not None and not (args.model / "config.json").is_file():
         parser.error(f"--model {args.model}: no config.json (not a Hugging Face model directory)")
     if args.hf_config is None and args.model is None and args.preset is None:
