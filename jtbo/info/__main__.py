@@ -2,7 +2,7 @@
 
 Reports the environment as it is, with one choice made first (``jtbo.info.platform``): where
 ``JAX_PLATFORMS`` is unset and no NVIDIA GPU is present it runs on the CPU, so the CUDA
-plugin of the ``aot`` extra prints no traceback; the report's first section says so.
+plugin of the ``aot`` extra prints no traceback; the second line of the output says so.
 """
 
 import sys
