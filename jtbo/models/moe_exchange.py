@@ -5,12 +5,13 @@ Two backends, as SGLang's DP-attention MoE has:
 * ``"ep"`` (expert parallel): each attn_tp device routes its ``1 / attn_tp`` block of the
   micro-batch's rows through the micro-batch's own ``jtbo.collectives`` EP dispatcher (the
   ``ep_dispatcher`` context entry; ``jtbo.models.ep_dispatchers``). ``dispatch_a`` and
-  ``combine_a`` issue the all-to-alls and leave their results ``InFlight`` across the yield
-  (so round barriers leave them out); ``dispatch_b`` / ``combine_b`` consume them. The local
-  experts run over their capacity slots (``experts.experts_ffn_slots``: a batched matmul over
-  every slot, or with ``moe_runner_backend="pallas"`` or ``"mosaic"`` a grouped GEMM over the
-  filled ones; ``"mosaic"``'s outputs stay in its tile-major rows, which the combine reads
-  through their slot index).
+  ``combine_a`` issue the all-to-alls (``operations.IssuingOperation``) and leave their
+  results ``InFlight`` across the yield (so round barriers leave them out); ``dispatch_b`` /
+  ``combine_b`` consume them. The local experts run over their capacity slots
+  (``experts.experts_ffn_slots``: a batched matmul over every slot, or with
+  ``moe_runner_backend="pallas"`` or ``"mosaic"`` a grouped GEMM over the filled ones;
+  ``"mosaic"``'s outputs stay in its tile-major rows, which the combine reads through their
+  slot index).
   ``combine_b`` all-gathers the blocks back over ``attn_tp``. Overflow counts go to the step
   box under the micro-batch's index. A dispatcher with ``dedup`` exchanges one row per
   (token, destination device) (``jtbo.collectives.ep_dedup``) instead of one per (token,
@@ -148,7 +149,7 @@ def _ep_dispatch_operations(tp: int) -> dict:
         )
         state.dispatch_output = (inputs, dispatch_state)
 
-    return dict(dispatch_a=dispatch_a, dispatch_b=dispatch_b)
+    return dict(dispatch_a=operations.IssuingOperation(dispatch_a), dispatch_b=dispatch_b)
 
 
 def _ep_combine_operations(tp: int) -> dict:
@@ -168,7 +169,7 @@ def _ep_combine_operations(tp: int) -> dict:
             out = jax.lax.all_gather(out, mesh_lib.ATTN_TP_AXIS, axis=0, tiled=True)
         state.hidden_states_after_combine = out
 
-    return dict(combine_a=combine_a, combine_b=combine_b)
+    return dict(combine_a=operations.IssuingOperation(combine_a), combine_b=combine_b)
 
 
 def gather_operations(moe: model_lib.MoEBlock, moe_runner_backend: str = "xla") -> dict:
@@ -227,9 +228,9 @@ def gather_operations(moe: model_lib.MoEBlock, moe_runner_backend: str = "xla") 
         state.hidden_states_after_combine = state.pop("combine_in_flight").value
 
     return dict(
-        dispatch_a=dispatch_a,
+        dispatch_a=operations.IssuingOperation(dispatch_a),
         dispatch_b=dispatch_b,
         experts=operations.JointOperation(experts_op, experts_joint),
-        combine_a=combine_a,
+        combine_a=operations.IssuingOperation(combine_a),
         combine_b=combine_b,
     )

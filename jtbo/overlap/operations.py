@@ -27,13 +27,15 @@ together, so round barriers pin one stage of each.
 Round barriers (optional). ``lax.optimization_barrier`` over both micro-batches' live arrays
 after every round pins the rounds: nothing of round ``k + 1`` can be hoisted above the
 barrier. A barrier must not include the result of a collective that is still in flight
-across the yield (a ``*_a`` operation issues it, the matching ``*_b`` consumes it): that
+across the yield (an operation with ``issues_collective`` issues it, SGLang's ``*_a``; a later
+one, SGLang's ``*_b``, consumes it): that
 would force the collective to finish inside its round and undo the overlap (measured: half
 the coverage). An operation marks such a result by wrapping it in ``InFlight``; the barrier
 leaves every ``InFlight`` value out and the consumer unwraps it with ``.value``.
 
 Issue barriers (optional, ``issue_barriers=True``; the model step uses them on multi-device
-meshes). Right before an operation that issues a collective (``*_a``, SGLang's naming), one
+meshes). Right before an operation that issues a collective (its ``issues_collective``
+field; SGLang names such operations ``*_a``, but nothing here reads the name), one
 ``optimization_barrier`` takes both micro-batches' live arrays, the other micro-batch's
 ``InFlight`` results included. The collective's input is then ready before the other
 micro-batch's next stage starts, and the other's exchange finishes before this one is issued
@@ -83,6 +85,9 @@ class ExecutionOperation:
     fn: Callable[..., Mapping[str, Any] | None]
     joint_fn: JointFn | None = None
     row_wise: bool = False  # rows independent: row_joint.run_joint may run it for both
+    # Issues a collective left in flight across its yield (SGLang's ``*_a``): issue barriers
+    # and ``pin_issued`` act around it.
+    issues_collective: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +103,20 @@ class JointOperation:
     joint_fn: JointFn  # both micro-batches: see ``JointFn``
 
 
-Operation = YieldOperation | ExecutionOperation | Callable[..., Mapping[str, Any] | None]
+@dataclasses.dataclass(frozen=True)
+class IssuingOperation:
+    """A layer's operation that issues a collective left in flight across its yield.
+
+    ``strategy.layer_operations`` turns it into an ``ExecutionOperation`` with
+    ``issues_collective``; the result it leaves in the state is wrapped in ``InFlight``.
+    """
+
+    fn: Callable[..., Mapping[str, Any] | None]  # one micro-batch: fn(state, **inputs)
+
+
+Operation = (
+    YieldOperation | ExecutionOperation | IssuingOperation | Callable[..., Mapping[str, Any] | None]
+)
 Stage = list[ExecutionOperation]
 
 
@@ -219,21 +237,19 @@ def _chunk_by_yield(operations: list) -> Iterator[Stage]:
         yield pending
 
 
-ISSUE_SUFFIX = "_a"  # SGLang's naming: ``dispatch_a`` issues a collective, ``dispatch_b`` waits
-
-
-def issues_collective(op: ExecutionOperation) -> bool:
-    """Whether an operation issues a collective that stays in flight across its yield."""
-    return op.debug_name.endswith(ISSUE_SUFFIX)
-
-
 def _decorate(op: Operation) -> YieldOperation | ExecutionOperation:
     if isinstance(op, YieldOperation | ExecutionOperation):
         return op
+    if isinstance(op, IssuingOperation):
+        return ExecutionOperation(_debug_name(op.fn), op.fn, issues_collective=True)
     if not callable(op):
         raise ValueError(f"operation {op!r} is neither a YieldOperation nor callable")
-    name = getattr(op, "__name__", type(op).__name__)
-    return ExecutionOperation(debug_name=name.removeprefix("op_"), fn=op)
+    return ExecutionOperation(debug_name=_debug_name(op), fn=op)
+
+
+def _debug_name(fn: Callable) -> str:
+    """A bare callable's scope name: its name without an ``op_`` prefix."""
+    return getattr(fn, "__name__", type(fn).__name__).removeprefix("op_")
 
 
 class _StageExecutor:
@@ -256,7 +272,7 @@ class _StageExecutor:
 
     def issues_ahead(self) -> bool:
         """Whether a stage not yet finished holds a collective-issuing operation."""
-        return any(issues_collective(op) for stage in self.stages[self.index :] for op in stage)
+        return any(op.issues_collective for stage in self.stages[self.index :] for op in stage)
 
     def next(
         self,
@@ -264,12 +280,12 @@ class _StageExecutor:
         after_issue: Callable[[], None] | None = None,
     ) -> None:
         """Runs the next stage; ``before_issue()`` / ``after_issue()`` run before / after each
-        issuing (``*_a``) op."""
+        collective-issuing op (``ExecutionOperation.issues_collective``)."""
         if self.done:
             raise RuntimeError(f"executor {self.scope} has no stage left")
         with _maybe_scope(self.scope):
             for op in self.stages[self.index]:
-                issues = issues_collective(op)
+                issues = op.issues_collective
                 if before_issue is not None and issues:
                     before_issue()
                 with jax.named_scope(op.debug_name):
@@ -331,8 +347,8 @@ def execute_overlapped_operations(
       barriers: close every round with an ``optimization_barrier`` over both micro-batches'
         live arrays, leaving out ``InFlight`` values.
       issue_barriers: put the same barrier right before every operation that issues a
-        collective (``issues_collective``), so that the collective's input is ready before
-        the other micro-batch's next stage starts (see the module docstring).
+        collective (``ExecutionOperation.issues_collective``), so that the collective's input
+        is ready before the other micro-batch's next stage starts (see the module docstring).
       pin_issued: put a barrier over both micro-batches' live arrays, in-flight results
         included, right after every issuing operation, so that the exchange it started is
         issued before the other micro-batch's next stage. Only for exchanges with an explicit

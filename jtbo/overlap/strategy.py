@@ -5,7 +5,9 @@ A layer supplies its operations as a mapping from SGLang's operation names to ca
 a *layout* lists those names with yields between them, and the strategy for a model is the
 concatenation of every layer's list. ``*_a`` operations issue a collective, ``*_b`` ones
 consume it, so a yield between them leaves the collective in flight while the other
-micro-batch computes.
+micro-batch computes. The names are SGLang's, for reading only: a layer marks an issuing
+operation by handing it as ``operations.IssuingOperation``, which sets the operation's
+``issues_collective`` field.
 
 Layouts (``|`` = yield), per layer:
 
@@ -183,10 +185,13 @@ def layer_operations(
 
 
 def _execution_operation(debug_name: str, op) -> operations.ExecutionOperation:
-    """A layer's callable, ``JointOperation`` (keeping its joint form) or
-    ``row_joint.RowWiseOperation`` (keeping the mark), as an operation."""
+    """A layer's callable, ``JointOperation`` (keeping its joint form),
+    ``row_joint.RowWiseOperation`` (keeping the mark) or ``operations.IssuingOperation``
+    (``issues_collective``), as an operation."""
     if isinstance(op, operations.JointOperation):
         return operations.ExecutionOperation(debug_name, op.fn, op.joint_fn)
+    if isinstance(op, operations.IssuingOperation):
+        return operations.ExecutionOperation(debug_name, op.fn, issues_collective=True)
     if isinstance(op, row_joint.RowWiseOperation):
         return operations.ExecutionOperation(debug_name, op.fn, row_wise=True)
     return operations.ExecutionOperation(debug_name=debug_name, fn=op)

@@ -181,7 +181,8 @@ def _issue_consume_ops():
     def exchange_b(state):
         return dict(x=state.pop("pending").value - state.pop("kept"))
 
-    layer = [work, exchange_a, operations.YieldOperation(), exchange_b, work]
+    issue = operations.IssuingOperation(exchange_a)
+    layer = [work, issue, operations.YieldOperation(), exchange_b, work]
     return 2 * (layer + [operations.YieldOperation()])  # two layers
 
 

@@ -105,3 +105,13 @@ def test_layer_operations_keep_a_joint_form():
     assert ops[0] == operations.ExecutionOperation("L3.a", fn)
     assert isinstance(ops[1], operations.YieldOperation)
     assert ops[2] == operations.ExecutionOperation("L3.b", fn, joint)
+
+
+def test_layer_operations_keep_the_issuing_mark_and_read_no_name():
+    def fn(state):
+        return None
+
+    layout = ("send_a", strategy.YIELD, "send_b")
+    named = dict(send_a=fn, send_b=operations.IssuingOperation(fn))
+    first, _, second = strategy.layer_operations(0, named, layout)
+    assert not first.issues_collective and second.issues_collective
