@@ -811,7 +811,7 @@ def _phase_line(case: str, column: str, step_time: float, phases, rest: float) -
 def _dp_padding(runner, batches) -> str:
     """The DP padding mode and gathered-buffer rows of the plain step of ``batches``."""
     plan = planning.plan_step(list(batches), dataclasses.replace(runner.options, enable_tbo=False))
-    context = plan.replicated["dp_context"]
+    context = plan.replicated.dp_context
     return f"{context.padding_mode.name} {context.global_buffer_len}"
 
 

@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import mesh as mesh_lib
-from jtbo.models import ep_dispatchers, layer_ops, step_io, step_operations
+from jtbo.models import ep_dispatchers, layer_ops, plan_arrays, step_io, step_operations
 from jtbo.models import model as model_lib
 from jtbo.overlap import operations, xla_options
 from jtbo.split import activations, packing
@@ -166,19 +166,19 @@ def _contexts(per_rank, replicated, box, dispatchers, child_capacity):
     if child_capacity is None:
         return [
             dict(
-                attn_metadata=per_rank["attn_metadata"],
-                dp_context=replicated["dp_context"],
-                num_tokens=per_rank["num_tokens"],
+                attn_metadata=per_rank.attn_metadata,
+                dp_context=replicated.dp_context,
+                num_tokens=per_rank.num_tokens,
                 micro_batch=0,
                 ep_dispatcher=dispatchers[0],
                 step_box=box,
             )
         ]
-    t, n = per_rank["split_token_index"], per_rank["num_tokens"]
+    t, n = per_rank.split_token_index, per_rank.num_tokens
     return [
         dict(
-            attn_metadata=per_rank["child_metadata"][i],
-            dp_context=replicated["child_dp_contexts"][i],
+            attn_metadata=per_rank.child_metadata[i],
+            dp_context=replicated.child_dp_contexts[i],
             num_tokens=count,
             micro_batch=i,
             ep_dispatcher=dispatchers[i],
@@ -230,8 +230,8 @@ def _run_tbo(
     device has nothing to hide, and there A's and B's matmuls may merge
     (``step_compiler_options``).
     """
-    t, n = per_rank["split_token_index"], per_rank["num_tokens"]
-    inputs = dict(input_ids=per_rank["input_ids"], positions=per_rank["positions"])
+    t, n = per_rank.split_token_index, per_rank.num_tokens
+    inputs = dict(input_ids=per_rank.input_ids, positions=per_rank.positions)
     children = activations.split_inputs(inputs, t, n, child_capacity=child_capacity)
     if isolate:
         pairs = [jax.lax.optimization_barrier((params, child)) for child in children]
@@ -250,9 +250,9 @@ def _run_tbo(
             children, [ops for ops, _ in built], contexts_arr=contexts, barriers=barriers,
             join_row_wise=child_capacity <= SINGLE_DEVICE_MERGE_MAX_ROWS,
         )  # fmt: skip
-    if "logit_rows" in per_rank:
-        return activations.take_merged_rows(*outputs, t, per_rank["logit_rows"])
-    capacity = per_rank["input_ids"].shape[0]
+    if per_rank.logit_rows is not None:
+        return activations.take_merged_rows(*outputs, t, per_rank.logit_rows)
+    capacity = per_rank.input_ids.shape[0]
     return activations.merge_outputs(*outputs, t, n, out_len=capacity)
 
 
@@ -273,7 +273,7 @@ def step_body(
       per_rank: this rank's inputs with a leading axis of 1 (see ``make_step``).
       replicated: the DP contexts.
       prev_tokens: ``[1, rows]`` the previous step's token output on this rank, read by the
-        rows ``per_rank["token_source"]`` names (``step_io.resolve_input_ids``); None when the
+        rows ``per_rank.token_source`` names (``step_io.resolve_input_ids``); None when the
         plan has no ``token_source``.
       isolate_micro_batches: run A and B staggered and kept apart for run-time overlap (TBO on
         multi-device meshes); False runs them in lockstep, joint operations once for both
@@ -283,21 +283,19 @@ def step_body(
     Returns:
       ``(logits [1, rows, vocab], kv_cache, overflow [micro-batches, 2],
       peak_load [micro-batches, 2])``: ``rows`` is the capacity, or the width of
-      ``per_rank["logit_rows"]`` when the plan has it. With ``sampler_key`` the first item is
+      ``per_rank.logit_rows`` when the plan has it. With ``sampler_key`` the first item is
       ``step_io.step_output``'s dict instead, each leaf with a leading axis of 1.
     """
     per_rank = _squeeze_rank(per_rank)
     cache = _squeeze_rank(kv_cache)
-    if "page_writes" in per_rank:  # the step's new tokens' slots, before attention reads them
-        table = step_io.write_pages(cache.req_to_token, per_rank["page_writes"])
+    if per_rank.page_writes is not None:  # the new tokens' slots, before attention reads them
+        table = step_io.write_pages(cache.req_to_token, per_rank.page_writes)
         cache = dataclasses.replace(cache, req_to_token=table)
-    if "token_source" in per_rank:  # rows whose ids the previous step sampled on the devices
-        ids = step_io.resolve_input_ids(
-            per_rank["input_ids"], per_rank["token_source"], prev_tokens[0]
-        )
-        per_rank = dict(per_rank, input_ids=ids)
+    if per_rank.token_source is not None:  # rows whose ids the last step sampled on the devices
+        ids = step_io.resolve_input_ids(per_rank.input_ids, per_rank.token_source, prev_tokens[0])
+        per_rank = dataclasses.replace(per_rank, input_ids=ids)
     box = layer_ops.StepBox(cache, 1 if child_capacity is None else 2)
-    rows = per_rank.get("logit_rows")  # [width] rows to return, or None: every row
+    rows = per_rank.logit_rows  # [width] rows to return, or None: every row
 
     def operations_of(view):
         model = nnx.merge(graphdef, view)
@@ -306,7 +304,7 @@ def step_body(
     contexts = _contexts(per_rank, replicated, box, dispatchers, child_capacity)
     if child_capacity is None:
         ops, _ = operations_of(params)
-        inputs = dict(input_ids=per_rank["input_ids"], positions=per_rank["positions"])
+        inputs = dict(input_ids=per_rank.input_ids, positions=per_rank.positions)
         out = operations.execute_operations(inputs, ops, context=contexts[0])
         if rows is not None:
             out = jax.tree.map(lambda x: x[rows], out)
@@ -321,7 +319,7 @@ def step_body(
         out["logits"] if rows is None else nnx.merge(graphdef, params).logits(out["hidden_states"])
     )
     if sampler_key is not None:
-        logits = step_io.step_output(logits, per_rank.get("sampling"), sampler_key)
+        logits = step_io.step_output(logits, per_rank.sampling, sampler_key)
     # Reduced over the EP group so every process reads the same counts (16 bytes each; the
     # only collectives outside both micro-batches).
     overflow = jax.lax.psum(jnp.stack(box.overflow), mesh_lib.TP_AXES)
@@ -348,18 +346,18 @@ def make_step(
       ``step_io.step_output``); ``params`` are as ``split_params`` gives
       them; ``kv_cache`` is donated; ``inputs`` is
       ``pack_step_inputs(per_rank, replicated)`` (host buffers, or placed with ``Step.put``).
-      ``per_rank`` holds ``input_ids``, ``positions`` ``[dp, capacity]``, ``num_tokens``
+      ``per_rank`` (a ``plan_arrays.PerRankInputs``; fields not given are None) holds
+      ``input_ids``, ``positions`` ``[dp, capacity]``, ``num_tokens``
       ``[dp]`` and, without TBO, ``attn_metadata`` (stacked) or, with TBO,
       ``split_token_index`` ``[dp]`` and ``child_metadata`` (A, B), and optionally
       ``logit_rows`` ``[dp, width]`` (the logits rows to compute), ``page_writes``
       ``[dp, 3, capacity]`` (written into the page table first, ``step_io.write_pages``),
       ``token_source`` ``[dp, capacity]`` (rows of ``prev_tokens`` ``[dp, rows]`` that give
       input ids) and ``sampling`` (each ``[dp, rows]``, with a sampling ``sampler``);
-      ``replicated`` holds
-      ``dp_context`` and, with TBO, ``child_dp_contexts`` (A, B). ``mode``,
-      ``child_capacity`` (None: no TBO) and ``dispatchers`` are static. ``overflow``
-      (dropped assignments) and ``peak_load`` (the capacities needed) are
-      ``[len(dispatchers), 2]`` (1 without EP).
+      ``replicated`` (a ``plan_arrays.ReplicatedInputs``) holds ``dp_context`` and, with
+      TBO, ``child_dp_contexts`` (A, B). ``mode``, ``child_capacity`` (None: no TBO) and
+      ``dispatchers`` are static. ``overflow`` (dropped assignments) and ``peak_load`` (the
+      capacities needed) are ``[len(dispatchers), 2]`` (1 without EP).
     """
     graphdef, params = split_params(model)
     specs = param_specs(params, parallel.moe.moe_a2a_backend)
@@ -453,7 +451,9 @@ class StepInputs:
     capacity: int  # token rows of every rank
 
 
-def pack_step_inputs(per_rank: dict, replicated: dict) -> StepInputs:
+def pack_step_inputs(
+    per_rank: plan_arrays.PerRankInputs, replicated: plan_arrays.ReplicatedInputs
+) -> StepInputs:
     """Packs a host plan's arrays for the step (see ``make_step`` for their fields).
 
     Args:
@@ -473,7 +473,7 @@ def pack_step_inputs(per_rank: dict, replicated: dict) -> StepInputs:
         per_rank=per_rank_words,
         replicated=replicated_words,
         layouts=(per_rank_layout, replicated_layout),
-        capacity=int(per_rank["input_ids"].shape[1]),
+        capacity=int(per_rank.input_ids.shape[1]),
     )
 
 

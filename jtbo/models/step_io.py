@@ -14,7 +14,7 @@ that the host sends only the step's own small arrays and reads back only token i
   ``resolve_input_ids`` reads it from that device array (``prev_tokens``).
 * **Sampling.** With a ``SamplerKey`` the step returns token ids instead of logits
   (``step_output``): the argmax of every row (``greedy_only``), or temperature / top-p draws
-  whose parameters and seeds are data (``per_rank["sampling"]``, ``jtbo.models.sampler``), so
+  whose parameters and seeds are data (``per_rank.sampling``, ``jtbo.models.sampler``), so
   one program serves every mix of them. It also returns, per row, whether every logit was
   finite (the numerics guard) and, when asked, each token's log-probability.
 

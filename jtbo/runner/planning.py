@@ -51,6 +51,7 @@ from jtbo.attention import tbo_backend
 from jtbo.collectives import context as context_lib
 from jtbo.collectives import padding
 from jtbo.core import arith
+from jtbo.models import plan_arrays
 from jtbo.runner import kv_table, last_rows
 from jtbo.split import forward_mode as forward_mode_lib
 
@@ -143,7 +144,8 @@ class StepPlan:
       child_capacity: TBO child rows, or None when the step runs without TBO.
       mode: static strategy key: the agreed mode with TBO, EXTEND without.
       per_rank: arrays stacked over ``ranks`` (the step's ``per_rank`` argument); with
-        ``logit_rows`` ``[ranks, seq_bound]`` the step computes only those rows' logits.
+        ``logit_rows`` ``[ranks, seq_bound]`` (not None) the step computes only those rows'
+        logits.
       replicated: DP contexts (the step's ``replicated`` argument).
       num_tokens: real tokens of each rank (all ranks).
       ranks: the DP ranks whose rows ``per_rank`` holds (all of them for a single process).
@@ -152,8 +154,8 @@ class StepPlan:
     capacity: int
     child_capacity: int | None
     mode: ForwardMode
-    per_rank: dict
-    replicated: dict
+    per_rank: plan_arrays.PerRankInputs
+    replicated: plan_arrays.ReplicatedInputs
     num_tokens: tuple[int, ...]
     ranks: tuple[int, ...]
 
@@ -566,7 +568,7 @@ def assemble(
       options: planning options.
       picked: per rank of ``ranks``, the token rows whose logits the step computes
         (``last_rows.last_rows``; empty for an idle rank), padded to ``decision.seq_bound``
-        as ``per_rank["logit_rows"]``; None, or a decode step (whose picked rows are its
+        as ``per_rank.logit_rows``; None, or a decode step (whose picked rows are its
         first rows, which a step over every row returns in place): every row.
 
     Returns:
@@ -592,7 +594,10 @@ def assemble(
     # A decode step's last rows are its first rows (one token per sequence): the step computes
     # them without a gather (the caller reads each rank's first len(picked) rows either way).
     if picked is not None and decision.kind != "decode":
-        plan.per_rank["logit_rows"] = last_rows.row_index(list(picked), decision.seq_bound)
+        rows = last_rows.row_index(list(picked), decision.seq_bound)
+        plan = dataclasses.replace(
+            plan, per_rank=dataclasses.replace(plan.per_rank, logit_rows=rows)
+        )
     return plan
 
 
@@ -619,7 +624,7 @@ def _assemble(batches, ranks, options, decision: StepDecision, children) -> Step
         capacity=full_cap,
         child_capacity=small_cap,
     )
-    per_rank = dict(
+    per_rank = plan_arrays.PerRankInputs(
         input_ids=np.stack([_pad(b.input_ids, capacity) for b in batches]),
         positions=np.stack(
             [_pad(np.zeros(0) if b.positions is None else b.positions, capacity) for b in batches]
@@ -629,21 +634,29 @@ def _assemble(batches, ranks, options, decision: StepDecision, children) -> Step
     )
     if children is None:
         metadata = [backend.primary.init_forward_metadata(b) for b in batches]
-        per_rank["attn_metadata"] = _stack(metadata)
+        per_rank = dataclasses.replace(per_rank, attn_metadata=_stack(metadata))
     counts = np.asarray(decision.num_tokens, np.int32)
     mode_kind = decision.dp_padding_mode
     tp = options.attn_tp_size
-    replicated = dict(dp_context=context_lib.create_dp_context(counts, mode_kind, capacity, tp))
+    replicated = plan_arrays.ReplicatedInputs(
+        dp_context=context_lib.create_dp_context(counts, mode_kind, capacity, tp)
+    )
     if children is not None:
         split_index = np.asarray(decision.split_token_index, np.int32)
-        per_rank["split_token_index"] = split_index[list(ranks)]
         # A TBO step runs every layer per micro-batch: the whole batch's metadata would be
         # built, packed and sent for nothing (a third of a decode-256 TBO step's planning).
         metadata = [backend.init_children_metadata(children[i]) for i in range(len(batches))]
-        per_rank["child_metadata"] = tuple(_stack([m[i] for m in metadata]) for i in (0, 1))
-        replicated["child_dp_contexts"] = (
-            context_lib.create_dp_context(split_index, mode_kind, child_cap, tp),
-            context_lib.create_dp_context(counts - split_index, mode_kind, child_cap, tp),
+        per_rank = dataclasses.replace(
+            per_rank,
+            split_token_index=split_index[list(ranks)],
+            child_metadata=tuple(_stack([m[i] for m in metadata]) for i in (0, 1)),
+        )
+        replicated = dataclasses.replace(
+            replicated,
+            child_dp_contexts=(
+                context_lib.create_dp_context(split_index, mode_kind, child_cap, tp),
+                context_lib.create_dp_context(counts - split_index, mode_kind, child_cap, tp),
+            ),
         )
     return StepPlan(
         capacity, child_cap, decision.mode, per_rank, replicated, decision.num_tokens, ranks

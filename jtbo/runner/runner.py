@@ -586,8 +586,10 @@ class ModelRunner:
           The step's device ``tokens`` and ``finite`` ``[dp, max_running_requests]``.
         """
         rows = self.max_running_requests
-        if "token_source" not in plan.per_rank:
-            token_step.add_token_inputs(plan, [None] * len(plan.ranks), None, rows, greedy=True)
+        if plan.per_rank.token_source is None:
+            plan = token_step.add_token_inputs(
+                plan, [None] * len(plan.ranks), None, rows, greedy=True
+            )
         dispatchers = self._step.dispatchers.for_step(plan.capacity, plan.child_capacity)
         inputs = self._step_inputs(plan)
         sampler = step_io.SamplerKey(rows)
@@ -971,10 +973,11 @@ class ModelRunner:
         logits = "last" if outputs == "tokens" else "all"
         plans = self._warmup_tbo_plans(batches, options, logits)
         if outputs == "tokens":
-            for plan in plans:
-                no_sources = [None] * len(plan.ranks)
-                rows = self.max_running_requests
-                token_step.add_token_inputs(plan, no_sources, None, rows, greedy=True)
+            rows = self.max_running_requests
+            plans = [
+                token_step.add_token_inputs(plan, [None] * len(plan.ranks), None, rows, greedy=True)
+                for plan in plans
+            ]
         return plans
 
     def _warmup_tbo_plans(self, batches, options, logits: str) -> list[planning.StepPlan]:

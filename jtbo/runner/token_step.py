@@ -63,7 +63,7 @@ class RowSampling:
 def add_token_inputs(
     plan: planning.StepPlan, token_sources: list, sampling: list | None, rows: int, greedy: bool
 ) -> planning.StepPlan:
-    """Adds a token step's inputs to an assembled plan (in place; returns it).
+    """A token step's inputs added to an assembled plan.
 
     Args:
       plan: the assembled plan.
@@ -73,17 +73,19 @@ def add_token_inputs(
       greedy: the step takes the argmax of every row (no sampling inputs).
 
     Returns:
-      ``plan``, with ``per_rank["token_source"]`` and, unless ``greedy``,
-      ``per_rank["sampling"]``.
+      A copy of ``plan`` with ``per_rank.token_source`` and, unless ``greedy``,
+      ``per_rank.sampling``.
     """
-    plan.per_rank["token_source"] = source_rows(token_sources, plan.capacity, rows)
-    if not greedy:
-        plan.per_rank["sampling"] = sampling_rows(sampling, rows)
-    return plan
+    per_rank = dataclasses.replace(
+        plan.per_rank,
+        token_source=source_rows(token_sources, plan.capacity, rows),
+        sampling=None if greedy else sampling_rows(sampling, rows),
+    )
+    return dataclasses.replace(plan, per_rank=per_rank)
 
 
 def sampling_rows(sampling: list[RowSampling | None], rows: int) -> dict:
-    """A plan's ``per_rank["sampling"]``: each field ``[ranks, rows]`` (padding rows greedy).
+    """A plan's ``per_rank.sampling``: each field ``[ranks, rows]`` (padding rows greedy).
 
     Args:
       sampling: per local rank, its sequences' parameters (None: greedy or idle).
@@ -109,7 +111,7 @@ def sampling_rows(sampling: list[RowSampling | None], rows: int) -> dict:
 
 
 def source_rows(token_sources: list[np.ndarray | None], capacity: int, rows: int) -> np.ndarray:
-    """A plan's ``per_rank["token_source"]``: ``[ranks, capacity]`` int32, -1 where the host's
+    """A plan's ``per_rank.token_source``: ``[ranks, capacity]`` int32, -1 where the host's
     id stands.
 
     Args:

@@ -150,7 +150,9 @@ def test_step_key_traces_once_and_a_retrace_fails_loudly():
     key = built.key(inputs, mode=int(plan.mode), child_capacity=None, dispatchers=dispatchers)
     assert key in built._jitted  # the runner's steps had this key
     # Float positions are another layout, hence another key (compiled once on its own)...
-    floats = dict(plan.per_rank, positions=plan.per_rank["positions"].astype(np.float32))
+    floats = dataclasses.replace(
+        plan.per_rank, positions=plan.per_rank.positions.astype(np.float32)
+    )
     float_key = built.key(
         step.pack_step_inputs(floats, plan.replicated), mode=int(plan.mode),
         child_capacity=None, dispatchers=dispatchers,
@@ -177,7 +179,7 @@ def test_pack_step_inputs_packs_a_tbo_plan_into_two_buffers():
     per_rank_layout, replicated_layout = inputs.layouts
     # ids, positions, num_tokens, page writes, split index and 7 metadata arrays per child: no
     # whole-batch metadata, which a TBO step never reads.
-    assert "attn_metadata" not in plan.per_rank
+    assert plan.per_rank.attn_metadata is None
     assert (per_rank_layout.treedef.num_leaves, replicated_layout.treedef.num_leaves) == (19, 3)
     assert inputs.per_rank.shape == (2, per_rank_layout.width) and inputs.capacity == 16
     assert inputs.replicated.shape == (replicated_layout.width,)
@@ -185,8 +187,8 @@ def test_pack_step_inputs_packs_a_tbo_plan_into_two_buffers():
     chex.assert_trees_all_equal(
         packing.unpack(inputs.replicated, replicated_layout), plan.replicated
     )
-    wide = dict(plan.per_rank, positions=plan.per_rank["positions"].astype(np.int64))
-    with pytest.raises(ValueError, match=r"\['positions'\] of dtype int64"):
+    wide = dataclasses.replace(plan.per_rank, positions=plan.per_rank.positions.astype(np.int64))
+    with pytest.raises(ValueError, match=r"\.positions of dtype int64"):
         step.pack_step_inputs(wide, plan.replicated)
 
 

@@ -102,6 +102,6 @@ def test_decode_steps_plan_children_of_half_the_sequences(monkeypatch):
     monkeypatch.setattr(planning.split, "child_capacities", spy)
     plan = planning.plan_step(_batches(["decode", None, "decode", "decode"], 1), OPTIONS)
     assert plan.mode == planning.ForwardMode.DECODE and plan.child_capacity == 4
-    assert "attn_metadata" not in plan.per_rank  # a TBO step reads only the children's
+    assert plan.per_rank.attn_metadata is None  # a TBO step reads only the children's
     planning.plan_step(_batches([[3, 5], None, [4, 4], [8]], 1), OPTIONS)
     assert asked == [True, False]

@@ -99,11 +99,11 @@ def test_sum_len_contexts_of_a_tbo_plan_are_bucketed():
     small = helpers.Rank().extend({0: [5, 6, 7], 1: [8, 9]})  # 5 tokens
     plan = planning.plan_step([big, small, planning.idle_batch()], options)
     assert plan.child_capacity is not None and plan.capacity == 32
-    context = plan.replicated["dp_context"]
+    context = plan.replicated.dp_context
     assert context.padding_mode is SUM and context.global_buffer_len == 28  # 26 -> 28 < 3 x 32
-    splits = plan.per_rank["split_token_index"]
+    splits = plan.per_rank.split_token_index
     child_counts = (splits, np.asarray([21, 5, 0]) - splits)
-    for child, counts in zip(plan.replicated["child_dp_contexts"], child_counts, strict=True):
+    for child, counts in zip(plan.replicated.child_dp_contexts, child_counts, strict=True):
         assert child.padding_mode is SUM and child.local_capacity == plan.child_capacity
         want = min(context_lib.sum_len_bucket(int(counts.sum()), 2), 3 * plan.child_capacity)
         assert child.global_buffer_len == want
@@ -142,8 +142,8 @@ def test_extend_tiles_follow_the_busiest_ranks_sequences():
         tbo = planning.plan_step(batches, options)
         plain = planning.plan_step(batches, dataclasses.replace(options, enable_tbo=False))
         assert tbo.child_capacity is not None
-        sized = [(plain.per_rank["attn_metadata"], plain.capacity)]
-        sized += [(md, tbo.child_capacity) for md in tbo.per_rank["child_metadata"]]
+        sized = [(plain.per_rank.attn_metadata, plain.capacity)]
+        sized += [(md, tbo.child_capacity) for md in tbo.per_rank.child_metadata]
         for metadata, tokens in sized:
             capacity = metadata.capacity
             assert capacity.seq_capacity == seqs
@@ -161,16 +161,16 @@ def test_last_logits_plan_carries_each_sequences_last_row_padded_to_the_seq_boun
         plan = planning.plan_step(
             batches, dataclasses.replace(options, enable_tbo=tbo), logits="last"
         )
-        rows = plan.per_rank["logit_rows"]
+        rows = plan.per_rank.logit_rows
         assert rows.dtype == np.int32 and rows.shape == (3, 8)  # the seq bound (OPTIONS: 8)
         np.testing.assert_array_equal(rows[:, :2], [[8, 20], [2, 0], [0, 0]])
         assert not rows[:, 2:].any()
-    assert "logit_rows" not in planning.plan_step(batches, options).per_rank
+    assert planning.plan_step(batches, options).per_rank.logit_rows is None
     rank = helpers.Rank()
     rank.extend({0: [1, 2], 3: [4]})
     decode = [rank.decode({0: 5, 3: 6}), planning.idle_batch(), planning.idle_batch()]
     # Decode: the last rows are the first rows, which a step over every row returns in place.
-    assert "logit_rows" not in planning.plan_step(decode, options, logits="last").per_rank
+    assert planning.plan_step(decode, options, logits="last").per_rank.logit_rows is None
     with pytest.raises(ValueError, match="logits must be one of"):
         planning.plan_step(batches, options, logits="first")
 

@@ -365,7 +365,7 @@ def _dp_contexts(runner):
     for key in runner._step._jitted:
         layout = key.layouts[1]  # the replicated buffer: the DP contexts
         replicated = jax.tree.unflatten(layout.treedef, [np.zeros(s) for s in layout.shapes])
-        found.append(replicated.get("child_dp_contexts", (replicated["dp_context"],)))
+        found.append(replicated.child_dp_contexts or (replicated.dp_context,))
     return found
 
 
@@ -520,7 +520,7 @@ def test_query_tile_reaches_the_extend_steps_attention():
     new = _prompts(np.random.default_rng(9), [6, 5])
     batch = rank.extend(new)
     plan = planning.plan_step([batch], runner.options)
-    assert plan.per_rank["attn_metadata"].capacity.query_tile == 4
+    assert plan.per_rank.attn_metadata.capacity.query_tile == 4
     (got,) = runner.forward([batch])
     want = helpers.reference_new_rows(model, rank, {k: len(v) for k, v in new.items()})
     chex.assert_trees_all_close(got, want, **TOL)
