@@ -1,10 +1,11 @@
 """A decoder layer's forward as jtbo operations with SGLang's strategy names.
 
 Every operation is ``op(state, **inputs) -> outputs | None`` over a per-micro-batch
-``OperationState``; ``jtbo.overlap.strategy`` arranges them with yields, so the same code runs
-through ``execute_operations`` (one batch) and ``execute_overlapped_operations`` (two
-micro-batches). The bodies run inside the step's ``shard_map`` over ``("dp", "attn_tp")`` and
-see local shards.
+``layer_state.LayerState``, which declares every entry the operations set and pop;
+``jtbo.overlap.strategy`` arranges them with yields, so the same code runs through
+``execute_operations`` (one batch) and ``execute_overlapped_operations`` (two micro-batches).
+The bodies run inside the step's ``shard_map`` over ``("dp", "attn_tp")`` and see local
+shards.
 
 Layout of activations: every layer keeps ``hidden_states`` and ``residual`` in SGLang's
 TP_ATTN_FULL scatter mode (each attn_tp device holds all rows of its DP rank), with the residual
@@ -18,7 +19,8 @@ add fused into the next norm as SGLang does (``residual += hidden; hidden = norm
   ``combine_b``) is ``jtbo.models.moe_exchange``: expert parallel through the micro-batch's
   ``jtbo.collectives`` EP dispatcher (``"ep"``), or DP gather + reduce-scatter (``"none"``).
 
-Context entries each micro-batch provides (read-only in its state): ``attn_metadata``,
+Context entries each micro-batch provides (read-only in its state; a
+``layer_state.MicroBatchContext``): ``attn_metadata``,
 ``dp_context``, ``num_tokens`` (its real rows), ``micro_batch`` (0 = A or the whole batch,
 1 = B), ``ep_dispatcher`` (its EP dispatcher, None without EP) and ``step_box`` (the KV cache,
 threaded through micro-batch A's then B's attention of each layer, and the overflow counts).

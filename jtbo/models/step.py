@@ -53,7 +53,14 @@ from jax.sharding import PartitionSpec as P
 
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import mesh as mesh_lib
-from jtbo.models import ep_dispatchers, layer_ops, plan_arrays, step_io, step_operations
+from jtbo.models import (
+    ep_dispatchers,
+    layer_ops,
+    layer_state,
+    plan_arrays,
+    step_io,
+    step_operations,
+)
 from jtbo.models import model as model_lib
 from jtbo.overlap import operations, xla_options
 from jtbo.split import activations, packing
@@ -161,11 +168,12 @@ def _expand_rank(tree: Any) -> Any:
 
 
 def _contexts(per_rank, replicated, box, dispatchers, child_capacity):
-    """Read-only state entries: ``[whole batch]`` without TBO, ``[A, B]`` with it."""
+    """Read-only state entries (``layer_state.MicroBatchContext``): ``[whole batch]`` without
+    TBO, ``[A, B]`` with it."""
     dispatchers = dispatchers or (None, None)
     if child_capacity is None:
         return [
-            dict(
+            layer_state.MicroBatchContext(
                 attn_metadata=per_rank.attn_metadata,
                 dp_context=replicated.dp_context,
                 num_tokens=per_rank.num_tokens,
@@ -176,7 +184,7 @@ def _contexts(per_rank, replicated, box, dispatchers, child_capacity):
         ]
     t, n = per_rank.split_token_index, per_rank.num_tokens
     return [
-        dict(
+        layer_state.MicroBatchContext(
             attn_metadata=per_rank.child_metadata[i],
             dp_context=replicated.child_dp_contexts[i],
             num_tokens=count,
@@ -244,11 +252,13 @@ def _run_tbo(
         outputs = operations.execute_overlapped_operations(
             children, [ops for ops, _ in built], [0, delta], contexts_arr=contexts,
             barriers=barriers, issue_barriers=issue_barriers, pin_issued=pin_issued,
+            state_type=layer_state.LayerState,
         )  # fmt: skip
     else:
         outputs = operations.execute_lockstep_operations(
             children, [ops for ops, _ in built], contexts_arr=contexts, barriers=barriers,
             join_row_wise=child_capacity <= SINGLE_DEVICE_MERGE_MAX_ROWS,
+            state_type=layer_state.LayerState,
         )  # fmt: skip
     if per_rank.logit_rows is not None:
         return activations.take_merged_rows(*outputs, t, per_rank.logit_rows)
@@ -305,7 +315,9 @@ def step_body(
     if child_capacity is None:
         ops, _ = operations_of(params)
         inputs = dict(input_ids=per_rank.input_ids, positions=per_rank.positions)
-        out = operations.execute_operations(inputs, ops, context=contexts[0])
+        out = operations.execute_operations(
+            inputs, ops, context=contexts[0], state_type=layer_state.LayerState
+        )
         if rows is not None:
             out = jax.tree.map(lambda x: x[rows], out)
     else:

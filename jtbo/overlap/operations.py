@@ -2,7 +2,8 @@
 
 A layer is written as a flat list of *operations*: callables ``op(state, **inputs) -> outputs``
 where ``inputs`` is the mapping the previous operation returned and ``state`` is a
-per-micro-batch scratch space. ``YieldOperation`` markers cut the list into *stages*.
+per-micro-batch scratch space (``operation_state.OperationState``, whose subclasses declare
+their entries). ``YieldOperation`` markers cut the list into *stages*.
 ``execute_operations`` runs one micro-batch through every stage.
 ``execute_overlapped_operations`` runs two micro-batches A and B staggered: A alone for
 ``d`` stages, then A and B alternately one stage each, then B alone for its last ``d``
@@ -54,8 +55,9 @@ from typing import Any
 import jax
 from jax import lax
 
-from jtbo.overlap import row_joint
+from jtbo.overlap import operation_state, row_joint
 
+OperationState = operation_state.OperationState  # the state type the executors default to
 MICRO_BATCH_SCOPES = ("tbo_a", "tbo_b")  # named scopes of micro-batch A and B
 JOINT_SCOPE = "tbo_joint"  # named scope of an operation run once for both micro-batches
 
@@ -130,86 +132,6 @@ class InFlight:
     value: Any  # the collective's output, any pytree of arrays
 
 
-class OperationState:
-    """Per-micro-batch scratch space that refuses to overwrite a key.
-
-    Entries set by operations are cleared by ``clear(expect_keys)`` at the end of a layer,
-    which checks that exactly the expected keys are left (something left over means an
-    operation holds memory longer than it should). Context entries (attention metadata,
-    the micro-batch's EP dispatcher, DP context, ...) are given at construction, are
-    read-only, and survive ``clear``.
-    """
-
-    def __init__(self, context: Mapping[str, Any] | None = None):
-        """Creates an empty state over the read-only ``context`` entries."""
-        object.__setattr__(self, "_context", dict(context or {}))
-        object.__setattr__(self, "_data", {})
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        if key in self._context:
-            raise KeyError(f"state key `{key}` is a read-only context entry")
-        if key in self._data:
-            raise KeyError(f"state key `{key}` already exists; pop it before setting it again")
-        self._data[key] = value
-
-    def __getattr__(self, key: str) -> Any:
-        data, context = self.__dict__["_data"], self.__dict__["_context"]
-        if key in data:
-            return data[key]
-        if key in context:
-            return context[key]
-        raise AttributeError(f"state has no key `{key}` (keys: {sorted(data) + sorted(context)})")
-
-    def __delattr__(self, key: str) -> None:
-        self.pop(key)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._data or key in self._context
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """Returns the entry or context entry ``key``, or ``default``."""
-        return self._data.get(key, self._context.get(key, default))
-
-    def pop(self, key: str) -> Any:
-        """Removes and returns the entry ``key`` (context entries cannot be popped)."""
-        if key not in self._data:
-            raise KeyError(f"state has no (non-context) key `{key}`")
-        return self._data.pop(key)
-
-    def update(self, values: Mapping[str, Any]) -> None:
-        """Sets every entry of ``values`` (each must be new)."""
-        for key, value in values.items():
-            setattr(self, key, value)
-
-    def keys(self) -> list[str]:
-        """The keys set by operations (not the context)."""
-        return list(self._data)
-
-    def clear(self, expect_keys: Sequence[str]) -> None:
-        """Drops every entry set by operations after checking they are exactly ``expect_keys``.
-
-        Raises:
-          KeyError: the entries differ from ``expect_keys``.
-        """
-        if set(self._data) != set(expect_keys):
-            raise KeyError(
-                f"unexpected state keys when clearing: have {sorted(self._data)}, "
-                f"expected {sorted(expect_keys)}; an operation left something behind or "
-                "released it too early"
-            )
-        self._data.clear()
-
-    def live_values(self) -> dict[str, Any]:
-        """The entries set by operations (for round barriers)."""
-        return self._data
-
-    def replace_live_values(self, values: Mapping[str, Any]) -> None:
-        """Swaps the entries for ``values`` with the same keys (for round barriers)."""
-        if set(values) != set(self._data):
-            raise KeyError(f"keys changed: {sorted(values)} vs {sorted(self._data)}")
-        self._data.update(values)
-
-
 def convert_operations_to_stages(operations: Sequence[Operation]) -> list[Stage]:
     """Cuts ``operations`` into stages at every ``YieldOperation``.
 
@@ -255,11 +177,11 @@ def _debug_name(fn: Callable) -> str:
 class _StageExecutor:
     """Runs one micro-batch's stages one at a time under its named scope."""
 
-    def __init__(self, scope: str | None, stages: list[Stage], inputs, context):
+    def __init__(self, scope: str | None, stages: list[Stage], inputs, context, state_type):
         self.scope = scope
         self.stages = stages
         self.index = 0
-        self.state = OperationState(context)
+        self.state = state_type(context)
         self.stage_output: Mapping[str, Any] | None = inputs
 
     @property
@@ -303,21 +225,25 @@ def execute_operations(
     inputs: Mapping[str, Any],
     operations: Sequence[Operation],
     *,
-    context: Mapping[str, Any] | None = None,
+    context: Any = None,
     scope: str | None = None,
+    state_type: type[OperationState] = OperationState,
 ) -> Mapping[str, Any] | None:
     """Runs one micro-batch (or the whole batch) through every stage of ``operations``.
 
     Args:
       inputs: keyword inputs of the first operation.
       operations: the operation list (yields are ignored apart from cutting stages).
-      context: read-only state entries visible to every operation.
+      context: read-only state entries visible to every operation (a mapping or a
+        dataclass, ``operation_state``).
       scope: an optional named scope around every stage.
+      state_type: the state's class (an ``OperationState`` declaring its entries).
 
     Returns:
       The last operation's output.
     """
-    executor = _StageExecutor(scope, convert_operations_to_stages(operations), inputs, context)
+    stages = convert_operations_to_stages(operations)
+    executor = _StageExecutor(scope, stages, inputs, context, state_type)
     while not executor.done:
         executor.next()
     return executor.stage_output
@@ -328,10 +254,11 @@ def execute_overlapped_operations(
     operations_arr: Sequence[Sequence[Operation]],
     delta_stages: Sequence[int],
     *,
-    contexts_arr: Sequence[Mapping[str, Any] | None] = (None, None),
+    contexts_arr: Sequence[Any] = (None, None),
     barriers: bool = False,
     issue_barriers: bool = False,
     pin_issued: bool = False,
+    state_type: type[OperationState] = OperationState,
 ) -> list[Mapping[str, Any] | None]:
     """Runs micro-batches A and B staggered by ``delta_stages[1]`` stages.
 
@@ -354,6 +281,7 @@ def execute_overlapped_operations(
         issued before the other micro-batch's next stage. Only for exchanges with an explicit
         start and wait (``jtbo.collectives.peer_copy``), which the barrier leaves in flight:
         an XLA collective in flight there would be made to finish.
+      state_type: the class of both states (an ``OperationState`` declaring its entries).
 
     Returns:
       [output of A, output of B].
@@ -370,7 +298,7 @@ def execute_overlapped_operations(
         raise ValueError(f"delta_stages[0] must be 0, got {delta_stages[0]}")
     delta = delta_stages[1]
     executors = [
-        _StageExecutor(scope, convert_operations_to_stages(ops), inputs, context)
+        _StageExecutor(scope, convert_operations_to_stages(ops), inputs, context, state_type)
         for scope, ops, inputs, context in zip(
             MICRO_BATCH_SCOPES, operations_arr, inputs_arr, contexts_arr, strict=True
         )
@@ -396,9 +324,10 @@ def execute_lockstep_operations(
     inputs_arr: Sequence[Mapping[str, Any]],
     operations_arr: Sequence[Sequence[Operation]],
     *,
-    contexts_arr: Sequence[Mapping[str, Any] | None] = (None, None),
+    contexts_arr: Sequence[Any] = (None, None),
     barriers: bool = False,
     join_row_wise: bool = False,
+    state_type: type[OperationState] = OperationState,
 ) -> list[Mapping[str, Any] | None]:
     """Runs micro-batches A and B operation by operation, joint operations once for both.
 
@@ -418,6 +347,7 @@ def execute_lockstep_operations(
       join_row_wise: also run every ``row_wise`` operation once over both micro-batches' rows
         (``row_joint.run_joint``): where the micro-batches are small, a second launch of each
         small kernel costs more than concatenating their rows.
+      state_type: the class of both states (an ``OperationState`` declaring its entries).
 
     Returns:
       [output of A, output of B].
@@ -429,7 +359,7 @@ def execute_lockstep_operations(
     _check_pair("operations_arr", operations_arr)
     _check_pair("contexts_arr", contexts_arr)
     executors = [
-        _StageExecutor(scope, convert_operations_to_stages(ops), inputs, context)
+        _StageExecutor(scope, convert_operations_to_stages(ops), inputs, context, state_type)
         for scope, ops, inputs, context in zip(
             MICRO_BATCH_SCOPES, operations_arr, inputs_arr, contexts_arr, strict=True
         )

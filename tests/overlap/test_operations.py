@@ -332,3 +332,17 @@ def test_lockstep_round_barriers_pin_each_stage_and_change_no_number():
         jax.make_jaxpr(lambda: run(False))()
     )
     chex.assert_trees_all_close(run(True), run(False))
+
+
+def test_a_state_with_declared_entries_refuses_any_other_name():
+    class Declared(operations.OperationState):
+        x: int  # the one entry
+
+    state = Declared(context=dict(meta="m"))
+    state.x = 1
+    for misspelt in (lambda: setattr(state, "y", 2), lambda: state.pop("y"), lambda: state.y):
+        with pytest.raises(AttributeError, match="no entry of Declared"):
+            misspelt()
+    assert state.meta == "m" and state.pop("x") == 1
+    with pytest.raises(KeyError, match="declared entries"):
+        Declared(context=dict(x=3))
