@@ -4,7 +4,8 @@ Every field carries a description in its ``metadata`` (``describe()`` lists them
 ``MoEConfig.tiny()`` (tests, demo: shapes that divide evenly over 8 devices in any of the
 layouts (dp, attn_tp) in {(8, 1), (4, 2), (2, 4)}) and ``MoEConfig.deepseek_v3_reduced()``
 (the benchmark: DeepSeek-V3's hidden size, expert shape and MLA attention, fewer experts and
-layers so that it fits on one H200); ``tiny_softmax`` / ``tiny_mla`` and
+layers so that it fits on one H200) and ``MoEConfig.deepseek_v3()`` (the full model, for the
+step model and AOT compiles only); ``tiny_softmax`` / ``tiny_mla`` and
 ``deepseek_v3_gqa_reduced`` vary them (Qwen-style routing; DeepSeek's MLA attention; GQA in
 place of MLA).
 """
@@ -270,6 +271,23 @@ class MoEConfig:
             rope_yarn_original_max_position=4096,
             rope_yarn_mscale=1.0,
             rope_yarn_mscale_all_dim=1.0,
+        )
+
+    @classmethod
+    def deepseek_v3(cls) -> "MoEConfig":
+        """DeepSeek-V3's full published dimensions: 61 layers (the first 3 dense), 256 routed
+        experts of width 2048 (top-8 in 4 of 8 groups) and one shared expert, MLA attention.
+
+        For the step model (``jtbo.analysis.step_model``) and AOT compiles; its weights do not
+        fit one machine of a few GPUs.
+        """
+        return dataclasses.replace(
+            cls.deepseek_v3_reduced(),
+            vocab_size=129280,
+            num_layers=61,
+            first_k_dense=3,
+            num_experts=256,
+            max_position_embeddings=163840,
         )
 
     @classmethod

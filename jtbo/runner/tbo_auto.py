@@ -33,6 +33,11 @@ behind therefore rewrites every slot the trials wrote, the chosen program's valu
 the other's, and returns what one run of the chosen program returns: the step's logits and the
 runner's KV cache are those of a runner fixed to the chosen mode (tests check it bit for bit).
 
+With ``tbo_auto_source="model"`` the runner times nothing: a predictor (``ModelTimer``, e.g.
+``jtbo.analysis.step_model.auto_predictor``: the step model's plain and TBO times from a
+measured cost table) gives each new shape's two times, and step 4 decides from them (source
+"model"); nothing runs twice.
+
 Later steps of a decided shape run the chosen program without timing. A ``tbo_plan`` file
 (``tbo_plan_file``) decides shapes up front: shapes it lists are never timed; shapes it does
 not list are timed as above.
@@ -54,6 +59,7 @@ ForwardMode = planning.ForwardMode
 AUTO = "auto"
 DEFAULT_TRIALS = 3
 DEFAULT_MARGIN = 0.02
+SOURCES = ("timed", "model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +89,8 @@ class TboDecision:
       plain_ms: median step time of the plain program, milliseconds.
       tbo_ms: median step time of the TBO program, milliseconds.
       margin: TBO was kept only if ``tbo_ms <= (1 - margin) * plain_ms``.
-      source: "timed" (measured by this runner) or "plan" (read from a ``tbo_plan`` file).
+      source: "timed" (measured by this runner), "model" (predicted, ``ModelTimer``) or
+        "plan" (read from a ``tbo_plan`` file).
     """
 
     shape: TboShape  # the plain / TBO program pair decided
@@ -91,7 +98,7 @@ class TboDecision:
     plain_ms: float  # median plain step, ms (max over processes)
     tbo_ms: float  # median TBO step, ms (max over processes)
     margin: float  # the margin the choice was made with
-    source: str  # "timed" or "plan"
+    source: str  # "timed", "model" or "plan"
 
     @property
     def ratio(self) -> float:
@@ -107,6 +114,27 @@ class TboDecision:
 StepTimer = Callable[[TboShape, bool, Callable[[], Any]], float]
 """``timer(shape, use_tbo, run) -> milliseconds``: calls ``run()`` (one run of the step's plain
 or TBO program; returns its device logits) once and returns how long it took."""
+
+
+StepPredictor = Callable[[TboShape], tuple[float, float]]
+"""``predictor(shape) -> (plain_ms, tbo_ms)``: a shape's two step times, predicted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelTimer:
+    """The timer of ``tbo_auto_source="model"``: ``TboAuto`` asks ``predictor`` for a new
+    shape's times and runs neither program.
+
+    Attributes:
+      predictor: maps a shape to its predicted ``(plain_ms, tbo_ms)``.
+    """
+
+    predictor: StepPredictor  # shape -> (plain_ms, tbo_ms)
+
+    def __call__(self, shape: TboShape, use_tbo: bool, run: Callable[[], Any]) -> float:
+        """The predicted time of one program (``run`` is not called)."""
+        del run
+        return float(self.predictor(shape)[int(use_tbo)])
 
 
 def wall_timer(shape: TboShape, use_tbo: bool, run: Callable[[], Any]) -> float:
@@ -258,15 +286,21 @@ class TboAuto:
     def decide(
         self, shape: TboShape, run_plain: Callable[[], Any], run_tbo: Callable[[], Any]
     ) -> TboDecision:
-        """Times both programs of a new shape, agrees across processes, records the choice.
+        """Times both programs of a new shape (or asks a ``ModelTimer``'s predictor), agrees
+        across processes, records the choice.
 
         Returns:
           The new ``TboDecision``.
         """
-        local = time_programs(shape, run_plain, run_tbo, self.timer, self.trials)
-        plain_ms, tbo_ms = agree_timings(gather_timings(*local))
+        if isinstance(self.timer, ModelTimer):  # alike on every process: nothing to gather
+            plain_ms, tbo_ms = (float(t) for t in self.timer.predictor(shape))
+            source = "model"
+        else:
+            local = time_programs(shape, run_plain, run_tbo, self.timer, self.trials)
+            plain_ms, tbo_ms = agree_timings(gather_timings(*local))
+            source = "timed"
         use_tbo = choose_tbo(plain_ms, tbo_ms, self.margin)
-        made = TboDecision(shape, use_tbo, plain_ms, tbo_ms, self.margin, "timed")
+        made = TboDecision(shape, use_tbo, plain_ms, tbo_ms, self.margin, source)
         self._decisions[shape] = made
         return made
 

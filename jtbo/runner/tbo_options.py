@@ -42,6 +42,11 @@ class TboOptions:
       tbo_plan: "auto": a plan file (``ModelRunner.save_tbo_plan``, ``tbo_plan_file``); its
         shapes are decided without timing, shapes it does not list are still timed on first
         sight.
+      tbo_auto_source: "auto": "timed" (the default: time both programs of each new shape)
+        or "model" (decide from ``tbo_predictor`` without running either; the runner's
+        timer becomes ``tbo_auto.ModelTimer(tbo_predictor)``).
+      tbo_predictor: "model": ``shape -> (plain_ms, tbo_ms)`` (``tbo_auto.StepPredictor``),
+        e.g. ``jtbo.analysis.step_model.auto_predictor(config, ep_size, link)``.
     """
 
     enable_two_batch_overlap: bool | str = False
@@ -53,6 +58,8 @@ class TboOptions:
     tbo_auto_margin: float = tbo_auto.DEFAULT_MARGIN
     tbo_timer: tbo_auto.StepTimer | None = None
     tbo_plan: str | os.PathLike | None = None
+    tbo_auto_source: str = "timed"
+    tbo_predictor: tbo_auto.StepPredictor | None = None
 
     def __post_init__(self):
         """Checks every field.
@@ -60,7 +67,8 @@ class TboOptions:
         Raises:
           ValueError: an ``enable_two_batch_overlap`` other than True / False / "auto", a
             threshold outside [0, 0.5], ``tbo_child_buckets < 1``, bad auto settings, or a
-            timer or plan file without "auto" (names the field).
+            timer or plan file without "auto", an unknown ``tbo_auto_source``, or "model"
+            without a predictor or with a timer of its own (names the field).
         """
         tbo_auto.parse_switch(self.enable_two_batch_overlap)
         split.plan.check_threshold(self.tbo_token_distribution_threshold)
@@ -71,6 +79,24 @@ class TboOptions:
                 "tbo_plan and tbo_timer need enable_two_batch_overlap='auto', got "
                 f"{self.enable_two_batch_overlap!r}"
             )
+        self._check_source()
+
+    def _check_source(self) -> None:
+        """``tbo_auto_source`` / ``tbo_predictor``; "model" installs the ``ModelTimer``."""
+        if self.tbo_auto_source not in tbo_auto.SOURCES:
+            raise ValueError(
+                f"tbo_auto_source must be one of {tbo_auto.SOURCES}, got {self.tbo_auto_source!r}"
+            )
+        if self.tbo_auto_source == "timed":
+            if self.tbo_predictor is not None:
+                raise ValueError("tbo_predictor needs tbo_auto_source='model'")
+            return
+        if self.tbo_predictor is None or not self.auto:
+            raise ValueError("tbo_auto_source='model' needs 'auto' and a tbo_predictor")
+        if self.tbo_timer is None:
+            object.__setattr__(self, "tbo_timer", tbo_auto.ModelTimer(self.tbo_predictor))
+        elif not isinstance(self.tbo_timer, tbo_auto.ModelTimer):
+            raise ValueError("tbo_auto_source='model' takes no tbo_timer of its own")
 
     @property
     def enabled(self) -> bool:
@@ -88,6 +114,10 @@ class TboOptions:
         decisions are compared on their own, ``ModelRunner.tbo_decisions``).
 
         Returns:
-          A copy with ``tbo_timer`` and ``tbo_plan`` None and "auto" kept.
+          A copy with ``tbo_timer``, ``tbo_plan`` and ``tbo_predictor`` None, "auto" and the
+          source kept.
         """
-        return dataclasses.replace(self, tbo_timer=None, tbo_plan=None)
+        copy = dataclasses.replace(self, tbo_plan=None)
+        object.__setattr__(copy, "tbo_timer", None)  # past the checks: a copy to compare only
+        object.__setattr__(copy, "tbo_predictor", None)
+        return copy

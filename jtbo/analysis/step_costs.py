@@ -1,0 +1,212 @@
+"""The step model's per-operation cost table: loaded, checked and interpolated.
+
+The table is measured on one device by ``python -m jtbo.bench predict --measure``
+(``jtbo.bench.step_costs_measure`` says what each section times); the one shipped with jtbo,
+``step_costs_h200.json`` beside this module, was measured on an H200 (BENCHMARKS.md, "TBO
+step model: validation"). Each section holds times at a grid of sizes; between grid points a
+time is interpolated linearly in log(size) - log(time) (after ``work_curve`` makes the curve
+one a batch could follow: no dearer per unit at a larger size), below the grid it is the smallest
+size's time (a launch floor), and above it the largest size's time scaled in proportion to
+the size (past the grid every operation is throughput-bound).
+
+* a dense GEMM ``[rows, K] @ [K, N]`` takes the curve of the measured weight shape nearest in
+  ``K * N`` (in log), scaled by ``K * N`` over that shape's: at a fixed row count both its
+  FLOPs and its weight bytes grow with ``K * N``;
+* the grouped GEMM of ``experts`` local experts takes the time per expert of the nearest
+  measured expert count at the rows per expert, times ``experts``, scaled by its expert shape
+  (``hidden * ffn``) over the measured one's;
+* extend attention is a sum over prompts of the time of a prompt's length; decode attention
+  is interpolated in the KV rows read (sequences x context);
+* row-wise operations scale with ``width / hidden`` of the measured rows.
+"""
+
+import bisect
+import dataclasses
+import importlib.resources
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+VERSION = 1
+KIND = "jtbo_step_costs"
+SHIPPED = "step_costs_h200.json"
+SECTIONS = ("dense_gemm", "grouped_gemm", "attention", "rowwise", "host_ms", "slowdown")
+ROWWISE_OPS = ("rmsnorm", "add", "gather", "routing")
+
+
+def work_curve(xs: Sequence[float], ys: Sequence[float]) -> list[float]:
+    """A measured curve made physical: a larger size costs no more per unit than a smaller one
+    (it could run as pieces of the smaller size) and no less in all (measurement noise can
+    break either).
+
+    Args:
+      xs: increasing positive sizes.
+      ys: their measured times.
+
+    Returns:
+      The times, lowered where the time per unit rose and then raised where the time fell.
+    """
+    out: list[float] = []
+    for x, y in zip(xs, ys, strict=True):
+        if out:
+            previous_x = xs[len(out) - 1]
+            y = max(min(y, out[-1] * x / previous_x), out[-1])
+        out.append(y)
+    return out
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float, as_work: bool = True) -> float:
+    """``y(x)`` from a measured curve (module docstring: log-log inside, floor below, linear
+    above).
+
+    Args:
+      xs: increasing positive sizes.
+      ys: positive times at those sizes.
+      x: the size asked for (> 0).
+      as_work: first make the curve physical (``work_curve``); False for a curve that grows
+        faster than its size by nature (causal attention over a prompt's length).
+
+    Returns:
+      The interpolated time.
+    """
+    ys = work_curve(xs, ys) if as_work else ys
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1] * x / xs[-1]
+    i = bisect.bisect_right(xs, x) - 1
+    f = (math.log(x) - math.log(xs[i])) / (math.log(xs[i + 1]) - math.log(xs[i]))
+    return math.exp(math.log(ys[i]) + f * (math.log(ys[i + 1]) - math.log(ys[i])))
+
+
+def _nearest(values: Sequence[float], target: float) -> int:
+    """Index of the value nearest ``target`` in log."""
+    return min(range(len(values)), key=lambda i: abs(math.log(values[i] / target)))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """A checked cost table (``load``); every method returns milliseconds."""
+
+    table: Mapping[str, Any]  # the JSON object (module docstring; version 1)
+
+    def dense_gemm(self, rows: float, k: int, n: int) -> float:
+        """A ``[rows, k] @ [k, n]`` bf16 matmul (0 for no rows)."""
+        if rows <= 0:
+            return 0.0
+        curves = self.table["dense_gemm"]
+        curve = curves[_nearest([c["k"] * c["n"] for c in curves], k * n)]
+        return interpolate(curve["rows"], curve["ms"], rows) * k * n / (curve["k"] * curve["n"])
+
+    def grouped_gemm(self, rows: float, experts: int, hidden: int, ffn: int) -> float:
+        """The routed-expert layer over ``rows`` (token, expert) pairs on ``experts`` local
+        experts of shape ``hidden x ffn`` (0 for no rows)."""
+        if rows <= 0:
+            return 0.0
+        section = self.table["grouped_gemm"]
+        curves = section["curves"]
+        curve = curves[_nearest([c["experts"] for c in curves], experts)]
+        per_expert = [t / curve["experts"] for t in curve["ms"]]
+        scale = hidden * ffn / (section["hidden"] * section["ffn"])
+        return interpolate(curve["rows_per_expert"], per_expert, rows / experts) * experts * scale
+
+    def extend_attention(self, kind: str, seq_lens: Sequence[int]) -> float:
+        """Causal attention over fresh prompts of ``seq_lens`` tokens (``kind``: mla or gqa)."""
+        curve = self.table["attention"][kind]["extend"]
+        lens, times = curve["seq_len"], curve["ms_per_seq"]
+        return sum(interpolate(lens, times, n, as_work=False) for n in seq_lens if n)
+
+    def decode_attention(self, kind: str, seqs: float, context: int) -> float:
+        """Decode attention of ``seqs`` sequences at ``context`` tokens each."""
+        if seqs <= 0:
+            return 0.0
+        curve = self.table["attention"][kind]["decode"]
+        rows = [s * c for s, c in zip(curve["seqs"], curve["context"], strict=True)]
+        points = sorted(zip(rows, curve["ms"], strict=True))
+        return interpolate([p[0] for p in points], [p[1] for p in points], seqs * context)
+
+    def rowwise(self, op: str, rows: float, width: int) -> float:
+        """A row-wise operation (``ROWWISE_OPS``) over ``rows`` rows of ``width`` values (the
+        router's top-k: ``width`` experts)."""
+        if rows <= 0:
+            return 0.0
+        section = self.table["rowwise"]
+        measured = section["routing_experts"] if op == "routing" else section["hidden"]
+        return interpolate(section["rows"], section[op], rows) * width / measured
+
+    @property
+    def host_ms(self) -> float:
+        """The host's round trip per step."""
+        return float(self.table["host_ms"])
+
+    def slowdown(self, engine: str) -> float:
+        """Compute time beside an exchange over compute time alone (``engine``: sm or copy)."""
+        return float(self.table["slowdown"][engine])
+
+
+def check(table: Mapping[str, Any]) -> None:
+    """Checks a table's schema.
+
+    Raises:
+      ValueError: a wrong version or kind, a missing section, or a curve whose sizes are not
+        increasing and positive or whose times are not positive (named).
+    """
+    if table.get("kind") != KIND or table.get("version") != VERSION:
+        raise ValueError(f"not a version-{VERSION} {KIND} table: {table.get('kind')!r}")
+    missing = [name for name in SECTIONS if name not in table]
+    if missing:
+        raise ValueError(f"cost table lacks sections {missing}")
+    for curve in table["dense_gemm"]:
+        _check_curve(f"dense_gemm {curve['k']}x{curve['n']}", curve["rows"], curve["ms"])
+    for curve in table["grouped_gemm"]["curves"]:
+        _check_curve(f"grouped_gemm E={curve['experts']}", curve["rows_per_expert"], curve["ms"])
+    for kind, section in table["attention"].items():
+        _check_curve(
+            f"attention {kind} extend",
+            section["extend"]["seq_len"],
+            section["extend"]["ms_per_seq"],
+        )
+        decode = section["decode"]
+        if not len(decode["seqs"]) == len(decode["context"]) == len(decode["ms"]) > 0:
+            raise ValueError(f"attention {kind} decode: seqs, context and ms differ in length")
+    for op in ROWWISE_OPS:
+        _check_curve(f"rowwise {op}", table["rowwise"]["rows"], table["rowwise"][op])
+    if not table["host_ms"] >= 0 or not all(table["slowdown"][e] >= 1 for e in ("sm", "copy")):
+        raise ValueError("host_ms must be >= 0 and slowdown factors >= 1")
+
+
+def _check_curve(name: str, xs: Sequence[float], ys: Sequence[float]) -> None:
+    if len(xs) != len(ys) or not xs:
+        raise ValueError(f"{name}: {len(xs)} sizes against {len(ys)} times")
+    if any(b <= a for a, b in zip(xs[:-1], xs[1:], strict=True)) or xs[0] <= 0:
+        raise ValueError(f"{name}: sizes {list(xs)} are not increasing and positive")
+    if any(not y > 0 for y in ys):
+        raise ValueError(f"{name}: times {list(ys)} are not all positive")
+
+
+def load(path: str | os.PathLike | None = None) -> StepCosts:
+    """Reads and checks a table (``check``).
+
+    Args:
+      path: a table file; None: the shipped H200 table.
+
+    Returns:
+      The table.
+
+    Raises:
+      ValueError: a table that fails ``check`` (the path is named).
+    """
+    if path is None:
+        text = importlib.resources.files("jtbo.analysis").joinpath(SHIPPED).read_text()
+        name = SHIPPED
+    else:
+        with open(path) as file:
+            text, name = file.read(), os.fspath(path)
+    table = json.loads(text)
+    try:
+        check(table)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{name}: {error}") from error
+    return StepCosts(table)

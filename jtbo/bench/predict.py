@@ -1,0 +1,140 @@
+"""The TBO step model from the command line: ``python -m jtbo.bench predict [flags]``.
+
+``python -m jtbo.bench predict --model NAME --ep N --mode prefill|decode --tokens-per-gpu T
+--link-gbps B [--link-latency-us L] [--link-engine sm|copy] [--prompt-len P] [--context C]
+[--imbalance X | --routing-stats FILE] [--table FILE] [--json] [--plot FILE]`` predicts one
+GPU's plain and TBO step (``jtbo.analysis.step_model``) from a cost table (the shipped H200
+table by default) on the CPU. ``--json`` prints one JSON object (``plain_ms``, ``tbo_ms``,
+``gain``, ``per_operation`` ...) after the summary line; ``--plot FILE`` writes a PNG of the
+predicted TBO gain against tokens per GPU at EP 8, 32 and 72 (matplotlib, the ``test`` extra).
+
+``python -m jtbo.bench predict --measure --out FILE [--small]`` measures a new table on the
+device instead (``jtbo.bench.step_costs_measure``), writing it after every section.
+"""
+
+import argparse
+import dataclasses
+import json
+
+from jtbo.analysis import step_costs, step_model, step_ops
+from jtbo.core import cli_arguments
+from jtbo.models import config as config_lib
+
+MODELS = {
+    "deepseek_v3": config_lib.MoEConfig.deepseek_v3,
+    "deepseek_v3_reduced": config_lib.MoEConfig.deepseek_v3_reduced,
+    "deepseek_v3_gqa_reduced": config_lib.MoEConfig.deepseek_v3_gqa_reduced,
+    "tiny": config_lib.MoEConfig.tiny,
+}
+PLOT_EP = (8, 32, 72)
+PLOT_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    parser = cli_arguments.OneLineErrorParser(prog="python -m jtbo.bench predict")
+    add = parser.add_argument
+    add("--model", choices=sorted(MODELS), default="deepseek_v3")
+    add("--ep", type=cli_arguments.positive_int, default=32, help="EP size (GPUs)")
+    add("--mode", choices=("prefill", "decode"), default="prefill")
+    add("--tokens-per-gpu", type=cli_arguments.positive_int, default=16384)
+    add("--link-gbps", type=_positive_float, default=50.0, help="GB/s a GPU sends")
+    add("--link-latency-us", type=cli_arguments.non_negative_float, default=0.0)
+    add("--link-engine", choices=("sm", "copy"), default="sm", help="what moves the bytes")
+    add("--prompt-len", type=cli_arguments.positive_int, default=4096)
+    add("--context", type=cli_arguments.positive_int, default=2048, help="decode KV length")
+    add("--imbalance", type=_positive_float, default=1.0, help="hottest GPU load / mean")
+    add("--routing-stats", type=cli_arguments.existing_file, help="ep_routing_stats file")
+    add("--table", type=cli_arguments.existing_file, help="cost table (default: shipped H200)")
+    add("--json", action="store_true", help="print the prediction as one JSON object")
+    add("--plot", help="write a PNG of predicted gain against tokens per GPU, EP 8/32/72")
+    add("--measure", action="store_true", help="measure a cost table on the device")
+    add("--out", help="--measure: where to write the table")
+    add("--small", action="store_true", help="--measure: tiny grids (a CPU check of the code)")
+    args = parser.parse_args(argv)
+    if args.measure and not args.out:
+        parser.error("--measure needs --out FILE")
+    if args.imbalance < 1:
+        parser.error(f"--imbalance must be >= 1, got {args.imbalance}")
+    return args
+
+
+def _positive_float(text: str) -> float:
+    value = cli_arguments.non_negative_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _measure(args) -> None:
+    from jtbo.bench import step_costs_measure  # noqa: PLC0415  (imports jax's kernels)
+
+    def save(table):
+        with open(args.out, "w") as file:
+            json.dump(table, file, indent=1)
+
+    table = step_costs_measure.measure(small=args.small, on_section=save)
+    step_costs.check(table)
+    print(
+        f"wrote {args.out}: {table['device']}, slowdown {table['slowdown']}, "
+        f"host {table['host_ms']:.3f} ms"
+    )
+
+
+def inputs_of(args) -> step_model.StepInputs:
+    """The ``StepInputs`` of parsed flags (the imbalance read from ``--routing-stats`` if
+    given)."""
+    link = step_ops.Link(args.link_gbps, args.link_latency_us, args.link_engine)
+    imbalance = args.imbalance
+    if args.routing_stats is not None:
+        config = MODELS[args.model]()
+        imbalance = step_model.imbalance_from_stats(
+            args.routing_stats, config, args.ep, args.tokens_per_gpu
+        )
+    return step_model.StepInputs(
+        args.ep, args.mode, args.tokens_per_gpu, link, args.prompt_len, args.context, imbalance
+    )
+
+
+def plot(path: str, config, base: step_model.StepInputs, costs) -> None:
+    """Writes the gain-against-tokens PNG (``PLOT_EP`` curves).
+
+    Raises:
+      ImportError: matplotlib is not installed (the ``test`` extra has it).
+    """
+    try:
+        import matplotlib  # noqa: PLC0415  (optional: --plot only)
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot  # noqa: PLC0415
+    except ImportError as error:
+        raise ImportError("--plot needs matplotlib (pip install 'jtbo[test]')") from error
+    curves = step_model.sweep(config, base, PLOT_EP, PLOT_TOKENS, costs)
+    figure, axes = pyplot.subplots(figsize=(6, 4))
+    for ep, gains in curves.items():
+        axes.plot(PLOT_TOKENS, [100 * g for g in gains], marker="o", label=f"EP {ep}")
+    axes.axhline(0, color="gray", linewidth=0.8)
+    axes.set(xscale="log", xlabel="tokens per GPU", ylabel="predicted TBO gain (%)")
+    axes.set_title(f"{base.mode}, {base.link.gbps:g} GB/s per GPU")
+    axes.legend()
+    figure.savefig(path, dpi=100, bbox_inches="tight")
+    pyplot.close(figure)
+
+
+def main(argv: list[str]) -> None:
+    """Predicts one step (or measures a table with ``--measure``); see the module docstring."""
+    args = _parse(argv)
+    if args.measure:
+        _measure(args)
+        return
+    config, costs, inputs = MODELS[args.model](), step_costs.load(args.table), inputs_of(args)
+    made = step_model.predict(config, inputs, costs)
+    if args.plot:
+        plot(args.plot, config, inputs, costs)
+    if args.json:
+        print(json.dumps(dict(made.as_json(), inputs=dataclasses.asdict(inputs), model=args.model)))
+        return
+    print(
+        f"{args.model} EP{args.ep} {args.mode} {args.tokens_per_gpu} tokens/GPU, "
+        f"{args.link_gbps:g} GB/s: plain {made.plain_ms:.3f} ms, TBO {made.tbo_ms:.3f} ms, "
+        f"TBO / plain {made.tbo_ms / made.plain_ms:.3f}, gain {100 * made.gain:+.1f} %"
+    )

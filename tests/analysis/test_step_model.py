@@ -1,0 +1,69 @@
+"""The step model's invariants (pure Python on the shipped table: no compiles)."""
+
+import dataclasses
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jtbo.analysis import step_costs, step_model, step_ops
+from jtbo.models import config as config_lib
+
+COSTS = step_costs.load()
+SMALL = dataclasses.replace(config_lib.MoEConfig.deepseek_v3(), num_layers=5)
+CASES = st.tuples(
+    st.sampled_from(["prefill", "decode"]),
+    st.sampled_from([2, 8, 32, 72]),
+    st.sampled_from([32, 256, 2048, 8192]),
+)
+
+
+def _predict(mode, ep, tokens, gbps, slowdown=None, latency=0.0):
+    inputs = step_model.StepInputs(ep, mode, tokens, step_ops.Link(gbps, latency))
+    return step_model.predict(SMALL, inputs, COSTS, slowdown)
+
+
+@settings(max_examples=12, deadline=None)
+@given(CASES)
+def test_no_gain_without_communication(case):
+    mode, _, tokens = case
+    made = _predict(mode, 1, tokens, 50.0)
+    assert made.exchange_ms == 0
+    assert made.tbo_ms >= made.plain_ms
+
+
+@settings(max_examples=12, deadline=None)
+@given(CASES, st.floats(1.0, 1000.0))
+def test_saving_bounded_by_overlap(case, gbps):
+    made = _predict(*case, gbps, slowdown=1.0)
+    compute = sum(v["plain_ms"] for v in made.per_operation.values())
+    comm = made.exchange_ms
+    assert made.saving <= min(compute, comm) / (compute + comm) + 1e-9
+
+
+@settings(max_examples=10, deadline=None)
+@given(CASES, st.floats(1.0, 500.0), st.floats(1.01, 4.0))
+def test_monotone_in_link_bandwidth(case, gbps, factor):
+    slow, fast = _predict(*case, gbps), _predict(*case, gbps * factor)
+    assert fast.plain_ms <= slow.plain_ms + 1e-9
+    assert fast.tbo_ms <= slow.tbo_ms + 1e-9
+
+
+def test_split_batch_keeps_tokens_and_cuts_a_prompt():
+    a, b = step_model.split_batch(step_model.prefill_batch(4096, 4096))
+    assert a.chunks == ((2048, 0),) and b.chunks == ((2048, 2048),)
+    assert a.tokens + b.tokens == 4096
+
+
+def test_hit_probability_counts_groups():
+    v3 = config_lib.MoEConfig.deepseek_v3()
+    routing = step_ops.routing_for(v3, 32)
+    expected = 31 * 0.5 * (1 - math.prod((120 - i) / (128 - i) for i in range(8)))
+    assert routing.local_experts == 8
+    assert routing.remote_gpus_per_token == pytest.approx(expected)
+
+
+def test_predict_refuses_an_unknown_mode():
+    with pytest.raises(ValueError, match="mode"):
+        step_model.predict(SMALL, step_model.StepInputs(2, "train", 8, step_ops.Link(1.0)), COSTS)
