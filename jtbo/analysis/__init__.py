@@ -8,6 +8,10 @@
 * ``report_cli``: ``python -m jtbo.analysis.report_cli``, the report of the model's own step.
 * ``aot_report``: the runner's own step compiled for an 8xH200 (or any) target on a CPU, and
   its overlap report (``model_overlap_report``).
+* ``step_model``: the TBO step model, plain and TBO step times at any EP size and link from a
+  per-operation cost table measured on one GPU (``step_costs``: the table; ``step_ops``: each
+  operation's cost and the exchange bytes; ``step_schedule``: the compute stream and link
+  timeline).
 """
 
 from jtbo.analysis.hlo_schedule import CollectiveWindow, ComputeSlot, collective_windows
