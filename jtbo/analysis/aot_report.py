@@ -148,15 +148,9 @@ def model_step_program(
       ValueError: the plan cannot run TBO although asked to.
     """
     dp_size, attn_tp_size = mesh.shape[mesh_lib.DP_AXIS], mesh.shape[mesh_lib.ATTN_TP_AXIS]
-    model = nnx.eval_shape(
-        lambda: model_lib.cast(model_lib.MoEModel(config, rngs=nnx.Rngs(0)), dtype)
-    )
-    moe = moe or layer_ops.MoEOptions()
-    moe = dataclasses.replace(moe, moe_runner_backend=moe.moe_runner_backend or "xla")
-    parallel = layer_ops.ParallelConfig.for_mesh(
-        mesh, moe=moe, tbo_issue_barriers=tbo_issue_barriers,
-        tbo_round_barriers=tbo_round_barriers,
-    )  # fmt: skip
+    model = _abstract_model(config, dtype)
+    parallel = _parallel(mesh, moe, tbo_issue_barriers, tbo_round_barriers)
+    moe = parallel.moe
     seq_capacity = seq_capacity or tokens_per_rank
     plan = _synthetic_plan(
         ForwardMode(mode), dp_size, attn_tp_size, tokens_per_rank, enable_tbo, seq_capacity
@@ -169,12 +163,35 @@ def model_step_program(
         _abstract(inputs.per_rank, mesh, P(mesh_lib.DP_AXIS)),  # [dp, n] int32
         _abstract(inputs.replicated, mesh, P()),  # [m] int32
     )
-    built = step.make_step(model, mesh, parallel)
+    jitted = _jitted_step(step.make_step(model, mesh, parallel), plan, inputs)
+    return jitted, args, step.step_compiler_options(mesh, plan.child_capacity)
+
+
+def _jitted_step(built: step.Step, plan: planning.StepPlan, inputs: step.StepInputs):
+    """The jitted program of ``plan``'s compile key."""
     dispatchers = built.dispatchers.for_step(plan.capacity, plan.child_capacity)
     key = built.key(
         inputs, mode=int(plan.mode), child_capacity=plan.child_capacity, dispatchers=dispatchers
     )
-    return built.jitted(key), args, step.step_compiler_options(mesh, plan.child_capacity)
+    return built.jitted(key)
+
+
+def _abstract_model(config: config_lib.MoEConfig, dtype) -> model_lib.MoEModel:
+    """The model of ``config`` in ``dtype`` as shapes only (no parameter memory)."""
+    return nnx.eval_shape(
+        lambda: model_lib.cast(model_lib.MoEModel(config, rngs=nnx.Rngs(0)), dtype)
+    )
+
+
+def _parallel(mesh, moe, tbo_issue_barriers, tbo_round_barriers) -> layer_ops.ParallelConfig:
+    """The layout of an AOT step: ``moe`` (defaults if None) with the "xla" experts unless
+    given (the devices are described, not present: no platform default resolves)."""
+    moe = moe or layer_ops.MoEOptions()
+    moe = dataclasses.replace(moe, moe_runner_backend=moe.moe_runner_backend or "xla")
+    return layer_ops.ParallelConfig.for_mesh(
+        mesh, moe=moe, tbo_issue_barriers=tbo_issue_barriers,
+        tbo_round_barriers=tbo_round_barriers,
+    )  # fmt: skip
 
 
 def _max_context(tokens_per_rank: int) -> int:

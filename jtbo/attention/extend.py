@@ -341,6 +341,24 @@ def extend_attention_triton(q, k, v, cache, layer_id, md, *, scaling, config):
     return out.reshape(tokens, q_heads, dv), dataclasses.replace(cache, k=k_pool, v=v_pool)
 
 
+def _check_extend_inputs(q, k, v, cache: kv_cache_lib.KVCache, md) -> None:
+    """``extend_attention``'s checks of its metadata and step shapes.
+
+    Raises:
+      ValueError: custom-mask metadata, or step q/k/v whose shapes disagree with the
+        metadata or the pool.
+    """
+    if md.custom_mask is not None:
+        raise ValueError("extend_attention is causal; custom-mask (verify) metadata goes to "
+                         "paged.paged_attention")  # fmt: skip
+    native.check_step_shapes(q, k, cache, md)
+    if k.shape[1:] != cache.k.shape[2:] or v.shape[1:] != cache.v.shape[2:]:
+        raise ValueError(
+            f"step k {k.shape} / v {v.shape} do not match the pool's rows "
+            f"k {cache.k.shape[2:]} / v {cache.v.shape[2:]}"
+        )
+
+
 def extend_attention(
     q: jax.Array,
     k: jax.Array,
@@ -386,15 +404,7 @@ def extend_attention(
         q/k/v whose shapes disagree with the metadata or the pool.
       KernelUnavailableError: the named impl cannot serve this call here.
     """
-    if md.custom_mask is not None:
-        raise ValueError("extend_attention is causal; custom-mask (verify) metadata goes to "
-                         "paged.paged_attention")  # fmt: skip
-    native.check_step_shapes(q, k, cache, md)
-    if k.shape[1:] != cache.k.shape[2:] or v.shape[1:] != cache.v.shape[2:]:
-        raise ValueError(
-            f"step k {k.shape} / v {v.shape} do not match the pool's rows "
-            f"k {cache.k.shape[2:]} / v {cache.v.shape[2:]}"
-        )
+    _check_extend_inputs(q, k, v, cache, md)
     impl, interpret = paged.resolve_kernel_impl(impl, op=OP, q=q, cache=cache)
     if impl == "xla":
         cache = native.write_step_kv(q, k, v, layer_id, md, cache)

@@ -193,23 +193,36 @@ def forward(
       ValueError: as ``write_latent``.
     """
     cache = write_latent(latent, layer_id, md, cache)
-    nope = q_nope.shape[-1]
+    kernels = dict(scaling=scaling, impl=impl, config=config, kernel_config=kernel_config)
     if not absorbed:
-        q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
-        view = decompressed_view(w_kv_b.astype(cache.k.dtype), nope)
+        return _decompressed(q_nope, q_pe, latent, w_kv_b, layer_id, md, cache, **kernels), cache
+    return _absorbed(q_nope, q_pe, w_kv_b, layer_id, md, cache, **kernels), cache
 
-        def step_rows():  # no prefix: the step's own rows, up-projected once
-            rows = step_rows_cache(latent, view, md, cache)
-            return paged.paged_attention(
-                q, rows, 0, md, scaling=scaling, impl=impl, config=kernel_config,
-                native_config=config,
-            )  # fmt: skip
 
-        def pool_blocks():  # up-projected per gathered pool block
-            return native.attend(q, cache, layer_id, md, scaling=scaling, config=config, view=view)
+def _decompressed(q_nope, q_pe, latent, w_kv_b, layer_id, md, cache, *, scaling, impl, config,
+                  kernel_config):  # fmt: skip
+    """``forward``'s decompressed form over the written cache: ``[T, heads, v_head_dim]``."""
+    q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
+    view = decompressed_view(w_kv_b.astype(cache.k.dtype), q_nope.shape[-1])
 
-        no_prefix = has_no_prefix(md, cache.req_to_token.shape[0])
-        return jax.lax.cond(no_prefix, step_rows, pool_blocks), cache
+    def step_rows():  # no prefix: the step's own rows, up-projected once
+        rows = step_rows_cache(latent, view, md, cache)
+        return paged.paged_attention(
+            q, rows, 0, md, scaling=scaling, impl=impl, config=kernel_config,
+            native_config=config,
+        )  # fmt: skip
+
+    def pool_blocks():  # up-projected per gathered pool block
+        return native.attend(q, cache, layer_id, md, scaling=scaling, config=config, view=view)
+
+    no_prefix = has_no_prefix(md, cache.req_to_token.shape[0])
+    return jax.lax.cond(no_prefix, step_rows, pool_blocks)
+
+
+def _absorbed(q_nope, q_pe, w_kv_b, layer_id, md, cache, *, scaling, impl, config,
+              kernel_config):  # fmt: skip
+    """``forward``'s absorbed form over the written cache: ``[T, heads, v_head_dim]``."""
+    nope = q_nope.shape[-1]
     w_uk, w_uv = w_kv_b[..., :nope], w_kv_b[..., nope:]
     f32 = jnp.float32
     q_latent = jnp.einsum("thn,rhn->thr", q_nope, w_uk, preferred_element_type=f32)
@@ -219,4 +232,4 @@ def forward(
         native_config=config, value_width=w_kv_b.shape[0],
     )  # fmt: skip  # [T, heads, rank]
     out = jnp.einsum("thr,rhv->thv", out_latent, w_uv, preferred_element_type=f32)
-    return out.astype(q_nope.dtype), cache
+    return out.astype(q_nope.dtype)

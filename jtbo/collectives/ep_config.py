@@ -176,17 +176,32 @@ def create_ep_dispatcher(
         dedup=dedup,
         device_group=peer_copy.device_group(mesh) if exchange == "peer_copy" else (),
     )
-    peer = worst.worst_peer_capacity
-    if not worst_case:
-        balanced = num_tokens * top_k / ep_size
-        if dedup:
-            balanced = num_tokens * expected_ranks_per_token(num_experts, ep_size, top_k) / ep_size
-        peer = min(peer, round_up(math.ceil(capacity_factor * balanced), slot_alignment))
+    if worst_case:
+        peer = worst.worst_peer_capacity
+        worst = dataclasses.replace(worst, peer_capacity=peer)
+        return dataclasses.replace(worst, expert_capacity=worst.worst_expert_capacity)
+    return _balanced_capacities(worst, capacity_factor, slot_alignment)
+
+
+def _balanced_capacities(
+    worst: EpDispatcher, capacity_factor: float, slot_alignment: int
+) -> EpDispatcher:
+    """``worst`` with ``capacity_factor`` times the balanced load per peer and per expert,
+    rounded up to ``slot_alignment``, each at most its worst case."""
+    num_tokens, top_k, ep_size = worst.num_tokens, worst.top_k, worst.ep_size
+    balanced = num_tokens * top_k / ep_size
+    if worst.dedup:
+        balanced = (
+            num_tokens * expected_ranks_per_token(worst.num_experts, ep_size, top_k) / ep_size
+        )
+    peer = min(
+        worst.worst_peer_capacity, round_up(math.ceil(capacity_factor * balanced), slot_alignment)
+    )
     worst = dataclasses.replace(worst, peer_capacity=peer)
-    expert = worst.worst_expert_capacity
-    if not worst_case:
-        balanced = num_tokens * top_k / worst.num_local_experts
-        expert = min(expert, round_up(math.ceil(capacity_factor * balanced), slot_alignment))
+    balanced = num_tokens * top_k / worst.num_local_experts
+    expert = min(
+        worst.worst_expert_capacity, round_up(math.ceil(capacity_factor * balanced), slot_alignment)
+    )
     return dataclasses.replace(worst, expert_capacity=expert)
 
 

@@ -203,6 +203,28 @@ def gather_operations(moe: model_lib.MoEBlock, moe_runner_backend: str = "xla") 
         ids, weights = jnp.split(side, 2, axis=1)
         state.dispatch_output = (x, ids - 1, jax.lax.bitcast_convert_type(weights, jnp.float32))
 
+    def combine_a(state):
+        reduced = scatter.dp_reduce_scatter_tensor(state.pop("expert_output"), state.dp_context)
+        state.combine_in_flight = operations.InFlight(reduced)
+
+    def combine_b(state):
+        state.hidden_states_after_combine = state.pop("combine_in_flight").value
+
+    return dict(
+        dispatch_a=operations.IssuingOperation(dispatch_a),
+        dispatch_b=dispatch_b,
+        experts=_gather_experts_operation(moe, moe_runner_backend),
+        combine_a=operations.IssuingOperation(combine_a),
+        combine_b=combine_b,
+    )
+
+
+def _gather_experts_operation(
+    moe: model_lib.MoEBlock, moe_runner_backend: str
+) -> operations.JointOperation:
+    """The ``"none"`` backend's ``experts``: every expert over the gathered rows, with a joint
+    form over both micro-batches' rows."""
+
     def ffn(x, ids, weights):
         # Every device holds all experts' slice of the hidden width: a partial sum per row.
         return experts.experts_capacity(
@@ -220,17 +242,4 @@ def gather_operations(moe: model_lib.MoEBlock, moe_runner_backend: str = "xla") 
         states[0].expert_output, states[1].expert_output = out[:first_rows], out[first_rows:]
         return None, None
 
-    def combine_a(state):
-        reduced = scatter.dp_reduce_scatter_tensor(state.pop("expert_output"), state.dp_context)
-        state.combine_in_flight = operations.InFlight(reduced)
-
-    def combine_b(state):
-        state.hidden_states_after_combine = state.pop("combine_in_flight").value
-
-    return dict(
-        dispatch_a=operations.IssuingOperation(dispatch_a),
-        dispatch_b=dispatch_b,
-        experts=operations.JointOperation(experts_op, experts_joint),
-        combine_a=operations.IssuingOperation(combine_a),
-        combine_b=combine_b,
-    )
+    return operations.JointOperation(experts_op, experts_joint)

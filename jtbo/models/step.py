@@ -196,6 +196,28 @@ def _contexts(per_rank, replicated, box, dispatchers, child_capacity):
     ]
 
 
+def _micro_batch_operations(operations_of, params, children, isolate: bool):
+    """Each micro-batch's inputs and ``(operations, delta)`` (``_run_tbo``).
+
+    With ``isolate`` each micro-batch reads the parameters through its own
+    ``optimization_barrier``, tied to its inputs; without it one operation list serves both.
+    """
+    if not isolate:
+        return children, [operations_of(params)] * 2
+    pairs = [jax.lax.optimization_barrier((params, child)) for child in children]
+    return [child for _, child in pairs], [operations_of(view) for view, _ in pairs]
+
+
+def _run_lockstep(children, operation_lists, contexts, barriers: bool, child_capacity: int):
+    """Both micro-batches in lockstep (``_run_tbo`` on a one-device mesh); small ones also run
+    their row-wise operations once over both."""
+    return operations.execute_lockstep_operations(
+        children, operation_lists, contexts_arr=contexts, barriers=barriers,
+        join_row_wise=child_capacity <= SINGLE_DEVICE_MERGE_MAX_ROWS,
+        state_type=layer_state.LayerState,
+    )  # fmt: skip
+
+
 def _run_tbo(
     operations_of, params, per_rank, contexts, child_capacity, barriers, isolate, issue_barriers,
     pin_issued,
@@ -241,25 +263,16 @@ def _run_tbo(
     t, n = per_rank.split_token_index, per_rank.num_tokens
     inputs = dict(input_ids=per_rank.input_ids, positions=per_rank.positions)
     children = activations.split_inputs(inputs, t, n, child_capacity=child_capacity)
-    if isolate:
-        pairs = [jax.lax.optimization_barrier((params, child)) for child in children]
-        built = [operations_of(view) for view, _ in pairs]
-        children = [child for _, child in pairs]
-    else:
-        built = [operations_of(params)] * 2  # one operation list serves both micro-batches
-    delta = built[0][1]
+    children, built = _micro_batch_operations(operations_of, params, children, isolate)
     if isolate:
         outputs = operations.execute_overlapped_operations(
-            children, [ops for ops, _ in built], [0, delta], contexts_arr=contexts,
+            children, [ops for ops, _ in built], [0, built[0][1]], contexts_arr=contexts,
             barriers=barriers, issue_barriers=issue_barriers, pin_issued=pin_issued,
             state_type=layer_state.LayerState,
         )  # fmt: skip
     else:
-        outputs = operations.execute_lockstep_operations(
-            children, [ops for ops, _ in built], contexts_arr=contexts, barriers=barriers,
-            join_row_wise=child_capacity <= SINGLE_DEVICE_MERGE_MAX_ROWS,
-            state_type=layer_state.LayerState,
-        )  # fmt: skip
+        lists = [ops for ops, _ in built]
+        outputs = _run_lockstep(children, lists, contexts, barriers, child_capacity)
     if per_rank.logit_rows is not None:
         return activations.take_merged_rows(*outputs, t, per_rank.logit_rows)
     capacity = per_rank.input_ids.shape[0]
@@ -296,14 +309,7 @@ def step_body(
       ``per_rank.logit_rows`` when the plan has it. With ``sampler_key`` the first item is
       ``step_io.step_output``'s dict instead, each leaf with a leading axis of 1.
     """
-    per_rank = _squeeze_rank(per_rank)
-    cache = _squeeze_rank(kv_cache)
-    if per_rank.page_writes is not None:  # the new tokens' slots, before attention reads them
-        table = step_io.write_pages(cache.req_to_token, per_rank.page_writes)
-        cache = dataclasses.replace(cache, req_to_token=table)
-    if per_rank.token_source is not None:  # rows whose ids the last step sampled on the devices
-        ids = step_io.resolve_input_ids(per_rank.input_ids, per_rank.token_source, prev_tokens[0])
-        per_rank = dataclasses.replace(per_rank, input_ids=ids)
+    per_rank, cache = _apply_plan(_squeeze_rank(per_rank), _squeeze_rank(kv_cache), prev_tokens)
     box = layer_ops.StepBox(cache, 1 if child_capacity is None else 2)
     rows = per_rank.logit_rows  # [width] rows to return, or None: every row
 
@@ -313,13 +319,7 @@ def step_body(
 
     contexts = _contexts(per_rank, replicated, box, dispatchers, child_capacity)
     if child_capacity is None:
-        ops, _ = operations_of(params)
-        inputs = dict(input_ids=per_rank.input_ids, positions=per_rank.positions)
-        out = operations.execute_operations(
-            inputs, ops, context=contexts[0], state_type=layer_state.LayerState
-        )
-        if rows is not None:
-            out = jax.tree.map(lambda x: x[rows], out)
+        out = _run_plain(operations_of(params)[0], per_rank, contexts[0])
     else:
         out = _run_tbo(
             operations_of, params, per_rank, contexts, child_capacity,
@@ -332,11 +332,41 @@ def step_body(
     )
     if sampler_key is not None:
         logits = step_io.step_output(logits, per_rank.sampling, sampler_key)
-    # Reduced over the EP group so every process reads the same counts (16 bytes each; the
-    # only collectives outside both micro-batches).
+    return _expand_rank(logits), _expand_rank(box.kv_cache), *_ep_counts(box)
+
+
+def _apply_plan(per_rank: plan_arrays.PerRankInputs, cache, prev_tokens):
+    """Writes the new tokens' page-table slots and reads the input ids the previous step
+    sampled on the devices: ``(per_rank, cache)`` as the layers read them."""
+    if per_rank.page_writes is not None:  # the new tokens' slots, before attention reads them
+        table = step_io.write_pages(cache.req_to_token, per_rank.page_writes)
+        cache = dataclasses.replace(cache, req_to_token=table)
+    if per_rank.token_source is not None:  # rows whose ids the last step sampled on the devices
+        ids = step_io.resolve_input_ids(per_rank.input_ids, per_rank.token_source, prev_tokens[0])
+        per_rank = dataclasses.replace(per_rank, input_ids=ids)
+    return per_rank, cache
+
+
+def _run_plain(ops, per_rank: plan_arrays.PerRankInputs, context):
+    """The whole batch through ``ops`` at once; only the ``logit_rows`` rows kept, if given."""
+    inputs = dict(input_ids=per_rank.input_ids, positions=per_rank.positions)
+    out = operations.execute_operations(
+        inputs, ops, context=context, state_type=layer_state.LayerState
+    )
+    if per_rank.logit_rows is None:
+        return out
+    return jax.tree.map(lambda x: x[per_rank.logit_rows], out)
+
+
+def _ep_counts(box: layer_ops.StepBox) -> tuple[jax.Array, jax.Array]:
+    """The step's EP overflow counts (summed) and peak loads (max) over the EP group.
+
+    Reduced over the group so every process reads the same counts (16 bytes each; the only
+    collectives outside both micro-batches).
+    """
     overflow = jax.lax.psum(jnp.stack(box.overflow), mesh_lib.TP_AXES)
     peak_load = jax.lax.pmax(jnp.stack(box.peak_load), mesh_lib.TP_AXES)
-    return _expand_rank(logits), _expand_rank(box.kv_cache), overflow, peak_load
+    return overflow, peak_load
 
 
 def make_step(

@@ -290,26 +290,10 @@ def execute_overlapped_operations(
       ValueError: two micro-batches are not given, ``delta_stages[0] != 0``, ``d`` is
         negative or exceeds the stage count, or the stage counts differ.
     """
-    _check_pair("inputs_arr", inputs_arr)
-    _check_pair("operations_arr", operations_arr)
-    _check_pair("contexts_arr", contexts_arr)
     _check_pair("delta_stages", delta_stages)
-    if delta_stages[0] != 0:
-        raise ValueError(f"delta_stages[0] must be 0, got {delta_stages[0]}")
-    delta = delta_stages[1]
-    executors = [
-        _StageExecutor(scope, convert_operations_to_stages(ops), inputs, context, state_type)
-        for scope, ops, inputs, context in zip(
-            MICRO_BATCH_SCOPES, operations_arr, inputs_arr, contexts_arr, strict=True
-        )
-    ]
+    executors = _pair_executors(inputs_arr, operations_arr, contexts_arr, state_type)
     executor_a, executor_b = executors
-    if executor_a.num_stages != executor_b.num_stages:
-        raise ValueError(
-            f"stage counts differ: A has {executor_a.num_stages}, B has {executor_b.num_stages}"
-        )
-    if not 0 <= delta <= executor_a.num_stages:
-        raise ValueError(f"delta_stages[1]={delta} outside [0, {executor_a.num_stages}]")
+    delta = _stagger(executors, delta_stages)
     before_issue = functools.partial(_pin_before_issue, executors) if issue_barriers else None
     after_issue = functools.partial(_pin_round, executors, in_flight=True) if pin_issued else None
     for round_executors in _rounds(executor_a, executor_b, delta):
@@ -355,15 +339,7 @@ def execute_lockstep_operations(
     Raises:
       ValueError: two micro-batches are not given, or their stages' operation names differ.
     """
-    _check_pair("inputs_arr", inputs_arr)
-    _check_pair("operations_arr", operations_arr)
-    _check_pair("contexts_arr", contexts_arr)
-    executors = [
-        _StageExecutor(scope, convert_operations_to_stages(ops), inputs, context, state_type)
-        for scope, ops, inputs, context in zip(
-            MICRO_BATCH_SCOPES, operations_arr, inputs_arr, contexts_arr, strict=True
-        )
-    ]
+    executors = _pair_executors(inputs_arr, operations_arr, contexts_arr, state_type)
     names = [[[op.debug_name for op in stage] for stage in e.stages] for e in executors]
     if names[0] != names[1]:
         raise ValueError(f"lockstep needs the same operations in A and B: {names[0]} vs {names[1]}")
@@ -373,6 +349,43 @@ def execute_lockstep_operations(
         if barriers:
             _pin_round(executors)
     return [e.stage_output for e in executors]
+
+
+def _pair_executors(inputs_arr, operations_arr, contexts_arr, state_type) -> list[_StageExecutor]:
+    """Micro-batch A's and B's executors, each under its named scope.
+
+    Raises:
+      ValueError: an argument that does not hold two micro-batches, or an empty stage.
+    """
+    _check_pair("inputs_arr", inputs_arr)
+    _check_pair("operations_arr", operations_arr)
+    _check_pair("contexts_arr", contexts_arr)
+    return [
+        _StageExecutor(scope, convert_operations_to_stages(ops), inputs, context, state_type)
+        for scope, ops, inputs, context in zip(
+            MICRO_BATCH_SCOPES, operations_arr, inputs_arr, contexts_arr, strict=True
+        )
+    ]
+
+
+def _stagger(executors: Sequence[_StageExecutor], delta_stages: Sequence[int]) -> int:
+    """B's delay ``d`` in stages, checked against both executors' stage counts.
+
+    Raises:
+      ValueError: ``delta_stages[0] != 0``, stage counts that differ, or ``d`` outside
+        ``[0, stages]``.
+    """
+    if delta_stages[0] != 0:
+        raise ValueError(f"delta_stages[0] must be 0, got {delta_stages[0]}")
+    executor_a, executor_b = executors
+    if executor_a.num_stages != executor_b.num_stages:
+        raise ValueError(
+            f"stage counts differ: A has {executor_a.num_stages}, B has {executor_b.num_stages}"
+        )
+    delta = delta_stages[1]
+    if not 0 <= delta <= executor_a.num_stages:
+        raise ValueError(f"delta_stages[1]={delta} outside [0, {executor_a.num_stages}]")
+    return delta
 
 
 def _run_lockstep_operation(
