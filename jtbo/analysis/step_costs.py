@@ -1,7 +1,7 @@
 """The step model's per-operation cost table: loaded, checked and interpolated.
 
 The table is measured on one device by ``python -m jtbo.bench predict --measure``
-(``jtbo.bench.step_costs_measure`` says what each section times); the one shipped with jtbo,
+(its measuring module says what each section times); the one shipped with jtbo,
 ``step_costs_h200.json`` beside this module, was measured on an H200 (BENCHMARKS.md, "TBO
 step model: validation"). Each section holds times at a grid of sizes; between grid points a
 time is interpolated linearly in log(size) - log(time) (after ``work_curve`` makes the curve

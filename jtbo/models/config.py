@@ -278,7 +278,7 @@ class MoEConfig:
         """DeepSeek-V3's full published dimensions: 61 layers (the first 3 dense), 256 routed
         experts of width 2048 (top-8 in 4 of 8 groups) and one shared expert, MLA attention.
 
-        For the step model (``jtbo.analysis.step_model``) and AOT compiles; its weights do not
+        For the TBO step model and AOT compiles; its weights do not
         fit one machine of a few GPUs.
         """
         return dataclasses.replace(

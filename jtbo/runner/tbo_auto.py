@@ -34,9 +34,8 @@ the other's, and returns what one run of the chosen program returns: the step's 
 runner's KV cache are those of a runner fixed to the chosen mode (tests check it bit for bit).
 
 With ``tbo_auto_source="model"`` the runner times nothing: a predictor (``ModelTimer``, e.g.
-``jtbo.analysis.step_model.auto_predictor``: the step model's plain and TBO times from a
-measured cost table) gives each new shape's two times, and step 4 decides from them (source
-"model"); nothing runs twice.
+the step model's plain and TBO times from a measured cost table, docs/tbo.md) gives each new
+shape's two times, and step 4 decides from them (source "model"); nothing runs twice.
 
 Later steps of a decided shape run the chosen program without timing. A ``tbo_plan`` file
 (``tbo_plan_file``) decides shapes up front: shapes it lists are never timed; shapes it does

@@ -46,7 +46,7 @@ class TboOptions:
         or "model" (decide from ``tbo_predictor`` without running either; the runner's
         timer becomes ``tbo_auto.ModelTimer(tbo_predictor)``).
       tbo_predictor: "model": ``shape -> (plain_ms, tbo_ms)`` (``tbo_auto.StepPredictor``),
-        e.g. ``jtbo.analysis.step_model.auto_predictor(config, ep_size, link)``.
+        e.g. the step model's ``auto_predictor`` (docs/tbo.md).
     """
 
     enable_two_batch_overlap: bool | str = False
