@@ -53,7 +53,7 @@ import numpy as np
 from jtbo import attention
 from jtbo.attention import backend as backend_lib
 from jtbo.attention import kv_cache as kv_cache_lib
-from jtbo.bench import device_rates, kernel_time, limits
+from jtbo.bench import device_rates, kernel_time, limits, options
 from jtbo.core import cli_arguments
 
 CASES = ("extend", "decode", "verify")
@@ -67,33 +67,75 @@ MATMUL_N = 8192  # size of the dense bf16 matmul yardstick (256 with --small)
 CEILING_BYTES = 1 << 30  # size of the copy yardstick (16 MiB with --small)
 
 
+_POSITIVE = cli_arguments.positive_int
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseOptions:
+    """The cases, backends and shapes the benchmark times (the flags before the knobs)."""
+
+    small: bool = options.option(False, action="store_true", help="tiny shapes for a CPU smoke run")
+    cases: str = options.option("extend,decode", help=f"comma list of {CASES}")
+    backends: str = options.option(
+        "native,pallas", help=f"comma list of {tuple(backend_lib.ATTENTION_BACKENDS)}"
+    )
+    extend_tokens: int = options.option(8192, type=_POSITIVE)  # extend: tokens per step
+    extend_seqs: int = options.option(4, type=_POSITIVE)  # extend: sequences per step
+    decode_seqs: int = options.option(256, type=_POSITIVE)  # decode: sequences per step
+    decode_context: int = options.option(4096, type=_POSITIVE)  # decode: KV length
+    draft: int = options.option(4, type=_POSITIVE, help="verify: draft tokens per sequence")
+    q_heads: int = options.option(32, type=_POSITIVE)  # query heads
+    kv_heads: int = options.option(8, type=_POSITIVE)  # KV heads
+    head_dim: int = options.option(128, type=_POSITIVE)  # width of a head
+    dtype: str = options.option("bfloat16")  # the queries' and the pool's dtype
+    query_tile: int = options.option(64, type=_POSITIVE)  # extend: query rows per tile
+    kv_block: int = options.option(256, type=_POSITIVE, help="native: KV block")
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingAndMlaOptions:
+    """The timing and MLA flags (after the kernels' launch-shape knobs)."""
+
+    kernel_time: bool = options.option(
+        False, action="store_true",
+        help="on a GPU, also trace the timed steps and split their time into the attention "
+        "kernel's own (jtbo_*) and the other kernels' (the K/V write, the output's zeros)",
+    )  # fmt: skip
+    iters: int = options.option(10, type=_POSITIVE)  # timed steps per case
+    mla: bool = options.option(False, action="store_true", help="MLA over a latent pool (above)")
+    kv_lora_rank: int = options.option(512, type=_POSITIVE, help="MLA latent width")
+    qk_rope_dim: int = options.option(64, type=_POSITIVE, help="MLA RoPE key width")
+    qk_nope_dim: int = options.option(128, type=_POSITIVE, help="MLA query/key width")
+    v_head_dim: int = options.option(128, type=_POSITIVE, help="MLA value width")
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m jtbo.bench attention")
-    parser.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
-    parser.add_argument("--cases", default="extend,decode", help=f"comma list of {CASES}")
-    parser.add_argument(
-        "--backends",
-        default="native,pallas",
-        help=f"comma list of {tuple(backend_lib.ATTENTION_BACKENDS)}",
-    )
-    parser.add_argument("--extend-tokens", type=cli_arguments.positive_int, default=8192)
-    parser.add_argument("--extend-seqs", type=cli_arguments.positive_int, default=4)
-    parser.add_argument("--decode-seqs", type=cli_arguments.positive_int, default=256)
-    parser.add_argument("--decode-context", type=cli_arguments.positive_int, default=4096)
-    parser.add_argument(
-        "--draft",
-        type=cli_arguments.positive_int,
-        default=4,
-        help="verify: draft tokens per sequence",
-    )
-    parser.add_argument("--q-heads", type=cli_arguments.positive_int, default=32)
-    parser.add_argument("--kv-heads", type=cli_arguments.positive_int, default=8)
-    parser.add_argument("--head-dim", type=cli_arguments.positive_int, default=128)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--query-tile", type=cli_arguments.positive_int, default=64)
-    parser.add_argument(
-        "--kv-block", type=cli_arguments.positive_int, default=256, help="native: KV block"
-    )
+    options.add_arguments(parser, CaseOptions)
+    _add_knob_arguments(parser)
+    options.add_arguments(parser, TimingAndMlaOptions)
+    parser.set_defaults(ceiling_bytes=CEILING_BYTES, matmul_n=MATMUL_N)
+    args = parser.parse_args(argv)
+    args.cases, args.backends = args.cases.split(","), args.backends.split(",")
+    for name in args.cases:
+        if name not in CASES:
+            parser.error(f"--cases: {name!r} is not one of {CASES}")
+    for name in args.backends:
+        backend_lib.backend_class(name)  # ValueError naming the backend
+    if args.small:
+        _shrink(args)
+    try:  # after --small's knobs: the ones that run
+        args.paged_configs = _configs(args, attention.PagedAttentionConfig, KNOBS, "")
+        args.extend_configs = _configs(
+            args, attention.ExtendAttentionConfig, EXTEND_KNOBS, "extend_"
+        )
+    except ValueError as error:
+        parser.error(f"kernel launch shape: {error}")
+    return args
+
+
+def _add_knob_arguments(parser: argparse.ArgumentParser) -> None:
+    """One comma-list flag per launch-shape knob of the paged and the extend kernel."""
     defaults = attention.PagedAttentionConfig()
     for name in KNOBS:
         parser.add_argument(
@@ -108,49 +150,17 @@ def _parse(argv: list[str]) -> argparse.Namespace:
             help=f"pallas, triton, extend case: ExtendAttentionConfig.{name} (a comma list "
             "sweeps it)",
         )  # fmt: skip
-    parser.add_argument(
-        "--kernel-time", action="store_true",
-        help="on a GPU, also trace the timed steps and split their time into the attention "
-        "kernel's own (jtbo_*) and the other kernels' (the K/V write, the output's zeros)",
-    )  # fmt: skip
-    parser.add_argument("--iters", type=cli_arguments.positive_int, default=10)
-    parser.add_argument("--mla", action="store_true", help="MLA over a latent pool (above)")
-    parser.add_argument(
-        "--kv-lora-rank", type=cli_arguments.positive_int, default=512, help="MLA latent width"
-    )
-    parser.add_argument(
-        "--qk-rope-dim", type=cli_arguments.positive_int, default=64, help="MLA RoPE key width"
-    )
-    parser.add_argument(
-        "--qk-nope-dim", type=cli_arguments.positive_int, default=128, help="MLA query/key width"
-    )
-    parser.add_argument(
-        "--v-head-dim", type=cli_arguments.positive_int, default=128, help="MLA value width"
-    )
-    parser.set_defaults(ceiling_bytes=CEILING_BYTES, matmul_n=MATMUL_N)
-    args = parser.parse_args(argv)
-    args.cases, args.backends = args.cases.split(","), args.backends.split(",")
-    for name in args.cases:
-        if name not in CASES:
-            parser.error(f"--cases: {name!r} is not one of {CASES}")
-    for name in args.backends:
-        backend_lib.backend_class(name)  # ValueError naming the backend
-    if args.small:
-        args.extend_tokens, args.extend_seqs = 256, 2
-        args.decode_seqs, args.decode_context = 16, 128
-        args.q_heads, args.kv_heads, args.head_dim = 4, 2, 32
-        args.dtype, args.query_tile, args.kv_block, args.iters = "float32", 32, 64, 2
-        args.block_kv, args.min_split_kv, args.ceiling_bytes = [32], [32], 1 << 24
-        args.extend_block_kv, args.matmul_n = [32], 256
-        args.kv_lora_rank, args.qk_rope_dim, args.qk_nope_dim, args.v_head_dim = 32, 16, 16, 16
-    try:  # after --small's knobs: the ones that run
-        args.paged_configs = _configs(args, attention.PagedAttentionConfig, KNOBS, "")
-        args.extend_configs = _configs(
-            args, attention.ExtendAttentionConfig, EXTEND_KNOBS, "extend_"
-        )
-    except ValueError as error:
-        parser.error(f"kernel launch shape: {error}")
-    return args
+
+
+def _shrink(args: argparse.Namespace) -> None:
+    """``--small``: tiny shapes, few iterations and small yardsticks (a CPU smoke run)."""
+    args.extend_tokens, args.extend_seqs = 256, 2
+    args.decode_seqs, args.decode_context = 16, 128
+    args.q_heads, args.kv_heads, args.head_dim = 4, 2, 32
+    args.dtype, args.query_tile, args.kv_block, args.iters = "float32", 32, 64, 2
+    args.block_kv, args.min_split_kv, args.ceiling_bytes = [32], [32], 1 << 24
+    args.extend_block_kv, args.matmul_n = [32], 256
+    args.kv_lora_rank, args.qk_rope_dim, args.qk_nope_dim, args.v_head_dim = 32, 16, 16, 16
 
 
 def _int_list(text: str) -> list[int]:

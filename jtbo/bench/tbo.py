@@ -23,7 +23,7 @@ inputs, the jitted call, the wait for the EP counts; ``jtbo.runner.step_phases``
 line per case comparing the plain step with its physical limit (``jtbo.bench.limits``: useful FLOPs
 at a bf16 matmul rate for prefill, weight and KV bytes at the copy bandwidth for decode, both
 rates measured in the same run). ``--devices N`` runs
-DP attention over N devices (dp=N, EP over all of them: the multi-GPU measurement of issue 8),
+DP attention over N devices (dp=N, EP over all of them: the multi-GPU measurement),
 and ``--barriers`` adds a column for TBO with round barriers (a second runner).
 ``--prefill-skew S`` gives every rank but rank 0 ``S`` times the case's prefill tokens (the
 tokens/rank column lists each rank's); with ``--moe-a2a-backend none`` the DP gathers of such
@@ -77,7 +77,7 @@ from flax import nnx
 from jtbo import split
 from jtbo.analysis import hlo_schedule
 from jtbo.attention import backend as attn_backend_lib
-from jtbo.bench import device_rates, kernel_time, limits
+from jtbo.bench import device_rates, kernel_time, limits, options
 from jtbo.collectives import ep_config
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.core import cli_arguments
@@ -113,98 +113,7 @@ NVLS_ENVIRONMENT = ("NCCL_NVLS_ENABLE", "0")
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m jtbo.bench tbo", description=__doc__)
-    parser.add_argument(
-        "--prefill", type=cli_arguments.positive_int, nargs="*", default=[4096, 8192, 16384]
-    )
-    parser.add_argument(
-        "--decode", type=cli_arguments.positive_int, nargs="*", default=[64, 128, 256]
-    )
-    parser.add_argument("--prompt-len", type=cli_arguments.positive_int, default=2048)
-    parser.add_argument(
-        "--context", type=cli_arguments.positive_int, default=1024, help="decode KV length"
-    )
-    parser.add_argument(
-        "--iters", type=cli_arguments.positive_int, default=15, help="timed steps per column"
-    )
-    parser.add_argument(
-        "--logits", choices=last_rows.LOGITS_MODES, default="last",
-        help="logits rows each step computes: each sequence's last (what generate serves, "
-        "the default) or every token's (ModelRunner.forward(logits=...))",
-    )  # fmt: skip
-    parser.add_argument(
-        "--devices", type=cli_arguments.positive_int, help="shorthand for --dp N --attn-tp 1"
-    )
-    parser.add_argument("--dp", type=cli_arguments.positive_int, default=1)
-    parser.add_argument("--attn-tp", type=cli_arguments.positive_int, default=1)
-    parser.add_argument("--moe-a2a-backend", choices=("ep", "none"), default="ep")
-    parser.add_argument(
-        "--dp-padding", choices=planning.DP_PADDING_CHOICES, default="auto",
-        help="DP padding of the 'none' backend's gathers: ModelRunner(dp_padding=...); "
-        "sum_len needs --moe-a2a-backend none",
-    )  # fmt: skip
-    parser.add_argument(
-        "--prefill-skew", type=_skew, default=1.0, metavar="S",
-        help="prefill cases: rank 0 gets the case's tokens, every other rank S times as many "
-        "(0 < S <= 1; 1: equal ranks)",
-    )  # fmt: skip
-    parser.add_argument("--ep-capacity-factor", type=float, default=4.0)
-    parser.add_argument(
-        "--ep-dedup", action=argparse.BooleanOptionalAction, default=True,
-        help="EP sends each token once per destination GPU (DeepEP-style) with its local "
-        "expert ids and weights (the default); --no-ep-dedup: once per (token, expert)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--ep-exchange-tbo", choices=ep_config.EXCHANGES, default=None,
-        help="EP exchange of the TBO steps (default: --ep-exchange), e.g. --ep-exchange dense "
-        "--ep-exchange-tbo peer_copy: NCCL in plain steps, copy engines where TBO overlaps",
-    )  # fmt: skip
-    parser.add_argument(
-        "--ep-routing-stats", metavar="FILE",
-        help="EP capacities from the peak loads in FILE where it exists (headroom 1.25), and "
-        "FILE (re)written with this run's peaks after the timing",
-    )  # fmt: skip
-    parser.add_argument(
-        "--ep-exchange", choices=ep_config.EXCHANGES, default="dense",
-        help="EP exchange: XLA's all-to-all of fixed slots (dense), of the filled slots only "
-        "(ragged), or copy-engine peer copies on a side stream (peer_copy, one process)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--moe-runner-backend", choices=layer_ops.MOE_RUNNER_BACKENDS, default=None,
-        help="routed experts' FFN: batched matmul over every slot, or the grouped GEMM kernel "
-        "(default: the runner's, the fastest on this platform)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--moe-runner-backend-tbo", choices=layer_ops.MOE_RUNNER_BACKENDS, default=None,
-        help="routed experts' FFN of the TBO steps (default: --moe-runner-backend)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--ep-overflow-policy", choices=("rerun", "raise"), default="rerun",
-        help="a step that overflows EP capacity re-runs with the next bucket (warm-up absorbs it)",
-    )  # fmt: skip
-    parser.add_argument("--tiny", action="store_true", help="MoEConfig.tiny() (smoke test)")
-    parser.add_argument(
-        "--attention-kind", choices=("mla", "gqa"), default="mla",
-        help="the model's attention: DeepSeek's MLA (MoEConfig.deepseek_v3_reduced(); "
-        "tiny_mla() with --tiny) or GQA (deepseek_v3_gqa_reduced(); tiny())",
-    )  # fmt: skip
-    parser.add_argument(
-        "--attention-backend", choices=tuple(attn_backend_lib.ATTENTION_BACKENDS),
-        default=None,
-        help="ModelRunner(attention_backend=...) of every runner (default: the runner's)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-        help="parameter / activation dtype (float32: the agreement column without bf16 rounding)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--tbo-child-buckets", type=int, default=split.DEFAULT_CHILD_BUCKETS, metavar="N",
-        help="TboOptions(tbo_child_buckets=N): micro-batch capacities per token bucket, from "
-        "the even split's half bucket to the most uneven split's bound (1: the bound alone)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--barriers", action="store_true",
-        help="also time TBO with round barriers (a second runner; column 'TBO+barriers')",
-    )  # fmt: skip
+    options.add_arguments(parser, TboBenchOptions)
     _add_profile_arguments(parser)
     _add_environment_arguments(parser)
     return parser
@@ -253,6 +162,98 @@ def _skew(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"--prefill-skew takes a number in (0, 1], got {text!r}")
     return value
+
+
+_POSITIVE = cli_arguments.positive_int
+
+
+@dataclasses.dataclass(frozen=True)
+class TboBenchOptions:
+    """The benchmark's cases, mesh, MoE and model options, one flag each (``_parser``)."""
+
+    prefill: list[int] = options.option([4096, 8192, 16384], type=_POSITIVE, nargs="*")
+    decode: list[int] = options.option([64, 128, 256], type=_POSITIVE, nargs="*")
+    prompt_len: int = options.option(2048, type=_POSITIVE)  # decode cases: prompt tokens
+    context: int = options.option(1024, type=_POSITIVE, help="decode KV length")
+    iters: int = options.option(15, type=_POSITIVE, help="timed steps per column")
+    logits: str = options.option(
+        "last", choices=last_rows.LOGITS_MODES,
+        help="logits rows each step computes: each sequence's last (what generate serves, "
+        "the default) or every token's (ModelRunner.forward(logits=...))",
+    )  # fmt: skip
+    devices: int | None = options.option(
+        None, type=_POSITIVE, help="shorthand for --dp N --attn-tp 1"
+    )
+    dp: int = options.option(1, type=_POSITIVE)  # DP ranks
+    attn_tp: int = options.option(1, type=_POSITIVE)  # devices per DP rank
+    moe_a2a_backend: str = options.option("ep", choices=("ep", "none"))  # MoE exchange
+    dp_padding: str = options.option(
+        "auto", choices=planning.DP_PADDING_CHOICES,
+        help="DP padding of the 'none' backend's gathers: ModelRunner(dp_padding=...); "
+        "sum_len needs --moe-a2a-backend none",
+    )  # fmt: skip
+    prefill_skew: float = options.option(
+        1.0, type=_skew, metavar="S",
+        help="prefill cases: rank 0 gets the case's tokens, every other rank S times as many "
+        "(0 < S <= 1; 1: equal ranks)",
+    )  # fmt: skip
+    ep_capacity_factor: float = options.option(4.0, type=float)  # EP slots per balanced load
+    ep_dedup: bool = options.option(
+        True, action=argparse.BooleanOptionalAction,
+        help="EP sends each token once per destination GPU (DeepEP-style) with its local "
+        "expert ids and weights (the default); --no-ep-dedup: once per (token, expert)",
+    )  # fmt: skip
+    ep_exchange_tbo: str | None = options.option(
+        None, choices=ep_config.EXCHANGES,
+        help="EP exchange of the TBO steps (default: --ep-exchange), e.g. --ep-exchange dense "
+        "--ep-exchange-tbo peer_copy: NCCL in plain steps, copy engines where TBO overlaps",
+    )  # fmt: skip
+    ep_routing_stats: str | None = options.option(
+        None, metavar="FILE",
+        help="EP capacities from the peak loads in FILE where it exists (headroom 1.25), and "
+        "FILE (re)written with this run's peaks after the timing",
+    )  # fmt: skip
+    ep_exchange: str = options.option(
+        "dense", choices=ep_config.EXCHANGES,
+        help="EP exchange: XLA's all-to-all of fixed slots (dense), of the filled slots only "
+        "(ragged), or copy-engine peer copies on a side stream (peer_copy, one process)",
+    )  # fmt: skip
+    moe_runner_backend: str | None = options.option(
+        None, choices=layer_ops.MOE_RUNNER_BACKENDS,
+        help="routed experts' FFN: batched matmul over every slot, or the grouped GEMM kernel "
+        "(default: the runner's, the fastest on this platform)",
+    )  # fmt: skip
+    moe_runner_backend_tbo: str | None = options.option(
+        None, choices=layer_ops.MOE_RUNNER_BACKENDS,
+        help="routed experts' FFN of the TBO steps (default: --moe-runner-backend)",
+    )  # fmt: skip
+    ep_overflow_policy: str = options.option(
+        "rerun", choices=("rerun", "raise"),
+        help="a step that overflows EP capacity re-runs with the next bucket (warm-up absorbs it)",
+    )  # fmt: skip
+    tiny: bool = options.option(False, action="store_true", help="MoEConfig.tiny() (smoke test)")
+    attention_kind: str = options.option(
+        "mla", choices=("mla", "gqa"),
+        help="the model's attention: DeepSeek's MLA (MoEConfig.deepseek_v3_reduced(); "
+        "tiny_mla() with --tiny) or GQA (deepseek_v3_gqa_reduced(); tiny())",
+    )  # fmt: skip
+    attention_backend: str | None = options.option(
+        None, choices=tuple(attn_backend_lib.ATTENTION_BACKENDS),
+        help="ModelRunner(attention_backend=...) of every runner (default: the runner's)",
+    )  # fmt: skip
+    dtype: str = options.option(
+        "bfloat16", choices=("bfloat16", "float32"),
+        help="parameter / activation dtype (float32: the agreement column without bf16 rounding)",
+    )  # fmt: skip
+    tbo_child_buckets: int = options.option(
+        split.DEFAULT_CHILD_BUCKETS, type=int, metavar="N",
+        help="TboOptions(tbo_child_buckets=N): micro-batch capacities per token bucket, from "
+        "the even split's half bucket to the most uneven split's bound (1: the bound alone)",
+    )  # fmt: skip
+    barriers: bool = options.option(
+        False, action="store_true",
+        help="also time TBO with round barriers (a second runner; column 'TBO+barriers')",
+    )  # fmt: skip
 
 
 def _environment_pair(text: str) -> tuple[str, str]:
