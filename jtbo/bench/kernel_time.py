@@ -16,8 +16,8 @@ two answers "which operation costs what", per step:
   a merged matmul), else the kernel family.
 
 Built to find TBO's cost on one H200, where the joined table showed each micro-batch reading
-the Q/K/V weights on its own (BENCHMARKS.md, "TBO step cost on one H200, 2026-11-29 (fused
-weights, one CUDA graph per step)").
+the Q/K/V weights on its own (BENCHMARKS.md, "TBO step cost on one H200", fused weights and
+one CUDA graph per step).
 
 ``collective_bytes`` reads the other side of the same HLO: how many bytes each collective of
 a step moves on one device (for ``bench tbo``'s bytes per exchange and achieved GB/s).
@@ -279,7 +279,7 @@ def _overlap(start: float, end: float, union: list[tuple[float, float]]) -> floa
 
 
 def hidden_communication(kernels: list[Kernel]) -> tuple[float, float]:
-    """How much NCCL time runs while the same GPU computes (issue 8's "hidden" fraction).
+    """How much NCCL time runs while the same GPU computes (the "hidden" fraction).
 
     Args:
       kernels: a trace's GPU kernels (``gpu_kernels``), any number of devices.

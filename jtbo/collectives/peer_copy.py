@@ -2,7 +2,7 @@
 
 XLA runs its own collectives as NCCL kernels, which take streaming multiprocessors from the
 compute they are meant to overlap and are ordered by XLA's scheduler (BENCHMARKS.md, "Run-time
-overlap on two H200s (issue 14)"). This exchange is a pair of XLA FFI custom calls
+overlap on two H200s"). This exchange is a pair of XLA FFI custom calls
 (``jtbo/ffi/peer_exchange_*.cc``):
 
 * ``all_to_all_start(x, group)``: every device of ``group`` pushes block ``p`` of its ``x``

@@ -48,7 +48,7 @@ FASTEST = {
     # (BENCHMARKS.md, "Attention: the extend kernel"); the Triton twin is slower.
     "extend_attention": {"gpu": ("pallas", "triton", "xla"), "cpu": ("xla",)},
     # paged_attention(value_width=...) (MLA's absorbed decode): the paged kernel over the
-    # latent pool beats the native attention (BENCHMARKS.md, "MLA on H200s, 2026-11-30").
+    # latent pool beats the native attention (BENCHMARKS.md, "MLA on H200s").
     "mla_latent_attention": {"gpu": ("pallas", "triton", "xla"), "cpu": ("xla",)},
 }
 

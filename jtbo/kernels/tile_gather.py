@@ -43,8 +43,7 @@ class TileGatherConfig:
         launch_checks.require_powers_of_two(self, ("block_rows", "block_cols", "num_warps"))
 
 
-# Default launch shape (the one measured in the Mosaic layer: BENCHMARKS.md, "H200, 2026-12-01
-# (late afternoon)", C10).
+# Default launch shape (the one measured in the Mosaic layer: BENCHMARKS.md, "Kernels").
 TILE_GATHER = TileGatherConfig()
 
 

@@ -24,8 +24,8 @@ Gate and up are one fused weight ``w_gate_up [E, H, 2, F]``, as in ``jtbo.models
 matmul reads it. (A one-device TBO step runs both micro-batches' experts as one call,
 ``jtbo.models.moe_exchange``. Before that, XLA's dot merger joined A's and B's einsums. With
 two weights it joined the gate and the up matmuls separately, so both concatenations copied
-the same rows: BENCHMARKS.md, "TBO step cost on one H200, 2026-11-29 (decode-sized children,
-unsigned EP indices)", point 3.)
+the same rows: BENCHMARKS.md, "TBO step cost on one H200", decode-sized children and unsigned
+EP indices.)
 """
 
 import jax

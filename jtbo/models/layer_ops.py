@@ -81,7 +81,7 @@ class MoEOptions:
         expert ids and weights (``collectives.ep_dedup``, DeepEP's dispatch; the default)
         instead of one per (token, expert) assignment (False); combine then sums each
         device's experts before sending. Why it is the default: BENCHMARKS.md, "EP exchange
-        volume with dedup dispatch" and "H200s, 2026-12-01 (morning)".
+        volume with dedup dispatch".
       ep_slot_alignment: EP capacities are rounded up to a multiple of this (8 suits GPU
         GEMMs; 1 keeps the factor exact).
     """
@@ -159,7 +159,7 @@ class ParallelConfig:
         every collective-issuing (``*_a``) operation (``jtbo.models.step._run_tbo``). None
         (default): on where attention has no tensor parallelism (``attn_tp_size == 1``): they
         order only the ``*_a`` exchanges, not ``attn_tp`` collectives (measurements:
-        BENCHMARKS.md, "Run-time overlap on two H200s (issue 14)").
+        BENCHMARKS.md, "Run-time overlap on two H200s").
     """
 
     attn_tp_size: int

@@ -4,8 +4,8 @@ Gate and up are one fused weight ``w_gate_up [H, 2, F]`` (SGLang's ``gate_up_pro
 runs one matmul per weight. With two weights XLA's dot merger joins a micro-batch's gate and up
 matmuls (they share the activations) instead of micro-batch A's and B's (they share the
 weight), and each micro-batch then reads the weight on its own; in prefill XLA concatenated
-the two weights at run time every step (BENCHMARKS.md, "TBO step cost on one H200, 2026-11-29
-(fused weights, one CUDA graph per step)", "GPU time").
+the two weights at run time every step (BENCHMARKS.md, "TBO step cost on one H200", fused
+weights and one CUDA graph per step, "GPU time").
 
 The hidden width may be sharded (tensor parallel, the ``F`` axis): each shard then returns a
 partial sum that the caller reduces, which is why ``swiglu`` takes the weights as arguments.

@@ -106,7 +106,7 @@ with (read when CUDA starts: set it before JAX first touches a GPU).
 ``CUDA_DEVICE_MAX_CONNECTIONS=1``: one hardware work queue per device. On two H200s it let
 an NCCL exchange and the compute beside it share the GPU far better, in the overlap probe and
 in the TBO model step; copy engines for local peers and fewer NCCL channels, tried on the same
-probe, did not (BENCHMARKS.md, "Run-time overlap on two H200s (issue 14)").
+probe, did not (BENCHMARKS.md, "Run-time overlap on two H200s").
 
 The peer-copy exchange wants the opposite: with one queue its side stream's copies queue
 behind the compute stream's kernels and run one after the other (BENCHMARKS.md, "Peer-copy EP

@@ -3,8 +3,8 @@
 Why: a jitted call moves every numpy leaf of its arguments to the devices as its own
 host->device transfer. A model step's host plan has 11 leaves without TBO and 28 with it
 (token ids, positions, attention tile metadata, DP contexts), and on one H200 those transfers
-were a measurable part of a decode step (BENCHMARKS.md, "TBO step cost on one H200, 2026-11-29
-(fused weights, one CUDA graph per step)", "Host transfers"). So the plan travels as one
+were a measurable part of a decode step (BENCHMARKS.md, "TBO step cost on one H200", fused
+weights and one CUDA graph per step, "Host transfers"). So the plan travels as one
 buffer per sharding group instead: ``pack`` lays the leaves side by side in
 one int32 array on the host, and ``unpack`` cuts them back out inside the jitted program with
 static slices, reshapes and bitcasts (no copy worth the name: a few fused slices).
