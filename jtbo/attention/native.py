@@ -58,9 +58,8 @@ class NativeAttentionConfig:
         A decode tile is one row, so a block costs ``rows x block`` scores where a prefill
         tile's costs ``query_tile`` times more; every loop step, on the other hand, costs
         its kernels (10 on XLA:GPU) plus a device-to-host read of the loop condition whatever
-        its size. Measured on a 1 x H200 compile of ``MoEConfig.deepseek_v3_gqa_reduced()`` at
-        decode 128, context 1024: 128-position blocks made 8 steps per layer, 352 of the
-        step's 513 kernels, and a TBO step runs two such loops per layer (960 kernels). The
+        its size. At decode, small blocks make many loop steps per layer, whose kernels are
+        most of the step's, and a TBO step runs two such loops per layer. The
         block depends on the capacity only, so TBO children and the plain step, and every
         chunking, fold the same blocks: the same numbers.
     """

@@ -152,9 +152,8 @@ class ParallelConfig:
         ``jtbo.attention.backend.ATTENTION_BACKENDS`` ("native", "pallas" or "triton"); each
         micro-batch runs it at its own metadata's capacity.
       tbo_round_barriers: pin the TBO executor's rounds with optimization barriers. Off by
-        default: on a 4 x 2 H200 compile of ``MoEConfig.tiny()`` the model's decode step
-        covered 0.859 of its collective bytes with barriers and 1.000 without (prefill 1.000
-        both ways).
+        default: the barriers keep the scheduler from moving work across rounds, and the
+        model's decode step covers less of its collective bytes with them than without.
       tbo_issue_barriers: on multi-device meshes, pin both micro-batches' live arrays before
         every collective-issuing (``*_a``) operation (``jtbo.models.step._run_tbo``). None
         (default): on where attention has no tensor parallelism (``attn_tp_size == 1``): they

@@ -444,9 +444,8 @@ def _sharded_step(
             # Every input as its own buffer. Read straight out of the packed words, micro-batch
             # A's and B's small ops share one operand, and XLA's sibling multi-output fusion
             # then joins them (e.g. both combines' reductions into one kernel), so neither
-            # micro-batch's next collective has the other's work left to hide under: on a
-            # 4 x 2 H200 compile of MoEConfig.tiny() two attn_tp all-gathers turned
-            # synchronous and the decode step's coverage fell from 0.9998 to 0.953. One device
+            # micro-batch's next collective has the other's work left to hide under: attn_tp
+            # all-gathers turn synchronous and the decode step's coverage falls. One device
             # has no collective to hide, and there the joined kernels are fewer launches.
             per_rank, replicated = jax.lax.optimization_barrier((per_rank, replicated))
         return step_body(

@@ -3,13 +3,12 @@
 The TBO executor staggers two micro-batches by ``d`` stages (``d = 2`` for decode): A runs
 its first ``d`` stages alone and B its last ``d`` stages alone. A collective issued in such a
 stage has no other-micro-batch work to hide under, and so has any collective that runs before
-the split or after the merge. Measured on a 4 x 2 H200 compile of ``MoEConfig.tiny()``
-(the AOT overlap report), when only the MoE layers were overlapped: the dense layer's
-attention all-reduce ran before the split (8 KiB, belonging to neither micro-batch), A's first
-attention all-reduce over ``attn_tp`` (decode) ran in A's lone stages and so did B's last
-``attn_tp`` all-gather of the combined experts output (decode) - coverage 0.955 prefill, 0.907
-decode. So the step runs *everything* per micro-batch, SGLang's layer layouts unchanged for the
-MoE layers, with work that needs no communication placed where the other micro-batch's
+the split or after the merge. In the AOT overlap report, when only the MoE layers were
+overlapped: the dense layer's attention all-reduce ran before the split (belonging to neither
+micro-batch), A's first attention all-reduce over ``attn_tp`` (decode) ran in A's lone stages
+and so did B's last ``attn_tp`` all-gather of the combined experts output (decode), all
+uncovered. So the step runs *everything* per micro-batch, SGLang's layer layouts unchanged for
+the MoE layers, with work that needs no communication placed where the other micro-batch's
 collectives need cover:
 
 * prologue: the embedding and the dense layers before the first MoE layer, each cut as

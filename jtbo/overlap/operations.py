@@ -30,8 +30,8 @@ after every round pins the rounds: nothing of round ``k + 1`` can be hoisted abo
 barrier. A barrier must not include the result of a collective that is still in flight
 across the yield (an operation with ``issues_collective`` issues it, SGLang's ``*_a``; a later
 one, SGLang's ``*_b``, consumes it): that
-would force the collective to finish inside its round and undo the overlap (measured: half
-the coverage). An operation marks such a result by wrapping it in ``InFlight``; the barrier
+would force the collective to finish inside its round and undo much of the overlap. An
+operation marks such a result by wrapping it in ``InFlight``; the barrier
 leaves every ``InFlight`` value out and the consumer unwraps it with ``.value``.
 
 Issue barriers (optional, ``issue_barriers=True``; the model step uses them on multi-device

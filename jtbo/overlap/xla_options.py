@@ -2,8 +2,8 @@
 
 Two-batch overlap relies on the two micro-batches staying independent dataflow until XLA's
 latency-hiding scheduler has placed one's asynchronous collectives over the other's compute.
-Passes that merge independent work fuse them back together (measured on 8xH200 compiles of
-toy MoE stacks: BENCHMARKS.md, "Overlap coverage (8xH200 compile on the CPU)"):
+Passes that merge independent work fuse them back together (BENCHMARKS.md, "Overlap
+coverage"):
 
 - the dot merger joins A's and B's matmuls that share a weight into one matmul;
 - the all-gather / reduce-scatter combiners join A's and B's collectives into one, which
