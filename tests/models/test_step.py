@@ -116,7 +116,7 @@ def test_parallel_config_reads_the_mesh_and_needs_resolved_backends():
 
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
 def test_tbo_step_covers_its_collectives_on_an_h200_compile(mode):
-    # Issue 5's target (>= 0.95 of collective bytes under the other micro-batch's compute)
+    # The coverage target (>= 0.95 of collective bytes under the other micro-batch's compute)
     # for the model's own step; every collective counts, the overflow psum included.
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
@@ -211,7 +211,7 @@ def _weight_reads(hlo_text: str, weight: str, kinds: str = "fusion|custom-call")
 
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
 def test_one_h200_tbo_step_keeps_the_pool_in_place_and_reads_each_weight_once(mode):
-    # Issue 7's speed target (TBO / plain <= 1.05 on one H200) at compile level. Before the
+    # The one-H200 speed target (TBO / plain <= 1.05) at compile level. Before the
     # fixes the TBO program copied the KV pool (XLA could not order the other micro-batch's
     # pool write after this attention's reads) and read every weight once per micro-batch.
     if not aot.aot_available():
@@ -293,7 +293,7 @@ def test_step_compiler_options_keep_micro_batches_apart_only_with_communication(
      (ForwardMode.EXTEND, 4096, False)],
 )  # fmt: skip
 def test_two_gpu_exchange_windows_hold_the_other_micro_batchs_compute(mode, tokens, issue_barriers):
-    # Issue 14: on two H200s the dispatch all-to-all windows held one small fusion (estimated
+    # On two H200s the dispatch all-to-all windows held one small fusion (estimated
     # fill 0-0.3 over NVLink) and the exchange ran alone at run time. With the micro-batches
     # kept apart (step._run_tbo) every all-to-all window holds the other micro-batch's stage;
     # without the issue barriers the prefill dispatch windows are nearly empty again.
