@@ -31,8 +31,8 @@ default because the probe asks whether the exchange *can* run beside compute, gi
 schedule that asks for it (as the TBO step's barriers do): with free windows XLA's
 latency-hiding scheduler, which estimates a collective as short, puts about one matmul
 inside each start/done window, and a GPU runs that schedule in order on one compute stream,
-so ``hidden`` then measures XLA's placement rather than the hardware's (0.185 for a 448 MiB
-all-to-all on two H200s). ``free`` shows what XLA's own schedule does. The barriers are
+so ``hidden`` then measures XLA's placement rather than the hardware's (a small fraction for
+a large all-to-all on two H200s). ``free`` shows what XLA's own schedule does. The barriers are
 identities, so both modes compute the same values; the comm-alone and compute-alone
 programs are the same in both modes, so ``hidden`` stays comparable between them.
 

@@ -26,7 +26,7 @@ def device_block(
     rows, columns = shape
     block = np.random.default_rng([seed, stream, position]).random((columns, rows), np.float32)
     block += 1
-    # Cast before transposing: the strided copy then moves 2-byte elements (2x faster).
+    # Cast before transposing: the strided copy then moves 2-byte elements, not 4-byte ones.
     return np.ascontiguousarray(block.astype(dtype).T)
 
 
@@ -54,7 +54,7 @@ def comm_input(mesh, rows: int, seed: int, dtype) -> jax.Array:
 def matmul_block(seed: int, stream: int, position: int, n: int, dtype) -> np.ndarray:
     """``y`` (``Y_STREAM``, in [-1, 1)) or ``w`` (``W_STREAM``) of one device. ``w`` has
     mean 0 and variance 1/n, so its spectral radius is about 1 and the chain (a power
-    iteration) grows slowly: about 2e5 x over 320 matmuls at n = 256, less at larger n; an
+    iteration) grows slowly, more slowly at larger n; an
     overflow would show as a failed check, not a wrong pass."""
     block = np.random.default_rng([seed, stream, position]).random((n, n), np.float32)
     shift, scale = (0.5, 2.0) if stream == Y_STREAM else (0.5, math.sqrt(12 / n))
