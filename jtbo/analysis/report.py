@@ -12,7 +12,7 @@ abstract arguments' shardings name (an N x H200 host described to XLA from the C
 no micro-batches, so its coverage is 0 by definition; ``any_compute_coverage`` (any compute
 in the window) is printed beside it.
 
-Coverage cannot fail when a window holds one tiny fusion beside a 466 MiB exchange, so the
+Coverage cannot fail when a window holds one tiny fusion beside a large exchange, so the
 report also prices every window (``schedule_costs.window_fill`` under a ``CostModel``):
 
     fill = estimated other-micro-batch compute in the window / estimated exchange time

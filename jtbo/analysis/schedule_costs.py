@@ -5,7 +5,7 @@ XLA's latency-hiding scheduler decides how much compute to place between a colle
 instruction runs. Whatever it decides, the GPU then runs the schedule in order on one compute
 stream: an exchange hides only under the compute placed inside its window. The coverage of
 ``jtbo.analysis.report`` counts a window as covered when any other-micro-batch compute is
-inside, so one small fusion beside a 466 MiB all-to-all passes it.
+inside, so one small fusion beside a large all-to-all passes it.
 
 This module prices every instruction from its shapes - a roofline: matmul FLOPs over the
 matmul rate, bytes read and written over the memory bandwidth, plus a launch cost; a loop as

@@ -644,7 +644,7 @@ def _assemble(batches, ranks, options, decision: StepDecision, children) -> Step
     if children is not None:
         split_index = np.asarray(decision.split_token_index, np.int32)
         # A TBO step runs every layer per micro-batch: the whole batch's metadata would be
-        # built, packed and sent for nothing (a third of a decode-256 TBO step's planning).
+        # built, packed and sent for nothing (a sizeable part of a TBO step's planning).
         metadata = [backend.init_children_metadata(children[i]) for i in range(len(batches))]
         per_rank = dataclasses.replace(
             per_rank,
