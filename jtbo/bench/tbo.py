@@ -326,8 +326,8 @@ def _decode_prefix(batch: split.ForwardBatch) -> split.ForwardBatch:
     sequence in its own slots (``row * context + 1 + position``), recorded in the page table
     and never run. Without it those positions map to the padding slot 0, which every padding
     row of a step writes: a TBO step (whose children have padding rows) then attended over
-    different keys than the plain step, and its routing collapsed (61 of a micro-batch's 64
-    tokens on one expert, where the plain step's busiest expert had 17 of 64)."""
+    different keys than the plain step, and its routing collapsed (nearly all of a
+    micro-batch's tokens on one expert, where the plain step's load was spread)."""
     seqs, context = batch.batch_size, int(batch.seq_lens[0])
     prefix = context - 1
     slots = np.arange(seqs)[:, None] * context + 1 + np.arange(prefix)[None, :]
