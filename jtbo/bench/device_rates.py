@@ -49,7 +49,7 @@ def time_fns_interleaved(cases, *, warmup: int, iters: int, reps: int) -> list[f
 
     Each rep times one batch of ``iters`` calls of every case, one case after the other, so
     the cases share the GPU's state (its clock falls as it heats under matmuls: BENCHMARKS.md,
-    "Kernels"), and a ratio of two medians compares like with like.
+    "Mosaic GPU grouped GEMM"), and a ratio of two medians compares like with like.
 
     Args:
       cases: ``(fn, args)`` pairs, each a jitted function and its arguments.

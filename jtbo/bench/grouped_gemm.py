@@ -60,7 +60,7 @@ after ``--warmup`` calls, ``--reps`` batches of ``--iters`` calls are enqueued b
 waited for (``block_until_ready``); the table gives the median per-call time. The impls of
 one T are timed in turns, one batch of each per rep (``device_rates.time_fns_interleaved``):
 a GPU's clock falls within seconds of matmuls, so impls timed one after the other would
-compare different clocks (BENCHMARKS.md, "Grouped GEMM"). ``useful TF/s``
+compare different clocks (BENCHMARKS.md, "Mosaic GPU grouped GEMM"). ``useful TF/s``
 = 2 * 3 * T * k * H * F / time; ``time / capacity`` is the impl's time over ``capacity``'s at
 the same T (< 1: faster); ``vs dense`` = the dense row's time over the impl's (its useful TF/s
 as a fraction of dense; target >= 0.75 at 4096-16384 tokens). ``weight GB/s`` = the bytes of

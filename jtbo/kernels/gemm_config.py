@@ -162,5 +162,5 @@ class MosaicFfnConfig:
 
 # Default Mosaic GPU launch shapes: the 2-CTA-cluster, two-warpgroup shape of the fastest
 # dense Mosaic GPU matmul measured, with 128-row tiles; the swept variants were not faster
-# (BENCHMARKS.md, "Kernels").
+# (BENCHMARKS.md, "Mosaic GPU grouped GEMM").
 MOSAIC_FFN = MosaicFfnConfig()

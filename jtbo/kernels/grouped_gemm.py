@@ -57,7 +57,7 @@ MOSAIC_MIN_ROWS = 16384
 """Rows (``max_rows``, else ``E * C``) from which ``"auto"`` takes ``"mosaic"`` on a Hopper
 GPU: the smallest size measured where the Mosaic GPU layer beat the Pallas one (2048 tokens x 8
 experts; at decode sizes, where both read the weights once, Pallas was ahead: BENCHMARKS.md,
-"Grouped GEMM")."""
+"Mosaic GPU grouped GEMM")."""
 
 
 def _tile_at(pid, *, num_tiles: int, num_n: int, group_m: int):

@@ -552,8 +552,9 @@ def step_compiler_options(mesh: jax.sharding.Mesh, child_capacity: int | None) -
     routed experts are one joint call there anyway: ``_run_tbo``'s lockstep). Large
     ones (compute bound) turn the dot merger off: merging them reads the weights once but
     concatenates both micro-batches' activations first, which costs more traffic
-    (BENCHMARKS.md, "TBO step cost on one GPU", and the router gates in "Router"). The rows of
-    the two micro-batches stay separate either way, so the numbers are the same.
+    (BENCHMARKS.md, "TBO step cost on one GPU", and the router gates in "One-device TBO in
+    lockstep"). The rows of the two micro-batches stay separate either way, so the numbers are
+    the same.
 
     Args:
       mesh: the step's mesh.
