@@ -28,16 +28,15 @@ def _texts(source: str) -> list[tuple[int, str]]:
         if token.type == tokenize.COMMENT:
             texts.append((token.start[0], token.string))
     tree = ast.parse(source)
+    # A string standing alone as a statement is a docstring: of a module, class or function,
+    # or of the constant or field just above it.
     for node in ast.walk(tree):
-        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
-            body = node.body
-            if (
-                body
-                and isinstance(body[0], ast.Expr)
-                and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)
-            ):
-                texts.append((body[0].lineno, body[0].value.value))
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            texts.append((node.lineno, node.value.value))
     return texts
 
 
@@ -57,6 +56,8 @@ def test_detector_catches_planted_examples():
 
 X = "2026-11-29"  # a string in code is not checked
 Y = 12  # the fix for issues #21
+Z = 3
+"""Z's docstring, from 2026-12-01."""
 
 
 def f():
@@ -67,6 +68,7 @@ def f():
     kinds = sorted(v.split(": ")[1] for v in found)
     assert kinds == [
         "BENCHMARKS.md cited by date",
+        "ISO date",
         "ISO date",
         "issue reference",
         "issue reference",
