@@ -425,7 +425,13 @@ def _non_default(options) -> None:
     """Fails unless every field of ``options`` differs from its default (so the test below
     covers a field added later only once it sets it)."""
     for field in dataclasses.fields(options):
-        assert getattr(options, field.name) != field.default, field.name
+        if field.name not in _MODEL_SOURCE_FIELDS:  # set by the test that follows
+            assert getattr(options, field.name) != field.default, field.name
+
+
+# The step-model source of "auto" takes no timer of its own, so the options above (which set
+# one) leave these at their defaults; test_the_tbo_auto_source_changes_the_fingerprint sets them.
+_MODEL_SOURCE_FIELDS = ("tbo_auto_source", "tbo_predictor")
 
 
 def _every_option_set(tmp_path) -> tuple[layer_ops.MoEOptions, tbo_options.TboOptions, dict]:
@@ -500,11 +506,33 @@ def test_the_fingerprint_covers_every_option_processes_must_share(tmp_path):
         value = getattr(moe, field.name)
         changed.append(fingerprint(moe=layer_ops.MoEOptions(**{field.name: value})))
     for field in dataclasses.fields(tbo):
-        if field.name not in ("tbo_timer", "tbo_plan"):
+        if field.name not in ("tbo_timer", "tbo_plan", *_MODEL_SOURCE_FIELDS):
             value = getattr(tbo, field.name)
             changed.append(fingerprint(tbo=tbo_options.TboOptions(**{field.name: value})))
     assert base not in changed, changed
     assert fingerprint() == base
+
+
+def test_the_tbo_auto_source_changes_the_fingerprint():
+    # Processes that decide "auto" shapes differently (timed against from the step model)
+    # must not serve together; the predictor itself, a function, is left out like the timer.
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=1)
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+
+    def fingerprint(**tbo) -> int:
+        return runner_lib.ModelRunner(
+            model, mesh_lib.make_mesh(2, 1), max_total_tokens=16, max_running_requests=2,
+            dtype=jnp.float32,
+            tbo=tbo_options.TboOptions(enable_two_batch_overlap="auto", **tbo),
+        )._fingerprint  # fmt: skip
+
+    def predictor(shape):
+        return 1.0, 2.0
+
+    timed = fingerprint()
+    modelled = fingerprint(tbo_auto_source="model", tbo_predictor=predictor)
+    assert modelled != timed
+    assert fingerprint(tbo_auto_source="model", tbo_predictor=lambda shape: (3.0, 1.0)) == modelled
 
 
 def test_query_tile_reaches_the_extend_steps_attention():
