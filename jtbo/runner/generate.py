@@ -23,6 +23,17 @@ needs only counts (how many tokens each request has been given), never the token
 themselves; a request's row and slots are released once the step that made its last token has
 been read, so a re-run of that step (an EP overflow) still finds them. The tokens are those of
 the synchronous loop (``pipeline=False``), which reads every step before planning the next.
+
+Several processes (``jax.distributed``) run this same loop. Every process is given the same
+prompts and assigns prompt ``i`` to DP rank ``dp_rank_of(i)`` (round-robin by default) as a
+single process would, and validates every prompt itself; each then serves the prompts of its
+own DP ranks, each prompt's draws keyed by its global index. Since every rank plans its batches
+from its own requests alone, the ranks see the same batches as in a single-process run and the
+processes' steps line up one to one. A process that finishes first takes part in the others'
+steps with idle ranks (``ModelRunner.step_idle``) until a step finds every rank idle, and then
+every process's results are gathered onto every process (``result_exchange``). ``on_token`` and
+``step_log`` see this process's prompts and steps. A single process is the case that owns every
+rank: its idle step finds every rank idle at once, and it has nothing to gather.
 """
 
 import collections
@@ -34,7 +45,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from jtbo import split
-from jtbo.runner import admission, sampling, token_step
+from jtbo.runner import admission, result_exchange, sampling, token_step
 
 ForwardMode = split.ForwardMode
 DEFAULT_CHUNK_SIZE = 8192
@@ -46,18 +57,7 @@ scheduler keeps one). A deeper pipeline makes a request whose token is in an old
 step wait a step, and reads each step later."""
 
 
-@dataclasses.dataclass
-class GenerationResult:
-    """The outcome of one prompt.
-
-    Attributes:
-      token_ids: generated token ids (empty when rejected).
-      error: why the request was rejected, or None.
-    """
-
-    token_ids: list[int]
-    error: str | None = None
-    logprobs: list[float] | None = None
+GenerationResult = result_exchange.GenerationResult
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,9 +286,9 @@ class _Loop:
         """Admits, plans and dispatches one step; returns ``(pending, work)``, or None when
         no rank has work before the in-flight step is read.
 
-        A step with every local rank idle is never dispatched while one is in flight: with
-        several processes, the others would take it for this process having finished
-        (``multiprocess_generate``), and it has nothing to run.
+        A step with every local rank idle is never dispatched while one is in flight: it has
+        nothing to run, and with several processes the others would take it for this
+        process having finished (``generate`` then takes idle steps until all are done).
         """
         for rank in self.ranks:
             rank.admit(self.max_new_tokens)
@@ -389,7 +389,8 @@ def generate(
     request_ids: Sequence[int] | None = None,
     mixed_chunk: bool = False,
 ) -> list[GenerationResult]:
-    """Generation for many prompts over all DP ranks (see the module docstring).
+    """Generation for many prompts over all DP ranks (see the module docstring); with several
+    processes every process calls it alike and returns every prompt's result.
 
     Args:
       runner: a ``ModelRunner``.
@@ -397,22 +398,18 @@ def generate(
       max_new_tokens: tokens generated per prompt (>= 1).
       dp_rank_of: prompt index -> DP rank; round-robin when None.
       chunk_size: prompt tokens a rank prefills per step; None: ``chunk_size_for(runner)``.
-      progress: print a progress line (tokens/s) and, at the end, how many steps ran TBO
-        and why (``runner.tbo_summary()``); None: only on a terminal.
-      sampling_params: greedy (default) or temperature / top-p sampling with a seed, for
-        every prompt or one per prompt. A request's draws depend on its seed, its id
-        (``request_ids``) and the token's index only.
-      on_token: called as ``on_token(prompt_index, token_id)`` for every token once its step
-        has been read (streaming).
+      progress: print tokens/s and, at the end, ``runner.tbo_summary()``; None: on a tty.
+      sampling_params: greedy (default) or temperature / top-p with a seed, for every
+        prompt or one per prompt; draws depend on the seed, ``request_ids`` and token index.
+      on_token: called as ``on_token(prompt_index, token_id)`` for every token of this
+        process's prompts once its step has been read (streaming).
       logprobs: also return each token's log-probability (``GenerationResult.logprobs``).
-      pipeline: how many dispatched steps stay in flight while the host plans the next (an
-        int >= 0); True: ``PIPELINE_DEPTH``, False: 0 (read every step before planning the
-        next). The tokens are the same.
-      step_log: a list to append one ``StepRecord`` per step to.
+      pipeline: dispatched steps kept in flight while the host plans the next (an int >= 0;
+        True: ``PIPELINE_DEPTH``, False: 0). The tokens are the same.
+      step_log: a list to append one ``StepRecord`` per step this process dispatched to.
       request_ids: per prompt, the id that keys its random draws; None: its index.
-      mixed_chunk: a rank with prompt chunks to prefill and requests to decode runs both in
-        one MIXED step (SGLang's mixed chunk: the decode rows are one-token extends and take
-        their share of ``chunk_size``); False: it prefills first and its decodes wait.
+      mixed_chunk: a rank's prompt chunks and decodes run in one MIXED step (SGLang's mixed
+        chunk; decode rows count against ``chunk_size``); False: decodes wait for prefill.
 
     Returns:
       One ``GenerationResult`` per prompt, in order.
@@ -422,19 +419,19 @@ def generate(
         ``sampling_params`` or ``request_ids`` of another length than ``prompts``.
     """
     chunk_size = chunk_size_for(runner) if chunk_size is None else chunk_size
-    pipeline_depth(pipeline)  # refuses a bad value before any work
-    if max_new_tokens < 1 or chunk_size < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens}, chunk_size={chunk_size} must be >= 1")
-    if request_ids is not None and len(request_ids) != len(prompts):
-        raise ValueError(f"request_ids: {len(request_ids)} entries for {len(prompts)} prompts")
+    _check_arguments(len(prompts), max_new_tokens, chunk_size, pipeline, request_ids)
     params_of = _params_of(sampling_params, len(prompts))
-    ranks, results = _queue(runner, prompts, max_new_tokens, dp_rank_of, request_ids)
+    assigned = _assign(runner, prompts, max_new_tokens, dp_rank_of)
+    ranks, results = _queue(runner, prompts, assigned, request_ids)
     loop = _Loop(runner, ranks, results, max_new_tokens, params_of, on_token, logprobs)
     show = sys.stderr.isatty() if progress is None else progress
-    loop.run(chunk_size, pipeline_depth(pipeline), step_log, show, mixed_chunk)
+    with runner.failure_phase("generate loop", collective=False):
+        loop.run(chunk_size, pipeline_depth(pipeline), step_log, show, mixed_chunk)
+        while runner.step_idle():  # other processes still serve: take part in their steps
+            pass
     if show:
         print(f"\n{runner.tbo_summary()}", file=sys.stderr)
-    return results
+    return result_exchange.gather_results(runner, results, assigned, max_new_tokens, logprobs)
 
 
 def _log(step_log, read, last: float) -> float:
@@ -455,15 +452,18 @@ def _log(step_log, read, last: float) -> float:
     return now
 
 
-def _queue(runner, prompts, max_new_tokens: int, dp_rank_of, request_ids):
-    """The ranks' queues with every valid prompt waiting, and the results with every invalid
-    one refused."""
-    limit = admission.running_limit(runner.max_running_requests, runner.options.token_buckets)
-    ranks = [
-        admission.RankQueue(runner.max_running_requests, runner.num_slots, limit)
-        for _ in range(runner.dp_size)
-    ]
-    results: list[GenerationResult | None] = [None] * len(prompts)
+def _check_arguments(count: int, max_new_tokens: int, chunk_size: int, pipeline, request_ids):
+    """Raises ValueError for ``generate``'s bad arguments, before any work."""
+    pipeline_depth(pipeline)
+    if max_new_tokens < 1 or chunk_size < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}, chunk_size={chunk_size} must be >= 1")
+    if request_ids is not None and len(request_ids) != count:
+        raise ValueError(f"request_ids: {len(request_ids)} entries for {count} prompts")
+
+
+def _assign(runner, prompts, max_new_tokens: int, dp_rank_of) -> list[tuple[int, str | None]]:
+    """Per prompt: ``(DP rank, why it is refused or None)``, the same on every process."""
+    out = []
     for index, prompt in enumerate(prompts):
         rank = index % runner.dp_size if dp_rank_of is None else dp_rank_of(index)
         error = validate_prompt(
@@ -472,9 +472,23 @@ def _queue(runner, prompts, max_new_tokens: int, dp_rank_of, request_ids):
         )  # fmt: skip
         if error is None and not 0 <= rank < runner.dp_size:
             error = f"dp_rank_of({index}) = {rank} outside [0, {runner.dp_size})"
+        out.append((rank, error))
+    return out
+
+
+def _queue(runner, prompts, assigned, request_ids):
+    """This process's ranks' queues, with each of their valid prompts waiting, and the
+    results, with every invalid prompt refused (the others' are filled as they finish)."""
+    limit = admission.running_limit(runner.max_running_requests, runner.options.token_buckets)
+    local = {rank: i for i, rank in enumerate(runner.local_dp_ranks)}
+    ranks = [
+        admission.RankQueue(runner.max_running_requests, runner.num_slots, limit) for _ in local
+    ]
+    results: list[GenerationResult | None] = [None] * len(prompts)
+    for index, (prompt, (rank, error)) in enumerate(zip(prompts, assigned, strict=True)):
         if error is not None:
             results[index] = GenerationResult([], error)
-        else:
+        elif rank in local:
             request_id = index if request_ids is None else int(request_ids[index])
-            ranks[rank].waiting.append((index, np.asarray(prompt, np.int32), request_id))
+            ranks[local[rank]].waiting.append((index, np.asarray(prompt, np.int32), request_id))
     return ranks, results

@@ -99,8 +99,8 @@ def test_runner_rerun_policy_matches_the_worst_case_capacity():
     got = small.forward([helpers.Rank().extend(prompt)] + [None] * 7)[0]
     want = exact.forward([helpers.Rank().extend(prompt)] + [None] * 7)[0]
     chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
-    (raised,) = small._step.dispatchers.for_step(16, None)
-    assert raised.peer_capacity > 1 and small._step.num_keys > 1  # it did re-run
+    (raised,) = small.engine.step.dispatchers.for_step(16, None)
+    assert raised.peer_capacity > 1 and small.engine.step.num_keys > 1  # it did re-run
 
 
 def test_merge_peaks_takes_the_larger_peak():

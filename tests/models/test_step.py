@@ -142,9 +142,9 @@ def test_step_key_traces_once_and_a_retrace_fails_loudly():
     batches = [helpers.Rank().extend({0: [3, 4, 5]})] + [None] * 7
     runner.forward(batches)
     runner.forward([helpers.Rank().extend({1: [6, 7]})] + [None] * 7)
-    assert runner._step.num_keys == 1  # and the guard let the second step through
+    assert runner.engine.step.num_keys == 1  # and the guard let the second step through
     plan = planning.plan_step([b or planning.idle_batch() for b in batches], runner.options)
-    built = runner._step
+    built = runner.engine.step
     dispatchers = built.dispatchers.for_step(plan.capacity, plan.child_capacity)
     inputs = step.pack_step_inputs(plan.per_rank, plan.replicated)
     key = built.key(inputs, mode=int(plan.mode), child_capacity=None, dispatchers=dispatchers)
@@ -160,10 +160,11 @@ def test_step_key_traces_once_and_a_retrace_fails_loudly():
     assert float_key != key and float_key.layouts[0].dtypes != key.layouts[0].dtypes
     # ...but buffers the key does not describe (the same words as float32): jit would
     # silently retrace; the guard refuses.
-    cache = kv_cache_lib.KVCache(k=runner._k, v=runner._v, req_to_token=runner.req_to_token)
+    engine = runner.engine
+    cache = kv_cache_lib.KVCache(k=engine.k, v=engine.v, req_to_token=engine.req_to_token)
     with pytest.raises(AssertionError, match="traced > 1 times"):
         built.jitted(key)(
-            runner._params, cache, inputs.per_rank.view(np.float32), inputs.replicated
+            runner.engine.params, cache, inputs.per_rank.view(np.float32), inputs.replicated
         )
 
 

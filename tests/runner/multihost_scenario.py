@@ -16,7 +16,7 @@ from jtbo.models import config as config_lib
 from jtbo.models import layer_ops
 from jtbo.models import model as model_lib
 from jtbo.runner import runner as runner_lib
-from jtbo.runner import tbo_options
+from jtbo.runner import sampling, tbo_options
 from tests.runner import helpers
 
 DP, ATTN_TP = 4, 2
@@ -126,7 +126,32 @@ def serve(tbo: bool) -> tuple[dict, runner_lib.ModelRunner]:
     out[f"{tbo}/errors"] = [r.error for r in results]
     out[f"{tbo}/tbo_steps"] = runner.num_tbo_steps
     out["local_dp_ranks"] = runner.local_dp_ranks
+    if tbo:
+        out.update(serve_sampled(runner))
     return out, runner
+
+
+def serve_sampled(runner) -> dict:
+    """Sampled generation of ``prompts()`` with streaming, log-probabilities and a step log.
+
+    Returns:
+      ``{"sampled/tokens", "sampled/logprobs", "sampled/errors": per prompt,
+      "sampled/streamed": [(prompt, token)] in on_token's order, "sampled/step_tokens":
+      new tokens per logged step}``.
+    """
+    streamed, log = [], []
+    results = runner.generate(
+        prompts(), max_new_tokens=NEW_TOKENS, chunk_size=8, progress=False, logprobs=True,
+        sampling_params=sampling.SamplingParams(temperature=0.8, top_p=0.9, seed=3),
+        on_token=lambda index, token: streamed.append((index, token)), step_log=log,
+    )  # fmt: skip
+    return {
+        "sampled/tokens": [r.token_ids for r in results],
+        "sampled/logprobs": [r.logprobs for r in results],
+        "sampled/errors": [r.error for r in results],
+        "sampled/streamed": streamed,
+        "sampled/step_tokens": [record.num_tokens for record in log],
+    }
 
 
 def _error_of(call) -> str:

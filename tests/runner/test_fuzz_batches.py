@@ -190,7 +190,7 @@ def runners():
     fresh = _make_runner()
     want = fresh.forward([split.ForwardBatch(**_good_fields())])[0]
     runner = _make_runner()
-    runner._step = _CountingStep(runner._step)
+    runner.engine.step = _CountingStep(runner.engine.step)
     return runner, want
 
 
@@ -199,11 +199,11 @@ def runners():
 def test_a_malformed_batch_is_refused_before_device_work(runners, flaw):
     runner, want = runners
     build, message = flaw
-    calls = runner._step.calls
+    calls = runner.engine.step.calls
     with pytest.raises(ValueError) as error:
         runner.forward([split.ForwardBatch(**build())])
     assert re.search(message, str(error.value)), (message, str(error.value))
-    assert runner._step.calls == calls  # no device step ran
+    assert runner.engine.step.calls == calls  # no device step ran
 
 
 def test_the_runner_serves_a_good_batch_after_the_refusals(runners):

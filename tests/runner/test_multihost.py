@@ -114,6 +114,28 @@ def test_logits_and_tokens_equal_the_single_process_run(runs, tbo):
     assert (single[f"{tbo}/tbo_steps"] > 0) == tbo
 
 
+def test_sampling_streaming_and_step_logs_work_alike_across_processes(runs):
+    # One generate loop: sampled tokens, log-probabilities and refusals on every process equal
+    # the single process's; each process streams exactly its own ranks' prompts, in the
+    # single process's order; the processes' step logs together hold the single run's tokens.
+    per_process, single = runs
+    owner = {i: (i % multihost_scenario.DP) // 2 for i in range(len(single["sampled/tokens"]))}
+    served = [i for i, error in enumerate(single["sampled/errors"]) if error is None]
+    assert len(served) == len(owner) - 1
+    for process_id, results in enumerate(per_process):
+        assert results["sampled/tokens"] == single["sampled/tokens"]
+        assert results["sampled/errors"] == single["sampled/errors"]
+        got = [np.asarray(p, np.float64) for p in results["sampled/logprobs"] if p is not None]
+        want = [np.asarray(p, np.float64) for p in single["sampled/logprobs"] if p is not None]
+        chex.assert_trees_all_close(got, want, **TOL)
+        mine = [(i, t) for i, t in single["sampled/streamed"] if owner[i] == process_id]
+        assert results["sampled/streamed"] == mine and mine
+    total = sum(sum(results["sampled/step_tokens"]) for results in per_process)
+    assert total == sum(single["sampled/step_tokens"]) > 0
+    greedy = single["True/tokens"]
+    assert single["sampled/tokens"] != greedy  # the draws are not the argmax
+
+
 def test_tbo_on_and_off_generate_the_same_tokens(runs):
     per_process, _ = runs
     assert per_process[0]["True/tokens"] == per_process[0]["False/tokens"]

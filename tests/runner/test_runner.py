@@ -182,7 +182,7 @@ def test_a_tbo_step_moves_its_plan_to_the_devices_in_two_buffers(monkeypatch):
     monkeypatch.setattr(jax, "device_put", recording_put)
     with jax.transfer_guard_host_to_device("disallow"):
         outs = runner.forward([r.extend(n) for r, n in zip(ranks, news, strict=True)])
-    assert runner.num_tbo_steps == 2 and runner._step.num_keys == 1
+    assert runner.num_tbo_steps == 2 and runner.engine.step.num_keys == 1
     assert [jax.tree.structure(x).num_leaves for x in put] == [2]  # the plan
     per_rank, replicated = put[0]
     assert per_rank.dtype == replicated.dtype == np.int32
@@ -261,8 +261,8 @@ def test_dedup_exchange_with_and_without_tbo_matches_reference():
     for tbo in (False, True):
         runner, ranks = make(tbo), [helpers.Rank() for _ in range(4)]
         outs = runner.forward([r.extend(n) for r, n in zip(ranks, new, strict=True)])
-        assert all(d.dedup for d in runner._step.dispatchers._by_rows.values())
-        assert runner._step.num_keys == 1 + tbo  # TBO re-ran once
+        assert all(d.dedup for d in runner.engine.step.dispatchers._by_rows.values())
+        assert runner.engine.step.num_keys == 1 + tbo  # TBO re-ran once
         phases = runner.last_step_phases  # the host phases of both runs
         assert phases.runs == 1 + tbo and min(phases.inputs, phases.dispatch, phases.counts) > 0
         fills = np.array(runner.ep_buffer_fill())  # the re-run's: it fit
@@ -294,7 +294,7 @@ def test_peer_copy_exchange_with_and_without_tbo_matches_reference(plain_exchang
         runner, ranks = make(tbo), [helpers.Rank() for _ in range(4)]
         outs = runner.forward([r.extend(n) for r, n in zip(ranks, new, strict=True)])
         assert runner.num_tbo_steps == tbo
-        (exchange,) = {d.exchange for d in runner._step.dispatchers._by_rows.values()}
+        (exchange,) = {d.exchange for d in runner.engine.step.dispatchers._by_rows.values()}
         assert (
             exchange
             == moe.exchange(tbo)
@@ -328,8 +328,8 @@ def test_routing_stats_round_trip_sizes_the_next_runners_capacities(tmp_path):
         make(mesh_lib.make_mesh(4, 2), ep_routing_stats=path),
         [helpers.Rank() for _ in range(4)],
     )
-    sized = second._step.dispatchers.dispatcher(8)
-    factor_rule = first._step.dispatchers.dispatcher(8)
+    sized = second.engine.step.dispatchers.dispatcher(8)
+    factor_rule = first.engine.step.dispatchers.dispatcher(8)
     assert sized.peer_capacity == min(math.ceil(1.25 * stats[8][0]), sized.worst_peer_capacity)
     assert sized.expert_capacity == math.ceil(1.25 * stats[8][1]) < factor_rule.expert_capacity
     outs = second.forward([r.extend(n) for r, n in zip(ranks, new, strict=True)])
@@ -362,7 +362,7 @@ def test_every_ep_option_reaches_the_step():
 def _dp_contexts(runner):
     """Per compile key of the runner's step, its DP contexts (whole step, or TBO children)."""
     found = []
-    for key in runner._step._jitted:
+    for key in runner.engine.step._jitted:
         layout = key.layouts[1]  # the replicated buffer: the DP contexts
         replicated = jax.tree.unflatten(layout.treedef, [np.zeros(s) for s in layout.shapes])
         found.append(replicated.child_dp_contexts or (replicated.dp_context,))
@@ -414,9 +414,9 @@ def test_sum_len_steps_compile_once_per_buffer_bucket():
     for lens in ([[14], [3], [1], None], [[9, 4], [2, 2], [1], [1]], [[8], [8], [1], [2]]):
         batches = [None if n is None else helpers.Rank().extend(_prompts(rng, n)) for n in lens]
         runner.forward(batches)  # sums 18, 19, 19: bucket 20
-    assert runner._step.num_keys == 1 and runner.compile_count == 1
+    assert runner.engine.step.num_keys == 1 and runner.compile_count == 1
     runner.forward([helpers.Rank().extend(_prompts(rng, [n])) for n in (16, 4, 1, 1)])  # 22
-    assert runner._step.num_keys == 2 and runner.compile_count == 2
+    assert runner.engine.step.num_keys == 2 and runner.compile_count == 2
     lengths = sorted(contexts[0].global_buffer_len for contexts in _dp_contexts(runner))
     assert lengths == [20, 24]
 
@@ -480,9 +480,9 @@ def test_every_parallel_and_plan_option_is_settable_through_the_runner(tmp_path)
         threshold=0.3, query_tile=16, attention_backend="pallas", dp_padding="sum_len",
         child_buckets=3,
     )  # fmt: skip
-    auto = runner._tbo_auto
+    auto = runner.plans.auto
     assert (auto.trials, auto.margin, auto.timer) == (2, 0.1, tbo.tbo_timer)
-    assert runner.tbo is tbo
+    assert runner.runner_config.tbo_agreed == tbo.agreed_part()
 
 
 def test_the_fingerprint_covers_every_option_processes_must_share(tmp_path):
@@ -497,7 +497,7 @@ def test_the_fingerprint_covers_every_option_processes_must_share(tmp_path):
         return runner_lib.ModelRunner(
             model, mesh, moe=moe, tbo=tbo, max_total_tokens=16, max_running_requests=2,
             dtype=jnp.float32, check_finite_logits=check,
-        )._fingerprint  # fmt: skip
+        ).agreement.fingerprint  # fmt: skip
 
     base = fingerprint()
     moe, tbo, _ = _every_option_set(tmp_path)
@@ -524,7 +524,7 @@ def test_the_tbo_auto_source_changes_the_fingerprint():
             model, mesh_lib.make_mesh(2, 1), max_total_tokens=16, max_running_requests=2,
             dtype=jnp.float32,
             tbo=tbo_options.TboOptions(enable_two_batch_overlap="auto", **tbo),
-        )._fingerprint  # fmt: skip
+        ).agreement.fingerprint  # fmt: skip
 
     def predictor(shape):
         return 1.0, 2.0
@@ -566,7 +566,9 @@ def test_params_from_shares_one_copy_of_the_device_parameters():
     )  # fmt: skip
     first = make()
     second = make(tbo=tbo_options.TboOptions(enable_two_batch_overlap=True), params_from=first)
-    pairs = zip(jax.tree.leaves(first._params), jax.tree.leaves(second._params), strict=True)
+    pairs = zip(
+        jax.tree.leaves(first.engine.params), jax.tree.leaves(second.engine.params), strict=True
+    )
     assert all(a is b for a, b in pairs)
     rng = np.random.default_rng(31)
     new = [_prompts(rng, [5, 6]) for _ in range(4)]

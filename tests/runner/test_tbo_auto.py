@@ -143,8 +143,8 @@ def test_auto_runner_decides_per_shape_and_a_saved_plan_reproduces_it(model, tmp
     ]  # fmt: skip
     # Without any trial run: the same logits and the same KV pools, bit for bit.
     _assert_same(_serve(planned, decodes=3), got)
-    np.testing.assert_array_equal(np.asarray(planned._k), np.asarray(auto._k))
-    np.testing.assert_array_equal(np.asarray(planned._v), np.asarray(auto._v))
+    np.testing.assert_array_equal(np.asarray(planned.engine.k), np.asarray(auto.engine.k))
+    np.testing.assert_array_equal(np.asarray(planned.engine.v), np.asarray(auto.engine.v))
     assert planned.num_tbo_steps == 1 and planned.compile_count == 2
 
     _serve(auto, seed=1, decodes=1)  # decided shapes: no timing, no compile
@@ -159,8 +159,8 @@ def test_trial_runs_leave_the_logits_and_kv_cache_of_one_real_plain_step(model):
     })  # fmt: skip
     auto, fixed = _runner(model, "auto", tbo_timer=timer), _runner(model, False)
     _assert_same(_serve(auto, seed=3), _serve(fixed, seed=3))  # every step a first or a later
-    np.testing.assert_array_equal(np.asarray(auto._k), np.asarray(fixed._k))
-    np.testing.assert_array_equal(np.asarray(auto._v), np.asarray(fixed._v))
+    np.testing.assert_array_equal(np.asarray(auto.engine.k), np.asarray(fixed.engine.k))
+    np.testing.assert_array_equal(np.asarray(auto.engine.v), np.asarray(fixed.engine.v))
     assert auto.num_tbo_steps == fixed.num_tbo_steps == 0 and auto.num_steps == 3
 
 
