@@ -29,7 +29,7 @@ from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import config as config_lib
 from jtbo.models import layer_ops, step
 from jtbo.models import model as model_lib
-from jtbo.runner import planning
+from jtbo.runner import planning, runner_config, tbo_options
 
 ForwardMode = split.ForwardMode
 
@@ -147,14 +147,18 @@ def model_step_program(
     Raises:
       ValueError: the plan cannot run TBO although asked to.
     """
-    dp_size, attn_tp_size = mesh.shape[mesh_lib.DP_AXIS], mesh.shape[mesh_lib.ATTN_TP_AXIS]
+    dp_size = mesh.shape[mesh_lib.DP_AXIS]
     model = _abstract_model(config, dtype)
-    parallel = _parallel(mesh, moe, tbo_issue_barriers, tbo_round_barriers)
-    moe = parallel.moe
     seq_capacity = seq_capacity or tokens_per_rank
-    plan = _synthetic_plan(
-        ForwardMode(mode), dp_size, attn_tp_size, tokens_per_rank, enable_tbo, seq_capacity
-    )
+    resolved = _runner_config(
+        config, mesh, moe, tokens_per_rank, seq_capacity, dtype,
+        tbo_options.TboOptions(
+            enable_two_batch_overlap=enable_tbo, tbo_issue_barriers=tbo_issue_barriers,
+            tbo_round_barriers=tbo_round_barriers,
+        ),
+    )  # fmt: skip
+    parallel, moe = resolved.parallel, resolved.parallel.moe
+    plan = _synthetic_plan(ForwardMode(mode), dp_size, tokens_per_rank, resolved.plan)
     _, params = step.split_params(model)
     inputs = step.pack_step_inputs(plan.per_rank, plan.replicated)
     args = (
@@ -183,14 +187,17 @@ def _abstract_model(config: config_lib.MoEConfig, dtype) -> model_lib.MoEModel:
     )
 
 
-def _parallel(mesh, moe, tbo_issue_barriers, tbo_round_barriers) -> layer_ops.ParallelConfig:
-    """The layout of an AOT step: ``moe`` (defaults if None) with the "xla" experts unless
-    given (the devices are described, not present: no platform default resolves)."""
+def _runner_config(config, mesh, moe, tokens_per_rank: int, seq_capacity: int, dtype, tbo):
+    """The ``RunnerConfig`` a runner of one bucket of ``tokens_per_rank`` tokens would resolve:
+    ``moe`` (defaults if None) with the "xla" experts unless given, and the native attention
+    (the devices are described, not present: no platform default resolves)."""
     moe = moe or layer_ops.MoEOptions()
     moe = dataclasses.replace(moe, moe_runner_backend=moe.moe_runner_backend or "xla")
-    return layer_ops.ParallelConfig.for_mesh(
-        mesh, moe=moe, tbo_issue_barriers=tbo_issue_barriers,
-        tbo_round_barriers=tbo_round_barriers,
+    context = _max_context(tokens_per_rank)
+    return runner_config.resolve(
+        config, mesh, max_total_tokens=context, max_running_requests=seq_capacity,
+        max_context_len=context, moe=moe, tbo=tbo, token_buckets=(tokens_per_rank,),
+        dtype=dtype, attention_backend="native",
     )  # fmt: skip
 
 
@@ -199,17 +206,11 @@ def _max_context(tokens_per_rank: int) -> int:
 
 
 def _synthetic_plan(
-    mode: ForwardMode, dp_size: int, attn_tp_size: int, tokens_per_rank: int, enable_tbo: bool,
-    seq_capacity: int,
-) -> planning.StepPlan:  # fmt: skip
+    mode: ForwardMode, dp_size: int, tokens_per_rank: int, options: planning.PlanOptions
+) -> planning.StepPlan:
     """The host plan of every DP rank running the same synthetic batch."""
-    options = planning.PlanOptions(
-        attn_tp_size=attn_tp_size, token_buckets=(tokens_per_rank,), seq_capacity=seq_capacity,
-        max_context=_max_context(tokens_per_rank), enable_tbo=enable_tbo,
-        threshold=split.plan.DEFAULT_THRESHOLD,
-    )  # fmt: skip
     plan = planning.plan_step([_synthetic(mode, tokens_per_rank, 4)] * dp_size, options)
-    if enable_tbo and plan.child_capacity is None:
+    if options.enable_tbo and plan.child_capacity is None:
         raise ValueError(f"the synthetic {mode.name} plan cannot run TBO")
     return plan
 

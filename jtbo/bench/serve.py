@@ -520,16 +520,17 @@ def _decode_batches(runner, prompts: int, context: int):
     """Per DP rank the decode batch ``generate`` would run at ``context``: its round-robin share
     of the prompts, at most its running limit (``bench tbo``'s synthetic batch), or an idle
     batch; or ``(None, why)`` where the runner cannot hold them."""
-    dp = runner.dp_size
-    limit = admission.running_limit(runner.max_running_requests, runner.options.token_buckets)
+    config = runner.runner_config
+    dp = config.dp_size
+    limit = admission.running_limit(config.max_running_requests, config.plan.token_buckets)
     counts = [min(len(range(rank, prompts, dp)), limit) for rank in range(dp)]
     needed = max(counts) * context
-    if needed > runner.max_total_tokens or context > runner.max_context_len:
+    if needed > config.max_total_tokens or context > config.max_context_len:
         return None, (
             f"{max(counts)} sequences of context {context} need {needed} slots and context "
-            f"{context}; the runner has {runner.max_total_tokens} and {runner.max_context_len}"
+            f"{context}; the runner has {config.max_total_tokens} and {config.max_context_len}"
         )
-    vocab = runner.config.vocab_size
+    vocab = config.model.vocab_size
     return tuple(
         tbo_bench._decode_batch(n, context, vocab) if n else planning.idle_batch() for n in counts
     ), None
@@ -543,12 +544,12 @@ def _decode_plan(runner, batches) -> planning.StepPlan:
             runner.record(rank, tbo_bench._decode_prefix(batch))
         if batch.batch_size:
             runner.record(rank, batch)
-    plan = planning.plan_step(list(batches), runner.options, logits="last")
+    plan = planning.plan_step(list(batches), runner.runner_config.plan, logits="last")
     chosen = {d.shape: d.use_tbo for d in runner.tbo_decisions()}
     if plan.child_capacity is not None and not chosen.get(
         tbo_auto.TboShape(plan.capacity, plan.mode), True
     ):
-        plain = dataclasses.replace(runner.options, enable_tbo=False)
+        plain = dataclasses.replace(runner.runner_config.plan, enable_tbo=False)
         plan = planning.plan_step(list(batches), plain, logits="last")
     return plan
 
@@ -609,15 +610,15 @@ def _pipeline(args) -> bool | int:
 
 def _title(args, runner) -> str:
     """The line above the table: model, dimensions, workload, pool, rows, TBO, devices."""
-    c = args.config
+    c, rc = args.config, runner.runner_config
     device = jax.devices()[0]
     return (
         f"serve: {args.name}: hidden {c.hidden_size}, {c.num_layers} layers, "
         f"{c.num_experts} experts top-{c.num_experts_per_tok}, {c.attention_kind} attention, "
         f"vocab {c.vocab_size}; "
         f"{args.prompts} prompts x {args.prompt_len} tokens + {args.max_new_tokens} new; pool "
-        f"{runner.max_total_tokens} slots/rank, rows {runner.max_running_requests}, max context "
-        f"{runner.max_context_len}; TBO {args.tbo}; dp {runner.dp_size} x {device.device_kind}; "
+        f"{rc.max_total_tokens} slots/rank, rows {rc.max_running_requests}, max context "
+        f"{rc.max_context_len}; TBO {args.tbo}; dp {rc.dp_size} x {device.device_kind}; "
         f"{args.dtype}; pipeline {generate_lib.pipeline_depth(_pipeline(args))}"
         f"{', mixed chunk' if args.mixed_chunk else ''}; "
         + (
@@ -708,15 +709,15 @@ def table(rows: list[tuple[str, object]], peer: dict | None) -> str:
 
 def _json(args, runner, stats: StepStats, device: DeviceStep | None, peer: dict | None) -> str:
     """The results as one JSON object."""
-    c = args.config
+    c, rc = args.config, runner.runner_config
     return json.dumps(dict(
         model=dict(source=args.name,
                    hidden_size=c.hidden_size, num_layers=c.num_layers,
                    num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
                    attention_kind=c.attention_kind, vocab_size=c.vocab_size),
         prompts=args.prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
-        pool=runner.max_total_tokens, rows=runner.max_running_requests,
-        max_context_len=runner.max_context_len, dp=runner.dp_size, tbo=args.tbo,
+        pool=rc.max_total_tokens, rows=rc.max_running_requests,
+        max_context_len=rc.max_context_len, dp=rc.dp_size, tbo=args.tbo,
         dtype=args.dtype, iters=args.iters, jtbo=dataclasses.asdict(stats),
         device_step=device and dataclasses.asdict(device), transformers=peer,
     ))  # fmt: skip

@@ -376,7 +376,7 @@ def _plan(runner, batches, tbo: bool, logits: str):
         if batch.forward_mode.is_decode() and batch.seq_lens[0] > 1:
             runner.record(rank, _decode_prefix(batch))
         runner.record(rank, batch)
-    options = dataclasses.replace(runner.options, enable_tbo=tbo)
+    options = dataclasses.replace(runner.runner_config.plan, enable_tbo=tbo)
     plan = planning.plan_step(list(batches), options, logits=logits)
     if tbo and plan.child_capacity is None:
         raise ValueError(
@@ -810,7 +810,9 @@ def _phase_line(case: str, column: str, step_time: float, phases, rest: float) -
 
 def _dp_padding(runner, batches) -> str:
     """The DP padding mode and gathered-buffer rows of the plain step of ``batches``."""
-    plan = planning.plan_step(list(batches), dataclasses.replace(runner.options, enable_tbo=False))
+    plan = planning.plan_step(
+        list(batches), dataclasses.replace(runner.runner_config.plan, enable_tbo=False)
+    )
     context = plan.replicated.dp_context
     return f"{context.padding_mode.name} {context.global_buffer_len}"
 
@@ -875,8 +877,10 @@ def main(argv) -> None:
         args.dp, args.attn_tp = args.devices, 1
     config = _config(args)
     runners, auto = _runners(args, config)
-    args.moe_runner_backend = runners[0].parallel.moe.moe_runner_backend  # as resolved
-    args.attention_backend = runners[0].parallel.attention_backend
+    args.moe_runner_backend = runners[
+        0
+    ].runner_config.parallel.moe.moe_runner_backend  # as resolved
+    args.attention_backend = runners[0].runner_config.parallel.attention_backend
     print(_header(args) + "; " + _kv_bytes(config, args.dtype))
     vocab = config.vocab_size
     cases = [("prefill", n, _prefill_batches(n, args, vocab)) for n in args.prefill]

@@ -33,7 +33,7 @@ from jtbo.core import arith, cli_arguments
 from jtbo.kernels import impls
 from jtbo.models import hf, layer_ops
 from jtbo.runner import runner as runner_lib
-from jtbo.runner import sampling, tbo_options
+from jtbo.runner import runner_config, sampling, tbo_options
 
 EXIT_USAGE = 2
 EXIT_RUN_ERROR = 1
@@ -224,7 +224,7 @@ def _layout(args, config) -> tuple[jax.sharding.Mesh, layer_ops.ParallelConfig, 
     mesh = _mesh(args)
     moe, tbo = _options(args)
     try:
-        parallel = runner_lib.parallel_config(config, mesh, moe, tbo, args.attention_backend)
+        parallel = runner_config.parallel_config(config, mesh, moe, tbo, args.attention_backend)
     except ValueError as error:
         raise UsageError(f"--dp {mesh.shape['dp']} x --attn-tp {args.attn_tp}: {error}") from None
     return mesh, parallel, (moe, tbo)

@@ -1,14 +1,13 @@
 """The kernels a ``ModelRunner`` uses when the caller names none.
 
-``moe_runner_backend=None`` and ``attention_backend=None`` take the fastest impl measured on
-the platform jax runs on (``jtbo.kernels.impls.FASTEST``, from the H200 benchmarks in
-BENCHMARKS.md) among those that can serve the model's shapes: the Pallas grouped GEMM and the
-paged attention kernel on GPUs where their Triton tiles fit (matmul dimensions in multiples of
-16; the widths the kernel loads whole, such as value heads, powers of two >= 16, and the
-widths it loads in power-of-two parts, such as MLA's keys, multiples of 16), the XLA paths
-(the capacity einsum and the native attention, the exact references) otherwise and on the
-CPU. A name given explicitly is used as is; one that cannot serve the model fails where its kernel
-is built.
+``moe_runner_backend=None`` and ``attention_backend=None`` take the fastest impl measured on the
+platform jax runs on (``jtbo.kernels.impls.FASTEST``, whose comments name the benchmark logs in
+docs/benchmarks/) among those that can serve the model's shapes: the Pallas grouped GEMM and the
+paged attention kernel on GPUs where their Triton tiles fit (matmul dimensions in multiples of 16;
+the widths the kernel loads whole, such as value heads, powers of two >= 16, and the widths it loads
+in power-of-two parts, such as MLA's keys, multiples of 16), the XLA paths (the capacity einsum and
+the native attention, the exact references) otherwise and on the CPU. A name given explicitly is
+used as is; one that cannot serve the model fails where its kernel is built.
 """
 
 from collections.abc import Sequence

@@ -72,7 +72,6 @@ from jtbo.runner import generate as generate_lib
 
 ForwardMode = split.ForwardMode
 ExpertCapacityError = step_engine.ExpertCapacityError
-parallel_config = runner_config.parallel_config
 
 
 def _config_field(name: str, doc: str) -> property:

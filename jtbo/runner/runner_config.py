@@ -63,7 +63,8 @@ class RunnerConfig:
 
     Attributes:
       model: the model's shapes.
-      parallel: the layers' config (backends resolved, sizes from the mesh).
+      parallel: the layers' config (backends, TBO experts and exchange and issue barriers
+        resolved, sizes from the mesh; ``moe.ep_capacity_factor=None`` means the worst case).
       plan: the planner's options (buckets, capacities, TBO, DP padding).
       dtype: parameter, activation and KV dtype (a numpy dtype name).
       max_total_tokens: KV slots per DP rank, the padding slot not counted.
@@ -74,7 +75,6 @@ class RunnerConfig:
       multiprocess: whether the mesh spans other processes' devices.
       tbo_switch: ``enable_two_batch_overlap`` as given (True, False or "auto").
       tbo_auto: the "auto" settings (used where ``tbo_switch`` is "auto").
-      tbo_agreed: the TBO options every process must share (``TboOptions.agreed_part``).
       check_finite_logits: whether steps check their logits for NaN / infinity.
       peer_timeout_s: several processes: a silent peer's time to count as failed.
       ep_routing_peaks: a routing-statistics file's peaks, ``((rows, (peer, expert)), ...)``
@@ -93,7 +93,6 @@ class RunnerConfig:
     multiprocess: bool
     tbo_switch: bool | str
     tbo_auto: TboAutoSettings
-    tbo_agreed: tbo_options.TboOptions
     check_finite_logits: bool
     peer_timeout_s: float
     ep_routing_peaks: tuple[tuple[int, tuple[int, int]], ...]
@@ -106,7 +105,7 @@ class RunnerConfig:
     @property
     def auto(self) -> bool:
         """Whether TBO is decided per step shape ("auto")."""
-        return self.tbo_agreed.auto
+        return tbo_auto.parse_switch(self.tbo_switch)[1]
 
     @property
     def num_slots(self) -> int:
@@ -114,13 +113,10 @@ class RunnerConfig:
         return self.max_total_tokens + 1
 
     def fingerprint_parts(self, device_ids: Sequence[int], mesh_shape: tuple) -> tuple:
-        """What every process of a run must share (``step_exchange.fingerprint``): the
-        config without this process's own ranks, the timer or the plan file's path."""
-        return (
-            self.plan, self.parallel, self.model, self.dtype, mesh_shape, list(device_ids),
-            self.dp_rank_owners, self.tbo_agreed, self.check_finite_logits,
-            self.tbo_auto.known, list(self.ep_routing_peaks),
-        )  # fmt: skip
+        """What every process of a run must share (``step_exchange.fingerprint`` of its
+        ``repr``): the config without this process's own ranks (and without the timer, a
+        function, which the config's ``repr`` leaves out), the mesh's shape and devices."""
+        return dataclasses.replace(self, local_dp_ranks=()), tuple(mesh_shape), list(device_ids)
 
 
 def resolve(
@@ -176,7 +172,7 @@ def resolve(
         max_context_len=context, dp_rank_owners=tuple(owners),
         local_dp_ranks=tuple(distributed.local_dp_ranks(owners)),
         multiprocess=distributed.is_multiprocess(mesh), tbo_switch=tbo.enable_two_batch_overlap,
-        tbo_auto=_auto_settings(tbo), tbo_agreed=tbo.agreed_part(),
+        tbo_auto=_auto_settings(tbo),
         check_finite_logits=check_finite_logits, peer_timeout_s=peer_timeout_s,
         ep_routing_peaks=_routing_peaks(ep_routing_stats, model, mesh, parallel.moe),
     )  # fmt: skip
@@ -240,7 +236,9 @@ def parallel_config(
     attention_backend: str | None,
 ) -> layer_ops.ParallelConfig:  # fmt: skip
     """The layers' ``ParallelConfig`` on ``mesh``, with the platform defaults (None backends
-    and issue barriers) resolved for the model's shapes (``kernel_backends``).
+    and issue barriers) resolved for the model's shapes (``kernel_backends``), and the TBO
+    steps' experts and exchange (None: the plain steps') named. ``ep_capacity_factor=None``
+    stays: it is a choice (the worst case, which never overflows), not a default.
 
     Args:
       config: the model's ``MoEConfig``.
@@ -263,12 +261,15 @@ def parallel_config(
     expert_width = config.moe_intermediate_size // (
         dp * tp if moe.moe_a2a_backend == "none" else 1
     )  # per device: the "none" backend slices every expert's hidden width
-    moe = dataclasses.replace(
-        moe,
-        moe_runner_backend=kernel_backends.moe_runner_backend(
-            moe.moe_runner_backend, (config.hidden_size, expert_width)
-        ),
+    backend = kernel_backends.moe_runner_backend(
+        moe.moe_runner_backend, (config.hidden_size, expert_width)
     )
+    # TBO steps' experts and exchange default to the plain steps' ones: said explicitly here.
+    moe = dataclasses.replace(
+        moe, moe_runner_backend=backend,
+        moe_runner_backend_tbo=moe.moe_runner_backend_tbo or backend,
+        ep_exchange_tbo=moe.ep_exchange_tbo or moe.ep_exchange,
+    )  # fmt: skip
     parallel = layer_ops.ParallelConfig.for_mesh(
         mesh, moe=moe, attention_backend=_attention_backend(config, attention_backend),
         tbo_round_barriers=tbo.tbo_round_barriers, tbo_issue_barriers=tbo.tbo_issue_barriers,

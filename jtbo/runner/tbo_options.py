@@ -107,17 +107,3 @@ class TboOptions:
     def auto(self) -> bool:
         """Whether TBO is decided per step shape ("auto")."""
         return tbo_auto.parse_switch(self.enable_two_batch_overlap)[1]
-
-    def agreed_part(self) -> "TboOptions":
-        """The options every process must share: without the timer and the plan file's path
-        (a function's and a path's ``repr`` may differ between processes; the plan's
-        decisions are compared on their own, ``ModelRunner.tbo_decisions``).
-
-        Returns:
-          A copy with ``tbo_timer``, ``tbo_plan`` and ``tbo_predictor`` None, "auto" and the
-          source kept.
-        """
-        copy = dataclasses.replace(self, tbo_plan=None)
-        object.__setattr__(copy, "tbo_timer", None)  # past the checks: a copy to compare only
-        object.__setattr__(copy, "tbo_predictor", None)
-        return copy

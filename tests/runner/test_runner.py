@@ -482,7 +482,8 @@ def test_every_parallel_and_plan_option_is_settable_through_the_runner(tmp_path)
     )  # fmt: skip
     auto = runner.plans.auto
     assert (auto.trials, auto.margin, auto.timer) == (2, 0.1, tbo.tbo_timer)
-    assert runner.runner_config.tbo_agreed == tbo.agreed_part()
+    assert runner.runner_config.tbo_switch == "auto" and runner.runner_config.auto
+    assert runner.runner_config.tbo_auto.known == ()  # the plan file holds no decision
 
 
 def test_the_fingerprint_covers_every_option_processes_must_share(tmp_path):
@@ -502,9 +503,14 @@ def test_the_fingerprint_covers_every_option_processes_must_share(tmp_path):
     base = fingerprint()
     moe, tbo, _ = _every_option_set(tmp_path)
     changed = [fingerprint(check=False)]
+    # The TBO steps' experts and exchange resolve to the plain steps' (here "xla" and "dense")
+    # when None: naming those is the same set-up, so other values are the changes.
+    resolved = {"moe_runner_backend_tbo": "pallas", "ep_exchange_tbo": "peer_copy"}
     for field in dataclasses.fields(moe):
-        value = getattr(moe, field.name)
+        value = resolved.get(field.name, getattr(moe, field.name))
         changed.append(fingerprint(moe=layer_ops.MoEOptions(**{field.name: value})))
+    same = layer_ops.MoEOptions(moe_runner_backend_tbo="xla", ep_exchange_tbo="dense")
+    assert fingerprint(moe=same) == base
     for field in dataclasses.fields(tbo):
         if field.name not in ("tbo_timer", "tbo_plan", *_MODEL_SOURCE_FIELDS):
             value = getattr(tbo, field.name)

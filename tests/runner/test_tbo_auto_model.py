@@ -19,7 +19,6 @@ def test_model_source_decides_without_running():
     big = auto.decide(tbo_auto.TboShape(4096, planning.ForwardMode.EXTEND), _never, _never)
     small = auto.decide(tbo_auto.TboShape(8, planning.ForwardMode.DECODE), _never, _never)
     assert (big.use_tbo, big.source, small.use_tbo) == (True, "model", False)
-    assert options.agreed_part().tbo_predictor is None
 
 
 def test_model_source_needs_a_predictor_and_auto():

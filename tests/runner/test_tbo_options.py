@@ -1,7 +1,5 @@
 """TboOptions: field checks, the switch's two readings, and the part processes must share."""
 
-import dataclasses
-
 import pytest
 
 from jtbo.runner import tbo_options
@@ -34,14 +32,3 @@ def test_the_switch_reads_as_enabled_and_auto(switch, enabled, auto):
 def test_bad_fields_are_named(fields, message):
     with pytest.raises(ValueError, match=message):
         tbo_options.TboOptions(**fields)
-
-
-def test_the_agreed_part_leaves_out_only_the_timer_and_the_plan_path():
-    options = tbo_options.TboOptions(
-        enable_two_batch_overlap="auto", tbo_token_distribution_threshold=0.2,
-        tbo_issue_barriers=True, tbo_auto_trials=5, tbo_timer=_timer, tbo_plan="plan.json",
-    )  # fmt: skip
-    agreed = options.agreed_part()
-    assert (agreed.tbo_timer, agreed.tbo_plan) == (None, None)
-    kept = [f.name for f in dataclasses.fields(options) if f.name not in ("tbo_timer", "tbo_plan")]
-    assert all(getattr(agreed, name) == getattr(options, name) for name in kept)

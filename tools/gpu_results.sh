@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Re-measures the one-H200 rows of BENCHMARKS.md's results table on a lent GPU machine: each
+# group runs the commands the table names, one log per command under $OUT, and the end of each
+# log (the bench's table) on stdout. Groups: tbo (device steps), serve (generate against
+# transformers), kernels (grouped GEMM, attention), presets (grouped GEMM at model shapes).
+# Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
+set -uo pipefail
+OUT=${OUT:-/tmp/jtbo-results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+
+bench() {  # bench NAME LINES ARGS...: one `python -m jtbo.bench` run, logged to $OUT/NAME.log
+  local name=$1 lines=$2
+  shift 2
+  echo "== $name: python -m jtbo.bench $*"
+  timeout "${LIMIT:-300}" python3 -m jtbo.bench "$@" >"$OUT/$name.log" 2>&1
+  echo "(exit $?)"
+  tail -n "$lines" "$OUT/$name.log"
+}
+
+for group in "$@"; do
+  case $group in
+    tbo)
+      bench tbo 14 tbo --devices 1 --attention-kind gqa --prefill 4096 16384 --decode 128 \
+        --iters 15 --no-profile ;;
+    serve)
+      bench serve 12 serve --hf-config tools/hf_configs/qwen3_30b_a3b.json --num-layers 8 \
+        --prompts 64 --peer transformers ;;
+    kernels)
+      bench grouped_gemm 12 grouped_gemm --tokens 128,256,2048,4096,16384 \
+        --impls dense,pallas,mosaic --iters 5 --reps 7
+      bench attention 12 attention
+      bench extend 8 attention --cases extend --kernel-time ;;
+    presets)
+      for preset in qwen3-30b-a3b deepseek-v2-lite deepseek-v3; do
+        bench "gemm-$preset" 10 grouped_gemm --preset "$preset" --tokens 64,128,256,4096,16384 \
+          --impls dense,pallas,mosaic --iters 5 --reps 5
+      done ;;
+    *) echo "unknown group $group (tbo, serve, kernels, presets)"; exit 2 ;;
+  esac
+done
