@@ -14,7 +14,8 @@ MENTION = re.compile(r"(?<!python -m )\bjtbo\.([a-z_]+)")
 def _layer_ranks() -> dict[str, int]:
     """Top-level module name -> its layer's rank, 0 at the bottom."""
     with open(ROOT / "pyproject.toml", "rb") as f:
-        (contract,) = tomllib.load(f)["tool"]["importlinter"]["contracts"]
+        contracts = tomllib.load(f)["tool"]["importlinter"]["contracts"]
+    (contract,) = [c for c in contracts if "containers" not in c]  # the packages' layers
     ranks = {}
     for rank, layer in enumerate(reversed(contract["layers"])):
         for name in layer.split("|"):

@@ -118,10 +118,9 @@ def model_step_program(
     tbo_issue_barriers: bool | None = None,
     tbo_round_barriers: bool = False,
 ):
-    """The runner's jitted step and abstract arguments (no parameter memory) for one plan.
-
-    Every DP rank of ``mesh`` runs the same synthetic batch (``tokens_per_rank`` tokens in 4
-    sequences, or that many decode sequences).
+    """The runner's jitted step and abstract arguments (no parameter memory) for one plan, in
+    which every DP rank runs the same synthetic batch (``tokens_per_rank`` tokens in 4
+    sequences, or that many decode sequences), under the ``RunnerConfig`` a runner resolves.
 
     Args:
       config: the model shapes.
@@ -135,8 +134,7 @@ def model_step_program(
         ``moe_runner_backend=None`` compiles the "xla" experts (the AOT program's devices are
         described, not present, so no platform default is resolved).
       dtype: parameter / activation dtype.
-      tbo_issue_barriers: ``layer_ops.ParallelConfig.tbo_issue_barriers``.
-      tbo_round_barriers: ``layer_ops.ParallelConfig.tbo_round_barriers``.
+      tbo_issue_barriers, tbo_round_barriers: the ``TboOptions`` fields.
 
     Returns:
       ``(jitted_step, abstract_args, compiler_options)``: the runner compiles
@@ -150,13 +148,11 @@ def model_step_program(
     dp_size = mesh.shape[mesh_lib.DP_AXIS]
     model = _abstract_model(config, dtype)
     seq_capacity = seq_capacity or tokens_per_rank
-    resolved = _runner_config(
-        config, mesh, moe, tokens_per_rank, seq_capacity, dtype,
-        tbo_options.TboOptions(
-            enable_two_batch_overlap=enable_tbo, tbo_issue_barriers=tbo_issue_barriers,
-            tbo_round_barriers=tbo_round_barriers,
-        ),
+    tbo = tbo_options.TboOptions(
+        enable_two_batch_overlap=enable_tbo, tbo_issue_barriers=tbo_issue_barriers,
+        tbo_round_barriers=tbo_round_barriers,
     )  # fmt: skip
+    resolved = _runner_config(config, mesh, moe, tokens_per_rank, seq_capacity, dtype, tbo)
     parallel, moe = resolved.parallel, resolved.parallel.moe
     plan = _synthetic_plan(ForwardMode(mode), dp_size, tokens_per_rank, resolved.plan)
     _, params = step.split_params(model)

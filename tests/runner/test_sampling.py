@@ -1,6 +1,7 @@
 """Token choice: greedy, temperature + top-p against an independent float64 nucleus, and
 sampling inside ``generate`` (reproducible per request, whatever the DP rank or pipelining)."""
 
+import contextlib
 import types
 
 import numpy as np
@@ -85,6 +86,13 @@ class _FakeRunner:
         self.max_total_tokens = self.max_context_len = 199
         self.config = types.SimpleNamespace(vocab_size=VOCAB)
         self.options = types.SimpleNamespace(token_buckets=(64,))
+        self.local_dp_ranks, self.multiprocess = tuple(range(dp_size)), False
+
+    def failure_phase(self, name, *, collective):
+        return contextlib.nullcontext()
+
+    def step_idle(self):
+        return False  # one process: no other process's steps to take part in
 
     def dispatch(self, batches, *, sampling, token_sources, after, logprobs):
         out = []
