@@ -6,7 +6,7 @@
 
 Question: jtbo's routed experts run as a capacity-slot batched matmul
 (``jtbo.models.experts.experts_capacity``) because ``jax.lax.ragged_dot`` ran far slower on
-the H200 (BENCHMARKS.md, "Grouped GEMM for the routed experts"). Could a Pallas grouped GEMM
+the H200 (docs/benchmarks/, "Grouped GEMM for the routed experts"). Could a Pallas grouped GEMM
 (tokamax's ``ragged_dot``, Hopper kernel ``pallas_mosaic_gpu``) do better than the capacity
 slots, which compute ``capacity_factor`` times the real work?
 
@@ -60,7 +60,7 @@ after ``--warmup`` calls, ``--reps`` batches of ``--iters`` calls are enqueued b
 waited for (``block_until_ready``); the table gives the median per-call time. The impls of
 one T are timed in turns, one batch of each per rep (``device_rates.time_fns_interleaved``):
 a GPU's clock falls within seconds of matmuls, so impls timed one after the other would
-compare different clocks (BENCHMARKS.md, "Mosaic GPU grouped GEMM"). ``useful TF/s``
+compare different clocks (docs/benchmarks/, "the clock falls under load"). ``useful TF/s``
 = 2 * 3 * T * k * H * F / time; ``time / capacity`` is the impl's time over ``capacity``'s at
 the same T (< 1: faster); ``vs dense`` = the dense row's time over the impl's (its useful TF/s
 as a fraction of dense; target >= 0.75 at 4096-16384 tokens). ``weight GB/s`` = the bytes of
