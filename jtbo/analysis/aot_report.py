@@ -9,8 +9,8 @@ then measures it with ``jtbo.analysis.report.overlap_report``. Needs the ``aot``
 With ``tbo_round_barriers=False`` and the step's per-micro-batch embedding, dense layers and
 LM head, TBO covers every collective of the step from 16 tokens per DP rank on, except one of
 the small overflow / peak-load reductions, which stay outside both micro-batches so that every
-process reads the same counts. The figures and the fixes that got there: BENCHMARKS.md, "The
-model's own step", 4 x 2 H200 compile on the CPU.
+process reads the same counts. The figures and the fixes that got there: docs/benchmarks/,
+"The model's own step", 4 x 2 H200 compile on the CPU.
 """
 
 import dataclasses

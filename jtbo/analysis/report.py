@@ -23,8 +23,8 @@ has fill 0). These are compile-time estimates (a roofline for compute, bytes ove
 ``CostModel.link_bytes_per_s`` for the exchange), not measurements.
 
 ``python -m jtbo.analysis.report_cli`` reports the model's own step (``report_cli``). Findings
-are in BENCHMARKS.md ("Overlap coverage (8xH200 compile on the CPU)", "Run-time overlap on two
-H200s").
+are in docs/benchmarks/ ("Overlap coverage (8xH200 compile on the CPU)", "Run-time overlap on
+two H200s").
 """
 
 import dataclasses

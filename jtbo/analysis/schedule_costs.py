@@ -14,7 +14,7 @@ dependent, as the attention loops' are) - and every collective from its bytes ov
 bandwidth. ``window_fill`` then gives, for each collective, the estimated compute of the other
 micro-batch inside its window against the exchange's estimated time: below 1.0 the exchange
 outlasts the compute beside it. The figures are estimates for comparing schedules, not
-predictions of step times (BENCHMARKS.md, "Run-time overlap on two H200s", compares
+predictions of step times (docs/benchmarks/, "Run-time overlap on two H200s", compares
 them with the GPU profiles).
 """
 
@@ -35,7 +35,7 @@ class CostModel:
     """The device and link figures the estimates are made from.
 
     Defaults: one H200 and NCCL over NVLink between two H200s, rounded from the measured
-    figures in BENCHMARKS.md ("Kernels", "Run-time overlap on two H200s").
+    figures in docs/benchmarks/ ("Kernels: the copy kernels", "Run-time overlap on two H200s").
     """
 
     matmul_flops_per_s: float = 700e12  # dense bf16 matmul rate

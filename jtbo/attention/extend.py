@@ -88,7 +88,7 @@ class ExtendAttentionConfig:
 
 DEFAULT_CONFIG = ExtendAttentionConfig()
 """The kernel knobs used when none are given: the fastest launch shape of the H200 sweeps in
-BENCHMARKS.md, "Attention: the extend kernel"."""
+docs/benchmarks/, "Attention: the extend kernel"."""
 
 
 @dataclasses.dataclass(frozen=True)

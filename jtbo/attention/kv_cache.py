@@ -23,7 +23,7 @@ Writes are functional (``.at[].set``); under ``jit`` with the cache donated XLA 
 pool in place, so a step does not copy it. A write's destinations are distinct (each padded
 token is sent to its own slot past the pool and dropped), so XLA knows the indices are unique
 and scatters without atomics, which it must use when padded tokens share a slot
-(BENCHMARKS.md, "Attention: the extend kernel").
+(docs/benchmarks/, "Attention: the extend kernel", the K/V write).
 """
 
 import dataclasses

@@ -12,7 +12,7 @@ and only chunks up to the step's last real tile run (a traced trip count): the m
 sized for the worst case a static capacity can hold (e.g. every sequence of the step's
 sequence bound one token long), so most of its tiles are usually empty, and a TBO child
 holds as many tiles as the worst case of either child; processing all of them was the bulk
-of both steps' attention (BENCHMARKS.md, "TBO step cost on one GPU").
+of both steps' attention (docs/benchmarks/, "TBO step cost on one GPU").
 Within a chunk the block loop runs only up to the chunk's furthest visible KV position
 (causal: the last query's position; custom mask: ``tile_kv_len``), so short steps and the
 early tiles of a causal prompt do not pay for ``max_context``. A skipped block is fully masked

@@ -129,7 +129,7 @@ class _Launch:
 
         One split of a causal capacity stores in place. Verify (custom mask) tiles keep the
         partial rows: storing them in place made the verify case slower on an H200
-        (BENCHMARKS.md, "The paged kernel's rows in place").
+        (docs/benchmarks/, "The paged kernel's rows in place").
         """
         return self.splits == 1 and not self.custom_mask
 

@@ -48,8 +48,8 @@ def time_fns_interleaved(cases, *, warmup: int, iters: int, reps: int) -> list[f
     """Median seconds per call of each ``fn(*args)`` in ``cases``, timed in turns.
 
     Each rep times one batch of ``iters`` calls of every case, one case after the other, so
-    the cases share the GPU's state (its clock falls as it heats under matmuls: BENCHMARKS.md,
-    "Mosaic GPU grouped GEMM"), and a ratio of two medians compares like with like.
+    the cases share the GPU's state (its clock falls as it heats under matmuls: docs/benchmarks/,
+    "the clock falls under load"), and a ratio of two medians compares like with like.
 
     Args:
       cases: ``(fn, args)`` pairs, each a jitted function and its arguments.

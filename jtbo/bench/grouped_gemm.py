@@ -1,18 +1,24 @@
 """One routed-expert FFN layer three ways: ``python -m jtbo.bench grouped_gemm [flags]``.
 
 ``python -m jtbo.bench grouped_gemm [--tokens 128,256,4096,16384]
-[--impls capacity,dense,pallas,ragged_dot,tokamax] [--capacity-factor 4] [--skew 0] [--iters 5]
-[--reps 5] [--small] [--no-copy-ceiling]``
+[--impls capacity,dense,pallas,ragged_dot,tokamax] [--capacity-factor 4] [--skew 0]
+[--preset NAME | --hidden H --ffn F --experts E --top-k K] [--iters 5] [--reps 5] [--small]
+[--no-copy-ceiling]``
 
 Question: jtbo's routed experts run as a capacity-slot batched matmul
 (``jtbo.models.experts.experts_capacity``) because ``jax.lax.ragged_dot`` ran far slower on
-the H200 (BENCHMARKS.md, "Grouped GEMM for the routed experts"). Could a Pallas grouped GEMM
+the H200 (docs/benchmarks/, "Grouped GEMM for the routed experts"). Could a Pallas grouped GEMM
 (tokamax's ``ragged_dot``, Hopper kernel ``pallas_mosaic_gpu``) do better than the capacity
 slots, which compute ``capacity_factor`` times the real work?
 
-Method: DeepSeek-V3-reduced expert shapes (``MoEConfig.deepseek_v3_reduced()``: H=7168,
-F=2048, E=64, top-8, bf16). For each token count T the tokens get uniform random *distinct*
-experts (``--skew S``: a fraction S of the tokens also picks expert 0) and random routing
+Method: DeepSeek-V3-reduced expert shapes by default (``MoEConfig.deepseek_v3_reduced()``:
+H=7168, F=2048, E=64, top-8, bf16). ``--preset NAME`` takes a model family's published
+routed-expert shape instead (``jtbo.bench.expert_presets``; ``--help`` lists the names). A
+preset sets ``--hidden``, ``--ffn``, ``--experts`` and ``--top-k``, so giving one of those (or
+``--small``) with it is a usage error naming both, never a silent mix of two shapes. Without
+a preset each size flag left out takes the default model's size (``--small``'s tiny one with
+``--small``). For each token count T the tokens get uniform random *distinct* experts
+(``--skew S``: a fraction S of the tokens also picks expert 0) and random routing
 weights; every impl runs the same assignment through one whole layer: gate, up,
 ``silu(gate) * up``, down, and the weighted sum over each token's k experts (the routing
 bookkeeping, sort / scatter / gather, is timed with it, since each layout needs its own).
@@ -40,7 +46,7 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
   ``GATE_UP/DOWN`` (row tile x columns per CTA x contraction step, pipeline stages, row
   tiles walked together), e.g. ``mosaic:128x128x64s4/128x256x64s4``. It is checked and
   followed by a ``mosaic (kernel)`` row as ``pallas`` is.
-* ``dense``: the yardstick of the issue-15 target, not a routed layer: one dense SwiGLU
+* ``dense``: the yardstick of the ``vs dense`` target, not a routed layer: one dense SwiGLU
   (``[T * k, H] @ [H, 2F]``, ``silu * up``, ``@ [F, H]``, bf16 hidden, float32 accumulate)
   over as many rows as the routed pairs, with one expert's weights. Its useful TF/s is the
   denominator of every row's ``vs dense``.
@@ -60,7 +66,7 @@ after ``--warmup`` calls, ``--reps`` batches of ``--iters`` calls are enqueued b
 waited for (``block_until_ready``); the table gives the median per-call time. The impls of
 one T are timed in turns, one batch of each per rep (``device_rates.time_fns_interleaved``):
 a GPU's clock falls within seconds of matmuls, so impls timed one after the other would
-compare different clocks (BENCHMARKS.md, "Mosaic GPU grouped GEMM"). ``useful TF/s``
+compare different clocks (docs/benchmarks/, "the clock falls under load"). ``useful TF/s``
 = 2 * 3 * T * k * H * F / time; ``time / capacity`` is the impl's time over ``capacity``'s at
 the same T (< 1: faster); ``vs dense`` = the dense row's time over the impl's (its useful TF/s
 as a fraction of dense; target >= 0.75 at 4096-16384 tokens). ``weight GB/s`` = the bytes of
@@ -99,7 +105,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtbo import kernels
-from jtbo.bench import device_rates
+from jtbo.bench import device_rates, expert_presets, options
 from jtbo.core import cli_arguments
 from jtbo.kernels import grouped_gemm
 from jtbo.models import config as config_lib
@@ -164,6 +170,67 @@ class Shapes:
     def weight_bytes(self, num_experts: int, itemsize: int) -> float:
         """Bytes of ``num_experts`` experts' gate, up and down weights."""
         return 3.0 * num_experts * self.hidden * self.ffn * itemsize
+
+
+SMALL_SHAPES = Shapes(hidden=64, ffn=32, experts=8, top_k=2)
+"""The expert shape of ``--small`` (a CPU smoke run)."""
+_POSITIVE = cli_arguments.positive_int
+_SIZE_DEFAULT = "(default: DeepSeek-V3-reduced's; --small's with --small)"
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeOptions:
+    """The expert shape's flags: a preset, or sizes (``resolve_shapes``).
+
+    A size left out takes ``MoEConfig.deepseek_v3_reduced()``'s, or ``SMALL_SHAPES``'s with
+    ``--small``.
+    """
+
+    preset: str | None = options.option(
+        None, choices=sorted(expert_presets.PRESETS), metavar="NAME",
+        help="a model family's routed-expert shape: "
+        f"{', '.join(expert_presets.PRESETS)} (sets --hidden --ffn --experts --top-k; giving "
+        "one of those or --small too is an error)",
+    )  # fmt: skip
+    hidden: int | None = options.option(None, type=_POSITIVE, help=f"H {_SIZE_DEFAULT}")
+    ffn: int | None = options.option(None, type=_POSITIVE, help=f"F, per expert {_SIZE_DEFAULT}")
+    experts: int | None = options.option(None, type=_POSITIVE, help=f"E {_SIZE_DEFAULT}")
+    top_k: int | None = options.option(
+        None, type=_POSITIVE, help=f"experts per token {_SIZE_DEFAULT}"
+    )
+
+
+def resolve_shapes(flags: ShapeOptions, small: bool) -> Shapes:
+    """The expert shape the flags ask for.
+
+    Args:
+      flags: the parsed shape flags.
+      small: ``--small``: the sizes not given default to ``SMALL_SHAPES``.
+
+    Returns:
+      The preset's shape, else each size given, the others from ``SMALL_SHAPES`` with
+      ``small`` or from ``MoEConfig.deepseek_v3_reduced()`` without.
+
+    Raises:
+      ValueError: a preset given together with a size flag or ``small`` (naming both).
+    """
+    sizes = {name: value for name, value in dataclasses.asdict(flags).items() if name != "preset"}
+    given = {name: value for name, value in sizes.items() if value is not None}
+    if flags.preset is not None:
+        clash = ["--" + name.replace("_", "-") for name in given] + (["--small"] if small else [])
+        if clash:
+            raise ValueError(
+                f"--preset {flags.preset} sets the expert shape, and {' '.join(clash)} would "
+                "change it: give the preset or the sizes, not both"
+            )
+        return Shapes(**expert_presets.PRESETS[flags.preset].shape_flags())
+    if small:
+        return dataclasses.replace(SMALL_SHAPES, **given)
+    cfg = config_lib.MoEConfig.deepseek_v3_reduced()
+    default = Shapes(
+        cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    )
+    return dataclasses.replace(default, **given)
 
 
 def route(num_tokens: int, shapes: Shapes, skew: float, seed: int) -> tuple[np.ndarray, ...]:
@@ -581,7 +648,8 @@ def measure(num_tokens: int, impls: list[str], shapes: Shapes, args) -> list[Row
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
-    cfg = config_lib.MoEConfig.deepseek_v3_reduced()
+    """The flags, with ``args.shapes`` resolved (``parser.error``: exit status 2 with the
+    reason)."""
     p = argparse.ArgumentParser(
         prog="python -m jtbo.bench grouped_gemm",
         description=__doc__,
@@ -591,10 +659,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--impls", default=",".join(IMPLS), help="comma list; tokamax:VARIANT too")
     p.add_argument("--capacity-factor", type=float, default=4.0)
     p.add_argument("--skew", type=float, default=0.0, help="fraction of tokens also on expert 0")
-    p.add_argument("--hidden", type=cli_arguments.positive_int, default=cfg.hidden_size)
-    p.add_argument("--ffn", type=cli_arguments.positive_int, default=cfg.moe_intermediate_size)
-    p.add_argument("--experts", type=cli_arguments.positive_int, default=cfg.num_experts)
-    p.add_argument("--top-k", type=cli_arguments.positive_int, default=cfg.num_experts_per_tok)
+    options.add_arguments(p, ShapeOptions)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument(
@@ -615,8 +680,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--no-copy-ceiling", action="store_true", help="skip the copy yardstick (no 'of copy')"
     )
     args = p.parse_args(argv)
+    try:
+        args.shapes = resolve_shapes(options.from_namespace(ShapeOptions, args), args.small)
+    except ValueError as error:
+        p.error(str(error))
     if args.small:
-        args.hidden, args.ffn, args.experts, args.top_k = 64, 32, 8, 2
         args.tokens = "16,64" if args.tokens == p.get_default("tokens") else args.tokens
         args.warmup, args.iters, args.reps = 1, 2, 2
     return args
@@ -629,7 +697,7 @@ def main(argv: list[str]) -> None:
       SystemExit: bad flags, or an impl failed (its rows say why).
     """
     args = _parse(argv)
-    shapes = Shapes(args.hidden, args.ffn, args.experts, args.top_k)
+    shapes = args.shapes
     impls = [i for i in args.impls.split(",") if i]
     tokens = [int(t) for t in args.tokens.split(",") if t]
     versions = f"jax {jax.__version__}"
@@ -638,6 +706,7 @@ def main(argv: list[str]) -> None:
             versions += f", tokamax {import_tokamax().__version__}"
     header = (
         f"date {datetime.date.today()}  device {jax.devices()[0].device_kind}  {versions}  "
+        f"{'' if args.preset is None else f'preset {args.preset}: '}"
         f"H={shapes.hidden} F={shapes.ffn} E={shapes.experts} top-{shapes.top_k} {args.dtype}  "
         f"capacity factor {args.capacity_factor:g}  skew {args.skew:g}  "
         f"median of {args.reps} x {args.iters} calls"

@@ -16,7 +16,7 @@ two answers "which operation costs what", per step:
   a merged matmul), else the kernel family.
 
 Built to find TBO's cost on one H200, where the joined table showed each micro-batch reading
-the Q/K/V weights on its own (BENCHMARKS.md, "TBO step cost on one H200", fused weights and
+the Q/K/V weights on its own (docs/benchmarks/, "TBO step cost on one H200", fused weights and
 one CUDA graph per step).
 
 ``collective_bytes`` reads the other side of the same HLO: how many bytes each collective of

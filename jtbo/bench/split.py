@@ -3,7 +3,7 @@
 For 256-sequence EXTEND and DECODE batches (random lengths, fixed seed) it times, per step,
 the split planning (``compute_split_seq_index`` + ``compute_split_token_index``), attaching the
 split index to the batch, and ``split_batch``; it prints the median and 90th percentile in
-microseconds over many runs. Target: <= 100 us per step (BENCHMARKS.md, "Host planning").
+microseconds over many runs. Target: <= 100 us per step (docs/benchmarks/, "Host planning").
 """
 
 import argparse

@@ -189,7 +189,8 @@ def main(argv=None) -> int:
     tokens = {tbo: [r.token_ids for r in results] for tbo, (_, results) in runs.items()}
     same = tokens[False] == tokens[True] == tokens["auto"]
     print(f"max |logits difference| TBO vs plain: {diff:.3g} (tolerance {TOLERANCE})")
-    # GPUs run float32 dots in TF32 (BENCHMARKS.md): their error is shown, not judged.
+    # GPUs run float32 dots in TF32 (docs/benchmarks/, "Attention: the paged kernel"): their
+    # error is shown, not judged.
     judged = jax.default_backend() == "cpu"
     bound = f"tolerance {REFERENCE_TOLERANCE}" if judged else "not judged: TF32 dots"
     print(f"max |logits error| vs the float64 reference: plain {errors[0]:.3g}, TBO "

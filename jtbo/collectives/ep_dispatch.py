@@ -258,7 +258,7 @@ def _div(value, divisor: int):
     Divided as uint32: a constant unsigned division is a shift or a multiply, where int32
     ``//`` (and even truncating ``lax.div``) adds sign corrections. XLA fuses this index
     arithmetic into the row gathers that read it and redoes it for every element of every
-    row (BENCHMARKS.md, "TBO step cost on one H200", decode-sized children and unsigned EP
+    row (docs/benchmarks/, "TBO step cost on one H200", decode-sized children and unsigned EP
     indices).
     """
     quotient = jax.lax.div(value.astype(jnp.uint32), jnp.uint32(divisor))

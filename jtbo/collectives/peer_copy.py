@@ -1,7 +1,7 @@
 """All-to-all by peer copies on a side stream: an exchange that runs beside compute.
 
 XLA runs its own collectives as NCCL kernels, which take streaming multiprocessors from the
-compute they are meant to overlap and are ordered by XLA's scheduler (BENCHMARKS.md, "Run-time
+compute they are meant to overlap and are ordered by XLA's scheduler (docs/benchmarks/, "Run-time
 overlap on two H200s"). This exchange is a pair of XLA FFI custom calls
 (``jtbo/ffi/peer_exchange_*.cc``):
 

@@ -84,7 +84,8 @@ class CopyConfig:
         return label
 
 
-# The best configs of the H200 sweep at 256 MiB (BENCHMARKS.md, "Kernels", config sweep).
+# The best configs of the H200 sweep at 256 MiB (docs/benchmarks/, "Kernels: the copy
+# kernels", config sweep).
 # block_for shrinks blocks for small copies.
 DP_MEMCPY = CopyConfig(block_elems=4096, num_warps=16)
 SLICE_PAD = CopyConfig(block_elems=4096, num_warps=16)

@@ -83,8 +83,8 @@ class GroupedFfnConfig:
       down: the down GEMM (contraction over F, columns over H).
     """
 
-    # The fastest of the shapes swept on one H200 at 4096 tokens (BENCHMARKS.md, "Grouped GEMM
-    # for the routed experts"); the gate/up tile is 2 x block_n wide (two accumulators).
+    # The fastest of the shapes swept on one H200 at 4096 tokens (docs/benchmarks/, "The Pallas
+    # grouped GEMM (exact counts)"); the gate/up tile is 2 x block_n wide (two accumulators).
     gate_up: GemmConfig = GemmConfig(
         block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3
     )
@@ -162,5 +162,5 @@ class MosaicFfnConfig:
 
 # Default Mosaic GPU launch shapes: the 2-CTA-cluster, two-warpgroup shape of the fastest
 # dense Mosaic GPU matmul measured, with 128-row tiles; the swept variants were not faster
-# (BENCHMARKS.md, "Mosaic GPU grouped GEMM").
+# (docs/benchmarks/, "Mosaic GPU against cuBLAS" and "the grouped FFN on Mosaic GPU").
 MOSAIC_FFN = MosaicFfnConfig()

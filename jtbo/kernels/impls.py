@@ -22,10 +22,10 @@ MOSAIC = "mosaic"
 MOSAIC_OPS = ("grouped_ffn",)
 """The ops that also have ``MOSAIC``."""
 
-# Fastest first, per op and backend (measured: BENCHMARKS.md, "Kernels"). dp_memcpy's kernel
-# beats XLA's row scatter; XLA fuses slice_pad and merge_rows into neighbouring work, which
-# no standalone kernel can, so xla stays their default and the kernels serve explicit
-# requests. On the CPU the Pallas interpreter is for testing only.
+# Fastest first, per op and backend (measured: docs/benchmarks/, "Kernels: the copy
+# kernels"). dp_memcpy's kernel beats XLA's row scatter; XLA fuses slice_pad and merge_rows
+# into neighbouring work, which no standalone kernel can, so xla stays their default and the
+# kernels serve explicit requests. On the CPU the Pallas interpreter is for testing only.
 _GPU_KERNEL_FIRST = ("pallas", "triton", "xla")
 _GPU_XLA_FIRST = ("xla", "pallas", "triton")
 FASTEST = {
@@ -33,22 +33,22 @@ FASTEST = {
     "slice_pad": {"gpu": _GPU_XLA_FIRST, "cpu": ("xla",)},
     "merge_rows": {"gpu": _GPU_XLA_FIRST, "cpu": ("xla",)},
     # The grouped GEMM skips empty capacity slots: faster from prefill sizes on, even at
-    # decode sizes (BENCHMARKS.md, "Grouped GEMM for the routed experts"). grouped_ffn's
+    # decode sizes (docs/benchmarks/, "The Pallas grouped GEMM (exact counts)"). grouped_ffn's
     # impl=None also takes MOSAIC from grouped_gemm.MOSAIC_MIN_ROWS rows on Hopper GPUs
-    # (grouped_gemm.auto_impl; BENCHMARKS.md, "the Mosaic GPU grouped GEMM").
+    # (grouped_gemm.auto_impl; docs/benchmarks/, "the grouped FFN on Mosaic GPU").
     "grouped_ffn": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
     # jtbo.kernels.tile_gather: the kernel skips dead tiles, XLA's gather writes them (the
-    # Mosaic grouped GEMM's input; BENCHMARKS.md, "the Mosaic GPU grouped GEMM").
+    # Mosaic grouped GEMM's input; docs/benchmarks/, "The gather into row tiles").
     "gather_tiles": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
     # The paged attention op: "xla" is the native attention, which the paged kernel beats in
-    # decode and extend (BENCHMARKS.md, "Attention: the paged kernel"); its Triton twin is
-    # slower at decode (BENCHMARKS.md, "Attention: the jax-triton kernels").
+    # decode and extend (docs/benchmarks/, "Attention: the paged kernel"); its Triton twin is
+    # slower at decode (docs/benchmarks/, "Attention: the jax-triton kernels").
     "paged_attention": {"gpu": ("pallas", "triton", "xla"), "cpu": ("xla",)},
     # The extend attention op: the two-stage extend kernel against the native attention
-    # (BENCHMARKS.md, "Attention: the extend kernel"); the Triton twin is slower.
+    # (docs/benchmarks/, "Attention: the extend kernel"); the Triton twin is slower.
     "extend_attention": {"gpu": ("pallas", "triton", "xla"), "cpu": ("xla",)},
     # paged_attention(value_width=...) (MLA's absorbed decode): the paged kernel over the
-    # latent pool beats the native attention (BENCHMARKS.md, "MLA on H200s").
+    # latent pool beats the native attention (docs/benchmarks/, "MLA on H200s").
     "mla_latent_attention": {"gpu": ("pallas", "triton", "xla"), "cpu": ("xla",)},
 }
 

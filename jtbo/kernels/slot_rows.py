@@ -104,7 +104,7 @@ def take_flat(slots: "jax.Array | SlotRows", flat_slot: jax.Array) -> jax.Array:
     if isinstance(slots, SlotRows):
         # The barrier keeps the looked-up index out of the row gather's fusion: XLA otherwise
         # recomputes it (and what it derives from) for every element of every row, which
-        # made the gather many times slower (BENCHMARKS.md, "Mosaic GPU grouped GEMM").
+        # made the gather many times slower (docs/benchmarks/, "the grouped FFN on Mosaic GPU").
         row = jax.lax.optimization_barrier(row)
     return gather_rows(rows, row)
 

@@ -43,8 +43,8 @@ class TileGatherConfig:
         launch_checks.require_powers_of_two(self, ("block_rows", "block_cols", "num_warps"))
 
 
-# Default launch shape (the one measured in the Mosaic layer: BENCHMARKS.md, "Mosaic GPU
-# grouped GEMM").
+# Default launch shape (the one measured in the Mosaic layer: docs/benchmarks/, "The gather
+# into row tiles").
 TILE_GATHER = TileGatherConfig()
 
 

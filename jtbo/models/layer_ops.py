@@ -80,8 +80,8 @@ class MoEOptions:
       ep_dedup: exchange one row per (token, destination device) with the token's local
         expert ids and weights (``collectives.ep_dedup``, DeepEP's dispatch; the default)
         instead of one per (token, expert) assignment (False); combine then sums each
-        device's experts before sending. Why it is the default: BENCHMARKS.md, "EP exchange
-        volume with dedup dispatch".
+        device's experts before sending. Why it is the default: docs/benchmarks/, "EP
+        exchange volume with dedup dispatch".
       ep_slot_alignment: EP capacities are rounded up to a multiple of this (8 suits GPU
         GEMMs; 1 keeps the factor exact).
     """
@@ -158,7 +158,7 @@ class ParallelConfig:
         every collective-issuing (``*_a``) operation (``jtbo.models.step._run_tbo``). None
         (default): on where attention has no tensor parallelism (``attn_tp_size == 1``): they
         order only the ``*_a`` exchanges, not ``attn_tp`` collectives (measurements:
-        BENCHMARKS.md, "Run-time overlap on two H200s").
+        docs/benchmarks/, "Run-time overlap on two H200s").
     """
 
     attn_tp_size: int
@@ -245,9 +245,9 @@ class StepBox:
         With one micro-batch the next layer's K/V write already depends on this attention's
         output. With two, the other micro-batch's write does not, and XLA can then only keep
         the attention's reads valid by copying the whole pool before the write, several times
-        a step (BENCHMARKS.md, "TBO step cost on one GPU"). Passing the output and the pool through
-        one ``optimization_barrier`` makes the pool handed on depend on the attention having
-        finished, so the write can run in place. The output is no collective result, so no
+        a step (docs/benchmarks/, "TBO step cost on one GPU"). Passing the output and the pool
+        through one ``optimization_barrier`` makes the pool handed on depend on the attention
+        having finished, so the write can run in place. The output is no collective result, so no
         in-flight collective is pinned by it.
 
         Args:

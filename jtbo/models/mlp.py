@@ -4,7 +4,7 @@ Gate and up are one fused weight ``w_gate_up [H, 2, F]`` (SGLang's ``gate_up_pro
 runs one matmul per weight. With two weights XLA's dot merger joins a micro-batch's gate and up
 matmuls (they share the activations) instead of micro-batch A's and B's (they share the
 weight), and each micro-batch then reads the weight on its own; in prefill XLA concatenated
-the two weights at run time every step (BENCHMARKS.md, "TBO step cost on one H200", fused
+the two weights at run time every step (docs/benchmarks/, "TBO step cost on one H200", fused
 weights and one CUDA graph per step, "GPU time").
 
 The hidden width may be sharded (tensor parallel, the ``F`` axis): each shard then returns a

@@ -6,7 +6,7 @@ then its value. One matmul per call matters for two-batch overlap: with three we
 dot merger joins a micro-batch's Q, K and V matmuls (they share the activations) and so can no
 longer join micro-batch A's and B's (they share a weight), and each micro-batch reads the
 weight on its own; in prefill XLA concatenated the three weights at run time, every step
-(BENCHMARKS.md, "TBO step cost on one H200", fused weights and one CUDA graph per step,
+(docs/benchmarks/, "TBO step cost on one H200", fused weights and one CUDA graph per step,
 "GPU time"). Query head ``j`` lives at
 ``(j // group, j % group)``, the usual GQA order, so sharding the ``kv_heads`` axis over
 ``attn_tp`` gives each rank ``kv_heads / attn_tp`` KV heads with their own query heads.

@@ -31,8 +31,8 @@ capacity, summed over devices, and their peak loads, max over devices (the host 
 The host plan reaches the step packed (``pack_step_inputs``, ``jtbo.split.packing``): the
 per-rank arrays as one ``[dp, n]`` int32 buffer (sharded over ``"dp"``), the replicated ones as
 one ``[m]`` buffer, so a step makes two host->device transfers instead of one per leaf (their
-cost: BENCHMARKS.md, "TBO step cost on one H200", fused weights and one CUDA graph per step).
-Each DP rank unpacks its row inside the ``shard_map`` body with static slices and bitcasts.
+cost: docs/benchmarks/, "TBO step cost on one H200", fused weights and one CUDA graph per
+step). Each DP rank unpacks its row inside the ``shard_map`` body with static slices and bitcasts.
 
 Compiles: one per (token bucket, plan layouts, mode, TBO child capacity, dispatchers). Each
 such key gets its own jitted function guarded by ``chex.assert_max_traces(n=1)``, so a step
@@ -132,7 +132,7 @@ def split_params(model: model_lib.MoEModel) -> tuple[nnx.GraphDef, dict]:
     The parameters are nested plain dicts of arrays (``nnx.to_pure_dict``), which
     ``nnx.merge`` accepts as they are. jit flattens its arguments at every call; plain dicts
     flatten in its C++ dispatch path, where an ``nnx.State`` calls back into Python for every
-    variable (host time on every step: BENCHMARKS.md, "The host's share of a decode step").
+    variable (host time on every step: docs/benchmarks/, "The host's share of a decode step").
 
     Args:
       model: the model.
@@ -255,7 +255,7 @@ def _run_tbo(
       could run the other micro-batch's stage first; the barrier orders the start before it.
 
     Both fill each exchange window with the other micro-batch's compute, in the compiled
-    schedule and at run time (BENCHMARKS.md, "Run-time overlap on two H200s"). One
+    schedule and at run time (docs/benchmarks/, "Run-time overlap on two H200s"). One
     device has nothing to hide, and there A's and B's matmuls may merge
     (``step_compiler_options``).
     """
@@ -530,11 +530,11 @@ XLA:GPU records runs of kernels into CUDA graphs (command buffers), but by defau
 condition back to the host, which splits the step into one graph per stretch between loops
 and stalls the GPU at every read. With ``WHILE`` and ``CONDITIONAL`` the loops become
 conditional graph nodes and the whole step is one graph, which made both steps faster on one
-H200 (BENCHMARKS.md, "TBO step cost on one H200", fused weights and one CUDA graph per step,
-"While loops"). The other names are XLA's defaults (they must be listed: the option is
+H200 (docs/benchmarks/, "TBO step cost on one H200", fused weights and one CUDA graph per
+step, "While loops"). The other names are XLA's defaults (they must be listed: the option is
 a list). On multi-GPU meshes the collectives stay outside the graphs (``COLLECTIVES`` is not
-listed): a step runs as a few graphs split at the collectives (BENCHMARKS.md, "Two H200s",
-TBO step and overlap at dp=2).
+listed): a step runs as a few graphs split at the collectives (docs/benchmarks/, "Two
+H200s", TBO step and overlap at dp=2).
 """
 
 
@@ -552,7 +552,7 @@ def step_compiler_options(mesh: jax.sharding.Mesh, child_capacity: int | None) -
     routed experts are one joint call there anyway: ``_run_tbo``'s lockstep). Large
     ones (compute bound) turn the dot merger off: merging them reads the weights once but
     concatenates both micro-batches' activations first, which costs more traffic
-    (BENCHMARKS.md, "TBO step cost on one GPU", and the router gates in "One-device TBO in
+    (docs/benchmarks/, "TBO step cost on one GPU", and the router gates in "one-device TBO in
     lockstep"). The rows of the two micro-batches stay separate either way, so the numbers are
     the same.
 

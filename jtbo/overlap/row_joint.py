@@ -8,8 +8,8 @@ by row, what it gives on each micro-batch.
 
 The lockstep executor (``operations.execute_lockstep_operations``, one-device meshes) runs
 such an operation once for both micro-batches when they are small (``join_row_wise``), where
-a second launch of each small kernel costs more than concatenating the rows (BENCHMARKS.md,
-"row-wise operations once for both"). ``run_joint`` hands the operation a
+a second launch of each small kernel costs more than concatenating the rows (docs/benchmarks/,
+"Row-wise operations once for both micro-batches"). ``run_joint`` hands the operation a
 ``JointRowState``, which concatenates A's and B's entries on every read or pop and splits
 every entry set back into the two states; inputs are concatenated and outputs split the same
 way. Between two joint operations the split and the next concatenation meet, and XLA folds

@@ -2,8 +2,8 @@
 
 Two-batch overlap relies on the two micro-batches staying independent dataflow until XLA's
 latency-hiding scheduler has placed one's asynchronous collectives over the other's compute.
-Passes that merge independent work fuse them back together (BENCHMARKS.md, "Overlap
-coverage"):
+Passes that merge independent work fuse them back together (docs/benchmarks/, "Overlap
+coverage (8xH200 compile on the CPU) of the toy MoE stack"):
 
 - the dot merger joins A's and B's matmuls that share a weight into one matmul;
 - the all-gather / reduce-scatter combiners join A's and B's collectives into one, which
@@ -106,11 +106,11 @@ with (read when CUDA starts: set it before JAX first touches a GPU).
 ``CUDA_DEVICE_MAX_CONNECTIONS=1``: one hardware work queue per device. On two H200s it let
 an NCCL exchange and the compute beside it share the GPU far better, in the overlap probe and
 in the TBO model step; copy engines for local peers and fewer NCCL channels, tried on the same
-probe, did not (BENCHMARKS.md, "Run-time overlap on two H200s").
+probe, did not (docs/benchmarks/, "Run-time overlap on two H200s").
 
 The peer-copy exchange wants the opposite: with one queue its side stream's copies queue
-behind the compute stream's kernels and run one after the other (BENCHMARKS.md, "Peer-copy EP
-exchange on two H200s"), so there ``CUDA_DEVICE_MAX_CONNECTIONS`` must not be 1.
+behind the compute stream's kernels and run one after the other (docs/benchmarks/, "Peer-copy
+EP exchange on two H200s"), so there ``CUDA_DEVICE_MAX_CONNECTIONS`` must not be 1.
 """
 
 

@@ -3,7 +3,7 @@
 Why: a jitted call moves every numpy leaf of its arguments to the devices as its own
 host->device transfer. A model step's host plan has 11 leaves without TBO and 28 with it
 (token ids, positions, attention tile metadata, DP contexts), and on one H200 those transfers
-were a measurable part of a decode step (BENCHMARKS.md, "TBO step cost on one H200", fused
+were a measurable part of a decode step (docs/benchmarks/, "TBO step cost on one H200", fused
 weights and one CUDA graph per step, "Host transfers"). So the plan travels as one
 buffer per sharding group instead: ``pack`` lays the leaves side by side in
 one int32 array on the host, and ``unpack`` cuts them back out inside the jitted program with

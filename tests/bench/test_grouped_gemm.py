@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from jtbo.bench import grouped_gemm
+from jtbo.models import config as config_lib
 
 SMALL = grouped_gemm.Shapes(hidden=64, ffn=32, experts=8, top_k=2)
 
@@ -119,3 +120,45 @@ def test_missing_tokamax_is_an_error_row_naming_the_wheel(capsys):
     rows = _table(capsys.readouterr().out)
     assert rows[0][1] == "capacity" and float(rows[0][4]) > 0
     assert rows[1][1] == "tokamax" and grouped_gemm.TOKAMAX_WHEEL in rows[1][4]
+
+
+def test_a_preset_sets_the_expert_shape():
+    args = grouped_gemm._parse(["--preset", "qwen3-235b-a22b", "--tokens", "128"])
+    assert args.shapes == grouped_gemm.Shapes(hidden=4096, ffn=1536, experts=128, top_k=8)
+    assert args.preset == "qwen3-235b-a22b"
+
+
+@pytest.mark.parametrize(
+    "extra", [["--hidden", "2048"], ["--ffn", "1"], ["--experts", "8"], ["--top-k", "2"]]
+)
+def test_a_size_flag_beside_a_preset_is_an_error_naming_both(extra, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        grouped_gemm._parse(["--preset", "deepseek-v3", *extra])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--preset deepseek-v3" in err and extra[0] in err
+
+
+def test_small_beside_a_preset_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        grouped_gemm._parse(["--small", "--preset", "mixtral-8x7b"])
+    assert "--preset mixtral-8x7b" in capsys.readouterr().err
+
+
+def test_an_unknown_preset_is_refused_with_the_names(capsys):
+    with pytest.raises(SystemExit):
+        grouped_gemm._parse(["--preset", "qwen3"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'qwen3'" in err and "qwen3-30b-a3b" in err
+
+
+def test_without_a_preset_each_size_left_out_takes_the_default():
+    cfg = config_lib.MoEConfig.deepseek_v3_reduced()
+    default = grouped_gemm.Shapes(
+        cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    )
+    assert grouped_gemm._parse([]).shapes == default
+    got = grouped_gemm._parse(["--experts", "16"]).shapes
+    assert got == grouped_gemm.Shapes(default.hidden, default.ffn, 16, default.top_k)
+    small = grouped_gemm._parse(["--small", "--top-k", "1"]).shapes
+    assert small == grouped_gemm.Shapes(64, 32, 8, 1)  # --small's sizes, the flag wins

@@ -33,8 +33,9 @@ def _all_to_all_finish(received: jax.Array, sent: jax.Array, ndev: int) -> jax.A
     # ``hidden`` below 1 for a collective that hides completely. The new row is read from
     # ``sent``, not from ``received``: XLA:GPU updates a buffer in place only when the
     # update reads nothing else of it, and a static slice of the same buffer (what
-    # ``received.at[0].multiply(-1)`` becomes) made it rewrite all of it (BENCHMARKS.md has
-    # the cost). Negation is exact; the block order is checked on every row by the reference.
+    # ``received.at[0].multiply(-1)`` becomes) made it rewrite all of it (docs/benchmarks/,
+    # "Peer-copy TBO with the Pallas kernels", the probe, has the cost). Negation is exact;
+    # the block order is checked on every row by the reference.
     return received.at[0].set(-sent[0])
 
 
