@@ -412,12 +412,27 @@ def check_rows(num_tokens: int, count: int) -> np.ndarray:
     return np.unique(np.linspace(0, num_tokens - 1, min(count, num_tokens)).astype(np.int32))
 
 
+REFERENCE_CHUNK = 8
+"""Checked rows per reference call: only the experts those rows route to are cast to float32,
+so that a model with many large experts (DeepSeek-V3's 256) never holds all of them in float32."""
+
+
 def reference(x, ids, routing, weights, rows) -> jax.Array:
-    """float32 ``experts_ragged_dot_reference`` on ``rows`` at ``highest`` precision."""
-    f32 = [w.astype(jnp.float32) for w in weights]
-    with jax.default_matmul_precision("highest"):
-        fn = jax.jit(experts.experts_ragged_dot_reference)
-        return fn(x[rows].astype(jnp.float32), ids[rows], routing[rows], tuple(f32))
+    """float32 ``experts_ragged_dot_reference`` on ``rows`` at ``highest`` precision, in chunks
+    of ``REFERENCE_CHUNK`` rows over the experts each chunk uses (ids renumbered to them)."""
+    outs = []
+    for start in range(0, len(rows), REFERENCE_CHUNK):
+        part = rows[start : start + REFERENCE_CHUNK]
+        used, local = np.unique(np.asarray(ids[part]), return_inverse=True)
+        f32 = tuple(w[jnp.asarray(used)].astype(jnp.float32) for w in weights)
+        local_ids = jnp.asarray(local.reshape(ids[part].shape), ids.dtype)
+        with jax.default_matmul_precision("highest"):
+            outs.append(
+                experts.experts_ragged_dot_reference(
+                    x[part].astype(jnp.float32), local_ids, routing[part], f32
+                )
+            )
+    return jnp.concatenate(outs)
 
 
 def rel_error(out: jax.Array, ref: jax.Array) -> float:

@@ -2,6 +2,7 @@
 
 import importlib.util
 
+import jax
 import numpy as np
 import pytest
 
@@ -162,3 +163,27 @@ def test_without_a_preset_each_size_left_out_takes_the_default():
     assert got == grouped_gemm.Shapes(default.hidden, default.ffn, 16, default.top_k)
     small = grouped_gemm._parse(["--small", "--top-k", "1"]).shapes
     assert small == grouped_gemm.Shapes(64, 32, 8, 1)  # --small's sizes, the flag wins
+
+
+def _swiglu_reference_f64(x, ids, routing, weights) -> np.ndarray:
+    """Each token's routed SwiGLU sum in float64 numpy, expert by expert."""
+    gate_up, down = (np.asarray(w, np.float64) for w in weights)
+    x = np.asarray(x, np.float64)
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, w in zip(np.asarray(ids[t]), np.asarray(routing[t]), strict=True):
+            gate, up = x[t] @ gate_up[e, :, 0], x[t] @ gate_up[e, :, 1]
+            out[t] += w * ((gate / (1 + np.exp(-gate)) * up) @ down[e])
+    return out
+
+
+def test_the_chunked_reference_equals_float64_over_every_expert():
+    # The reference casts only each chunk's experts to float32 (ids renumbered to them): it
+    # must still be the layer over the full expert set.
+    num_tokens = 21
+    ids, routing = grouped_gemm.route(num_tokens, SMALL, 0.3, seed=4)
+    x, weights = grouped_gemm.make_inputs(num_tokens, SMALL, np.float32, jax.random.key(2))
+    rows = grouped_gemm.check_rows(num_tokens, 13)
+    got = grouped_gemm.reference(x, np.asarray(ids), np.asarray(routing), weights, rows)
+    want = _swiglu_reference_f64(np.asarray(x)[rows], ids[rows], routing[rows], weights)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
