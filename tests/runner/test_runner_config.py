@@ -1,6 +1,7 @@
 """``runner_config.resolve``: every option decided once, in a frozen object with no None left."""
 
 import dataclasses
+import inspect
 
 import jax.numpy as jnp
 import pytest
@@ -89,3 +90,18 @@ def test_the_fingerprint_leaves_out_the_timer_the_plan_path_and_the_own_ranks(tm
 def test_bad_set_ups_are_refused_before_any_weights(kwargs, message):
     with pytest.raises(ValueError, match=message):
         _resolve(**kwargs)
+
+
+def test_the_runner_takes_exactly_resolves_options_with_the_same_defaults():
+    # ModelRunner spells its keywords out for its users and hands them to resolve: the two
+    # signatures must not drift apart.
+    from jtbo.runner import runner as runner_lib  # noqa: PLC0415 - the layer above
+
+    def keywords(function, leave_out):
+        parameters = inspect.signature(function).parameters.values()
+        return [(p.name, p.default) for p in parameters if p.name not in leave_out]
+
+    runner_side = keywords(
+        runner_lib.ModelRunner.__init__, ("self", "model", "mesh", "params_from")
+    )
+    assert runner_side == keywords(runner_config.resolve, ("model", "mesh"))
