@@ -1,5 +1,7 @@
 """The unsharded reference: causal, padding-invariant, and its dense MoE equals the slot path."""
 
+import dataclasses
+
 import chex
 import jax.numpy as jnp
 import numpy as np
@@ -46,3 +48,26 @@ def test_cast_changes_dtype_and_keeps_values():
     chex.assert_trees_all_close(
         half.embed.table[...].astype(jnp.float32), model.embed.table[...], atol=1e-2, rtol=1e-2
     )
+
+
+def test_cast_keeps_fp8_experts_and_their_scales():
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), expert_dtype="float8_e4m3fn")
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(1))
+    half = model_lib.cast(model, jnp.bfloat16)
+    before, after = model.layers[1].moe.experts, half.layers[1].moe.experts
+    assert half.embed.table[...].dtype == jnp.bfloat16
+    for name in ("w_gate_up", "w_gate_up_scale", "w_down", "w_down_scale"):
+        kept = getattr(after, name)[...]
+        assert kept.dtype == getattr(before, name)[...].dtype != jnp.bfloat16, name
+        np.testing.assert_array_equal(
+            np.asarray(kept).view(np.uint8), np.asarray(getattr(before, name)[...]).view(np.uint8)
+        )
+    # The dense reference reads FP8 experts dequantized, as the slot path does.
+    block = model.layers[1].moe
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(9, config.hidden_size)), jnp.float32)
+    weights, ids = router.select_experts(
+        block.router.gate(x), block.router.correction_bias[...], config
+    )
+    got = experts.experts_capacity(x, ids, weights, block.experts.weights) + block.shared(x)
+    want = reference.moe_dense_reference(block, x, config)
+    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
