@@ -1,20 +1,21 @@
 """An FP8 checkpoint served with its routed experts kept FP8, TBO on and off.
 
 The deepseek_v3 fixture written as DeepSeek publishes V3 (``F8_E4M3`` matrices with
-``_scale_inv`` factors, here in 8 x 8 blocks) is loaded with
+``_scale_inv`` factors, here in 16 x 16 blocks) is loaded with
 ``expert_dtype="float8_e4m3fn"`` onto 8 CPU devices (EP over all 8: one expert each, the
 dispatch and combine through the all-to-all) and served by ``generate``, greedy, with TBO off
-and on. Both must give the same tokens, and those of a greedy loop over the unsharded
-reference forward of the same model (its experts dequantized to float32; the runner's "xla"
-experts dequantize to the float32 activations too, so both compute the same sums in another
-order).
+and on, the experts through the FP8 Pallas kernel (``moe_runner_backend="pallas"``, its
+interpreter on the CPU). Both must give the same tokens, and those of a greedy loop over the
+unsharded reference forward of the same model (its experts dequantized to float32; the
+kernel scales float32 partial products of the same values, so both compute the same sums up
+to float32 rounding).
 """
 
 import jax.numpy as jnp
 import numpy as np
 
 from jtbo.collectives import mesh as mesh_lib
-from jtbo.models import hf, reference
+from jtbo.models import hf, layer_ops, reference
 from jtbo.runner import runner as runner_lib
 from jtbo.runner import tbo_options
 from tests.models.hf import fixtures
@@ -30,7 +31,7 @@ def _reference_greedy(model, prompt: list[int]) -> list[int]:
 
 
 def test_fp8_checkpoint_serves_fp8_experts_with_tbo_on_and_off(tmp_path):
-    fixtures.write_fp8_checkpoint(tmp_path / "fp8", (8, 8))
+    fixtures.write_fp8_checkpoint(tmp_path / "fp8", (16, 16))
     mesh = mesh_lib.make_mesh(8, 1)
     model = hf.from_pretrained(
         tmp_path / "fp8", dtype=jnp.float32, mesh=mesh, expert_dtype="float8_e4m3fn"
@@ -41,8 +42,8 @@ def test_fp8_checkpoint_serves_fp8_experts_with_tbo_on_and_off(tmp_path):
     for tbo in (False, True):
         runner = runner_lib.ModelRunner(
             model, mesh, tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo),
-            max_total_tokens=128, max_running_requests=4, token_buckets=(16, 64),
-            dtype=jnp.float32,
+            max_total_tokens=128, max_running_requests=4, token_buckets=(64,),
+            dtype=jnp.float32, moe=layer_ops.MoEOptions(moe_runner_backend="pallas"),
         )  # fmt: skip
         results = runner.generate(
             prompts, max_new_tokens=NEW_TOKENS, chunk_size=64, dp_rank_of=lambda i: i // 2
