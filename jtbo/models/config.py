@@ -385,6 +385,31 @@ EXPERT_DTYPES = (None, "float8_e4m3fn")
 """``MoEConfig.expert_dtype`` choices."""
 
 
+def resolve_expert_dtype(expert_dtype: str | None, dtype_name: str) -> str | None:
+    """The ``MoEConfig.expert_dtype`` of a request for experts stored as ``expert_dtype`` in
+    a model served in ``dtype_name``.
+
+    Args:
+      expert_dtype: None or ``dtype_name`` (the experts as the other parameters), or
+        ``"float8_e4m3fn"``.
+      dtype_name: the serving dtype's name, e.g. ``"bfloat16"``.
+
+    Returns:
+      None or ``"float8_e4m3fn"``.
+
+    Raises:
+      ValueError: any other ``expert_dtype`` (names the choices).
+    """
+    if expert_dtype is None or expert_dtype == dtype_name:
+        return None
+    if expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(
+            f"expert_dtype={expert_dtype!r}: expected None, {dtype_name!r} (the parameters' "
+            f"dtype) or {EXPERT_DTYPES[1]!r}"
+        )
+    return expert_dtype
+
+
 def _check_expert_storage(config: MoEConfig) -> None:
     if config.expert_dtype not in EXPERT_DTYPES:
         raise ValueError(f"expert_dtype={config.expert_dtype!r}: expected one of {EXPERT_DTYPES}")

@@ -54,15 +54,12 @@ def model_config(
     Raises:
       ValueError: another ``expert_dtype``, or an unsupported ``quantization_config``.
     """
-    expected = f"expected None, {jnp.dtype(dtype).name!r} (the load's dtype) or {FP8!r}"
-    try:
-        name = None if expert_dtype is None else jnp.dtype(expert_dtype).name
-    except TypeError as error:
-        raise ValueError(f"expert_dtype={expert_dtype!r}: {expected}") from error
-    if name is None or name == jnp.dtype(dtype).name:
+    dtype_name = jnp.dtype(dtype).name
+    name = expert_dtype
+    if expert_dtype is not None and not isinstance(expert_dtype, str):
+        name = jnp.dtype(expert_dtype).name  # a dtype object
+    if config_lib.resolve_expert_dtype(name, dtype_name) is None:
         return config
-    if name != FP8:
-        raise ValueError(f"expert_dtype={expert_dtype!r}: {expected}")
     block = fp8_blocks.DEFAULT_BLOCK
     if raw.get("quantization_config") is not None:
         rows, cols = fp8.block_size(raw["quantization_config"])  # blocks of [out, in]
