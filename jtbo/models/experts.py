@@ -17,6 +17,11 @@ back, so the kernel leaves them unwritten); ``"mosaic"`` runs the Hopper twin of
 whose outputs stay in its own tile-major rows and are read back through their slot index
 (``slot_rows.take_slots``); ``"auto"`` picks between the two by the call's rows.
 
+FP8 experts (``MoEConfig.expert_dtype``): ``RoutedExperts`` holds each weight as FP8 values
+and float32 block scales and hands them on as ``fp8_blocks.BlockQuantized``, which the slot
+FFN takes as they are (weight-only FP8, ``jtbo.kernels.grouped_gemm``); the sorted layout and
+the references dequantize them (``float_weights``).
+
 Reference: ``experts_ragged_dot_reference`` sorts pairs by expert and runs ``jax.lax.ragged_dot``
 (exact, no capacity).
 
@@ -58,7 +63,7 @@ def slot_positions(topk_ids: jax.Array, num_experts: int) -> jax.Array:
 def experts_ffn_slots(
     x_slots: jax.Array | slot_rows.SlotRows,
     counts: jax.Array,
-    weights: tuple[jax.Array, jax.Array],
+    weights: tuple[grouped_gemm.Weight, grouped_gemm.Weight],
     *,
     impl: str = "xla",
     max_rows: int | None = None,
@@ -71,7 +76,8 @@ def experts_ffn_slots(
       x_slots: ``[E, C, H]`` rows per expert slot, or ``SlotRows`` naming each slot's row
         (an EP dispatch's; the Pallas kernel loads through the index).
       counts: ``[E]`` int32 rows per expert (its first slots; clipped to ``[0, C]``).
-      weights: ``(w_gate_up [E, H, 2, F] (gate at index 0, up at 1), w_down [E, F, H])``.
+      weights: ``(w_gate_up [E, H, 2, F] (gate at index 0, up at 1), w_down [E, F, H])``,
+        arrays in ``x_slots``' dtype or both FP8 (``fp8_blocks.BlockQuantized``).
       impl: ``"xla"`` (batched einsum over all ``C`` slots), ``"pallas"`` (the exact-count
         grouped GEMM kernels), ``"mosaic"`` (their Hopper twins) or ``"auto"`` (by the rows),
         as ``MoEOptions.moe_runner_backend`` names it.
@@ -100,7 +106,7 @@ def experts_capacity(
     x: jax.Array,
     topk_ids: jax.Array,
     topk_weights: jax.Array,
-    weights: tuple[jax.Array, jax.Array],
+    weights: tuple[grouped_gemm.Weight, grouped_gemm.Weight],
     capacity: int | None = None,
     *,
     impl: str = "xla",
@@ -112,7 +118,8 @@ def experts_capacity(
       x: ``[T, H]`` tokens.
       topk_ids: ``[T, k]`` chosen experts (out-of-range ids take no slot and add nothing).
       topk_weights: ``[T, k]`` routing weights.
-      weights: ``(w_gate_up [E, H, 2, F], w_down [E, F, H])``.
+      weights: ``(w_gate_up [E, H, 2, F], w_down [E, F, H])``, arrays or FP8
+        (``fp8_blocks.BlockQuantized``).
       capacity: slots per expert; None means ``T`` (never drops).
       impl: the slot FFN's impl (``grouped_gemm.grouped_ffn_rows``): "xla", "pallas",
         "mosaic" or "auto".
@@ -153,7 +160,7 @@ def experts_sorted(
     x: jax.Array,
     topk_ids: jax.Array,
     topk_weights: jax.Array,
-    weights: tuple[jax.Array, jax.Array],
+    weights: tuple[grouped_gemm.Weight, grouped_gemm.Weight],
     grouped_dot,
     *,
     hidden_dtype=jnp.float32,
@@ -165,7 +172,8 @@ def experts_sorted(
       x: ``[T, H]`` tokens.
       topk_ids: ``[T, k]`` chosen experts (every id in ``[0, E)``).
       topk_weights: ``[T, k]`` routing weights.
-      weights: ``(w_gate_up [E, H, 2, F], w_down [E, F, H])``.
+      weights: ``(w_gate_up [E, H, 2, F], w_down [E, F, H])``; FP8 ones
+        (``fp8_blocks.BlockQuantized``) are dequantized to ``x.dtype`` first.
       grouped_dot: ``grouped_dot(lhs [M, K], rhs [E, K, N], group_sizes [E], out_dtype)
         -> [M, N]``, rows of group ``e`` times ``rhs[e]`` (``jax.lax.ragged_dot``, or a
         Pallas grouped GEMM such as tokamax's).
@@ -199,7 +207,7 @@ def experts_ragged_dot_reference(
     x: jax.Array,
     topk_ids: jax.Array,
     topk_weights: jax.Array,
-    weights: tuple[jax.Array, jax.Array],
+    weights: tuple[grouped_gemm.Weight, grouped_gemm.Weight],
 ) -> jax.Array:
     """Exact routed-expert output: ``experts_sorted`` over ``jax.lax.ragged_dot`` in float32.
 
