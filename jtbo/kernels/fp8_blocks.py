@@ -27,6 +27,7 @@ expert's gate, up and down matrices, transposed.
 """
 
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -168,8 +169,15 @@ def quantize_blocks(x: jax.Array, block_shape: tuple[int, ...]) -> BlockQuantize
     block_shape = _check_block_shape(x.shape, block_shape)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"quantize_blocks takes a float weight, got {x.dtype}")
-    values, scales = _quantize(jnp.asarray(x), block_shape, jnp, FP8_DTYPE)
+    values, scales = _quantize_jit(jnp.asarray(x), block_shape)
     return BlockQuantized(values, scales, block_shape)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _quantize_jit(x, block_shape):
+    """``_quantize`` as one program (called eagerly, e.g. at a model's init, its many small
+    ops would each dispatch on their own)."""
+    return _quantize(x, block_shape, jnp, FP8_DTYPE)
 
 
 def dequantize_blocks(w: BlockQuantized, dtype=jnp.float32) -> jax.Array:

@@ -73,18 +73,26 @@ FP8_MATRICES = ("_proj.weight", "kv_a_proj_with_mqa.weight")
 shared and routed experts."""
 
 
-def write_fp8_checkpoint(directory: Path, block: tuple[int, int]) -> dict[str, np.ndarray]:
+def write_fp8_checkpoint(
+    directory: Path, block: tuple[int, int], num_layers: int | None = None
+) -> dict[str, np.ndarray]:
     """The deepseek_v3 fixture as DeepSeek publishes V3: its ``FP8_MATRICES`` as ``F8_E4M3``
     with ``_scale_inv`` factors per ``block`` of ``[out, in]``, the ``quantization_config``
-    in ``config.json``; written to the new ``directory``.
+    in ``config.json``; written to the new ``directory``, cut to its first ``num_layers``
+    layers when given.
 
     Returns:
       The tensors written, by name.
     """
     source = ROOT / "deepseek_v3"
     config = json.loads((source / "config.json").read_text())
+    if num_layers is not None:
+        config.update(num_hidden_layers=num_layers, num_nextn_predict_layers=0)
     written = {}
     for name, value in tensors(source).items():
+        parts = name.split(".")
+        if parts[1] == "layers" and int(parts[2]) >= config["num_hidden_layers"]:
+            continue
         if name.endswith(FP8_MATRICES):
             written[name], written[name + "_scale_inv"] = quantize_fp8(value, block)
         else:

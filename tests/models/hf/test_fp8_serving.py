@@ -1,7 +1,8 @@
 """An FP8 checkpoint served with its routed experts kept FP8, TBO on and off.
 
 The deepseek_v3 fixture written as DeepSeek publishes V3 (``F8_E4M3`` matrices with
-``_scale_inv`` factors, here in 16 x 16 blocks) is loaded with
+``_scale_inv`` factors, here in 16 x 16 blocks), cut to its dense and its first MoE layer
+(fewer compiles), is loaded with
 ``expert_dtype="float8_e4m3fn"`` onto 8 CPU devices (EP over all 8: one expert each, the
 dispatch and combine through the all-to-all) and served by ``generate``, greedy, with TBO off
 and on, the experts through the FP8 Pallas kernel (``moe_runner_backend="pallas"``, its
@@ -31,7 +32,7 @@ def _reference_greedy(model, prompt: list[int]) -> list[int]:
 
 
 def test_fp8_checkpoint_serves_fp8_experts_with_tbo_on_and_off(tmp_path):
-    fixtures.write_fp8_checkpoint(tmp_path / "fp8", (16, 16))
+    fixtures.write_fp8_checkpoint(tmp_path / "fp8", (16, 16), num_layers=2)
     mesh = mesh_lib.make_mesh(8, 1)
     model = hf.from_pretrained(
         tmp_path / "fp8", dtype=jnp.float32, mesh=mesh, expert_dtype="float8_e4m3fn"
