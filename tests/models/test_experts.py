@@ -131,10 +131,10 @@ def test_fp8_experts_hold_values_and_scales_and_serve_as_their_dequantization():
         assert (np.abs(np.asarray(got) - np.asarray(want)) <= bound).all()
     _, x, ids, w = _inputs(5, 9)
     want = _numpy_experts(x, ids, w, dense)
-    # The Pallas kernel's FP8 path: tests/kernels/test_grouped_gemm.py.
-    got = experts.experts_capacity(x, ids, w, module.weights)
+    # Jitted: one compile each. The Pallas kernel's FP8 path: tests/kernels/test_grouped_gemm.py.
+    got = jax.jit(experts.experts_capacity)(x, ids, w, module.weights)
     chex.assert_trees_all_close(got, want, **F32_TOL)
-    ragged = experts.experts_ragged_dot_reference(x, ids, w, module.weights)
+    ragged = jax.jit(experts.experts_ragged_dot_reference)(x, ids, w, module.weights)
     chex.assert_trees_all_close(ragged, want, **F32_TOL)
 
 
