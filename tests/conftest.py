@@ -73,6 +73,7 @@ TIERS = {
         "runner/test_generate.py",
         "bench/test_tbo.py",
         "models/hf/test_transformers_reference.py",
+        "models/hf/test_fp8_serving.py",
         "models/test_moe_exchange.py",
         "models/test_step.py",
         "models/test_ep_dispatchers.py",

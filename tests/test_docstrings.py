@@ -95,12 +95,6 @@ def test_package_docstrings_and_comments_carry_no_issue_numbers_or_dates():
 # A pointer: the file, then one or more quoted titles (``BENCHMARKS.md, "A"``,
 # ``docs/benchmarks/ ("A", "B")``); text after the first unquoted word is not a title.
 POINTER = re.compile(r'(BENCHMARKS\.md|docs/benchmarks/)[,(\s]*((?:"[^"]+",?\s*)+)')
-# Stale pointers in modules others are changing now; each is fixed there, then dropped here.
-PENDING = {
-    ("jtbo/kernels/grouped_gemm.py", "BENCHMARKS.md", "Mosaic GPU grouped GEMM"),
-    ("jtbo/models/experts.py", "BENCHMARKS.md", "Grouped GEMM for the routed experts"),
-    ("jtbo/models/experts.py", "BENCHMARKS.md", "TBO step cost on one H200"),
-}
 
 
 def _headings(paths) -> list[str]:
@@ -176,6 +170,4 @@ def test_every_benchmark_pointer_names_an_existing_section():
     summary = _headings([ROOT / "BENCHMARKS.md"])
     logs = _headings(sorted((ROOT / "docs" / "benchmarks").glob("*.md")))
     stale = _stale_pointers(_repository_sources(), summary, logs)
-    assert not stale - PENDING, f"pointers to no such section: {sorted(stale - PENDING)}"
-    fixed = PENDING - stale
-    assert not fixed, f"fixed: drop them from PENDING: {sorted(fixed)}"
+    assert not stale, f"pointers to no such section: {sorted(stale)}"

@@ -2,8 +2,8 @@
 
 ``python -m jtbo.bench grouped_gemm [--tokens 128,256,4096,16384]
 [--impls capacity,dense,pallas,ragged_dot,tokamax] [--capacity-factor 4] [--skew 0]
-[--preset NAME | --hidden H --ffn F --experts E --top-k K] [--iters 5] [--reps 5] [--small]
-[--no-copy-ceiling]``
+[--preset NAME | --hidden H --ffn F --experts E --top-k K] [--iters 5] [--reps 5]
+[--expert-dtype float8_e4m3fn] [--small] [--no-copy-ceiling]``
 
 Question: jtbo's routed experts run as a capacity-slot batched matmul
 (``jtbo.models.experts.experts_capacity``) because ``jax.lax.ragged_dot`` ran far slower on
@@ -73,7 +73,17 @@ as a fraction of dense; target >= 0.75 at 4096-16384 tokens). ``weight GB/s`` = 
 the routed experts' weights (every expert that got a pair, 3 * H * F each) per second;
 ``of copy`` divides it by the device's copy bandwidth (read + write bytes per second of a
 1 GiB ``torch`` ``copy_``, or of XLA's ``x + s`` without torch), measured once at the start
-(target >= 0.85 at 128-256 tokens). Numerics: ``rel err`` = ||out - ref|| / ||ref|| over
+(target >= 0.85 at 128-256 tokens).
+
+``--expert-dtype float8_e4m3fn`` stores the experts' weights as block-scaled FP8 (128 x 128
+blocks, ``jtbo.kernels.fp8_blocks``; the tokens stay ``--dtype``): ``capacity`` dequantizes
+them to ``--dtype`` inside the layer, ``pallas`` reads them as FP8 in its kernels, ``mosaic``
+refuses them (an error row), ``ragged_dot`` / ``tokamax`` dequantize them first; ``dense``
+stays the ``--dtype`` yardstick (the first expert dequantized), and ``weight GB/s`` counts one
+byte a weight. The reference dequantizes them to float32, so ``rel err`` measures the kernels,
+not the FP8 rounding.
+
+Numerics: ``rel err`` = ||out - ref|| / ||ref|| over
 ``--check-rows`` tokens spread evenly over the batch (a token's output depends on its own row
 only), ``ref`` being ``experts_ragged_dot_reference`` in float32 at ``highest`` precision.
 
@@ -107,7 +117,7 @@ import numpy as np
 from jtbo import kernels
 from jtbo.bench import device_rates, expert_presets, options
 from jtbo.core import cli_arguments
-from jtbo.kernels import grouped_gemm
+from jtbo.kernels import fp8_blocks, grouped_gemm
 from jtbo.models import config as config_lib
 from jtbo.models import experts
 
@@ -419,12 +429,14 @@ so that a model with many large experts (DeepSeek-V3's 256) never holds all of t
 
 def reference(x, ids, routing, weights, rows) -> jax.Array:
     """float32 ``experts_ragged_dot_reference`` on ``rows`` at ``highest`` precision, in chunks
-    of ``REFERENCE_CHUNK`` rows over the experts each chunk uses (ids renumbered to them)."""
+    of ``REFERENCE_CHUNK`` rows over the experts each chunk uses (ids renumbered to them; FP8
+    weights dequantized to float32)."""
     outs = []
     for start in range(0, len(rows), REFERENCE_CHUNK):
         part = rows[start : start + REFERENCE_CHUNK]
         used, local = np.unique(np.asarray(ids[part]), return_inverse=True)
-        f32 = tuple(w[jnp.asarray(used)].astype(jnp.float32) for w in weights)
+        chosen = jax.tree.map(lambda a, used=used: a[jnp.asarray(used)], tuple(weights))
+        f32 = tuple(w.astype(jnp.float32) for w in experts.float_weights(chosen, jnp.float32))
         local_ids = jnp.asarray(local.reshape(ids[part].shape), ids.dtype)
         with jax.default_matmul_precision("highest"):
             outs.append(
@@ -441,15 +453,29 @@ def rel_error(out: jax.Array, ref: jax.Array) -> float:
     return float(np.linalg.norm(diff) / max(np.linalg.norm(np.asarray(ref, np.float32)), 1e-30))
 
 
-def make_inputs(num_tokens: int, shapes: Shapes, dtype, key) -> tuple[jax.Array, tuple]:
+def make_inputs(
+    num_tokens: int, shapes: Shapes, dtype, key, expert_dtype: str | None = None
+) -> tuple[jax.Array, tuple]:
     """``(x [T, H], (w_gate_up [E, H, 2, F], w_down [E, F, H]))``: normal, weights scaled by
-    1/sqrt(fan-in)."""
+    1/sqrt(fan-in); in ``dtype``, or block-scaled FP8 for ``expert_dtype="float8_e4m3fn"``
+    (``fp8_blocks.BlockQuantized`` of the float32 draws, 128 x 128 blocks)."""
     k_x, k_gu, k_d = jax.random.split(key, 3)
     e, h, f = shapes.experts, shapes.hidden, shapes.ffn
     x = jax.random.normal(k_x, (num_tokens, h), dtype)
     w_gate_up = jax.random.normal(k_gu, (e, h, 2, f), jnp.float32) / math.sqrt(h)
     w_down = jax.random.normal(k_d, (e, f, h), jnp.float32) / math.sqrt(f)
-    return x, (w_gate_up.astype(dtype), w_down.astype(dtype))
+    if expert_dtype is None:
+        return x, (w_gate_up.astype(dtype), w_down.astype(dtype))
+    block = fp8_blocks.DEFAULT_BLOCK
+    return x, tuple(
+        fp8_blocks.quantize_blocks(w, fp8_blocks.expert_block_shape(w.ndim, block))
+        for w in (w_gate_up, w_down)
+    )
+
+
+def weight_itemsize(args) -> int:
+    """Bytes a routed-expert weight takes: ``--expert-dtype``'s, else ``--dtype``'s."""
+    return jnp.dtype(args.expert_dtype or args.dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -522,7 +548,7 @@ def check_kernel(name: str, variant: str, x, ids_np, weights, capacity: int) -> 
     """
     counts = np.minimum(np.bincount(ids_np.reshape(-1), minlength=2)[:2], capacity)
     slots = jax.random.normal(jax.random.key(1), (2, capacity, x.shape[1]), x.dtype)
-    w2 = tuple(w[:2] for w in weights)
+    w2 = jax.tree.map(lambda w: w[:2], weights)  # values and FP8 scales alike
     counts_arr = jnp.asarray(counts, jnp.int32)
     fn = jax.jit(
         functools.partial(kernels.grouped_ffn, impl=name, config=kernel_config(name, variant))
@@ -572,7 +598,7 @@ def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Pending:
     row = Row(
         tokens=num_tokens, impl=f"{impl} (kernel)", capacity=None, dropped=None,
         useful_flops=shapes.useful_flops(num_tokens), computed_flops=shapes.slot_flops(pairs),
-        weight_bytes=shapes.weight_bytes(len(np.unique(ids_np)), jnp.dtype(args.dtype).itemsize),
+        weight_bytes=shapes.weight_bytes(len(np.unique(ids_np)), weight_itemsize(args)),
     )  # fmt: skip
     return Pending(row, fn, (slots, counts, *weights))
 
@@ -588,14 +614,15 @@ def _prepare(impl, num_tokens, shapes, capacity, inputs, args) -> Row | Pending:
         dropped=dropped_pairs(ids_np, shapes.experts, capacity) if is_cap else None,
     )
     pairs = num_tokens * shapes.top_k
-    itemsize = jnp.dtype(args.dtype).itemsize
+    itemsize = weight_itemsize(args)
     try:
         if impl == "dense":
-            dense_args = (jnp.tile(x, (shapes.top_k, 1)), weights[0][0], weights[1][0])
+            first = experts.float_weights(jax.tree.map(lambda w: w[:1], weights), x.dtype)
+            dense_args = (jnp.tile(x, (shapes.top_k, 1)), first[0][0], first[1][0])
             row = Row(
                 **base, useful_flops=shapes.useful_flops(num_tokens),
                 computed_flops=shapes.slot_flops(pairs),
-                weight_bytes=shapes.weight_bytes(1, itemsize),
+                weight_bytes=shapes.weight_bytes(1, x.dtype.itemsize),
             )  # fmt: skip
             return Pending(row, jax.jit(dense_layer), dense_args)
         name, _, variant = impl.partition(":")
@@ -644,7 +671,9 @@ def measure(num_tokens: int, impls: list[str], shapes: Shapes, args) -> list[Row
     """Rows of every impl at ``num_tokens`` tokens (same routing and inputs for all), timed
     in turns so that their ratios compare one GPU state."""
     ids_np, routing_np = route(num_tokens, shapes, args.skew, args.seed + num_tokens)
-    x, weights = make_inputs(num_tokens, shapes, jnp.dtype(args.dtype), jax.random.key(args.seed))
+    x, weights = make_inputs(
+        num_tokens, shapes, jnp.dtype(args.dtype), jax.random.key(args.seed), args.expert_dtype
+    )
     ids, routing = jnp.asarray(ids_np), jnp.asarray(routing_np)
     rows = check_rows(num_tokens, args.check_rows)
     ref = reference(x, ids, routing, weights, rows)
@@ -676,6 +705,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--skew", type=float, default=0.0, help="fraction of tokens also on expert 0")
     options.add_arguments(p, ShapeOptions)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--expert-dtype",
+        choices=("float8_e4m3fn",),
+        help="the experts' weights as block-scaled FP8 (weight-only; default: --dtype)",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument(
         "--iters", type=cli_arguments.positive_int, default=5, help="calls per timed batch"
@@ -722,7 +756,8 @@ def main(argv: list[str]) -> None:
     header = (
         f"date {datetime.date.today()}  device {jax.devices()[0].device_kind}  {versions}  "
         f"{'' if args.preset is None else f'preset {args.preset}: '}"
-        f"H={shapes.hidden} F={shapes.ffn} E={shapes.experts} top-{shapes.top_k} {args.dtype}  "
+        f"H={shapes.hidden} F={shapes.ffn} E={shapes.experts} top-{shapes.top_k} {args.dtype}"
+        f"{f', experts {args.expert_dtype}' if args.expert_dtype else ''}  "
         f"capacity factor {args.capacity_factor:g}  skew {args.skew:g}  "
         f"median of {args.reps} x {args.iters} calls"
     )

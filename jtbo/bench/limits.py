@@ -21,6 +21,7 @@ balanced over the devices.
 import dataclasses
 
 from jtbo.models import config as config_lib
+from jtbo.models import param_bytes
 
 UNIT_SCALES = {"TFLOP": 1e12, "GB": 1e9}
 """``Limit.unit`` -> what one unit of work is (FLOPs or bytes)."""
@@ -102,13 +103,16 @@ def decode_bytes(
       config: the model.
       context_tokens: KV positions the step's sequences attend, summed over them.
       num_devices: devices the routed experts are spread over.
-      itemsize: bytes per weight and KV value.
+      itemsize: bytes per weight (but FP8 routed experts, ``MoEConfig.expert_dtype``) and
+        per KV value.
 
     Returns:
       Weight bytes plus KV bytes.
     """
-    dense, routed = _layer_weights(config)
-    weights = (dense + routed / num_devices) * itemsize
+    dense, _ = _layer_weights(config)
+    # The routed experts at their own storage (FP8 experts: a byte per value and the scales).
+    routed = param_bytes.parameter_bytes(config, itemsize).routed_experts
+    weights = dense * itemsize + routed / num_devices
     return weights + context_tokens * kv_bytes_per_token(config, itemsize)
 
 

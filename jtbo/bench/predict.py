@@ -2,11 +2,14 @@
 
 ``python -m jtbo.bench predict --model NAME --ep N --mode prefill|decode --tokens-per-gpu T
 --link-gbps B [--link-latency-us L] [--link-engine sm|copy] [--prompt-len P] [--context C]
-[--imbalance X | --routing-stats FILE] [--table FILE] [--json] [--plot FILE]`` predicts one
-GPU's plain and TBO step (``jtbo.analysis.step_model``) from a cost table (the shipped H200
-table by default) on the CPU. ``--json`` prints one JSON object (``plain_ms``, ``tbo_ms``,
-``gain``, ``per_operation`` ...) after the summary line; ``--plot FILE`` writes a PNG of the
-predicted TBO gain against tokens per GPU at EP 8, 32 and 72 (matplotlib, the ``test`` extra).
+[--imbalance X | --routing-stats FILE] [--table FILE] [--expert-dtype bfloat16|float8_e4m3fn]
+[--json] [--plot FILE]`` predicts one GPU's plain and TBO step (``jtbo.analysis.step_model``)
+from a cost table (the shipped H200 table by default) on the CPU, and prints the model's
+weight bytes on one GPU of the EP group (``jtbo.models.param_bytes``: bf16, the routed
+experts in ``--expert-dtype``). ``--json`` prints one JSON object (``plain_ms``, ``tbo_ms``,
+``gain``, ``per_operation``, ``weight_bytes_per_gpu`` ...) after the summary line;
+``--plot FILE`` writes a PNG of the predicted TBO gain against tokens per GPU at EP 8, 32 and
+72 (matplotlib, the ``test`` extra).
 
 ``python -m jtbo.bench predict --measure --out FILE [--small]`` measures a new table on the
 device instead (``jtbo.bench.step_costs_measure``), writing it after every section.
@@ -19,6 +22,7 @@ import json
 from jtbo.analysis import step_costs, step_model, step_ops
 from jtbo.core import cli_arguments
 from jtbo.models import config as config_lib
+from jtbo.models import param_bytes
 
 MODELS = {
     "deepseek_v3": config_lib.MoEConfig.deepseek_v3,
@@ -26,6 +30,8 @@ MODELS = {
     "deepseek_v3_gqa_reduced": config_lib.MoEConfig.deepseek_v3_gqa_reduced,
     "tiny": config_lib.MoEConfig.tiny,
 }
+EXPERT_DTYPES = ("bfloat16", "float8_e4m3fn")
+"""``--expert-dtype``: bf16 routed experts, or block-scaled FP8 (``MoEConfig.expert_dtype``)."""
 PLOT_EP = (8, 32, 72)
 PLOT_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
@@ -34,6 +40,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = cli_arguments.OneLineErrorParser(prog="python -m jtbo.bench predict")
     add = parser.add_argument
     add("--model", choices=sorted(MODELS), default="deepseek_v3")
+    add("--expert-dtype", choices=EXPERT_DTYPES, default="bfloat16",
+        help="routed experts' weights in the weight bytes per GPU (the rest: bf16)")  # fmt: skip
     add("--ep", type=cli_arguments.positive_int, default=32, help="EP size (GPUs)")
     add("--mode", choices=("prefill", "decode"), default="prefill")
     add("--tokens-per-gpu", type=cli_arguments.positive_int, default=16384)
@@ -120,6 +128,38 @@ def plot(path: str, config, base: step_model.StepInputs, costs) -> None:
     pyplot.close(figure)
 
 
+def weight_bytes(config, ep: int, expert_dtype: str) -> dict[str, float]:
+    """Parameter bytes on one GPU of an EP group of ``ep`` GPUs (attn_tp 1, bf16 but the
+    routed experts; ``jtbo.models.param_bytes``), by group and in all.
+
+    Args:
+      config: the model.
+      ep: GPUs the routed experts are spread over.
+      expert_dtype: one of ``EXPERT_DTYPES``.
+
+    Returns:
+      ``{"routed_experts", "attention", "other", "total"}`` bytes per GPU.
+    """
+    stored = None if expert_dtype == "bfloat16" else expert_dtype
+    counted = param_bytes.parameter_bytes(dataclasses.replace(config, expert_dtype=stored), 2)
+    return dict(
+        routed_experts=counted.routed_experts / ep, attention=counted.attention_heads,
+        other=counted.replicated, total=counted.per_device(ep),
+    )  # fmt: skip
+
+
+def weights_line(model: str, config, ep: int, expert_dtype: str) -> str:
+    """The ``--expert-dtype`` line: one GPU's weight bytes, and with the other expert dtype."""
+    own = weight_bytes(config, ep, expert_dtype)
+    other = next(d for d in EXPERT_DTYPES if d != expert_dtype)
+    return (
+        f"{model} weights per GPU at EP{ep}: {own['total'] / 1e9:.1f} GB (routed experts "
+        f"{expert_dtype} {own['routed_experts'] / 1e9:.1f} GB, attention "
+        f"{own['attention'] / 1e9:.1f} GB, other {own['other'] / 1e9:.1f} GB, bf16 but the "
+        f"experts); {other} experts: {weight_bytes(config, ep, other)['total'] / 1e9:.1f} GB"
+    )
+
+
 def main(argv: list[str]) -> None:
     """Predicts one step (or measures a table with ``--measure``); see the module docstring."""
     args = _parse(argv)
@@ -130,11 +170,16 @@ def main(argv: list[str]) -> None:
     made = step_model.predict(config, inputs, costs)
     if args.plot:
         plot(args.plot, config, inputs, costs)
+    weights = weight_bytes(config, args.ep, args.expert_dtype)
     if args.json:
-        print(json.dumps(dict(made.as_json(), inputs=dataclasses.asdict(inputs), model=args.model)))
+        print(json.dumps(dict(
+            made.as_json(), inputs=dataclasses.asdict(inputs), model=args.model,
+            expert_dtype=args.expert_dtype, weight_bytes_per_gpu=weights,
+        )))  # fmt: skip
         return
     print(
         f"{args.model} EP{args.ep} {args.mode} {args.tokens_per_gpu} tokens/GPU, "
         f"{args.link_gbps:g} GB/s: plain {made.plain_ms:.3f} ms, TBO {made.tbo_ms:.3f} ms, "
         f"TBO / plain {made.tbo_ms / made.plain_ms:.3f}, gain {100 * made.gain:+.1f} %"
     )
+    print(weights_line(args.model, config, args.ep, args.expert_dtype))

@@ -194,6 +194,12 @@ def _add_runner_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tbo", choices=sorted(TBO_CHOICES), default="off", help="TBO mode")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument(
+        "--expert-dtype",
+        choices=("bfloat16", "float8_e4m3fn"),
+        help="routed experts' weights: block-scaled FP8 (float8_e4m3fn; from_pretrained("
+        "expert_dtype=...)) or as the other weights (the default; bfloat16 with --dtype bfloat16)",
+    )
+    parser.add_argument(
         "--devices",
         type=cli_arguments.positive_int,
         default=1,
@@ -213,6 +219,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         parser.error("--peer transformers compares greedy tokens: leave --temperature at 0")
     try:
         args.sampling = sampling.SamplingParams(args.temperature, args.top_p, args.seed)
+        config_lib.resolve_expert_dtype(args.expert_dtype, args.dtype)
     except ValueError as error:
         parser.error(str(error))
     if args.model is not None and not (args.model / "config.json").is_file():
@@ -475,9 +482,13 @@ def _runner(args, mesh, directory: Path | None) -> runner_lib.ModelRunner:
     in a ``ModelRunner`` sized by the flags."""
     dtype = DTYPES[args.dtype]
     if directory is None:
-        model = model_lib.MoEModel(args.config, rngs=nnx.Rngs(args.seed))
+        stored = config_lib.resolve_expert_dtype(args.expert_dtype, args.dtype)
+        config = dataclasses.replace(args.config, expert_dtype=stored)
+        model = model_lib.MoEModel(config, rngs=nnx.Rngs(args.seed))
     else:
-        model = hf.from_pretrained(directory, dtype=dtype, mesh=mesh)
+        model = hf.from_pretrained(
+            directory, dtype=dtype, mesh=mesh, expert_dtype=args.expert_dtype
+        )
     extra = {} if args.max_context_len is None else {"max_context_len": args.max_context_len}
     return runner_lib.ModelRunner(
         model, mesh, max_total_tokens=_pool(args), max_running_requests=args.rows or args.prompts,
@@ -718,7 +729,8 @@ def _json(args, runner, stats: StepStats, device: DeviceStep | None, peer: dict 
         prompts=args.prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
         pool=rc.max_total_tokens, rows=rc.max_running_requests,
         max_context_len=rc.max_context_len, dp=rc.dp_size, tbo=args.tbo,
-        dtype=args.dtype, iters=args.iters, jtbo=dataclasses.asdict(stats),
+        dtype=args.dtype, expert_dtype=args.expert_dtype or args.dtype, iters=args.iters,
+        jtbo=dataclasses.asdict(stats),
         device_step=device and dataclasses.asdict(device), transformers=peer,
     ))  # fmt: skip
 

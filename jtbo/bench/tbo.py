@@ -245,6 +245,11 @@ class TboBenchOptions:
         "bfloat16", choices=("bfloat16", "float32"),
         help="parameter / activation dtype (float32: the agreement column without bf16 rounding)",
     )  # fmt: skip
+    expert_dtype: str | None = options.option(
+        None, choices=("bfloat16", "float8_e4m3fn"),
+        help="routed experts' weights: block-scaled FP8 (float8_e4m3fn; MoEConfig.expert_dtype) "
+        "or as the other weights (the default; bfloat16 with --dtype bfloat16)",
+    )  # fmt: skip
     tbo_child_buckets: int = options.option(
         split.DEFAULT_CHILD_BUCKETS, type=int, metavar="N",
         help="TboOptions(tbo_child_buckets=N): micro-batch capacities per token bucket, from "
@@ -689,14 +694,16 @@ def _save_routing_stats(args, runners) -> None:
 
 
 def _config(args) -> config_lib.MoEConfig:
-    """The benchmark's model: ``--tiny`` / ``--attention-kind`` pick among four presets."""
+    """The benchmark's model: ``--tiny`` / ``--attention-kind`` pick among four presets,
+    ``--expert-dtype`` its routed experts' storage."""
     presets = {
         (False, "mla"): config_lib.MoEConfig.deepseek_v3_reduced,
         (False, "gqa"): config_lib.MoEConfig.deepseek_v3_gqa_reduced,
         (True, "mla"): config_lib.MoEConfig.tiny_mla,
         (True, "gqa"): config_lib.MoEConfig.tiny,
     }
-    return presets[args.tiny, args.attention_kind]()
+    stored = config_lib.resolve_expert_dtype(args.expert_dtype, args.dtype)
+    return dataclasses.replace(presets[args.tiny, args.attention_kind](), expert_dtype=stored)
 
 
 def _kv_bytes(config: config_lib.MoEConfig, dtype: str) -> str:

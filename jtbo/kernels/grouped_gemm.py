@@ -38,6 +38,17 @@ Mosaic kernels from ``MOSAIC_MIN_ROWS`` on a Hopper GPU, the Pallas ones below.
 the measured alternative), with the hidden rows past ``counts`` set to zero so that both impls
 mean the same thing. ``grouped_ffn_reference`` is the exact-count definition in float32:
 the live rows compacted and run through ``jax.lax.ragged_dot``.
+
+FP8 weights (weight-only: the rows stay bf16 / float32). Both weights may be block-scaled
+``float8_e4m3fn`` (``fp8_blocks.BlockQuantized``, blocks of ``(qk, qn)`` over each expert's
+contraction and output axes). The Pallas kernels then load the FP8 tile, widen it to the
+rows' dtype (exact) and scale each tile's partial product by its block's scale
+(``_WeightTiles``); their block_k and block_n divide the block sizes, so a tile has one scale.
+The weights are read from memory as FP8, half the bytes of bf16: what decode, which reads
+every local expert's weights once a step, is bound by. ``impl="xla"`` dequantizes the weights
+to the rows' dtype and runs the einsum; ``grouped_ffn_reference`` dequantizes to float32.
+``impl="mosaic"`` has no FP8 path and refuses FP8 weights (a Hopper e4m3 ``wgmma`` path with
+per-token activation scales would be a new impl beside it); ``"auto"`` never picks it for them.
 """
 
 import functools
@@ -48,7 +59,14 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jtbo.kernels import gemm_config, grouped_gemm_mosaic, impls, slot_rows, tile_table
+from jtbo.kernels import (
+    fp8_blocks,
+    gemm_config,
+    grouped_gemm_mosaic,
+    impls,
+    slot_rows,
+    tile_table,
+)
 
 _F32 = jnp.float32
 AUTO = "auto"
@@ -56,8 +74,8 @@ AUTO = "auto"
 MOSAIC_MIN_ROWS = 16384
 """Rows (``max_rows``, else ``E * C``) from which ``"auto"`` takes ``"mosaic"`` on a Hopper
 GPU: the smallest size measured where the Mosaic GPU layer beat the Pallas one (2048 tokens x 8
-experts; at decode sizes, where both read the weights once, Pallas was ahead: BENCHMARKS.md,
-"Mosaic GPU grouped GEMM")."""
+experts; at decode sizes, where both read the weights once, Pallas was ahead: docs/benchmarks/,
+"the grouped FFN on Mosaic GPU")."""
 
 
 def _tile_at(pid, *, num_tiles: int, num_n: int, group_m: int):
@@ -78,12 +96,16 @@ def _tile_rows(tiles_ref, tile, block_m: int):
 
 def _gate_up_kernel(
     tiles_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, ffn, gathered,
+    quant_block,
 ):  # fmt: skip
     # tiles_ref: [3, num_tiles] int32 (expert or -1, first row, end row); gathered only:
     # source_ref [R] int32 row of x_ref that each slot holds (-1 empty); x_ref: [R, H] slot
     # rows, or [N, H] source rows when gathered; w_ref: [E, H, 2 * F] (gate columns, then up
-    # columns); h_ref: [R, F].
-    source_ref, x_ref, w_ref, h_ref = refs if gathered else (None, *refs)
+    # columns); quant_block only: s_ref [E, ceil(H / qk), 2 * ceil(F / qn)] float32 block
+    # scales (gate blocks, then up blocks); h_ref: [R, F].
+    refs = refs if gathered else (None, *refs)
+    source_ref, x_ref, w_ref, *s_refs, h_ref = refs
+    weights = _WeightTiles(w_ref, s_refs[0] if s_refs else None, quant_block)
     tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
     expert = tiles_ref[0, tile]
 
@@ -93,16 +115,14 @@ def _gate_up_kernel(
         x_tile, x_live = _x_tile(source_ref, x_ref, start, live, block_m, block_k)
         x_mask = jnp.broadcast_to(x_live, (block_m, block_k))
         n0 = pl.multiple_of(col * block_n, block_n)
+        up_scale_col = 0 if quant_block is None else -(-ffn // quant_block[1])
 
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
             x = plgpu.load(x_tile(k0), mask=x_mask, other=0)
-            gate = w_ref[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)]
-            up = w_ref[expert, pl.ds(k0, block_k), pl.ds(ffn + n0, block_n)]
-            return (
-                acc[0] + jnp.dot(x, gate, preferred_element_type=_F32),
-                acc[1] + jnp.dot(x, up, preferred_element_type=_F32),
-            )
+            gate = weights.dot(x, expert, k0, n0, (block_k, block_n))
+            up = weights.dot(x, expert, k0, n0, (block_k, block_n), (ffn, up_scale_col))
+            return acc[0] + gate, acc[1] + up
 
         zeros = jnp.zeros((block_m, block_n), _F32)
         gate, up = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros, zeros))
@@ -110,6 +130,29 @@ def _gate_up_kernel(
         # Every live slot's row is written (an empty slot's as zero): the down kernel reads it.
         h_mask = jnp.broadcast_to(live, (block_m, block_n))
         plgpu.store(h_ref.at[pl.ds(start, block_m), pl.ds(n0, block_n)], hidden, mask=h_mask)
+
+
+class _WeightTiles:
+    """A kernel's expert weight: ``w_ref [E, K, N]`` in the activations' dtype, or FP8 values
+    with ``s_ref [E, ceil(K / qk), ceil(N / qn)]`` float32 scales of ``quant_block = (qk, qn)``
+    blocks (``jtbo.kernels.fp8_blocks``). A tile lies inside one block (``_launch`` picks
+    block_k / block_n dividing the block), so its partial product takes one scale: the FP8
+    tile is widened to the activations' dtype (exact: e4m3 values are bf16 values), multiplied
+    in float32, and the product scaled, so the weights stay FP8 in memory and are read once."""
+
+    def __init__(self, w_ref, s_ref, quant_block):
+        self.w_ref, self.s_ref, self.quant_block = w_ref, s_ref, quant_block
+
+    def dot(self, x, expert, k0, n0, shape, offsets=(0, 0)):
+        """``x [block_m, block_k] @`` the weight tile at rows ``k0``, columns ``offsets[0] +
+        n0`` (float32); ``offsets[1]`` is the tile's first scale column past ``n0``'s."""
+        block_k, block_n = shape
+        w = self.w_ref[expert, pl.ds(k0, block_k), pl.ds(offsets[0] + n0, block_n)]
+        if self.s_ref is None:
+            return jnp.dot(x, w, preferred_element_type=_F32)
+        part = jnp.dot(x, w.astype(x.dtype), preferred_element_type=_F32)
+        qk, qn = self.quant_block
+        return part * self.s_ref[expert, k0 // qk, offsets[1] + n0 // qn]
 
 
 def _x_tile(source_ref, x_ref, start, live, block_m: int, block_k: int):
@@ -131,11 +174,14 @@ def _x_tile(source_ref, x_ref, start, live, block_m: int, block_k: int):
 
 def _down_kernel(
     tiles_ref, h_ref, w_ref, *out_refs, num_tiles, num_n, group_m, block_m, block_n, block_k,
+    quant_block,
 ):  # fmt: skip
-    # tiles_ref: [3, num_tiles] int32; h_ref: [R, F]; w_ref: [E, F, H]; out_refs: out_ref
-    # [R, H] alone (rows no tile writes are left as they are), or a zero buffer and out_ref,
-    # the same buffer (aliased; rows no tile writes stay zero).
-    out_ref = out_refs[-1]
+    # tiles_ref: [3, num_tiles] int32; h_ref: [R, F]; w_ref: [E, F, H]; quant_block only:
+    # first s_ref [E, ceil(F / qk), ceil(H / qn)] float32 block scales; then out_ref [R, H]
+    # alone (rows no tile writes are left as they are), or a zero buffer and out_ref, the
+    # same buffer (aliased; rows no tile writes stay zero).
+    s_ref = out_refs[0] if quant_block is not None else None
+    weights, out_ref = _WeightTiles(w_ref, s_ref, quant_block), out_refs[-1]
     tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
     expert = tiles_ref[0, tile]
 
@@ -150,8 +196,7 @@ def _down_kernel(
             h = plgpu.load(
                 h_ref.at[pl.ds(start, block_m), pl.ds(k0, block_k)], mask=h_mask, other=0
             )
-            w = w_ref[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)]
-            return acc + jnp.dot(h, w, preferred_element_type=_F32)
+            return acc + weights.dot(h, expert, k0, n0, (block_k, block_n))
 
         acc = jnp.zeros((block_m, block_n), _F32)
         acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, acc)
@@ -160,16 +205,37 @@ def _down_kernel(
         plgpu.store(out_ref.at[pl.ds(start, block_m), pl.ds(n0, block_n)], out, mask=out_mask)
 
 
-def _launch(rows: int, k_dim: int, n_dim: int, cfg: gemm_config.GemmConfig, interpret: bool):
-    """(block_m, block_n, block_k) of one kernel; raises when Triton cannot tile the shape."""
-    blocks = (cfg.rows_block(rows), gemm_config.fit(cfg.block_n, n_dim))
-    blocks += (gemm_config.fit(cfg.block_k, k_dim),)
+def _launch(
+    rows: int, k_dim: int, n_dim: int, cfg: gemm_config.GemmConfig, interpret: bool,
+    quant_block: tuple[int, int] | None = None,
+):  # fmt: skip
+    """(block_m, block_n, block_k) of one kernel; raises when Triton cannot tile the shape.
+
+    With FP8 weights in ``quant_block = (qk, qn)`` blocks, block_k and block_n also divide
+    ``qk`` and ``qn``, so that each weight tile lies inside one block (one scale).
+    """
+    k_tiled, n_tiled = k_dim, n_dim
+    if quant_block is not None:
+        k_tiled, n_tiled = math.gcd(k_dim, quant_block[0]), math.gcd(n_dim, quant_block[1])
+    blocks = (cfg.rows_block(rows), gemm_config.fit(cfg.block_n, n_tiled))
+    blocks += (gemm_config.fit(cfg.block_k, k_tiled),)
     if not interpret and min(blocks) < gemm_config.MIN_DOT_BLOCK:
+        within = "" if quant_block is None else f" inside FP8 blocks {quant_block}"
         raise impls.KernelUnavailableError(
             f"impl='pallas' tiles by powers of two >= {gemm_config.MIN_DOT_BLOCK}: contraction "
-            f"{k_dim} and columns {n_dim} give blocks {blocks[1:]}; use impl='xla'"
+            f"{k_dim} and columns {n_dim}{within} give blocks {blocks[1:]}; use impl='xla'"
         )
     return blocks
+
+
+def _weight_operands(w, matrix_shape: tuple[int, int, int]) -> tuple[list, tuple | None]:
+    """``([values as matrix_shape [E, K, N]] + [scales [E, Kb, Nb]], (qk, qn))`` of a
+    ``BlockQuantized`` weight, or ``([w as matrix_shape], None)``; ``w_gate_up``'s gate and up
+    columns (and blocks) lie side by side."""
+    if not isinstance(w, fp8_blocks.BlockQuantized):
+        return [w.reshape(matrix_shape)], None
+    scales = w.scales.reshape(w.scales.shape[0], w.scales.shape[1], -1)
+    return [w.values.reshape(matrix_shape), scales], (w.block_shape[1], w.block_shape[-1])
 
 
 def _gate_up_call(
@@ -179,16 +245,18 @@ def _gate_up_call(
     [E * C, H]`` (``source`` None) or from source rows ``x_rows [N, H]`` through ``source
     [E * C]`` (the row each slot holds, -1 empty)."""
     num_experts, hidden, _, ffn = w_gate_up.shape
-    block_m, block_n, block_k = _launch(rows, hidden, ffn, cfg, interpret)
+    weights, quant_block = _weight_operands(w_gate_up, (num_experts, hidden, 2 * ffn))
+    block_m, block_n, block_k = _launch(rows, hidden, ffn, cfg, interpret, quant_block)
     num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = ffn // block_n
     kernel = functools.partial(
         _gate_up_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
         block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn, gathered=source is not None,
+        quant_block=quant_block,
     )  # fmt: skip
     operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles)]
     operands += [] if source is None else [source]
-    operands += [x_rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn)]
+    operands += [x_rows, *weights]
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((num_experts * rows, ffn), x_rows.dtype),
@@ -204,21 +272,23 @@ def _down_call(
     """Kernel 2 over flat hidden rows ``[R, F]``: ``[R, H]``, outside the live rows zero
     (``zero_padding``, a zero buffer aliased to the output) or never written."""
     num_experts, ffn, hidden = w_down.shape
-    block_m, block_n, block_k = _launch(rows, ffn, hidden, cfg, interpret)
+    weights, quant_block = _weight_operands(w_down, (num_experts, ffn, hidden))
+    block_m, block_n, block_k = _launch(rows, ffn, hidden, cfg, interpret, quant_block)
     num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = hidden // block_n
     kernel = functools.partial(
         _down_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
-        block_m=block_m, block_n=block_n, block_k=block_k,
+        block_m=block_m, block_n=block_n, block_k=block_k, quant_block=quant_block,
     )  # fmt: skip
     out_shape = jax.ShapeDtypeStruct((h_rows.shape[0], hidden), h_rows.dtype)
-    operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles), h_rows, w_down]
+    operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles), h_rows, *weights]
+    aliases = {len(operands): 0} if zero_padding else {}  # the zero buffer is the output
     operands += [jnp.zeros(out_shape.shape, out_shape.dtype)] if zero_padding else []
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=(num_tiles * num_n,),
-        input_output_aliases={3: 0} if zero_padding else {},  # the zero buffer is the output
+        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(*operands)
@@ -268,27 +338,69 @@ def _check_inputs(x_slots, counts, w_gate_up, w_down) -> None:
     elif x_slots.ndim != 3:
         raise ValueError(f"x_slots must be [E, C, H], got shape {x_slots.shape}")
     num_experts, _, hidden = x_slots.shape
-    if w_gate_up.ndim != 4 or w_gate_up.shape[:3] != (num_experts, hidden, 2):
+    if len(w_gate_up.shape) != 4 or tuple(w_gate_up.shape[:3]) != (num_experts, hidden, 2):
         raise ValueError(
             f"w_gate_up shape {w_gate_up.shape} must be [E={num_experts}, H={hidden}, 2, F]"
         )
     want_down = (num_experts, w_gate_up.shape[3], hidden)
-    if w_down.shape != want_down:
+    if tuple(w_down.shape) != want_down:
         raise ValueError(f"w_down shape {w_down.shape} must be [E, F, H] = {want_down}")
     if counts.shape != (num_experts,) or not jnp.issubdtype(counts.dtype, jnp.integer):
         raise ValueError(
             f"counts must be [{num_experts}] integers, got {counts.shape} {counts.dtype}"
         )
-    dtypes = {x_slots.dtype, w_gate_up.dtype, w_down.dtype}
-    if len(dtypes) != 1:
-        raise ValueError(f"x_slots, w_gate_up and w_down must share a dtype, got {dtypes}")
+    _check_dtypes(x_slots, w_gate_up, w_down)
+
+
+def _check_dtypes(x_slots, w_gate_up, w_down) -> None:
+    """One dtype for the rows and both weights, or FP8 weights (both ``BlockQuantized``, in
+    blocks over their contraction and output axes only) beside float rows."""
+    quantized = [isinstance(w, fp8_blocks.BlockQuantized) for w in (w_gate_up, w_down)]
+    if not any(quantized):
+        dtypes = {x_slots.dtype, w_gate_up.dtype, w_down.dtype}
+        if len(dtypes) != 1:
+            raise ValueError(f"x_slots, w_gate_up and w_down must share a dtype, got {dtypes}")
+        return
+    if not all(quantized):
+        raise ValueError(
+            "w_gate_up and w_down must both be FP8 (fp8_blocks.BlockQuantized) or both arrays, "
+            f"got {type(w_gate_up).__name__} and {type(w_down).__name__}"
+        )
+    if not jnp.issubdtype(x_slots.dtype, jnp.floating) or jnp.dtype(x_slots.dtype).itemsize < 2:
+        raise ValueError(f"x_slots of FP8 weights must be float16 or wider, got {x_slots.dtype}")
+    for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        w.check()
+        wanted = fp8_blocks.expert_block_shape(w.ndim, (w.block_shape[1], w.block_shape[-1]))
+        if w.block_shape != wanted:
+            raise ValueError(
+                f"{name} blocks {w.block_shape} must span its contraction and output axes only "
+                f"(e.g. {wanted})"
+            )
+
+
+def _quant_block(w_gate_up) -> tuple[int, int] | None:
+    """``(qk, qn)`` of FP8 weights, None for float ones."""
+    if isinstance(w_gate_up, fp8_blocks.BlockQuantized):
+        return w_gate_up.block_shape[1], w_gate_up.block_shape[-1]
+    return None
+
+
+def _float_weight(w, dtype):
+    """``w``, or an FP8 weight dequantized to ``dtype``."""
+    if isinstance(w, fp8_blocks.BlockQuantized):
+        return fp8_blocks.dequantize_blocks(w, dtype)
+    return w
+
+
+Weight = jax.Array | fp8_blocks.BlockQuantized
+"""An expert weight: an array in the rows' dtype, or block-scaled FP8 (``fp8_blocks``)."""
 
 
 def grouped_ffn(
     x_slots: jax.Array | slot_rows.SlotRows,
     counts: jax.Array,
-    w_gate_up: jax.Array,
-    w_down: jax.Array,
+    w_gate_up: Weight,
+    w_down: Weight,
     *,
     impl: str | None = None,
     config: gemm_config.GroupedFfnConfig | gemm_config.MosaicFfnConfig | None = None,
@@ -303,11 +415,15 @@ def grouped_ffn(
         per slot: ``impl="pallas"`` loads the rows through the index (no slot buffer is
         written), ``impl="xla"`` materializes the slot buffer first.
       counts: ``[E]`` integer rows per expert (may be traced); clipped to ``[0, C]``.
-      w_gate_up: ``[E, H, 2, F]`` (gate at index 0, up at 1).
-      w_down: ``[E, F, H]``.
-      impl: ``"xla"`` (batched einsum over all slots), ``"pallas"`` (the Triton-lowered
-        kernels), ``"mosaic"`` (the Mosaic GPU kernels, Hopper; ``grouped_gemm_mosaic``), or
-        ``"auto"`` / None: the fastest measured for the call's rows (``auto_impl``).
+      w_gate_up: ``[E, H, 2, F]`` (gate at index 0, up at 1), in ``x_slots``' dtype; or FP8,
+        a ``fp8_blocks.BlockQuantized`` in ``(1, qk, 1, qn)`` blocks (weight-only FP8: the
+        rows stay in their float dtype).
+      w_down: ``[E, F, H]``, an array with ``w_gate_up``, FP8 in ``(1, qk, qn)`` blocks with it.
+      impl: ``"xla"`` (batched einsum over all slots; FP8 weights dequantized to the rows'
+        dtype first), ``"pallas"`` (the Triton-lowered kernels; FP8 weights read as FP8
+        and scaled per block inside the kernel), ``"mosaic"`` (the Mosaic GPU kernels,
+        Hopper; ``grouped_gemm_mosaic``; float weights only), or ``"auto"`` / None: the
+        fastest measured for the call's rows and weights (``auto_impl``).
       config: the kernels' launch shapes: a ``GroupedFfnConfig`` for ``"pallas"`` (None:
         ``gemm_config.GROUPED_FFN``), a ``MosaicFfnConfig`` for ``"mosaic"`` (None:
         ``gemm_config.MOSAIC_FFN``).
@@ -326,7 +442,8 @@ def grouped_ffn(
       the experts' hidden width).
 
     Raises:
-      ValueError: shapes or dtypes that do not fit together, an unknown impl, a bad max_rows.
+      ValueError: shapes or dtypes that do not fit together, an unknown impl, a bad max_rows,
+        FP8 weights with ``impl="mosaic"``.
       KernelUnavailableError: the impl cannot run here or cannot tile these shapes.
     """
     out = grouped_ffn_rows(
@@ -339,8 +456,8 @@ def grouped_ffn(
 def grouped_ffn_rows(
     x_slots: jax.Array | slot_rows.SlotRows,
     counts: jax.Array,
-    w_gate_up: jax.Array,
-    w_down: jax.Array,
+    w_gate_up: Weight,
+    w_down: Weight,
     *,
     impl: str | None = None,
     config: gemm_config.GroupedFfnConfig | gemm_config.MosaicFfnConfig | None = None,
@@ -365,16 +482,11 @@ def grouped_ffn_rows(
         raise ValueError(f"max_rows must be >= 0 or None, got {max_rows}")
     num_experts, capacity, hidden = x_slots.shape
     rows = num_experts * capacity if max_rows is None else max_rows
-    if impl in (None, AUTO):
-        if config is not None:
-            raise ValueError("launch shapes are an impl's: name the impl with config=")
-        impl = auto_impl(rows, hidden, w_gate_up.shape[3], x_slots.dtype)
-    impl = impls.resolve(impl, op="grouped_ffn")
+    shape = (rows, hidden, w_gate_up.shape[3])
+    impl = _resolve(impl, config, shape, x_slots.dtype, _quant_block(w_gate_up))
     counts = jnp.clip(counts.astype(jnp.int32), 0, capacity)
-    if impl == "triton":
-        raise impls.KernelUnavailableError("grouped_ffn has no impl='triton'; use 'pallas'")
-    _check_config(impl, config)
     if impl == "xla" or math.prod(x_slots.shape) == 0:
+        w_gate_up, w_down = (_float_weight(w, x_slots.dtype) for w in (w_gate_up, w_down))
         return grouped_ffn_xla(_materialized(x_slots), counts, w_gate_up, w_down)
     interpret = impls.backend() == "cpu"
     if impl == impls.MOSAIC:
@@ -388,16 +500,46 @@ def grouped_ffn_rows(
     )  # fmt: skip
 
 
-def auto_impl(rows: int, hidden: int, ffn: int, dtype=jnp.bfloat16) -> str:
-    """The impl ``"auto"`` takes for ``rows`` rows of ``dtype`` through an FFN ``hidden`` wide
-    and ``ffn`` deep.
+def _resolve(impl, config, shape: tuple[int, int, int], dtype, quant_block) -> str:
+    """The impl that serves a call of ``shape = (rows, H, F)``; raises for one that cannot.
 
-    ``"mosaic"`` from ``MOSAIC_MIN_ROWS`` rows where it runs and tiles the shapes and dtype,
-    else the backend's fastest (``impls.FASTEST``) if it tiles them, else ``"xla"``.
+    Raises:
+      ValueError: a ``config`` with ``"auto"``, or of another impl; FP8 weights with
+        ``"mosaic"``.
+      KernelUnavailableError: as ``impls.resolve``; ``"triton"``.
+    """
+    if impl in (None, AUTO):
+        if config is not None:
+            raise ValueError("launch shapes are an impl's: name the impl with config=")
+        impl = auto_impl(*shape, dtype, quant_block=quant_block)
+    impl = impls.resolve(impl, op="grouped_ffn")
+    if impl == "triton":
+        raise impls.KernelUnavailableError("grouped_ffn has no impl='triton'; use 'pallas'")
+    if impl == impls.MOSAIC and quant_block is not None:
+        raise ValueError(
+            "impl='mosaic' takes float weights only (its wgmma kernels have no FP8 path yet); "
+            "FP8 block-quantized weights run on impl='pallas' (read as FP8 inside the kernel) "
+            "or 'xla'"
+        )
+    _check_config(impl, config)
+    return impl
+
+
+def auto_impl(
+    rows: int, hidden: int, ffn: int, dtype=jnp.bfloat16, *, quant_block=None
+) -> str:  # fmt: skip
+    """The impl ``"auto"`` takes for ``rows`` rows of ``dtype`` through an FFN ``hidden`` wide
+    and ``ffn`` deep, its weights float (``quant_block`` None) or FP8 in ``quant_block =
+    (qk, qn)`` blocks.
+
+    ``"mosaic"`` from ``MOSAIC_MIN_ROWS`` rows where it runs and tiles the shapes and dtype
+    (float weights only), else the backend's fastest (``impls.FASTEST``) if it tiles them
+    (FP8: inside the blocks), else ``"xla"``.
     """
     platform = impls.backend()
     if (
         platform == "gpu"
+        and quant_block is None
         and rows >= MOSAIC_MIN_ROWS
         and grouped_gemm_mosaic.runs_dtype(dtype)
         and impls.unavailable_reason(impls.MOSAIC, platform) is None
@@ -405,7 +547,10 @@ def auto_impl(rows: int, hidden: int, ffn: int, dtype=jnp.bfloat16) -> str:
     ):
         return impls.MOSAIC
     impl = impls.resolve(None, op="grouped_ffn")
-    tiled = gemm_config.dot_tiles(hidden) and gemm_config.dot_tiles(ffn)
+    dims = (hidden, ffn)
+    if quant_block is not None:  # each weight tile inside one block
+        dims = tuple(math.gcd(dim, block) for dim in dims for block in quant_block)
+    tiled = all(map(gemm_config.dot_tiles, dims))
     return impl if impl != "pallas" or tiled else "xla"
 
 
@@ -421,15 +566,17 @@ def _check_config(impl: str, config) -> None:
 def grouped_ffn_reference(
     x_slots: jax.Array | slot_rows.SlotRows,
     counts: jax.Array,
-    w_gate_up: jax.Array,
-    w_down: jax.Array,
+    w_gate_up: Weight,
+    w_down: Weight,
 ) -> jax.Array:
-    """Exact-count definition in float32: live rows compacted, ``jax.lax.ragged_dot``.
+    """Exact-count definition in float32: live rows compacted, ``jax.lax.ragged_dot``; FP8
+    weights dequantized to float32 (``fp8_blocks.dequantize_blocks``).
 
     Args and Returns: as ``grouped_ffn`` (float32 result; the hidden activation is not
     rounded to the input dtype).
     """
     x_slots = _materialized(x_slots)
+    w_gate_up, w_down = (_float_weight(w, _F32) for w in (w_gate_up, w_down))
     num_experts, capacity, hidden = x_slots.shape
     ffn = w_gate_up.shape[3]
     counts = jnp.clip(counts.astype(jnp.int32), 0, capacity)

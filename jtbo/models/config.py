@@ -101,6 +101,18 @@ class MoEConfig:
     qk_nope_head_dim: int = _field(8, "MLA: query/key head dims without RoPE")
     qk_rope_head_dim: int = _field(4, "MLA: query/key head dims with RoPE (key shared by heads)")
     v_head_dim: int = _field(8, "MLA: value head width")
+    expert_dtype: str | None = _field(
+        None,
+        "how the routed experts' weights are stored: None, as the other parameters (in the "
+        "model's dtype); 'float8_e4m3fn', block-scaled FP8, float8_e4m3fn values and a "
+        "float32 scale per expert_block_size block (jtbo.kernels.fp8_blocks), which "
+        "jtbo.models.cast leaves FP8",
+    )
+    expert_block_size: tuple[int, int] = _field(
+        (128, 128),
+        "FP8 experts: the (contraction, output) block sharing one scale in each expert's "
+        "matrices (DeepSeek-V3's weight_block_size)",
+    )
 
     def __post_init__(self):
         _check_positive(self)
@@ -128,6 +140,7 @@ class MoEConfig:
         _check_attention_kind(self)
         _check_rope_scaling(self)
         _check_layer_kinds(self)
+        _check_expert_storage(self)
         if self.shared_expert_gate and not self.shared_width:
             raise ValueError("shared_expert_gate=True needs shared experts (num_shared_experts=0)")
 
@@ -366,6 +379,48 @@ def _check_layer_kinds(config: MoEConfig) -> None:
     outside = [i for i in config.mlp_only_layers if not 0 <= i < config.num_layers]
     if outside:
         raise ValueError(f"mlp_only_layers {outside} outside [0, {config.num_layers})")
+
+
+EXPERT_DTYPES = (None, "float8_e4m3fn")
+"""``MoEConfig.expert_dtype`` choices."""
+
+
+def resolve_expert_dtype(expert_dtype: str | None, dtype_name: str) -> str | None:
+    """The ``MoEConfig.expert_dtype`` of a request for experts stored as ``expert_dtype`` in
+    a model served in ``dtype_name``.
+
+    Args:
+      expert_dtype: None or ``dtype_name`` (the experts as the other parameters), or
+        ``"float8_e4m3fn"``.
+      dtype_name: the serving dtype's name, e.g. ``"bfloat16"``.
+
+    Returns:
+      None or ``"float8_e4m3fn"``.
+
+    Raises:
+      ValueError: any other ``expert_dtype`` (names the choices).
+    """
+    if expert_dtype is None or expert_dtype == dtype_name:
+        return None
+    if expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(
+            f"expert_dtype={expert_dtype!r}: expected None, {dtype_name!r} (the parameters' "
+            f"dtype) or {EXPERT_DTYPES[1]!r}"
+        )
+    return expert_dtype
+
+
+def _check_expert_storage(config: MoEConfig) -> None:
+    if config.expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(f"expert_dtype={config.expert_dtype!r}: expected one of {EXPERT_DTYPES}")
+    block = config.expert_block_size
+    if (
+        not (
+            isinstance(block, tuple) and len(block) == 2 and all(isinstance(b, int) for b in block)
+        )
+        or min(block) < 1
+    ):
+        raise ValueError(f"expert_block_size={block!r} must be a tuple of two positive ints")
 
 
 def _check_groups(config: MoEConfig) -> None:

@@ -6,7 +6,7 @@ Default: the *capacity-slot* layout. Every (token, choice) pair gets a slot
 runs all experts (the XLA impl materializes the slots; the Pallas kernel loads the rows
 through the index), and each token sums its slots' outputs times its routing weights. This
 is the layout the dense all-to-all dispatch produces, and on the H200 it ran at dense-matmul
-speed, far faster than ``jax.lax.ragged_dot`` (BENCHMARKS.md, "Grouped GEMM for the routed
+speed, far faster than ``jax.lax.ragged_dot`` (docs/benchmarks/, "Grouped GEMM for the routed
 experts").
 ``capacity = num_tokens`` can never drop a pair, since a token picks an expert at most once.
 
@@ -17,6 +17,11 @@ back, so the kernel leaves them unwritten); ``"mosaic"`` runs the Hopper twin of
 whose outputs stay in its own tile-major rows and are read back through their slot index
 (``slot_rows.take_slots``); ``"auto"`` picks between the two by the call's rows.
 
+FP8 experts (``MoEConfig.expert_dtype``): ``RoutedExperts`` holds each weight as FP8 values
+and float32 block scales and hands them on as ``fp8_blocks.BlockQuantized``, which the slot
+FFN takes as they are (weight-only FP8, ``jtbo.kernels.grouped_gemm``); the sorted layout and
+the references dequantize them (``float_weights``).
+
 Reference: ``experts_ragged_dot_reference`` sorts pairs by expert and runs ``jax.lax.ragged_dot``
 (exact, no capacity).
 
@@ -24,16 +29,18 @@ Gate and up are one fused weight ``w_gate_up [E, H, 2, F]``, as in ``jtbo.models
 matmul reads it. (A one-device TBO step runs both micro-batches' experts as one call,
 ``jtbo.models.moe_exchange``. Before that, XLA's dot merger joined A's and B's einsums. With
 two weights it joined the gate and the up matmuls separately, so both concatenations copied
-the same rows: BENCHMARKS.md, "TBO step cost on one H200", decode-sized children and unsigned
-EP indices.)
+the same rows: docs/benchmarks/, "TBO step cost on one H200", decode-sized children and
+unsigned EP indices.)
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jtbo.collectives import rows as rows_lib
-from jtbo.kernels import gemm_config, grouped_gemm, slot_rows
+from jtbo.kernels import fp8_blocks, gemm_config, grouped_gemm, slot_rows
 from jtbo.models import config as config_lib
 from jtbo.models import mlp
 
@@ -56,7 +63,7 @@ def slot_positions(topk_ids: jax.Array, num_experts: int) -> jax.Array:
 def experts_ffn_slots(
     x_slots: jax.Array | slot_rows.SlotRows,
     counts: jax.Array,
-    weights: tuple[jax.Array, jax.Array],
+    weights: tuple[grouped_gemm.Weight, grouped_gemm.Weight],
     *,
     impl: str = "xla",
     max_rows: int | None = None,
@@ -69,7 +76,8 @@ def experts_ffn_slots(
       x_slots: ``[E, C, H]`` rows per expert slot, or ``SlotRows`` naming each slot's row
         (an EP dispatch's; the Pallas kernel loads through the index).
       counts: ``[E]`` int32 rows per expert (its first slots; clipped to ``[0, C]``).
-      weights: ``(w_gate_up [E, H, 2, F] (gate at index 0, up at 1), w_down [E, F, H])``.
+      weights: ``(w_gate_up [E, H, 2, F] (gate at index 0, up at 1), w_down [E, F, H])``,
+        arrays in ``x_slots``' dtype or both FP8 (``fp8_blocks.BlockQuantized``).
       impl: ``"xla"`` (batched einsum over all ``C`` slots), ``"pallas"`` (the exact-count
         grouped GEMM kernels), ``"mosaic"`` (their Hopper twins) or ``"auto"`` (by the rows),
         as ``MoEOptions.moe_runner_backend`` names it.
@@ -98,7 +106,7 @@ def experts_capacity(
     x: jax.Array,
     topk_ids: jax.Array,
     topk_weights: jax.Array,
-    weights: tuple[jax.Array, jax.Array],
+    weights: tuple[grouped_gemm.Weight, grouped_gemm.Weight],
     capacity: int | None = None,
     *,
     impl: str = "xla",
@@ -110,7 +118,8 @@ def experts_capacity(
       x: ``[T, H]`` tokens.
       topk_ids: ``[T, k]`` chosen experts (out-of-range ids take no slot and add nothing).
       topk_weights: ``[T, k]`` routing weights.
-      weights: ``(w_gate_up [E, H, 2, F], w_down [E, F, H])``.
+      weights: ``(w_gate_up [E, H, 2, F], w_down [E, F, H])``, arrays or FP8
+        (``fp8_blocks.BlockQuantized``).
       capacity: slots per expert; None means ``T`` (never drops).
       impl: the slot FFN's impl (``grouped_gemm.grouped_ffn_rows``): "xla", "pallas",
         "mosaic" or "auto".
@@ -151,7 +160,7 @@ def experts_sorted(
     x: jax.Array,
     topk_ids: jax.Array,
     topk_weights: jax.Array,
-    weights: tuple[jax.Array, jax.Array],
+    weights: tuple[grouped_gemm.Weight, grouped_gemm.Weight],
     grouped_dot,
     *,
     hidden_dtype=jnp.float32,
@@ -163,7 +172,8 @@ def experts_sorted(
       x: ``[T, H]`` tokens.
       topk_ids: ``[T, k]`` chosen experts (every id in ``[0, E)``).
       topk_weights: ``[T, k]`` routing weights.
-      weights: ``(w_gate_up [E, H, 2, F], w_down [E, F, H])``.
+      weights: ``(w_gate_up [E, H, 2, F], w_down [E, F, H])``; FP8 ones
+        (``fp8_blocks.BlockQuantized``) are dequantized to ``x.dtype`` first.
       grouped_dot: ``grouped_dot(lhs [M, K], rhs [E, K, N], group_sizes [E], out_dtype)
         -> [M, N]``, rows of group ``e`` times ``rhs[e]`` (``jax.lax.ragged_dot``, or a
         Pallas grouped GEMM such as tokamax's).
@@ -173,7 +183,7 @@ def experts_sorted(
     Returns:
       ``[T, H]`` in ``x.dtype`` (nothing is dropped).
     """
-    w_gate_up, w_down = weights
+    w_gate_up, w_down = float_weights(weights, x.dtype)
     num_experts, hidden_size, _, ffn = w_gate_up.shape
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
@@ -197,7 +207,7 @@ def experts_ragged_dot_reference(
     x: jax.Array,
     topk_ids: jax.Array,
     topk_weights: jax.Array,
-    weights: tuple[jax.Array, jax.Array],
+    weights: tuple[grouped_gemm.Weight, grouped_gemm.Weight],
 ) -> jax.Array:
     """Exact routed-expert output: ``experts_sorted`` over ``jax.lax.ragged_dot`` in float32.
 
@@ -206,16 +216,97 @@ def experts_ragged_dot_reference(
     return experts_sorted(x, topk_ids, topk_weights, weights, _lax_ragged_dot)
 
 
+class StoredDtypeParam(nnx.Param):
+    """A parameter kept in its own dtype: ``jtbo.models.cast`` leaves it as it is (FP8 expert
+    values and their float32 block scales)."""
+
+
 class RoutedExperts(nnx.Module):
-    """Stacked expert weights ``gate_up [E, H, 2, F]``, ``down [E, F, H]``."""
+    """Stacked expert weights ``gate_up [E, H, 2, F]``, ``down [E, F, H]``.
+
+    With ``MoEConfig.expert_dtype="float8_e4m3fn"`` each is block-scaled FP8
+    (``jtbo.kernels.fp8_blocks``): ``w_gate_up`` / ``w_down`` hold the FP8 values and
+    ``w_gate_up_scale`` / ``w_down_scale`` their float32 scales, one per
+    ``expert_block_size`` block of each expert's matrices (both ``StoredDtypeParam``).
+    """
 
     def __init__(self, config: config_lib.MoEConfig, *, rngs: nnx.Rngs):
         """Args: config: model config; rngs: parameter init keys."""
         e, h, f = config.num_experts, config.hidden_size, config.moe_intermediate_size
-        self.w_gate_up = mlp.init_matrix(rngs, (e, h, 2, f), h)  # [E, H, 2, F]
-        self.w_down = mlp.init_matrix(rngs, (e, f, h), f)  # [E, F, H]
+        w_gate_up = mlp.init_matrix(rngs, (e, h, 2, f), h)  # [E, H, 2, F]
+        w_down = mlp.init_matrix(rngs, (e, f, h), f)  # [E, F, H]
+        self.block = None if config.expert_dtype is None else config.expert_block_size
+        if self.block is None:
+            self.w_gate_up, self.w_down = w_gate_up, w_down
+            return
+        gate_up = fp8_blocks.quantize_blocks(
+            w_gate_up[...], fp8_blocks.expert_block_shape(4, self.block)
+        )
+        down = fp8_blocks.quantize_blocks(w_down[...], fp8_blocks.expert_block_shape(3, self.block))
+        self.w_gate_up = StoredDtypeParam(gate_up.values)  # [E, H, 2, F] float8_e4m3fn
+        self.w_gate_up_scale = StoredDtypeParam(gate_up.scales)  # [E, ceil(H/bk), 2, ceil(F/bn)]
+        self.w_down = StoredDtypeParam(down.values)  # [E, F, H] float8_e4m3fn
+        self.w_down_scale = StoredDtypeParam(down.scales)  # [E, ceil(F/bk), ceil(H/bn)] float32
 
     @property
-    def weights(self) -> tuple[jax.Array, jax.Array]:
-        """``(w_gate_up, w_down)`` as arrays (local shards inside a shard_map)."""
-        return self.w_gate_up[...], self.w_down[...]
+    def weights(self) -> tuple[grouped_gemm.Weight, grouped_gemm.Weight]:
+        """``(w_gate_up, w_down)`` as arrays, or as ``fp8_blocks.BlockQuantized`` for FP8
+        experts (local shards inside a shard_map)."""
+        if self.block is None:
+            return self.w_gate_up[...], self.w_down[...]
+        blocked, block = fp8_blocks.BlockQuantized, self.block
+        return (
+            blocked(
+                self.w_gate_up[...], self.w_gate_up_scale[...],
+                fp8_blocks.expert_block_shape(4, block),
+            ),
+            blocked(
+                self.w_down[...], self.w_down_scale[...], fp8_blocks.expert_block_shape(3, block)
+            ),
+        )  # fmt: skip
+
+
+def float_weights(
+    weights: tuple[grouped_gemm.Weight, grouped_gemm.Weight], dtype
+) -> tuple[jax.Array, jax.Array]:
+    """The expert weights as float arrays: FP8 ones dequantized to ``dtype`` (float32 math),
+    float ones as they are.
+
+    Args:
+      weights: ``(w_gate_up, w_down)``, arrays or ``fp8_blocks.BlockQuantized``.
+      dtype: the dtype of dequantized weights.
+
+    Returns:
+      ``(w_gate_up [E, H, 2, F], w_down [E, F, H])``.
+    """
+    return tuple(
+        fp8_blocks.dequantize_blocks(w, dtype) if isinstance(w, fp8_blocks.BlockQuantized) else w
+        for w in weights
+    )
+
+
+def check_expert_shards(config: config_lib.MoEConfig, moe_a2a_backend: str, devices: int) -> None:
+    """Checks that FP8 experts' blocks do not straddle a device's shard.
+
+    ``"ep"`` shards whole experts (always aligned); ``"none"`` splits every expert's hidden
+    width ``F`` over the devices, so each device's columns of ``w_gate_up`` and rows of
+    ``w_down`` must be whole blocks.
+
+    Args:
+      config: the model config.
+      moe_a2a_backend: "ep" or "none".
+      devices: devices the experts are sharded over.
+
+    Raises:
+      ValueError: ``F / devices`` not a multiple of both block sizes (names the sizes).
+    """
+    if config.expert_dtype is None or moe_a2a_backend != "none":
+        return
+    width = config.moe_intermediate_size
+    block = config.expert_block_size
+    if width % devices or (width // devices) % math.lcm(*block):
+        raise ValueError(
+            f"moe_a2a_backend='none' splits moe_intermediate_size={width} over {devices} "
+            f"devices; FP8 experts need each share to be whole expert_block_size={block} "
+            "blocks: use moe_a2a_backend='ep' or float experts"
+        )

@@ -92,7 +92,8 @@ class MoEModel(nnx.Module):
 
 
 def cast(model: MoEModel, dtype) -> MoEModel:
-    """Returns a copy of ``model`` whose parameters have ``dtype``.
+    """Returns a copy of ``model`` whose parameters have ``dtype``, but those stored in their
+    own dtype (``experts.StoredDtypeParam``: FP8 routed experts and their scales).
 
     Args:
       model: the model.
@@ -101,5 +102,5 @@ def cast(model: MoEModel, dtype) -> MoEModel:
     Returns:
       A new ``MoEModel`` (``model`` is left unchanged).
     """
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: a.astype(dtype), state))
+    graphdef, kept, state = nnx.split(model, experts.StoredDtypeParam, ...)
+    return nnx.merge(graphdef, kept, jax.tree.map(lambda a: a.astype(dtype), state))

@@ -17,8 +17,8 @@ import numpy as np
 from flax import nnx
 
 from jtbo.core import arith
+from jtbo.models import experts, norm, router
 from jtbo.models import model as model_lib
-from jtbo.models import norm, router
 
 
 def causal_mask(length: int) -> np.ndarray:
@@ -42,7 +42,7 @@ def moe_dense_reference(block: model_lib.MoEBlock, x: jax.Array, config) -> jax.
     tokens = jnp.arange(x.shape[0])[:, None]
     dense = jnp.zeros((x.shape[0], config.num_experts), jnp.float32)
     dense = dense.at[tokens, topk_ids].add(topk_weights)  # [T, E]
-    w_gate_up, w_down = block.experts.weights
+    w_gate_up, w_down = experts.float_weights(block.experts.weights, x.dtype)
     gate = jnp.einsum("th,ehf->tef", x, w_gate_up[:, :, 0])
     up = jnp.einsum("th,ehf->tef", x, w_gate_up[:, :, 1])
     per_expert = jnp.einsum("tef,efh->teh", jax.nn.silu(gate) * up, w_down)

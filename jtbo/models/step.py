@@ -54,6 +54,7 @@ from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.models import (
     ep_dispatchers,
+    experts,
     layer_ops,
     layer_state,
     plan_arrays,
@@ -74,14 +75,22 @@ _HEAD_SPECS = {
     "wq_b": P(None, ATTN_TP, None),  # MLA [q_lora_rank, heads, nope + rope]
     "wkv_b": P(None, ATTN_TP, None),  # MLA [kv_lora_rank, heads, nope + v]
 }
-_EXPERT_SPECS = {
+_EP_GATE_UP = P(mesh_lib.TP_AXES, None, None, None)
+_EP_DOWN = P(mesh_lib.TP_AXES, None, None)
+_SPLIT_GATE_UP = P(None, None, None, mesh_lib.TP_AXES)
+_SPLIT_DOWN = P(None, mesh_lib.TP_AXES, None)
+_EXPERT_SPECS = {  # FP8 experts' block scales (``*_scale``) are sharded as their values
     "ep": {  # whole experts per device
-        "w_gate_up": P(mesh_lib.TP_AXES, None, None, None),  # [E, H, 2, F]
-        "w_down": P(mesh_lib.TP_AXES, None, None),  # [E, F, H]
+        "w_gate_up": _EP_GATE_UP,  # [E, H, 2, F]
+        "w_down": _EP_DOWN,  # [E, F, H]
+        "w_gate_up_scale": _EP_GATE_UP,  # [E, H blocks, 2, F blocks]
+        "w_down_scale": _EP_DOWN,  # [E, F blocks, H blocks]
     },
     "none": {  # every expert, a slice of its hidden width per device
-        "w_gate_up": P(None, None, None, mesh_lib.TP_AXES),  # [E, H, 2, F]
-        "w_down": P(None, mesh_lib.TP_AXES, None),  # [E, F, H]
+        "w_gate_up": _SPLIT_GATE_UP,
+        "w_down": _SPLIT_DOWN,
+        "w_gate_up_scale": _SPLIT_GATE_UP,
+        "w_down_scale": _SPLIT_DOWN,
     },
 }
 KV_CACHE_SPEC = kv_cache_lib.KVCache(
@@ -399,7 +408,12 @@ def make_step(
       TBO, ``child_dp_contexts`` (A, B). ``mode``, ``child_capacity`` (None: no TBO) and
       ``dispatchers`` are static. ``overflow`` (dropped assignments) and ``peak_load`` (the
       capacities needed) are ``[len(dispatchers), 2]`` (1 without EP).
+
+    Raises:
+      ValueError: FP8 experts whose blocks a device's shard would cut
+        (``experts.check_expert_shards``).
     """
+    experts.check_expert_shards(model.config, parallel.moe.moe_a2a_backend, mesh.size)
     graphdef, params = split_params(model)
     specs = param_specs(params, parallel.moe.moe_a2a_backend)
     table = ep_dispatchers.DispatcherTable(mesh, model.config, parallel)

@@ -187,3 +187,21 @@ def test_the_chunked_reference_equals_float64_over_every_expert():
     got = grouped_gemm.reference(x, np.asarray(ids), np.asarray(routing), weights, rows)
     want = _swiglu_reference_f64(np.asarray(x)[rows], ids[rows], routing[rows], weights)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+
+def test_fp8_experts_run_the_layer_beside_the_dense_yardstick(capsys):
+    # Weight-only FP8: the reference dequantizes the same weights, so the error stays that of
+    # the bf16 tokens; a weight counts one byte. (The kernels' FP8 path is checked in
+    # tests/kernels/test_grouped_gemm.py.)
+    grouped_gemm.main(
+        ["--small", "--tokens", "16", "--impls", "capacity,dense", "--expert-dtype",
+         "float8_e4m3fn", "--no-copy-ceiling"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "top-2 bfloat16, experts float8_e4m3fn" in out
+    rows = {r[1]: r for r in _table(out)}
+    assert float(rows["capacity"][8]) < 2e-2, rows
+    assert rows["dense"][9] == "1.00" and float(rows["capacity"][10]) > 0
+    args = grouped_gemm._parse(["--expert-dtype", "float8_e4m3fn"])
+    assert grouped_gemm.weight_itemsize(args) == 1
+    assert grouped_gemm.weight_itemsize(grouped_gemm._parse([])) == 2

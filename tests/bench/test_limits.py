@@ -84,6 +84,12 @@ def test_decode_bytes_are_the_devices_weights_and_the_kv_it_attends(name, num_de
     context = 3 * 257
     want = (per_token + routed / num_devices) * 2 + context * config.num_layers * kv_values * 2
     assert limits.decode_bytes(config, context, num_devices, 2) == pytest.approx(want, rel=1e-12)
+    # FP8 routed experts: one byte a value, plus a float32 scale per block of each matrix.
+    fp8 = dataclasses.replace(config, expert_dtype="float8_e4m3fn", expert_block_size=(16, 16))
+    h, f = config.hidden_size, config.moe_intermediate_size
+    scales = 3 * -(-h // 16) * -(-f // 16) * 4 * routed // (3 * h * f)
+    want_fp8 = want - (routed - scales) / num_devices  # routed * 2 bytes -> routed + scales
+    assert limits.decode_bytes(fp8, context, num_devices, 2) == pytest.approx(want_fp8, rel=1e-12)
 
 
 def test_the_limit_is_the_work_at_the_rate():

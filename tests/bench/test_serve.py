@@ -60,10 +60,13 @@ def test_preset_over_two_ranks_prints_the_table_and_consistent_json(capsys):
 def test_mixed_chunk_runs_a_prompt_chunk_beside_a_decode(capsys):
     # Two prompts of 8 tokens, chunks of 10: the first step prefills A and 2 tokens of B; the
     # second decodes A and prefills B's other 6 in one MIXED step; then both decode.
+    # The routed experts are FP8 here (--expert-dtype): the steps do not depend on them.
     serve.main(["--preset", "tiny", "--prompts", "2", "--prompt-len", "8", "--max-new-tokens",
-                "3", "--iters", "1", "--chunk-size", "10", "--mixed-chunk", "--json"])  # fmt: skip
+                "3", "--iters", "1", "--chunk-size", "10", "--mixed-chunk", "--expert-dtype",
+                "float8_e4m3fn", "--json"])  # fmt: skip
     result = json.loads(capsys.readouterr().out.splitlines()[-1])
     assert result["jtbo"]["steps"] == {"extend": 1, "decode": 2, "mixed": 1}
+    assert (result["dtype"], result["expert_dtype"]) == ("bfloat16", "float8_e4m3fn")
 
 
 def test_hf_config_is_mapped_and_cut_to_num_layers(tmp_path, capsys):
@@ -99,6 +102,7 @@ def test_peer_without_torch_exits_naming_the_module(monkeypatch, capsys):
         (["--model", "/no/such/dir"], "no config.json"),
         (["--temperature", "-1"], "--temperature: must be >= 0, got -1"),
         (["--top-p", "0"], "--top-p: must be in (0, 1], got 0"),
+        (["--dtype", "float32", "--expert-dtype", "bfloat16"], "expert_dtype='bfloat16'"),
         (
             [
                 "--model",

@@ -1,6 +1,7 @@
 """``python -m jtbo.bench tbo``: the synthetic decode context, the environment set before the
 backend starts, the overlap table from synthetic kernels, and CPU smoke runs."""
 
+import dataclasses
 import gzip
 import itertools
 import json
@@ -318,3 +319,12 @@ def test_attention_kind_picks_the_preset_and_kv_bytes_per_token():
     # V3's latent: 512 + 64 values per token and layer; GQA: 2 x 8 heads x 128.
     assert tbo._kv_bytes(mla, "bfloat16").endswith(f"{4 * 576 * 2} bytes/token")
     assert tbo._kv_bytes(gqa, "bfloat16").endswith(f"{4 * 2 * 8 * 128 * 2} bytes/token")
+
+
+def test_expert_dtype_gives_the_preset_fp8_experts():
+    parse = tbo._parser().parse_args
+    fp8 = tbo._config(parse(["--tiny", "--expert-dtype", "float8_e4m3fn"]))
+    assert fp8 == dataclasses.replace(config_lib.MoEConfig.tiny_mla(), expert_dtype="float8_e4m3fn")
+    assert tbo._config(parse(["--expert-dtype", "bfloat16"])).expert_dtype is None
+    with pytest.raises(ValueError, match="expert_dtype='bfloat16'"):
+        tbo._config(parse(["--expert-dtype", "bfloat16", "--dtype", "float32"]))

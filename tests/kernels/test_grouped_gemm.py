@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jtbo import aot, kernels
-from jtbo.kernels import gemm_config, grouped_gemm
+from jtbo.kernels import fp8_blocks, gemm_config, grouped_gemm, grouped_gemm_mosaic, impls
 
 E, H, F = 4, 64, 32
 # 16-row tiles so the 21 capacity slots span two tiles, the second one partial.
@@ -256,3 +256,128 @@ def test_without_zero_padding_the_live_rows_are_unchanged(impl):
     live = np.arange(21)[None, :] < counts[:, None]
     np.testing.assert_array_equal(unzeroed[live], zeroed[live])
     assert not zeroed[~live].any()
+
+
+# FP8 weights (weight-only: bf16 / float32 rows). F = 48 in column blocks of 32 leaves a
+# 16-wide last block, so the up columns' blocks start mid-row of the flattened [2F]; each
+# block's magnitude is drawn over several orders, so a scale read from the wrong block shows.
+FP8_F = 48
+FP8_BLOCK = (16, 32)  # (contraction, output)
+
+
+def _fp8_weights(seed):
+    """``(w_gate_up, w_down)`` as ``BlockQuantized`` and as their float64 dequantization."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for shape, fan_in in (((E, H, 2, FP8_F), H), ((E, FP8_F, H), FP8_F)):
+        w = rng.standard_normal(shape) / np.sqrt(fan_in)
+        block_shape = fp8_blocks.expert_block_shape(len(shape), FP8_BLOCK)
+        factors = np.exp(rng.uniform(-2, 2, fp8_blocks.scales_shape(shape, block_shape)))
+        w = w * fp8_blocks.dequantize_blocks_reference(np.ones(shape), factors, block_shape)
+        q = fp8_blocks.quantize_blocks(jnp.asarray(w, jnp.float32), block_shape)
+        dense = fp8_blocks.dequantize_blocks_reference(
+            np.asarray(q.values), np.asarray(q.scales), block_shape
+        )
+        out.append((q, dense))
+    return out
+
+
+@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_fp8_weights_match_their_dequantized_reference(impl, dtype):
+    # 0 rows, a full and a partial 16-row tile, a tile and one row, and 5 rows.
+    counts = np.array([0, 21, 17, 5], np.int32)
+    (w_gate_up, gate_up_64), (w_down, down_64) = _fp8_weights(3)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((E, 21, H)), dtype)
+    out = kernels.grouped_ffn(x, jnp.asarray(counts), w_gate_up, w_down, impl=impl, config=SMALL)
+    assert out.dtype == dtype
+    want = _numpy_ffn(np.asarray(x, np.float32), counts, gate_up_64, down_64)
+    got = np.asarray(out, np.float64)
+    if dtype == np.float32:  # the dequantized weights exactly, float32 rounding only
+        np.testing.assert_allclose(got, want, **F32_TOL)
+    else:  # bf16 rows and hidden activation (as the float weights' bf16 test)
+        assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+    for e, count in enumerate(counts):
+        assert not got[e, count:].any()
+    ref = grouped_gemm.grouped_ffn_reference(x, jnp.asarray(counts), w_gate_up, w_down)
+    chex.assert_trees_all_close(
+        ref, _numpy_ffn(np.asarray(x, np.float32), counts, gate_up_64, down_64), **F32_TOL
+    )
+
+
+def test_fp8_slot_rows_load_through_the_index():
+    counts = np.array([3, 0, 21, 9], np.int32)
+    slots = _slot_rows(8, 21, counts)
+    (w_gate_up, gate_up_64), (w_down, down_64) = _fp8_weights(8)
+    out = kernels.grouped_ffn(
+        slots, jnp.asarray(counts), w_gate_up, w_down, impl="pallas", config=SMALL, max_rows=33
+    )
+    want = _numpy_ffn(np.asarray(slots.materialize()), counts, gate_up_64, down_64)
+    chex.assert_trees_all_close(out, want, **F32_TOL)
+
+
+def test_fp8_tiles_stay_inside_one_block():
+    # The default launch shapes (block_n 128 / 256) shrink to the blocks; a 16-row block
+    # needs block_k 16.
+    cfg = gemm_config.GemmConfig(block_m=64, block_n=256, block_k=64)
+    assert grouped_gemm._launch(40, 7168, 2048, cfg, False, (128, 128)) == (64, 128, 64)
+    assert grouped_gemm._launch(40, 64, 48, cfg, True, FP8_BLOCK) == (64, 16, 16)
+    with pytest.raises(kernels.KernelUnavailableError, match="inside FP8 blocks"):
+        grouped_gemm._launch(40, 64, 48, cfg, False, (8, 32))
+
+
+def test_fp8_weights_are_refused_by_mosaic_and_auto_takes_pallas(monkeypatch):
+    (w_gate_up, _), (w_down, _) = _fp8_weights(0)
+    x, counts = jnp.ones((E, 8, H), jnp.bfloat16), jnp.ones((E,), jnp.int32)
+    with pytest.raises(ValueError, match="impl='mosaic' takes float weights.*impl='pallas'"):
+        kernels.grouped_ffn(x, counts, w_gate_up, w_down, impl="mosaic")
+    monkeypatch.setattr(impls, "backend", lambda: "gpu")
+    monkeypatch.setattr(impls, "unavailable_reason", lambda impl, platform: None)
+    monkeypatch.setattr(grouped_gemm_mosaic, "tiles", lambda *args: True)
+    rows = grouped_gemm.MOSAIC_MIN_ROWS
+    assert grouped_gemm.auto_impl(rows, 7168, 2048) == "mosaic"
+    assert grouped_gemm.auto_impl(rows, 7168, 2048, quant_block=(128, 128)) == "pallas"
+    assert grouped_gemm.auto_impl(16, 7168, 2048, quant_block=(128, 128)) == "pallas"
+    assert grouped_gemm.auto_impl(16, 7168, 2048, quant_block=(128, 8)) == "xla"  # no tile
+
+
+def test_fp8_bad_weights_raise():
+    (w_gate_up, _), (w_down, down_64) = _fp8_weights(0)
+    x, counts = jnp.ones((E, 8, H), jnp.float32), jnp.ones((E,), jnp.int32)
+    dense_down = jnp.asarray(down_64, jnp.float32)
+    with pytest.raises(ValueError, match="both be FP8"):
+        kernels.grouped_ffn(x, counts, w_gate_up, dense_down, impl="xla")
+    across = fp8_blocks.quantize_blocks(dense_down, (2, 16, 32))  # blocks span two experts
+    with pytest.raises(ValueError, match="w_down blocks .* contraction and output axes"):
+        kernels.grouped_ffn(x, counts, w_gate_up, across, impl="xla")
+    with pytest.raises(ValueError, match="float16 or wider"):
+        kernels.grouped_ffn(x.astype(jnp.float8_e4m3fn), counts, w_gate_up, w_down, impl="xla")
+
+
+def test_fp8_kernels_compile_for_an_h200_on_the_cpu():
+    # The Triton lowering of the FP8 loads, their widening and the scale loads, compiled by
+    # XLA for a described H200 (jtbo.aot) at DeepSeek-V3's expert shapes and 128 x 128 blocks.
+    if not aot.aot_available():
+        pytest.skip("needs the aot extra (jax-cuda12-plugin)")
+    sharding = jax.sharding.NamedSharding(aot.gpu_mesh((1,), ("x",)), jax.sharding.PartitionSpec())
+    fp8, f32 = jnp.float8_e4m3fn, jnp.float32
+    shapes = [((4, 96, 7168), jnp.bfloat16), ((4,), jnp.int32)]
+    shapes += [((4, 7168, 2, 2048), fp8), ((4, 56, 2, 16), f32)]
+    shapes += [((4, 2048, 7168), fp8), ((4, 16, 56), f32)]
+    args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
+
+    def kernel(x, counts, gu_values, gu_scales, down_values, down_scales):
+        w_gate_up = fp8_blocks.BlockQuantized(gu_values, gu_scales, (1, 128, 1, 128))
+        w_down = fp8_blocks.BlockQuantized(down_values, down_scales, (1, 128, 128))
+        return grouped_gemm.grouped_ffn_pallas(
+            x, counts, w_gate_up, w_down, max_rows=200, cfg=gemm_config.GROUPED_FFN,
+            interpret=False,
+        )  # fmt: skip
+
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    abstract = jax.sharding.AbstractMesh(
+        (1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=h200
+    )
+    with jax.sharding.use_abstract_mesh(abstract):
+        hlo = jax.jit(kernel).lower(*args).compile().as_text()
+    assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 2

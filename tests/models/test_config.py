@@ -39,6 +39,9 @@ def test_presets_are_valid_and_frozen():
         (dict(shared_expert_intermediate_size=0), "shared_expert_intermediate_size"),
         (dict(num_shared_experts=0, shared_expert_gate=True), "shared_expert_gate"),
         (dict(rope_scaling_factor=0.0), "rope_scaling_factor"),
+        (dict(expert_dtype="float16"), "expert_dtype"),
+        (dict(expert_block_size=(128,)), "expert_block_size"),
+        (dict(expert_block_size=(128, 0)), "expert_block_size"),
     ],
 )
 def test_bad_config_names_the_field(changes, field):

@@ -1,12 +1,17 @@
 """Capacity-slot experts vs the exact ragged_dot reference vs a float64 numpy loop."""
 
+import dataclasses
+
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jtbo.kernels import fp8_blocks
 from jtbo.models import config as config_lib
 from jtbo.models import experts
 
@@ -98,3 +103,45 @@ def test_sorted_layout_with_any_grouped_gemm_matches_numpy(seed, num_tokens):
     weights, x, ids, w = _inputs(seed, num_tokens)
     got = experts.experts_sorted(x, ids, w, weights, _grouped_dot_by_row)
     chex.assert_trees_all_close(got, _numpy_experts(x, ids, w, weights), rtol=1e-4, atol=1e-4)
+
+
+def _fp8_config():
+    # Blocks of (16, 16) over H = 64 and F = 32: several blocks per matrix.
+    return dataclasses.replace(
+        config_lib.MoEConfig.tiny(), expert_dtype="float8_e4m3fn", expert_block_size=(16, 16)
+    )
+
+
+def test_fp8_experts_hold_values_and_scales_and_serve_as_their_dequantization():
+    module = experts.RoutedExperts(_fp8_config(), rngs=nnx.Rngs(3))
+    assert module.w_gate_up[...].dtype == jnp.float8_e4m3fn
+    assert module.w_gate_up_scale[...].shape == (8, 4, 2, 2)  # [E, H / 16, 2, F / 16]
+    assert module.w_down_scale[...].shape == (8, 2, 4)  # [E, F / 16, H / 16]
+    gate_up, down = module.weights
+    assert isinstance(gate_up, fp8_blocks.BlockQuantized) and down.block_shape == (1, 16, 16)
+    dense = experts.float_weights(module.weights, jnp.float32)
+    # The stored weights are the float init quantized: within e4m3's 2**-4 of it per element
+    # (an element below the subnormal range of its block may be off by 2**-10 of the scale).
+    float_module = experts.RoutedExperts(config_lib.MoEConfig.tiny(), rngs=nnx.Rngs(3))
+    for got, want, q in zip(dense, float_module.weights, module.weights, strict=True):
+        scale = fp8_blocks.dequantize_blocks(
+            fp8_blocks.BlockQuantized(jnp.ones_like(q.values), q.scales, q.block_shape)
+        )
+        bound = np.maximum(2.0**-4 * np.abs(want), 2.0**-10 * np.asarray(scale))
+        assert (np.abs(np.asarray(got) - np.asarray(want)) <= bound).all()
+    _, x, ids, w = _inputs(5, 9)
+    want = _numpy_experts(x, ids, w, dense)
+    # Jitted: one compile each. The Pallas kernel's FP8 path: tests/kernels/test_grouped_gemm.py.
+    got = jax.jit(experts.experts_capacity)(x, ids, w, module.weights)
+    chex.assert_trees_all_close(got, want, **F32_TOL)
+    ragged = jax.jit(experts.experts_ragged_dot_reference)(x, ids, w, module.weights)
+    chex.assert_trees_all_close(ragged, want, **F32_TOL)
+
+
+def test_fp8_expert_shards_must_be_whole_blocks():
+    config = _fp8_config()  # F = 32 in blocks of 16
+    experts.check_expert_shards(config, "ep", 8)  # whole experts: always aligned
+    experts.check_expert_shards(config, "none", 2)  # 16 columns each: one block
+    with pytest.raises(ValueError, match="moe_intermediate_size=32 over 4 devices"):
+        experts.check_expert_shards(config, "none", 4)
+    experts.check_expert_shards(config_lib.MoEConfig.tiny(), "none", 4)  # float experts

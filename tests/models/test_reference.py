@@ -1,6 +1,9 @@
 """The unsharded reference: causal, padding-invariant, and its dense MoE equals the slot path."""
 
+import dataclasses
+
 import chex
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -46,3 +49,23 @@ def test_cast_changes_dtype_and_keeps_values():
     chex.assert_trees_all_close(
         half.embed.table[...].astype(jnp.float32), model.embed.table[...], atol=1e-2, rtol=1e-2
     )
+
+
+def test_cast_keeps_fp8_experts_and_their_scales():
+    # Abstractly (no values): the dtypes are what cast decides.
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), expert_dtype="float8_e4m3fn")
+    half = nnx.eval_shape(
+        lambda: model_lib.cast(model_lib.MoEModel(config, rngs=nnx.Rngs(1)), jnp.bfloat16)
+    )
+    _, state = nnx.split(half)
+    dtypes = {
+        tuple(getattr(key, "key", None) for key in path)[:-1]: leaf.dtype
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state)
+    }
+    fp8, f32 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32)
+    kept = dict(w_gate_up=fp8, w_down=fp8, w_gate_up_scale=f32, w_down_scale=f32)
+    experts = {path: dtype for path, dtype in dtypes.items() if "experts" in path}
+    assert experts == {path: kept[path[-1]] for path in experts}
+    assert len(experts) == 4 * sum(config.is_moe_layer)
+    others = {dtype for path, dtype in dtypes.items() if path not in experts}
+    assert others == {jnp.dtype(jnp.bfloat16)}  # everything else is cast

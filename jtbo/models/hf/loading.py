@@ -19,9 +19,17 @@ import numpy as np
 from flax import nnx
 
 from jtbo.models import config as config_lib
+from jtbo.models import experts, step
 from jtbo.models import model as model_lib
-from jtbo.models import step
-from jtbo.models.hf import checkpoint, families, fp8, placement, safetensors_io, tensor_map
+from jtbo.models.hf import (
+    checkpoint,
+    families,
+    fp8,
+    fp8_experts,
+    placement,
+    safetensors_io,
+    tensor_map,
+)
 
 
 def _state_path(path) -> tuple:
@@ -64,12 +72,26 @@ def read_config(path: str | os.PathLike) -> config_lib.MoEConfig:
     return family.to_moe_config(raw)
 
 
+def _tensor_table(path: Path, family: families.Family, raw: dict):
+    """``(table, views, file_views)``: the checkpoint's tensors by name (FP8 tensors as the
+    float32 tensors they dequantize to, their ``_scale_inv`` factors folded in), views that
+    read them so, and the views of the stored tensors."""
+    table = checkpoint.read_tensor_table(path)
+    table = {name: info for name, info in table.items() if not family.skipped_tensor(name, raw)}
+    file_views = views = safetensors_io.FileViews()
+    if raw.get("quantization_config") is not None:  # FP8 blocks, dequantized as they are read
+        table = fp8.dequantizing_table(table, fp8.block_size(raw["quantization_config"]))
+        views = fp8.DequantizingViews(file_views)
+    return table, views, file_views
+
+
 def from_pretrained(
     path: str | os.PathLike,
     *,
     dtype=jnp.bfloat16,
     mesh: jax.sharding.Mesh | None = None,
     moe_a2a_backend: str = "ep",
+    expert_dtype=None,
 ) -> model_lib.MoEModel:
     """Loads a Hugging Face MoE checkpoint (``qwen3_moe``, ``qwen2_moe``, ``mixtral``,
     ``deepseek_v2``, ``deepseek_v3``; ``jtbo.models.hf.families``).
@@ -82,6 +104,10 @@ def from_pretrained(
         shards them (``jtbo.models.param_specs``); None: the default device.
       moe_a2a_backend: with a mesh, the MoE backend whose expert sharding to use ("ep":
         whole experts per device, "none": every expert's hidden width split).
+      expert_dtype: the routed experts' storage: None (or ``dtype``'s name), as the other
+        parameters; ``"float8_e4m3fn"``, block-scaled FP8 (``MoEConfig.expert_dtype``): an
+        FP8 checkpoint's expert values and scales are kept as stored, a float checkpoint's
+        experts are quantized in 128 x 128 blocks while they load (``fp8_experts``).
 
     Returns:
       The ``MoEModel`` (``model.config`` is the mapped ``MoEConfig``).
@@ -90,33 +116,34 @@ def from_pretrained(
       ValueError: a missing or malformed ``config.json`` (naming the file), an unsupported
         ``model_type`` or config field, a missing or extra tensor, a
         tensor of the wrong shape or dtype (each names the field or tensor with the expected
-        and found values), or no weights in the directory.
+        and found values), no weights in the directory, an unknown ``expert_dtype``, or FP8
+        expert blocks that a device's shard would cut.
     """
     family, raw = _read_config(path)
-    config = family.to_moe_config(raw)
-    table = checkpoint.read_tensor_table(Path(path))
-    table = {name: info for name, info in table.items() if not family.skipped_tensor(name, raw)}
-    views = safetensors_io.FileViews()
-    if raw.get("quantization_config") is not None:  # FP8 blocks, dequantized as they are read
-        table = fp8.dequantizing_table(table, fp8.block_size(raw["quantization_config"]))
-        views = fp8.DequantizingViews(views)
-    recipes = {recipe.path: recipe for recipe in tensor_map.recipes(config, family)}
-    placement.check_tensors(list(recipes.values()), table)
+    config = fp8_experts.model_config(family.to_moe_config(raw), raw, expert_dtype, dtype)
+    if mesh is not None:
+        experts.check_expert_shards(config, moe_a2a_backend, mesh.size)
+    table, views, file_views = _tensor_table(Path(path), family, raw)
+    recipes = tensor_map.recipes(config, family)
+    placement.check_tensors(recipes, table)
+    plans = {recipe.path: (recipe, views, dtype) for recipe in recipes}
+    if config.expert_dtype is not None:
+        plans.update(fp8_experts.plans(recipes, file_views, views, config.expert_block_size))
     abstract = nnx.eval_shape(lambda: model_lib.MoEModel(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
 
     def build(key_path, leaf, spec=None):
         sharding = None if mesh is None else jax.sharding.NamedSharding(mesh, spec)
-        recipe = recipes.pop(_state_path(key_path))
-        return placement.place(recipe, views, table, leaf.shape, dtype, sharding)
+        recipe, recipe_views, recipe_dtype = plans.pop(_state_path(key_path))
+        return placement.place(recipe, recipe_views, table, leaf.shape, recipe_dtype, sharding)
 
     if mesh is None:
         state = jax.tree_util.tree_map_with_path(build, state)
     else:
         specs = step.param_specs(state, moe_a2a_backend)
         state = jax.tree_util.tree_map_with_path(build, state, specs)
-    if recipes:
-        raise AssertionError(f"recipes without a model parameter: {sorted(recipes)}")
+    if plans:
+        raise AssertionError(f"recipes without a model parameter: {sorted(plans)}")
     return nnx.merge(graphdef, state)
 
 
@@ -168,10 +195,16 @@ def save_pretrained(
       max_shard_size: bytes per safetensors file; more than one file adds the index.
 
     Raises:
-      ValueError: an unknown ``model_type``, or a config the family cannot express (names the
-        ``MoEConfig`` field).
+      ValueError: an unknown ``model_type``, a config the family cannot express (names the
+        ``MoEConfig`` field), or FP8 routed experts.
     """
     config = model.config
+    if config.expert_dtype is not None:
+        raise ValueError(
+            f"save_pretrained writes float weights; this model's routed experts are "
+            f"MoEConfig.expert_dtype={config.expert_dtype!r}: save the model loaded without "
+            "expert_dtype"
+        )
     if model_type is None:
         family = families.family_for(config)
     else:
