@@ -34,7 +34,9 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
   ``SPEC`` is ``MxNxK[wW][sS][gG]`` for both kernels or ``GATE_UP/DOWN`` for each (block_m x
   block_n x block_k, warps, pipeline stages, row-tile group; omitted parts keep the
   defaults), e.g.
-  ``pallas:128x64x64w8s3/128x128x64w8s3``. Before timing, the kernel alone is checked on the
+  ``pallas:128x64x64w8s3/128x128x64w8s3``. With FP8 experts the kernels quantize the rows
+  too (``fp8_activations``, the default); ``pallas:weight_only[:SPEC]`` runs them with float
+  rows (weight-only FP8). Before timing, the kernel alone is checked on the
   first two experts' slots against ``grouped_ffn_reference`` (float32, exact count) and its
   padding slots must come out zero (a log line; a failure is an error row). Each ``pallas``
   row is followed by ``pallas (kernel)``: ``kernels.grouped_ffn`` alone on a slot buffer laid
@@ -80,8 +82,10 @@ blocks, ``jtbo.kernels.fp8_blocks``; the tokens stay ``--dtype``): ``capacity`` 
 them to ``--dtype`` inside the layer, ``pallas`` reads them as FP8 in its kernels, ``mosaic``
 refuses them (an error row), ``ragged_dot`` / ``tokamax`` dequantize them first; ``dense``
 stays the ``--dtype`` yardstick (the first expert dequantized), and ``weight GB/s`` counts one
-byte a weight. The reference dequantizes them to float32, so ``rel err`` measures the kernels,
-not the FP8 rounding.
+byte a weight. The layer's reference dequantizes them to float32, and for the impls that
+quantize their rows (``capacity``, ``pallas``, ``mosaic``: ``fp8_rows``) it puts the rows and
+the hidden rows through the same FP8 rounding, so ``rel err`` measures the kernels, not the FP8
+rounding; the kernel check compares against ``grouped_ffn_reference`` of the same scheme.
 
 Numerics: ``rel err`` = ||out - ref|| / ||ref|| over
 ``--check-rows`` tokens spread evenly over the batch (a token's output depends on its own row
@@ -379,9 +383,35 @@ def mosaic_config(variant: str) -> kernels.MosaicFfnConfig | None:
     return _two_kernels(variant, parse_mosaic_config, kernels.MosaicFfnConfig)
 
 
+WEIGHT_ONLY = "weight_only"
+"""``pallas:weight_only[:SPEC]``: FP8 experts with float rows (``fp8_activations=False``)."""
+
+
+def kernel_variant(variant: str) -> tuple[str, bool]:
+    """``(launch-shape spec, fp8_activations)`` of a kernel impl's ``VARIANT``."""
+    if variant == WEIGHT_ONLY or variant.startswith(WEIGHT_ONLY + ":"):
+        return variant.removeprefix(WEIGHT_ONLY).removeprefix(":"), False
+    return variant, True
+
+
 def kernel_config(name: str, variant: str):
     """The launch shapes of ``NAME:VARIANT`` for a kernel impl (``KERNEL_IMPLS``)."""
-    return pallas_config(variant) if name == "pallas" else mosaic_config(variant)
+    spec, _ = kernel_variant(variant)
+    return pallas_config(spec) if name == "pallas" else mosaic_config(spec)
+
+
+def fp8_rows(impl: str) -> bool:
+    """Whether ``impl``'s layer quantizes its rows with FP8 experts: ``capacity`` and the
+    kernel impls (but ``weight_only`` variants) do; the sorted ones dequantize the weights."""
+    name, _, variant = impl.partition(":")
+    return impl == "capacity" or (name in KERNEL_IMPLS and kernel_variant(variant)[1])
+
+
+def kernel_options(name: str, variant: str) -> dict:
+    """The kernel impl's keywords for the slot FFN: impl, launch shapes, FP8 scheme."""
+    _, fp8_activations = kernel_variant(variant)
+    config = kernel_config(name, variant)
+    return dict(impl=name, config=config, fp8_activations=fp8_activations)
 
 
 def dense_layer(x_rows, w_gate_up, w_down) -> jax.Array:
@@ -399,9 +429,8 @@ def layer_fn(impl: str, shapes: Shapes, capacity: int):
     name, _, variant = impl.partition(":")
     if name in KERNEL_IMPLS:
         layer = functools.partial(
-            experts.experts_capacity, capacity=capacity, impl=name,
-            config=kernel_config(name, variant),
-        )  # fmt: skip
+            experts.experts_capacity, capacity=capacity, **kernel_options(name, variant)
+        )
         return jax.jit(layer)
     if impl == "ragged_dot":
         return jax.jit(experts.experts_ragged_dot_reference)
@@ -427,10 +456,10 @@ REFERENCE_CHUNK = 8
 so that a model with many large experts (DeepSeek-V3's 256) never holds all of them in float32."""
 
 
-def reference(x, ids, routing, weights, rows) -> jax.Array:
+def reference(x, ids, routing, weights, rows, activation_groups=None) -> jax.Array:
     """float32 ``experts_ragged_dot_reference`` on ``rows`` at ``highest`` precision, in chunks
     of ``REFERENCE_CHUNK`` rows over the experts each chunk uses (ids renumbered to them; FP8
-    weights dequantized to float32)."""
+    weights dequantized to float32; ``activation_groups``: FP8 rows, as the reference's)."""
     outs = []
     for start in range(0, len(rows), REFERENCE_CHUNK):
         part = rows[start : start + REFERENCE_CHUNK]
@@ -441,7 +470,7 @@ def reference(x, ids, routing, weights, rows) -> jax.Array:
         with jax.default_matmul_precision("highest"):
             outs.append(
                 experts.experts_ragged_dot_reference(
-                    x[part].astype(jnp.float32), local_ids, routing[part], f32
+                    x[part].astype(jnp.float32), local_ids, routing[part], f32, activation_groups
                 )
             )
     return jnp.concatenate(outs)
@@ -458,7 +487,8 @@ def make_inputs(
 ) -> tuple[jax.Array, tuple]:
     """``(x [T, H], (w_gate_up [E, H, 2, F], w_down [E, F, H]))``: normal, weights scaled by
     1/sqrt(fan-in); in ``dtype``, or block-scaled FP8 for ``expert_dtype="float8_e4m3fn"``
-    (``fp8_blocks.BlockQuantized`` of the float32 draws, 128 x 128 blocks)."""
+    (``fp8_blocks.BlockQuantized`` of the float32 draws, 128 x 128 blocks, stored
+    contraction-last as the model stores them: ``fp8_blocks.expert_axes``)."""
     k_x, k_gu, k_d = jax.random.split(key, 3)
     e, h, f = shapes.experts, shapes.hidden, shapes.ffn
     x = jax.random.normal(k_x, (num_tokens, h), dtype)
@@ -468,7 +498,9 @@ def make_inputs(
         return x, (w_gate_up.astype(dtype), w_down.astype(dtype))
     block = fp8_blocks.DEFAULT_BLOCK
     return x, tuple(
-        fp8_blocks.quantize_blocks(w, fp8_blocks.expert_block_shape(w.ndim, block))
+        fp8_blocks.quantize_blocks(
+            w, fp8_blocks.expert_block_shape(w.ndim, block), axes=fp8_blocks.expert_axes(w.ndim)
+        )
         for w in (w_gate_up, w_down)
     )
 
@@ -550,12 +582,13 @@ def check_kernel(name: str, variant: str, x, ids_np, weights, capacity: int) -> 
     slots = jax.random.normal(jax.random.key(1), (2, capacity, x.shape[1]), x.dtype)
     w2 = jax.tree.map(lambda w: w[:2], weights)  # values and FP8 scales alike
     counts_arr = jnp.asarray(counts, jnp.int32)
-    fn = jax.jit(
-        functools.partial(kernels.grouped_ffn, impl=name, config=kernel_config(name, variant))
-    )
+    options = kernel_options(name, variant)
+    fn = jax.jit(functools.partial(kernels.grouped_ffn, **options))
     out = np.asarray(fn(slots, counts_arr, *w2), np.float32)
     with jax.default_matmul_precision("highest"):
-        ref = grouped_gemm.grouped_ffn_reference(slots, counts_arr, *w2)
+        ref = grouped_gemm.grouped_ffn_reference(
+            slots, counts_arr, *w2, fp8_activations=options["fp8_activations"]
+        )
     for e, count in enumerate(counts):
         if out[e, count:].any():
             raise AssertionError(f"expert {e}: slots past its count {count} are not zero")
@@ -591,7 +624,7 @@ def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Pending:
     name, _, variant = impl.partition(":")
     fn = jax.jit(
         functools.partial(
-            grouped_gemm.grouped_ffn_rows, impl=name, config=kernel_config(name, variant),
+            grouped_gemm.grouped_ffn_rows, **kernel_options(name, variant),
             max_rows=min(shapes.experts * capacity, pairs),
         )
     )  # fmt: skip
@@ -605,7 +638,7 @@ def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Pending:
 
 def _prepare(impl, num_tokens, shapes, capacity, inputs, args) -> Row | Pending:
     """Runs and checks one impl; an error row for any failure, else its pending timing."""
-    x, ids_np, ids, routing, weights, rows, ref = inputs
+    x, ids_np, ids, routing, weights, rows, refs = inputs
     is_cap = impl == "capacity"
     base = dict(
         tokens=num_tokens,
@@ -630,6 +663,7 @@ def _prepare(impl, num_tokens, shapes, capacity, inputs, args) -> Row | Pending:
             kernel_err = check_kernel(name, variant, x, ids_np, weights, capacity)
             _log(f"{impl} T={num_tokens}: kernel alone vs grouped_ffn_reference {kernel_err:.2e}")
         fn = layer_fn(impl, shapes, capacity)
+        ref = refs[fp8_rows(impl) and len(refs) > 1]
         err = rel_error(np.asarray(fn(x, ids, routing, weights))[rows], ref)
         computed_rows = shapes.experts * capacity if is_cap else pairs
         touched = shapes.experts if is_cap else len(np.unique(ids_np))
@@ -676,9 +710,12 @@ def measure(num_tokens: int, impls: list[str], shapes: Shapes, args) -> list[Row
     )
     ids, routing = jnp.asarray(ids_np), jnp.asarray(routing_np)
     rows = check_rows(num_tokens, args.check_rows)
-    ref = reference(x, ids, routing, weights, rows)
+    refs = {False: reference(x, ids, routing, weights, rows)}  # by FP8 rows (fp8_rows)
+    if args.expert_dtype is not None:
+        groups = (fp8_blocks.DEFAULT_BLOCK[0],) * 2
+        refs[True] = reference(x, ids, routing, weights, rows, groups)
     capacity = capacity_for(num_tokens, shapes, args.capacity_factor)
-    inputs = (x, ids_np, ids, routing, weights, rows, ref)
+    inputs = (x, ids_np, ids, routing, weights, rows, refs)
     prepared = []
     for impl in impls:
         row = _prepare(impl, num_tokens, shapes, capacity, inputs, args)

@@ -24,6 +24,13 @@ The routed experts' weights (``w_gate_up [E, H, 2, F]``, ``w_down [E, F, H]``) a
 over their contraction and output axes only (``expert_block_shape``): blocks of
 ``(1, block_k, 1, block_n)`` and ``(1, block_k, block_n)``, the checkpoint's blocks of each
 expert's gate, up and down matrices, transposed.
+
+Stored axis order. A ``BlockQuantized`` may keep its values and scales in another order than
+the weight's axes (``axes``: stored axis ``i`` is the weight's axis ``axes[i]``); ``shape``
+and ``block_shape`` stay the weight's. The routed experts store theirs contraction-last
+(``expert_axes``: ``[E, 2, F, H]`` and ``[E, H, F]``, each expert's matrices ``[out, in]`` as
+the checkpoint has them), the order an FP8 tensor-core dot reads its operands in
+(``jtbo.kernels.grouped_gemm``).
 """
 
 import dataclasses
@@ -55,14 +62,21 @@ class BlockQuantized:
     instances with placeholder leaves).
     """
 
-    values: jax.Array  # [*shape] float8_e4m3fn
-    scales: jax.Array  # [*ceil(shape / block_shape)] float32, one per block
+    values: jax.Array  # [*shape in `axes` order] float8_e4m3fn
+    scales: jax.Array  # [*ceil(shape / block_shape) in `axes` order] float32, one per block
     block_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    # Stored axis i holds the weight's axis axes[i]; None: the weight's own order.
+    axes: tuple[int, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    @property
+    def stored_axes(self) -> tuple[int, ...]:
+        """``axes``, or the identity order for None."""
+        return tuple(range(self.values.ndim)) if self.axes is None else self.axes
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The weight's shape (the values')."""
-        return tuple(self.values.shape)
+        """The weight's shape (its axes' order, whatever the stored one)."""
+        return _unpermute(tuple(self.values.shape), self.stored_axes)
 
     @property
     def ndim(self) -> int:
@@ -74,9 +88,16 @@ class BlockQuantized:
         """The values' dtype (``float8_e4m3fn``)."""
         return self.values.dtype
 
+    @property
+    def stored_block_shape(self) -> tuple[int, ...]:
+        """``block_shape`` in the stored order (the blocks of ``values``)."""
+        return tuple(self.block_shape[axis] for axis in self.stored_axes)
+
     def check(self) -> None:
         """Raises ValueError when the fields do not fit together (names the field, the
         expected and the found values)."""
+        if sorted(self.stored_axes) != list(range(self.ndim)):
+            raise ValueError(f"axes {self.axes} must order the {self.ndim} axes of the values")
         if len(self.block_shape) != self.ndim or min(self.block_shape, default=1) < 1:
             raise ValueError(
                 f"block_shape {self.block_shape} must give a positive size for each of the "
@@ -84,12 +105,38 @@ class BlockQuantized:
             )
         if jnp.dtype(self.values.dtype) != jnp.dtype(FP8_DTYPE):
             raise ValueError(f"values must be {jnp.dtype(FP8_DTYPE)}, got {self.values.dtype}")
-        want = scales_shape(self.shape, self.block_shape)
+        want = scales_shape(tuple(self.values.shape), self.stored_block_shape)
         if tuple(self.scales.shape) != want or jnp.dtype(self.scales.dtype) != jnp.float32:
             raise ValueError(
-                f"scales must be float32 {list(want)} for blocks {self.block_shape} of "
-                f"{list(self.shape)}, got {self.scales.dtype} {list(self.scales.shape)}"
+                f"scales must be float32 {list(want)} for blocks {self.stored_block_shape} of "
+                f"values {list(self.values.shape)}, got {self.scales.dtype} "
+                f"{list(self.scales.shape)}"
             )
+
+
+def _unpermute(stored: tuple[int, ...], axes: tuple[int, ...]) -> tuple[int, ...]:
+    """The weight-order tuple whose ``axes`` order is ``stored``."""
+    out = [0] * len(stored)
+    for position, axis in enumerate(axes):
+        out[axis] = stored[position]
+    return tuple(out)
+
+
+def inverse_axes(axes: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation that undoes ``axes`` (``transpose(transpose(x, axes), inverse)``)."""
+    return _unpermute(tuple(range(len(axes))), axes)
+
+
+def expert_axes(ndim: int) -> tuple[int, ...]:
+    """The stored order of a stacked expert weight: its contraction axis (1) last.
+
+    Args:
+      ndim: the weight's rank (4 for ``w_gate_up [E, H, 2, F]``, 3 for ``w_down [E, F, H]``).
+
+    Returns:
+      ``(0, 2, 3, 1)`` (stored ``[E, 2, F, H]``) or ``(0, 2, 1)`` (stored ``[E, H, F]``).
+    """
+    return (0, *range(2, ndim), 1)
 
 
 def scales_shape(shape: tuple[int, ...], block_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -153,24 +200,33 @@ def _check_block_shape(shape, block_shape) -> tuple[int, ...]:
     return block_shape
 
 
-def quantize_blocks(x: jax.Array, block_shape: tuple[int, ...]) -> BlockQuantized:
+def quantize_blocks(
+    x: jax.Array, block_shape: tuple[int, ...], axes: tuple[int, ...] | None = None
+) -> BlockQuantized:
     """Block-scaled FP8 of a float weight (module docstring; traceable).
 
     Args:
       x: the weight, any float dtype and shape.
       block_shape: a block size per axis of ``x``.
+      axes: the stored order of the values and scales (``BlockQuantized.axes``); None keeps
+        ``x``'s.
 
     Returns:
       The ``BlockQuantized`` weight.
 
     Raises:
-      ValueError: a block shape that does not fit ``x``, or a non-float ``x``.
+      ValueError: a block shape that does not fit ``x``, axes that do not order its axes,
+        or a non-float ``x``.
     """
     block_shape = _check_block_shape(x.shape, block_shape)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"quantize_blocks takes a float weight, got {x.dtype}")
+    if axes is not None and sorted(axes) != list(range(x.ndim)):
+        raise ValueError(f"axes {axes} must order the {x.ndim} axes of {tuple(x.shape)}")
     values, scales = _quantize_jit(jnp.asarray(x), block_shape)
-    return BlockQuantized(values, scales, block_shape)
+    if axes is not None:
+        values, scales = jnp.transpose(values, axes), jnp.transpose(scales, axes)
+    return BlockQuantized(values, scales, block_shape, None if axes is None else tuple(axes))
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -188,11 +244,28 @@ def dequantize_blocks(w: BlockQuantized, dtype=jnp.float32) -> jax.Array:
       dtype: the result's dtype.
 
     Returns:
-      ``w.shape`` in ``dtype``.
+      ``w.shape`` (the weight's axis order, whatever the stored one) in ``dtype``.
     """
     w.check()
-    scales = _expand(w.scales, w.shape, w.block_shape, jnp)
-    return (w.values.astype(jnp.float32) * scales).astype(dtype)
+    stored = tuple(w.values.shape)
+    scales = _expand(w.scales, stored, w.stored_block_shape, jnp)
+    out = (w.values.astype(jnp.float32) * scales).astype(dtype)
+    return out if w.axes is None else jnp.transpose(out, inverse_axes(w.axes))
+
+
+def fake_quantize_rows(x: jax.Array, group: int) -> jax.Array:
+    """``x`` through FP8 and back: each row's ``group`` columns (the last axis) quantized with
+    their own scale (``quantize_blocks`` in ``(1, ..., group)`` blocks) and dequantized.
+
+    Args:
+      x: ``[..., K]`` float rows.
+      group: columns per scale (the last group is shorter when K is not a multiple).
+
+    Returns:
+      ``x.shape`` in float32.
+    """
+    block = (1,) * (x.ndim - 1) + (group,)
+    return dequantize_blocks(quantize_blocks(x, block), jnp.float32)
 
 
 def quantize_blocks_host(x: np.ndarray, block_shape: tuple[int, ...]):

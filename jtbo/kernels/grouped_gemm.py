@@ -39,18 +39,31 @@ the measured alternative), with the hidden rows past ``counts`` set to zero so t
 mean the same thing. ``grouped_ffn_reference`` is the exact-count definition in float32:
 the live rows compacted and run through ``jax.lax.ragged_dot``.
 
-FP8 weights (weight-only: the rows stay bf16 / float32). Both weights may be block-scaled
-``float8_e4m3fn`` (``fp8_blocks.BlockQuantized``, blocks of ``(qk, qn)`` over each expert's
-contraction and output axes). The Pallas kernels then load the FP8 tile, widen it to the
-rows' dtype (exact) and scale each tile's partial product by its block's scale
-(``_WeightTiles``); their block_k and block_n divide the block sizes, so a tile has one scale.
-The weights are read from memory as FP8, half the bytes of bf16: what decode, which reads
-every local expert's weights once a step, is bound by. ``impl="xla"`` dequantizes the weights
-to the rows' dtype and runs the einsum; ``grouped_ffn_reference`` dequantizes to float32.
-``impl="mosaic"`` has no FP8 path and refuses FP8 weights (a Hopper e4m3 ``wgmma`` path with
-per-token activation scales would be a new impl beside it); ``"auto"`` never picks it for them.
+FP8 weights. Both weights may be block-scaled ``float8_e4m3fn`` (``fp8_blocks.BlockQuantized``,
+blocks of ``(qk, qn)`` over each expert's contraction and output axes). The Pallas kernels read
+them stored contraction-last (``fp8_blocks.expert_axes``: each expert's matrices ``[out, in]``,
+as the checkpoint has them), the order in which an FP8 tensor-core dot takes its second
+operand; their block_k and block_n divide the block sizes, so a weight tile has one scale.
+Two schemes (``fp8_activations``):
+
+* FP8 activations (the default; DeepSeek-V3's inference scheme): before the gate / up kernel
+  each row of x is quantized per ``qk`` columns (one float32 scale per row and group,
+  ``fp8_blocks.quantize_blocks`` in ``(1, qk)`` blocks); each step is an FP8 x FP8 dot with
+  float32 sums, scaled by the rows' and the block's scales. The gate / up epilogue quantizes
+  the hidden rows the same way, per the down weight's ``qk`` columns, which is its column
+  tile, so a tile row is one group and its scale is the tile row's largest magnitude; the
+  down kernel reads FP8 hidden rows and their scales.
+* Weight-only (``fp8_activations=False``): the rows stay in their float dtype; each FP8 tile is
+  widened to it (exact: e4m3 values are bf16 values) and the partial product scaled.
+
+Either way the weights are read from memory as FP8, half the bytes of bf16: what decode, which
+reads every local expert's weights once a step, is bound by. ``impl="xla"`` runs the same
+arithmetic over every slot (dequantized weights; with FP8 activations the rows quantized and
+dequantized, float32 math); ``grouped_ffn_reference`` defines both schemes. ``impl="mosaic"``
+has no FP8 path and refuses FP8 weights; ``"auto"`` never picks it for them.
 """
 
+import dataclasses
 import functools
 import math
 
@@ -59,6 +72,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jtbo.core import arith
 from jtbo.kernels import (
     fp8_blocks,
     gemm_config,
@@ -69,6 +83,7 @@ from jtbo.kernels import (
 )
 
 _F32 = jnp.float32
+_INV_FP8_MAX = 1.0 / fp8_blocks.FP8_MAX  # a multiply, as fp8_blocks computes its scales
 AUTO = "auto"
 """``impl="auto"`` (or None): the impl by the call's rows (``auto_impl``)."""
 MOSAIC_MIN_ROWS = 16384
@@ -94,109 +109,162 @@ def _tile_rows(tiles_ref, tile, block_m: int):
     return start, live
 
 
+@dataclasses.dataclass(frozen=True)
+class _Fp8:
+    """How a kernel reads FP8 weights: ``quant_block = (qk, qn)`` blocks of a weight stored
+    contraction-last (``[E, N, K]``); ``activations``: whether its rows come as FP8 values with
+    a float32 scale per row and ``qk`` columns (else float rows, the weight tile widened)."""
+
+    quant_block: tuple[int, int]
+    activations: bool
+
+
 def _gate_up_kernel(
-    tiles_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, ffn, gathered,
-    quant_block,
+    tiles_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, ffn, gathered, fp8,
 ):  # fmt: skip
-    # tiles_ref: [3, num_tiles] int32 (expert or -1, first row, end row); gathered only:
-    # source_ref [R] int32 row of x_ref that each slot holds (-1 empty); x_ref: [R, H] slot
-    # rows, or [N, H] source rows when gathered; w_ref: [E, H, 2 * F] (gate columns, then up
-    # columns); quant_block only: s_ref [E, ceil(H / qk), 2 * ceil(F / qn)] float32 block
-    # scales (gate blocks, then up blocks); h_ref: [R, F].
-    refs = refs if gathered else (None, *refs)
-    source_ref, x_ref, w_ref, *s_refs, h_ref = refs
-    weights = _WeightTiles(w_ref, s_refs[0] if s_refs else None, quant_block)
+    # tiles_ref: [3, num_tiles] int32 (expert or -1, first row, end row). Then, in order:
+    # source_ref [R] int32 (gathered only): the row of x_ref each slot holds (-1 empty);
+    # x_ref [R, H] slot rows, or [N, H] source rows when gathered (FP8 with FP8 activations);
+    # xs_ref [R or N, H / qk] float32 row scales (FP8 activations only);
+    # w_ref [E, H, 2 * F] (gate columns, then up columns), or FP8 [E, 2 * F, H] (gate rows,
+    # then up rows); s_ref [E, 2 * ceil(F / qn), H / qk] float32 block scales (FP8 only);
+    # h_ref [R, F] (FP8 with FP8 activations); hs_ref [R, F / block_n] float32 (FP8
+    # activations only: one scale per row and column tile).
+    refs = list(refs)
+    source_ref = refs.pop(0) if gathered else None
+    x_ref = refs.pop(0)
+    xs_ref = refs.pop(0) if fp8 is not None and fp8.activations else None
+    weights = _WeightTiles(refs.pop(0), refs.pop(0) if fp8 is not None else None, fp8)
+    h_ref, hs_ref = refs[0], refs[1] if len(refs) > 1 else None
     tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
     expert = tiles_ref[0, tile]
 
     @pl.when(expert >= 0)
     def _compute():
         start, live = _tile_rows(tiles_ref, tile, block_m)
-        x_tile, x_live = _x_tile(source_ref, x_ref, start, live, block_m, block_k)
-        x_mask = jnp.broadcast_to(x_live, (block_m, block_k))
+        qk = fp8.quant_block[0] if fp8 is not None else block_k
+        load_rows = _row_loader(source_ref, x_ref, xs_ref, start, live, (block_m, block_k), qk)
         n0 = pl.multiple_of(col * block_n, block_n)
-        up_scale_col = 0 if quant_block is None else -(-ffn // quant_block[1])
+        up_scale_row = 0 if fp8 is None else -(-ffn // fp8.quant_block[1])
 
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
-            x = plgpu.load(x_tile(k0), mask=x_mask, other=0)
-            gate = weights.dot(x, expert, k0, n0, (block_k, block_n))
-            up = weights.dot(x, expert, k0, n0, (block_k, block_n), (ffn, up_scale_col))
+            x, x_scale = load_rows(k0)
+            gate = weights.dot(x, x_scale, expert, k0, n0, (block_k, block_n))
+            up = weights.dot(x, x_scale, expert, k0, n0, (block_k, block_n), (ffn, up_scale_row))
             return acc[0] + gate, acc[1] + up
 
         zeros = jnp.zeros((block_m, block_n), _F32)
         gate, up = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros, zeros))
-        hidden = (gate * jax.nn.sigmoid(gate) * up).astype(h_ref.dtype)
+        hidden = gate * jax.nn.sigmoid(gate) * up
         # Every live slot's row is written (an empty slot's as zero): the down kernel reads it.
         h_mask = jnp.broadcast_to(live, (block_m, block_n))
-        plgpu.store(h_ref.at[pl.ds(start, block_m), pl.ds(n0, block_n)], hidden, mask=h_mask)
+        rows = pl.ds(start, block_m)
+        if hs_ref is not None:  # one quantization group per row of the tile
+            hidden, scale = _quantize_rows(hidden)
+            plgpu.store(hs_ref.at[rows, pl.ds(col, 1)], scale, mask=live)
+        plgpu.store(h_ref.at[rows, pl.ds(n0, block_n)], hidden.astype(h_ref.dtype), mask=h_mask)
+
+
+def _quantize_rows(values):
+    """``(values / scale as FP8, scale [rows, 1])``, a scale per row: its largest magnitude
+    over ``fp8_blocks.FP8_MAX`` (1 for an all-zero row), as ``fp8_blocks.quantize_blocks``."""
+    amax = jnp.max(jnp.abs(values), axis=1, keepdims=True)
+    scale = jnp.where(amax > 0, amax * _INV_FP8_MAX, 1.0)
+    return (values / scale).astype(fp8_blocks.FP8_DTYPE), scale
 
 
 class _WeightTiles:
-    """A kernel's expert weight: ``w_ref [E, K, N]`` in the activations' dtype, or FP8 values
-    with ``s_ref [E, ceil(K / qk), ceil(N / qn)]`` float32 scales of ``quant_block = (qk, qn)``
-    blocks (``jtbo.kernels.fp8_blocks``). A tile lies inside one block (``_launch`` picks
-    block_k / block_n dividing the block), so its partial product takes one scale: the FP8
-    tile is widened to the activations' dtype (exact: e4m3 values are bf16 values), multiplied
-    in float32, and the product scaled, so the weights stay FP8 in memory and are read once."""
+    """A kernel's expert weight: ``w_ref [E, K, N]`` in the rows' dtype, or FP8 values stored
+    contraction-last, ``w_ref [E, N, K]``, with ``s_ref [E, ceil(N / qn), ceil(K / qk)]``
+    float32 scales of ``fp8.quant_block = (qk, qn)`` blocks (``jtbo.kernels.fp8_blocks``). A
+    tile lies inside one block (``_launch`` picks block_k / block_n dividing the block), so
+    its partial product takes one scale. FP8 rows (``fp8.activations``) meet the FP8 tile in
+    an FP8 tensor-core dot, the product scaled by the rows' and the block's scales; float rows
+    meet the tile widened to their dtype (exact: e4m3 values are bf16 values). Either way the
+    weights stay FP8 in memory and are read once."""
 
-    def __init__(self, w_ref, s_ref, quant_block):
-        self.w_ref, self.s_ref, self.quant_block = w_ref, s_ref, quant_block
+    def __init__(self, w_ref, s_ref, fp8):
+        self.w_ref, self.s_ref, self.fp8 = w_ref, s_ref, fp8
 
-    def dot(self, x, expert, k0, n0, shape, offsets=(0, 0)):
-        """``x [block_m, block_k] @`` the weight tile at rows ``k0``, columns ``offsets[0] +
-        n0`` (float32); ``offsets[1]`` is the tile's first scale column past ``n0``'s."""
+    def dot(self, x, x_scale, expert, k0, n0, shape, offsets=(0, 0)):
+        """``x [block_m, block_k] @`` the weight tile at contraction ``k0``, columns
+        ``offsets[0] + n0`` (float32); ``x_scale [block_m, 1]`` the rows' scales (FP8 rows)
+        or None; ``offsets[1]`` is the tile's first scale row past ``n0``'s."""
         block_k, block_n = shape
-        w = self.w_ref[expert, pl.ds(k0, block_k), pl.ds(offsets[0] + n0, block_n)]
-        if self.s_ref is None:
+        columns = pl.ds(offsets[0] + n0, block_n)
+        if self.fp8 is None:
+            w = self.w_ref[expert, pl.ds(k0, block_k), columns]
             return jnp.dot(x, w, preferred_element_type=_F32)
-        part = jnp.dot(x, w.astype(x.dtype), preferred_element_type=_F32)
-        qk, qn = self.quant_block
-        return part * self.s_ref[expert, k0 // qk, offsets[1] + n0 // qn]
+        w = self.w_ref[expert, columns, pl.ds(k0, block_k)]  # [block_n, block_k] FP8
+        w = w if x_scale is not None else w.astype(x.dtype)
+        part = jnp.dot(x, w.T, preferred_element_type=_F32)
+        qk, qn = self.fp8.quant_block
+        scale = self.s_ref[expert, offsets[1] + n0 // qn, k0 // qk]
+        return part * (scale if x_scale is None else x_scale * scale)
 
 
-def _x_tile(source_ref, x_ref, start, live, block_m: int, block_k: int):
-    """(k0 -> the tile's ``[block_m, block_k]`` view of x, ``[block_m, 1]`` rows to load).
+def _row_loader(source_ref, x_ref, xs_ref, start, live, shape: tuple[int, int], qk: int):
+    """``k0 -> (the tile's [block_m, block_k] rows, their [block_m, 1] scales or None)``.
 
     Slot rows are ``block_m`` consecutive rows of x from ``start``; gathered rows are the
     rows the tile's slots name, each row's ``block_k`` columns still contiguous. The gathered
     view indexes both axes with arrays (rows ``[block_m, 1]``, columns ``[1, block_k]``): the
-    Pallas interpreter cannot mix an array index with a slice. An empty slot (-1) loads as
-    zero.
+    Pallas interpreter cannot mix an array index with a slice. Rows past the tile's end and
+    empty slots (-1) load as zero. FP8 rows (``xs_ref`` not None) come with the scale of
+    their ``qk`` columns that hold ``k0``.
     """
+    block_m, block_k = shape
     if source_ref is None:
-        return (lambda k0: x_ref.at[pl.ds(start, block_m), pl.ds(k0, block_k)]), live
-    source = plgpu.load(source_ref.at[pl.ds(start, block_m)], mask=live[:, 0], other=-1)
-    row = jnp.maximum(source, 0)[:, None]
-    columns = jnp.arange(block_k, dtype=jnp.int32)[None, :]
-    return (lambda k0: x_ref.at[row, k0 + columns]), live & (source >= 0)[:, None]
+        rows, live_rows = pl.ds(start, block_m), live
+        view = lambda k0: x_ref.at[rows, pl.ds(k0, block_k)]  # noqa: E731
+        scale_view = lambda k0: xs_ref.at[rows, pl.ds(k0 // qk, 1)]  # noqa: E731
+    else:
+        source = plgpu.load(source_ref.at[pl.ds(start, block_m)], mask=live[:, 0], other=-1)
+        row = jnp.maximum(source, 0)[:, None]
+        columns = jnp.arange(block_k, dtype=jnp.int32)[None, :]
+        view = lambda k0: x_ref.at[row, k0 + columns]  # noqa: E731
+        scale_view = lambda k0: xs_ref.at[row, k0 // qk + jnp.zeros((1, 1), jnp.int32)]  # noqa: E731
+        live_rows = live & (source >= 0)[:, None]
+    x_mask = jnp.broadcast_to(live_rows, (block_m, block_k))
+
+    def load(k0):
+        if xs_ref is None:
+            return plgpu.load(view(k0), mask=x_mask, other=0), None
+        # FP8 rows: masked rows load undefined values (Triton has no FP8 fill value); a row
+        # only ever meets itself (its products, its own scale), and masked rows are not stored.
+        x = plgpu.load(view(k0), mask=x_mask)
+        return x, plgpu.load(scale_view(k0), mask=live_rows, other=0)
+
+    return load
 
 
 def _down_kernel(
-    tiles_ref, h_ref, w_ref, *out_refs, num_tiles, num_n, group_m, block_m, block_n, block_k,
-    quant_block,
+    tiles_ref, h_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, fp8,
 ):  # fmt: skip
-    # tiles_ref: [3, num_tiles] int32; h_ref: [R, F]; w_ref: [E, F, H]; quant_block only:
-    # first s_ref [E, ceil(F / qk), ceil(H / qn)] float32 block scales; then out_ref [R, H]
-    # alone (rows no tile writes are left as they are), or a zero buffer and out_ref, the
-    # same buffer (aliased; rows no tile writes stay zero).
-    s_ref = out_refs[0] if quant_block is not None else None
-    weights, out_ref = _WeightTiles(w_ref, s_ref, quant_block), out_refs[-1]
+    # tiles_ref: [3, num_tiles] int32; h_ref: [R, F] (FP8 with FP8 activations). Then, in
+    # order: hs_ref [R, F / qk] float32 row scales (FP8 activations only); w_ref [E, F, H], or
+    # FP8 [E, H, F]; s_ref [E, ceil(H / qn), F / qk] float32 block scales (FP8 only); then
+    # out_ref [R, H] alone (rows no tile writes are left as they are), or a zero buffer and
+    # out_ref, the same buffer (aliased; rows no tile writes stay zero).
+    refs = list(refs)
+    hs_ref = refs.pop(0) if fp8 is not None and fp8.activations else None
+    weights = _WeightTiles(refs.pop(0), refs.pop(0) if fp8 is not None else None, fp8)
+    out_ref = refs[-1]
     tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
     expert = tiles_ref[0, tile]
 
     @pl.when(expert >= 0)
     def _compute():
         start, live = _tile_rows(tiles_ref, tile, block_m)
-        h_mask = jnp.broadcast_to(live, (block_m, block_k))
+        qk = fp8.quant_block[0] if fp8 is not None else block_k
+        load_rows = _row_loader(None, h_ref, hs_ref, start, live, (block_m, block_k), qk)
         n0 = pl.multiple_of(col * block_n, block_n)
 
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
-            h = plgpu.load(
-                h_ref.at[pl.ds(start, block_m), pl.ds(k0, block_k)], mask=h_mask, other=0
-            )
-            return acc + weights.dot(h, expert, k0, n0, (block_k, block_n))
+            h, h_scale = load_rows(k0)
+            return acc + weights.dot(h, h_scale, expert, k0, n0, (block_k, block_n))
 
         acc = jnp.zeros((block_m, block_n), _F32)
         acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, acc)
@@ -228,38 +296,82 @@ def _launch(
     return blocks
 
 
+def _gate_up_launch(rows, hidden, ffn, cfg, interpret, fp8, down_fp8):
+    """``_launch`` of the gate / up kernel. With FP8 activations its column tile is the down
+    weight's contraction block: the hidden rows are quantized per tile row, one group each.
+
+    Raises:
+      KernelUnavailableError: as ``_launch``; FP8 activations whose groups the column tiles
+        cannot cover.
+    """
+    if fp8 is None or not fp8.activations:
+        return _launch(rows, hidden, ffn, cfg, interpret, fp8 and fp8.quant_block)
+    group = min(down_fp8.quant_block[0], ffn)  # one partial block when F is narrower
+    cfg = dataclasses.replace(cfg, block_n=arith.power_of_two_at_least(group, 1))
+    blocks = _launch(rows, hidden, ffn, cfg, interpret, fp8.quant_block)
+    if blocks[1] != group or ffn % group:
+        raise impls.KernelUnavailableError(
+            f"FP8 activations quantize the hidden rows per {group} columns (the down weight's "
+            f"contraction block), one gate / up column tile each: F {ffn} and blocks "
+            f"{fp8.quant_block} give tiles of {blocks[1]}; use fp8_activations=False or "
+            "impl='xla'"
+        )
+    return blocks
+
+
 def _weight_operands(w, matrix_shape: tuple[int, int, int]) -> tuple[list, tuple | None]:
-    """``([values as matrix_shape [E, K, N]] + [scales [E, Kb, Nb]], (qk, qn))`` of a
-    ``BlockQuantized`` weight, or ``([w as matrix_shape], None)``; ``w_gate_up``'s gate and up
-    columns (and blocks) lie side by side."""
+    """``([values [E, N, K]] + [scales [E, Nb, Kb]], (qk, qn))`` of a ``BlockQuantized``
+    weight stored contraction-last, or ``([w as matrix_shape [E, K, N]], None)``;
+    ``w_gate_up``'s gate and up rows (and blocks) lie one after the other.
+
+    Raises:
+      ValueError: FP8 weights in another stored order.
+    """
     if not isinstance(w, fp8_blocks.BlockQuantized):
         return [w.reshape(matrix_shape)], None
-    scales = w.scales.reshape(w.scales.shape[0], w.scales.shape[1], -1)
-    return [w.values.reshape(matrix_shape), scales], (w.block_shape[1], w.block_shape[-1])
+    if w.axes != fp8_blocks.expert_axes(w.ndim):
+        raise ValueError(
+            f"impl='pallas' reads FP8 expert weights stored contraction-last (axes "
+            f"{fp8_blocks.expert_axes(w.ndim)}, fp8_blocks.expert_axes), got axes {w.axes}"
+        )
+    e, k, n = matrix_shape
+    scales = w.scales.reshape(e, -1, w.scales.shape[-1])
+    return [w.values.reshape(e, n, k), scales], (w.block_shape[1], w.block_shape[-1])
 
 
 def _gate_up_call(
-    x_rows, source, w_gate_up, group_start, counts, *, rows, max_rows, cfg, interpret
+    x_rows, source, w_gate_up, group_start, counts, *, rows, max_rows, cfg, interpret, fp8,
+    down_fp8,
 ):  # fmt: skip
-    """Kernel 1: the ``[E * C, F]`` hidden rows of every live tile, from slot rows ``x_rows
-    [E * C, H]`` (``source`` None) or from source rows ``x_rows [N, H]`` through ``source
-    [E * C]`` (the row each slot holds, -1 empty)."""
+    """Kernel 1: the ``[E * C, F]`` hidden rows of every live tile (and their row scales with
+    FP8 activations), from slot rows ``x_rows [E * C, H]`` (``source`` None) or from source
+    rows ``x_rows [N, H]`` through ``source [E * C]`` (the row each slot holds, -1 empty)."""
     num_experts, hidden, _, ffn = w_gate_up.shape
-    weights, quant_block = _weight_operands(w_gate_up, (num_experts, hidden, 2 * ffn))
-    block_m, block_n, block_k = _launch(rows, hidden, ffn, cfg, interpret, quant_block)
+    weights, _ = _weight_operands(w_gate_up, (num_experts, hidden, 2 * ffn))
+    block_m, block_n, block_k = _gate_up_launch(rows, hidden, ffn, cfg, interpret, fp8, down_fp8)
     num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = ffn // block_n
     kernel = functools.partial(
         _gate_up_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
         block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn, gathered=source is not None,
-        quant_block=quant_block,
+        fp8=fp8,
     )  # fmt: skip
     operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles)]
     operands += [] if source is None else [source]
-    operands += [x_rows, *weights]
+    flat_rows = num_experts * rows
+    if fp8 is not None and fp8.activations:
+        quantized = fp8_blocks.quantize_blocks(x_rows, (1, fp8.quant_block[0]))
+        operands += [quantized.values, quantized.scales, *weights]
+        out_shape = (
+            jax.ShapeDtypeStruct((flat_rows, ffn), fp8_blocks.FP8_DTYPE),
+            jax.ShapeDtypeStruct((flat_rows, num_n), _F32),
+        )
+    else:
+        operands += [x_rows, *weights]
+        out_shape = jax.ShapeDtypeStruct((flat_rows, ffn), x_rows.dtype)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_experts * rows, ffn), x_rows.dtype),
+        out_shape=out_shape,
         grid=(num_tiles * num_n,),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
@@ -267,10 +379,12 @@ def _gate_up_call(
 
 
 def _down_call(
-    h_rows, w_down, group_start, counts, *, rows, max_rows, cfg, interpret, zero_padding
+    hidden_rows, w_down, group_start, counts, *, rows, max_rows, cfg, interpret, zero_padding,
+    fp8, out_dtype,
 ):  # fmt: skip
-    """Kernel 2 over flat hidden rows ``[R, F]``: ``[R, H]``, outside the live rows zero
-    (``zero_padding``, a zero buffer aliased to the output) or never written."""
+    """Kernel 2 over flat hidden rows (``[R, F]``, or with FP8 activations ``(values, row
+    scales)``): ``[R, H]``, outside the live rows zero (``zero_padding``, a zero buffer aliased
+    to the output) or never written."""
     num_experts, ffn, hidden = w_down.shape
     weights, quant_block = _weight_operands(w_down, (num_experts, ffn, hidden))
     block_m, block_n, block_k = _launch(rows, ffn, hidden, cfg, interpret, quant_block)
@@ -278,10 +392,12 @@ def _down_call(
     num_n = hidden // block_n
     kernel = functools.partial(
         _down_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
-        block_m=block_m, block_n=block_n, block_k=block_k, quant_block=quant_block,
+        block_m=block_m, block_n=block_n, block_k=block_k, fp8=fp8,
     )  # fmt: skip
-    out_shape = jax.ShapeDtypeStruct((h_rows.shape[0], hidden), h_rows.dtype)
-    operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles), h_rows, *weights]
+    h_operands = list(hidden_rows) if isinstance(hidden_rows, tuple) else [hidden_rows]
+    out_shape = jax.ShapeDtypeStruct((h_operands[0].shape[0], hidden), out_dtype)
+    operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles), *h_operands]
+    operands += weights
     aliases = {len(operands): 0} if zero_padding else {}  # the zero buffer is the output
     operands += [jnp.zeros(out_shape.shape, out_shape.dtype)] if zero_padding else []
     return pl.pallas_call(
@@ -294,8 +410,18 @@ def _down_call(
     )(*operands)
 
 
+def _fp8_modes(w_gate_up, w_down, fp8_activations: bool) -> tuple[_Fp8 | None, _Fp8 | None]:
+    """The gate / up and the down kernels' ``_Fp8`` (None for float weights)."""
+    if not isinstance(w_gate_up, fp8_blocks.BlockQuantized):
+        return None, None
+    return tuple(
+        _Fp8((w.block_shape[1], w.block_shape[-1]), fp8_activations) for w in (w_gate_up, w_down)
+    )
+
+
 def grouped_ffn_pallas(
-    x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, interpret, zero_padding=True
+    x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, interpret, zero_padding=True,
+    fp8_activations=True,
 ):  # fmt: skip
     """Pallas impl over the capacity-slot layout (``counts`` already clipped to ``[0, C]``);
     ``x_slots`` a slot buffer or ``SlotRows`` (loaded through its row index)."""
@@ -306,12 +432,15 @@ def grouped_ffn_pallas(
         x_rows, source = x_slots.rows, x_slots.slot_row.reshape(-1).astype(jnp.int32)
     else:
         x_rows, source = x_slots.reshape(num_experts * capacity, hidden), None
-    h_rows = _gate_up_call(
-        x_rows, source, w_gate_up, group_start, counts, cfg=cfg.gate_up, **common
-    )
+    gate_up_fp8, down_fp8 = _fp8_modes(w_gate_up, w_down, fp8_activations)
+    hidden_rows = _gate_up_call(
+        x_rows, source, w_gate_up, group_start, counts, cfg=cfg.gate_up, fp8=gate_up_fp8,
+        down_fp8=down_fp8, **common,
+    )  # fmt: skip
     out = _down_call(
-        h_rows, w_down, group_start, counts, cfg=cfg.down, zero_padding=zero_padding, **common
-    )
+        hidden_rows, w_down, group_start, counts, cfg=cfg.down, zero_padding=zero_padding,
+        fp8=down_fp8, out_dtype=x_rows.dtype, **common,
+    )  # fmt: skip
     return out.reshape((num_experts, capacity, w_down.shape[2]))
 
 
@@ -324,6 +453,32 @@ def grouped_ffn_xla(x_slots, counts, w_gate_up, w_down):
     hidden = jnp.where(live[..., None], hidden, 0.0).astype(x_slots.dtype)
     out = jnp.einsum("ecf,efh->ech", hidden, w_down, preferred_element_type=_F32)
     return out.astype(x_slots.dtype)
+
+
+def _xla_any_weights(x_slots, counts, w_gate_up, w_down, fp8_activations: bool) -> jax.Array:
+    """``grouped_ffn_xla`` over float weights; over FP8 ones, dequantized to the rows' dtype
+    (weight-only), or with quantized rows the reference's arithmetic over all slots."""
+    if not isinstance(w_gate_up, fp8_blocks.BlockQuantized):
+        return grouped_ffn_xla(x_slots, counts, w_gate_up, w_down)
+    if not fp8_activations:
+        w_gate_up, w_down = (_float_weight(w, x_slots.dtype) for w in (w_gate_up, w_down))
+        return grouped_ffn_xla(x_slots, counts, w_gate_up, w_down)
+    out = _fp8_activations_ffn(x_slots.astype(_F32), w_gate_up, w_down, precision=None)
+    live = jnp.arange(x_slots.shape[1], dtype=jnp.int32)[None, :] < counts[:, None]
+    return jnp.where(live[..., None], out, 0.0).astype(x_slots.dtype)
+
+
+def _fp8_activations_ffn(x, w_gate_up, w_down, *, precision) -> jax.Array:
+    """The FFN of FP8 weights with FP8 activations over ``x [E, C, H]`` float32, every slot:
+    rows and hidden rows quantized per their weight's contraction block, float32 math."""
+    gate_up_block, down_block = w_gate_up.block_shape[1], w_down.block_shape[1]
+    x = fp8_blocks.fake_quantize_rows(x, gate_up_block)
+    w_gu, w_d = (_float_weight(w, _F32) for w in (w_gate_up, w_down))
+    gate_up = jnp.einsum("ech,ehsf->ecsf", x, w_gu, precision=precision)
+    hidden = fp8_blocks.fake_quantize_rows(
+        jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], down_block
+    )
+    return jnp.einsum("ecf,efh->ech", hidden, w_d, precision=precision)
 
 
 def _check_inputs(x_slots, counts, w_gate_up, w_down) -> None:
@@ -406,6 +561,7 @@ def grouped_ffn(
     config: gemm_config.GroupedFfnConfig | gemm_config.MosaicFfnConfig | None = None,
     max_rows: int | None = None,
     zero_padding: bool = True,
+    fp8_activations: bool = True,
 ) -> jax.Array:
     """SwiGLU of every expert over its first ``counts[e]`` slots.
 
@@ -416,12 +572,12 @@ def grouped_ffn(
         written), ``impl="xla"`` materializes the slot buffer first.
       counts: ``[E]`` integer rows per expert (may be traced); clipped to ``[0, C]``.
       w_gate_up: ``[E, H, 2, F]`` (gate at index 0, up at 1), in ``x_slots``' dtype; or FP8,
-        a ``fp8_blocks.BlockQuantized`` in ``(1, qk, 1, qn)`` blocks (weight-only FP8: the
-        rows stay in their float dtype).
+        a ``fp8_blocks.BlockQuantized`` in ``(1, qk, 1, qn)`` blocks (``impl="pallas"``: stored
+        contraction-last, ``fp8_blocks.expert_axes``).
       w_down: ``[E, F, H]``, an array with ``w_gate_up``, FP8 in ``(1, qk, qn)`` blocks with it.
-      impl: ``"xla"`` (batched einsum over all slots; FP8 weights dequantized to the rows'
-        dtype first), ``"pallas"`` (the Triton-lowered kernels; FP8 weights read as FP8
-        and scaled per block inside the kernel), ``"mosaic"`` (the Mosaic GPU kernels,
+      impl: ``"xla"`` (batched einsum over all slots; FP8 weights dequantized first),
+        ``"pallas"`` (the Triton-lowered kernels; FP8 weights read as FP8 and scaled per
+        block inside the kernel), ``"mosaic"`` (the Mosaic GPU kernels,
         Hopper; ``grouped_gemm_mosaic``; float weights only), or ``"auto"`` / None: the
         fastest measured for the call's rows and weights (``auto_impl``).
       config: the kernels' launch shapes: a ``GroupedFfnConfig`` for ``"pallas"`` (None:
@@ -435,6 +591,9 @@ def grouped_ffn(
         caller that never reads them (the EP combine reads only filled slots): the Pallas
         kernel then leaves them unwritten (undefined values) and skips zeroing an
         ``[E * C, H]`` buffer per call. The XLA and Mosaic impls return zeros either way.
+      fp8_activations: FP8 weights: whether the rows (each row's ``qk`` columns) and hidden
+        rows are quantized too and multiplied in FP8 (the module docstring; defined by
+        ``grouped_ffn_reference``); False: weight-only FP8. Ignored for float weights.
 
     Returns:
       ``[E, C, H]`` in ``x_slots.dtype``, zero in slots at or past ``counts[e]`` (undefined
@@ -448,7 +607,7 @@ def grouped_ffn(
     """
     out = grouped_ffn_rows(
         x_slots, counts, w_gate_up, w_down, impl=impl, config=config, max_rows=max_rows,
-        zero_padding=zero_padding,
+        zero_padding=zero_padding, fp8_activations=fp8_activations,
     )  # fmt: skip
     return out if not isinstance(out, slot_rows.SlotRows) else out.materialize()
 
@@ -463,6 +622,7 @@ def grouped_ffn_rows(
     config: gemm_config.GroupedFfnConfig | gemm_config.MosaicFfnConfig | None = None,
     max_rows: int | None = None,
     zero_padding: bool = True,
+    fp8_activations: bool = True,
 ) -> jax.Array | slot_rows.SlotRows:
     """``grouped_ffn`` without materializing the slot layout where an impl has its own.
 
@@ -486,8 +646,7 @@ def grouped_ffn_rows(
     impl = _resolve(impl, config, shape, x_slots.dtype, _quant_block(w_gate_up))
     counts = jnp.clip(counts.astype(jnp.int32), 0, capacity)
     if impl == "xla" or math.prod(x_slots.shape) == 0:
-        w_gate_up, w_down = (_float_weight(w, x_slots.dtype) for w in (w_gate_up, w_down))
-        return grouped_ffn_xla(_materialized(x_slots), counts, w_gate_up, w_down)
+        return _xla_any_weights(_materialized(x_slots), counts, w_gate_up, w_down, fp8_activations)
     interpret = impls.backend() == "cpu"
     if impl == impls.MOSAIC:
         return grouped_gemm_mosaic.grouped_ffn_mosaic(
@@ -497,6 +656,7 @@ def grouped_ffn_rows(
     return grouped_ffn_pallas(
         x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
         cfg=config or gemm_config.GROUPED_FFN, interpret=interpret, zero_padding=zero_padding,
+        fp8_activations=fp8_activations,
     )  # fmt: skip
 
 
@@ -568,14 +728,25 @@ def grouped_ffn_reference(
     counts: jax.Array,
     w_gate_up: Weight,
     w_down: Weight,
+    fp8_activations: bool = True,
 ) -> jax.Array:
     """Exact-count definition in float32: live rows compacted, ``jax.lax.ragged_dot``; FP8
-    weights dequantized to float32 (``fp8_blocks.dequantize_blocks``).
+    weights dequantized to float32 (``fp8_blocks.dequantize_blocks``). With FP8 weights and
+    ``fp8_activations``: each row of x quantized per ``w_gate_up``'s contraction block and
+    each hidden row per ``w_down``'s (``fp8_blocks.quantize_blocks`` in ``(1, qk)`` blocks),
+    dequantized, the same float32 math over every slot (padding slots come out zero).
 
     Args and Returns: as ``grouped_ffn`` (float32 result; the hidden activation is not
     rounded to the input dtype).
     """
     x_slots = _materialized(x_slots)
+    if isinstance(w_gate_up, fp8_blocks.BlockQuantized) and fp8_activations:
+        counts = jnp.clip(counts.astype(jnp.int32), 0, x_slots.shape[1])
+        out = _fp8_activations_ffn(
+            x_slots.astype(_F32), w_gate_up, w_down, precision=jax.lax.Precision.HIGHEST
+        )
+        live = jnp.arange(x_slots.shape[1])[None, :] < counts[:, None]
+        return jnp.where(live[..., None], out, 0.0)
     w_gate_up, w_down = (_float_weight(w, _F32) for w in (w_gate_up, w_down))
     num_experts, capacity, hidden = x_slots.shape
     ffn = w_gate_up.shape[3]

@@ -113,6 +113,13 @@ class MoEConfig:
         "FP8 experts: the (contraction, output) block sharing one scale in each expert's "
         "matrices (DeepSeek-V3's weight_block_size)",
     )
+    expert_fp8_activations: bool = _field(
+        True,
+        "FP8 experts: whether the expert FFN quantizes its rows too, each token's "
+        "expert_block_size[0] channels to FP8 with their own scale, and multiplies in FP8 "
+        "(DeepSeek-V3's inference scheme); False: weight-only FP8, the rows stay in the "
+        "model's dtype (jtbo.kernels.grouped_gemm)",
+    )
 
     def __post_init__(self):
         _check_positive(self)

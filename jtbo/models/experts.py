@@ -18,9 +18,15 @@ whose outputs stay in its own tile-major rows and are read back through their sl
 (``slot_rows.take_slots``); ``"auto"`` picks between the two by the call's rows.
 
 FP8 experts (``MoEConfig.expert_dtype``): ``RoutedExperts`` holds each weight as FP8 values
-and float32 block scales and hands them on as ``fp8_blocks.BlockQuantized``, which the slot
-FFN takes as they are (weight-only FP8, ``jtbo.kernels.grouped_gemm``); the sorted layout and
-the references dequantize them (``float_weights``).
+and float32 block scales, stored contraction-last (``fp8_blocks.expert_axes``: ``w_gate_up``
+as ``[E, 2, F, H]``, ``w_down`` as ``[E, H, F]``, each expert's matrices ``[out, in]`` as a
+checkpoint has them, which is how the FP8 kernel reads its weight tiles), and hands them on as
+``fp8_blocks.BlockQuantized`` with those ``axes``, whose ``shape`` is the weight's own ``[E, H,
+2, F]`` / ``[E, F, H]``. The slot FFN takes them as they are (``jtbo.kernels.grouped_gemm``),
+with FP8 rows (``MoEConfig.expert_fp8_activations``: each token's channels quantized per
+block, DeepSeek-V3's scheme) or float ones (weight-only); the sorted layout and the references
+dequantize them, which gives the weight's own order (``float_weights``), and put the rows
+through the same FP8 rounding (``activation_groups``).
 
 Reference: ``experts_ragged_dot_reference`` sorts pairs by expert and runs ``jax.lax.ragged_dot``
 (exact, no capacity).
@@ -69,6 +75,7 @@ def experts_ffn_slots(
     max_rows: int | None = None,
     config: gemm_config.GroupedFfnConfig | gemm_config.MosaicFfnConfig | None = None,
     zero_padding: bool = True,
+    fp8_activations: bool = True,
 ) -> jax.Array | slot_rows.SlotRows:
     """SwiGLU of every expert over its first ``counts[e]`` slots (``kernels.grouped_gemm``).
 
@@ -85,6 +92,8 @@ def experts_ffn_slots(
       config: the kernels' launch shapes; None for the default.
       zero_padding: False when the caller never reads the slots past ``counts``: the Pallas
         kernel then leaves them undefined instead of zeroing them.
+      fp8_activations: FP8 weights: whether the rows are quantized too
+        (``MoEConfig.expert_fp8_activations``; ``kernels.grouped_gemm``).
 
     Returns:
       ``[E, C, H]`` in ``x_slots.dtype``, zero in slots past ``counts`` (undefined with
@@ -98,7 +107,7 @@ def experts_ffn_slots(
     """
     return grouped_gemm.grouped_ffn_rows(
         x_slots, counts, *weights, impl=impl, config=config, max_rows=max_rows,
-        zero_padding=zero_padding,
+        zero_padding=zero_padding, fp8_activations=fp8_activations,
     )  # fmt: skip
 
 
@@ -111,6 +120,7 @@ def experts_capacity(
     *,
     impl: str = "xla",
     config: gemm_config.GroupedFfnConfig | gemm_config.MosaicFfnConfig | None = None,
+    fp8_activations: bool = True,
 ) -> jax.Array:
     """Routed-expert output per token through the capacity-slot layout.
 
@@ -125,6 +135,7 @@ def experts_capacity(
         "mosaic" or "auto".
       config: the kernels' launch shapes (a ``GroupedFfnConfig`` for "pallas", a
         ``MosaicFfnConfig`` for "mosaic"); None for the default.
+      fp8_activations: FP8 weights: whether the rows are quantized too (``experts_ffn_slots``).
 
     Returns:
       ``[T, H]`` in ``x.dtype``; pairs beyond ``capacity`` are dropped.
@@ -140,7 +151,7 @@ def experts_capacity(
     # The gather below reads only filled slots: the kernel need not zero the rest.
     out_slots = experts_ffn_slots(
         slots, counts.astype(jnp.int32), weights, impl=impl, max_rows=max_rows,
-        config=config, zero_padding=False,
+        config=config, zero_padding=False, fp8_activations=fp8_activations,
     )  # fmt: skip
     gathered = slot_rows.take_slots(out_slots, expert, position)  # [T, k, H]
     scale = jnp.where(valid, topk_weights, 0.0).astype(jnp.float32)
@@ -165,6 +176,7 @@ def experts_sorted(
     *,
     hidden_dtype=jnp.float32,
     out_dtype=jnp.float32,
+    activation_groups: tuple[int, int] | None = None,
 ) -> jax.Array:
     """Routed-expert output with the (token, choice) pairs sorted by expert and a grouped GEMM.
 
@@ -179,24 +191,38 @@ def experts_sorted(
         Pallas grouped GEMM such as tokamax's).
       hidden_dtype: ``out_dtype`` asked of the gate / up GEMMs.
       out_dtype: ``out_dtype`` asked of the down GEMM.
+      activation_groups: FP8 activations (``RoutedExperts.activation_groups``): the rows and
+        the hidden rows go through FP8 per that many columns
+        (``fp8_blocks.fake_quantize_rows``); None: they stay as they are.
 
     Returns:
       ``[T, H]`` in ``x.dtype`` (nothing is dropped).
     """
     w_gate_up, w_down = float_weights(weights, x.dtype)
+    rows_through_fp8 = _activation_rounding(activation_groups, x.dtype)
     num_experts, hidden_size, _, ffn = w_gate_up.shape
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)
-    rows = x[order // top_k]
+    rows = rows_through_fp8(x, 0)[order // top_k]
     sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
     f32 = jnp.float32
     rhs = w_gate_up.reshape(num_experts, hidden_size, 2 * ffn)  # gate columns, then up
     gate_up = grouped_dot(rows, rhs, sizes, hidden_dtype).astype(f32).reshape(-1, 2, ffn)
-    hidden = (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]).astype(x.dtype)
+    hidden = rows_through_fp8(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], 1).astype(x.dtype)
     out = grouped_dot(hidden, w_down, sizes, out_dtype).astype(f32)
     unsorted = jnp.zeros_like(out).at[order].set(out).reshape(num_tokens, top_k, -1)
     return jnp.einsum("tkh,tk->th", unsorted, topk_weights.astype(f32)).astype(x.dtype)
+
+
+def _activation_rounding(activation_groups: tuple[int, int] | None, dtype):
+    """``(rows, which) -> rows``: through FP8 per ``activation_groups[which]`` columns (back
+    in ``dtype``), or as they are for None."""
+    if activation_groups is None:
+        return lambda rows, which: rows
+    return lambda rows, which: fp8_blocks.fake_quantize_rows(rows, activation_groups[which]).astype(
+        dtype
+    )
 
 
 def _lax_ragged_dot(lhs, rhs, group_sizes, out_dtype):
@@ -208,12 +234,16 @@ def experts_ragged_dot_reference(
     topk_ids: jax.Array,
     topk_weights: jax.Array,
     weights: tuple[grouped_gemm.Weight, grouped_gemm.Weight],
+    activation_groups: tuple[int, int] | None = None,
 ) -> jax.Array:
     """Exact routed-expert output: ``experts_sorted`` over ``jax.lax.ragged_dot`` in float32.
 
-    Args and Returns: as ``experts_capacity`` (no capacity: nothing is dropped).
+    Args and Returns: as ``experts_capacity`` (no capacity: nothing is dropped);
+    ``activation_groups`` as ``experts_sorted``'s.
     """
-    return experts_sorted(x, topk_ids, topk_weights, weights, _lax_ragged_dot)
+    return experts_sorted(
+        x, topk_ids, topk_weights, weights, _lax_ragged_dot, activation_groups=activation_groups
+    )
 
 
 class StoredDtypeParam(nnx.Param):
@@ -227,7 +257,10 @@ class RoutedExperts(nnx.Module):
     With ``MoEConfig.expert_dtype="float8_e4m3fn"`` each is block-scaled FP8
     (``jtbo.kernels.fp8_blocks``): ``w_gate_up`` / ``w_down`` hold the FP8 values and
     ``w_gate_up_scale`` / ``w_down_scale`` their float32 scales, one per
-    ``expert_block_size`` block of each expert's matrices (both ``StoredDtypeParam``).
+    ``expert_block_size`` block of each expert's matrices (both ``StoredDtypeParam``). FP8
+    parameters are stored contraction-last (``fp8_blocks.expert_axes``): values ``[E, 2, F,
+    H]`` and ``[E, H, F]``, scales in the same order; ``weights`` gives them as
+    ``BlockQuantized`` with those ``axes``.
     """
 
     def __init__(self, config: config_lib.MoEConfig, *, rngs: nnx.Rngs):
@@ -236,34 +269,49 @@ class RoutedExperts(nnx.Module):
         w_gate_up = mlp.init_matrix(rngs, (e, h, 2, f), h)  # [E, H, 2, F]
         w_down = mlp.init_matrix(rngs, (e, f, h), f)  # [E, F, H]
         self.block = None if config.expert_dtype is None else config.expert_block_size
+        self.fp8_activations = self.block is not None and config.expert_fp8_activations
         if self.block is None:
             self.w_gate_up, self.w_down = w_gate_up, w_down
             return
-        gate_up = fp8_blocks.quantize_blocks(
-            w_gate_up[...], fp8_blocks.expert_block_shape(4, self.block)
-        )
-        down = fp8_blocks.quantize_blocks(w_down[...], fp8_blocks.expert_block_shape(3, self.block))
-        self.w_gate_up = StoredDtypeParam(gate_up.values)  # [E, H, 2, F] float8_e4m3fn
-        self.w_gate_up_scale = StoredDtypeParam(gate_up.scales)  # [E, ceil(H/bk), 2, ceil(F/bn)]
-        self.w_down = StoredDtypeParam(down.values)  # [E, F, H] float8_e4m3fn
-        self.w_down_scale = StoredDtypeParam(down.scales)  # [E, ceil(F/bk), ceil(H/bn)] float32
+        gate_up, down = (_quantized(w[...], self.block) for w in (w_gate_up, w_down))
+        # Stored contraction-last (fp8_blocks.expert_axes); bk, bn = expert_block_size.
+        self.w_gate_up = StoredDtypeParam(gate_up.values)  # [E, 2, F, H] float8_e4m3fn
+        self.w_gate_up_scale = StoredDtypeParam(gate_up.scales)  # [E, 2, ceil(F/bn), ceil(H/bk)]
+        self.w_down = StoredDtypeParam(down.values)  # [E, H, F] float8_e4m3fn
+        self.w_down_scale = StoredDtypeParam(down.scales)  # [E, ceil(H/bn), ceil(F/bk)] float32
 
     @property
     def weights(self) -> tuple[grouped_gemm.Weight, grouped_gemm.Weight]:
         """``(w_gate_up, w_down)`` as arrays, or as ``fp8_blocks.BlockQuantized`` for FP8
-        experts (local shards inside a shard_map)."""
+        experts, their ``axes`` the stored order (local shards inside a shard_map)."""
         if self.block is None:
             return self.w_gate_up[...], self.w_down[...]
-        blocked, block = fp8_blocks.BlockQuantized, self.block
         return (
-            blocked(
-                self.w_gate_up[...], self.w_gate_up_scale[...],
-                fp8_blocks.expert_block_shape(4, block),
-            ),
-            blocked(
-                self.w_down[...], self.w_down_scale[...], fp8_blocks.expert_block_shape(3, block)
-            ),
-        )  # fmt: skip
+            _blocked(self.w_gate_up[...], self.w_gate_up_scale[...], self.block),
+            _blocked(self.w_down[...], self.w_down_scale[...], self.block),
+        )
+
+    @property
+    def activation_groups(self) -> tuple[int, int] | None:
+        """``(row group, hidden group)``: the columns per FP8 scale of the rows and of the
+        hidden rows when the experts quantize them (``fp8_activations``), else None."""
+        return (self.block[0], self.block[0]) if self.fp8_activations else None
+
+
+def _quantized(w: jax.Array, block: tuple[int, int]) -> fp8_blocks.BlockQuantized:
+    """A stacked expert weight (``[E, H, 2, F]`` or ``[E, F, H]``) as FP8 in
+    ``(contraction, output)`` blocks ``block``, stored contraction-last."""
+    return fp8_blocks.quantize_blocks(
+        w, fp8_blocks.expert_block_shape(w.ndim, block), axes=fp8_blocks.expert_axes(w.ndim)
+    )
+
+
+def _blocked(values: jax.Array, scales: jax.Array, block: tuple[int, int]):
+    """The ``BlockQuantized`` of an FP8 expert weight's stored parameters."""
+    ndim = values.ndim
+    return fp8_blocks.BlockQuantized(
+        values, scales, fp8_blocks.expert_block_shape(ndim, block), fp8_blocks.expert_axes(ndim)
+    )
 
 
 def float_weights(
@@ -277,7 +325,8 @@ def float_weights(
       dtype: the dtype of dequantized weights.
 
     Returns:
-      ``(w_gate_up [E, H, 2, F], w_down [E, F, H])``.
+      ``(w_gate_up [E, H, 2, F], w_down [E, F, H])``, whatever order FP8 ones are stored in
+      (``dequantize_blocks`` gives the weight's own).
     """
     return tuple(
         fp8_blocks.dequantize_blocks(w, dtype) if isinstance(w, fp8_blocks.BlockQuantized) else w

@@ -84,7 +84,7 @@ def ep_operations(
         # combine_a reads only the filled slots: the kernel need not zero the rest.
         return experts.experts_ffn_slots(
             inputs, counts, moe.experts.weights, impl=moe_runner_backend, max_rows=max_rows,
-            zero_padding=False,
+            zero_padding=False, fp8_activations=moe.experts.fp8_activations,
         )  # fmt: skip
 
     def experts_op(state):
@@ -228,8 +228,9 @@ def _gather_experts_operation(
     def ffn(x, ids, weights):
         # Every device holds all experts' slice of the hidden width: a partial sum per row.
         return experts.experts_capacity(
-            x, ids, weights, moe.experts.weights, impl=moe_runner_backend
-        )
+            x, ids, weights, moe.experts.weights, impl=moe_runner_backend,
+            fp8_activations=moe.experts.fp8_activations,
+        )  # fmt: skip
 
     def experts_op(state):
         state.expert_output = ffn(*state.pop("dispatch_output"))

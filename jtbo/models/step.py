@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import mesh as mesh_lib
+from jtbo.kernels import fp8_blocks
 from jtbo.models import (
     ep_dispatchers,
     experts,
@@ -75,22 +76,30 @@ _HEAD_SPECS = {
     "wq_b": P(None, ATTN_TP, None),  # MLA [q_lora_rank, heads, nope + rope]
     "wkv_b": P(None, ATTN_TP, None),  # MLA [kv_lora_rank, heads, nope + v]
 }
-_EP_GATE_UP = P(mesh_lib.TP_AXES, None, None, None)
-_EP_DOWN = P(mesh_lib.TP_AXES, None, None)
-_SPLIT_GATE_UP = P(None, None, None, mesh_lib.TP_AXES)
-_SPLIT_DOWN = P(None, mesh_lib.TP_AXES, None)
-_EXPERT_SPECS = {  # FP8 experts' block scales (``*_scale``) are sharded as their values
-    "ep": {  # whole experts per device
-        "w_gate_up": _EP_GATE_UP,  # [E, H, 2, F]
-        "w_down": _EP_DOWN,  # [E, F, H]
-        "w_gate_up_scale": _EP_GATE_UP,  # [E, H blocks, 2, F blocks]
-        "w_down_scale": _EP_DOWN,  # [E, F blocks, H blocks]
+_TP = mesh_lib.TP_AXES
+# The routed experts' specs by (moe_a2a_backend, layout). FP8 experts' parameters are stored
+# contraction-last (fp8_blocks.expert_axes; jtbo.models.experts), so their specs are the float
+# layout's permuted alike; their block scales are sharded as their values.
+_EXPERT_SPECS = {
+    ("ep", "float"): {  # whole experts per device
+        "w_gate_up": P(_TP, None, None, None),  # [E, H, 2, F]
+        "w_down": P(_TP, None, None),  # [E, F, H]
     },
-    "none": {  # every expert, a slice of its hidden width per device
-        "w_gate_up": _SPLIT_GATE_UP,
-        "w_down": _SPLIT_DOWN,
-        "w_gate_up_scale": _SPLIT_GATE_UP,
-        "w_down_scale": _SPLIT_DOWN,
+    ("ep", "fp8"): {
+        "w_gate_up": P(_TP, None, None, None),  # [E, 2, F, H]
+        "w_down": P(_TP, None, None),  # [E, H, F]
+        "w_gate_up_scale": P(_TP, None, None, None),  # [E, 2, F blocks, H blocks]
+        "w_down_scale": P(_TP, None, None),  # [E, H blocks, F blocks]
+    },
+    ("none", "float"): {  # every expert, a slice of its hidden width F per device
+        "w_gate_up": P(None, None, None, _TP),  # [E, H, 2, F]
+        "w_down": P(None, _TP, None),  # [E, F, H]
+    },
+    ("none", "fp8"): {
+        "w_gate_up": P(None, None, _TP, None),  # [E, 2, F, H]
+        "w_down": P(None, None, _TP),  # [E, H, F]
+        "w_gate_up_scale": P(None, None, _TP, None),  # [E, 2, F blocks, H blocks]
+        "w_down_scale": P(None, None, _TP),  # [E, H blocks, F blocks]
     },
 }
 KV_CACHE_SPEC = kv_cache_lib.KVCache(
@@ -127,11 +136,20 @@ def kv_cache_shardings(mesh: jax.sharding.Mesh) -> kv_cache_lib.KVCache:
     return jax.tree.map(functools.partial(_named, mesh), KV_CACHE_SPEC)
 
 
-def _param_spec(path, _, moe_a2a_backend: str) -> P:
+def _expert_layout(name: str, leaf) -> str:
+    """``"fp8"`` for an FP8 expert parameter (``float8_e4m3fn`` values, or a block scale:
+    only FP8 experts have those), else ``"float"``."""
+    scale = name.endswith("_scale")
+    return "fp8" if scale or jnp.dtype(leaf.dtype) == fp8_blocks.FP8_DTYPE else "float"
+
+
+def _param_spec(path, leaf, moe_a2a_backend: str) -> P:
     names = [getattr(key, "key", getattr(key, "name", None)) for key in path]
     name = names[-1] if names[-1] != "value" else names[-2]
-    if "experts" in names and name in _EXPERT_SPECS[moe_a2a_backend]:
-        return _EXPERT_SPECS[moe_a2a_backend][name]
+    if "experts" in names:
+        specs = _EXPERT_SPECS[moe_a2a_backend, _expert_layout(name, leaf)]
+        if name in specs:
+            return specs[name]
     return _HEAD_SPECS.get(name, P()) if "attn" in names else P()
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from jtbo.bench import grouped_gemm
+from jtbo.kernels import fp8_blocks
 from jtbo.models import config as config_lib
 
 SMALL = grouped_gemm.Shapes(hidden=64, ffn=32, experts=8, top_k=2)
@@ -189,9 +190,33 @@ def test_the_chunked_reference_equals_float64_over_every_expert():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
 
 
+def test_fp8_inputs_are_stored_contraction_last_and_the_reference_dequantizes_them():
+    num_tokens = 9
+    ids, routing = grouped_gemm.route(num_tokens, SMALL, 0.3, seed=5)
+    x, weights = grouped_gemm.make_inputs(
+        num_tokens, SMALL, np.float32, jax.random.key(3), expert_dtype="float8_e4m3fn"
+    )
+    h, f, e = SMALL.hidden, SMALL.ffn, SMALL.experts
+    assert [w.values.shape for w in weights] == [(e, 2, f, h), (e, h, f)]
+    assert [w.shape for w in weights] == [(e, h, 2, f), (e, f, h)]
+    # The weights' own order by the block-by-block definition, each stored axis moved back.
+    logical = [
+        fp8_blocks.dequantize_blocks_reference(
+            np.moveaxis(np.asarray(w.values), -1, 1), np.moveaxis(np.asarray(w.scales), -1, 1),
+            w.block_shape,
+        )
+        for w in weights
+    ]  # fmt: skip
+    rows = grouped_gemm.check_rows(num_tokens, 9)
+    got = grouped_gemm.reference(x, np.asarray(ids), np.asarray(routing), weights, rows)
+    want = _swiglu_reference_f64(np.asarray(x)[rows], ids[rows], routing[rows], logical)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+
 def test_fp8_experts_run_the_layer_beside_the_dense_yardstick(capsys):
-    # Weight-only FP8: the reference dequantizes the same weights, so the error stays that of
-    # the bf16 tokens; a weight counts one byte. (The kernels' FP8 path is checked in
+    # The reference dequantizes the same weights and puts the rows through the same FP8
+    # rounding as the capacity layer (FP8 activations), so the error stays that of the bf16
+    # tokens; a weight counts one byte. (The kernels' FP8 path is checked in
     # tests/kernels/test_grouped_gemm.py.)
     grouped_gemm.main(
         ["--small", "--tokens", "16", "--impls", "capacity,dense", "--expert-dtype",
@@ -205,3 +230,16 @@ def test_fp8_experts_run_the_layer_beside_the_dense_yardstick(capsys):
     args = grouped_gemm._parse(["--expert-dtype", "float8_e4m3fn"])
     assert grouped_gemm.weight_itemsize(args) == 1
     assert grouped_gemm.weight_itemsize(grouped_gemm._parse([])) == 2
+
+
+def test_weight_only_variants_parse_and_pick_their_reference():
+    assert grouped_gemm.kernel_variant("") == ("", True)
+    assert grouped_gemm.kernel_variant("64x64x64") == ("64x64x64", True)
+    assert grouped_gemm.kernel_variant("weight_only") == ("", False)
+    assert grouped_gemm.kernel_variant("weight_only:16x128x128w4s3") == ("16x128x128w4s3", False)
+    options = grouped_gemm.kernel_options("pallas", "weight_only:16x128x128w4s3")
+    assert options["fp8_activations"] is False and options["config"].gate_up.block_k == 128
+    assert grouped_gemm.kernel_options("pallas", "")["config"] is None
+    rows = {impl: grouped_gemm.fp8_rows(impl) for impl in ("capacity", "pallas", "ragged_dot")}
+    assert rows == {"capacity": True, "pallas": True, "ragged_dot": False}
+    assert not grouped_gemm.fp8_rows("pallas:weight_only")

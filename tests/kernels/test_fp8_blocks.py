@@ -111,3 +111,67 @@ def test_bad_inputs_raise():
         fp8_blocks.BlockQuantized(q.values, q.scales[:, :1], (2, 4)).check()
     with pytest.raises(ValueError, match="values must be float8_e4m3fn"):
         fp8_blocks.BlockQuantized(w, q.scales, (2, 4)).check()
+
+
+EXPERT_SHAPES = [(3, 20, 2, 12), (2, 12, 33)]  # w_gate_up-like and w_down-like, ragged blocks
+
+
+@pytest.mark.parametrize("shape", EXPERT_SHAPES)
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**16))
+def test_expert_axes_store_the_identity_quantization_transposed(shape, seed):
+    w = _weight(np.random.default_rng(seed), shape)
+    ndim = len(shape)
+    axes = fp8_blocks.expert_axes(ndim)
+    block_shape = fp8_blocks.expert_block_shape(ndim, (8, 5))
+    want_values, want_scales = fp8_blocks.quantize_blocks_reference(w, block_shape)
+    got = fp8_blocks.quantize_blocks(jnp.asarray(w), block_shape, axes=axes)
+    got.check()
+    assert got.axes == axes and got.block_shape == block_shape
+    assert got.shape == shape and got.ndim == ndim  # the weight's own order
+    # Contraction (axis 1) last: [E, 2, N, K] / [E, N, K], blocks and scales alike.
+    stored = (shape[0], *shape[2:], shape[1])
+    assert got.values.shape == stored
+    assert got.stored_block_shape == (1, *block_shape[2:], block_shape[1])
+    np.testing.assert_array_equal(
+        np.asarray(got.values).view(np.uint8),
+        np.ascontiguousarray(np.moveaxis(want_values, 1, -1)).view(np.uint8),
+    )
+    np.testing.assert_array_equal(np.asarray(got.scales), np.moveaxis(want_scales, 1, -1))
+    # Dequantized: the weight's order, the definition's values.
+    want = fp8_blocks.dequantize_blocks_reference(want_values, want_scales, block_shape)
+    back = np.asarray(fp8_blocks.dequantize_blocks(got), np.float64)
+    np.testing.assert_allclose(back, want, rtol=2e-7, atol=0)
+
+
+def test_expert_axes_and_their_inverse():
+    assert fp8_blocks.expert_axes(4) == (0, 2, 3, 1)
+    assert fp8_blocks.expert_axes(3) == (0, 2, 1)
+    x = np.arange(2 * 3 * 4 * 5).reshape(2, 3, 4, 5)
+    for axes in [(0, 2, 3, 1), (3, 1, 0, 2), (0, 1, 2, 3)]:
+        back = np.transpose(np.transpose(x, axes), fp8_blocks.inverse_axes(axes))
+        np.testing.assert_array_equal(back, x)
+
+
+def test_check_takes_the_scales_in_the_stored_order():
+    w = jnp.asarray(_weight(np.random.default_rng(4), (2, 12, 33)))
+    block_shape = (1, 4, 32)
+    q = fp8_blocks.quantize_blocks(w, block_shape, axes=(0, 2, 1))
+    assert q.scales.shape == (2, 2, 3)  # [E, ceil(33 / 32), ceil(12 / 4)]
+    logical_scales = jnp.swapaxes(q.scales, 1, 2)  # [2, 3, 2]: the identity order's
+    with pytest.raises(ValueError, match=r"scales must be float32 \[2, 2, 3\]"):
+        fp8_blocks.BlockQuantized(q.values, logical_scales, block_shape, q.axes).check()
+    # Without the axes, values [2, 33, 12] would be blocked (1, 4, 32) as they lie.
+    with pytest.raises(ValueError, match=r"scales must be float32 \[2, 9, 1\]"):
+        fp8_blocks.BlockQuantized(q.values, q.scales, block_shape).check()
+    for bad in [(0, 1), (0, 2, 2), (1, 2, 3)]:
+        with pytest.raises(ValueError, match="axes"):
+            fp8_blocks.BlockQuantized(q.values, q.scales, block_shape, bad).check()
+        with pytest.raises(ValueError, match="axes"):
+            fp8_blocks.quantize_blocks(w, block_shape, axes=bad)
+    # A pytree: the axes stay static through flatten / unflatten and jit.
+    leaves, treedef = jax.tree.flatten(q)
+    assert len(leaves) == 2 and jax.tree.unflatten(treedef, leaves).axes == (0, 2, 1)
+    back = jax.jit(fp8_blocks.dequantize_blocks)(q)
+    assert back.shape == (2, 12, 33)
+    np.testing.assert_array_equal(back, fp8_blocks.dequantize_blocks(q))

@@ -258,15 +258,16 @@ def test_without_zero_padding_the_live_rows_are_unchanged(impl):
     assert not zeroed[~live].any()
 
 
-# FP8 weights (weight-only: bf16 / float32 rows). F = 48 in column blocks of 32 leaves a
-# 16-wide last block, so the up columns' blocks start mid-row of the flattened [2F]; each
-# block's magnitude is drawn over several orders, so a scale read from the wrong block shows.
+# FP8 weights, stored contraction-last. F = 48 in column blocks of 32 leaves a 16-wide last
+# block, so the up rows' blocks start mid-way through the stored [2F]; each block's magnitude
+# is drawn over several orders, so a scale read from the wrong block shows.
 FP8_F = 48
 FP8_BLOCK = (16, 32)  # (contraction, output)
 
 
 def _fp8_weights(seed):
-    """``(w_gate_up, w_down)`` as ``BlockQuantized`` and as their float64 dequantization."""
+    """``(w_gate_up, w_down)`` as ``BlockQuantized`` (stored contraction-last) and as their
+    float64 dequantization."""
     rng = np.random.default_rng(seed)
     out = []
     for shape, fan_in in (((E, H, 2, FP8_F), H), ((E, FP8_F, H), FP8_F)):
@@ -274,22 +275,45 @@ def _fp8_weights(seed):
         block_shape = fp8_blocks.expert_block_shape(len(shape), FP8_BLOCK)
         factors = np.exp(rng.uniform(-2, 2, fp8_blocks.scales_shape(shape, block_shape)))
         w = w * fp8_blocks.dequantize_blocks_reference(np.ones(shape), factors, block_shape)
-        q = fp8_blocks.quantize_blocks(jnp.asarray(w, jnp.float32), block_shape)
-        dense = fp8_blocks.dequantize_blocks_reference(
-            np.asarray(q.values), np.asarray(q.scales), block_shape
-        )
-        out.append((q, dense))
+        values, scales = fp8_blocks.quantize_blocks_reference(w, block_shape)
+        axes = fp8_blocks.expert_axes(len(shape))
+        q = fp8_blocks.quantize_blocks(jnp.asarray(w, jnp.float32), block_shape, axes)
+        np.testing.assert_array_equal(np.asarray(q.values), np.transpose(values, axes))
+        out.append((q, fp8_blocks.dequantize_blocks_reference(values, scales, block_shape)))
+    return out
+
+
+def _fake_quantized(x, group):
+    """Each row's ``group`` columns through FP8 and back (numpy, block by block)."""
+    block = (1,) * (x.ndim - 1) + (group,)
+    values, scales = fp8_blocks.quantize_blocks_reference(np.asarray(x, np.float64), block)
+    return fp8_blocks.dequantize_blocks_reference(values, scales, block)
+
+
+def _numpy_fp8_activations_ffn(x, counts, w_gate_up, w_down):
+    """``_numpy_ffn`` with the rows and the hidden rows through FP8 per their weight's
+    contraction block (FP8_BLOCK[0] columns)."""
+    x = _fake_quantized(np.asarray(x, np.float32), FP8_BLOCK[0])
+    out = np.zeros(x.shape[:2] + (w_down.shape[2],))
+    for e, count in enumerate(np.clip(counts, 0, x.shape[1])):
+        gate, up = x[e, :count] @ w_gate_up[e, :, 0], x[e, :count] @ w_gate_up[e, :, 1]
+        hidden = (gate / (1 + np.exp(-gate)) * up).astype(np.float32)
+        hidden = _fake_quantized(hidden, FP8_BLOCK[0])
+        out[e, :count] = hidden @ w_down[e]
     return out
 
 
 @pytest.mark.parametrize("impl", _impls())
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_fp8_weights_match_their_dequantized_reference(impl, dtype):
-    # 0 rows, a full and a partial 16-row tile, a tile and one row, and 5 rows.
+    # Weight-only FP8. 0 rows, a full and a partial 16-row tile, a tile and one row, 5 rows.
     counts = np.array([0, 21, 17, 5], np.int32)
     (w_gate_up, gate_up_64), (w_down, down_64) = _fp8_weights(3)
     x = jnp.asarray(np.random.default_rng(4).standard_normal((E, 21, H)), dtype)
-    out = kernels.grouped_ffn(x, jnp.asarray(counts), w_gate_up, w_down, impl=impl, config=SMALL)
+    out = kernels.grouped_ffn(
+        x, jnp.asarray(counts), w_gate_up, w_down, impl=impl, config=SMALL,
+        fp8_activations=False,
+    )  # fmt: skip
     assert out.dtype == dtype
     want = _numpy_ffn(np.asarray(x, np.float32), counts, gate_up_64, down_64)
     got = np.asarray(out, np.float64)
@@ -299,21 +323,59 @@ def test_fp8_weights_match_their_dequantized_reference(impl, dtype):
         assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
     for e, count in enumerate(counts):
         assert not got[e, count:].any()
-    ref = grouped_gemm.grouped_ffn_reference(x, jnp.asarray(counts), w_gate_up, w_down)
+    ref = grouped_gemm.grouped_ffn_reference(
+        x, jnp.asarray(counts), w_gate_up, w_down, fp8_activations=False
+    )
     chex.assert_trees_all_close(
         ref, _numpy_ffn(np.asarray(x, np.float32), counts, gate_up_64, down_64), **F32_TOL
     )
+
+
+# FP8 activations: the kernel quantizes the same rows as the numpy reference, bit for bit, but
+# sums the hidden rows in another order; a hidden value on a rounding boundary may then land on
+# the neighbouring e4m3 value (2**-3 of itself), a few of the 16 x 48 x 4 values at most.
+FP8_ACTIVATIONS_TOL = 5e-3  # of the output's norm
+
+
+@pytest.mark.parametrize("impl", _impls())
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_fp8_activations_match_the_quantized_reference(impl, dtype):
+    counts = np.array([21, 0, 5, 17], np.int32)
+    (w_gate_up, gate_up_64), (w_down, down_64) = _fp8_weights(5)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((E, 21, H)) * 3, dtype)
+    out = kernels.grouped_ffn(x, jnp.asarray(counts), w_gate_up, w_down, impl=impl, config=SMALL)
+    assert out.dtype == dtype
+    want = _numpy_fp8_activations_ffn(x, counts, gate_up_64, down_64)
+    got = np.asarray(out, np.float64)
+    bf16_rounding = 0 if dtype == np.float32 else 2**-8  # the output's own dtype
+    tol = FP8_ACTIVATIONS_TOL + bf16_rounding
+    assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
+    for e, count in enumerate(counts):
+        assert not got[e, count:].any()
+        assert (np.abs(got[e, :count]).max(axis=-1) > 0).all()
+    # The quantization shows: weight-only FP8 is a different function of the same weights.
+    weight_only = _numpy_ffn(np.asarray(x, np.float32), counts, gate_up_64, down_64)
+    assert np.linalg.norm(weight_only - want) > 3 * tol * np.linalg.norm(want)
+    ref = grouped_gemm.grouped_ffn_reference(x, jnp.asarray(counts), w_gate_up, w_down)
+    ref = np.asarray(ref, np.float64)
+    assert np.linalg.norm(ref - want) <= FP8_ACTIVATIONS_TOL * np.linalg.norm(want)
 
 
 def test_fp8_slot_rows_load_through_the_index():
     counts = np.array([3, 0, 21, 9], np.int32)
     slots = _slot_rows(8, 21, counts)
     (w_gate_up, gate_up_64), (w_down, down_64) = _fp8_weights(8)
-    out = kernels.grouped_ffn(
-        slots, jnp.asarray(counts), w_gate_up, w_down, impl="pallas", config=SMALL, max_rows=33
-    )
-    want = _numpy_ffn(np.asarray(slots.materialize()), counts, gate_up_64, down_64)
-    chex.assert_trees_all_close(out, want, **F32_TOL)
+    for activations, numpy_ffn in ((False, _numpy_ffn), (True, _numpy_fp8_activations_ffn)):
+        out = kernels.grouped_ffn(
+            slots, jnp.asarray(counts), w_gate_up, w_down, impl="pallas", config=SMALL,
+            max_rows=33, fp8_activations=activations,
+        )  # fmt: skip
+        want = numpy_ffn(np.asarray(slots.materialize()), counts, gate_up_64, down_64)
+        if activations:
+            got = np.asarray(out, np.float64)
+            assert np.linalg.norm(got - want) <= FP8_ACTIVATIONS_TOL * np.linalg.norm(want)
+        else:
+            chex.assert_trees_all_close(out, want, **F32_TOL)
 
 
 def test_fp8_tiles_stay_inside_one_block():
@@ -362,17 +424,27 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu():
     sharding = jax.sharding.NamedSharding(aot.gpu_mesh((1,), ("x",)), jax.sharding.PartitionSpec())
     fp8, f32 = jnp.float8_e4m3fn, jnp.float32
     shapes = [((4, 96, 7168), jnp.bfloat16), ((4,), jnp.int32)]
-    shapes += [((4, 7168, 2, 2048), fp8), ((4, 56, 2, 16), f32)]
-    shapes += [((4, 2048, 7168), fp8), ((4, 16, 56), f32)]
+    shapes += [((4, 2, 2048, 7168), fp8), ((4, 2, 16, 56), f32)]  # stored contraction-last
+    shapes += [((4, 7168, 2048), fp8), ((4, 56, 16), f32)]
     args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
 
     def kernel(x, counts, gu_values, gu_scales, down_values, down_scales):
-        w_gate_up = fp8_blocks.BlockQuantized(gu_values, gu_scales, (1, 128, 1, 128))
-        w_down = fp8_blocks.BlockQuantized(down_values, down_scales, (1, 128, 128))
-        return grouped_gemm.grouped_ffn_pallas(
-            x, counts, w_gate_up, w_down, max_rows=200, cfg=gemm_config.GROUPED_FFN,
-            interpret=False,
-        )  # fmt: skip
+        gate_up_axes, down_axes = fp8_blocks.expert_axes(4), fp8_blocks.expert_axes(3)
+        w_gate_up = fp8_blocks.BlockQuantized(gu_values, gu_scales, (1, 128, 1, 128), gate_up_axes)
+        w_down = fp8_blocks.BlockQuantized(down_values, down_scales, (1, 128, 128), down_axes)
+        return [
+            grouped_gemm.grouped_ffn_pallas(
+                x,
+                counts,
+                w_gate_up,
+                w_down,
+                max_rows=200,
+                cfg=gemm_config.GROUPED_FFN,
+                interpret=False,
+                fp8_activations=activations,
+            )  # fmt: skip
+            for activations in (True, False)
+        ]
 
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     abstract = jax.sharding.AbstractMesh(
@@ -380,4 +452,4 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu():
     )
     with jax.sharding.use_abstract_mesh(abstract):
         hlo = jax.jit(kernel).lower(*args).compile().as_text()
-    assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 2
+    assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 4

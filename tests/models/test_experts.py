@@ -1,6 +1,7 @@
 """Capacity-slot experts vs the exact ragged_dot reference vs a float64 numpy loop."""
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -23,17 +24,29 @@ F32_TOL = (
 )
 
 
-def _numpy_experts(x, ids, w, weights):
+def _numpy_experts(x, ids, w, weights, rounding=lambda row: row):
+    """float64 loop; ``rounding`` is applied to each row and each hidden row (FP8 rows)."""
     w_gate_up, wd = (np.asarray(a, np.float64) for a in weights)
     wg, wu = w_gate_up[:, :, 0], w_gate_up[:, :, 1]
     out = np.zeros(x.shape, np.float64)
     for t in range(x.shape[0]):
+        row = rounding(x[t])
         for j, e in enumerate(ids[t]):
             if not 0 <= e < wg.shape[0]:
                 continue
-            g = x[t] @ wg[e]
-            out[t] += w[t, j] * ((g / (1 + np.exp(-g)) * (x[t] @ wu[e])) @ wd[e])
+            g = row @ wg[e]
+            out[t] += w[t, j] * (rounding(g / (1 + np.exp(-g)) * (row @ wu[e])) @ wd[e])
     return out
+
+
+def _fp8_row_rounding(group):
+    """One row through FP8 per ``group`` columns and back (numpy, block by block)."""
+
+    def rounding(row):
+        values, scales = fp8_blocks.quantize_blocks_reference(row.astype(np.float32), (group,))
+        return fp8_blocks.dequantize_blocks_reference(values, scales, (group,))
+
+    return rounding
 
 
 def _inputs(seed, num_tokens):
@@ -114,28 +127,52 @@ def _fp8_config():
 
 def test_fp8_experts_hold_values_and_scales_and_serve_as_their_dequantization():
     module = experts.RoutedExperts(_fp8_config(), rngs=nnx.Rngs(3))
-    assert module.w_gate_up[...].dtype == jnp.float8_e4m3fn
-    assert module.w_gate_up_scale[...].shape == (8, 4, 2, 2)  # [E, H / 16, 2, F / 16]
-    assert module.w_down_scale[...].shape == (8, 2, 4)  # [E, F / 16, H / 16]
+    # Stored contraction-last: [E, 2, F, H] and [E, H, F], the scales in the same order.
+    assert module.w_gate_up[...].dtype == module.w_down[...].dtype == jnp.float8_e4m3fn
+    assert module.w_gate_up[...].shape == (8, 2, 32, 64)
+    assert module.w_down[...].shape == (8, 64, 32)
+    assert module.w_gate_up_scale[...].shape == (8, 2, 2, 4)  # [E, 2, F / 16, H / 16]
+    assert module.w_down_scale[...].shape == (8, 4, 2)  # [E, H / 16, F / 16]
     gate_up, down = module.weights
     assert isinstance(gate_up, fp8_blocks.BlockQuantized) and down.block_shape == (1, 16, 16)
+    assert (gate_up.axes, down.axes) == ((0, 2, 3, 1), (0, 2, 1))
+    assert (gate_up.shape, down.shape) == ((8, 64, 2, 32), (8, 32, 64))  # the weights' order
     dense = experts.float_weights(module.weights, jnp.float32)
     # The stored weights are the float init quantized: within e4m3's 2**-4 of it per element
     # (an element below the subnormal range of its block may be off by 2**-10 of the scale).
     float_module = experts.RoutedExperts(config_lib.MoEConfig.tiny(), rngs=nnx.Rngs(3))
     for got, want, q in zip(dense, float_module.weights, module.weights, strict=True):
+        assert got.shape == want.shape
         scale = fp8_blocks.dequantize_blocks(
-            fp8_blocks.BlockQuantized(jnp.ones_like(q.values), q.scales, q.block_shape)
+            fp8_blocks.BlockQuantized(jnp.ones_like(q.values), q.scales, q.block_shape, q.axes)
         )
         bound = np.maximum(2.0**-4 * np.abs(want), 2.0**-10 * np.asarray(scale))
         assert (np.abs(np.asarray(got) - np.asarray(want)) <= bound).all()
+        # Bit for bit the identity-order quantization of the float init, transposed.
+        plain = fp8_blocks.quantize_blocks(want, q.block_shape)
+        np.testing.assert_array_equal(
+            np.asarray(q.values).view(np.uint8),
+            np.moveaxis(np.asarray(plain.values), 1, -1).view(np.uint8),
+        )
+        np.testing.assert_array_equal(q.scales, np.moveaxis(np.asarray(plain.scales), 1, -1))
     _, x, ids, w = _inputs(5, 9)
     want = _numpy_experts(x, ids, w, dense)
     # Jitted: one compile each. The Pallas kernel's FP8 path: tests/kernels/test_grouped_gemm.py.
-    got = jax.jit(experts.experts_capacity)(x, ids, w, module.weights)
-    chex.assert_trees_all_close(got, want, **F32_TOL)
+    weight_only = functools.partial(experts.experts_capacity, fp8_activations=False)
+    chex.assert_trees_all_close(jax.jit(weight_only)(x, ids, w, module.weights), want, **F32_TOL)
     ragged = jax.jit(experts.experts_ragged_dot_reference)(x, ids, w, module.weights)
     chex.assert_trees_all_close(ragged, want, **F32_TOL)
+    # FP8 rows (the default): each row and hidden row through FP8 per block (16 columns).
+    assert module.fp8_activations and module.activation_groups == (16, 16)
+    want = _numpy_experts(x, ids, w, dense, _fp8_row_rounding(16))
+    got = np.asarray(jax.jit(experts.experts_capacity)(x, ids, w, module.weights), np.float64)
+    # A hidden value summed in another order may round to the neighbouring e4m3 value.
+    assert np.linalg.norm(got - want) <= 5e-3 * np.linalg.norm(want)
+    assert np.linalg.norm(ragged - want) > 2e-2 * np.linalg.norm(want)  # the rounding shows
+    ragged = jax.jit(experts.experts_ragged_dot_reference, static_argnums=4)(
+        x, ids, w, module.weights, module.activation_groups
+    )
+    assert np.linalg.norm(np.asarray(ragged, np.float64) - want) <= 5e-3 * np.linalg.norm(want)
 
 
 def test_fp8_expert_shards_must_be_whole_blocks():

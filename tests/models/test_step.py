@@ -16,6 +16,7 @@ from jtbo import aot
 from jtbo.analysis import aot_report, hlo_schedule, report, schedule_costs
 from jtbo.attention import kv_cache as kv_cache_lib
 from jtbo.collectives import mesh as mesh_lib
+from jtbo.kernels import fp8_blocks
 from jtbo.models import config as config_lib
 from jtbo.models import layer_ops, step
 from jtbo.models import model as model_lib
@@ -39,6 +40,37 @@ def test_param_specs(backend):
     assert specs["layers"][0]["attn"]["wqkv"].get_value() == P(None, "attn_tp", None, None)
     assert specs["layers"][0]["attn"]["wo"].get_value() == P("attn_tp", None, None)
     assert specs["embed"]["table"].get_value() == P()
+
+
+@pytest.mark.parametrize("backend", ["ep", "none"])
+def test_fp8_expert_specs_are_the_float_ones_in_the_stored_order(backend):
+    # FP8 experts are stored contraction-last (fp8_blocks.expert_axes): each spec is the
+    # float layout's permuted alike, the block scales' that of their values.
+    config = config_lib.MoEConfig.tiny()
+    fp8 = dataclasses.replace(config, expert_dtype="float8_e4m3fn", expert_block_size=(16, 16))
+    specs = {}
+    for name, cfg in (("float", config), ("fp8", fp8)):
+        _, state = nnx.split(
+            nnx.eval_shape(lambda cfg=cfg: model_lib.MoEModel(cfg, rngs=nnx.Rngs(0)))
+        )
+        specs[name] = step.param_specs(state, backend)["layers"][1]["moe"]["experts"]
+    float_specs, fp8_specs = (
+        {key: v.get_value() for key, v in specs[name].items()} for name in ("float", "fp8")
+    )
+    assert sorted(float_specs) == ["w_down", "w_gate_up"]
+    split = mesh_lib.TP_AXES
+    want_float = dict(
+        ep=dict(w_gate_up=P(split, None, None, None), w_down=P(split, None, None)),
+        none=dict(w_gate_up=P(None, None, None, split), w_down=P(None, split, None)),
+    )[backend]
+    assert float_specs == want_float
+    for name, spec in want_float.items():
+        axes = fp8_blocks.expert_axes(len(spec))
+        stored = P(*(spec[axis] for axis in axes))
+        assert fp8_specs[name] == fp8_specs[name + "_scale"] == stored, name
+    if backend == "none":  # F is stored axis 2 of both
+        assert fp8_specs["w_gate_up"] == P(None, None, split, None)
+        assert fp8_specs["w_down"] == P(None, None, split)
 
 
 @pytest.mark.parametrize("backend", ["ep", "none"])

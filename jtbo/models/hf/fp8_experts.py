@@ -2,13 +2,15 @@
 
 FP8 routed experts (``MoEConfig.expert_dtype="float8_e4m3fn"``) hold each expert's gate, up
 and down matrices as ``float8_e4m3fn`` values and a float32 scale per block
-(``jtbo.kernels.fp8_blocks``). A checkpoint stores each of these matrices as ``[out, in]``;
-its blocks are ``(out, in)`` blocks, which the recipes' transposes turn into jtbo's
-``(contraction, output)`` blocks (``expert_block_size``). The recipes (``tensor_map``) only
-transpose, stack and split, so one recipe maps a matrix's values and its block scales alike:
-the values parameter (``w_gate_up``, ``w_down``) is made from each source matrix's FP8
-values, and the scale parameter (``w_gate_up_scale``, ``w_down_scale``) from its scales by the
-same recipe with the scales' shapes (``plans``).
+(``jtbo.kernels.fp8_blocks``), stored contraction-last (``fp8_blocks.expert_axes``):
+``w_gate_up [E, 2, F, H]``, ``w_down [E, H, F]``, i.e. each matrix ``[out, in]`` as a
+checkpoint stores it, its ``(out, in)`` blocks being jtbo's ``(contraction, output)`` blocks
+(``expert_block_size``) transposed. So these parameters come from the recipes that keep each
+matrix as it is and only stack them (``tensor_map.out_in_expert_recipes``), and one recipe
+maps a matrix's values and its block scales alike: the values parameter (``w_gate_up``,
+``w_down``) is made from each source matrix's FP8 values, and the scale parameter
+(``w_gate_up_scale``, ``w_down_scale``) from its scales by the same recipe with the scales'
+shapes (``plans``).
 
 Where each source matrix's values and scales come from (``ValueViews``, ``ScaleViews``):
 
@@ -27,7 +29,7 @@ import numpy as np
 
 from jtbo.kernels import fp8_blocks
 from jtbo.models import config as config_lib
-from jtbo.models.hf import fp8, safetensors_io, tensor_map
+from jtbo.models.hf import families, fp8, safetensors_io, tensor_map
 
 FP8 = "float8_e4m3fn"
 """The ``expert_dtype`` of FP8 routed experts."""
@@ -102,27 +104,26 @@ class ScaleViews(_FP8Views):
 
 
 def plans(
-    recipes: list[tensor_map.Recipe], file_views, float_views, block: tuple[int, int]
+    config: config_lib.MoEConfig, family: families.Family, file_views, float_views
 ) -> dict[tuple, tuple]:
     """How to build the FP8 expert parameters: ``{path: (recipe, views, dtype)}`` of each
-    routed-expert values parameter and of its scale parameter.
+    routed-expert values parameter and of its scale parameter, in their stored order.
 
     Args:
-      recipes: the model's recipes (``tensor_map.recipes``).
+      config: the model's config (FP8 experts in ``expert_block_size`` blocks).
+      family: the checkpoint family.
       file_views: the checkpoint's stored tensors.
       float_views: the same, FP8 tensors dequantized.
-      block: ``MoEConfig.expert_block_size``, ``(contraction, output)``.
 
     Returns:
       Parameter path -> ``(recipe, views, dtype)`` for ``placement.place``.
     """
+    block = config.expert_block_size
     hf_block = (block[1], block[0])
     values = ValueViews(file_views, float_views, hf_block)
     scales = ScaleViews(file_views, float_views, hf_block)
     out = {}
-    for recipe in recipes:
-        if not recipe.per_expert:
-            continue
+    for recipe in tensor_map.out_in_expert_recipes(config, family):
         scale_recipe = dataclasses.replace(
             recipe,
             path=(*recipe.path[:-1], recipe.path[-1] + SCALE_SUFFIX),

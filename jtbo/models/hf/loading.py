@@ -9,6 +9,7 @@ drawn). Saving writes the same layout back: ``config.json`` of the family and th
 one parameter's worth at a time, as ``model.safetensors`` or shards with their index.
 """
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -92,6 +93,7 @@ def from_pretrained(
     mesh: jax.sharding.Mesh | None = None,
     moe_a2a_backend: str = "ep",
     expert_dtype=None,
+    expert_fp8_activations: bool = True,
 ) -> model_lib.MoEModel:
     """Loads a Hugging Face MoE checkpoint (``qwen3_moe``, ``qwen2_moe``, ``mixtral``,
     ``deepseek_v2``, ``deepseek_v3``; ``jtbo.models.hf.families``).
@@ -108,6 +110,8 @@ def from_pretrained(
         parameters; ``"float8_e4m3fn"``, block-scaled FP8 (``MoEConfig.expert_dtype``): an
         FP8 checkpoint's expert values and scales are kept as stored, a float checkpoint's
         experts are quantized in 128 x 128 blocks while they load (``fp8_experts``).
+      expert_fp8_activations: FP8 experts: whether their rows are quantized too
+        (``MoEConfig.expert_fp8_activations``); False: weight-only FP8.
 
     Returns:
       The ``MoEModel`` (``model.config`` is the mapped ``MoEConfig``).
@@ -121,6 +125,7 @@ def from_pretrained(
     """
     family, raw = _read_config(path)
     config = fp8_experts.model_config(family.to_moe_config(raw), raw, expert_dtype, dtype)
+    config = dataclasses.replace(config, expert_fp8_activations=expert_fp8_activations)
     if mesh is not None:
         experts.check_expert_shards(config, moe_a2a_backend, mesh.size)
     table, views, file_views = _tensor_table(Path(path), family, raw)
@@ -128,7 +133,7 @@ def from_pretrained(
     placement.check_tensors(recipes, table)
     plans = {recipe.path: (recipe, views, dtype) for recipe in recipes}
     if config.expert_dtype is not None:
-        plans.update(fp8_experts.plans(recipes, file_views, views, config.expert_block_size))
+        plans.update(fp8_experts.plans(config, family, file_views, views))
     abstract = nnx.eval_shape(lambda: model_lib.MoEModel(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
 

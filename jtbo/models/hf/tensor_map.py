@@ -9,7 +9,9 @@ checkpoint tensors of one parameter with their expected shapes, and the two pure
 them. Both maps only transpose, reshape, stack and split, so a round trip is exact.
 
 Routed-expert recipes are per expert (``per_expert`` tensors each, expert-major), so a device
-that holds some experts reads only theirs (``placement``).
+that holds some experts reads only theirs (``placement``). FP8 routed experts keep each
+matrix ``[out, in]`` instead (contraction-last, ``jtbo.kernels.fp8_blocks.expert_axes``):
+``out_in_expert_recipes`` only stacks them.
 """
 
 import dataclasses
@@ -172,20 +174,52 @@ def _mla_attention(config: config_lib.MoEConfig, layer: int) -> list[Recipe]:
     ]
 
 
-def _experts(config: config_lib.MoEConfig, family: families.Family, layer: int) -> list[Recipe]:
+def _experts(
+    config: config_lib.MoEConfig, family: families.Family, layer: int, *, out_in: bool = False
+) -> list[Recipe]:
+    """The routed experts' ``w_gate_up [E, H, 2, F]`` and ``w_down [E, F, H]`` recipes; with
+    ``out_in``, each expert's matrices kept ``[out, in]`` as the checkpoint stores them
+    (stacked, never transposed): ``[E, 2, F, H]`` and ``[E, H, F]``."""
     prefix = f"model.layers.{layer}.{family.moe_prefix}.experts"
     path = ("layers", layer, "moe", "experts")
     h, f, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
     gate, up, down = family.expert_projections
-    to_jtbo, to_hf, shapes = _gate_up(h, f)
     gate_up_names = tuple(f"{prefix}.{i}.{name}.weight" for i in range(e) for name in (gate, up))
+    down_names = tuple(f"{prefix}.{i}.{down}.weight" for i in range(e))
+    if out_in:
+        gate_up_maps = (np.stack, lambda a: [a[0], a[1]])  # [F, H] twice <-> [2, F, H]
+        down_maps = (lambda t: t[0], lambda a: [a])  # [H, F] as it is
+    else:
+        gate_up_maps = _gate_up(h, f)[:2]  # [F, H] twice <-> [H, 2, F]
+        down_maps = (lambda t: t[0].T, lambda a: [a.T])  # [H, F] <-> [F, H]
     return [
-        Recipe((*path, "w_gate_up"), gate_up_names, shapes * e, to_jtbo, to_hf, per_expert=2),
-        Recipe(
-            (*path, "w_down"), tuple(f"{prefix}.{i}.{down}.weight" for i in range(e)),
-            ((h, f),) * e, lambda t: t[0].T, lambda a: [a.T], per_expert=1,
-        ),
+        Recipe((*path, "w_gate_up"), gate_up_names, ((f, h),) * 2 * e, *gate_up_maps,
+               per_expert=2),
+        Recipe((*path, "w_down"), down_names, ((h, f),) * e, *down_maps, per_expert=1),
     ]  # fmt: skip
+
+
+def out_in_expert_recipes(config: config_lib.MoEConfig, family: families.Family) -> list[Recipe]:
+    """The routed experts' recipes with each expert's matrices kept ``[out, in]``:
+    ``w_gate_up`` as ``[E, 2, F, H]`` (gate at index 0, up at 1), ``w_down`` as ``[E, H, F]``.
+
+    This is ``recipes``' parameters with their contraction axis moved last, the order FP8
+    experts store theirs in (``jtbo.kernels.fp8_blocks.expert_axes``), made without a
+    transpose.
+
+    Args:
+      config: the model's config.
+      family: the checkpoint family.
+
+    Returns:
+      Two recipes per MoE layer, with the paths, sources and source shapes of ``recipes``'.
+    """
+    return [
+        recipe
+        for layer, moe in enumerate(config.is_moe_layer)
+        if moe
+        for recipe in _experts(config, family, layer, out_in=True)
+    ]
 
 
 def _moe(config: config_lib.MoEConfig, family: families.Family, layer: int) -> list[Recipe]:
