@@ -3,7 +3,8 @@
 # group runs the commands the table names, one log per command under $OUT, and the end of each
 # log (the bench's table) on stdout. Groups: tbo (device steps), serve (generate against
 # transformers), kernels (grouped GEMM, attention), presets (grouped GEMM at model shapes), fp8
-# (the FP8 kernels' GPU tests, FP8 against bf16 experts in the layer and the device step).
+# (the FP8 kernels' GPU tests, FP8 against bf16 experts in the layer), fp8-step (the device
+# step with bf16, then FP8 experts), real-dims (device steps at published models' dimensions).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -41,21 +42,27 @@ for group in "$@"; do
         bench "gemm-$preset" 10 grouped_gemm --preset "$preset" --tokens 64,128,256,4096,16384 \
           --impls dense,pallas,mosaic --iters 5 --reps 5
       done ;;
-    fp8)
+    fp8)  # the FP8 kernels: GPU tests, then the layer against bf16 at the Qwen3 preset
       echo "== pytest: the FP8 kernels compiled for the GPU"
-      timeout "${LIMIT:-300}" python3 -m pytest -q -x -p no:cacheprovider \
+      timeout "${LIMIT:-150}" python3 -m pytest -q -x -p no:cacheprovider \
         tests/kernels/test_fp8_blocks.py tests/kernels/test_grouped_gemm.py -k "fp8 or FP8" \
         >"$OUT/pytest-fp8.log" 2>&1
       echo "(exit $?)"; tail -n 3 "$OUT/pytest-fp8.log"
-      for flag in "" "--expert-dtype float8_e4m3fn"; do  # bf16 experts, then FP8 ones
-        # shellcheck disable=SC2086  # the flag splits into its two words, or none
-        bench "gemm-qwen3${flag:+-fp8}" 8 grouped_gemm --preset qwen3-30b-a3b $flag \
-          --tokens 64,256,4096 --impls dense,pallas --iters 5 --reps 5
-      done
+      LIMIT=240 bench gemm-qwen3-fp8 12 grouped_gemm --preset qwen3-30b-a3b \
+        --expert-dtype float8_e4m3fn --tokens 64,256,4096 \
+        --impls dense,pallas,pallas:weight_only --iters 5 --reps 5
+      LIMIT=150 bench gemm-qwen3-bf16 8 grouped_gemm --preset qwen3-30b-a3b \
+        --tokens 64,256,4096 --impls dense,pallas --iters 5 --reps 5 ;;
+    fp8-step)  # the device step with bf16, then FP8 experts (the Pallas grouped GEMM)
       for dtype in bfloat16 float8_e4m3fn; do
-        bench "tbo-$dtype" 6 tbo --devices 1 --attention-kind gqa --prefill 4096 --decode 128 \
-          --iters 10 --no-profile --expert-dtype "$dtype" --moe-runner-backend pallas
+        LIMIT=240 bench "tbo-$dtype" 8 tbo --devices 1 --attention-kind gqa --prefill 4096 \
+          --decode 128 --iters 10 --no-profile --expert-dtype "$dtype" --moe-runner-backend pallas
       done ;;
-    *) echo "unknown group $group (tbo, serve, kernels, presets, fp8)"; exit 2 ;;
+    real-dims)  # the plain and TBO device steps at published models' dimensions (8 layers)
+      for model in qwen3_30b_a3b deepseek_v2_lite; do
+        LIMIT=280 bench "tbo-$model" 10 tbo --devices 1 --hf-config "tools/hf_configs/$model.json" \
+          --num-layers 8 --prefill 4096 --decode 128 --iters 10 --no-profile
+      done ;;
+    *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims)"; exit 2 ;;
   esac
 done

@@ -67,13 +67,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jtbo.bench import hf_configs
 from jtbo.bench import tbo as tbo_bench
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.core import arith, cli_arguments
 from jtbo.models import config as config_lib
 from jtbo.models import hf
 from jtbo.models import model as model_lib
-from jtbo.models.hf import families
 from jtbo.runner import admission, planning, sampling, tbo_auto, tbo_options
 from jtbo.runner import generate as generate_lib
 from jtbo.runner import runner as runner_lib
@@ -227,7 +227,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     if args.hf_config is None and args.model is None and args.preset is None:
         args.preset = DEFAULT_PRESET
     try:
-        args.raw = None if args.hf_config is None else _hf_raw(args.hf_config, args.num_layers)
+        args.raw = (
+            None
+            if args.hf_config is None
+            else hf_configs.read_layers(args.hf_config, args.num_layers)
+        )
         args.config = _moe_config(args.preset, args.raw, args.model)
         args.name = args.preset or f"{args.hf_config or args.model} ({_model_type(args)})"
     except (ValueError, OSError) as error:
@@ -259,20 +263,6 @@ def _require_peer_modules() -> None:
             raise SystemExit(EXIT_NO_PEER) from error
 
 
-def _hf_raw(path: Path, num_layers: int | None) -> dict:
-    """A ``config.json`` as a dict, cut to its first ``num_layers`` layers when given (the
-    per-layer lists too)."""
-    raw = json.loads(path.read_text())
-    if num_layers is None:
-        return raw
-    raw["num_hidden_layers"] = num_layers
-    if raw.get("mlp_only_layers"):
-        raw["mlp_only_layers"] = [layer for layer in raw["mlp_only_layers"] if layer < num_layers]
-    if raw.get("layer_types"):
-        raw["layer_types"] = raw["layer_types"][:num_layers]
-    return raw
-
-
 def _moe_config(preset: str | None, raw: dict | None, directory: Path | None):
     """The served model's ``MoEConfig``: a preset's, ``raw``'s or the directory's config.json's.
 
@@ -283,7 +273,7 @@ def _moe_config(preset: str | None, raw: dict | None, directory: Path | None):
         return PRESETS[preset]()
     if raw is None:
         raw = json.loads((directory / "config.json").read_text())
-    return families.family_of(raw).to_moe_config(raw)
+    return hf_configs.moe_config(raw)
 
 
 def _model_type(args) -> str:

@@ -5,7 +5,9 @@ can only lose (two half-size micro-batches, split/merge copies). The model is De
 hidden size, expert shape and MLA attention reduced to fit (``MoEConfig.deepseek_v3_reduced``:
 hidden 7168, 64 experts, top-8 + 1 shared, 4 layers, bf16); ``--attention-kind gqa`` swaps its
 MLA for GQA (``MoEConfig.deepseek_v3_gqa_reduced``; the header line names the KV-cache
-bytes per token). Cases: prefill of 4096-16384 tokens per DP rank
+bytes per token); ``--hf-config FILE [--num-layers N]`` takes a published model's real
+dimensions from its ``config.json`` instead (random weights; ``jtbo.bench.hf_configs``, the
+files under ``tools/hf_configs/``). Cases: prefill of 4096-16384 tokens per DP rank
 (prompts of ``--prompt-len`` tokens) and decode of 64-256 sequences (context ``--context``).
 For each case one ``ModelRunner`` plans the same batch twice (TBO on and off) and runs the two
 jitted steps in turn; the time is the median of ``--iters`` runs after warm-up,
@@ -68,6 +70,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import MutableMapping
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +80,7 @@ from flax import nnx
 from jtbo import split
 from jtbo.analysis import hlo_schedule
 from jtbo.attention import backend as attn_backend_lib
-from jtbo.bench import device_rates, kernel_time, limits, options
+from jtbo.bench import device_rates, hf_configs, kernel_time, limits, options
 from jtbo.collectives import ep_config
 from jtbo.collectives import mesh as mesh_lib
 from jtbo.core import cli_arguments
@@ -232,10 +235,20 @@ class TboBenchOptions:
         help="a step that overflows EP capacity re-runs with the next bucket (warm-up absorbs it)",
     )  # fmt: skip
     tiny: bool = options.option(False, action="store_true", help="MoEConfig.tiny() (smoke test)")
-    attention_kind: str = options.option(
-        "mla", choices=("mla", "gqa"),
-        help="the model's attention: DeepSeek's MLA (MoEConfig.deepseek_v3_reduced(); "
-        "tiny_mla() with --tiny) or GQA (deepseek_v3_gqa_reduced(); tiny())",
+    attention_kind: str | None = options.option(
+        None, choices=("mla", "gqa"),
+        help="the preset model's attention: DeepSeek's MLA (the default; "
+        "MoEConfig.deepseek_v3_reduced(); tiny_mla() with --tiny) or GQA "
+        "(deepseek_v3_gqa_reduced(); tiny())",
+    )  # fmt: skip
+    hf_config: Path | None = options.option(
+        None, type=cli_arguments.existing_file, metavar="FILE",
+        help="a Hugging Face config.json instead of a preset: jtbo maps it, random weights "
+        "(its own attention: not with --tiny or --attention-kind)",
+    )  # fmt: skip
+    num_layers: int | None = options.option(
+        None, type=cli_arguments.positive_int, metavar="N",
+        help="keep the first N layers of --hf-config",
     )  # fmt: skip
     attention_backend: str | None = options.option(
         None, choices=tuple(attn_backend_lib.ATTENTION_BACKENDS),
@@ -694,16 +707,31 @@ def _save_routing_stats(args, runners) -> None:
 
 
 def _config(args) -> config_lib.MoEConfig:
-    """The benchmark's model: ``--tiny`` / ``--attention-kind`` pick among four presets,
-    ``--expert-dtype`` its routed experts' storage."""
-    presets = {
-        (False, "mla"): config_lib.MoEConfig.deepseek_v3_reduced,
-        (False, "gqa"): config_lib.MoEConfig.deepseek_v3_gqa_reduced,
-        (True, "mla"): config_lib.MoEConfig.tiny_mla,
-        (True, "gqa"): config_lib.MoEConfig.tiny,
-    }
+    """The benchmark's model: ``--hf-config`` (cut to ``--num-layers``), or a preset that
+    ``--tiny`` / ``--attention-kind`` pick among four; ``--expert-dtype`` its routed experts'
+    storage.
+
+    Raises:
+      ValueError: ``--num-layers`` without ``--hf-config``, or ``--hf-config`` beside
+        ``--tiny`` / ``--attention-kind`` (names both); an unsupported config.
+    """
     stored = config_lib.resolve_expert_dtype(args.expert_dtype, args.dtype)
-    return dataclasses.replace(presets[args.tiny, args.attention_kind](), expert_dtype=stored)
+    if args.hf_config is None:
+        if args.num_layers is not None:
+            raise ValueError("--num-layers applies to --hf-config only")
+        presets = {
+            (False, "mla"): config_lib.MoEConfig.deepseek_v3_reduced,
+            (False, "gqa"): config_lib.MoEConfig.deepseek_v3_gqa_reduced,
+            (True, "mla"): config_lib.MoEConfig.tiny_mla,
+            (True, "gqa"): config_lib.MoEConfig.tiny,
+        }
+        preset = presets[args.tiny, args.attention_kind or "mla"]
+        return dataclasses.replace(preset(), expert_dtype=stored)
+    if args.tiny or args.attention_kind is not None:
+        flag = "--tiny" if args.tiny else "--attention-kind"
+        raise ValueError(f"--hf-config {args.hf_config} sets the model: {flag} does not apply")
+    config = hf_configs.moe_config(hf_configs.read_layers(args.hf_config, args.num_layers))
+    return dataclasses.replace(config, expert_dtype=stored)
 
 
 def _kv_bytes(config: config_lib.MoEConfig, dtype: str) -> str:
@@ -877,12 +905,16 @@ def main(argv) -> None:
     Raises:
       ValueError: ``--env`` clashes with ``--link`` (``configure_environment``).
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        config = _config(args)
+    except ValueError as error:
+        parser.error(str(error))
     directory = None if args.no_profile else args.profile or tempfile.mkdtemp(prefix="jtbo_tbo_")
     configure_environment(args, os.environ, directory)  # before anything starts the backend
     if args.devices is not None:
         args.dp, args.attn_tp = args.devices, 1
-    config = _config(args)
     runners, auto = _runners(args, config)
     args.moe_runner_backend = runners[
         0

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -319,6 +320,43 @@ def test_attention_kind_picks_the_preset_and_kv_bytes_per_token():
     # V3's latent: 512 + 64 values per token and layer; GQA: 2 x 8 heads x 128.
     assert tbo._kv_bytes(mla, "bfloat16").endswith(f"{4 * 576 * 2} bytes/token")
     assert tbo._kv_bytes(gqa, "bfloat16").endswith(f"{4 * 2 * 8 * 128 * 2} bytes/token")
+
+
+HF_CONFIGS = Path(__file__).resolve().parents[2] / "tools" / "hf_configs"
+
+
+def test_hf_config_takes_the_published_dimensions_cut_to_num_layers():
+    parse = tbo._parser().parse_args
+    path = HF_CONFIGS / "qwen3_30b_a3b.json"
+    raw = json.loads(path.read_text())
+    config = tbo._config(parse(["--hf-config", str(path), "--num-layers", "3"]))
+    assert config.num_layers == 3 and config.num_experts == raw["num_local_experts"] == 128
+    assert config.moe_intermediate_size == raw["moe_intermediate_size"]
+    assert config.hidden_size == raw["hidden_size"] and config.attention_kind == "gqa"
+    whole = tbo._config(parse(["--hf-config", str(path)]))
+    assert whole.num_layers == raw["num_hidden_layers"]
+    lite = tbo._config(
+        parse(["--hf-config", str(HF_CONFIGS / "deepseek_v2_lite.json"), "--num-layers", "2"])
+    )
+    assert lite.attention_kind == "mla" and lite.num_experts == 64 and lite.num_layers == 2
+    fp8 = ["--hf-config", str(path), "--expert-dtype", "float8_e4m3fn"]
+    assert tbo._config(parse(fp8)).expert_dtype == "float8_e4m3fn"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--num-layers", "2"], "--num-layers applies to --hf-config only"),
+        (["--tiny"], "--tiny does not apply"),
+        (["--attention-kind", "gqa"], "--attention-kind does not apply"),
+    ],
+)
+def test_hf_config_flags_that_do_not_fit_are_usage_errors(argv, message, capsys):
+    if argv[0] != "--num-layers":
+        argv = ["--hf-config", str(HF_CONFIGS / "qwen3_30b_a3b.json"), *argv]
+    with pytest.raises(SystemExit) as exit_info:
+        tbo.main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_expert_dtype_gives_the_preset_fp8_experts():
