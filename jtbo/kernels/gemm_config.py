@@ -97,6 +97,14 @@ class GroupedFfnConfig:
 
 # Default launch shapes (measured: see GroupedFfnConfig).
 GROUPED_FFN = GroupedFfnConfig()
+# Default launch shapes of FP8 weights: a contraction step of a whole 128-wide FP8 block moves
+# as many bytes per step as the float kernels' 64-wide bf16 steps; fastest of those measured
+# at decode sizes (docs/benchmarks/, "FP8 experts stored contraction-last, with FP8
+# activations").
+GROUPED_FFN_FP8 = GroupedFfnConfig(
+    gate_up=GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
+    down=GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -581,7 +581,7 @@ def grouped_ffn(
         Hopper; ``grouped_gemm_mosaic``; float weights only), or ``"auto"`` / None: the
         fastest measured for the call's rows and weights (``auto_impl``).
       config: the kernels' launch shapes: a ``GroupedFfnConfig`` for ``"pallas"`` (None:
-        ``gemm_config.GROUPED_FFN``), a ``MosaicFfnConfig`` for ``"mosaic"`` (None:
+        ``gemm_config.GROUPED_FFN``, ``GROUPED_FFN_FP8`` for FP8 weights), a ``MosaicFfnConfig`` for ``"mosaic"`` (None:
         ``gemm_config.MOSAIC_FFN``).
       max_rows: static bound on ``sum(min(counts, C))`` that the caller guarantees (e.g. the
         rows an exchange can deliver); the kernel's grid then covers only that many rows'
@@ -655,9 +655,16 @@ def grouped_ffn_rows(
         )  # fmt: skip
     return grouped_ffn_pallas(
         x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
-        cfg=config or gemm_config.GROUPED_FFN, interpret=interpret, zero_padding=zero_padding,
+        cfg=config or _default_config(w_gate_up), interpret=interpret, zero_padding=zero_padding,
         fp8_activations=fp8_activations,
     )  # fmt: skip
+
+
+def _default_config(w_gate_up) -> gemm_config.GroupedFfnConfig:
+    """The Pallas kernels' launch shapes for float or FP8 weights."""
+    if isinstance(w_gate_up, fp8_blocks.BlockQuantized):
+        return gemm_config.GROUPED_FFN_FP8
+    return gemm_config.GROUPED_FFN
 
 
 def _resolve(impl, config, shape: tuple[int, int, int], dtype, quant_block) -> str:

@@ -439,7 +439,7 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu():
                 w_gate_up,
                 w_down,
                 max_rows=200,
-                cfg=gemm_config.GROUPED_FFN,
+                cfg=gemm_config.GROUPED_FFN_FP8,
                 interpret=False,
                 fp8_activations=activations,
             )  # fmt: skip

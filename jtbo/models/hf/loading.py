@@ -110,30 +110,23 @@ def from_pretrained(
         parameters; ``"float8_e4m3fn"``, block-scaled FP8 (``MoEConfig.expert_dtype``): an
         FP8 checkpoint's expert values and scales are kept as stored, a float checkpoint's
         experts are quantized in 128 x 128 blocks while they load (``fp8_experts``).
-      expert_fp8_activations: FP8 experts: whether their rows are quantized too
-        (``MoEConfig.expert_fp8_activations``); False: weight-only FP8.
+      expert_fp8_activations: ``MoEConfig.expert_fp8_activations`` of FP8 experts.
 
     Returns:
       The ``MoEModel`` (``model.config`` is the mapped ``MoEConfig``).
 
     Raises:
       ValueError: a missing or malformed ``config.json`` (naming the file), an unsupported
-        ``model_type`` or config field, a missing or extra tensor, a
-        tensor of the wrong shape or dtype (each names the field or tensor with the expected
-        and found values), no weights in the directory, an unknown ``expert_dtype``, or FP8
-        expert blocks that a device's shard would cut.
+        ``model_type`` or config field, a missing or extra tensor or one of the wrong shape or
+        dtype (each named with the expected and found values), no weights in the directory,
+        an unknown ``expert_dtype``, or FP8 expert blocks that a device's shard would cut.
     """
     family, raw = _read_config(path)
-    config = fp8_experts.model_config(family.to_moe_config(raw), raw, expert_dtype, dtype)
-    config = dataclasses.replace(config, expert_fp8_activations=expert_fp8_activations)
+    config = _load_config(family, raw, dtype, expert_dtype, expert_fp8_activations)
     if mesh is not None:
         experts.check_expert_shards(config, moe_a2a_backend, mesh.size)
     table, views, file_views = _tensor_table(Path(path), family, raw)
-    recipes = tensor_map.recipes(config, family)
-    placement.check_tensors(recipes, table)
-    plans = {recipe.path: (recipe, views, dtype) for recipe in recipes}
-    if config.expert_dtype is not None:
-        plans.update(fp8_experts.plans(config, family, file_views, views))
+    plans = _plans(config, family, table, (views, file_views), dtype)
     abstract = nnx.eval_shape(lambda: model_lib.MoEModel(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
 
@@ -150,6 +143,29 @@ def from_pretrained(
     if plans:
         raise AssertionError(f"recipes without a model parameter: {sorted(plans)}")
     return nnx.merge(graphdef, state)
+
+
+def _plans(config, family, table, views: tuple, dtype) -> dict:
+    """Parameter path -> ``(recipe, its views, dtype)`` of every parameter, the FP8 experts'
+    from ``fp8_experts.plans``; ``views = (float views, file views)``.
+
+    Raises:
+      ValueError: a missing or extra tensor, or one of the wrong shape (``check_tensors``).
+    """
+    float_views, file_views = views
+    recipes = tensor_map.recipes(config, family)
+    placement.check_tensors(recipes, table)
+    plans = {recipe.path: (recipe, float_views, dtype) for recipe in recipes}
+    if config.expert_dtype is not None:
+        plans.update(fp8_experts.plans(config, family, file_views, float_views))
+    return plans
+
+
+def _load_config(family, raw: dict, dtype, expert_dtype, expert_fp8_activations: bool):
+    """The ``MoEConfig`` a load builds: the family's mapping of ``raw`` with the asked expert
+    storage (``fp8_experts.model_config``) and FP8 scheme."""
+    config = fp8_experts.model_config(family.to_moe_config(raw), raw, expert_dtype, dtype)
+    return dataclasses.replace(config, expert_fp8_activations=expert_fp8_activations)
 
 
 def _pending(recipe: tensor_map.Recipe, value: jax.Array) -> list[safetensors_io.PendingTensor]:
