@@ -581,8 +581,8 @@ def grouped_ffn(
         Hopper; ``grouped_gemm_mosaic``; float weights only), or ``"auto"`` / None: the
         fastest measured for the call's rows and weights (``auto_impl``).
       config: the kernels' launch shapes: a ``GroupedFfnConfig`` for ``"pallas"`` (None:
-        ``gemm_config.GROUPED_FFN``, ``GROUPED_FFN_FP8`` for FP8 weights), a ``MosaicFfnConfig`` for ``"mosaic"`` (None:
-        ``gemm_config.MOSAIC_FFN``).
+        ``gemm_config.GROUPED_FFN``, ``GROUPED_FFN_FP8`` for FP8 weights), a
+        ``MosaicFfnConfig`` for ``"mosaic"`` (None: ``gemm_config.MOSAIC_FFN``).
       max_rows: static bound on ``sum(min(counts, C))`` that the caller guarantees (e.g. the
         rows an exchange can deliver); the kernel's grid then covers only that many rows'
         tiles. A larger sum leaves the rows of tiles past the bound as padding. None: no
