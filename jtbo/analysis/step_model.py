@@ -20,6 +20,17 @@ overlap:
    the table's measured factor for the link's engine. TBO also pays the copy of the merged
    rows. Both add the table's host time per step.
 
+The **serving stack** is an input (``StepInputs.exchange``, ``StepInputs.decode_attention``
+and the link's engine; ``serving_stack`` names two): ``jtbo``, the default, prices jtbo's own
+stack (bf16 rows to each destination GPU, the table's attention kernels, exchanges moved by
+kernels); ``sglang`` prices SGLang's serving of DeepSeek-V3 over DeepEP: FP8 dispatch and bf16
+combine rows; prefill on DeepEP's normal kernels (one copy per destination node over the
+inter-node link, forwarded over NVLink inside it; kernels on the GPU's SMs), decode on its
+low-latency kernels (one message per (token, expert) pair, sent directly; the transfer in
+flight holds no SMs, so no compute slowdown); decode attention at the memory roofline of a
+memory-bound MLA kernel. Its stated rates and their sources: docs/benchmarks/, "TBO step
+model priced for SGLang's stack".
+
 The hottest GPU sets the step's pace: expert rows and received bytes scale with
 ``imbalance`` (1.0 by default: the balanced load an expert-placement balancer aims for; a
 routing statistics file gives a measured one, ``imbalance_from_stats``).
@@ -40,6 +51,14 @@ from jtbo.overlap import strategy
 from jtbo.split import forward_mode as forward_mode_lib
 
 YIELD = strategy.YIELD
+STACKS = ("jtbo", "sglang")
+SGLANG_GPUS_PER_NODE = 8
+"""GPUs per node of SGLang's deployment (one NVLink domain each)."""
+SGLANG_NVLINK_GBPS = 370.0
+"""GB/s a GPU sends over NVLink: jtbo's NCCL exchange between two H200s (BENCHMARKS.md, "TBO
+step model: validation", link rates); the same NVLink generation as the H100's."""
+FLASHMLA_GBPS = 3000.0
+"""GB/s FlashMLA reads the KV cache at in its memory-bound decode (its published figure)."""
 MODES = {
     "prefill": forward_mode_lib.ForwardMode.EXTEND,
     "decode": forward_mode_lib.ForwardMode.DECODE,
@@ -59,6 +78,39 @@ class StepInputs:
     prompt_len: int = 4096  # prefill: tokens per prompt (the last one may be shorter)
     context: int = 2048  # decode: each sequence's context length
     imbalance: float = 1.0  # the hottest GPU's expert load over the mean
+    exchange: step_ops.Exchange = step_ops.Exchange()  # rows' dtypes and topology (jtbo's)
+    decode_attention: step_ops.DecodeAttention = step_ops.DecodeAttention()  # the kernel's price
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """What a serving stack runs in one mode: the step model's inputs that describe it."""
+
+    exchange: step_ops.Exchange  # the EP exchange's rows and topology
+    decode_attention: step_ops.DecodeAttention  # how decode attention is priced
+    engine: str  # what moves the exchange's bytes: "sm" or "copy" (``step_ops.Link.engine``)
+
+
+def serving_stack(name: str, mode: str) -> Stack:
+    """The named serving stack in ``mode`` (module docstring, "serving stack").
+
+    Args:
+      name: one of ``STACKS``.
+      mode: "prefill" or "decode".
+
+    Returns:
+      The stack.
+
+    Raises:
+      ValueError: an unknown stack or mode.
+    """
+    if name not in STACKS or mode not in MODES:
+        raise ValueError(f"stack {name!r} (one of {STACKS}), mode {mode!r} (prefill or decode)")
+    if name == "jtbo":
+        return Stack(step_ops.Exchange(), step_ops.DecodeAttention(), "sm")
+    topology, engine = ("node", "sm") if mode == "prefill" else ("pairs", "copy")
+    exchange = step_ops.Exchange("fp8", "bf16", topology, SGLANG_GPUS_PER_NODE, SGLANG_NVLINK_GBPS)
+    return Stack(exchange, step_ops.DecodeAttention("roofline", FLASHMLA_GBPS), engine)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +124,7 @@ class StepPrediction:
     waited_ms: dict[str, float]  # {"plain", "tbo"}: compute stream waiting for exchanges
     remote_gpus_per_token: float  # the dedup dispatch's expected destinations per token
     slowdown: float  # compute slowdown beside an exchange, as used
+    traffic: dict[str, float]  # {"link_bytes", "nvlink_bytes"} the hottest GPU sends per step
 
     @property
     def gain(self) -> float:
@@ -133,10 +186,11 @@ def _layer_names(config: config_lib.MoEConfig, mode: str) -> list[list[str]]:
 
 
 def _layer_costs(
-    costs: step_costs.StepCosts, config, batch: step_ops.Batch, routing, is_moe: bool
-) -> dict[str, float]:
+    costs: step_costs.StepCosts, config, inputs: StepInputs, batch: step_ops.Batch, routing,
+    is_moe: bool,
+) -> dict[str, float]:  # fmt: skip
     t, h = batch.tokens, config.hidden_size
-    out = step_ops.attention_costs(costs, config, batch)
+    out = step_ops.attention_costs(costs, config, batch, inputs.decode_attention)
     out.update(step_ops.moe_costs(costs, config, batch, routing))
     out["mlp"] = step_ops.dense_mlp_ms(costs, t, h, config.intermediate_size) if not is_moe else 0.0
     out["comm_postprocess_layer"] = 0.0
@@ -156,17 +210,21 @@ def micro_batch_stages(
     """One micro-batch's whole step as stages of priced operations (exchange keys start with
     ``label``)."""
     routing = step_ops.routing_for(config, inputs.ep_size, inputs.imbalance)
-    sent = step_ops.exchange_bytes(config, batch, routing)
+    sent = step_ops.exchange_bytes(config, batch, routing, inputs.exchange)
+    link_ms = {
+        name: step_ops.exchange_ms(inputs.link, inputs.exchange, traffic)
+        for name, traffic in sent.items()
+    }
     stages, current = [], []
     for index, names in enumerate(_layer_names(config, inputs.mode)):
         is_moe = index < config.num_layers and config.is_moe_layer[index]
-        priced = _layer_costs(costs, config, batch, routing, is_moe)
+        priced = _layer_costs(costs, config, inputs, batch, routing, is_moe)
         for name in names:
             if name == YIELD:
                 stages, current = stages + [current], []
                 continue
             key = f"{label}.L{index}.{ISSUES.get(name) or WAITS.get(name, '')}"
-            exchange = inputs.link.exchange_ms(sent[ISSUES[name]]) if name in ISSUES else 0.0
+            exchange = link_ms[ISSUES[name]] if name in ISSUES else 0.0
             current.append(
                 step_schedule.Op(
                     name, priced[name], key if name in ISSUES else None,
@@ -251,6 +309,23 @@ def predict(
         waited_ms=dict(plain=plain.waited_ms, tbo=tbo.waited_ms),
         remote_gpus_per_token=routing.remote_gpus_per_token,
         slowdown=slowdown,
+        traffic=step_traffic(config, inputs, whole, routing),
+    )
+
+
+def step_traffic(
+    config: config_lib.MoEConfig,
+    inputs: StepInputs,
+    batch: step_ops.Batch,
+    routing: step_ops.Routing,
+) -> dict[str, float]:
+    """Bytes the hottest GPU sends in one step over the link and over NVLink (every MoE
+    layer's dispatch and combine; the same for the plain and the TBO step)."""
+    sent = step_ops.exchange_bytes(config, batch, routing, inputs.exchange).values()
+    layers = sum(config.is_moe_layer)
+    return dict(
+        link_bytes=layers * sum(t.link_bytes for t in sent),
+        nvlink_bytes=layers * sum(t.nvlink_bytes for t in sent),
     )
 
 

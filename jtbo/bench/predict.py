@@ -1,15 +1,23 @@
 """The TBO step model from the command line: ``python -m jtbo.bench predict [flags]``.
 
 ``python -m jtbo.bench predict --model NAME --ep N --mode prefill|decode --tokens-per-gpu T
---link-gbps B [--link-latency-us L] [--link-engine sm|copy] [--prompt-len P] [--context C]
-[--imbalance X | --routing-stats FILE] [--table FILE] [--expert-dtype bfloat16|float8_e4m3fn]
+--link-gbps B [--link-latency-us L] [--prompt-len P] [--context C] [--imbalance X |
+--routing-stats FILE] [--table FILE] [--expert-dtype bfloat16|float8_e4m3fn] [stack flags]
 [--json] [--plot FILE]`` predicts one GPU's plain and TBO step (``jtbo.analysis.step_model``)
 from a cost table (the shipped H200 table by default) on the CPU, and prints the model's
 weight bytes on one GPU of the EP group (``jtbo.models.param_bytes``: bf16, the routed
 experts in ``--expert-dtype``). ``--json`` prints one JSON object (``plain_ms``, ``tbo_ms``,
-``gain``, ``per_operation``, ``weight_bytes_per_gpu`` ...) after the summary line;
-``--plot FILE`` writes a PNG of the predicted TBO gain against tokens per GPU at EP 8, 32 and
-72 (matplotlib, the ``test`` extra).
+``gain``, ``per_operation``, ``traffic``, ``weight_bytes_per_gpu`` ...) after the summary
+line; ``--plot FILE`` writes a PNG of the predicted TBO gain against tokens per GPU at EP 8,
+32 and 72 (matplotlib, the ``test`` extra).
+
+The stack flags (``StackFlags``) say which serving stack is priced: ``--stack jtbo|sglang``
+names one (``step_model.serving_stack``: its exchange, decode attention and exchange engine
+for the mode), and ``--dispatch-dtype``, ``--combine-dtype``, ``--topology``,
+``--gpus-per-node``, ``--nvlink-gbps``, ``--decode-attention``, ``--attention-gbps`` and
+``--link-engine`` each replace that part of it. A flat topology has no NVLink leg and the
+measured attention no rate, so a stack's node fields or rate are dropped when a flag picks
+those, and giving them as flags too is an error.
 
 ``python -m jtbo.bench predict --measure --out FILE [--small]`` measures a new table on the
 device instead (``jtbo.bench.step_costs_measure``), writing it after every section.
@@ -18,8 +26,10 @@ device instead (``jtbo.bench.step_costs_measure``), writing it after every secti
 import argparse
 import dataclasses
 import json
+from typing import Any
 
 from jtbo.analysis import step_costs, step_model, step_ops
+from jtbo.bench import options
 from jtbo.core import cli_arguments
 from jtbo.models import config as config_lib
 from jtbo.models import param_bytes
@@ -36,6 +46,121 @@ PLOT_EP = (8, 32, 72)
 PLOT_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
+def _positive_float(text: str) -> float:
+    value = cli_arguments.non_negative_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+_STACK_DEFAULT = "(default: the stack's)"
+
+
+@dataclasses.dataclass(frozen=True)
+class StackFlags:
+    """The serving stack's flags: a named stack and, for each of its parts, a flag that
+    replaces it (None: the stack's)."""
+
+    stack: str = options.option(
+        "jtbo", choices=step_model.STACKS,
+        help="serving stack priced: jtbo (its own) or sglang (DeepEP, FP8 dispatch, a "
+        "memory-bound MLA decode kernel)",
+    )  # fmt: skip
+    dispatch_dtype: str | None = options.option(
+        None, choices=step_ops.ROW_DTYPES, help=f"dispatched rows {_STACK_DEFAULT}"
+    )
+    combine_dtype: str | None = options.option(
+        None, choices=step_ops.ROW_DTYPES, help=f"combined rows {_STACK_DEFAULT}"
+    )
+    topology: str | None = options.option(
+        None, choices=step_ops.TOPOLOGIES,
+        help="flat: a row per destination GPU over the link; node: a row per destination "
+        "node over the link, forwarded over NVLink inside it; pairs: a message per (token, "
+        f"expert) pair {_STACK_DEFAULT}",
+    )  # fmt: skip
+    gpus_per_node: int | None = options.option(
+        None, type=cli_arguments.positive_int, help=f"node / pairs {_STACK_DEFAULT}"
+    )
+    nvlink_gbps: float | None = options.option(
+        None, type=_positive_float, help=f"GB/s a GPU sends over NVLink {_STACK_DEFAULT}"
+    )
+    decode_attention: str | None = options.option(
+        None, choices=step_ops.ATTENTION_PRICES,
+        help="measured: the table's kernel; roofline: the KV cache's bytes / --attention-gbps "
+        f"{_STACK_DEFAULT}",
+    )  # fmt: skip
+    attention_gbps: float | None = options.option(
+        None, type=_positive_float, help=f"roofline KV read rate, GB/s {_STACK_DEFAULT}"
+    )
+    link_engine: str | None = options.option(
+        None, choices=("sm", "copy"), help=f"what moves the exchange's bytes {_STACK_DEFAULT}"
+    )
+
+
+def resolve_stack(flags: StackFlags, mode: str) -> step_model.Stack:
+    """The stack the flags ask for in ``mode``: the named stack, each part a flag gives
+    replaced (module docstring).
+
+    Args:
+      flags: the parsed stack flags.
+      mode: "prefill" or "decode".
+
+    Returns:
+      The stack.
+
+    Raises:
+      ValueError: an inconsistent stack (``step_ops.Exchange`` and ``DecodeAttention`` say
+        which).
+    """
+    base = step_model.serving_stack(flags.stack, mode)
+    return step_model.Stack(
+        _exchange(base.exchange, flags),
+        _decode_attention(base.decode_attention, flags),
+        flags.link_engine or base.engine,
+    )
+
+
+def _given(flag: Any, base: Any, keep: bool) -> Any:
+    """A flag's value, else the base's when it still applies (``keep``), else None."""
+    return flag if flag is not None else base if keep else None
+
+
+def _exchange(base: step_ops.Exchange, flags: StackFlags) -> step_ops.Exchange:
+    topology = flags.topology or base.topology
+    keep = topology != "flat"
+    return step_ops.Exchange(
+        flags.dispatch_dtype or base.dispatch_dtype,
+        flags.combine_dtype or base.combine_dtype,
+        topology,
+        _given(flags.gpus_per_node, base.gpus_per_node, keep),
+        _given(flags.nvlink_gbps, base.nvlink_gbps, keep),
+    )
+
+
+def _decode_attention(
+    base: step_ops.DecodeAttention, flags: StackFlags
+) -> step_ops.DecodeAttention:
+    price = flags.decode_attention or base.price
+    gbps = _given(flags.attention_gbps, base.gbps, keep=price == "roofline")
+    return step_ops.DecodeAttention(price, gbps)
+
+
+def describe_stack(name: str, stack: step_model.Stack) -> str:
+    """One line naming what the stack prices."""
+    ex, attention = stack.exchange, stack.decode_attention
+    where = (
+        f", {ex.gpus_per_node} GPUs per node, NVLink {ex.nvlink_gbps:g} GB/s"
+        if ex.topology != "flat"
+        else ""
+    )
+    rate = f" at {attention.gbps:g} GB/s" if attention.price == "roofline" else ""
+    return (
+        f"stack {name}: dispatch {ex.dispatch_dtype}, combine {ex.combine_dtype}, "
+        f"{ex.topology} exchange{where}, moved by {stack.engine}; decode attention "
+        f"{attention.price}{rate}"
+    )
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     parser = cli_arguments.OneLineErrorParser(prog="python -m jtbo.bench predict")
     add = parser.add_argument
@@ -47,7 +172,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     add("--tokens-per-gpu", type=cli_arguments.positive_int, default=16384)
     add("--link-gbps", type=_positive_float, default=50.0, help="GB/s a GPU sends")
     add("--link-latency-us", type=cli_arguments.non_negative_float, default=0.0)
-    add("--link-engine", choices=("sm", "copy"), default="sm", help="what moves the bytes")
     add("--prompt-len", type=cli_arguments.positive_int, default=4096)
     add("--context", type=cli_arguments.positive_int, default=2048, help="decode KV length")
     add("--imbalance", type=_positive_float, default=1.0, help="hottest GPU load / mean")
@@ -58,19 +182,19 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     add("--measure", action="store_true", help="measure a cost table on the device")
     add("--out", help="--measure: where to write the table")
     add("--small", action="store_true", help="--measure: tiny grids (a CPU check of the code)")
+    options.add_arguments(parser.add_argument_group("serving stack"), StackFlags)
     args = parser.parse_args(argv)
     if args.measure and not args.out:
         parser.error("--measure needs --out FILE")
     if args.imbalance < 1:
         parser.error(f"--imbalance must be >= 1, got {args.imbalance}")
+    try:
+        args.serving_stack = resolve_stack(options.from_namespace(StackFlags, args), args.mode)
+        if args.serving_stack.exchange.topology != "flat":
+            step_ops.node_shape(args.ep, args.serving_stack.exchange.gpus_per_node)
+    except ValueError as error:
+        parser.error(str(error))
     return args
-
-
-def _positive_float(text: str) -> float:
-    value = cli_arguments.non_negative_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def _measure(args) -> None:
@@ -91,7 +215,8 @@ def _measure(args) -> None:
 def inputs_of(args) -> step_model.StepInputs:
     """The ``StepInputs`` of parsed flags (the imbalance read from ``--routing-stats`` if
     given)."""
-    link = step_ops.Link(args.link_gbps, args.link_latency_us, args.link_engine)
+    stack = args.serving_stack
+    link = step_ops.Link(args.link_gbps, args.link_latency_us, stack.engine)
     imbalance = args.imbalance
     if args.routing_stats is not None:
         config = MODELS[args.model]()
@@ -99,8 +224,9 @@ def inputs_of(args) -> step_model.StepInputs:
             args.routing_stats, config, args.ep, args.tokens_per_gpu
         )
     return step_model.StepInputs(
-        args.ep, args.mode, args.tokens_per_gpu, link, args.prompt_len, args.context, imbalance
-    )
+        args.ep, args.mode, args.tokens_per_gpu, link, args.prompt_len, args.context, imbalance,
+        stack.exchange, stack.decode_attention,
+    )  # fmt: skip
 
 
 def plot(path: str, config, base: step_model.StepInputs, costs) -> None:
@@ -174,7 +300,7 @@ def main(argv: list[str]) -> None:
     if args.json:
         print(json.dumps(dict(
             made.as_json(), inputs=dataclasses.asdict(inputs), model=args.model,
-            expert_dtype=args.expert_dtype, weight_bytes_per_gpu=weights,
+            stack=args.stack, expert_dtype=args.expert_dtype, weight_bytes_per_gpu=weights,
         )))  # fmt: skip
         return
     print(
@@ -182,4 +308,5 @@ def main(argv: list[str]) -> None:
         f"{args.link_gbps:g} GB/s: plain {made.plain_ms:.3f} ms, TBO {made.tbo_ms:.3f} ms, "
         f"TBO / plain {made.tbo_ms / made.plain_ms:.3f}, gain {100 * made.gain:+.1f} %"
     )
+    print(describe_stack(args.stack, args.serving_stack))
     print(weights_line(args.model, config, args.ep, args.expert_dtype))

@@ -17,37 +17,81 @@ CASES = st.tuples(
     st.sampled_from([2, 8, 32, 72]),
     st.sampled_from([32, 256, 2048, 8192]),
 )
+# jtbo's stack, SGLang's prefill (node) and decode (pairs) stacks, each in either mode
+STACKS = st.sampled_from(
+    [
+        step_model.serving_stack(name, mode)
+        for name in step_model.STACKS
+        for mode in step_model.MODES
+    ]
+)
 
 
-def _predict(mode, ep, tokens, gbps, slowdown=None, latency=0.0):
-    inputs = step_model.StepInputs(ep, mode, tokens, step_ops.Link(gbps, latency))
+def _predict(mode, ep, tokens, gbps, slowdown=None, latency=0.0, stack=None):
+    stack = stack or step_model.serving_stack("jtbo", mode)
+    link = step_ops.Link(gbps, latency, stack.engine)
+    inputs = step_model.StepInputs(
+        ep, mode, tokens, link, exchange=stack.exchange, decode_attention=stack.decode_attention
+    )
     return step_model.predict(SMALL, inputs, COSTS, slowdown)
 
 
 @settings(max_examples=12, deadline=None)
-@given(CASES)
-def test_no_gain_without_communication(case):
+@given(CASES, STACKS)
+def test_no_gain_without_communication(case, stack):
     mode, _, tokens = case
-    made = _predict(mode, 1, tokens, 50.0)
-    assert made.exchange_ms == 0
+    made = _predict(mode, 1, tokens, 50.0, stack=stack)
+    assert made.exchange_ms == 0 and made.traffic == dict(link_bytes=0, nvlink_bytes=0)
     assert made.tbo_ms >= made.plain_ms
 
 
-@settings(max_examples=12, deadline=None)
-@given(CASES, st.floats(1.0, 1000.0))
-def test_saving_bounded_by_overlap(case, gbps):
-    made = _predict(*case, gbps, slowdown=1.0)
+@settings(max_examples=16, deadline=None)
+@given(CASES, st.floats(1.0, 1000.0), STACKS)
+def test_saving_bounded_by_overlap(case, gbps, stack):
+    made = _predict(*case, gbps, slowdown=1.0, stack=stack)
     compute = sum(v["plain_ms"] for v in made.per_operation.values())
     comm = made.exchange_ms
     assert made.saving <= min(compute, comm) / (compute + comm) + 1e-9
 
 
-@settings(max_examples=10, deadline=None)
-@given(CASES, st.floats(1.0, 500.0), st.floats(1.01, 4.0))
-def test_monotone_in_link_bandwidth(case, gbps, factor):
-    slow, fast = _predict(*case, gbps), _predict(*case, gbps * factor)
+@settings(max_examples=12, deadline=None)
+@given(CASES, st.floats(1.0, 500.0), st.floats(1.01, 4.0), STACKS)
+def test_monotone_in_link_bandwidth(case, gbps, factor, stack):
+    slow, fast = _predict(*case, gbps, stack=stack), _predict(*case, gbps * factor, stack=stack)
     assert fast.plain_ms <= slow.plain_ms + 1e-9
     assert fast.tbo_ms <= slow.tbo_ms + 1e-9
+
+
+def test_the_default_inputs_are_jtbos_stack():
+    inputs = step_model.StepInputs(32, "prefill", 4096, step_ops.Link(50.0))
+    jtbo = step_model.serving_stack("jtbo", "prefill")
+    assert (inputs.exchange, inputs.decode_attention, inputs.link.engine) == (
+        jtbo.exchange, jtbo.decode_attention, jtbo.engine,
+    )  # fmt: skip
+
+
+def test_sglang_stack_per_mode():
+    prefill = step_model.serving_stack("sglang", "prefill")
+    decode = step_model.serving_stack("sglang", "decode")
+    assert (prefill.exchange.topology, prefill.engine) == ("node", "sm")
+    assert (decode.exchange.topology, decode.engine) == ("pairs", "copy")
+    for stack in (prefill, decode):
+        assert (stack.exchange.dispatch_dtype, stack.exchange.combine_dtype) == ("fp8", "bf16")
+        assert stack.decode_attention.price == "roofline"
+    with pytest.raises(ValueError, match="stack"):
+        step_model.serving_stack("vllm", "decode")
+
+
+def test_roofline_attention_prices_decode_only():
+    # the roofline replaces the decode kernel; prefill keeps the table's extend attention
+    sglang = step_model.serving_stack("sglang", "decode")
+    for mode, same in (("prefill", True), ("decode", False)):
+        own = _predict(mode, 8, 256, 50.0)
+        roofline = _predict(mode, 8, 256, 50.0, stack=dataclasses.replace(
+            step_model.serving_stack("jtbo", mode), decode_attention=sglang.decode_attention,
+        ))  # fmt: skip
+        core = (own.per_operation["attn_core"], roofline.per_operation["attn_core"])
+        assert (core[0] == core[1]) is same
 
 
 def test_split_batch_keeps_tokens_and_cuts_a_prompt():

@@ -41,3 +41,72 @@ def test_weight_bytes_per_gpu_of_deepseek_v3_at_ep8(capsys):
     assert weights["routed_experts"] == 2 * 58 * 256 * 3 * 7168 * 2048 / 8
     assert fp8["routed_experts"] == pytest.approx(weights["routed_experts"] / 2 * (1 + 4 / 128**2))
     assert fp8["total"] == fp8["routed_experts"] + fp8["attention"] + fp8["other"]
+
+
+def _json(capsys, argv: list[str]) -> dict:
+    predict.main([*argv, "--json"])
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+V3_EP32 = ["--model", "deepseek_v3", "--ep", "32", "--tokens-per-gpu", "2048"]
+
+
+def test_jtbo_stack_is_the_default(capsys):
+    default = _json(capsys, V3_EP32)
+    named = _json(capsys, [*V3_EP32, "--stack", "jtbo", "--dispatch-dtype", "bf16"])
+    assert default["stack"] == "jtbo" and default["plain_ms"] == named["plain_ms"]
+    assert default["inputs"]["exchange"]["topology"] == "flat"
+    assert default["inputs"]["link"]["engine"] == "sm"
+    assert default["traffic"]["nvlink_bytes"] == 0
+
+
+def test_sglang_stack_per_mode(capsys):
+    prefill = _json(capsys, [*V3_EP32, "--stack", "sglang"])
+    decode = _json(capsys, [*V3_EP32, "--stack", "sglang", "--mode", "decode"])
+    assert prefill["inputs"]["exchange"]["topology"] == "node"
+    assert decode["inputs"]["exchange"]["topology"] == "pairs"
+    assert (prefill["inputs"]["link"]["engine"], decode["inputs"]["link"]["engine"]) == (
+        "sm", "copy",
+    )  # fmt: skip
+    assert decode["inputs"]["decode_attention"]["price"] == "roofline"
+    jtbo = _json(capsys, V3_EP32)
+    assert prefill["traffic"]["link_bytes"] < jtbo["traffic"]["link_bytes"]
+
+
+def test_flags_replace_parts_of_a_stack(capsys):
+    flat = _json(capsys, [*V3_EP32, "--stack", "sglang", "--topology", "flat"])
+    assert flat["inputs"]["exchange"] == dict(
+        dispatch_dtype="fp8", combine_dtype="bf16", topology="flat", gpus_per_node=None,
+        nvlink_gbps=None,
+    )  # fmt: skip
+    measured = _json(
+        capsys, [*V3_EP32, "--stack", "sglang", "--mode", "decode", "--decode-attention",
+                 "measured"],
+    )  # fmt: skip
+    assert measured["inputs"]["decode_attention"] == dict(price="measured", gbps=None)
+    node = _json(
+        capsys, [*V3_EP32, "--topology", "node", "--gpus-per-node", "4", "--nvlink-gbps", "300"]
+    )
+    assert node["inputs"]["exchange"]["gpus_per_node"] == 4 and node["stack"] == "jtbo"
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--topology", "node"],  # jtbo's stack has no node fields to keep
+        ["--stack", "sglang", "--topology", "flat", "--gpus-per-node", "8"],
+        ["--attention-gbps", "3000"],  # the measured kernel takes no rate
+        ["--stack", "sglang", "--ep", "12"],  # not whole nodes of 8
+        ["--stack", "sglang", "--nvlink-gbps", "0"],
+    ],
+)
+def test_inconsistent_stack_flags_stop_at_parse(flags, capsys):
+    with pytest.raises(SystemExit):
+        predict.main(["--model", "deepseek_v3", *flags])
+    assert "error" in capsys.readouterr().err
+
+
+def test_summary_names_the_stack(capsys):
+    predict.main([*V3_EP32, "--stack", "sglang"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-2].startswith("stack sglang: dispatch fp8, combine bf16, node exchange")
