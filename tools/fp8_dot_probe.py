@@ -1,6 +1,6 @@
 """Probe: how fast can a Pallas (Triton) kernel read FP8 expert weights at decode sizes?
 
-``python tools/fp8_dot_probe.py [--experts 128] [--rows 16] [--hidden 2048] [--cols 1536]``
+``PYTHONPATH=. python tools/fp8_dot_probe.py [--experts 128] [--rows 16] [--hidden 2048] [--cols 1536]``
 
 One program per (expert, column tile) computes ``x[e] [rows, H] @ w[e] [H, cols tile]`` with
 a 128-wide contraction step, the shape of the grouped GEMM's gate / up kernel at decode
@@ -21,13 +21,13 @@ rounding).
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from jtbo.bench import device_rates
 
 BLOCK = 128  # the FP8 block: contraction step and column tile
 FP8 = jnp.float8_e4m3fn
@@ -92,18 +92,6 @@ def dequantize(values, scale):
     return (blocks * scale[:, :, None, :, None]).reshape(e, h, n)
 
 
-def timed(fn, args, iters, reps):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / iters)
-    return float(np.median(times))
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--experts", type=int, default=128)
@@ -131,7 +119,9 @@ def main():
     print(f"shape E={args.experts} rows={args.rows} H={args.hidden} N={args.cols}")
     print("variant        config  ms      weight GB/s  rel err")
     for variant, (w, s) in weights.items():
-        wanted = x32 @ (w32.astype(jnp.bfloat16).astype(jnp.float32) if variant == "bf16" else w_deq)
+        wanted = x32 @ (
+            w32.astype(jnp.bfloat16).astype(jnp.float32) if variant == "bf16" else w_deq
+        )
         nbytes = w.size * w.dtype.itemsize
         for config in args.configs.split(","):
             warps, stages = map(int, config.split("x"))
@@ -142,7 +132,9 @@ def main():
             try:
                 out = fn(x, w, s)
                 err = float(jnp.linalg.norm(out - wanted) / jnp.linalg.norm(wanted))
-                seconds = timed(fn, (x, w, s), args.iters, args.reps)
+                seconds = device_rates.time_fn(
+                    fn, (x, w, s), warmup=1, iters=args.iters, reps=args.reps
+                )
             except Exception as error:  # a variant the compiler refuses is a row, not a stop
                 print(f"{variant:14s} {config:6s}  error: {str(error).splitlines()[0][:120]}")
                 continue
