@@ -77,29 +77,14 @@ _HEAD_SPECS = {
     "wkv_b": P(None, ATTN_TP, None),  # MLA [kv_lora_rank, heads, nope + v]
 }
 _TP = mesh_lib.TP_AXES
-# The routed experts' specs by (moe_a2a_backend, layout). FP8 experts' parameters are stored
-# contraction-last (fp8_blocks.expert_axes; jtbo.models.experts), so their specs are the float
-# layout's permuted alike; their block scales are sharded as their values.
-_EXPERT_SPECS = {
-    ("ep", "float"): {  # whole experts per device
+_EXPERT_SPECS = {  # the routed experts' float parameters, by moe_a2a_backend
+    "ep": {  # whole experts per device
         "w_gate_up": P(_TP, None, None, None),  # [E, H, 2, F]
         "w_down": P(_TP, None, None),  # [E, F, H]
     },
-    ("ep", "fp8"): {
-        "w_gate_up": P(_TP, None, None, None),  # [E, 2, F, H]
-        "w_down": P(_TP, None, None),  # [E, H, F]
-        "w_gate_up_scale": P(_TP, None, None, None),  # [E, 2, F blocks, H blocks]
-        "w_down_scale": P(_TP, None, None),  # [E, H blocks, F blocks]
-    },
-    ("none", "float"): {  # every expert, a slice of its hidden width F per device
+    "none": {  # every expert, a slice of its hidden width F per device
         "w_gate_up": P(None, None, None, _TP),  # [E, H, 2, F]
         "w_down": P(None, _TP, None),  # [E, F, H]
-    },
-    ("none", "fp8"): {
-        "w_gate_up": P(None, None, _TP, None),  # [E, 2, F, H]
-        "w_down": P(None, None, _TP),  # [E, H, F]
-        "w_gate_up_scale": P(None, None, _TP, None),  # [E, 2, F blocks, H blocks]
-        "w_down_scale": P(None, None, _TP),  # [E, H blocks, F blocks]
     },
 }
 KV_CACHE_SPEC = kv_cache_lib.KVCache(
@@ -136,20 +121,24 @@ def kv_cache_shardings(mesh: jax.sharding.Mesh) -> kv_cache_lib.KVCache:
     return jax.tree.map(functools.partial(_named, mesh), KV_CACHE_SPEC)
 
 
-def _expert_layout(name: str, leaf) -> str:
-    """``"fp8"`` for an FP8 expert parameter (``float8_e4m3fn`` values, or a block scale:
-    only FP8 experts have those), else ``"float"``."""
-    scale = name.endswith("_scale")
-    return "fp8" if scale or jnp.dtype(leaf.dtype) == fp8_blocks.FP8_DTYPE else "float"
+def _expert_spec(name: str, leaf, moe_a2a_backend: str) -> P | None:
+    """The spec of a routed-expert parameter (None for another name). FP8 experts store their
+    values contraction-last (``fp8_blocks.expert_axes``; ``jtbo.models.experts``), so their
+    spec is the float one in that order; their block scales (``*_scale``, FP8 only) are
+    sharded as their values."""
+    spec = _EXPERT_SPECS[moe_a2a_backend].get(name.removesuffix("_scale"))
+    fp8 = name.endswith("_scale") or jnp.dtype(leaf.dtype) == fp8_blocks.FP8_DTYPE
+    if spec is None or not fp8:
+        return spec
+    return P(*(spec[axis] for axis in fp8_blocks.expert_axes(len(spec))))
 
 
 def _param_spec(path, leaf, moe_a2a_backend: str) -> P:
     names = [getattr(key, "key", getattr(key, "name", None)) for key in path]
     name = names[-1] if names[-1] != "value" else names[-2]
-    if "experts" in names:
-        specs = _EXPERT_SPECS[moe_a2a_backend, _expert_layout(name, leaf)]
-        if name in specs:
-            return specs[name]
+    spec = _expert_spec(name, leaf, moe_a2a_backend) if "experts" in names else None
+    if spec is not None:
+        return spec
     return _HEAD_SPECS.get(name, P()) if "attn" in names else P()
 
 
