@@ -48,7 +48,9 @@ FP8_DTYPE = jnp.float8_e4m3fn
 """The values' dtype."""
 FP8_MAX = 448.0
 """The largest finite ``float8_e4m3fn`` value: each block's largest magnitude maps to it."""
-_INV_FP8_MAX = np.float32(1.0 / FP8_MAX)
+INV_FP8_MAX = np.float32(1.0 / FP8_MAX)
+"""``1 / FP8_MAX`` in float32: scales are a block's largest magnitude times it (a multiply, as
+XLA computes a division by a constant, so numpy and jax give the same bits)."""
 DEFAULT_BLOCK = (128, 128)
 """``(contraction, output)`` block of DeepSeek-V3's published FP8 weights."""
 
@@ -182,7 +184,7 @@ def _scales(x, block_shape: tuple[int, ...], xp):
     amax = blocks.max(axis=tuple(range(1, blocks.ndim, 2)))
     # A multiply by the float32 reciprocal, not a division: XLA turns a division by a constant
     # into that multiply, and numpy then gives the same bits.
-    return xp.where(amax > 0, amax * _INV_FP8_MAX, xp.float32(1.0)).astype(xp.float32)
+    return xp.where(amax > 0, amax * INV_FP8_MAX, xp.float32(1.0)).astype(xp.float32)
 
 
 def _quantize(x, block_shape: tuple[int, ...], xp, fp8_dtype):
@@ -316,7 +318,7 @@ def quantize_blocks_reference(x: np.ndarray, block_shape: tuple[int, ...]):
     scales = np.zeros(scales_shape(x.shape, block_shape), np.float32)
     for index, part in _block_slices(x.shape, block_shape):
         amax = np.abs(x[part]).max()
-        scales[index] = np.float32(amax) * _INV_FP8_MAX if amax > 0 else 1.0
+        scales[index] = np.float32(amax) * INV_FP8_MAX if amax > 0 else 1.0
         values[part] = (x[part].astype(np.float32) / scales[index]).astype(values.dtype)
     return values, scales
 

@@ -83,7 +83,6 @@ from jtbo.kernels import (
 )
 
 _F32 = jnp.float32
-_INV_FP8_MAX = 1.0 / fp8_blocks.FP8_MAX  # a multiply, as fp8_blocks computes its scales
 AUTO = "auto"
 """``impl="auto"`` (or None): the impl by the call's rows (``auto_impl``)."""
 MOSAIC_MIN_ROWS = 16384
@@ -170,7 +169,7 @@ def _quantize_rows(values):
     """``(values / scale as FP8, scale [rows, 1])``, a scale per row: its largest magnitude
     over ``fp8_blocks.FP8_MAX`` (1 for an all-zero row), as ``fp8_blocks.quantize_blocks``."""
     amax = jnp.max(jnp.abs(values), axis=1, keepdims=True)
-    scale = jnp.where(amax > 0, amax * _INV_FP8_MAX, 1.0)
+    scale = jnp.where(amax > 0, amax * fp8_blocks.INV_FP8_MAX, 1.0)
     return (values / scale).astype(fp8_blocks.FP8_DTYPE), scale
 
 

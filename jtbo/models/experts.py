@@ -199,7 +199,7 @@ def experts_sorted(
       ``[T, H]`` in ``x.dtype`` (nothing is dropped).
     """
     w_gate_up, w_down = float_weights(weights, x.dtype)
-    rows_through_fp8 = _activation_rounding(activation_groups, x.dtype)
+    rows_through_fp8 = activation_rounding(activation_groups, x.dtype)
     num_experts, hidden_size, _, ffn = w_gate_up.shape
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
@@ -215,9 +215,18 @@ def experts_sorted(
     return jnp.einsum("tkh,tk->th", unsorted, topk_weights.astype(f32)).astype(x.dtype)
 
 
-def _activation_rounding(activation_groups: tuple[int, int] | None, dtype):
-    """``(rows, which) -> rows``: through FP8 per ``activation_groups[which]`` columns (back
-    in ``dtype``), or as they are for None."""
+def activation_rounding(activation_groups: tuple[int, int] | None, dtype):
+    """``(rows, which) -> rows``: the rows (``which`` 0) or hidden rows (1) through FP8 per
+    ``activation_groups[which]`` columns (``fp8_blocks.fake_quantize_rows``) and back in
+    ``dtype``, as FP8 activations see them; the rows as they are for None.
+
+    Args:
+      activation_groups: ``RoutedExperts.activation_groups``.
+      dtype: the dtype the rounded rows come back in.
+
+    Returns:
+      The rounding function.
+    """
     if activation_groups is None:
         return lambda rows, which: rows
     return lambda rows, which: fp8_blocks.fake_quantize_rows(rows, activation_groups[which]).astype(

@@ -17,7 +17,6 @@ import numpy as np
 from flax import nnx
 
 from jtbo.core import arith
-from jtbo.kernels import fp8_blocks
 from jtbo.models import experts, norm, router
 from jtbo.models import model as model_lib
 
@@ -44,29 +43,15 @@ def moe_dense_reference(block: model_lib.MoEBlock, x: jax.Array, config) -> jax.
     dense = jnp.zeros((x.shape[0], config.num_experts), jnp.float32)
     dense = dense.at[tokens, topk_ids].add(topk_weights)  # [T, E]
     w_gate_up, w_down = experts.float_weights(block.experts.weights, x.dtype)
-    rows, hidden_rows = _fp8_rows(block.experts.activation_groups, x.dtype)
-    gate = jnp.einsum("th,ehf->tef", rows(x), w_gate_up[:, :, 0])
-    up = jnp.einsum("th,ehf->tef", rows(x), w_gate_up[:, :, 1])
-    per_expert = jnp.einsum("tef,efh->teh", hidden_rows(jax.nn.silu(gate) * up), w_down)
+    through_fp8 = experts.activation_rounding(block.experts.activation_groups, x.dtype)
+    rows = through_fp8(x, 0)
+    gate = jnp.einsum("th,ehf->tef", rows, w_gate_up[:, :, 0])
+    up = jnp.einsum("th,ehf->tef", rows, w_gate_up[:, :, 1])
+    per_expert = jnp.einsum("tef,efh->teh", through_fp8(jax.nn.silu(gate) * up, 1), w_down)
     out = jnp.einsum("teh,te->th", per_expert, dense)
     if block.shared is not None:
         out = out + block.shared_output(x)
     return out
-
-
-def _fp8_rows(activation_groups: tuple[int, int] | None, dtype):
-    """``(rows, hidden rows)`` roundings of experts with FP8 activations: each through FP8 per
-    its group's columns (``fp8_blocks.fake_quantize_rows``) and back in ``dtype``; the
-    identity for other experts."""
-    if activation_groups is None:
-        return (lambda a: a), (lambda a: a)
-    return tuple(
-        functools.partial(_through_fp8, group=group, dtype=dtype) for group in activation_groups
-    )
-
-
-def _through_fp8(x: jax.Array, *, group: int, dtype) -> jax.Array:
-    return fp8_blocks.fake_quantize_rows(x, group).astype(dtype)
 
 
 def reference_forward(model: model_lib.MoEModel, input_ids, positions, mask) -> jax.Array:
