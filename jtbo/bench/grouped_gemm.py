@@ -711,7 +711,7 @@ def measure(num_tokens: int, impls: list[str], shapes: Shapes, args) -> list[Row
     ids, routing = jnp.asarray(ids_np), jnp.asarray(routing_np)
     rows = check_rows(num_tokens, args.check_rows)
     refs = {False: reference(x, ids, routing, weights, rows)}  # by FP8 rows (fp8_rows)
-    if args.expert_dtype is not None:
+    if args.expert_dtype is not None and any(map(fp8_rows, impls)):
         groups = (fp8_blocks.DEFAULT_BLOCK[0],) * 2
         refs[True] = reference(x, ids, routing, weights, rows, groups)
     capacity = capacity_for(num_tokens, shapes, args.capacity_factor)
