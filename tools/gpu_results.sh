@@ -45,14 +45,14 @@ for group in "$@"; do
     fp8)  # the FP8 kernels: GPU tests, then the layer against bf16 at the Qwen3 preset
       echo "== pytest: the FP8 kernels compiled for the GPU"
       timeout "${LIMIT:-150}" python3 -m pytest -q -x -p no:cacheprovider \
-        tests/kernels/test_fp8_blocks.py tests/kernels/test_grouped_gemm.py -k "fp8 or FP8" \
-        >"$OUT/pytest-fp8.log" 2>&1
+        tests/kernels/test_grouped_gemm_mosaic_fp8.py tests/kernels/test_fp8_blocks.py \
+        tests/kernels/test_grouped_gemm.py -k "fp8 or FP8" >"$OUT/pytest-fp8.log" 2>&1
       echo "(exit $?)"; tail -n 3 "$OUT/pytest-fp8.log"
-      LIMIT=240 bench gemm-qwen3-fp8 12 grouped_gemm --preset qwen3-30b-a3b \
-        --expert-dtype float8_e4m3fn --tokens 64,256,4096 \
-        --impls dense,pallas,pallas:weight_only --iters 5 --reps 5
-      LIMIT=150 bench gemm-qwen3-bf16 8 grouped_gemm --preset qwen3-30b-a3b \
-        --tokens 64,256,4096 --impls dense,pallas --iters 5 --reps 5 ;;
+      LIMIT=270 bench gemm-qwen3-fp8 12 grouped_gemm --preset qwen3-30b-a3b \
+        --expert-dtype float8_e4m3fn --tokens 64,256,4096,16384 \
+        --impls dense,pallas,mosaic --iters 5 --reps 5
+      LIMIT=170 bench gemm-qwen3-bf16 12 grouped_gemm --preset qwen3-30b-a3b \
+        --tokens 64,256,4096,16384 --impls dense,pallas,mosaic --iters 5 --reps 5 ;;
     fp8-step)  # the device step with bf16, then FP8 experts (the Pallas grouped GEMM)
       for dtype in bfloat16 float8_e4m3fn; do
         LIMIT=240 bench "tbo-$dtype" 8 tbo --devices 1 --attention-kind gqa --prefill 4096 \

@@ -77,15 +77,15 @@ the routed experts' weights (every expert that got a pair, 3 * H * F each) per s
 1 GiB ``torch`` ``copy_``, or of XLA's ``x + s`` without torch), measured once at the start
 (target >= 0.85 at 128-256 tokens).
 
-``--expert-dtype float8_e4m3fn`` stores the experts' weights as block-scaled FP8 (128 x 128
-blocks, ``jtbo.kernels.fp8_blocks``; the tokens stay ``--dtype``): ``capacity`` dequantizes
-them to ``--dtype`` inside the layer, ``pallas`` reads them as FP8 in its kernels, ``mosaic``
-refuses them (an error row), ``ragged_dot`` / ``tokamax`` dequantize them first; ``dense``
-stays the ``--dtype`` yardstick (the first expert dequantized), and ``weight GB/s`` counts one
-byte a weight. The layer's reference dequantizes them to float32, and for the impls that
-quantize their rows (``capacity``, ``pallas``, ``mosaic``: ``fp8_rows``) it puts the rows and
-the hidden rows through the same FP8 rounding, so ``rel err`` measures the kernels, not the FP8
-rounding; the kernel check compares against ``grouped_ffn_reference`` of the same scheme.
+``--expert-dtype float8_e4m3fn`` stores the experts' weights as block-scaled FP8 (128 x 128 blocks,
+``jtbo.kernels.fp8_blocks``; the tokens stay ``--dtype``): ``capacity`` dequantizes them to
+``--dtype`` inside the layer, ``pallas`` and ``mosaic`` read them as FP8 in their kernels
+(``mosaic`` with FP8 rows only), ``ragged_dot`` / ``tokamax`` dequantize them first; ``dense``
+stays the ``--dtype`` yardstick (the first expert dequantized), and ``weight GB/s`` counts one byte
+a weight. The layer's reference dequantizes them to float32, and for the impls that quantize their
+rows (``capacity``, ``pallas``, ``mosaic``: ``fp8_rows``) it puts the rows and the hidden rows
+through the same FP8 rounding, so ``rel err`` measures the kernels, not the FP8 rounding; the
+kernel check compares against ``grouped_ffn_reference`` of the same scheme.
 
 Numerics: ``rel err`` = ||out - ref|| / ||ref|| over
 ``--check-rows`` tokens spread evenly over the batch (a token's output depends on its own row

@@ -7,8 +7,8 @@
   slots (a grouped GEMM; tuning knobs in ``GroupedFfnConfig``), given as a slot buffer or
   as ``SlotRows`` (rows and one row index per slot, loaded through the index);
   ``grouped_ffn_rows`` leaves the ``"mosaic"`` impl's result in its own rows (``SlotRows``).
-  Its weights may be block-scaled FP8 (``jtbo.kernels.fp8_blocks.BlockQuantized``: weight-only,
-  read as FP8 by the ``"pallas"`` kernels).
+  Its weights may be block-scaled FP8 (``jtbo.kernels.fp8_blocks.BlockQuantized``), read as
+  FP8 by the ``"pallas"`` kernels (FP8 or float rows) and the ``"mosaic"`` ones (FP8 rows).
 
 Each op takes ``impl`` (``"xla"``, ``"pallas"``, ``"triton"`` or None for the fastest
 available; ``grouped_ffn`` also ``"mosaic"``, its Hopper kernels) and ``config`` (a

@@ -172,3 +172,13 @@ class MosaicFfnConfig:
 # dense Mosaic GPU matmul measured, with 128-row tiles; the swept variants were not faster
 # (docs/benchmarks/, "Mosaic GPU against cuBLAS" and "the grouped FFN on Mosaic GPU").
 MOSAIC_FFN = MosaicFfnConfig()
+
+
+# Default Mosaic GPU launch shapes of FP8 weights with FP8 activations: a contraction step of
+# one 128-deep weight block (128 FP8 bytes, the widest swizzle) and a column tile of one
+# 128-wide block, so that each partial product takes one weight scale and each gate / up
+# tile row is one quantization group of the hidden rows.
+MOSAIC_FFN_FP8 = MosaicFfnConfig(
+    gate_up=MosaicGemmConfig(tile_n=128, tile_k=128),
+    down=MosaicGemmConfig(tile_n=128, tile_k=128),
+)

@@ -60,7 +60,9 @@ Either way the weights are read from memory as FP8, half the bytes of bf16: what
 reads every local expert's weights once a step, is bound by. ``impl="xla"`` runs the same
 arithmetic over every slot (dequantized weights; with FP8 activations the rows quantized and
 dequantized, float32 math); ``grouped_ffn_reference`` defines both schemes. ``impl="mosaic"``
-has no FP8 path and refuses FP8 weights; ``"auto"`` never picks it for them.
+runs FP8 activations as Hopper kernels (``grouped_gemm_mosaic_fp8``: FP8 ``wgmma``, the
+partial sums promoted per weight block) and refuses weight-only FP8; ``"auto"`` takes
+``"pallas"`` for FP8 weights.
 """
 
 import dataclasses
@@ -77,6 +79,7 @@ from jtbo.kernels import (
     fp8_blocks,
     gemm_config,
     grouped_gemm_mosaic,
+    grouped_gemm_mosaic_fp8,
     impls,
     slot_rows,
     tile_table,
@@ -577,11 +580,13 @@ def grouped_ffn(
       impl: ``"xla"`` (batched einsum over all slots; FP8 weights dequantized first),
         ``"pallas"`` (the Triton-lowered kernels; FP8 weights read as FP8 and scaled per
         block inside the kernel), ``"mosaic"`` (the Mosaic GPU kernels,
-        Hopper; ``grouped_gemm_mosaic``; float weights only), or ``"auto"`` / None: the
+        Hopper; ``grouped_gemm_mosaic``, with FP8 weights ``grouped_gemm_mosaic_fp8``, FP8
+        activations only), or ``"auto"`` / None: the
         fastest measured for the call's rows and weights (``auto_impl``).
       config: the kernels' launch shapes: a ``GroupedFfnConfig`` for ``"pallas"`` (None:
         ``gemm_config.GROUPED_FFN``, ``GROUPED_FFN_FP8`` for FP8 weights), a
-        ``MosaicFfnConfig`` for ``"mosaic"`` (None: ``gemm_config.MOSAIC_FFN``).
+        ``MosaicFfnConfig`` for ``"mosaic"`` (None: ``gemm_config.MOSAIC_FFN``,
+        ``MOSAIC_FFN_FP8`` for FP8 weights).
       max_rows: static bound on ``sum(min(counts, C))`` that the caller guarantees (e.g. the
         rows an exchange can deliver); the kernel's grid then covers only that many rows'
         tiles. A larger sum leaves the rows of tiles past the bound as padding. None: no
@@ -601,7 +606,7 @@ def grouped_ffn(
 
     Raises:
       ValueError: shapes or dtypes that do not fit together, an unknown impl, a bad max_rows,
-        FP8 weights with ``impl="mosaic"``.
+        weight-only FP8 (``fp8_activations=False``) with ``impl="mosaic"``.
       KernelUnavailableError: the impl cannot run here or cannot tile these shapes.
     """
     out = grouped_ffn_rows(
@@ -642,11 +647,17 @@ def grouped_ffn_rows(
     num_experts, capacity, hidden = x_slots.shape
     rows = num_experts * capacity if max_rows is None else max_rows
     shape = (rows, hidden, w_gate_up.shape[3])
-    impl = _resolve(impl, config, shape, x_slots.dtype, _quant_block(w_gate_up))
+    quant_block = _quant_block(w_gate_up)
+    impl = _resolve(impl, config, shape, x_slots.dtype, quant_block, fp8_activations)
     counts = jnp.clip(counts.astype(jnp.int32), 0, capacity)
     if impl == "xla" or math.prod(x_slots.shape) == 0:
         return _xla_any_weights(_materialized(x_slots), counts, w_gate_up, w_down, fp8_activations)
     interpret = impls.backend() == "cpu"
+    if impl == impls.MOSAIC and quant_block is not None:
+        return grouped_gemm_mosaic_fp8.grouped_ffn_mosaic_fp8(
+            x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
+            cfg=config or gemm_config.MOSAIC_FFN_FP8, interpret=interpret,
+        )  # fmt: skip
     if impl == impls.MOSAIC:
         return grouped_gemm_mosaic.grouped_ffn_mosaic(
             x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
@@ -666,12 +677,12 @@ def _default_config(w_gate_up) -> gemm_config.GroupedFfnConfig:
     return gemm_config.GROUPED_FFN
 
 
-def _resolve(impl, config, shape: tuple[int, int, int], dtype, quant_block) -> str:
+def _resolve(impl, config, shape: tuple[int, int, int], dtype, quant_block, fp8_activations):
     """The impl that serves a call of ``shape = (rows, H, F)``; raises for one that cannot.
 
     Raises:
-      ValueError: a ``config`` with ``"auto"``, or of another impl; FP8 weights with
-        ``"mosaic"``.
+      ValueError: a ``config`` with ``"auto"``, or of another impl; weight-only FP8
+        (``fp8_activations=False``) with ``"mosaic"``.
       KernelUnavailableError: as ``impls.resolve``; ``"triton"``.
     """
     if impl in (None, AUTO):
@@ -681,11 +692,10 @@ def _resolve(impl, config, shape: tuple[int, int, int], dtype, quant_block) -> s
     impl = impls.resolve(impl, op="grouped_ffn")
     if impl == "triton":
         raise impls.KernelUnavailableError("grouped_ffn has no impl='triton'; use 'pallas'")
-    if impl == impls.MOSAIC and quant_block is not None:
+    if impl == impls.MOSAIC and quant_block is not None and not fp8_activations:
         raise ValueError(
-            "impl='mosaic' takes float weights only (its wgmma kernels have no FP8 path yet); "
-            "FP8 block-quantized weights run on impl='pallas' (read as FP8 inside the kernel) "
-            "or 'xla'"
+            "impl='mosaic' multiplies FP8 weights by FP8 rows only (fp8_activations=True); "
+            "weight-only FP8 runs on impl='pallas' or 'xla'"
         )
     _check_config(impl, config)
     return impl

@@ -34,13 +34,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jtbo.kernels import gemm_config, impls, slot_rows, tile_gather, tile_table
 
 _F32 = jnp.float32
-_CLUSTER = "cluster"  # the 2 CTAs of a cluster
-_CLUSTER_GRID = "cluster_grid"  # the clusters of the persistent grid
-_WARPGROUP = "wg"  # the 2 compute warpgroups and the memory warpgroup of a CTA
-_EPILOGUE_TILE = gemm_config.MOSAIC_EPILOGUE_TILE
+CLUSTER = "cluster"  # the 2 CTAs of a cluster
+CLUSTER_GRID = "cluster_grid"  # the clusters of the persistent grid
+WARPGROUP = "wg"  # the 2 compute warpgroups and the memory warpgroup of a CTA
+EPILOGUE_TILE = gemm_config.MOSAIC_EPILOGUE_TILE
 
 
-def _transforms(minor_elems: int, itemsize: int) -> tuple:
+def smem_transforms(minor_elems: int, itemsize: int) -> tuple:
     """Shared-memory tiling and swizzle of a tile whose minor dimension is ``minor_elems``."""
     swizzle = plgpu.find_swizzle(minor_elems * itemsize * 8)
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
@@ -57,14 +57,14 @@ def _grouped_matmul_body(
     num_tiles = tile_expert_gmem.shape[0]
     k_steps = a_gmem.shape[1] // tile_k
     itemsize = jnp.dtype(a_gmem.dtype).itemsize
-    operand_transforms = _transforms(tile_k, itemsize)
-    weight_transforms = _transforms(tile_n, itemsize)
+    operand_transforms = smem_transforms(tile_k, itemsize)
+    weight_transforms = smem_transforms(tile_n, itemsize)
     num_acc = len(column_offsets)
 
     def pipeline(body, compute_context):
         a_spec = plgpu.BlockSpec(
             (block_m, tile_k), lambda k: (0, k), transforms=operand_transforms,
-            memory_space=plgpu.SMEM, collective_axes=(_CLUSTER,),
+            memory_space=plgpu.SMEM, collective_axes=(CLUSTER,),
         )  # fmt: skip
         b_spec = plgpu.BlockSpec(
             (tile_k, tile_n), lambda k: (k, 0), transforms=weight_transforms,
@@ -72,31 +72,25 @@ def _grouped_matmul_body(
         )  # fmt: skip
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_steps,), memory_registers=40, in_specs=[a_spec] + [b_spec] * num_acc,
-            wg_axis=_WARPGROUP, num_compute_wgs=2,
+            wg_axis=WARPGROUP, num_compute_wgs=2,
             max_concurrent_steps=cfg.max_concurrent_steps, compute_context=compute_context,
         )  # fmt: skip
 
     ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
-    out_transforms = _transforms(_EPILOGUE_TILE, jnp.dtype(out_gmem.dtype).itemsize)
-    epi_shape = (2, 2, _EPILOGUE_TILE, _EPILOGUE_TILE)  # (warpgroup, buffer, rows, columns)
+    out_transforms = smem_transforms(EPILOGUE_TILE, jnp.dtype(out_gmem.dtype).itemsize)
+    epi_shape = (2, 2, EPILOGUE_TILE, EPILOGUE_TILE)  # (warpgroup, buffer, rows, columns)
 
     @functools.partial(
         pl.run_scoped,
         allocations=pipeline(ignore, ignore).get_allocations(a_gmem, *[b_gmem.at[0]] * num_acc),
         out_smem=plgpu.SMEM(epi_shape, out_gmem.dtype, transforms=out_transforms),
-        collective_axes=_WARPGROUP,
+        collective_axes=WARPGROUP,
     )
     def _scope(allocations, out_smem):
-        warpgroup = lax.axis_index(_WARPGROUP)
-        cta = lax.axis_index(_CLUSTER)
-        pairs = num_col_tiles // 2
+        warpgroup = lax.axis_index(WARPGROUP)
 
-        @plgpu.nd_loop((num_tiles * pairs,), collective_axes=_CLUSTER_GRID)
-        def _tile_loop(loop_info):
-            tile, pair = plgpu.planar_snake(
-                loop_info.index[0], (num_tiles, pairs), 0, cfg.grid_tile_width
-            )
-            col = pair * 2 + cta
+        @functools.partial(walk_tiles, num_tiles, num_col_tiles, cfg.grid_tile_width)
+        def _visit(tile, col):
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
             wg_rows = pl.ds(warpgroup * tile_m, tile_m)
@@ -108,7 +102,7 @@ def _grouped_matmul_body(
                 def _acc_scope(accs):
                     run_pipeline(tuple(accs))
                     out = epilogue(*[acc[...] for acc in accs]).astype(out_gmem.dtype)
-                    _store(out, out_smem, out_gmem.at[rows, pl.ds(col * tile_n, tile_n)],
+                    store_tile(out, out_smem, out_gmem.at[rows, pl.ds(col * tile_n, tile_n)],
                            warpgroup, tile_m, tile_n)  # fmt: skip
 
             def mma(_, a_smem, *rest):
@@ -132,17 +126,30 @@ def _grouped_matmul_body(
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _store(out, out_smem, out_tile_gmem, warpgroup, tile_m: int, tile_n: int) -> None:
+def walk_tiles(num_tiles: int, num_col_tiles: int, grid_tile_width: int, visit) -> None:
+    """Calls ``visit(row tile, column tile)`` for each pair of the persistent grid: the
+    clusters walk the (row tile, column pair) pairs in ``plgpu.planar_snake`` order, and the
+    two CTAs of a cluster take the pair's two neighbouring column tiles."""
+    cta = lax.axis_index(CLUSTER)
+    pairs = num_col_tiles // 2
+
+    @plgpu.nd_loop((num_tiles * pairs,), collective_axes=CLUSTER_GRID)
+    def _tile_loop(loop_info):
+        tile, pair = plgpu.planar_snake(loop_info.index[0], (num_tiles, pairs), 0, grid_tile_width)
+        visit(tile, pair * 2 + cta)
+
+
+def store_tile(out, out_smem, out_tile_gmem, warpgroup, tile_m: int, tile_n: int) -> None:
     """Writes one warpgroup's ``[tile_m, tile_n]`` result through shared memory in
-    ``_EPILOGUE_TILE``-square pieces, double-buffered (a TMA store per piece)."""
+    ``EPILOGUE_TILE``-square pieces, double-buffered (a TMA store per piece)."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     wg_out = out_tile_gmem.at[pl.ds(warpgroup * tile_m, tile_m)]
     pieces = [
-        (r, c) for r in range(tile_m // _EPILOGUE_TILE) for c in range(tile_n // _EPILOGUE_TILE)
+        (r, c) for r in range(tile_m // EPILOGUE_TILE) for c in range(tile_n // EPILOGUE_TILE)
     ]
     for index, (r, c) in enumerate(pieces):
-        piece_rows = slice(r * _EPILOGUE_TILE, (r + 1) * _EPILOGUE_TILE)
-        piece_cols = slice(c * _EPILOGUE_TILE, (c + 1) * _EPILOGUE_TILE)
+        piece_rows = slice(r * EPILOGUE_TILE, (r + 1) * EPILOGUE_TILE)
+        piece_cols = slice(c * EPILOGUE_TILE, (c + 1) * EPILOGUE_TILE)
         buffer = index % 2
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         out_smem[warpgroup, buffer] = out[piece_rows, piece_cols]
@@ -158,7 +165,7 @@ def _identity(acc):
     return acc
 
 
-def _num_clusters(interpret: bool) -> int:
+def num_clusters(interpret: bool) -> int:
     """Clusters of the persistent grid: one per two SMs (a small grid in the interpreter)."""
     if interpret:
         return 2
@@ -192,19 +199,25 @@ def _grouped_matmul(tile_expert, a_rows, weights, *, out_cols, column_offsets, e
         _grouped_matmul_body, column_offsets=column_offsets, epilogue=epilogue, cfg=cfg,
         num_col_tiles=out_cols // cfg.tile_n,
     )  # fmt: skip
-    kernel = plgpu.kernel(
+    out_type = jax.ShapeDtypeStruct((a_rows.shape[0], out_cols), a_rows.dtype)
+    return persistent_kernel(body, out_type, interpret)(tile_expert, a_rows, weights)
+
+
+def persistent_kernel(body, out_type, interpret: bool):
+    """``body`` as a Mosaic GPU kernel over the persistent grid of 2-CTA clusters, three
+    warpgroups per CTA (two compute, one memory), warpgroup lowering semantics."""
+    return plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((a_rows.shape[0], out_cols), a_rows.dtype),
-        grid=(_num_clusters(interpret),),
-        grid_names=(_CLUSTER_GRID,),
+        out_type=out_type,
+        grid=(num_clusters(interpret),),
+        grid_names=(CLUSTER_GRID,),
         cluster=(2,),
-        cluster_names=(_CLUSTER,),
+        cluster_names=(CLUSTER,),
         num_threads=3,
-        thread_name=_WARPGROUP,
+        thread_name=WARPGROUP,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return kernel(tile_expert, a_rows, weights)
 
 
 def tile_rows(counts: jax.Array, capacity: int, block_m: int, num_tiles: int):
@@ -235,7 +248,7 @@ def tile_rows(counts: jax.Array, capacity: int, block_m: int, num_tiles: int):
     return tile_expert, slot_of_row, jnp.where(placed, row, -1).astype(jnp.int32)
 
 
-def _unfused(index: jax.Array) -> jax.Array:
+def unfused(index: jax.Array) -> jax.Array:
     """``index``, computed once: without the barrier XLA fuses the index arithmetic into the
     row gather and redoes it for every element of every row."""
     return jax.lax.optimization_barrier(index)
@@ -257,7 +270,7 @@ def grouped_ffn_mosaic(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, int
     num_tiles = tile_table.max_tiles(num_experts, capacity, block_m, max_rows)
     tile_expert, slot_of_row, row_of_slot = tile_rows(counts, capacity, block_m, num_tiles)
     source_rows, source = slot_rows.flat_slot_source(x_slots, slot_of_row)
-    rows = tile_gather.gather_tiles(source_rows, _unfused(source), tile_expert, block_m)
+    rows = tile_gather.gather_tiles(source_rows, unfused(source), tile_expert, block_m)
     hidden_rows = _grouped_matmul(
         tile_expert, rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn), out_cols=ffn,
         column_offsets=(0, ffn), epilogue=_swiglu, cfg=cfg.gate_up, interpret=interpret,

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtbo import kernels
+from jtbo.kernels import fp8_blocks
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32)
 TRAILING = ((), (3,), (2, 5))
@@ -71,3 +72,58 @@ def merge_np(parts, starts, lengths, out_len):
 def assert_equal(actual, expected) -> None:
     """Bit-exact comparison (copies must not change values)."""
     np.testing.assert_array_equal(np.asarray(actual), expected)
+
+
+def numpy_ffn(x, counts, w_gate_up, w_down):
+    """float64 SwiGLU of each expert's first ``counts[e]`` slots (``[E, C, H]`` rows,
+    ``[E, H, 2, F]`` and ``[E, F, H]`` weights); zero past the counts."""
+    x, wgu, wd = (np.asarray(a, np.float64) for a in (x, w_gate_up, w_down))
+    out = np.zeros(x.shape[:2] + (wd.shape[2],))
+    for e, count in enumerate(np.clip(counts, 0, x.shape[1])):
+        rows = x[e, :count]
+        gate, up = rows @ wgu[e, :, 0], rows @ wgu[e, :, 1]
+        out[e, :count] = (gate / (1 + np.exp(-gate)) * up) @ wd[e]
+    return out
+
+
+def fake_quantized(x, group: int) -> np.ndarray:
+    """Each row's ``group`` columns through FP8 and back (numpy, block by block)."""
+    block = (1,) * (x.ndim - 1) + (group,)
+    values, scales = fp8_blocks.quantize_blocks_reference(np.asarray(x, np.float64), block)
+    return fp8_blocks.dequantize_blocks_reference(values, scales, block)
+
+
+def numpy_fp8_activations_ffn(x, counts, w_gate_up, w_down, group: int):
+    """``numpy_ffn`` with the rows and the float32 hidden rows through FP8 per ``group``
+    columns (FP8 activations; the weights given dequantized)."""
+    x = fake_quantized(np.asarray(x, np.float32), group)
+    out = np.zeros(x.shape[:2] + (w_down.shape[2],))
+    for e, count in enumerate(np.clip(counts, 0, x.shape[1])):
+        gate, up = x[e, :count] @ w_gate_up[e, :, 0], x[e, :count] @ w_gate_up[e, :, 1]
+        hidden = (gate / (1 + np.exp(-gate)) * up).astype(np.float32)
+        out[e, :count] = fake_quantized(hidden, group) @ w_down[e]
+    return out
+
+
+def fp8_expert_weights(seed: int, shape: tuple[int, int, int], block: tuple[int, int]):
+    """``[(w_gate_up, its float64 dequantization), (w_down, ...)]`` for ``shape = (E, H, F)``:
+    random weights whose blocks' magnitudes span several orders (a scale read from the wrong
+    block shows), quantized by ``quantize_blocks_reference`` in ``block = (contraction,
+    output)`` blocks and stored contraction-last."""
+    num_experts, hidden, ffn = shape
+    rng = np.random.default_rng(seed)
+    out = []
+    for w_shape, fan_in in (
+        ((num_experts, hidden, 2, ffn), hidden),
+        ((num_experts, ffn, hidden), ffn),
+    ):
+        w = rng.standard_normal(w_shape) / np.sqrt(fan_in)
+        block_shape = fp8_blocks.expert_block_shape(len(w_shape), block)
+        factors = np.exp(rng.uniform(-2, 2, fp8_blocks.scales_shape(w_shape, block_shape)))
+        w = w * fp8_blocks.dequantize_blocks_reference(np.ones(w_shape), factors, block_shape)
+        values, scales = fp8_blocks.quantize_blocks_reference(w, block_shape)
+        axes = fp8_blocks.expert_axes(len(w_shape))
+        stored = [jnp.asarray(np.transpose(a, axes)) for a in (values, scales.astype(np.float32))]
+        q = fp8_blocks.BlockQuantized(*stored, block_shape, axes)
+        out.append((q, fp8_blocks.dequantize_blocks_reference(values, scales, block_shape)))
+    return out

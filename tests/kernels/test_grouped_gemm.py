@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from jtbo import aot, kernels
 from jtbo.kernels import fp8_blocks, gemm_config, grouped_gemm, grouped_gemm_mosaic, impls
+from tests.kernels import helpers
 
 E, H, F = 4, 64, 32
 # 16-row tiles so the 21 capacity slots span two tiles, the second one partial.
@@ -37,14 +38,7 @@ def _impls():
     return ("xla", "pallas")
 
 
-def _numpy_ffn(x, counts, w_gate_up, w_down):
-    x, wgu, wd = (np.asarray(a, np.float64) for a in (x, w_gate_up, w_down))
-    out = np.zeros(x.shape[:2] + (wd.shape[2],))
-    for e, count in enumerate(np.clip(counts, 0, x.shape[1])):
-        rows = x[e, :count]
-        gate, up = rows @ wgu[e, :, 0], rows @ wgu[e, :, 1]
-        out[e, :count] = (gate / (1 + np.exp(-gate)) * up) @ wd[e]
-    return out
+_numpy_ffn = helpers.numpy_ffn
 
 
 def _inputs(seed, capacity, dtype=np.float32):
@@ -268,39 +262,12 @@ FP8_BLOCK = (16, 32)  # (contraction, output)
 def _fp8_weights(seed):
     """``(w_gate_up, w_down)`` as ``BlockQuantized`` (stored contraction-last) and as their
     float64 dequantization."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for shape, fan_in in (((E, H, 2, FP8_F), H), ((E, FP8_F, H), FP8_F)):
-        w = rng.standard_normal(shape) / np.sqrt(fan_in)
-        block_shape = fp8_blocks.expert_block_shape(len(shape), FP8_BLOCK)
-        factors = np.exp(rng.uniform(-2, 2, fp8_blocks.scales_shape(shape, block_shape)))
-        w = w * fp8_blocks.dequantize_blocks_reference(np.ones(shape), factors, block_shape)
-        values, scales = fp8_blocks.quantize_blocks_reference(w, block_shape)
-        axes = fp8_blocks.expert_axes(len(shape))
-        q = fp8_blocks.quantize_blocks(jnp.asarray(w, jnp.float32), block_shape, axes)
-        np.testing.assert_array_equal(np.asarray(q.values), np.transpose(values, axes))
-        out.append((q, fp8_blocks.dequantize_blocks_reference(values, scales, block_shape)))
-    return out
-
-
-def _fake_quantized(x, group):
-    """Each row's ``group`` columns through FP8 and back (numpy, block by block)."""
-    block = (1,) * (x.ndim - 1) + (group,)
-    values, scales = fp8_blocks.quantize_blocks_reference(np.asarray(x, np.float64), block)
-    return fp8_blocks.dequantize_blocks_reference(values, scales, block)
+    return helpers.fp8_expert_weights(seed, (E, H, FP8_F), FP8_BLOCK)
 
 
 def _numpy_fp8_activations_ffn(x, counts, w_gate_up, w_down):
-    """``_numpy_ffn`` with the rows and the hidden rows through FP8 per their weight's
-    contraction block (FP8_BLOCK[0] columns)."""
-    x = _fake_quantized(np.asarray(x, np.float32), FP8_BLOCK[0])
-    out = np.zeros(x.shape[:2] + (w_down.shape[2],))
-    for e, count in enumerate(np.clip(counts, 0, x.shape[1])):
-        gate, up = x[e, :count] @ w_gate_up[e, :, 0], x[e, :count] @ w_gate_up[e, :, 1]
-        hidden = (gate / (1 + np.exp(-gate)) * up).astype(np.float32)
-        hidden = _fake_quantized(hidden, FP8_BLOCK[0])
-        out[e, :count] = hidden @ w_down[e]
-    return out
+    """``_numpy_ffn`` with the rows and the hidden rows through FP8 per FP8_BLOCK[0] columns."""
+    return helpers.numpy_fp8_activations_ffn(x, counts, w_gate_up, w_down, FP8_BLOCK[0])
 
 
 @pytest.mark.parametrize("impl", _impls())
@@ -388,11 +355,11 @@ def test_fp8_tiles_stay_inside_one_block():
         grouped_gemm._launch(40, 64, 48, cfg, False, (8, 32))
 
 
-def test_fp8_weights_are_refused_by_mosaic_and_auto_takes_pallas(monkeypatch):
+def test_weight_only_fp8_is_refused_by_mosaic_and_auto_takes_pallas(monkeypatch):
     (w_gate_up, _), (w_down, _) = _fp8_weights(0)
     x, counts = jnp.ones((E, 8, H), jnp.bfloat16), jnp.ones((E,), jnp.int32)
-    with pytest.raises(ValueError, match="impl='mosaic' takes float weights.*impl='pallas'"):
-        kernels.grouped_ffn(x, counts, w_gate_up, w_down, impl="mosaic")
+    with pytest.raises(ValueError, match="impl='mosaic' multiplies FP8 weights by FP8 rows"):
+        kernels.grouped_ffn(x, counts, w_gate_up, w_down, impl="mosaic", fp8_activations=False)
     monkeypatch.setattr(impls, "backend", lambda: "gpu")
     monkeypatch.setattr(impls, "unavailable_reason", lambda impl, platform: None)
     monkeypatch.setattr(grouped_gemm_mosaic, "tiles", lambda *args: True)

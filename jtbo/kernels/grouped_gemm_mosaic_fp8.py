@@ -1,0 +1,294 @@
+"""Hopper kernels of the grouped expert FFN with FP8 weights and FP8 activations (Pallas
+Mosaic GPU: TMA loads, FP8 ``wgmma``).
+
+The ``"mosaic"`` impl of ``grouped_gemm.grouped_ffn`` for block-scaled FP8 weights
+(``fp8_blocks.BlockQuantized``, stored contraction-last) with ``fp8_activations``: the scheme
+of ``grouped_gemm``'s module docstring, on the tile-major rows and the persistent 2-CTA
+cluster grid of ``grouped_gemm_mosaic``.
+
+Data flow: the source rows are quantized per ``qk`` columns (``fp8_blocks.quantize_blocks``
+in ``(1, qk)`` blocks), then the live tiles' FP8 rows and their scales are gathered into
+tile-major order (``tile_gather``; the FP8 values travel as bytes). The gate / up kernel
+writes FP8 hidden rows and one scale per row and ``qk`` columns; the down kernel reads them
+and writes the output rows in the tokens' dtype. Row scales are kept transposed,
+``[K / qk, rows]``, so that one pipeline step loads the scales of its contraction block for a
+whole row tile in one TMA copy.
+
+Per contraction step (``tile_k = qk``, one weight block deep): each compute warpgroup runs an
+FP8 x FP8 ``wgmma`` of its ``tile_m`` rows against the ``[tile_n, qk]`` weight tile into a
+fresh float32 accumulator (``wgmma`` takes FP8 operands K-major only, the stored order), then
+adds it to the running sum scaled by its rows' scales times the block's scale, read from the
+weight scales in global memory (DeepSeek-V3's promotion of each block's partial sums). The
+gate and the up products are promoted one after the other, so that a warpgroup holds two
+running sums and one partial sum in registers; the other compute warpgroup's ``wgmma`` runs
+while one promotes. ``tile_n`` is the block's width, so one scale covers a tile. The gate / up
+epilogue computes ``silu(gate) * up`` and quantizes each row of the tile (one group:
+``tile_n`` is the down weight's contraction block) as ``fp8_blocks`` does: its largest
+magnitude times ``1 / 448`` (1 for a zero row), the values divided by it.
+
+Padding rows inside a live tile are zero bytes (FP8 zero) with scale zero, so they produce
+zero hidden rows (scale 1) and zero outputs; dead tiles are skipped, their rows never read.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jtbo.kernels import (
+    fp8_blocks,
+    gemm_config,
+    grouped_gemm_mosaic,
+    impls,
+    slot_rows,
+    tile_gather,
+    tile_table,
+)
+
+_F32 = jnp.float32
+_WARPGROUP = grouped_gemm_mosaic.WARPGROUP
+_EPILOGUE_TILE = grouped_gemm_mosaic.EPILOGUE_TILE
+
+
+def _block_product(a_smem, b_smem, shape: tuple[int, int]) -> jax.Array:
+    """``a_smem [tile_m, qk] @ b_smem [tile_n, qk].T`` in float32, a fresh accumulator."""
+
+    def dot(acc_ref):
+        plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+        return acc_ref[...]
+
+    return pl.run_scoped(dot, plgpu.ACC(shape, _F32))
+
+
+def _rows_scaled(values: jax.Array, row_factor: jax.Array) -> jax.Array:
+    """``values [tile_m, tile_n]`` times ``row_factor [tile_m]`` along its rows."""
+    return values * lax.broadcast_in_dim(row_factor, values.shape, [0])
+
+
+def _quantized_rows(values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(values / scale as FP8, scale [tile_m])``, one scale per row (``fp8_blocks``)."""
+    amax = jnp.max(jnp.abs(values), axis=1)
+    scale = jnp.where(amax > 0, amax * fp8_blocks.INV_FP8_MAX, jnp.ones_like(amax))
+    quotient = values / lax.broadcast_in_dim(scale, values.shape, [0])
+    return quotient.astype(fp8_blocks.FP8_DTYPE), scale
+
+
+def _fp8_matmul_body(
+    tile_expert_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, *out_gmems, column_offsets,
+    cfg, num_col_tiles,
+):  # fmt: skip
+    # tile_expert_gmem: [num_tiles] int32 expert per row tile (-1: dead); a_gmem: [R, K] FP8
+    # tile-major rows (R = num_tiles * block_m); a_scale_gmem: [K / qk, R] float32;
+    # b_gmem: [E, N_b, K] FP8; b_scale_gmem: [E, N_b / tile_n, K / qk] float32. out_gmems:
+    # (out [R, N],) in the output dtype, or with two accumulators (gate, up) (hidden [R, N]
+    # FP8, hidden scales [N / tile_n, R] float32). Accumulator i reads the weight rows
+    # column_offsets[i] + (column tile) * tile_n.
+    block_m, tile_m, tile_n, tile_k = cfg.block_m, cfg.tile_m, cfg.tile_n, cfg.tile_k
+    num_acc = len(column_offsets)
+    operand_transforms = grouped_gemm_mosaic.smem_transforms(tile_k, 1)
+
+    def pipeline(body, compute_context):
+        a_spec = plgpu.BlockSpec(
+            (block_m, tile_k), lambda k: (0, k), transforms=operand_transforms,
+            memory_space=plgpu.SMEM, collective_axes=(grouped_gemm_mosaic.CLUSTER,),
+        )  # fmt: skip
+        scale_spec = plgpu.BlockSpec((None, block_m), lambda k: (k, 0), memory_space=plgpu.SMEM)
+        b_spec = plgpu.BlockSpec(
+            (tile_n, tile_k), lambda k: (0, k), transforms=operand_transforms,
+            memory_space=plgpu.SMEM,
+        )  # fmt: skip
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(a_gmem.shape[1] // tile_k,), memory_registers=40,
+            in_specs=[a_spec, scale_spec] + [b_spec] * num_acc, wg_axis=_WARPGROUP,
+            num_compute_wgs=2, max_concurrent_steps=cfg.max_concurrent_steps,
+            compute_context=compute_context,
+        )  # fmt: skip
+
+    ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
+    allocations = pipeline(ignore, ignore).get_allocations(
+        a_gmem, a_scale_gmem, *[b_gmem.at[0]] * num_acc
+    )
+    out_dtype = out_gmems[0].dtype
+    out_transforms = grouped_gemm_mosaic.smem_transforms(
+        _EPILOGUE_TILE, jnp.dtype(out_dtype).itemsize
+    )
+    epi_shape = (2, 2, _EPILOGUE_TILE, _EPILOGUE_TILE)  # (warpgroup, buffer, rows, columns)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=allocations,
+        out_smem=plgpu.SMEM(epi_shape, out_dtype, transforms=out_transforms),
+        scale_smem=plgpu.SMEM((2, tile_m), _F32),  # (warpgroup, rows): the hidden rows' scales
+        collective_axes=_WARPGROUP,
+    )
+    def _scope(allocations, out_smem, scale_smem):
+        warpgroup = lax.axis_index(_WARPGROUP)
+
+        @functools.partial(
+            grouped_gemm_mosaic.walk_tiles, tile_expert_gmem.shape[0], num_col_tiles,
+            cfg.grid_tile_width,
+        )  # fmt: skip
+        def _visit(tile, col):
+            expert = tile_expert_gmem[tile]
+            rows = pl.ds(tile * block_m, block_m)
+            wg_rows = pl.ds(warpgroup * tile_m, tile_m)
+            scale_rows = [(offset + col * tile_n) // tile_n for offset in column_offsets]
+
+            def compute_context(run_pipeline):
+                zeros = plgpu.layout_cast(jnp.full((tile_m, tile_n), 0, _F32), plgpu.Layout.WGMMA)
+                sums = run_pipeline((zeros,) * num_acc)
+                out_rows = pl.ds(tile * block_m + warpgroup * tile_m, tile_m)
+                _epilogue(sums, out_gmems, out_smem, scale_smem, warpgroup, rows, out_rows, col,
+                          cfg)  # fmt: skip
+
+            def mma(indices, a_smem, a_scale_smem, *rest):
+                b_smems, sums = rest[:num_acc], rest[num_acc]
+                step = indices[0]
+                row_scale = plgpu.load(
+                    a_scale_smem.at[wg_rows], layout=plgpu.Layout.WGMMA.reduce(1)
+                )
+                promoted = []
+                for b_smem, running, scale_row in zip(b_smems, sums, scale_rows, strict=True):
+                    part = _block_product(a_smem.at[wg_rows], b_smem, (tile_m, tile_n))
+                    factor = row_scale * b_scale_gmem[expert, scale_row, step]
+                    promoted.append(running + _rows_scaled(part, factor))
+                return tuple(promoted)
+
+            weights = [
+                b_gmem.at[expert, pl.ds(offset + col * tile_n, tile_n), :]
+                for offset in column_offsets
+            ]
+
+            @pl.when(expert >= 0)
+            def _live():
+                pipeline(mma, compute_context)(
+                    a_gmem.at[rows, :], a_scale_gmem.at[:, rows], *weights,
+                    allocations=allocations,
+                )  # fmt: skip
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _epilogue(sums, out_gmems, out_smem, scale_smem, warpgroup, rows, out_rows, col, cfg):
+    """Writes one warpgroup's tile: the down kernel's sum in the output dtype, or the gate /
+    up kernel's ``silu(gate) * up`` quantized per row, with its row scales."""
+    tile_n = cfg.tile_n
+    out_tile = out_gmems[0].at[rows, pl.ds(col * tile_n, tile_n)]
+    if len(sums) == 1:
+        out = sums[0].astype(out_gmems[0].dtype)
+        grouped_gemm_mosaic.store_tile(out, out_smem, out_tile, warpgroup, cfg.tile_m, tile_n)
+        return
+    gate, up = sums
+    hidden, scale = _quantized_rows(gate * jax.nn.sigmoid(gate) * up)
+    # store_tile first waits for every earlier store, the last tile's scales included.
+    grouped_gemm_mosaic.store_tile(hidden, out_smem, out_tile, warpgroup, cfg.tile_m, tile_n)
+    scale_smem.at[warpgroup][...] = scale
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(scale_smem.at[warpgroup], out_gmems[1].at[col, out_rows])
+
+
+def _check_tiles(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction: int,
+                 quant_block: tuple[int, int]) -> None:  # fmt: skip
+    """Raises KernelUnavailableError unless one contraction step is one weight block deep,
+    a column tile one block wide, and the clusters' column pairs and the steps cover the
+    shapes."""
+    qk, qn = quant_block
+    if cfg.tile_k != qk or cfg.tile_n != qn:
+        raise impls.KernelUnavailableError(
+            f"impl='mosaic' with FP8 weights steps one {qk} x {qn} weight block at a time: "
+            f"tile_k {cfg.tile_k} and tile_n {cfg.tile_n} must be {qk} and {qn} "
+            "(gemm_config.MOSAIC_FFN_FP8)"
+        )
+    if out_cols % (2 * cfg.tile_n) or contraction % cfg.tile_k:
+        raise impls.KernelUnavailableError(
+            f"impl='mosaic' tiles {out_cols} columns by 2 x {cfg.tile_n} (a cluster) and the "
+            f"contraction {contraction} by {cfg.tile_k}; use impl='pallas'"
+        )
+
+
+def _fp8_matmul(tile_expert, a_rows, a_scales, weight, *, out_cols, column_offsets, out_dtype,
+                cfg, interpret):  # fmt: skip
+    """One FP8 grouped GEMM over tile-major rows: ``[R, out_cols]`` in ``out_dtype``, or with
+    two column offsets (gate / up) the FP8 hidden rows and their ``[out_cols / tile_n, R]``
+    scales."""
+    values, scales = weight
+    body = functools.partial(
+        _fp8_matmul_body, column_offsets=column_offsets, cfg=cfg,
+        num_col_tiles=out_cols // cfg.tile_n,
+    )  # fmt: skip
+    num_rows = a_rows.shape[0]
+    out_type = [jax.ShapeDtypeStruct((num_rows, out_cols), out_dtype)]
+    if len(column_offsets) == 2:
+        out_type.append(jax.ShapeDtypeStruct((out_cols // cfg.tile_n, num_rows), _F32))
+    kernel = grouped_gemm_mosaic.persistent_kernel(body, tuple(out_type), interpret)
+    return kernel(tile_expert, a_rows, a_scales, values, scales)
+
+
+def _expert_matrices(w: fp8_blocks.BlockQuantized, out_dim: int, in_dim: int):
+    """``(values [E, out_dim, in_dim], scales [E, out_dim / qn, in_dim / qk])`` of an expert
+    weight stored contraction-last (``fp8_blocks.expert_axes``).
+
+    Raises:
+      ValueError: FP8 weights in another stored order.
+    """
+    if w.axes != fp8_blocks.expert_axes(w.ndim):
+        raise ValueError(
+            f"impl='mosaic' reads FP8 expert weights stored contraction-last (axes "
+            f"{fp8_blocks.expert_axes(w.ndim)}, fp8_blocks.expert_axes), got axes {w.axes}"
+        )
+    num_experts = w.values.shape[0]
+    values = w.values.reshape(num_experts, out_dim, in_dim)
+    return values, w.scales.reshape(num_experts, -1, w.scales.shape[-1])
+
+
+def gathered_fp8_rows(x_slots, slot_of_row, tile_expert, block_m: int, qk: int):
+    """The live tiles' rows quantized per ``qk`` columns: ``(values [R, H] FP8, scales
+    [H / qk, R] float32)``, zero bytes and zero scales for padding rows."""
+    source_rows, source = slot_rows.flat_slot_source(x_slots, slot_of_row)
+    quantized = fp8_blocks.quantize_blocks(source_rows, (1, qk))
+    source = grouped_gemm_mosaic.unfused(source)
+    as_bytes = lax.bitcast_convert_type(quantized.values, jnp.uint8)  # FP8 has no fill value
+    values = tile_gather.gather_tiles(as_bytes, source, tile_expert, block_m)
+    scales = tile_gather.gather_tiles(quantized.scales, source, tile_expert, block_m)
+    return lax.bitcast_convert_type(values, fp8_blocks.FP8_DTYPE), scales.T
+
+
+def grouped_ffn_mosaic_fp8(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, interpret):
+    """The Mosaic GPU impl with FP8 weights and activations: ``SlotRows`` of the outputs.
+
+    ``x_slots`` a slot buffer ``[E, C, H]`` or ``SlotRows``; ``counts`` clipped to ``[0, C]``;
+    ``w_gate_up`` / ``w_down`` ``BlockQuantized`` stored contraction-last in ``(qk, qn)``
+    blocks, ``cfg`` a ``MosaicFfnConfig`` whose steps and column tiles are those blocks.
+    """
+    num_experts, capacity, hidden = x_slots.shape
+    ffn = w_gate_up.shape[3]
+    gate_up_block = (w_gate_up.block_shape[1], w_gate_up.block_shape[3])
+    down_block = (w_down.block_shape[1], w_down.block_shape[2])
+    _check_tiles(cfg.gate_up, ffn, hidden, gate_up_block)
+    _check_tiles(cfg.down, hidden, ffn, down_block)
+    if cfg.gate_up.tile_n != down_block[0]:
+        raise impls.KernelUnavailableError(
+            f"FP8 hidden rows are quantized per gate / up column tile ({cfg.gate_up.tile_n}), "
+            f"which must be the down weight's contraction block ({down_block[0]})"
+        )
+    block_m = cfg.gate_up.block_m
+    num_tiles = tile_table.max_tiles(num_experts, capacity, block_m, max_rows)
+    tiles = grouped_gemm_mosaic.tile_rows(counts, capacity, block_m, num_tiles)
+    tile_expert, slot_of_row, row_of_slot = tiles
+    rows, row_scales = gathered_fp8_rows(
+        x_slots, slot_of_row, tile_expert, block_m, gate_up_block[0]
+    )
+    hidden_rows, hidden_scales = _fp8_matmul(
+        tile_expert, rows, row_scales, _expert_matrices(w_gate_up, 2 * ffn, hidden),
+        out_cols=ffn, column_offsets=(0, ffn), out_dtype=fp8_blocks.FP8_DTYPE,
+        cfg=cfg.gate_up, interpret=interpret,
+    )  # fmt: skip
+    (out_rows,) = _fp8_matmul(
+        tile_expert, hidden_rows, hidden_scales, _expert_matrices(w_down, hidden, ffn),
+        out_cols=hidden, column_offsets=(0,), out_dtype=x_slots.dtype, cfg=cfg.down,
+        interpret=interpret,
+    )  # fmt: skip
+    return slot_rows.SlotRows(out_rows, row_of_slot)

@@ -1,0 +1,167 @@
+"""grouped_ffn(impl="mosaic") with FP8 weights and FP8 activations: the Mosaic GPU kernels
+(Mosaic GPU's interpreter on the CPU) against a float64 numpy reference of the scheme, the
+Pallas FP8 kernels, and the refusals.
+
+Cases: an empty expert, a full one, partial last tiles, a capacity that is not a multiple of
+the row tile, slot rows loaded through an index; 64 x 64 blocks (two contraction steps and a
+cluster's two column tiles on small shapes) and the default 128 x 128 blocks.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jtbo import aot, kernels
+from jtbo.kernels import (
+    fp8_blocks,
+    gemm_config,
+    grouped_gemm,
+    grouped_gemm_mosaic,
+    grouped_gemm_mosaic_fp8,
+)
+from tests.kernels import helpers
+
+E, C = 3, 200
+SMALL_BLOCK = (64, 64)
+SMALL = gemm_config.MosaicFfnConfig(
+    gate_up=gemm_config.MosaicGemmConfig(tile_n=64, tile_k=64, max_concurrent_steps=2),
+    down=gemm_config.MosaicGemmConfig(tile_n=64, tile_k=64, max_concurrent_steps=2),
+)
+# (H, F, block, config): two contraction steps of each kernel, one cluster's column pair in
+# the gate / up kernel and two in the down kernel.
+CASES = {
+    "64-blocks": (128, 128, SMALL_BLOCK, SMALL),
+    "128-blocks": (256, 256, (128, 128), gemm_config.MOSAIC_FFN_FP8),
+}
+# As the Pallas FP8 kernels' test: the rows are quantized bit for bit, the hidden rows summed
+# in another order, so a hidden value on a rounding boundary may land on its neighbour.
+FP8_ACTIVATIONS_TOL = 5e-3  # of the output's norm
+ON_CPU = jax.default_backend() == "cpu"
+DTYPE = jnp.float32 if ON_CPU else jnp.bfloat16  # the GPU kernels read 16-bit rows
+
+
+def _within(got, want, dtype) -> None:
+    got = np.asarray(got, np.float64)
+    bf16_rounding = 0 if dtype == jnp.float32 else 2**-8  # the output's own dtype
+    tol = FP8_ACTIVATIONS_TOL + bf16_rounding
+    assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_slot_buffer_matches_the_numpy_scheme_and_zeros_the_padding(case):
+    hidden, ffn, block, config = CASES[case]
+    (w_gate_up, gate_up_64), (w_down, down_64) = helpers.fp8_expert_weights(
+        1, (E, hidden, ffn), block
+    )
+    counts = np.array([130, 0, C], np.int32)  # a partial second tile, empty, full
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((E, C, hidden)) * 3, DTYPE)
+    out = kernels.grouped_ffn(
+        x, jnp.asarray(counts), w_gate_up, w_down, impl="mosaic", config=config
+    )
+    assert out.dtype == DTYPE
+    want = helpers.numpy_fp8_activations_ffn(x, counts, gate_up_64, down_64, block[0])
+    _within(out, want, DTYPE)
+    got = np.asarray(out, np.float64)
+    assert not got[0, 130:].any() and not got[1].any()
+    assert (np.abs(got[0, :130]).max(axis=-1) > 0).all()
+    # The same scheme as the Pallas kernels: on the interpreter, the same bits.
+    pallas = kernels.grouped_ffn(x, jnp.asarray(counts), w_gate_up, w_down, impl="pallas")
+    if ON_CPU:
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(pallas))
+
+
+def test_slot_rows_load_through_the_index():
+    hidden, ffn, block, config = CASES["64-blocks"]
+    (w_gate_up, gate_up_64), (w_down, down_64) = helpers.fp8_expert_weights(
+        3, (E, hidden, ffn), block
+    )
+    rows = jnp.asarray(np.random.default_rng(4).standard_normal((50, hidden)), jnp.bfloat16)
+    slot_row = np.full((E, C), -1, np.int32)
+    slot_row[0, :7] = np.arange(7)
+    slot_row[2, :140] = np.random.default_rng(5).integers(0, 50, 140)
+    slot_row[2, 3] = -1  # an empty slot among the live ones
+    slots = kernels.SlotRows(rows, jnp.asarray(slot_row))
+    counts = np.array([7, 0, 140], np.int32)
+    got = grouped_gemm.grouped_ffn_rows(
+        slots, jnp.asarray(counts), w_gate_up, w_down, impl="mosaic", config=config, max_rows=147
+    )
+    assert isinstance(got, kernels.SlotRows)
+    x = np.asarray(slots.materialize(), np.float32)
+    want = helpers.numpy_fp8_activations_ffn(x, counts, gate_up_64, down_64, block[0])
+    _within(got.materialize(), want, jnp.bfloat16)
+
+
+def test_weight_only_fp8_and_other_tiles_are_refused():
+    hidden, ffn, block, _ = CASES["64-blocks"]
+    (w_gate_up, _), (w_down, _) = helpers.fp8_expert_weights(0, (E, hidden, ffn), block)
+    x, counts = jnp.ones((E, 8, hidden), DTYPE), jnp.ones((E,), jnp.int32)
+    call = functools.partial(kernels.grouped_ffn, x, counts, w_gate_up, w_down, impl="mosaic")
+    with pytest.raises(ValueError, match="FP8 rows only.*impl='pallas'"):
+        call(config=SMALL, fp8_activations=False)
+    with pytest.raises(kernels.KernelUnavailableError, match="one 64 x 64 weight block"):
+        call(config=gemm_config.MOSAIC_FFN_FP8)  # 128-wide steps over 64-wide blocks
+    (w_gate_up, _), (w_down, _) = helpers.fp8_expert_weights(0, (E, hidden, 192), block)
+    with pytest.raises(kernels.KernelUnavailableError, match="tiles 192 columns by 2 x 64"):
+        kernels.grouped_ffn(x, counts, w_gate_up, w_down, impl="mosaic", config=SMALL)
+
+
+def test_the_rows_are_quantized_then_gathered_into_tiles():
+    # gathered_fp8_rows against quantize_blocks_reference of the rows each tile row holds.
+    counts = jnp.array([5, 0, 3], jnp.int32)
+    block_m, capacity, hidden = 4, 6, 128
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((E, capacity, hidden)), DTYPE)
+    num_tiles = 4  # two of expert 0, one of expert 2, one dead
+    tile_expert, slot_of_row, _ = grouped_gemm_mosaic.tile_rows(
+        counts, capacity, block_m, num_tiles
+    )
+    values, scales = grouped_gemm_mosaic_fp8.gathered_fp8_rows(
+        x, slot_of_row, tile_expert, block_m, 64
+    )
+    assert values.dtype == fp8_blocks.FP8_DTYPE and scales.shape == (2, num_tiles * block_m)
+    want_values, want_scales = fp8_blocks.quantize_blocks_reference(
+        np.asarray(x, np.float64).reshape(-1, hidden), (1, 64)
+    )
+    live = np.asarray(tile_expert)[np.arange(num_tiles * block_m) // block_m] >= 0
+    for row, slot in enumerate(np.asarray(slot_of_row)):
+        if not live[row]:
+            continue  # a dead tile's rows are never read
+        if slot < 0:  # padding inside a live tile: zero bytes, zero scales
+            assert not np.asarray(values[row], np.float32).any() and not scales[:, row].any()
+            continue
+        np.testing.assert_array_equal(np.asarray(values[row]), want_values[slot])
+        np.testing.assert_array_equal(np.asarray(scales[:, row]), want_scales[slot])
+
+
+def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch):
+    # The Mosaic GPU lowering of both FP8 kernels (FP8 wgmma, the scale loads, the hidden
+    # rows' quantization) compiled by XLA for a described H200 (jtbo.aot) at Qwen3-30B-A3B's
+    # expert shape.
+    if not aot.aot_available():
+        pytest.skip("needs the aot extra (jax-cuda12-plugin)")
+    monkeypatch.setattr(grouped_gemm_mosaic, "num_clusters", lambda interpret: 66)
+    sharding = jax.sharding.NamedSharding(aot.gpu_mesh((1,), ("x",)), jax.sharding.PartitionSpec())
+    fp8, f32 = fp8_blocks.FP8_DTYPE, jnp.float32
+    shapes = [((8, 512, 2048), jnp.bfloat16), ((8,), jnp.int32)]
+    shapes += [((8, 2, 768, 2048), fp8), ((8, 2, 6, 16), f32)]  # stored contraction-last
+    shapes += [((8, 2048, 768), fp8), ((8, 16, 6), f32)]
+    args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
+
+    def layer(x, counts, gu_values, gu_scales, down_values, down_scales):
+        gate_up_axes, down_axes = fp8_blocks.expert_axes(4), fp8_blocks.expert_axes(3)
+        w_gate_up = fp8_blocks.BlockQuantized(gu_values, gu_scales, (1, 128, 1, 128), gate_up_axes)
+        w_down = fp8_blocks.BlockQuantized(down_values, down_scales, (1, 128, 128), down_axes)
+        return grouped_gemm_mosaic_fp8.grouped_ffn_mosaic_fp8(
+            x, counts, w_gate_up, w_down, max_rows=2048, cfg=gemm_config.MOSAIC_FFN_FP8,
+            interpret=False,
+        ).rows  # fmt: skip
+
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    abstract = jax.sharding.AbstractMesh(
+        (1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=h200
+    )
+    with jax.sharding.use_abstract_mesh(abstract):
+        hlo = jax.jit(layer).lower(*args).compile().as_text()
+    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
