@@ -11,7 +11,7 @@ overlap:
    (prefill) or on every row inside the epilogue (decode). Each operation's compute is priced
    for its micro-batch's rows (``step_ops``).
 2. **Exchanges.** ``dispatch_a`` and ``combine_a`` start an exchange of the dedup dispatch's
-   bytes over the GPU's link (``step_ops.Link``: GB/s per GPU and a fixed latency per
+   bytes over the GPU's link (``step_exchange.Link``: GB/s per GPU and a fixed latency per
    exchange); ``dispatch_b`` and ``combine_b`` wait for it.
 3. **Schedule.** A plain step runs the whole batch through the list in order; a TBO step
    splits it into two micro-batches (the prompts cut at the middle token, the decode
@@ -44,7 +44,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
-from jtbo.analysis import step_costs, step_ops, step_schedule
+from jtbo.analysis import step_costs, step_exchange, step_ops, step_schedule
 from jtbo.models import config as config_lib
 from jtbo.models import step_operations
 from jtbo.overlap import strategy
@@ -74,11 +74,13 @@ class StepInputs:
     ep_size: int  # GPUs in the EP group (DP attention: one DP rank per GPU)
     mode: str  # "prefill" or "decode"
     tokens_per_gpu: int  # token rows per GPU and step
-    link: step_ops.Link  # the EP exchange's link
+    link: step_exchange.Link  # the EP exchange's link
     prompt_len: int = 4096  # prefill: tokens per prompt (the last one may be shorter)
     context: int = 2048  # decode: each sequence's context length
     imbalance: float = 1.0  # the hottest GPU's expert load over the mean
-    exchange: step_ops.Exchange = step_ops.Exchange()  # rows' dtypes and topology (jtbo's)
+    exchange: step_exchange.Exchange = (
+        step_exchange.Exchange()
+    )  # rows' dtypes and topology (jtbo's)
     decode_attention: step_ops.DecodeAttention = step_ops.DecodeAttention()  # the kernel's price
 
 
@@ -86,9 +88,9 @@ class StepInputs:
 class Stack:
     """What a serving stack runs in one mode: the step model's inputs that describe it."""
 
-    exchange: step_ops.Exchange  # the EP exchange's rows and topology
+    exchange: step_exchange.Exchange  # the EP exchange's rows and topology
     decode_attention: step_ops.DecodeAttention  # how decode attention is priced
-    engine: str  # what moves the exchange's bytes: "sm" or "copy" (``step_ops.Link.engine``)
+    engine: str  # what moves the exchange's bytes: "sm" or "copy" (``step_exchange.Link.engine``)
 
 
 def serving_stack(name: str, mode: str) -> Stack:
@@ -107,9 +109,11 @@ def serving_stack(name: str, mode: str) -> Stack:
     if name not in STACKS or mode not in MODES:
         raise ValueError(f"stack {name!r} (one of {STACKS}), mode {mode!r} (prefill or decode)")
     if name == "jtbo":
-        return Stack(step_ops.Exchange(), step_ops.DecodeAttention(), "sm")
+        return Stack(step_exchange.Exchange(), step_ops.DecodeAttention(), "sm")
     topology, engine = ("node", "sm") if mode == "prefill" else ("pairs", "copy")
-    exchange = step_ops.Exchange("fp8", "bf16", topology, SGLANG_GPUS_PER_NODE, SGLANG_NVLINK_GBPS)
+    exchange = step_exchange.Exchange(
+        "fp8", "bf16", topology, SGLANG_GPUS_PER_NODE, SGLANG_NVLINK_GBPS
+    )
     return Stack(exchange, step_ops.DecodeAttention("roofline", FLASHMLA_GBPS), engine)
 
 
@@ -209,10 +213,10 @@ def micro_batch_stages(
 ) -> list[list[step_schedule.Op]]:
     """One micro-batch's whole step as stages of priced operations (exchange keys start with
     ``label``)."""
-    routing = step_ops.routing_for(config, inputs.ep_size, inputs.imbalance)
-    sent = step_ops.exchange_bytes(config, batch, routing, inputs.exchange)
+    routing = step_exchange.routing_for(config, inputs.ep_size, inputs.imbalance)
+    sent = step_exchange.exchange_bytes(config, batch.tokens, routing, inputs.exchange)
     link_ms = {
-        name: step_ops.exchange_ms(inputs.link, inputs.exchange, traffic)
+        name: step_exchange.exchange_ms(inputs.link, inputs.exchange, traffic)
         for name, traffic in sent.items()
     }
     stages, current = [], []
@@ -300,7 +304,7 @@ def predict(
     ]
     plain = step_schedule.simulate(plain_order, slowdown)
     tbo = step_schedule.simulate(tbo_order, slowdown)
-    routing = step_ops.routing_for(config, inputs.ep_size, inputs.imbalance)
+    routing = step_exchange.routing_for(config, inputs.ep_size, inputs.imbalance)
     return StepPrediction(
         plain_ms=plain.total_ms + costs.host_ms,
         tbo_ms=tbo.total_ms + costs.host_ms,
@@ -317,11 +321,11 @@ def step_traffic(
     config: config_lib.MoEConfig,
     inputs: StepInputs,
     batch: step_ops.Batch,
-    routing: step_ops.Routing,
+    routing: step_exchange.Routing,
 ) -> dict[str, float]:
     """Bytes the hottest GPU sends in one step over the link and over NVLink (every MoE
     layer's dispatch and combine; the same for the plain and the TBO step)."""
-    sent = step_ops.exchange_bytes(config, batch, routing, inputs.exchange).values()
+    sent = step_exchange.exchange_bytes(config, batch.tokens, routing, inputs.exchange).values()
     layers = sum(config.is_moe_layer)
     return dict(
         link_bytes=layers * sum(t.link_bytes for t in sent),
@@ -351,7 +355,7 @@ def imbalance_from_stats(
 def auto_predictor(
     config: config_lib.MoEConfig,
     ep_size: int,
-    link: step_ops.Link,
+    link: step_exchange.Link,
     costs: step_costs.StepCosts | None = None,
     prompt_len: int = 4096,
     context: int = 2048,

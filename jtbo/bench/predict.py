@@ -28,7 +28,7 @@ import dataclasses
 import json
 from typing import Any
 
-from jtbo.analysis import step_costs, step_model, step_ops
+from jtbo.analysis import step_costs, step_exchange, step_model, step_ops
 from jtbo.bench import options
 from jtbo.core import cli_arguments
 from jtbo.models import config as config_lib
@@ -67,13 +67,13 @@ class StackFlags:
         "memory-bound MLA decode kernel)",
     )  # fmt: skip
     dispatch_dtype: str | None = options.option(
-        None, choices=step_ops.ROW_DTYPES, help=f"dispatched rows {_STACK_DEFAULT}"
+        None, choices=step_exchange.ROW_DTYPES, help=f"dispatched rows {_STACK_DEFAULT}"
     )
     combine_dtype: str | None = options.option(
-        None, choices=step_ops.ROW_DTYPES, help=f"combined rows {_STACK_DEFAULT}"
+        None, choices=step_exchange.ROW_DTYPES, help=f"combined rows {_STACK_DEFAULT}"
     )
     topology: str | None = options.option(
-        None, choices=step_ops.TOPOLOGIES,
+        None, choices=step_exchange.TOPOLOGIES,
         help="flat: a row per destination GPU over the link; node: a row per destination "
         "node over the link, forwarded over NVLink inside it; pairs: a message per (token, "
         f"expert) pair {_STACK_DEFAULT}",
@@ -109,7 +109,7 @@ def resolve_stack(flags: StackFlags, mode: str) -> step_model.Stack:
       The stack.
 
     Raises:
-      ValueError: an inconsistent stack (``step_ops.Exchange`` and ``DecodeAttention`` say
+      ValueError: an inconsistent stack (``step_exchange.Exchange`` and ``DecodeAttention`` say
         which).
     """
     base = step_model.serving_stack(flags.stack, mode)
@@ -125,10 +125,10 @@ def _given(flag: Any, base: Any, keep: bool) -> Any:
     return flag if flag is not None else base if keep else None
 
 
-def _exchange(base: step_ops.Exchange, flags: StackFlags) -> step_ops.Exchange:
+def _exchange(base: step_exchange.Exchange, flags: StackFlags) -> step_exchange.Exchange:
     topology = flags.topology or base.topology
     keep = topology != "flat"
-    return step_ops.Exchange(
+    return step_exchange.Exchange(
         flags.dispatch_dtype or base.dispatch_dtype,
         flags.combine_dtype or base.combine_dtype,
         topology,
@@ -191,7 +191,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     try:
         args.serving_stack = resolve_stack(options.from_namespace(StackFlags, args), args.mode)
         if args.serving_stack.exchange.topology != "flat":
-            step_ops.node_shape(args.ep, args.serving_stack.exchange.gpus_per_node)
+            step_exchange.node_shape(args.ep, args.serving_stack.exchange.gpus_per_node)
     except ValueError as error:
         parser.error(str(error))
     return args
@@ -216,7 +216,7 @@ def inputs_of(args) -> step_model.StepInputs:
     """The ``StepInputs`` of parsed flags (the imbalance read from ``--routing-stats`` if
     given)."""
     stack = args.serving_stack
-    link = step_ops.Link(args.link_gbps, args.link_latency_us, stack.engine)
+    link = step_exchange.Link(args.link_gbps, args.link_latency_us, stack.engine)
     imbalance = args.imbalance
     if args.routing_stats is not None:
         config = MODELS[args.model]()

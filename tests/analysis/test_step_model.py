@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jtbo.analysis import step_costs, step_model, step_ops
+from jtbo.analysis import step_costs, step_exchange, step_model
 from jtbo.models import config as config_lib
 
 COSTS = step_costs.load()
@@ -29,7 +29,7 @@ STACKS = st.sampled_from(
 
 def _predict(mode, ep, tokens, gbps, slowdown=None, latency=0.0, stack=None):
     stack = stack or step_model.serving_stack("jtbo", mode)
-    link = step_ops.Link(gbps, latency, stack.engine)
+    link = step_exchange.Link(gbps, latency, stack.engine)
     inputs = step_model.StepInputs(
         ep, mode, tokens, link, exchange=stack.exchange, decode_attention=stack.decode_attention
     )
@@ -63,7 +63,7 @@ def test_monotone_in_link_bandwidth(case, gbps, factor, stack):
 
 
 def test_the_default_inputs_are_jtbos_stack():
-    inputs = step_model.StepInputs(32, "prefill", 4096, step_ops.Link(50.0))
+    inputs = step_model.StepInputs(32, "prefill", 4096, step_exchange.Link(50.0))
     jtbo = step_model.serving_stack("jtbo", "prefill")
     assert (inputs.exchange, inputs.decode_attention, inputs.link.engine) == (
         jtbo.exchange, jtbo.decode_attention, jtbo.engine,
@@ -102,7 +102,7 @@ def test_split_batch_keeps_tokens_and_cuts_a_prompt():
 
 def test_hit_probability_counts_groups():
     v3 = config_lib.MoEConfig.deepseek_v3()
-    routing = step_ops.routing_for(v3, 32)
+    routing = step_exchange.routing_for(v3, 32)
     expected = 31 * 0.5 * (1 - math.prod((120 - i) / (128 - i) for i in range(8)))
     assert routing.local_experts == 8
     assert routing.remote_gpus_per_token == pytest.approx(expected)
@@ -110,4 +110,6 @@ def test_hit_probability_counts_groups():
 
 def test_predict_refuses_an_unknown_mode():
     with pytest.raises(ValueError, match="mode"):
-        step_model.predict(SMALL, step_model.StepInputs(2, "train", 8, step_ops.Link(1.0)), COSTS)
+        step_model.predict(
+            SMALL, step_model.StepInputs(2, "train", 8, step_exchange.Link(1.0)), COSTS
+        )
