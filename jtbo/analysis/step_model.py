@@ -154,10 +154,11 @@ def prefill_batch(tokens: int, prompt_len: int) -> step_ops.Batch:
 
 def split_batch(batch: step_ops.Batch) -> tuple[step_ops.Batch, step_ops.Batch]:
     """TBO's two micro-batches: the rows cut at the middle token (a prompt across the cut
-    becomes two chunks, the second with the first as its prefix), decode sequences halved."""
-    half = batch.tokens / 2
+    becomes two chunks, the second with the first as its prefix), decode sequences halved;
+    each knows the whole step's rows (``Batch.step_tokens``)."""
+    half, whole = batch.tokens / 2, batch.tokens
     if batch.decode_context:
-        return (dataclasses.replace(batch, tokens=half),) * 2
+        return (dataclasses.replace(batch, tokens=half, step_tokens=whole),) * 2
     first, second, seen = [], [], 0
     for new, prefix in batch.chunks:
         cut = min(max(half - seen, 0), new)
@@ -166,7 +167,10 @@ def split_batch(batch: step_ops.Batch) -> tuple[step_ops.Batch, step_ops.Batch]:
         if new - cut:
             second.append((int(new - cut), prefix + int(cut)))
         seen += new
-    return step_ops.Batch(half, tuple(first)), step_ops.Batch(batch.tokens - half, tuple(second))
+    return (
+        step_ops.Batch(half, tuple(first), step_tokens=whole),
+        step_ops.Batch(whole - half, tuple(second), step_tokens=whole),
+    )
 
 
 def _family(config: config_lib.MoEConfig) -> strategy.LayerFamily:
@@ -196,10 +200,10 @@ def _layer_costs(
     t, h = batch.tokens, config.hidden_size
     out = step_ops.attention_costs(costs, config, batch, inputs.decode_attention)
     out.update(step_ops.moe_costs(costs, config, batch, routing))
-    out["mlp"] = step_ops.dense_mlp_ms(costs, t, h, config.intermediate_size) if not is_moe else 0.0
+    out["mlp"] = 0.0 if is_moe else step_ops.dense_mlp_ms(costs, batch, h, config.intermediate_size)
     out["comm_postprocess_layer"] = 0.0
-    out["embed"] = costs.rowwise("gather", t, h)
-    out["final_norm"] = costs.rowwise("rmsnorm", t, h)
+    out["embed"] = step_ops.rowwise_ms(costs, "gather", batch, h)
+    out["final_norm"] = step_ops.rowwise_ms(costs, "rmsnorm", batch, h)
     out["logits"] = costs.dense_gemm(t, h, config.vocab_size)
     return out
 

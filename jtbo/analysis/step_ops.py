@@ -20,6 +20,17 @@ or a memory roofline: the KV cache's bytes over a stated read rate,
 ``seqs * context * kv_bytes_per_token / rate``, for a kernel that streams the cache once at
 that rate (launch floors, the query and the output are left out).
 
+**Per-call floors.** The table times each operation as its own host-dispatched call, so
+a small call's time is mostly a per-call floor (dispatch, launch, the wait), not work: its
+curves are flat at small sizes (row-wise operations, decode attention, whose time grows with
+the KV rows read at about the device's copy rate on top of that floor). Inside a step every
+operation is one kernel of one program. An operation with no weights, whose work is its rows
+(the row-wise operations, decode attention), is therefore priced for a micro-batch as its
+share of the whole step's call (``rowwise_ms``, ``Batch.step_tokens``): the two
+micro-batches of a TBO step together cost what the plain step's call costs, the floor counted
+once, as in the plain step. GEMMs keep a lookup per micro-batch: each micro-batch reads their
+weights again, which is work.
+
 **Exchanges** (their rows, topologies and bytes) are priced by ``step_exchange``.
 """
 
@@ -39,6 +50,34 @@ class Batch:
     tokens: float  # token rows on this GPU
     chunks: tuple[tuple[int, int], ...] = ()  # extend: (new tokens, cached prefix) per prompt
     decode_context: int = 0  # decode: context length of each sequence (tokens = sequences)
+    step_tokens: float | None = None  # a micro-batch: the whole step's rows (None: this batch)
+
+    @property
+    def step_rows(self) -> float:
+        """Token rows of the whole step this batch belongs to."""
+        return self.tokens if self.step_tokens is None else self.step_tokens
+
+
+def rowwise_ms(
+    costs: step_costs.StepCosts, op: str, batch: Batch, width: int, per_token: float = 1.0
+) -> float:
+    """A row-wise operation over ``per_token`` rows of ``width`` per token row of ``batch``,
+    as the batch's share of the whole step's one call (module docstring, "Per-call floors").
+
+    Args:
+      costs: the cost table.
+      op: one of ``step_costs.ROWWISE_OPS``.
+      batch: the (micro-)batch.
+      width: values per row.
+      per_token: rows of the operation per token row (e.g. rows sent per token).
+
+    Returns:
+      Milliseconds.
+    """
+    whole = batch.step_rows
+    if whole <= 0:
+        return 0.0
+    return costs.rowwise(op, per_token * whole, width) * batch.tokens / whole
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +111,10 @@ def attention_costs(
     """``comm_prepare_attn`` .. ``comm_prepare_mlp`` compute, ms (``decode``: how a decode
     batch's attention kernel is priced)."""
     t, h = batch.tokens, config.hidden_size
-    norm = costs.rowwise("add", t, h) + costs.rowwise("rmsnorm", t, h)
+    norm = rowwise_ms(costs, "add", batch, h) + rowwise_ms(costs, "rmsnorm", batch, h)
     if config.attention_kind == "mla":
         prepare, out_width = (
-            _mla_prepare(costs, config, t),
+            _mla_prepare(costs, config, batch),
             config.num_attention_heads * config.v_head_dim,
         )
     else:
@@ -92,17 +131,18 @@ def attention_costs(
     )
 
 
-def _mla_prepare(costs: step_costs.StepCosts, config: config_lib.MoEConfig, t: float) -> float:
-    h, heads = config.hidden_size, config.num_attention_heads
+def _mla_prepare(costs: step_costs.StepCosts, config: config_lib.MoEConfig, batch: Batch) -> float:
+    t, h, heads = batch.tokens, config.hidden_size, config.num_attention_heads
     q_width = heads * config.qk_head_dim
     if config.q_lora_rank is None:
         query = costs.dense_gemm(t, h, q_width)
     else:
         rank = config.q_lora_rank
-        query = costs.dense_gemm(t, h, rank) + costs.rowwise("rmsnorm", t, rank)
+        query = costs.dense_gemm(t, h, rank) + rowwise_ms(costs, "rmsnorm", batch, rank)
         query += costs.dense_gemm(t, rank, q_width)
     latent = config.kv_lora_rank + config.qk_rope_head_dim
-    return query + costs.dense_gemm(t, h, latent) + costs.rowwise("rmsnorm", t, config.kv_lora_rank)
+    norm = rowwise_ms(costs, "rmsnorm", batch, config.kv_lora_rank)
+    return query + costs.dense_gemm(t, h, latent) + norm
 
 
 def _head_scale(costs: step_costs.StepCosts, config: config_lib.MoEConfig, kind: str) -> float:
@@ -142,8 +182,9 @@ def _attention_core(
     if batch.decode_context and decode.price == "roofline":
         return roofline_decode_ms(config, batch.tokens, batch.decode_context, decode.gbps)
     scale = _head_scale(costs, config, kind)
-    if batch.decode_context:
-        return costs.decode_attention(kind, batch.tokens, batch.decode_context) * scale
+    if batch.decode_context:  # the batch's share of the step's call ("Per-call floors")
+        whole = costs.decode_attention(kind, batch.step_rows, batch.decode_context)
+        return whole * batch.tokens / batch.step_rows * scale
     total = sum(
         costs.extend_attention(kind, [new + prefix]) - costs.extend_attention(kind, [prefix])
         for new, prefix in batch.chunks
@@ -151,9 +192,10 @@ def _attention_core(
     return total * scale
 
 
-def dense_mlp_ms(costs: step_costs.StepCosts, t: float, hidden: int, width: int) -> float:
-    """A SwiGLU MLP of ``width`` over ``t`` rows: gate/up, ``silu * up``, down."""
-    gate_up = costs.dense_gemm(t, hidden, 2 * width) + costs.rowwise("add", t, 2 * width)
+def dense_mlp_ms(costs: step_costs.StepCosts, batch: Batch, hidden: int, width: int) -> float:
+    """A SwiGLU MLP of ``width`` over the batch's rows: gate/up, ``silu * up``, down."""
+    t = batch.tokens
+    gate_up = costs.dense_gemm(t, hidden, 2 * width) + rowwise_ms(costs, "add", batch, 2 * width)
     return gate_up + costs.dense_gemm(t, width, hidden)
 
 
@@ -165,20 +207,19 @@ def moe_costs(
 ) -> dict[str, float]:
     """``gate`` .. ``output`` compute of a MoE layer, ms."""
     t, h, k = batch.tokens, config.hidden_size, config.num_experts_per_tok
-    sent = t * (1 + routing.remote_gpus_per_token) if routing.ep_size > 1 else t
-    received = sent * routing.imbalance
+    sent = 1 + routing.remote_gpus_per_token if routing.ep_size > 1 else 1.0  # rows per token
     pairs = t * k * routing.imbalance
     return dict(
         gate=costs.dense_gemm(t, h, config.num_experts),
-        select_experts=costs.rowwise("routing", t, config.num_experts),
-        dispatch_a=costs.rowwise("gather", sent, h),
-        dispatch_b=costs.rowwise("gather", received, h),
+        select_experts=rowwise_ms(costs, "routing", batch, config.num_experts),
+        dispatch_a=rowwise_ms(costs, "gather", batch, h, sent),
+        dispatch_b=rowwise_ms(costs, "gather", batch, h, sent * routing.imbalance),
         experts=costs.grouped_gemm(pairs, routing.local_experts, h, config.moe_intermediate_size),
-        combine_a=costs.rowwise("gather", pairs, h),
-        shared_experts=dense_mlp_ms(costs, t, h, config.shared_width)
+        combine_a=rowwise_ms(costs, "gather", batch, h, k * routing.imbalance),
+        shared_experts=dense_mlp_ms(costs, batch, h, config.shared_width)
         if config.shared_width
         else 0.0,
-        combine_b=costs.rowwise("gather", sent, h),
-        output=costs.rowwise("add", t, h),
+        combine_b=rowwise_ms(costs, "gather", batch, h, sent),
+        output=rowwise_ms(costs, "add", batch, h),
         comm_postprocess_layer=0.0,
     )

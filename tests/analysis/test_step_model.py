@@ -113,3 +113,20 @@ def test_predict_refuses_an_unknown_mode():
         step_model.predict(
             SMALL, step_model.StepInputs(2, "train", 8, step_exchange.Link(1.0)), COSTS
         )
+
+
+WEIGHTLESS = (
+    "comm_prepare_attn", "select_experts", "dispatch_a", "dispatch_b", "combine_a", "combine_b",
+    "output", "embed", "final_norm",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_tbo_pays_weightless_operations_once(mode):
+    # without an exchange (no slowdown) the two micro-batches' row-wise operations and decode
+    # attention cost what the plain step's do: their per-call floor is paid once per step
+    made = _predict(mode, 8, 256, 50.0, slowdown=1.0)
+    names = WEIGHTLESS + (("attn_core",) if mode == "decode" else ())
+    for name in names:
+        times = made.per_operation[name]
+        assert times["tbo_ms"] == pytest.approx(times["plain_ms"]), name
