@@ -9,15 +9,19 @@ one a batch could follow: no dearer per unit at a larger size), below the grid i
 size's time (a launch floor), and above it the largest size's time scaled in proportion to
 the size (past the grid every operation is throughput-bound).
 
-* a dense GEMM ``[rows, K] @ [K, N]`` takes the curve of the measured weight shape nearest in
-  ``K * N`` (in log), scaled by ``K * N`` over that shape's: at a fixed row count both its
-  FLOPs and its weight bytes grow with ``K * N``;
+* a dense GEMM ``[rows, K] @ [K, N]`` between two measured weight shapes is interpolated
+  between their times at its rows, log-log in ``K * N``; outside them it takes the nearest
+  shape's time scaled by ``K * N`` over that shape's (at a fixed row count both the FLOPs and
+  the weight bytes grow with ``K * N``). Scaling a measured time inside the range would scale
+  its per-call floor too;
 * the grouped GEMM of ``experts`` local experts takes the time per expert of the nearest
   measured expert count at the rows per expert, times ``experts``, scaled by its expert shape
   (``hidden * ffn``) over the measured one's;
 * extend attention is a sum over prompts of the time of a prompt's length; decode attention
   is interpolated in the KV rows read (sequences x context);
-* row-wise operations scale with ``width / hidden`` of the measured rows.
+* a row-wise operation over rows of another width is priced as the measured width's rows of
+  the same bytes (``rows * width / hidden``): its work is its bytes, and scaling the time
+  instead would scale the per-call floor.
 """
 
 import bisect
@@ -93,12 +97,17 @@ class StepCosts:
     table: Mapping[str, Any]  # the JSON object (module docstring; version 1)
 
     def dense_gemm(self, rows: float, k: int, n: int) -> float:
-        """A ``[rows, k] @ [k, n]`` bf16 matmul (0 for no rows)."""
+        """A ``[rows, k] @ [k, n]`` bf16 matmul (0 for no rows; module docstring)."""
         if rows <= 0:
             return 0.0
-        curves = self.table["dense_gemm"]
-        curve = curves[_nearest([c["k"] * c["n"] for c in curves], k * n)]
-        return interpolate(curve["rows"], curve["ms"], rows) * k * n / (curve["k"] * curve["n"])
+        curves = sorted(self.table["dense_gemm"], key=lambda c: c["k"] * c["n"])
+        sizes = [c["k"] * c["n"] for c in curves]
+        times = [interpolate(c["rows"], c["ms"], rows) for c in curves]
+        size = k * n
+        if size <= sizes[0] or size >= sizes[-1]:
+            end = 0 if size <= sizes[0] else -1
+            return times[end] * size / sizes[end]
+        return interpolate(sizes, times, size, as_work=False)
 
     def grouped_gemm(self, rows: float, experts: int, hidden: int, ffn: int) -> float:
         """The routed-expert layer over ``rows`` (token, expert) pairs on ``experts`` local
@@ -134,7 +143,7 @@ class StepCosts:
             return 0.0
         section = self.table["rowwise"]
         measured = section["routing_experts"] if op == "routing" else section["hidden"]
-        return interpolate(section["rows"], section[op], rows) * width / measured
+        return interpolate(section["rows"], section[op], rows * width / measured)
 
     @property
     def host_ms(self) -> float:
