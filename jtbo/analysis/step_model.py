@@ -17,8 +17,9 @@ overlap:
    splits it into two micro-batches (the prompts cut at the middle token, the decode
    sequences halved) and runs them staggered by the layout's ``delta`` stages, one compute
    stream and one link shared by both (``step_schedule``), compute beside an exchange slowed by
-   the table's measured factor for the link's engine. TBO also pays the copy of the merged
-   rows. Both add the table's host time per step.
+   the table's measured factor for the link's engine. A decode TBO step also pays the merge
+   of its micro-batches' logits (a prefill step reads each prompt's last row either way).
+   Both add one host time per step (``StepInputs.host_ms``; None: the table's).
 
 The **serving stack** is an input (``StepInputs.exchange``, ``StepInputs.decode_attention``
 and the link's engine; ``serving_stack`` names two): ``jtbo``, the default, prices jtbo's own
@@ -63,6 +64,8 @@ MODES = {
     "prefill": forward_mode_lib.ForwardMode.EXTEND,
     "decode": forward_mode_lib.ForwardMode.DECODE,
 }
+FLOAT32_WIDTH = 2
+"""A float32 value's bytes in bf16 values (row-wise costs are priced by bf16 values moved)."""
 ISSUES = {"dispatch_a": "dispatch", "combine_a": "combine"}
 WAITS = {"dispatch_b": "dispatch", "combine_b": "combine"}
 
@@ -82,6 +85,16 @@ class StepInputs:
         step_exchange.Exchange()
     )  # rows' dtypes and topology (jtbo's)
     decode_attention: step_ops.DecodeAttention = step_ops.DecodeAttention()  # the kernel's price
+    host_ms: float | None = None  # the host's time per step (None: the cost table's)
+
+    def __post_init__(self):
+        """Checks the host time.
+
+        Raises:
+          ValueError: a negative host time.
+        """
+        if self.host_ms is not None and self.host_ms < 0:
+            raise ValueError(f"host_ms must be >= 0, got {self.host_ms}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,14 +262,18 @@ def _batch(inputs: StepInputs) -> step_ops.Batch:
 
 
 def _after_merge(costs, config, inputs: StepInputs, tbo: bool) -> list[step_schedule.Op]:
-    """Work after both micro-batches: the LM head on each prompt's last row (prefill) and,
-    for TBO, the merge copy of the micro-batches' rows."""
+    """Work after both micro-batches. Prefill: each prompt's last row read out (the plain
+    step gathers it, the TBO step takes it from the two micro-batches' outputs without merging
+    them), then the LM head on those rows. Decode: for TBO, the merge of the micro-batches'
+    float32 logits rows (the LM head ran inside each)."""
     h, ops = config.hidden_size, []
     if inputs.mode == "prefill":
         prompts = math.ceil(inputs.tokens_per_gpu / inputs.prompt_len)
+        ops.append(step_schedule.Op("last_rows", costs.rowwise("gather", prompts, h)))
         ops.append(step_schedule.Op("logits", costs.dense_gemm(prompts, h, config.vocab_size)))
-    if tbo:
-        ops.append(step_schedule.Op("tbo_merge", costs.rowwise("gather", inputs.tokens_per_gpu, h)))
+    elif tbo:
+        merged = costs.rowwise("gather", inputs.tokens_per_gpu, FLOAT32_WIDTH * config.vocab_size)
+        ops.append(step_schedule.Op("tbo_merge", merged))
     return ops
 
 
@@ -309,9 +326,10 @@ def predict(
     plain = step_schedule.simulate(plain_order, slowdown)
     tbo = step_schedule.simulate(tbo_order, slowdown)
     routing = step_exchange.routing_for(config, inputs.ep_size, inputs.imbalance)
+    host = costs.host_ms if inputs.host_ms is None else inputs.host_ms
     return StepPrediction(
-        plain_ms=plain.total_ms + costs.host_ms,
-        tbo_ms=tbo.total_ms + costs.host_ms,
+        plain_ms=plain.total_ms + host,
+        tbo_ms=tbo.total_ms + host,
         per_operation=_per_operation(plain, tbo),
         exchange_ms=plain.exchange_ms,
         waited_ms=dict(plain=plain.waited_ms, tbo=tbo.waited_ms),

@@ -2,14 +2,15 @@
 
 ``python -m jtbo.bench predict --model NAME --ep N --mode prefill|decode --tokens-per-gpu T
 --link-gbps B [--link-latency-us L] [--prompt-len P] [--context C] [--imbalance X |
---routing-stats FILE] [--table FILE] [--expert-dtype bfloat16|float8_e4m3fn] [stack flags]
-[--json] [--plot FILE]`` predicts one GPU's plain and TBO step (``jtbo.analysis.step_model``)
-from a cost table (the shipped H200 table by default) on the CPU, and prints the model's
-weight bytes on one GPU of the EP group (``jtbo.models.param_bytes``: bf16, the routed
-experts in ``--expert-dtype``). ``--json`` prints one JSON object (``plain_ms``, ``tbo_ms``,
-``gain``, ``per_operation``, ``traffic``, ``weight_bytes_per_gpu`` ...) after the summary
-line; ``--plot FILE`` writes a PNG of the predicted TBO gain against tokens per GPU at EP 8,
-32 and 72 (matplotlib, the ``test`` extra).
+--routing-stats FILE] [--host-ms H] [--table FILE] [--expert-dtype bfloat16|float8_e4m3fn]
+[stack flags] [--json] [--plot FILE]`` predicts one GPU's plain and TBO step
+(``jtbo.analysis.step_model``) from a cost table (the shipped H200 table by default) on the
+CPU, and prints the model's weight bytes on one GPU of the EP group
+(``jtbo.models.param_bytes``: bf16, the routed experts in ``--expert-dtype``). ``--json``
+prints one JSON object (``plain_ms``, ``tbo_ms``, ``gain``, ``per_operation``, ``traffic``,
+``weight_bytes_per_gpu`` ...) after the summary line; ``--plot FILE`` writes a PNG of the
+predicted TBO gain against tokens per GPU at EP 8, 32 and 72 (matplotlib, the ``test``
+extra). ``--host-ms`` replaces the table's host time per step (a measured runner's, say).
 
 The stack flags (``StackFlags``) say which serving stack is priced: ``--stack jtbo|sglang``
 names one (``step_model.serving_stack``: its exchange, decode attention and exchange engine
@@ -175,6 +176,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     add("--prompt-len", type=cli_arguments.positive_int, default=4096)
     add("--context", type=cli_arguments.positive_int, default=2048, help="decode KV length")
     add("--imbalance", type=_positive_float, default=1.0, help="hottest GPU load / mean")
+    add("--host-ms", type=cli_arguments.non_negative_float,
+        help="host time per step, ms (default: the cost table's host round trip)")  # fmt: skip
     add("--routing-stats", type=cli_arguments.existing_file, help="ep_routing_stats file")
     add("--table", type=cli_arguments.existing_file, help="cost table (default: shipped H200)")
     add("--json", action="store_true", help="print the prediction as one JSON object")
@@ -225,7 +228,7 @@ def inputs_of(args) -> step_model.StepInputs:
         )
     return step_model.StepInputs(
         args.ep, args.mode, args.tokens_per_gpu, link, args.prompt_len, args.context, imbalance,
-        stack.exchange, stack.decode_attention,
+        stack.exchange, stack.decode_attention, args.host_ms,
     )  # fmt: skip
 
 

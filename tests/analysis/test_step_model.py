@@ -130,3 +130,26 @@ def test_tbo_pays_weightless_operations_once(mode):
     for name in names:
         times = made.per_operation[name]
         assert times["tbo_ms"] == pytest.approx(times["plain_ms"]), name
+
+
+def test_merge_reads_last_rows_at_prefill_and_merges_logits_at_decode():
+    prefill = _predict("prefill", 8, 4096, 50.0).per_operation
+    assert "tbo_merge" not in prefill  # the LM head's rows are read from both halves
+    rows = prefill["last_rows"]
+    assert rows["tbo_ms"] == pytest.approx(rows["plain_ms"]) and rows["plain_ms"] > 0
+    decode = _predict("decode", 8, 256, 50.0).per_operation
+    logits = COSTS.rowwise("gather", 256, 2 * SMALL.vocab_size)
+    assert decode["tbo_merge"] == dict(plain_ms=0.0, tbo_ms=pytest.approx(logits))
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_host_time_is_an_input_added_once_per_step(mode):
+    link = step_exchange.Link(50.0)
+    inputs = step_model.StepInputs(8, mode, 256, link)
+    table = step_model.predict(SMALL, inputs, COSTS)
+    given_host = step_model.predict(SMALL, dataclasses.replace(inputs, host_ms=2.0), COSTS)
+    for key in ("plain_ms", "tbo_ms"):
+        extra = getattr(given_host, key) - getattr(table, key)
+        assert extra == pytest.approx(2.0 - COSTS.host_ms)
+    with pytest.raises(ValueError, match="host_ms"):
+        step_model.StepInputs(8, mode, 256, link, host_ms=-1.0)

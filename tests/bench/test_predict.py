@@ -110,3 +110,10 @@ def test_summary_names_the_stack(capsys):
     predict.main([*V3_EP32, "--stack", "sglang"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-2].startswith("stack sglang: dispatch fp8, combine bf16, node exchange")
+
+
+def test_host_ms_flag_replaces_the_tables_host_time(capsys):
+    table = _json(capsys, V3_EP32)
+    given = _json(capsys, [*V3_EP32, "--host-ms", "2.5"])
+    assert table["inputs"]["host_ms"] is None and given["inputs"]["host_ms"] == 2.5
+    assert given["plain_ms"] - table["plain_ms"] == pytest.approx(2.5 - 0.45856050000026016)
