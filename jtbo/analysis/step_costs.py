@@ -109,17 +109,62 @@ class StepCosts:
             return times[end] * size / sizes[end]
         return interpolate(sizes, times, size, as_work=False)
 
+    def _expert_curve(self, experts: int) -> tuple[list[float], list[float]]:
+        """The measured expert count nearest ``experts``: rows per expert and its time per
+        expert (``work_curve``)."""
+        curves = self.table["grouped_gemm"]["curves"]
+        curve = curves[_nearest([c["experts"] for c in curves], experts)]
+        sizes = curve["rows_per_expert"]
+        return sizes, work_curve(sizes, [t / curve["experts"] for t in curve["ms"]])
+
     def grouped_gemm(self, rows: float, experts: int, hidden: int, ffn: int) -> float:
         """The routed-expert layer over ``rows`` (token, expert) pairs on ``experts`` local
         experts of shape ``hidden x ffn`` (0 for no rows)."""
         if rows <= 0:
             return 0.0
         section = self.table["grouped_gemm"]
-        curves = section["curves"]
-        curve = curves[_nearest([c["experts"] for c in curves], experts)]
-        per_expert = [t / curve["experts"] for t in curve["ms"]]
+        sizes, per_expert = self._expert_curve(experts)
         scale = hidden * ffn / (section["hidden"] * section["ffn"])
-        return interpolate(curve["rows_per_expert"], per_expert, rows / experts) * experts * scale
+        return interpolate(sizes, per_expert, rows / experts) * experts * scale
+
+    def grouped_gemm_fp8(
+        self, rows: float, experts: int, hidden: int, ffn: int, speedup: float, byte_ratio: float
+    ) -> float:
+        """The routed-expert layer with FP8 weights and activations, priced from the measured
+        bf16 layer (``grouped_gemm``) by a roofline of the bf16 curve: its weight-read time is
+        its time at the smallest measured rows per expert, its compute time at ``rows`` the
+        largest measured point's time scaled to ``rows``; the FP8 layer reads ``byte_ratio``
+        of the weight bytes and computes at ``speedup`` times the bf16 rate, and the bf16 time
+        is scaled by ``max(fp8 weight read, fp8 compute) / max(weight read, compute)``: the
+        bytes' ratio where the layer is weight-bound, the rate's where compute-bound, never
+        above the bf16 time.
+
+        Args:
+          rows: (token, expert) pairs.
+          experts: local experts.
+          hidden: expert input width.
+          ffn: expert intermediate width.
+          speedup: FP8 GEMM rate over the bf16 rate (>= 1).
+          byte_ratio: FP8 weight bytes over bf16 weight bytes (scales included, <= 1).
+
+        Returns:
+          Milliseconds.
+
+        Raises:
+          ValueError: a speedup below 1 or a byte ratio outside (0, 1].
+        """
+        if speedup < 1 or not 0 < byte_ratio <= 1:
+            raise ValueError(
+                f"FP8 speedup {speedup} must be >= 1, byte ratio {byte_ratio} in (0, 1]"
+            )
+        bf16 = self.grouped_gemm(rows, experts, hidden, ffn)
+        if bf16 <= 0:
+            return 0.0
+        sizes, per_expert = self._expert_curve(experts)
+        memory = per_expert[0]
+        compute = per_expert[-1] * rows / experts / sizes[-1]
+        fp8 = max(byte_ratio * memory, compute / speedup)
+        return bf16 * fp8 / max(memory, compute)
 
     def extend_attention(self, kind: str, seq_lens: Sequence[int]) -> float:
         """Causal attention over fresh prompts of ``seq_lens`` tokens (``kind``: mla or gqa)."""

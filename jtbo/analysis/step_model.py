@@ -21,16 +21,18 @@ overlap:
    of its micro-batches' logits (a prefill step reads each prompt's last row either way).
    Both add one host time per step (``StepInputs.host_ms``; None: the table's).
 
-The **serving stack** is an input (``StepInputs.exchange``, ``StepInputs.decode_attention``
-and the link's engine; ``serving_stack`` names two): ``jtbo``, the default, prices jtbo's own
-stack (bf16 rows to each destination GPU, the table's attention kernels, exchanges moved by
-kernels); ``sglang`` prices SGLang's serving of DeepSeek-V3 over DeepEP: FP8 dispatch and bf16
-combine rows; prefill on DeepEP's normal kernels (one copy per destination node over the
-inter-node link, forwarded over NVLink inside it; kernels on the GPU's SMs), decode on its
-low-latency kernels (one message per (token, expert) pair, sent directly; the transfer in
-flight holds no SMs, so no compute slowdown); decode attention at the memory roofline of a
-memory-bound MLA kernel. Its stated rates and their sources: docs/benchmarks/, "TBO step
-model priced for SGLang's stack".
+The **serving stack** is an input (``StepInputs.exchange``, ``StepInputs.decode_attention``,
+``StepInputs.expert_gemm`` and the link's engine; ``serving_stack`` names two): ``jtbo``, the
+default, prices jtbo's own stack (bf16 rows to each destination GPU, the table's attention
+kernels and bf16 expert GEMMs, exchanges moved by kernels); ``sglang`` prices SGLang's
+serving of DeepSeek-V3 over DeepEP: FP8 dispatch and bf16 combine rows; prefill on DeepEP's
+normal kernels (one copy per destination node over the inter-node link, forwarded over NVLink
+inside it; kernels on the GPU's SMs), decode on its low-latency kernels (one message per
+(token, expert) pair, sent directly; the transfer in flight holds no SMs, so no compute
+slowdown); decode attention at the memory roofline of a memory-bound MLA kernel; FP8
+routed-expert GEMMs (DeepGEMM) at ``FP8_OVER_BF16_RATE``
+(``step_ops.ExpertGemm``). Its stated rates and their sources: docs/benchmarks/, "TBO step
+model priced for SGLang's stack" and "FP8 expert GEMMs".
 
 The hottest GPU sets the step's pace: expert rows and received bytes scale with
 ``imbalance`` (1.0 by default: the balanced load an expert-placement balancer aims for; a
@@ -60,6 +62,10 @@ SGLANG_NVLINK_GBPS = 370.0
 step model: validation", link rates); the same NVLink generation as the H100's."""
 FLASHMLA_GBPS = 3000.0
 """GB/s FlashMLA reads the KV cache at in its memory-bound decode (its published figure)."""
+FP8_OVER_BF16_RATE = 2.0
+"""The SGLang stack's FP8 expert GEMMs (DeepGEMM) over bf16 ones at compute-bound sizes:
+Hopper's FP8 tensor-core rate over its bf16 rate (NVIDIA's published peaks), the rate
+DeepGEMM's published FP8 figure comes close to (docs/benchmarks/, "FP8 expert GEMMs")."""
 MODES = {
     "prefill": forward_mode_lib.ForwardMode.EXTEND,
     "decode": forward_mode_lib.ForwardMode.DECODE,
@@ -86,6 +92,7 @@ class StepInputs:
     )  # rows' dtypes and topology (jtbo's)
     decode_attention: step_ops.DecodeAttention = step_ops.DecodeAttention()  # the kernel's price
     host_ms: float | None = None  # the host's time per step (None: the cost table's)
+    expert_gemm: step_ops.ExpertGemm = step_ops.ExpertGemm()  # routed experts: bf16 or FP8
 
     def __post_init__(self):
         """Checks the host time.
@@ -104,6 +111,7 @@ class Stack:
     exchange: step_exchange.Exchange  # the EP exchange's rows and topology
     decode_attention: step_ops.DecodeAttention  # how decode attention is priced
     engine: str  # what moves the exchange's bytes: "sm" or "copy" (``step_exchange.Link.engine``)
+    expert_gemm: step_ops.ExpertGemm = step_ops.ExpertGemm()  # the routed experts' pricing
 
 
 def serving_stack(name: str, mode: str) -> Stack:
@@ -127,7 +135,8 @@ def serving_stack(name: str, mode: str) -> Stack:
     exchange = step_exchange.Exchange(
         "fp8", "bf16", topology, SGLANG_GPUS_PER_NODE, SGLANG_NVLINK_GBPS
     )
-    return Stack(exchange, step_ops.DecodeAttention("roofline", FLASHMLA_GBPS), engine)
+    attention = step_ops.DecodeAttention("roofline", FLASHMLA_GBPS)
+    return Stack(exchange, attention, engine, step_ops.ExpertGemm("fp8", FP8_OVER_BF16_RATE))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +221,7 @@ def _layer_costs(
 ) -> dict[str, float]:  # fmt: skip
     t, h = batch.tokens, config.hidden_size
     out = step_ops.attention_costs(costs, config, batch, inputs.decode_attention)
-    out.update(step_ops.moe_costs(costs, config, batch, routing))
+    out.update(step_ops.moe_costs(costs, config, batch, routing, inputs.expert_gemm))
     out["mlp"] = 0.0 if is_moe else step_ops.dense_mlp_ms(costs, batch, h, config.intermediate_size)
     out["comm_postprocess_layer"] = 0.0
     out["embed"] = step_ops.rowwise_ms(costs, "gather", batch, h)

@@ -31,6 +31,12 @@ micro-batches of a TBO step together cost what the plain step's call costs, the 
 once, as in the plain step. GEMMs keep a lookup per micro-batch: each micro-batch reads their
 weights again, which is work.
 
+**Expert GEMMs** (``ExpertGemm``) are the table's bf16 layer, or FP8 weights and activations
+(as DeepGEMM runs them) priced from it: the bf16 time scaled by the FP8 weight bytes' ratio
+where the measured layer is weight-bound and by a stated FP8-over-bf16 rate where it is
+compute-bound (``StepCosts.grouped_gemm_fp8``). Only the routed experts: the other GEMMs
+stay bf16.
+
 **Exchanges** (their rows, topologies and bytes) are priced by ``step_exchange``.
 """
 
@@ -41,6 +47,7 @@ from jtbo.models import config as config_lib
 
 BF16 = 2
 ATTENTION_PRICES = ("measured", "roofline")
+EXPERT_GEMM_DTYPES = ("bf16", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +63,48 @@ class Batch:
     def step_rows(self) -> float:
         """Token rows of the whole step this batch belongs to."""
         return self.tokens if self.step_tokens is None else self.step_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGemm:
+    """How the routed experts' grouped GEMM is priced (module docstring, "Expert GEMMs"); the
+    default is the table's bf16 layer."""
+
+    dtype: str = "bf16"  # one of EXPERT_GEMM_DTYPES
+    fp8_speedup: float | None = None  # fp8 only: the FP8 GEMM rate over the bf16 rate
+
+    def __post_init__(self):
+        """Checks the fields.
+
+        Raises:
+          ValueError: an unknown dtype, FP8 without a speedup >= 1, or a speedup for bf16.
+        """
+        if self.dtype not in EXPERT_GEMM_DTYPES:
+            raise ValueError(f"expert GEMM dtype {self.dtype!r}: one of {EXPERT_GEMM_DTYPES}")
+        if self.dtype == "bf16" and self.fp8_speedup is not None:
+            raise ValueError("bf16 expert GEMMs take no FP8 speedup")
+        if self.dtype == "fp8" and not (self.fp8_speedup or 0) >= 1:
+            raise ValueError(f"FP8 expert GEMMs need fp8_speedup >= 1, got {self.fp8_speedup}")
+
+
+def fp8_weight_byte_ratio(config: config_lib.MoEConfig) -> float:
+    """Bytes of block-scaled FP8 expert weights over bf16 ones: a byte per value and a float32
+    scale per ``config.expert_block_size`` block, over two bytes per value."""
+    rows, cols = config.expert_block_size
+    return (1 + step_exchange.SCALE_BYTES / (rows * cols)) / BF16
+
+
+def experts_ms(
+    costs: step_costs.StepCosts, config: config_lib.MoEConfig, pairs: float, local: int,
+    gemm: ExpertGemm = ExpertGemm(),
+) -> float:  # fmt: skip
+    """The routed experts over ``pairs`` (token, expert) rows on ``local`` experts, ms: the
+    table's bf16 layer, or FP8 (``StepCosts.grouped_gemm_fp8``)."""
+    h, ffn = config.hidden_size, config.moe_intermediate_size
+    if gemm.dtype == "bf16":
+        return costs.grouped_gemm(pairs, local, h, ffn)
+    ratio = fp8_weight_byte_ratio(config)
+    return costs.grouped_gemm_fp8(pairs, local, h, ffn, gemm.fp8_speedup, ratio)
 
 
 def rowwise_ms(
@@ -204,8 +253,9 @@ def moe_costs(
     config: config_lib.MoEConfig,
     batch: Batch,
     routing: step_exchange.Routing,
+    gemm: ExpertGemm = ExpertGemm(),
 ) -> dict[str, float]:
-    """``gate`` .. ``output`` compute of a MoE layer, ms."""
+    """``gate`` .. ``output`` compute of a MoE layer, ms (``gemm``: the experts' pricing)."""
     t, h, k = batch.tokens, config.hidden_size, config.num_experts_per_tok
     sent = 1 + routing.remote_gpus_per_token if routing.ep_size > 1 else 1.0  # rows per token
     pairs = t * k * routing.imbalance
@@ -214,7 +264,7 @@ def moe_costs(
         select_experts=rowwise_ms(costs, "routing", batch, config.num_experts),
         dispatch_a=rowwise_ms(costs, "gather", batch, h, sent),
         dispatch_b=rowwise_ms(costs, "gather", batch, h, sent * routing.imbalance),
-        experts=costs.grouped_gemm(pairs, routing.local_experts, h, config.moe_intermediate_size),
+        experts=experts_ms(costs, config, pairs, routing.local_experts, gemm),
         combine_a=rowwise_ms(costs, "gather", batch, h, k * routing.imbalance),
         shared_experts=dense_mlp_ms(costs, batch, h, config.shared_width)
         if config.shared_width

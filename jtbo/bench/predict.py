@@ -15,10 +15,11 @@ extra). ``--host-ms`` replaces the table's host time per step (a measured runner
 The stack flags (``StackFlags``) say which serving stack is priced: ``--stack jtbo|sglang``
 names one (``step_model.serving_stack``: its exchange, decode attention and exchange engine
 for the mode), and ``--dispatch-dtype``, ``--combine-dtype``, ``--topology``,
-``--gpus-per-node``, ``--nvlink-gbps``, ``--decode-attention``, ``--attention-gbps`` and
-``--link-engine`` each replace that part of it. A flat topology has no NVLink leg and the
-measured attention no rate, so a stack's node fields or rate are dropped when a flag picks
-those, and giving them as flags too is an error.
+``--gpus-per-node``, ``--nvlink-gbps``, ``--decode-attention``, ``--attention-gbps``,
+``--link-engine``, ``--expert-gemm-dtype`` and ``--fp8-speedup`` each replace that part of it.
+A flat topology has no NVLink leg, the measured attention no rate and bf16 expert GEMMs no FP8
+speedup, so a stack's node fields, rate or speedup are dropped when a flag picks those, and
+giving them as flags too is an error.
 
 ``python -m jtbo.bench predict --measure --out FILE [--small]`` measures a new table on the
 device instead (``jtbo.bench.step_costs_measure``), writing it after every section.
@@ -65,7 +66,7 @@ class StackFlags:
     stack: str = options.option(
         "jtbo", choices=step_model.STACKS,
         help="serving stack priced: jtbo (its own) or sglang (DeepEP, FP8 dispatch, a "
-        "memory-bound MLA decode kernel)",
+        "memory-bound MLA decode kernel, FP8 expert GEMMs)",
     )  # fmt: skip
     dispatch_dtype: str | None = options.option(
         None, choices=step_exchange.ROW_DTYPES, help=f"dispatched rows {_STACK_DEFAULT}"
@@ -96,6 +97,14 @@ class StackFlags:
     link_engine: str | None = options.option(
         None, choices=("sm", "copy"), help=f"what moves the exchange's bytes {_STACK_DEFAULT}"
     )
+    expert_gemm_dtype: str | None = options.option(
+        None, choices=step_ops.EXPERT_GEMM_DTYPES,
+        help=f"routed experts' GEMMs: bf16 (the table's) or fp8 (priced from it) {_STACK_DEFAULT}",
+    )  # fmt: skip
+    fp8_speedup: float | None = options.option(
+        None, type=_positive_float,
+        help=f"fp8 expert GEMMs: the FP8 rate over the bf16 rate {_STACK_DEFAULT}",
+    )  # fmt: skip
 
 
 def resolve_stack(flags: StackFlags, mode: str) -> step_model.Stack:
@@ -118,6 +127,7 @@ def resolve_stack(flags: StackFlags, mode: str) -> step_model.Stack:
         _exchange(base.exchange, flags),
         _decode_attention(base.decode_attention, flags),
         flags.link_engine or base.engine,
+        _expert_gemm(base.expert_gemm, flags),
     )
 
 
@@ -146,6 +156,12 @@ def _decode_attention(
     return step_ops.DecodeAttention(price, gbps)
 
 
+def _expert_gemm(base: step_ops.ExpertGemm, flags: StackFlags) -> step_ops.ExpertGemm:
+    dtype = flags.expert_gemm_dtype or base.dtype
+    speedup = _given(flags.fp8_speedup, base.fp8_speedup, keep=dtype == "fp8")
+    return step_ops.ExpertGemm(dtype, speedup)
+
+
 def describe_stack(name: str, stack: step_model.Stack) -> str:
     """One line naming what the stack prices."""
     ex, attention = stack.exchange, stack.decode_attention
@@ -155,10 +171,12 @@ def describe_stack(name: str, stack: step_model.Stack) -> str:
         else ""
     )
     rate = f" at {attention.gbps:g} GB/s" if attention.price == "roofline" else ""
+    gemm = stack.expert_gemm
+    speedup = f" at {gemm.fp8_speedup:g}x the bf16 rate" if gemm.dtype == "fp8" else ""
     return (
         f"stack {name}: dispatch {ex.dispatch_dtype}, combine {ex.combine_dtype}, "
         f"{ex.topology} exchange{where}, moved by {stack.engine}; decode attention "
-        f"{attention.price}{rate}"
+        f"{attention.price}{rate}; expert GEMMs {gemm.dtype}{speedup}"
     )
 
 
@@ -228,7 +246,7 @@ def inputs_of(args) -> step_model.StepInputs:
         )
     return step_model.StepInputs(
         args.ep, args.mode, args.tokens_per_gpu, link, args.prompt_len, args.context, imbalance,
-        stack.exchange, stack.decode_attention, args.host_ms,
+        stack.exchange, stack.decode_attention, args.host_ms, stack.expert_gemm,
     )  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 import copy
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jtbo.analysis import step_costs
@@ -55,3 +55,29 @@ def test_rowwise_prices_bytes_and_keeps_the_floor(op, rows, width):
         costs.rowwise(op, rows * width / measured, measured)
     )
     assert costs.rowwise(op, rows, width) >= min(section[op]) * (1 - 1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.floats(1.0, 1e6), st.sampled_from([1, 4, 8, 32, 64]), st.floats(1.0, 4.0),
+    st.floats(0.3, 1.0),
+)  # fmt: skip
+def test_fp8_expert_gemm_is_never_slower_than_bf16(rows, experts, speedup, byte_ratio):
+    costs = step_costs.load()
+    bf16 = costs.grouped_gemm(rows, experts, 7168, 2048)
+    fp8 = costs.grouped_gemm_fp8(rows, experts, 7168, 2048, speedup, byte_ratio)
+    assert 0 < fp8 <= bf16 * (1 + 1e-12)
+    assert fp8 >= bf16 * min(byte_ratio, 1 / speedup) * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("speedup", [1.0, 1.5, 2.0])
+def test_fp8_expert_gemm_scales_bytes_where_weight_bound_and_rate_where_compute_bound(speedup):
+    costs, ratio = step_costs.load(), 0.5
+    weight_bound = 32 * 8  # 8 rows per expert, under the smallest measured size
+    compute_bound = 32 * 65536  # past the largest measured size
+    for rows, scale in ((weight_bound, ratio), (compute_bound, 1 / speedup)):
+        bf16 = costs.grouped_gemm(rows, 32, 7168, 2048)
+        fp8 = costs.grouped_gemm_fp8(rows, 32, 7168, 2048, speedup, ratio)
+        assert fp8 == pytest.approx(bf16 * scale)
+    with pytest.raises(ValueError, match="speedup"):
+        costs.grouped_gemm_fp8(64, 32, 7168, 2048, 0.5, ratio)

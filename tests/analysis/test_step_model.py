@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jtbo.analysis import step_costs, step_exchange, step_model
+from jtbo.analysis import step_costs, step_exchange, step_model, step_ops
 from jtbo.models import config as config_lib
 
 COSTS = step_costs.load()
@@ -31,8 +31,9 @@ def _predict(mode, ep, tokens, gbps, slowdown=None, latency=0.0, stack=None):
     stack = stack or step_model.serving_stack("jtbo", mode)
     link = step_exchange.Link(gbps, latency, stack.engine)
     inputs = step_model.StepInputs(
-        ep, mode, tokens, link, exchange=stack.exchange, decode_attention=stack.decode_attention
-    )
+        ep, mode, tokens, link, exchange=stack.exchange, decode_attention=stack.decode_attention,
+        expert_gemm=stack.expert_gemm,
+    )  # fmt: skip
     return step_model.predict(SMALL, inputs, COSTS, slowdown)
 
 
@@ -65,8 +66,8 @@ def test_monotone_in_link_bandwidth(case, gbps, factor, stack):
 def test_the_default_inputs_are_jtbos_stack():
     inputs = step_model.StepInputs(32, "prefill", 4096, step_exchange.Link(50.0))
     jtbo = step_model.serving_stack("jtbo", "prefill")
-    assert (inputs.exchange, inputs.decode_attention, inputs.link.engine) == (
-        jtbo.exchange, jtbo.decode_attention, jtbo.engine,
+    assert (inputs.exchange, inputs.decode_attention, inputs.link.engine, inputs.expert_gemm) == (
+        jtbo.exchange, jtbo.decode_attention, jtbo.engine, jtbo.expert_gemm,
     )  # fmt: skip
 
 
@@ -78,6 +79,8 @@ def test_sglang_stack_per_mode():
     for stack in (prefill, decode):
         assert (stack.exchange.dispatch_dtype, stack.exchange.combine_dtype) == ("fp8", "bf16")
         assert stack.decode_attention.price == "roofline"
+        assert stack.expert_gemm == step_ops.ExpertGemm("fp8", step_model.FP8_OVER_BF16_RATE)
+    assert step_model.serving_stack("jtbo", "decode").expert_gemm == step_ops.ExpertGemm()
     with pytest.raises(ValueError, match="stack"):
         step_model.serving_stack("vllm", "decode")
 
@@ -153,3 +156,27 @@ def test_host_time_is_an_input_added_once_per_step(mode):
         assert extra == pytest.approx(2.0 - COSTS.host_ms)
     with pytest.raises(ValueError, match="host_ms"):
         step_model.StepInputs(8, mode, 256, link, host_ms=-1.0)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_fp8_experts_change_only_the_experts_and_never_slow_them(mode):
+    bf16 = _predict(mode, 8, 2048, 50.0).per_operation
+    fp8_stack = dataclasses.replace(
+        step_model.serving_stack("jtbo", mode), expert_gemm=step_ops.ExpertGemm("fp8", 1.5)
+    )
+    fp8 = _predict(mode, 8, 2048, 50.0, stack=fp8_stack).per_operation
+    for name, times in bf16.items():
+        if name == "experts":
+            assert fp8[name]["plain_ms"] < times["plain_ms"]
+            assert fp8[name]["tbo_ms"] < times["tbo_ms"]
+        else:
+            assert fp8[name]["plain_ms"] == pytest.approx(times["plain_ms"]), name
+
+
+def test_expert_gemm_inputs_are_checked():
+    with pytest.raises(ValueError, match="need fp8_speedup"):
+        step_ops.ExpertGemm("fp8")
+    with pytest.raises(ValueError, match="no FP8 speedup"):
+        step_ops.ExpertGemm("bf16", 2.0)
+    with pytest.raises(ValueError, match="dtype"):
+        step_ops.ExpertGemm("int4")
