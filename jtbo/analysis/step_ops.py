@@ -88,8 +88,14 @@ class ExpertGemm:
 
 
 def fp8_weight_byte_ratio(config: config_lib.MoEConfig) -> float:
-    """Bytes of block-scaled FP8 expert weights over bf16 ones: a byte per value and a float32
-    scale per ``config.expert_block_size`` block, over two bytes per value."""
+    """Bytes of block-scaled FP8 expert weights over bf16 ones.
+
+    Args:
+      config: the model (``expert_block_size``: values sharing one float32 scale).
+
+    Returns:
+      A byte per value plus a float32 scale per block, over two bytes per value.
+    """
     rows, cols = config.expert_block_size
     return (1 + step_exchange.SCALE_BYTES / (rows * cols)) / BF16
 
@@ -98,8 +104,19 @@ def experts_ms(
     costs: step_costs.StepCosts, config: config_lib.MoEConfig, pairs: float, local: int,
     gemm: ExpertGemm = ExpertGemm(),
 ) -> float:  # fmt: skip
-    """The routed experts over ``pairs`` (token, expert) rows on ``local`` experts, ms: the
-    table's bf16 layer, or FP8 (``StepCosts.grouped_gemm_fp8``)."""
+    """The routed experts' GEMMs: the table's bf16 layer, or FP8 priced from it
+    (``StepCosts.grouped_gemm_fp8``).
+
+    Args:
+      costs: the cost table.
+      config: the model (its expert shape and FP8 weight blocks).
+      pairs: (token, expert) rows on this GPU.
+      local: experts on this GPU.
+      gemm: bf16, or FP8 with its speedup.
+
+    Returns:
+      Milliseconds.
+    """
     h, ffn = config.hidden_size, config.moe_intermediate_size
     if gemm.dtype == "bf16":
         return costs.grouped_gemm(pairs, local, h, ffn)
