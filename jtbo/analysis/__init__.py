@@ -10,8 +10,8 @@
   its overlap report (``model_overlap_report``).
 * ``step_model``: the TBO step model, plain and TBO step times at any EP size and link from a
   per-operation cost table measured on one GPU (``step_costs``: the table; ``step_ops``: each
-  operation's cost and the exchange bytes; ``step_schedule``: the compute stream and link
-  timeline).
+  operation's cost; ``step_exchange``: the EP exchange's link, topologies and bytes;
+  ``step_schedule``: the compute stream and link timeline).
 """
 
 from jtbo.analysis.hlo_schedule import CollectiveWindow, ComputeSlot, collective_windows

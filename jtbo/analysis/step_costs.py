@@ -9,15 +9,19 @@ one a batch could follow: no dearer per unit at a larger size), below the grid i
 size's time (a launch floor), and above it the largest size's time scaled in proportion to
 the size (past the grid every operation is throughput-bound).
 
-* a dense GEMM ``[rows, K] @ [K, N]`` takes the curve of the measured weight shape nearest in
-  ``K * N`` (in log), scaled by ``K * N`` over that shape's: at a fixed row count both its
-  FLOPs and its weight bytes grow with ``K * N``;
+* a dense GEMM ``[rows, K] @ [K, N]`` between two measured weight shapes is interpolated
+  between their times at its rows, log-log in ``K * N``; outside them it takes the nearest
+  shape's time scaled by ``K * N`` over that shape's (at a fixed row count both the FLOPs and
+  the weight bytes grow with ``K * N``). Scaling a measured time inside the range would scale
+  its per-call floor too;
 * the grouped GEMM of ``experts`` local experts takes the time per expert of the nearest
   measured expert count at the rows per expert, times ``experts``, scaled by its expert shape
   (``hidden * ffn``) over the measured one's;
 * extend attention is a sum over prompts of the time of a prompt's length; decode attention
   is interpolated in the KV rows read (sequences x context);
-* row-wise operations scale with ``width / hidden`` of the measured rows.
+* a row-wise operation over rows of another width is priced as the measured width's rows of
+  the same bytes (``rows * width / hidden``): its work is its bytes, and scaling the time
+  instead would scale the per-call floor.
 """
 
 import bisect
@@ -93,12 +97,25 @@ class StepCosts:
     table: Mapping[str, Any]  # the JSON object (module docstring; version 1)
 
     def dense_gemm(self, rows: float, k: int, n: int) -> float:
-        """A ``[rows, k] @ [k, n]`` bf16 matmul (0 for no rows)."""
+        """A ``[rows, k] @ [k, n]`` bf16 matmul (0 for no rows; module docstring)."""
         if rows <= 0:
             return 0.0
-        curves = self.table["dense_gemm"]
-        curve = curves[_nearest([c["k"] * c["n"] for c in curves], k * n)]
-        return interpolate(curve["rows"], curve["ms"], rows) * k * n / (curve["k"] * curve["n"])
+        curves = sorted(self.table["dense_gemm"], key=lambda c: c["k"] * c["n"])
+        sizes = [c["k"] * c["n"] for c in curves]
+        times = [interpolate(c["rows"], c["ms"], rows) for c in curves]
+        size = k * n
+        if size <= sizes[0] or size >= sizes[-1]:
+            end = 0 if size <= sizes[0] else -1
+            return times[end] * size / sizes[end]
+        return interpolate(sizes, times, size, as_work=False)
+
+    def _expert_curve(self, experts: int) -> tuple[list[float], list[float]]:
+        """The measured expert count nearest ``experts``: rows per expert and its time per
+        expert (``work_curve``)."""
+        curves = self.table["grouped_gemm"]["curves"]
+        curve = curves[_nearest([c["experts"] for c in curves], experts)]
+        sizes = curve["rows_per_expert"]
+        return sizes, work_curve(sizes, [t / curve["experts"] for t in curve["ms"]])
 
     def grouped_gemm(self, rows: float, experts: int, hidden: int, ffn: int) -> float:
         """The routed-expert layer over ``rows`` (token, expert) pairs on ``experts`` local
@@ -106,11 +123,48 @@ class StepCosts:
         if rows <= 0:
             return 0.0
         section = self.table["grouped_gemm"]
-        curves = section["curves"]
-        curve = curves[_nearest([c["experts"] for c in curves], experts)]
-        per_expert = [t / curve["experts"] for t in curve["ms"]]
+        sizes, per_expert = self._expert_curve(experts)
         scale = hidden * ffn / (section["hidden"] * section["ffn"])
-        return interpolate(curve["rows_per_expert"], per_expert, rows / experts) * experts * scale
+        return interpolate(sizes, per_expert, rows / experts) * experts * scale
+
+    def grouped_gemm_fp8(
+        self, rows: float, experts: int, hidden: int, ffn: int, speedup: float, byte_ratio: float
+    ) -> float:
+        """The routed-expert layer with FP8 weights and activations, priced from the measured
+        bf16 layer (``grouped_gemm``) by a roofline of the bf16 curve: its weight-read time is
+        its time at the smallest measured rows per expert, its compute time at ``rows`` the
+        largest measured point's time scaled to ``rows``; the FP8 layer reads ``byte_ratio``
+        of the weight bytes and computes at ``speedup`` times the bf16 rate, and the bf16 time
+        is scaled by ``max(fp8 weight read, fp8 compute) / max(weight read, compute)``: the
+        bytes' ratio where the layer is weight-bound, the rate's where compute-bound, never
+        above the bf16 time.
+
+        Args:
+          rows: (token, expert) pairs.
+          experts: local experts.
+          hidden: expert input width.
+          ffn: expert intermediate width.
+          speedup: FP8 GEMM rate over the bf16 rate (>= 1).
+          byte_ratio: FP8 weight bytes over bf16 weight bytes (scales included, <= 1).
+
+        Returns:
+          Milliseconds.
+
+        Raises:
+          ValueError: a speedup below 1 or a byte ratio outside (0, 1].
+        """
+        if speedup < 1 or not 0 < byte_ratio <= 1:
+            raise ValueError(
+                f"FP8 speedup {speedup} must be >= 1, byte ratio {byte_ratio} in (0, 1]"
+            )
+        bf16 = self.grouped_gemm(rows, experts, hidden, ffn)
+        if bf16 <= 0:
+            return 0.0
+        sizes, per_expert = self._expert_curve(experts)
+        memory = per_expert[0]
+        compute = per_expert[-1] * rows / experts / sizes[-1]
+        fp8 = max(byte_ratio * memory, compute / speedup)
+        return bf16 * fp8 / max(memory, compute)
 
     def extend_attention(self, kind: str, seq_lens: Sequence[int]) -> float:
         """Causal attention over fresh prompts of ``seq_lens`` tokens (``kind``: mla or gqa)."""
@@ -134,7 +188,7 @@ class StepCosts:
             return 0.0
         section = self.table["rowwise"]
         measured = section["routing_experts"] if op == "routing" else section["hidden"]
-        return interpolate(section["rows"], section[op], rows) * width / measured
+        return interpolate(section["rows"], section[op], rows * width / measured)
 
     @property
     def host_ms(self) -> float:

@@ -11,25 +11,28 @@ overlap:
    (prefill) or on every row inside the epilogue (decode). Each operation's compute is priced
    for its micro-batch's rows (``step_ops``).
 2. **Exchanges.** ``dispatch_a`` and ``combine_a`` start an exchange of the dedup dispatch's
-   bytes over the GPU's link (``step_ops.Link``: GB/s per GPU and a fixed latency per
+   bytes over the GPU's link (``step_exchange.Link``: GB/s per GPU and a fixed latency per
    exchange); ``dispatch_b`` and ``combine_b`` wait for it.
 3. **Schedule.** A plain step runs the whole batch through the list in order; a TBO step
    splits it into two micro-batches (the prompts cut at the middle token, the decode
    sequences halved) and runs them staggered by the layout's ``delta`` stages, one compute
    stream and one link shared by both (``step_schedule``), compute beside an exchange slowed by
-   the table's measured factor for the link's engine. TBO also pays the copy of the merged
-   rows. Both add the table's host time per step.
+   the table's measured factor for the link's engine. A decode TBO step also pays the merge
+   of its micro-batches' logits (a prefill step reads each prompt's last row either way).
+   Both add one host time per step (``StepInputs.host_ms``; None: the table's).
 
-The **serving stack** is an input (``StepInputs.exchange``, ``StepInputs.decode_attention``
-and the link's engine; ``serving_stack`` names two): ``jtbo``, the default, prices jtbo's own
-stack (bf16 rows to each destination GPU, the table's attention kernels, exchanges moved by
-kernels); ``sglang`` prices SGLang's serving of DeepSeek-V3 over DeepEP: FP8 dispatch and bf16
-combine rows; prefill on DeepEP's normal kernels (one copy per destination node over the
-inter-node link, forwarded over NVLink inside it; kernels on the GPU's SMs), decode on its
-low-latency kernels (one message per (token, expert) pair, sent directly; the transfer in
-flight holds no SMs, so no compute slowdown); decode attention at the memory roofline of a
-memory-bound MLA kernel. Its stated rates and their sources: docs/benchmarks/, "TBO step
-model priced for SGLang's stack".
+The **serving stack** is an input (``StepInputs.exchange``, ``StepInputs.decode_attention``,
+``StepInputs.expert_gemm`` and the link's engine; ``serving_stack`` names two): ``jtbo``, the
+default, prices jtbo's own stack (bf16 rows to each destination GPU, the table's attention
+kernels and bf16 expert GEMMs, exchanges moved by kernels); ``sglang`` prices SGLang's
+serving of DeepSeek-V3 over DeepEP: FP8 dispatch and bf16 combine rows; prefill on DeepEP's
+normal kernels (one copy per destination node over the inter-node link, forwarded over NVLink
+inside it; kernels on the GPU's SMs), decode on its low-latency kernels (one message per
+(token, expert) pair, sent directly; the transfer in flight holds no SMs, so no compute
+slowdown); decode attention at the memory roofline of a memory-bound MLA kernel; FP8
+routed-expert GEMMs (DeepGEMM) at ``FP8_OVER_BF16_RATE``
+(``step_ops.ExpertGemm``). Its stated rates and their sources: docs/benchmarks/, "TBO step
+model priced for SGLang's stack" and "FP8 expert GEMMs".
 
 The hottest GPU sets the step's pace: expert rows and received bytes scale with
 ``imbalance`` (1.0 by default: the balanced load an expert-placement balancer aims for; a
@@ -44,7 +47,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
-from jtbo.analysis import step_costs, step_ops, step_schedule
+from jtbo.analysis import step_costs, step_exchange, step_ops, step_schedule
 from jtbo.models import config as config_lib
 from jtbo.models import step_operations
 from jtbo.overlap import strategy
@@ -59,10 +62,16 @@ SGLANG_NVLINK_GBPS = 370.0
 step model: validation", link rates); the same NVLink generation as the H100's."""
 FLASHMLA_GBPS = 3000.0
 """GB/s FlashMLA reads the KV cache at in its memory-bound decode (its published figure)."""
+FP8_OVER_BF16_RATE = 2.0
+"""The SGLang stack's FP8 expert GEMMs (DeepGEMM) over bf16 ones at compute-bound sizes:
+Hopper's FP8 tensor-core rate over its bf16 rate (NVIDIA's published peaks), the rate
+DeepGEMM's published FP8 figure comes close to (docs/benchmarks/, "FP8 expert GEMMs")."""
 MODES = {
     "prefill": forward_mode_lib.ForwardMode.EXTEND,
     "decode": forward_mode_lib.ForwardMode.DECODE,
 }
+FLOAT32_WIDTH = 2
+"""A float32 value's bytes in bf16 values (row-wise costs are priced by bf16 values moved)."""
 ISSUES = {"dispatch_a": "dispatch", "combine_a": "combine"}
 WAITS = {"dispatch_b": "dispatch", "combine_b": "combine"}
 
@@ -74,21 +83,35 @@ class StepInputs:
     ep_size: int  # GPUs in the EP group (DP attention: one DP rank per GPU)
     mode: str  # "prefill" or "decode"
     tokens_per_gpu: int  # token rows per GPU and step
-    link: step_ops.Link  # the EP exchange's link
+    link: step_exchange.Link  # the EP exchange's link
     prompt_len: int = 4096  # prefill: tokens per prompt (the last one may be shorter)
     context: int = 2048  # decode: each sequence's context length
     imbalance: float = 1.0  # the hottest GPU's expert load over the mean
-    exchange: step_ops.Exchange = step_ops.Exchange()  # rows' dtypes and topology (jtbo's)
+    exchange: step_exchange.Exchange = (
+        step_exchange.Exchange()
+    )  # rows' dtypes and topology (jtbo's)
     decode_attention: step_ops.DecodeAttention = step_ops.DecodeAttention()  # the kernel's price
+    host_ms: float | None = None  # the host's time per step (None: the cost table's)
+    expert_gemm: step_ops.ExpertGemm = step_ops.ExpertGemm()  # routed experts: bf16 or FP8
+
+    def __post_init__(self):
+        """Checks the host time.
+
+        Raises:
+          ValueError: a negative host time.
+        """
+        if self.host_ms is not None and self.host_ms < 0:
+            raise ValueError(f"host_ms must be >= 0, got {self.host_ms}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Stack:
     """What a serving stack runs in one mode: the step model's inputs that describe it."""
 
-    exchange: step_ops.Exchange  # the EP exchange's rows and topology
+    exchange: step_exchange.Exchange  # the EP exchange's rows and topology
     decode_attention: step_ops.DecodeAttention  # how decode attention is priced
-    engine: str  # what moves the exchange's bytes: "sm" or "copy" (``step_ops.Link.engine``)
+    engine: str  # what moves the exchange's bytes: "sm" or "copy" (``step_exchange.Link.engine``)
+    expert_gemm: step_ops.ExpertGemm = step_ops.ExpertGemm()  # the routed experts' pricing
 
 
 def serving_stack(name: str, mode: str) -> Stack:
@@ -107,10 +130,13 @@ def serving_stack(name: str, mode: str) -> Stack:
     if name not in STACKS or mode not in MODES:
         raise ValueError(f"stack {name!r} (one of {STACKS}), mode {mode!r} (prefill or decode)")
     if name == "jtbo":
-        return Stack(step_ops.Exchange(), step_ops.DecodeAttention(), "sm")
+        return Stack(step_exchange.Exchange(), step_ops.DecodeAttention(), "sm")
     topology, engine = ("node", "sm") if mode == "prefill" else ("pairs", "copy")
-    exchange = step_ops.Exchange("fp8", "bf16", topology, SGLANG_GPUS_PER_NODE, SGLANG_NVLINK_GBPS)
-    return Stack(exchange, step_ops.DecodeAttention("roofline", FLASHMLA_GBPS), engine)
+    exchange = step_exchange.Exchange(
+        "fp8", "bf16", topology, SGLANG_GPUS_PER_NODE, SGLANG_NVLINK_GBPS
+    )
+    attention = step_ops.DecodeAttention("roofline", FLASHMLA_GBPS)
+    return Stack(exchange, attention, engine, step_ops.ExpertGemm("fp8", FP8_OVER_BF16_RATE))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,10 +176,11 @@ def prefill_batch(tokens: int, prompt_len: int) -> step_ops.Batch:
 
 def split_batch(batch: step_ops.Batch) -> tuple[step_ops.Batch, step_ops.Batch]:
     """TBO's two micro-batches: the rows cut at the middle token (a prompt across the cut
-    becomes two chunks, the second with the first as its prefix), decode sequences halved."""
-    half = batch.tokens / 2
+    becomes two chunks, the second with the first as its prefix), decode sequences halved;
+    each knows the whole step's rows (``Batch.step_tokens``)."""
+    half, whole = batch.tokens / 2, batch.tokens
     if batch.decode_context:
-        return (dataclasses.replace(batch, tokens=half),) * 2
+        return (dataclasses.replace(batch, tokens=half, step_tokens=whole),) * 2
     first, second, seen = [], [], 0
     for new, prefix in batch.chunks:
         cut = min(max(half - seen, 0), new)
@@ -162,7 +189,10 @@ def split_batch(batch: step_ops.Batch) -> tuple[step_ops.Batch, step_ops.Batch]:
         if new - cut:
             second.append((int(new - cut), prefix + int(cut)))
         seen += new
-    return step_ops.Batch(half, tuple(first)), step_ops.Batch(batch.tokens - half, tuple(second))
+    return (
+        step_ops.Batch(half, tuple(first), step_tokens=whole),
+        step_ops.Batch(whole - half, tuple(second), step_tokens=whole),
+    )
 
 
 def _family(config: config_lib.MoEConfig) -> strategy.LayerFamily:
@@ -191,11 +221,11 @@ def _layer_costs(
 ) -> dict[str, float]:  # fmt: skip
     t, h = batch.tokens, config.hidden_size
     out = step_ops.attention_costs(costs, config, batch, inputs.decode_attention)
-    out.update(step_ops.moe_costs(costs, config, batch, routing))
-    out["mlp"] = step_ops.dense_mlp_ms(costs, t, h, config.intermediate_size) if not is_moe else 0.0
+    out.update(step_ops.moe_costs(costs, config, batch, routing, inputs.expert_gemm))
+    out["mlp"] = 0.0 if is_moe else step_ops.dense_mlp_ms(costs, batch, h, config.intermediate_size)
     out["comm_postprocess_layer"] = 0.0
-    out["embed"] = costs.rowwise("gather", t, h)
-    out["final_norm"] = costs.rowwise("rmsnorm", t, h)
+    out["embed"] = step_ops.rowwise_ms(costs, "gather", batch, h)
+    out["final_norm"] = step_ops.rowwise_ms(costs, "rmsnorm", batch, h)
     out["logits"] = costs.dense_gemm(t, h, config.vocab_size)
     return out
 
@@ -209,10 +239,10 @@ def micro_batch_stages(
 ) -> list[list[step_schedule.Op]]:
     """One micro-batch's whole step as stages of priced operations (exchange keys start with
     ``label``)."""
-    routing = step_ops.routing_for(config, inputs.ep_size, inputs.imbalance)
-    sent = step_ops.exchange_bytes(config, batch, routing, inputs.exchange)
+    routing = step_exchange.routing_for(config, inputs.ep_size, inputs.imbalance)
+    sent = step_exchange.exchange_bytes(config, batch.tokens, routing, inputs.exchange)
     link_ms = {
-        name: step_ops.exchange_ms(inputs.link, inputs.exchange, traffic)
+        name: step_exchange.exchange_ms(inputs.link, inputs.exchange, traffic)
         for name, traffic in sent.items()
     }
     stages, current = [], []
@@ -241,14 +271,18 @@ def _batch(inputs: StepInputs) -> step_ops.Batch:
 
 
 def _after_merge(costs, config, inputs: StepInputs, tbo: bool) -> list[step_schedule.Op]:
-    """Work after both micro-batches: the LM head on each prompt's last row (prefill) and,
-    for TBO, the merge copy of the micro-batches' rows."""
+    """Work after both micro-batches. Prefill: each prompt's last row read out (the plain
+    step gathers it, the TBO step takes it from the two micro-batches' outputs without merging
+    them), then the LM head on those rows. Decode: for TBO, the merge of the micro-batches'
+    float32 logits rows (the LM head ran inside each)."""
     h, ops = config.hidden_size, []
     if inputs.mode == "prefill":
         prompts = math.ceil(inputs.tokens_per_gpu / inputs.prompt_len)
+        ops.append(step_schedule.Op("last_rows", costs.rowwise("gather", prompts, h)))
         ops.append(step_schedule.Op("logits", costs.dense_gemm(prompts, h, config.vocab_size)))
-    if tbo:
-        ops.append(step_schedule.Op("tbo_merge", costs.rowwise("gather", inputs.tokens_per_gpu, h)))
+    elif tbo:
+        merged = costs.rowwise("gather", inputs.tokens_per_gpu, FLOAT32_WIDTH * config.vocab_size)
+        ops.append(step_schedule.Op("tbo_merge", merged))
     return ops
 
 
@@ -300,10 +334,11 @@ def predict(
     ]
     plain = step_schedule.simulate(plain_order, slowdown)
     tbo = step_schedule.simulate(tbo_order, slowdown)
-    routing = step_ops.routing_for(config, inputs.ep_size, inputs.imbalance)
+    routing = step_exchange.routing_for(config, inputs.ep_size, inputs.imbalance)
+    host = costs.host_ms if inputs.host_ms is None else inputs.host_ms
     return StepPrediction(
-        plain_ms=plain.total_ms + costs.host_ms,
-        tbo_ms=tbo.total_ms + costs.host_ms,
+        plain_ms=plain.total_ms + host,
+        tbo_ms=tbo.total_ms + host,
         per_operation=_per_operation(plain, tbo),
         exchange_ms=plain.exchange_ms,
         waited_ms=dict(plain=plain.waited_ms, tbo=tbo.waited_ms),
@@ -317,11 +352,11 @@ def step_traffic(
     config: config_lib.MoEConfig,
     inputs: StepInputs,
     batch: step_ops.Batch,
-    routing: step_ops.Routing,
+    routing: step_exchange.Routing,
 ) -> dict[str, float]:
     """Bytes the hottest GPU sends in one step over the link and over NVLink (every MoE
     layer's dispatch and combine; the same for the plain and the TBO step)."""
-    sent = step_ops.exchange_bytes(config, batch, routing, inputs.exchange).values()
+    sent = step_exchange.exchange_bytes(config, batch.tokens, routing, inputs.exchange).values()
     layers = sum(config.is_moe_layer)
     return dict(
         link_bytes=layers * sum(t.link_bytes for t in sent),
@@ -351,7 +386,7 @@ def imbalance_from_stats(
 def auto_predictor(
     config: config_lib.MoEConfig,
     ep_size: int,
-    link: step_ops.Link,
+    link: step_exchange.Link,
     costs: step_costs.StepCosts | None = None,
     prompt_len: int = 4096,
     context: int = 2048,

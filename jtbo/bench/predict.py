@@ -2,22 +2,24 @@
 
 ``python -m jtbo.bench predict --model NAME --ep N --mode prefill|decode --tokens-per-gpu T
 --link-gbps B [--link-latency-us L] [--prompt-len P] [--context C] [--imbalance X |
---routing-stats FILE] [--table FILE] [--expert-dtype bfloat16|float8_e4m3fn] [stack flags]
-[--json] [--plot FILE]`` predicts one GPU's plain and TBO step (``jtbo.analysis.step_model``)
-from a cost table (the shipped H200 table by default) on the CPU, and prints the model's
-weight bytes on one GPU of the EP group (``jtbo.models.param_bytes``: bf16, the routed
-experts in ``--expert-dtype``). ``--json`` prints one JSON object (``plain_ms``, ``tbo_ms``,
-``gain``, ``per_operation``, ``traffic``, ``weight_bytes_per_gpu`` ...) after the summary
-line; ``--plot FILE`` writes a PNG of the predicted TBO gain against tokens per GPU at EP 8,
-32 and 72 (matplotlib, the ``test`` extra).
+--routing-stats FILE] [--host-ms H] [--table FILE] [--expert-dtype bfloat16|float8_e4m3fn]
+[stack flags] [--json] [--plot FILE]`` predicts one GPU's plain and TBO step
+(``jtbo.analysis.step_model``) from a cost table (the shipped H200 table by default) on the
+CPU, and prints the model's weight bytes on one GPU of the EP group
+(``jtbo.models.param_bytes``: bf16, the routed experts in ``--expert-dtype``). ``--json``
+prints one JSON object (``plain_ms``, ``tbo_ms``, ``gain``, ``per_operation``, ``traffic``,
+``weight_bytes_per_gpu`` ...) after the summary line; ``--plot FILE`` writes a PNG of the
+predicted TBO gain against tokens per GPU at EP 8, 32 and 72 (matplotlib, the ``test``
+extra). ``--host-ms`` replaces the table's host time per step (a measured runner's, say).
 
 The stack flags (``StackFlags``) say which serving stack is priced: ``--stack jtbo|sglang``
 names one (``step_model.serving_stack``: its exchange, decode attention and exchange engine
 for the mode), and ``--dispatch-dtype``, ``--combine-dtype``, ``--topology``,
-``--gpus-per-node``, ``--nvlink-gbps``, ``--decode-attention``, ``--attention-gbps`` and
-``--link-engine`` each replace that part of it. A flat topology has no NVLink leg and the
-measured attention no rate, so a stack's node fields or rate are dropped when a flag picks
-those, and giving them as flags too is an error.
+``--gpus-per-node``, ``--nvlink-gbps``, ``--decode-attention``, ``--attention-gbps``,
+``--link-engine``, ``--expert-gemm-dtype`` and ``--fp8-speedup`` each replace that part of it.
+A flat topology has no NVLink leg, the measured attention no rate and bf16 expert GEMMs no FP8
+speedup, so a stack's node fields, rate or speedup are dropped when a flag picks those, and
+giving them as flags too is an error.
 
 ``python -m jtbo.bench predict --measure --out FILE [--small]`` measures a new table on the
 device instead (``jtbo.bench.step_costs_measure``), writing it after every section.
@@ -28,7 +30,7 @@ import dataclasses
 import json
 from typing import Any
 
-from jtbo.analysis import step_costs, step_model, step_ops
+from jtbo.analysis import step_costs, step_exchange, step_model, step_ops
 from jtbo.bench import options
 from jtbo.core import cli_arguments
 from jtbo.models import config as config_lib
@@ -64,16 +66,16 @@ class StackFlags:
     stack: str = options.option(
         "jtbo", choices=step_model.STACKS,
         help="serving stack priced: jtbo (its own) or sglang (DeepEP, FP8 dispatch, a "
-        "memory-bound MLA decode kernel)",
+        "memory-bound MLA decode kernel, FP8 expert GEMMs)",
     )  # fmt: skip
     dispatch_dtype: str | None = options.option(
-        None, choices=step_ops.ROW_DTYPES, help=f"dispatched rows {_STACK_DEFAULT}"
+        None, choices=step_exchange.ROW_DTYPES, help=f"dispatched rows {_STACK_DEFAULT}"
     )
     combine_dtype: str | None = options.option(
-        None, choices=step_ops.ROW_DTYPES, help=f"combined rows {_STACK_DEFAULT}"
+        None, choices=step_exchange.ROW_DTYPES, help=f"combined rows {_STACK_DEFAULT}"
     )
     topology: str | None = options.option(
-        None, choices=step_ops.TOPOLOGIES,
+        None, choices=step_exchange.TOPOLOGIES,
         help="flat: a row per destination GPU over the link; node: a row per destination "
         "node over the link, forwarded over NVLink inside it; pairs: a message per (token, "
         f"expert) pair {_STACK_DEFAULT}",
@@ -95,6 +97,14 @@ class StackFlags:
     link_engine: str | None = options.option(
         None, choices=("sm", "copy"), help=f"what moves the exchange's bytes {_STACK_DEFAULT}"
     )
+    expert_gemm_dtype: str | None = options.option(
+        None, choices=step_ops.EXPERT_GEMM_DTYPES,
+        help=f"routed experts' GEMMs: bf16 (the table's) or fp8 (priced from it) {_STACK_DEFAULT}",
+    )  # fmt: skip
+    fp8_speedup: float | None = options.option(
+        None, type=_positive_float,
+        help=f"fp8 expert GEMMs: the FP8 rate over the bf16 rate {_STACK_DEFAULT}",
+    )  # fmt: skip
 
 
 def resolve_stack(flags: StackFlags, mode: str) -> step_model.Stack:
@@ -109,7 +119,7 @@ def resolve_stack(flags: StackFlags, mode: str) -> step_model.Stack:
       The stack.
 
     Raises:
-      ValueError: an inconsistent stack (``step_ops.Exchange`` and ``DecodeAttention`` say
+      ValueError: an inconsistent stack (``step_exchange.Exchange`` and ``DecodeAttention`` say
         which).
     """
     base = step_model.serving_stack(flags.stack, mode)
@@ -117,6 +127,7 @@ def resolve_stack(flags: StackFlags, mode: str) -> step_model.Stack:
         _exchange(base.exchange, flags),
         _decode_attention(base.decode_attention, flags),
         flags.link_engine or base.engine,
+        _expert_gemm(base.expert_gemm, flags),
     )
 
 
@@ -125,10 +136,10 @@ def _given(flag: Any, base: Any, keep: bool) -> Any:
     return flag if flag is not None else base if keep else None
 
 
-def _exchange(base: step_ops.Exchange, flags: StackFlags) -> step_ops.Exchange:
+def _exchange(base: step_exchange.Exchange, flags: StackFlags) -> step_exchange.Exchange:
     topology = flags.topology or base.topology
     keep = topology != "flat"
-    return step_ops.Exchange(
+    return step_exchange.Exchange(
         flags.dispatch_dtype or base.dispatch_dtype,
         flags.combine_dtype or base.combine_dtype,
         topology,
@@ -145,6 +156,12 @@ def _decode_attention(
     return step_ops.DecodeAttention(price, gbps)
 
 
+def _expert_gemm(base: step_ops.ExpertGemm, flags: StackFlags) -> step_ops.ExpertGemm:
+    dtype = flags.expert_gemm_dtype or base.dtype
+    speedup = _given(flags.fp8_speedup, base.fp8_speedup, keep=dtype == "fp8")
+    return step_ops.ExpertGemm(dtype, speedup)
+
+
 def describe_stack(name: str, stack: step_model.Stack) -> str:
     """One line naming what the stack prices."""
     ex, attention = stack.exchange, stack.decode_attention
@@ -154,10 +171,12 @@ def describe_stack(name: str, stack: step_model.Stack) -> str:
         else ""
     )
     rate = f" at {attention.gbps:g} GB/s" if attention.price == "roofline" else ""
+    gemm = stack.expert_gemm
+    speedup = f" at {gemm.fp8_speedup:g}x the bf16 rate" if gemm.dtype == "fp8" else ""
     return (
         f"stack {name}: dispatch {ex.dispatch_dtype}, combine {ex.combine_dtype}, "
         f"{ex.topology} exchange{where}, moved by {stack.engine}; decode attention "
-        f"{attention.price}{rate}"
+        f"{attention.price}{rate}; expert GEMMs {gemm.dtype}{speedup}"
     )
 
 
@@ -175,6 +194,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     add("--prompt-len", type=cli_arguments.positive_int, default=4096)
     add("--context", type=cli_arguments.positive_int, default=2048, help="decode KV length")
     add("--imbalance", type=_positive_float, default=1.0, help="hottest GPU load / mean")
+    add("--host-ms", type=cli_arguments.non_negative_float,
+        help="host time per step, ms (default: the cost table's host round trip)")  # fmt: skip
     add("--routing-stats", type=cli_arguments.existing_file, help="ep_routing_stats file")
     add("--table", type=cli_arguments.existing_file, help="cost table (default: shipped H200)")
     add("--json", action="store_true", help="print the prediction as one JSON object")
@@ -191,7 +212,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     try:
         args.serving_stack = resolve_stack(options.from_namespace(StackFlags, args), args.mode)
         if args.serving_stack.exchange.topology != "flat":
-            step_ops.node_shape(args.ep, args.serving_stack.exchange.gpus_per_node)
+            step_exchange.node_shape(args.ep, args.serving_stack.exchange.gpus_per_node)
     except ValueError as error:
         parser.error(str(error))
     return args
@@ -216,7 +237,7 @@ def inputs_of(args) -> step_model.StepInputs:
     """The ``StepInputs`` of parsed flags (the imbalance read from ``--routing-stats`` if
     given)."""
     stack = args.serving_stack
-    link = step_ops.Link(args.link_gbps, args.link_latency_us, stack.engine)
+    link = step_exchange.Link(args.link_gbps, args.link_latency_us, stack.engine)
     imbalance = args.imbalance
     if args.routing_stats is not None:
         config = MODELS[args.model]()
@@ -225,7 +246,7 @@ def inputs_of(args) -> step_model.StepInputs:
         )
     return step_model.StepInputs(
         args.ep, args.mode, args.tokens_per_gpu, link, args.prompt_len, args.context, imbalance,
-        stack.exchange, stack.decode_attention,
+        stack.exchange, stack.decode_attention, args.host_ms, stack.expert_gemm,
     )  # fmt: skip
 
 

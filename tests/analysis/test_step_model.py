@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jtbo.analysis import step_costs, step_model, step_ops
+from jtbo.analysis import step_costs, step_exchange, step_model, step_ops
 from jtbo.models import config as config_lib
 
 COSTS = step_costs.load()
@@ -29,10 +29,11 @@ STACKS = st.sampled_from(
 
 def _predict(mode, ep, tokens, gbps, slowdown=None, latency=0.0, stack=None):
     stack = stack or step_model.serving_stack("jtbo", mode)
-    link = step_ops.Link(gbps, latency, stack.engine)
+    link = step_exchange.Link(gbps, latency, stack.engine)
     inputs = step_model.StepInputs(
-        ep, mode, tokens, link, exchange=stack.exchange, decode_attention=stack.decode_attention
-    )
+        ep, mode, tokens, link, exchange=stack.exchange, decode_attention=stack.decode_attention,
+        expert_gemm=stack.expert_gemm,
+    )  # fmt: skip
     return step_model.predict(SMALL, inputs, COSTS, slowdown)
 
 
@@ -63,10 +64,10 @@ def test_monotone_in_link_bandwidth(case, gbps, factor, stack):
 
 
 def test_the_default_inputs_are_jtbos_stack():
-    inputs = step_model.StepInputs(32, "prefill", 4096, step_ops.Link(50.0))
+    inputs = step_model.StepInputs(32, "prefill", 4096, step_exchange.Link(50.0))
     jtbo = step_model.serving_stack("jtbo", "prefill")
-    assert (inputs.exchange, inputs.decode_attention, inputs.link.engine) == (
-        jtbo.exchange, jtbo.decode_attention, jtbo.engine,
+    assert (inputs.exchange, inputs.decode_attention, inputs.link.engine, inputs.expert_gemm) == (
+        jtbo.exchange, jtbo.decode_attention, jtbo.engine, jtbo.expert_gemm,
     )  # fmt: skip
 
 
@@ -78,6 +79,8 @@ def test_sglang_stack_per_mode():
     for stack in (prefill, decode):
         assert (stack.exchange.dispatch_dtype, stack.exchange.combine_dtype) == ("fp8", "bf16")
         assert stack.decode_attention.price == "roofline"
+        assert stack.expert_gemm == step_ops.ExpertGemm("fp8", step_model.FP8_OVER_BF16_RATE)
+    assert step_model.serving_stack("jtbo", "decode").expert_gemm == step_ops.ExpertGemm()
     with pytest.raises(ValueError, match="stack"):
         step_model.serving_stack("vllm", "decode")
 
@@ -102,7 +105,7 @@ def test_split_batch_keeps_tokens_and_cuts_a_prompt():
 
 def test_hit_probability_counts_groups():
     v3 = config_lib.MoEConfig.deepseek_v3()
-    routing = step_ops.routing_for(v3, 32)
+    routing = step_exchange.routing_for(v3, 32)
     expected = 31 * 0.5 * (1 - math.prod((120 - i) / (128 - i) for i in range(8)))
     assert routing.local_experts == 8
     assert routing.remote_gpus_per_token == pytest.approx(expected)
@@ -110,4 +113,70 @@ def test_hit_probability_counts_groups():
 
 def test_predict_refuses_an_unknown_mode():
     with pytest.raises(ValueError, match="mode"):
-        step_model.predict(SMALL, step_model.StepInputs(2, "train", 8, step_ops.Link(1.0)), COSTS)
+        step_model.predict(
+            SMALL, step_model.StepInputs(2, "train", 8, step_exchange.Link(1.0)), COSTS
+        )
+
+
+WEIGHTLESS = (
+    "comm_prepare_attn", "select_experts", "dispatch_a", "dispatch_b", "combine_a", "combine_b",
+    "output", "embed", "final_norm",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_tbo_pays_weightless_operations_once(mode):
+    # without an exchange (no slowdown) the two micro-batches' row-wise operations and decode
+    # attention cost what the plain step's do: their per-call floor is paid once per step
+    made = _predict(mode, 8, 256, 50.0, slowdown=1.0)
+    names = WEIGHTLESS + (("attn_core",) if mode == "decode" else ())
+    for name in names:
+        times = made.per_operation[name]
+        assert times["tbo_ms"] == pytest.approx(times["plain_ms"]), name
+
+
+def test_merge_reads_last_rows_at_prefill_and_merges_logits_at_decode():
+    prefill = _predict("prefill", 8, 4096, 50.0).per_operation
+    assert "tbo_merge" not in prefill  # the LM head's rows are read from both halves
+    rows = prefill["last_rows"]
+    assert rows["tbo_ms"] == pytest.approx(rows["plain_ms"]) and rows["plain_ms"] > 0
+    decode = _predict("decode", 8, 256, 50.0).per_operation
+    logits = COSTS.rowwise("gather", 256, 2 * SMALL.vocab_size)
+    assert decode["tbo_merge"] == dict(plain_ms=0.0, tbo_ms=pytest.approx(logits))
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_host_time_is_an_input_added_once_per_step(mode):
+    link = step_exchange.Link(50.0)
+    inputs = step_model.StepInputs(8, mode, 256, link)
+    table = step_model.predict(SMALL, inputs, COSTS)
+    given_host = step_model.predict(SMALL, dataclasses.replace(inputs, host_ms=2.0), COSTS)
+    for key in ("plain_ms", "tbo_ms"):
+        extra = getattr(given_host, key) - getattr(table, key)
+        assert extra == pytest.approx(2.0 - COSTS.host_ms)
+    with pytest.raises(ValueError, match="host_ms"):
+        step_model.StepInputs(8, mode, 256, link, host_ms=-1.0)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_fp8_experts_change_only_the_experts_and_never_slow_them(mode):
+    bf16 = _predict(mode, 8, 2048, 50.0).per_operation
+    fp8_stack = dataclasses.replace(
+        step_model.serving_stack("jtbo", mode), expert_gemm=step_ops.ExpertGemm("fp8", 1.5)
+    )
+    fp8 = _predict(mode, 8, 2048, 50.0, stack=fp8_stack).per_operation
+    for name, times in bf16.items():
+        if name == "experts":
+            assert fp8[name]["plain_ms"] < times["plain_ms"]
+            assert fp8[name]["tbo_ms"] < times["tbo_ms"]
+        else:
+            assert fp8[name]["plain_ms"] == pytest.approx(times["plain_ms"]), name
+
+
+def test_expert_gemm_inputs_are_checked():
+    with pytest.raises(ValueError, match="need fp8_speedup"):
+        step_ops.ExpertGemm("fp8")
+    with pytest.raises(ValueError, match="no FP8 speedup"):
+        step_ops.ExpertGemm("bf16", 2.0)
+    with pytest.raises(ValueError, match="dtype"):
+        step_ops.ExpertGemm("int4")

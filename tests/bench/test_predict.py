@@ -110,3 +110,27 @@ def test_summary_names_the_stack(capsys):
     predict.main([*V3_EP32, "--stack", "sglang"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-2].startswith("stack sglang: dispatch fp8, combine bf16, node exchange")
+
+
+def test_host_ms_flag_replaces_the_tables_host_time(capsys):
+    table = _json(capsys, V3_EP32)
+    given = _json(capsys, [*V3_EP32, "--host-ms", "2.5"])
+    assert table["inputs"]["host_ms"] is None and given["inputs"]["host_ms"] == 2.5
+    assert given["plain_ms"] - table["plain_ms"] == pytest.approx(2.5 - 0.45856050000026016)
+
+
+def test_expert_gemm_flags(capsys):
+    bf16 = _json(capsys, V3_EP32)
+    fp8 = _json(capsys, [*V3_EP32, "--expert-gemm-dtype", "fp8", "--fp8-speedup", "2"])
+    assert bf16["inputs"]["expert_gemm"] == dict(dtype="bf16", fp8_speedup=None)
+    assert fp8["inputs"]["expert_gemm"] == dict(dtype="fp8", fp8_speedup=2.0)
+    assert (
+        fp8["per_operation"]["experts"]["plain_ms"] < bf16["per_operation"]["experts"]["plain_ms"]
+    )
+    sglang = _json(capsys, [*V3_EP32, "--stack", "sglang"])["inputs"]["expert_gemm"]
+    assert sglang["dtype"] == "fp8" and sglang["fp8_speedup"] > 1
+    own = _json(capsys, [*V3_EP32, "--stack", "sglang", "--expert-gemm-dtype", "bf16"])
+    assert own["inputs"]["expert_gemm"] == dict(dtype="bf16", fp8_speedup=None)
+    for bad in (["--expert-gemm-dtype", "fp8"], ["--fp8-speedup", "2"]):
+        with pytest.raises(SystemExit):
+            predict.main([*V3_EP32, *bad])
