@@ -147,13 +147,15 @@ def _fp8_matmul_body(
             def mma(indices, a_smem, a_scale_smem, *rest):
                 b_smems, sums = rest[:num_acc], rest[num_acc]
                 step = indices[0]
+                # The scales are loaded before the first wgmma is issued, so that their
+                # latency (a global load each) runs under the tensor cores' work.
                 row_scale = plgpu.load(
                     a_scale_smem.at[wg_rows], layout=plgpu.Layout.WGMMA.reduce(1)
                 )
+                factors = [row_scale * b_scale_gmem[expert, row, step] for row in scale_rows]
                 promoted = []
-                for b_smem, running, scale_row in zip(b_smems, sums, scale_rows, strict=True):
+                for b_smem, running, factor in zip(b_smems, sums, factors, strict=True):
                     part = _block_product(a_smem.at[wg_rows], b_smem, (tile_m, tile_n))
-                    factor = row_scale * b_scale_gmem[expert, scale_row, step]
                     promoted.append(running + _rows_scaled(part, factor))
                 return tuple(promoted)
 
