@@ -61,8 +61,8 @@ reads every local expert's weights once a step, is bound by. ``impl="xla"`` runs
 arithmetic over every slot (dequantized weights; with FP8 activations the rows quantized and
 dequantized, float32 math); ``grouped_ffn_reference`` defines both schemes. ``impl="mosaic"``
 runs FP8 activations as Hopper kernels (``grouped_gemm_mosaic_fp8``: FP8 ``wgmma``, the
-partial sums promoted per weight block) and refuses weight-only FP8; ``"auto"`` takes
-``"pallas"`` for FP8 weights.
+partial sums promoted per weight block) and refuses weight-only FP8; ``"auto"`` takes it
+for FP8 activations from ``MOSAIC_FP8_MIN_ROWS`` rows.
 """
 
 import dataclasses
@@ -93,6 +93,10 @@ MOSAIC_MIN_ROWS = 16384
 GPU: the smallest size measured where the Mosaic GPU layer beat the Pallas one (2048 tokens x 8
 experts; at decode sizes, where both read the weights once, Pallas was ahead: docs/benchmarks/,
 "the grouped FFN on Mosaic GPU")."""
+MOSAIC_FP8_MIN_ROWS = 2048
+"""The same threshold for FP8 weights with FP8 activations: at Qwen3-30B-A3B's expert shape the
+Mosaic GPU FP8 layer was ahead of the Pallas one from 256 tokens x 8 experts, behind at 64 x 8
+(docs/benchmarks/, "FP8 experts on Mosaic GPU")."""
 
 
 def _tile_at(pid, *, num_tiles: int, num_n: int, group_m: int):
@@ -688,7 +692,7 @@ def _resolve(impl, config, shape: tuple[int, int, int], dtype, quant_block, fp8_
     if impl in (None, AUTO):
         if config is not None:
             raise ValueError("launch shapes are an impl's: name the impl with config=")
-        impl = auto_impl(*shape, dtype, quant_block=quant_block)
+        impl = auto_impl(*shape, dtype, quant_block=quant_block, fp8_activations=fp8_activations)
     impl = impls.resolve(impl, op="grouped_ffn")
     if impl == "triton":
         raise impls.KernelUnavailableError("grouped_ffn has no impl='triton'; use 'pallas'")
@@ -702,25 +706,20 @@ def _resolve(impl, config, shape: tuple[int, int, int], dtype, quant_block, fp8_
 
 
 def auto_impl(
-    rows: int, hidden: int, ffn: int, dtype=jnp.bfloat16, *, quant_block=None
+    rows: int, hidden: int, ffn: int, dtype=jnp.bfloat16, *, quant_block=None,
+    fp8_activations: bool = True,
 ) -> str:  # fmt: skip
     """The impl ``"auto"`` takes for ``rows`` rows of ``dtype`` through an FFN ``hidden`` wide
     and ``ffn`` deep, its weights float (``quant_block`` None) or FP8 in ``quant_block =
-    (qk, qn)`` blocks.
+    (qk, qn)`` blocks, with FP8 activations or weight-only (``fp8_activations``).
 
-    ``"mosaic"`` from ``MOSAIC_MIN_ROWS`` rows where it runs and tiles the shapes and dtype
-    (float weights only), else the backend's fastest (``impls.FASTEST``) if it tiles them
-    (FP8: inside the blocks), else ``"xla"``.
+    ``"mosaic"`` where it runs and tiles the shapes and dtype, from ``MOSAIC_MIN_ROWS`` rows
+    (float weights) or ``MOSAIC_FP8_MIN_ROWS`` (FP8 weights with FP8 activations); else the
+    backend's fastest (``impls.FASTEST``) if it tiles them (FP8: inside the blocks), else
+    ``"xla"``.
     """
     platform = impls.backend()
-    if (
-        platform == "gpu"
-        and quant_block is None
-        and rows >= MOSAIC_MIN_ROWS
-        and grouped_gemm_mosaic.runs_dtype(dtype)
-        and impls.unavailable_reason(impls.MOSAIC, platform) is None
-        and grouped_gemm_mosaic.tiles(hidden, ffn, gemm_config.MOSAIC_FFN)
-    ):
+    if platform == "gpu" and _mosaic_serves(rows, hidden, ffn, dtype, quant_block, fp8_activations):
         return impls.MOSAIC
     impl = impls.resolve(None, op="grouped_ffn")
     dims = (hidden, ffn)
@@ -728,6 +727,19 @@ def auto_impl(
         dims = tuple(math.gcd(dim, block) for dim in dims for block in quant_block)
     tiled = all(map(gemm_config.dot_tiles, dims))
     return impl if impl != "pallas" or tiled else "xla"
+
+
+def _mosaic_serves(rows, hidden, ffn, dtype, quant_block, fp8_activations) -> bool:
+    """Whether ``"auto"`` takes the Mosaic GPU kernels on a GPU (``auto_impl``)."""
+    if not grouped_gemm_mosaic.runs_dtype(dtype):
+        return False
+    if impls.unavailable_reason(impls.MOSAIC, "gpu") is not None:
+        return False
+    if quant_block is None:
+        fits = grouped_gemm_mosaic.tiles(hidden, ffn, gemm_config.MOSAIC_FFN)
+        return rows >= MOSAIC_MIN_ROWS and fits
+    fits = grouped_gemm_mosaic_fp8.tiles(hidden, ffn, quant_block, gemm_config.MOSAIC_FFN_FP8)
+    return fp8_activations and rows >= MOSAIC_FP8_MIN_ROWS and fits
 
 
 def _check_config(impl: str, config) -> None:

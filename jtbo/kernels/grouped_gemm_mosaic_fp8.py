@@ -192,23 +192,42 @@ def _epilogue(sums, out_gmems, out_smem, scale_smem, warpgroup, rows, out_rows, 
     plgpu.copy_smem_to_gmem(scale_smem.at[warpgroup], out_gmems[1].at[col, out_rows])
 
 
-def _check_tiles(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction: int,
-                 quant_block: tuple[int, int]) -> None:  # fmt: skip
-    """Raises KernelUnavailableError unless one contraction step is one weight block deep,
-    a column tile one block wide, and the clusters' column pairs and the steps cover the
-    shapes."""
+def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction: int,
+                  quant_block: tuple[int, int]) -> str | None:  # fmt: skip
+    """Why one kernel cannot tile its shapes (None when it can): a contraction step must be
+    one weight block deep, a column tile one block wide, and the clusters' column pairs and
+    the steps must cover the shapes."""
     qk, qn = quant_block
     if cfg.tile_k != qk or cfg.tile_n != qn:
-        raise impls.KernelUnavailableError(
+        return (
             f"impl='mosaic' with FP8 weights steps one {qk} x {qn} weight block at a time: "
             f"tile_k {cfg.tile_k} and tile_n {cfg.tile_n} must be {qk} and {qn} "
             "(gemm_config.MOSAIC_FFN_FP8)"
         )
     if out_cols % (2 * cfg.tile_n) or contraction % cfg.tile_k:
-        raise impls.KernelUnavailableError(
+        return (
             f"impl='mosaic' tiles {out_cols} columns by 2 x {cfg.tile_n} (a cluster) and the "
             f"contraction {contraction} by {cfg.tile_k}; use impl='pallas'"
         )
+    return None
+
+
+def _ffn_problem(hidden: int, ffn: int, gate_up_block, down_block, cfg) -> str | None:
+    """Why the two kernels cannot tile an FFN (None when they can)."""
+    problem = _tile_problem(cfg.gate_up, ffn, hidden, gate_up_block)
+    problem = problem or _tile_problem(cfg.down, hidden, ffn, down_block)
+    if problem is None and cfg.gate_up.tile_n != down_block[0]:
+        problem = (
+            f"FP8 hidden rows are quantized per gate / up column tile ({cfg.gate_up.tile_n}), "
+            f"which must be the down weight's contraction block ({down_block[0]})"
+        )
+    return problem
+
+
+def tiles(hidden: int, ffn: int, quant_block: tuple[int, int], cfg) -> bool:
+    """Whether the kernels with launch shapes ``cfg`` (a ``MosaicFfnConfig``) tile an FFN of
+    ``hidden`` and ``ffn`` whose weights are FP8 in ``quant_block = (qk, qn)`` blocks."""
+    return _ffn_problem(hidden, ffn, quant_block, quant_block, cfg) is None
 
 
 def _fp8_matmul(tile_expert, a_rows, a_scales, weight, *, out_cols, column_offsets, out_dtype,
@@ -269,13 +288,9 @@ def grouped_ffn_mosaic_fp8(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg,
     ffn = w_gate_up.shape[3]
     gate_up_block = (w_gate_up.block_shape[1], w_gate_up.block_shape[3])
     down_block = (w_down.block_shape[1], w_down.block_shape[2])
-    _check_tiles(cfg.gate_up, ffn, hidden, gate_up_block)
-    _check_tiles(cfg.down, hidden, ffn, down_block)
-    if cfg.gate_up.tile_n != down_block[0]:
-        raise impls.KernelUnavailableError(
-            f"FP8 hidden rows are quantized per gate / up column tile ({cfg.gate_up.tile_n}), "
-            f"which must be the down weight's contraction block ({down_block[0]})"
-        )
+    problem = _ffn_problem(hidden, ffn, gate_up_block, down_block, cfg)
+    if problem is not None:
+        raise impls.KernelUnavailableError(problem)
     block_m = cfg.gate_up.block_m
     num_tiles = tile_table.max_tiles(num_experts, capacity, block_m, max_rows)
     tiles = grouped_gemm_mosaic.tile_rows(counts, capacity, block_m, num_tiles)

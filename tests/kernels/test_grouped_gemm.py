@@ -355,7 +355,7 @@ def test_fp8_tiles_stay_inside_one_block():
         grouped_gemm._launch(40, 64, 48, cfg, False, (8, 32))
 
 
-def test_weight_only_fp8_is_refused_by_mosaic_and_auto_takes_pallas(monkeypatch):
+def test_weight_only_fp8_is_refused_by_mosaic_and_auto_takes_mosaic_for_fp8_rows(monkeypatch):
     (w_gate_up, _), (w_down, _) = _fp8_weights(0)
     x, counts = jnp.ones((E, 8, H), jnp.bfloat16), jnp.ones((E,), jnp.int32)
     with pytest.raises(ValueError, match="impl='mosaic' multiplies FP8 weights by FP8 rows"):
@@ -365,8 +365,12 @@ def test_weight_only_fp8_is_refused_by_mosaic_and_auto_takes_pallas(monkeypatch)
     monkeypatch.setattr(grouped_gemm_mosaic, "tiles", lambda *args: True)
     rows = grouped_gemm.MOSAIC_MIN_ROWS
     assert grouped_gemm.auto_impl(rows, 7168, 2048) == "mosaic"
-    assert grouped_gemm.auto_impl(rows, 7168, 2048, quant_block=(128, 128)) == "pallas"
-    assert grouped_gemm.auto_impl(16, 7168, 2048, quant_block=(128, 128)) == "pallas"
+    fp8_rows, block = grouped_gemm.MOSAIC_FP8_MIN_ROWS, (128, 128)
+    assert grouped_gemm.auto_impl(fp8_rows, 7168, 2048, quant_block=block) == "mosaic"
+    weight_only = dict(quant_block=block, fp8_activations=False)
+    assert grouped_gemm.auto_impl(rows, 7168, 2048, **weight_only) == "pallas"
+    assert grouped_gemm.auto_impl(fp8_rows - 1, 7168, 2048, quant_block=block) == "pallas"
+    assert grouped_gemm.auto_impl(rows, 7168, 1408, quant_block=block) == "pallas"  # 11 tiles
     assert grouped_gemm.auto_impl(16, 7168, 2048, quant_block=(128, 8)) == "xla"  # no tile
 
 
