@@ -16,6 +16,7 @@ EXEMPT = {
     "jtbo/attention/triton_kernels.py::jtbo_paged_attention_kernel": "a Triton kernel body",
     "jtbo/attention/triton_kernels.py::jtbo_extend_attention_kernel": "a Triton kernel body",
     "jtbo/kernels/grouped_gemm_mosaic.py::_grouped_matmul_body": "a Mosaic GPU kernel body",
+    "jtbo/kernels/grouped_gemm_mosaic_fp8.py::_fp8_matmul_body": "a Mosaic GPU kernel body",
 }
 
 

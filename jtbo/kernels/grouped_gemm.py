@@ -583,9 +583,8 @@ def grouped_ffn(
       w_down: ``[E, F, H]``, an array with ``w_gate_up``, FP8 in ``(1, qk, qn)`` blocks with it.
       impl: ``"xla"`` (batched einsum over all slots; FP8 weights dequantized first),
         ``"pallas"`` (the Triton-lowered kernels; FP8 weights read as FP8 and scaled per
-        block inside the kernel), ``"mosaic"`` (the Mosaic GPU kernels,
-        Hopper; ``grouped_gemm_mosaic``, with FP8 weights ``grouped_gemm_mosaic_fp8``, FP8
-        activations only), or ``"auto"`` / None: the
+        block inside the kernel), ``"mosaic"`` (the Mosaic GPU kernels, Hopper;
+        ``grouped_gemm_mosaic``, FP8: ``grouped_gemm_mosaic_fp8``), or ``"auto"`` / None: the
         fastest measured for the call's rows and weights (``auto_impl``).
       config: the kernels' launch shapes: a ``GroupedFfnConfig`` for ``"pallas"`` (None:
         ``gemm_config.GROUPED_FFN``, ``GROUPED_FFN_FP8`` for FP8 weights), a
