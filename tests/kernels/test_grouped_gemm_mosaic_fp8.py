@@ -22,6 +22,7 @@ from jtbo.kernels import (
     grouped_gemm_mosaic,
     grouped_gemm_mosaic_fp8,
 )
+from jtbo.models import experts
 from tests.kernels import helpers
 
 E, C = 3, 200
@@ -165,3 +166,19 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch):
     with jax.sharding.use_abstract_mesh(abstract):
         hlo = jax.jit(layer).lower(*args).compile().as_text()
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
+
+
+def test_the_layer_matches_the_pallas_fp8_layer():
+    # The routed experts' layer (experts_capacity: routing into capacity slots, the Mosaic
+    # result read back from its tile-major rows) against the same layer on the Pallas FP8
+    # kernels: one scheme, so the same tokens up to the hidden rows' rounding boundaries.
+    hidden, ffn, block, config = CASES["64-blocks"]
+    weights = [w for w, _ in helpers.fp8_expert_weights(7, (E, hidden, ffn), block)]
+    rng = np.random.default_rng(8)
+    tokens = jnp.asarray(rng.standard_normal((64, hidden)), DTYPE)
+    first = rng.integers(0, E, 64)
+    ids = jnp.asarray(np.stack([first, (first + 1) % E], axis=1).astype(np.int32))
+    routing = jnp.asarray(rng.uniform(size=(64, 2)), jnp.float32)
+    got = experts.experts_capacity(tokens, ids, routing, weights, 50, impl="mosaic", config=config)
+    want = experts.experts_capacity(tokens, ids, routing, weights, 50, impl="pallas")
+    _within(got, np.asarray(want, np.float64), DTYPE)
