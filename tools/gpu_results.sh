@@ -3,8 +3,9 @@
 # group runs the commands the table names, one log per command under $OUT, and the end of each
 # log (the bench's table) on stdout. Groups: tbo (device steps), serve (generate against
 # transformers), kernels (grouped GEMM, attention), presets (grouped GEMM at model shapes), fp8
-# (the FP8 kernels' GPU tests, FP8 against bf16 experts in the layer), fp8-step (the device
-# step with bf16, then FP8 experts), real-dims (device steps at published models' dimensions).
+# (the FP8 kernels' GPU tests, the FP8 layer at decode sizes, the kernels alone at prefill
+# sizes), fp8-step (the device step with bf16, then FP8 experts), real-dims (device steps at
+# published models' dimensions).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -42,17 +43,19 @@ for group in "$@"; do
         bench "gemm-$preset" 10 grouped_gemm --preset "$preset" --tokens 64,128,256,4096,16384 \
           --impls dense,pallas,mosaic --iters 5 --reps 5
       done ;;
-    fp8)  # the FP8 kernels: GPU tests, then the layer against bf16 at the Qwen3 preset
+    fp8)  # the FP8 kernels: GPU tests, the layer and the kernels alone at the Qwen3 shape
       echo "== pytest: the FP8 kernels compiled for the GPU"
       timeout "${LIMIT:-150}" python3 -m pytest -q -x -p no:cacheprovider \
         tests/kernels/test_grouped_gemm_mosaic_fp8.py tests/kernels/test_fp8_blocks.py \
         tests/kernels/test_grouped_gemm.py -k "fp8 or FP8" >"$OUT/pytest-fp8.log" 2>&1
       echo "(exit $?)"; tail -n 3 "$OUT/pytest-fp8.log"
-      LIMIT=270 bench gemm-qwen3-fp8 12 grouped_gemm --preset qwen3-30b-a3b \
-        --expert-dtype float8_e4m3fn --tokens 64,256,4096,16384 \
-        --impls dense,pallas,mosaic --iters 5 --reps 5
-      LIMIT=170 bench gemm-qwen3-bf16 12 grouped_gemm --preset qwen3-30b-a3b \
-        --tokens 64,256,4096,16384 --impls dense,pallas,mosaic --iters 5 --reps 5 ;;
+      LIMIT=200 bench gemm-qwen3-fp8 12 grouped_gemm --preset qwen3-30b-a3b \
+        --expert-dtype float8_e4m3fn --tokens 64,256 --impls dense,pallas,mosaic \
+        --iters 5 --reps 5 --check-rows 64
+      echo "== the kernels alone at prefill sizes: tools/fp8_layer_probe.py"
+      PYTHONPATH=. timeout 150 python3 tools/fp8_layer_probe.py --tokens 4096,16384,256 \
+        --pallas-fp8-max 256 >"$OUT/fp8-probe.log" 2>&1
+      echo "(exit $?)"; grep "^|\|rel diff" "$OUT/fp8-probe.log" ;;
     fp8-step)  # the device step with bf16, then FP8 experts (the Pallas grouped GEMM)
       for dtype in bfloat16 float8_e4m3fn; do
         LIMIT=240 bench "tbo-$dtype" 8 tbo --devices 1 --attention-kind gqa --prefill 4096 \
