@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jtbo import kernels
+from jtbo import aot, kernels
 from jtbo.kernels import fp8_blocks
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32)
@@ -127,3 +127,36 @@ def fp8_expert_weights(seed: int, shape: tuple[int, int, int], block: tuple[int,
         q = fp8_blocks.BlockQuantized(*stored, block_shape, axes)
         out.append((q, fp8_blocks.dequantize_blocks_reference(values, scales, block_shape)))
     return out
+
+
+def compiled_for_h200(fn, shapes) -> str:
+    """The compiled text of ``jax.jit(fn)`` for one described H200 (``jtbo.aot``), its
+    arguments ``shapes``: ``(shape, dtype)`` pairs. Pallas asks the abstract mesh which GPU
+    it lowers for. Callers skip unless ``aot.aot_available()``."""
+    sharding = jax.sharding.NamedSharding(aot.gpu_mesh((1,), ("x",)), jax.sharding.PartitionSpec())
+    args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    abstract = jax.sharding.AbstractMesh(
+        (1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=h200
+    )
+    with jax.sharding.use_abstract_mesh(abstract):
+        return jax.jit(fn).lower(*args).compile().as_text()
+
+
+def fp8_expert_shapes(num_experts: int, hidden: int, ffn: int) -> list:
+    """``(shape, dtype)`` of FP8 expert weights in 128 x 128 blocks, stored contraction-last:
+    gate / up values and scales, then down values and scales (``fp8_experts_of``)."""
+    fp8, f32 = fp8_blocks.FP8_DTYPE, jnp.float32
+    return [
+        ((num_experts, 2, ffn, hidden), fp8), ((num_experts, 2, ffn // 128, hidden // 128), f32),
+        ((num_experts, hidden, ffn), fp8), ((num_experts, hidden // 128, ffn // 128), f32),
+    ]  # fmt: skip
+
+
+def fp8_experts_of(gu_values, gu_scales, down_values, down_scales):
+    """``(w_gate_up, w_down)`` as ``BlockQuantized`` from the arrays ``fp8_expert_shapes``
+    describes."""
+    gate_up_axes, down_axes = fp8_blocks.expert_axes(4), fp8_blocks.expert_axes(3)
+    w_gate_up = fp8_blocks.BlockQuantized(gu_values, gu_scales, (1, 128, 1, 128), gate_up_axes)
+    w_down = fp8_blocks.BlockQuantized(down_values, down_scales, (1, 128, 128), down_axes)
+    return w_gate_up, w_down

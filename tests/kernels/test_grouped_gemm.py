@@ -167,12 +167,10 @@ def test_kernels_compile_for_an_h200_on_the_cpu(gathered):
     # rows, or source rows loaded through a row index per slot (SlotRows).
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
-    sharding = jax.sharding.NamedSharding(aot.gpu_mesh((1,), ("x",)), jax.sharding.PartitionSpec())
     shapes = [((300, 7168), jnp.bfloat16), ((4, 96), jnp.int32)] if gathered else []
     shapes += [] if gathered else [((4, 96, 7168), jnp.bfloat16)]
     shapes += [((4,), jnp.int32)]
     shapes += [((4, 7168, 2, 2048), jnp.bfloat16), ((4, 2048, 7168), jnp.bfloat16)]
-    args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
     kernel = functools.partial(
         grouped_gemm.grouped_ffn_pallas, max_rows=200, cfg=gemm_config.GROUPED_FFN, interpret=False
     )
@@ -181,12 +179,7 @@ def test_kernels_compile_for_an_h200_on_the_cpu(gathered):
             lambda rows, slot_row, *rest, run: run(kernels.SlotRows(rows, slot_row), *rest),
             run=kernel,
         )
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    abstract = jax.sharding.AbstractMesh(
-        (1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=h200
-    )
-    with jax.sharding.use_abstract_mesh(abstract):  # Pallas asks it which GPU it lowers for
-        hlo = jax.jit(kernel).lower(*args).compile().as_text()
+    hlo = helpers.compiled_for_h200(kernel, shapes)
     assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 2
 
 
@@ -392,17 +385,11 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu():
     # XLA for a described H200 (jtbo.aot) at DeepSeek-V3's expert shapes and 128 x 128 blocks.
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
-    sharding = jax.sharding.NamedSharding(aot.gpu_mesh((1,), ("x",)), jax.sharding.PartitionSpec())
-    fp8, f32 = jnp.float8_e4m3fn, jnp.float32
     shapes = [((4, 96, 7168), jnp.bfloat16), ((4,), jnp.int32)]
-    shapes += [((4, 2, 2048, 7168), fp8), ((4, 2, 16, 56), f32)]  # stored contraction-last
-    shapes += [((4, 7168, 2048), fp8), ((4, 56, 16), f32)]
-    args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
+    shapes += helpers.fp8_expert_shapes(4, 7168, 2048)
 
-    def kernel(x, counts, gu_values, gu_scales, down_values, down_scales):
-        gate_up_axes, down_axes = fp8_blocks.expert_axes(4), fp8_blocks.expert_axes(3)
-        w_gate_up = fp8_blocks.BlockQuantized(gu_values, gu_scales, (1, 128, 1, 128), gate_up_axes)
-        w_down = fp8_blocks.BlockQuantized(down_values, down_scales, (1, 128, 128), down_axes)
+    def kernel(x, counts, *fp8_arrays):
+        w_gate_up, w_down = helpers.fp8_experts_of(*fp8_arrays)
         return [
             grouped_gemm.grouped_ffn_pallas(
                 x,
@@ -417,10 +404,5 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu():
             for activations in (True, False)
         ]
 
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    abstract = jax.sharding.AbstractMesh(
-        (1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=h200
-    )
-    with jax.sharding.use_abstract_mesh(abstract):
-        hlo = jax.jit(kernel).lower(*args).compile().as_text()
+    hlo = helpers.compiled_for_h200(kernel, shapes)
     assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 4

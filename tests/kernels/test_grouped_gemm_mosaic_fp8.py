@@ -143,28 +143,16 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch):
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
     monkeypatch.setattr(grouped_gemm_mosaic, "num_clusters", lambda interpret: 66)
-    sharding = jax.sharding.NamedSharding(aot.gpu_mesh((1,), ("x",)), jax.sharding.PartitionSpec())
-    fp8, f32 = fp8_blocks.FP8_DTYPE, jnp.float32
     shapes = [((8, 512, 2048), jnp.bfloat16), ((8,), jnp.int32)]
-    shapes += [((8, 2, 768, 2048), fp8), ((8, 2, 6, 16), f32)]  # stored contraction-last
-    shapes += [((8, 2048, 768), fp8), ((8, 16, 6), f32)]
-    args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
+    shapes += helpers.fp8_expert_shapes(8, 2048, 768)
 
-    def layer(x, counts, gu_values, gu_scales, down_values, down_scales):
-        gate_up_axes, down_axes = fp8_blocks.expert_axes(4), fp8_blocks.expert_axes(3)
-        w_gate_up = fp8_blocks.BlockQuantized(gu_values, gu_scales, (1, 128, 1, 128), gate_up_axes)
-        w_down = fp8_blocks.BlockQuantized(down_values, down_scales, (1, 128, 128), down_axes)
+    def layer(x, counts, *fp8_arrays):
         return grouped_gemm_mosaic_fp8.grouped_ffn_mosaic_fp8(
-            x, counts, w_gate_up, w_down, max_rows=2048, cfg=gemm_config.MOSAIC_FFN_FP8,
-            interpret=False,
+            x, counts, *helpers.fp8_experts_of(*fp8_arrays), max_rows=2048,
+            cfg=gemm_config.MOSAIC_FFN_FP8, interpret=False,
         ).rows  # fmt: skip
 
-    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    abstract = jax.sharding.AbstractMesh(
-        (1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=h200
-    )
-    with jax.sharding.use_abstract_mesh(abstract):
-        hlo = jax.jit(layer).lower(*args).compile().as_text()
+    hlo = helpers.compiled_for_h200(layer, shapes)
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
 
 
