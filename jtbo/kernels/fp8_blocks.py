@@ -141,6 +141,31 @@ def expert_axes(ndim: int) -> tuple[int, ...]:
     return (0, *range(2, ndim), 1)
 
 
+def expert_matrices(w: BlockQuantized, out_dim: int, in_dim: int, impl: str):
+    """An expert weight stored contraction-last as matrices, the order the FP8 kernels read.
+
+    Args:
+      w: ``w_gate_up`` (``out_dim = 2F``: the gate rows, then the up rows) or ``w_down``.
+      out_dim: each expert's output rows.
+      in_dim: each expert's contraction.
+      impl: the kernels' impl, named in the error.
+
+    Returns:
+      ``(values [E, out_dim, in_dim], scales [E, out blocks, in blocks])``.
+
+    Raises:
+      ValueError: ``w`` stored in another order than ``expert_axes``.
+    """
+    if w.axes != expert_axes(w.ndim):
+        raise ValueError(
+            f"impl={impl!r} reads FP8 expert weights stored contraction-last (axes "
+            f"{expert_axes(w.ndim)}, fp8_blocks.expert_axes), got axes {w.axes}"
+        )
+    num_experts = w.values.shape[0]
+    values = w.values.reshape(num_experts, out_dim, in_dim)
+    return values, w.scales.reshape(num_experts, -1, w.scales.shape[-1])
+
+
 def scales_shape(shape: tuple[int, ...], block_shape: tuple[int, ...]) -> tuple[int, ...]:
     """Blocks along each axis: ``ceil(shape / block_shape)``."""
     return tuple(

@@ -335,14 +335,9 @@ def _weight_operands(w, matrix_shape: tuple[int, int, int]) -> tuple[list, tuple
     """
     if not isinstance(w, fp8_blocks.BlockQuantized):
         return [w.reshape(matrix_shape)], None
-    if w.axes != fp8_blocks.expert_axes(w.ndim):
-        raise ValueError(
-            f"impl='pallas' reads FP8 expert weights stored contraction-last (axes "
-            f"{fp8_blocks.expert_axes(w.ndim)}, fp8_blocks.expert_axes), got axes {w.axes}"
-        )
-    e, k, n = matrix_shape
-    scales = w.scales.reshape(e, -1, w.scales.shape[-1])
-    return [w.values.reshape(e, n, k), scales], (w.block_shape[1], w.block_shape[-1])
+    _, k, n = matrix_shape
+    values, scales = fp8_blocks.expert_matrices(w, n, k, "pallas")
+    return [values, scales], (w.block_shape[1], w.block_shape[-1])
 
 
 def _gate_up_call(

@@ -248,23 +248,6 @@ def _fp8_matmul(tile_expert, a_rows, a_scales, weight, *, out_cols, column_offse
     return kernel(tile_expert, a_rows, a_scales, values, scales)
 
 
-def _expert_matrices(w: fp8_blocks.BlockQuantized, out_dim: int, in_dim: int):
-    """``(values [E, out_dim, in_dim], scales [E, out_dim / qn, in_dim / qk])`` of an expert
-    weight stored contraction-last (``fp8_blocks.expert_axes``).
-
-    Raises:
-      ValueError: FP8 weights in another stored order.
-    """
-    if w.axes != fp8_blocks.expert_axes(w.ndim):
-        raise ValueError(
-            f"impl='mosaic' reads FP8 expert weights stored contraction-last (axes "
-            f"{fp8_blocks.expert_axes(w.ndim)}, fp8_blocks.expert_axes), got axes {w.axes}"
-        )
-    num_experts = w.values.shape[0]
-    values = w.values.reshape(num_experts, out_dim, in_dim)
-    return values, w.scales.reshape(num_experts, -1, w.scales.shape[-1])
-
-
 def gathered_fp8_rows(x_slots, slot_of_row, tile_expert, block_m: int, qk: int):
     """The live tiles' rows quantized per ``qk`` columns: ``(values [R, H] FP8, scales
     [H / qk, R] float32)``, zero bytes and zero scales for padding rows."""
@@ -298,13 +281,15 @@ def grouped_ffn_mosaic_fp8(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg,
     rows, row_scales = gathered_fp8_rows(
         x_slots, slot_of_row, tile_expert, block_m, gate_up_block[0]
     )
+    gate_up_matrices = fp8_blocks.expert_matrices(w_gate_up, 2 * ffn, hidden, "mosaic")
+    down_matrices = fp8_blocks.expert_matrices(w_down, hidden, ffn, "mosaic")
     hidden_rows, hidden_scales = _fp8_matmul(
-        tile_expert, rows, row_scales, _expert_matrices(w_gate_up, 2 * ffn, hidden),
+        tile_expert, rows, row_scales, gate_up_matrices,
         out_cols=ffn, column_offsets=(0, ffn), out_dtype=fp8_blocks.FP8_DTYPE,
         cfg=cfg.gate_up, interpret=interpret,
     )  # fmt: skip
     (out_rows,) = _fp8_matmul(
-        tile_expert, hidden_rows, hidden_scales, _expert_matrices(w_down, hidden, ffn),
+        tile_expert, hidden_rows, hidden_scales, down_matrices,
         out_cols=hidden, column_offsets=(0,), out_dtype=x_slots.dtype, cfg=cfg.down,
         interpret=interpret,
     )  # fmt: skip
