@@ -21,14 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtbo.bench import device_rates
+from jtbo.bench import grouped_gemm as bench_grouped_gemm
 from jtbo.kernels import fp8_blocks, grouped_gemm
-
-
-def _dense(x_rows, w_gate_up, w_down):
-    f32 = jnp.float32
-    gate_up = jnp.einsum("mh,hsf->msf", x_rows, w_gate_up, preferred_element_type=f32)
-    hidden = (jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]).astype(x_rows.dtype)
-    return jnp.dot(hidden, w_down, preferred_element_type=f32).astype(x_rows.dtype)
 
 
 def _weights(experts: int, hidden: int, ffn: int):
@@ -85,7 +79,7 @@ def main() -> None:
         x, counts, rows = _slots(tokens, args.experts, args.top_k, args.hidden, tokens)
         rows_fn = functools.partial(grouped_gemm.grouped_ffn_rows, max_rows=rows)
         cases = {
-            "dense bf16": (jax.jit(_dense), (x.reshape(-1, args.hidden)[:rows], *_first(bf16))),
+            "dense bf16": (jax.jit(bench_grouped_gemm.dense_layer), (x.reshape(-1, args.hidden)[:rows], *_first(bf16))),
             "pallas bf16": (jax.jit(functools.partial(rows_fn, impl="pallas")), (x, counts, *bf16)),
             "mosaic bf16": (jax.jit(functools.partial(rows_fn, impl="mosaic")), (x, counts, *bf16)),
             "mosaic fp8": (jax.jit(functools.partial(rows_fn, impl="mosaic")), (x, counts, *fp8)),
