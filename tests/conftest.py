@@ -72,6 +72,7 @@ TIERS = {
         "runner/test_admission.py",
         "runner/test_generate.py",
         "bench/test_tbo.py",
+        "bench/test_step_costs_measure.py",
         "models/hf/test_transformers_reference.py",
         "models/hf/test_fp8_serving.py",
         "models/test_moe_exchange.py",

@@ -37,6 +37,10 @@ VERSION = 1
 KIND = "jtbo_step_costs"
 SHIPPED = "step_costs_h200.json"
 SECTIONS = ("dense_gemm", "grouped_gemm", "attention", "rowwise", "host_ms", "slowdown")
+"""The sections every table has."""
+OPTIONAL_SECTIONS = ("runner_host",)
+"""Sections a table may lack: ``runner_host`` (the runner's own host time per step), for
+which the round trip ``host_ms`` then stands."""
 ROWWISE_OPS = ("rmsnorm", "add", "gather", "routing")
 
 
@@ -195,6 +199,15 @@ class StepCosts:
         """The host's round trip per step."""
         return float(self.table["host_ms"])
 
+    def step_host_ms(self, mode: str, tbo: bool) -> float:
+        """The host's time per step of ``mode`` ("prefill" or "decode"), plain or TBO: the
+        runner's measured host phases where the table has them (``runner_host``), else the
+        round trip (``host_ms``)."""
+        runner = self.table.get("runner_host")
+        if runner is None:
+            return self.host_ms
+        return float(runner[mode]["tbo_ms" if tbo else "plain_ms"])
+
     def slowdown(self, engine: str) -> float:
         """Compute time beside an exchange over compute time alone (``engine``: sm or copy)."""
         return float(self.table["slowdown"][engine])
@@ -229,6 +242,15 @@ def check(table: Mapping[str, Any]) -> None:
         _check_curve(f"rowwise {op}", table["rowwise"]["rows"], table["rowwise"][op])
     if not table["host_ms"] >= 0 or not all(table["slowdown"][e] >= 1 for e in ("sm", "copy")):
         raise ValueError("host_ms must be >= 0 and slowdown factors >= 1")
+    if "runner_host" in table:
+        _check_runner_host(table["runner_host"])
+
+
+def _check_runner_host(section: Mapping[str, Any]) -> None:
+    for mode in ("prefill", "decode"):
+        times = [section.get(mode, {}).get(key) for key in ("plain_ms", "tbo_ms")]
+        if not all(isinstance(t, (int, float)) and t >= 0 for t in times):
+            raise ValueError(f"runner_host {mode}: plain_ms and tbo_ms must be >= 0, got {times}")
 
 
 def _check_curve(name: str, xs: Sequence[float], ys: Sequence[float]) -> None:

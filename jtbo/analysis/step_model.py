@@ -19,7 +19,8 @@ overlap:
    stream and one link shared by both (``step_schedule``), compute beside an exchange slowed by
    the table's measured factor for the link's engine. A decode TBO step also pays the merge
    of its micro-batches' logits (a prefill step reads each prompt's last row either way).
-   Both add one host time per step (``StepInputs.host_ms``; None: the table's).
+   Both add one host time per step (``StepInputs.host_ms``; None: the table's, the runner's
+   measured host phases of the mode's plain or TBO step where it has them).
 
 The **serving stack** is an input (``StepInputs.exchange``, ``StepInputs.decode_attention``,
 ``StepInputs.expert_gemm`` and the link's engine; ``serving_stack`` names two): ``jtbo``, the
@@ -91,7 +92,7 @@ class StepInputs:
         step_exchange.Exchange()
     )  # rows' dtypes and topology (jtbo's)
     decode_attention: step_ops.DecodeAttention = step_ops.DecodeAttention()  # the kernel's price
-    host_ms: float | None = None  # the host's time per step (None: the cost table's)
+    host_ms: float | None = None  # the host's time per step (None: the table's per mode)
     expert_gemm: step_ops.ExpertGemm = step_ops.ExpertGemm()  # routed experts: bf16 or FP8
 
     def __post_init__(self):
@@ -335,10 +336,13 @@ def predict(
     plain = step_schedule.simulate(plain_order, slowdown)
     tbo = step_schedule.simulate(tbo_order, slowdown)
     routing = step_exchange.routing_for(config, inputs.ep_size, inputs.imbalance)
-    host = costs.host_ms if inputs.host_ms is None else inputs.host_ms
+    host = [
+        costs.step_host_ms(inputs.mode, on) if inputs.host_ms is None else inputs.host_ms
+        for on in (False, True)
+    ]
     return StepPrediction(
-        plain_ms=plain.total_ms + host,
-        tbo_ms=tbo.total_ms + host,
+        plain_ms=plain.total_ms + host[0],
+        tbo_ms=tbo.total_ms + host[1],
         per_operation=_per_operation(plain, tbo),
         exchange_ms=plain.exchange_ms,
         waited_ms=dict(plain=plain.waited_ms, tbo=tbo.waited_ms),

@@ -10,7 +10,8 @@ CPU, and prints the model's weight bytes on one GPU of the EP group
 prints one JSON object (``plain_ms``, ``tbo_ms``, ``gain``, ``per_operation``, ``traffic``,
 ``weight_bytes_per_gpu`` ...) after the summary line; ``--plot FILE`` writes a PNG of the
 predicted TBO gain against tokens per GPU at EP 8, 32 and 72 (matplotlib, the ``test``
-extra). ``--host-ms`` replaces the table's host time per step (a measured runner's, say).
+extra). ``--host-ms`` replaces the table's host time per step, plain and TBO (by default the
+table's runner host time of the mode where it has one, else its host round trip).
 
 The stack flags (``StackFlags``) say which serving stack is priced: ``--stack jtbo|sglang``
 names one (``step_model.serving_stack``: its exchange, decode attention and exchange engine
@@ -21,13 +22,16 @@ A flat topology has no NVLink leg, the measured attention no rate and bf16 exper
 speedup, so a stack's node fields, rate or speedup are dropped when a flag picks those, and
 giving them as flags too is an error.
 
-``python -m jtbo.bench predict --measure --out FILE [--small]`` measures a new table on the
-device instead (``jtbo.bench.step_costs_measure``), writing it after every section.
+``python -m jtbo.bench predict --measure --out FILE [--small] [--sections A,B]`` measures a
+new table on the device instead (``jtbo.bench.step_costs_measure``), writing it after every
+section; ``--sections`` measures only the named sections into the table already at ``FILE``
+(the others kept as they are).
 """
 
 import argparse
 import dataclasses
 import json
+import os
 from typing import Any
 
 from jtbo.analysis import step_costs, step_exchange, step_model, step_ops
@@ -195,7 +199,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     add("--context", type=cli_arguments.positive_int, default=2048, help="decode KV length")
     add("--imbalance", type=_positive_float, default=1.0, help="hottest GPU load / mean")
     add("--host-ms", type=cli_arguments.non_negative_float,
-        help="host time per step, ms (default: the cost table's host round trip)")  # fmt: skip
+        help="host time per step, ms (default: the cost table's, per mode)")  # fmt: skip
     add("--routing-stats", type=cli_arguments.existing_file, help="ep_routing_stats file")
     add("--table", type=cli_arguments.existing_file, help="cost table (default: shipped H200)")
     add("--json", action="store_true", help="print the prediction as one JSON object")
@@ -203,10 +207,14 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     add("--measure", action="store_true", help="measure a cost table on the device")
     add("--out", help="--measure: where to write the table")
     add("--small", action="store_true", help="--measure: tiny grids (a CPU check of the code)")
+    add("--sections", type=_section_names,
+        help="--measure: only these sections, into the table at --out")  # fmt: skip
     options.add_arguments(parser.add_argument_group("serving stack"), StackFlags)
     args = parser.parse_args(argv)
     if args.measure and not args.out:
         parser.error("--measure needs --out FILE")
+    if args.sections is not None and not (args.measure and os.path.exists(args.out)):
+        parser.error("--sections measures into an existing --measure --out FILE")
     if args.imbalance < 1:
         parser.error(f"--imbalance must be >= 1, got {args.imbalance}")
     try:
@@ -218,6 +226,16 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _section_names(text: str) -> list[str]:
+    """``--sections``: comma-separated names of the cost table's sections."""
+    names = [name for name in text.split(",") if name]
+    known = step_costs.SECTIONS + step_costs.OPTIONAL_SECTIONS
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: sections are {', '.join(known)}")
+    return names
+
+
 def _measure(args) -> None:
     from jtbo.bench import step_costs_measure  # noqa: PLC0415  (imports jax's kernels)
 
@@ -225,7 +243,11 @@ def _measure(args) -> None:
         with open(args.out, "w") as file:
             json.dump(table, file, indent=1)
 
-    table = step_costs_measure.measure(small=args.small, on_section=save)
+    into = None
+    if args.sections is not None:
+        with open(args.out) as file:
+            into = json.load(file)
+    table = step_costs_measure.measure(args.small, save, args.sections, into)
     step_costs.check(table)
     print(
         f"wrote {args.out}: {table['device']}, slowdown {table['slowdown']}, "

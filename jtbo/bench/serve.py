@@ -533,7 +533,7 @@ def _decode_batches(runner, prompts: int, context: int):
         )
     vocab = config.model.vocab_size
     return tuple(
-        tbo_bench._decode_batch(n, context, vocab) if n else planning.idle_batch() for n in counts
+        tbo_bench.decode_batch(n, context, vocab) if n else planning.idle_batch() for n in counts
     ), None
 
 
@@ -542,7 +542,7 @@ def _decode_plan(runner, batches) -> planning.StepPlan:
     it would run them in (``--tbo auto``: its choice for that shape, where it made one)."""
     for rank, batch in enumerate(batches):
         if batch.batch_size and batch.seq_lens[0] > 1:
-            runner.record(rank, tbo_bench._decode_prefix(batch))
+            runner.record(rank, tbo_bench.decode_prefix(batch))
         if batch.batch_size:
             runner.record(rank, batch)
     plan = planning.plan_step(list(batches), runner.runner_config.plan, logits="last")
@@ -585,7 +585,7 @@ def _device_step(runner, args) -> tuple[DeviceStep | None, str | None]:
     if batches is None:
         return None, why
     plan = _decode_plan(runner, batches)
-    times, [(phases, _)] = tbo_bench._time_interleaved([(runner, plan)], DEVICE_ITERS)
+    times, [(phases, _)] = tbo_bench.time_interleaved([(runner, plan)], DEVICE_ITERS)
     host = (phases.inputs + phases.dispatch) * 1e3
     return DeviceStep(_back_to_back_ms(runner, plan), times[0] * 1e3, host), None
 

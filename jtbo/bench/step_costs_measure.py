@@ -14,6 +14,10 @@ interpolates:
   extend at a few prompt lengths and decode at a few (sequences, context) pairs;
 * ``rowwise``: an RMSNorm, a residual add, a row gather and the router's top-k at a grid of rows;
 * ``host_ms``: one step's host round trip (two small uploads, a jitted call, one read-back);
+* ``runner_host``: the host time of the runner's own step, plain and TBO, at prefill and
+  decode: ``ModelRunner.run_plan``'s host phases before the devices run (packing the plan and
+  issuing its transfers, then the jitted call until it returns; ``bench tbo``'s phase table),
+  for ``bench tbo``'s GQA model (``MoEConfig.deepseek_v3_gqa_reduced``) on one device;
 * ``slowdown``: how much longer a stream of matmuls takes while an exchange runs beside it on
   the same GPU (torch, two CUDA streams): ``sm`` beside a device-to-device copy kernel (an
   exchange that runs on the SMs, as NCCL's and DeepEP's do), ``copy`` beside a device-to-host
@@ -256,6 +260,43 @@ def host_ms(reps: int = 50) -> float:
     return statistics.median(times)
 
 
+MEASURED = (
+    "slowdown", "host_ms", "rowwise", "dense_gemm", "grouped_gemm", "attention", "runner_host"
+)  # fmt: skip
+"""The sections ``measure`` takes, in the order it measures them."""
+RUNNER_HOST_FLAGS = ("--devices", "1", "--attention-kind", "gqa", "--prefill", "4096",
+                     "--decode", "128", "--no-profile")  # fmt: skip
+RUNNER_HOST_SMALL = ("--devices", "1", "--tiny", "--attention-kind", "gqa", "--prefill", "64",
+                     "--decode", "8", "--context", "16", "--no-profile")  # fmt: skip
+RUNNER_HOST_ITERS = 10
+
+
+def runner_host(small: bool = False, iters: int = RUNNER_HOST_ITERS) -> dict:
+    """The runner's host time per step (``bench tbo``'s runner and cases): for each mode, the
+    medians of ``run_plan``'s inputs + dispatch phases of the plain and the TBO step, the two
+    taking turns (``tbo.time_interleaved``).
+
+    Returns:
+      ``{"model", "devices", "method", "prefill": {"tokens", "plain_ms", "tbo_ms"}, "decode":
+      {...}}``.
+    """
+    from jtbo.bench import tbo  # noqa: PLC0415  (builds runners: only this section needs it)
+
+    args, config = tbo.parse(list(RUNNER_HOST_SMALL if small else RUNNER_HOST_FLAGS))
+    (runner, *_), _ = tbo.bench_runners(args, config)
+    out = dict(
+        model="tiny" if small else "deepseek_v3_gqa_reduced", devices=args.dp,
+        method="ModelRunner.run_plan: last_step_phases inputs + dispatch (bench tbo's runner)",
+    )  # fmt: skip
+    for mode, size, batches in tbo.bench_cases(args, config.vocab_size):
+        steps = [(runner, tbo.case_plan(runner, batches, on, args.logits)) for on in (False, True)]
+        _, phases = tbo.time_interleaved(steps, 2 if small else iters)
+        plain, with_tbo = ((p.inputs + p.dispatch) * 1e3 for p, _ in phases)
+        out[mode] = dict(tokens=size, plain_ms=plain, tbo_ms=with_tbo)
+    _log(f"runner_host: {out}")
+    return out
+
+
 def _torch_matmul_ms(torch, side=None, n: int = 8192, calls: int = 20) -> float:
     """Milliseconds per matmul on one stream while ``side()`` (if any) runs on another."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -299,25 +340,43 @@ def slowdown() -> dict:
     return dict(sm=max(1.0, beside_sm / alone), copy=max(1.0, beside_ce / alone), method=method)
 
 
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def _log(line: str) -> None:
     print(f"[measure {time.strftime('%H:%M:%S')}] {line}", flush=True)
 
 
-def measure(small: bool = False, on_section=None) -> dict:
-    """Measures the whole table on the default device.
+def measure(small: bool = False, on_section=None, only=None, into=None) -> dict:
+    """Measures the table's sections on the default device.
 
     Args:
       small: tiny grids, for a CPU run of the code.
       on_section: called with the table so far after each section (to save partial results).
+      only: the names of the sections to measure (None: all, ``MEASURED``).
+      into: a table whose other sections are kept (None: a new table); its ``date`` stays,
+        and ``dates`` records when each section was measured.
 
     Returns:
       The table, as ``jtbo.analysis.step_costs`` reads it.
+
+    Raises:
+      ValueError: ``only`` names an unknown section, or ``into`` was measured with the other
+        ``small``.
     """
+    only = MEASURED if only is None else tuple(only)
+    unknown = sorted(set(only) - set(MEASURED))
+    if unknown:
+        raise ValueError(f"unknown sections {unknown}; the table has {list(MEASURED)}")
     grid = SMALL if small else FULL
     device = jax.devices()[0]
-    table = dict(version=VERSION, kind="jtbo_step_costs", device=device.device_kind)
+    table = dict(into or {}, version=VERSION, kind="jtbo_step_costs", device=device.device_kind)
     table.update(platform=jax.default_backend(), jax=jax.__version__, dtype="bfloat16")
-    table["date"] = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    if into is not None and into.get("small", small) != small:
+        raise ValueError(f"the table to update has small={into['small']}, not {small}")
+    table.setdefault("date", _now())
+    dates = dict(table.get("dates", {}))
     table["small"] = small
     sections = (
         ("slowdown", slowdown),
@@ -337,9 +396,14 @@ def measure(small: bool = False, on_section=None) -> dict:
                 for k in ("mla", "gqa")
             },
         ),
+        ("runner_host", lambda: runner_host(small)),
     )
     for name, fn in sections:
+        if name not in only:
+            continue
         table[name] = fn()
+        dates[name] = _now()
+        table["dates"] = dates
         if on_section is not None:
             on_section(table)
     return table

@@ -14,7 +14,7 @@ jitted steps in turn; the time is the median of ``--iters`` runs after warm-up,
 device-synchronised, without host planning or copying logits back. Each step computes the
 logits of each sequence's last token only (``--logits last``, what ``generate`` serves: the LM
 head runs on those rows); ``--logits all`` computes every token's. Decode sequences have
-their cached context in their own KV slots (``_decode_prefix``). The "Δ logits" column compares
+their cached context in their own KV slots (``decode_prefix``). The "Δ logits" column compares
 the TBO step's logits with the plain step's (``_agreement``; ``--dtype float32`` takes bf16
 rounding out); the last column is what the runner's numerics guard adds to a step (the
 on-device finiteness flags of the plain step's logits and their read-back, ``_guard_time``:
@@ -330,7 +330,7 @@ def _prefill_batch(tokens: int, prompt_len: int, vocab: int) -> split.ForwardBat
     )  # fmt: skip
 
 
-def _decode_batch(seqs: int, context: int, vocab: int) -> split.ForwardBatch:
+def decode_batch(seqs: int, context: int, vocab: int) -> split.ForwardBatch:
     rows = np.arange(seqs)
     return split.ForwardBatch(
         forward_mode=ForwardMode.DECODE, batch_size=seqs, input_ids=rows % vocab,
@@ -339,8 +339,8 @@ def _decode_batch(seqs: int, context: int, vocab: int) -> split.ForwardBatch:
     )  # fmt: skip
 
 
-def _decode_prefix(batch: split.ForwardBatch) -> split.ForwardBatch:
-    """The cached context of a ``_decode_batch``: positions ``0 .. context - 2`` of each
+def decode_prefix(batch: split.ForwardBatch) -> split.ForwardBatch:
+    """The cached context of a ``decode_batch``: positions ``0 .. context - 2`` of each
     sequence in its own slots (``row * context + 1 + position``), recorded in the page table
     and never run. Without it those positions map to the padding slot 0, which every padding
     row of a step writes: a TBO step (whose children have padding rows) then attended over
@@ -362,7 +362,7 @@ PhasesAndRest = tuple[step_phases.StepPhases, float]
 """Medians of a step's host phases and of the seconds of each step outside them."""
 
 
-def _time_interleaved(steps, iters: int) -> tuple[list[float], list[PhasesAndRest]]:
+def time_interleaved(steps, iters: int) -> tuple[list[float], list[PhasesAndRest]]:
     """Median seconds of each ``(runner, plan)`` step, and per step the medians of its host
     phases and of the rest of its time (``_median_phases``), the steps taking turns ``iters``
     times (after two warm-up runs each, which also absorb EP re-runs): a drift of the machine
@@ -387,12 +387,12 @@ def _median_phases(times: list[float], phases: list[step_phases.StepPhases]) -> 
     return step_phases.median_phases(phases), rest
 
 
-def _plan(runner, batches, tbo: bool, logits: str):
+def case_plan(runner, batches, tbo: bool, logits: str):
     """The plan of a case's per-rank batches (recorded first), TBO on or off, computing the
     ``logits`` rows ("last": each sequence's last one, as ``generate`` serves; "all")."""
     for rank, batch in enumerate(batches):
         if batch.forward_mode.is_decode() and batch.seq_lens[0] > 1:
-            runner.record(rank, _decode_prefix(batch))
+            runner.record(rank, decode_prefix(batch))
         runner.record(rank, batch)
     options = dataclasses.replace(runner.runner_config.plan, enable_tbo=tbo)
     plan = planning.plan_step(list(batches), options, logits=logits)
@@ -417,7 +417,7 @@ def _rank_logits(logits, batches, mode: str) -> np.ndarray:
     return np.concatenate([logits[r, :count] for r, count in enumerate(counts)])
 
 
-def _prefill_batches(tokens: int, args, vocab: int) -> tuple[split.ForwardBatch, ...]:
+def prefill_batches(tokens: int, args, vocab: int) -> tuple[split.ForwardBatch, ...]:
     """A prefill case: ``tokens`` on rank 0 and ``--prefill-skew`` times as many on the others."""
     others = max(1, round(tokens * args.prefill_skew))
     return tuple(
@@ -576,7 +576,7 @@ def _trace_case(runner, batches, directory: str, name: str, logits: str) -> list
     return [
         _trace(
             runner,
-            _plan(runner, batches, tbo, logits),
+            case_plan(runner, batches, tbo, logits),
             f"{directory}/{name}_{'tbo' if tbo else 'plain'}",
         )
         for tbo in (False, True)
@@ -641,25 +641,25 @@ def _case(
     runners, auto, batches, iters: int, logits: str
 ) -> tuple[list[float], list[PhasesAndRest], str, tbo_auto.TboDecision]:
     """Seconds per step (plain, TBO, then TBO on each further runner, e.g. with barriers, and
-    last the "auto" runner's chosen step), the host phases of each (``_time_interleaved``),
+    last the "auto" runner's chosen step), the host phases of each (``time_interleaved``),
     how the first TBO step's logits compare with the plain step's (``_agreement``), and the
     auto runner's decision."""
-    steps = [(runners[0], _plan(runners[0], batches, False, logits))]
-    steps += [(runner, _plan(runner, batches, True, logits)) for runner in runners]
+    steps = [(runners[0], case_plan(runners[0], batches, False, logits))]
+    steps += [(runner, case_plan(runner, batches, True, logits)) for runner in runners]
     auto_plan, decision = _auto_plan(auto, batches, logits)
-    times, phases = _time_interleaved(steps + [(auto, auto_plan)], iters)
+    times, phases = time_interleaved(steps + [(auto, auto_plan)], iters)
     want, got = (_rank_logits(runner.run_plan(plan), batches, logits) for runner, plan in steps[:2])
     return times, phases, _agreement(got, want), decision
 
 
 def _auto_plan(runner, batches, logits: str) -> tuple[planning.StepPlan, tbo_auto.TboDecision]:
     """An "auto" runner's plan of the case after its first step of the shape decided it."""
-    # _plan also records the batches (and decode contexts).
-    tbo_plan = _plan(runner, batches, True, logits)
+    # case_plan also records the batches (and decode contexts).
+    tbo_plan = case_plan(runner, batches, True, logits)
     runner.forward(list(batches), logits=logits)  # times both programs, keeps the faster
     shape = tbo_auto.TboShape(tbo_plan.capacity, tbo_plan.mode)
     decision = {d.shape: d for d in runner.tbo_decisions()}[shape]
-    return (tbo_plan if decision.use_tbo else _plan(runner, batches, False, logits)), decision
+    return (tbo_plan if decision.use_tbo else case_plan(runner, batches, False, logits)), decision
 
 
 def _agreement(got: np.ndarray, want: np.ndarray) -> str:
@@ -706,7 +706,7 @@ def _save_routing_stats(args, runners) -> None:
     print(f"EP routing statistics ({len(peaks)} dispatch sizes) -> {args.ep_routing_stats}")
 
 
-def _config(args) -> config_lib.MoEConfig:
+def bench_config(args) -> config_lib.MoEConfig:
     """The benchmark's model: ``--hf-config`` (cut to ``--num-layers``), or a preset that
     ``--tiny`` / ``--attention-kind`` pick among four; ``--expert-dtype`` its routed experts'
     storage.
@@ -855,7 +855,7 @@ def _dp_padding(runner, batches) -> str:
 def _tbo_rows_and_fill(runner, batches, logits: str) -> tuple[str, str]:
     """One TBO step of ``batches``: its micro-batch rows (``"2048 of 4096"``: the child capacity
     the plan took, of the bucket) and ``peer / expert`` peak-over-capacity per micro-batch."""
-    plan = _plan(runner, batches, True, logits)
+    plan = case_plan(runner, batches, True, logits)
     runner.run_plan(plan)
     fill = ", ".join(f"{peer:.2f} / {expert:.2f}" for peer, expert in runner.ep_buffer_fill())
     return f"{plan.child_capacity} of {plan.capacity}", fill
@@ -865,7 +865,7 @@ def _guard_time(runner, batches, iters: int, logits: str) -> float:
     """Median seconds the runner's numerics guard adds to a step of ``batches``: the on-device
     finiteness flags of the plain step's logits and their read-back (``numerics``; what
     ``ModelRunner(check_finite_logits=False)`` saves)."""
-    out = runner.run_plan(_plan(runner, batches, False, logits))
+    out = runner.run_plan(case_plan(runner, batches, False, logits))
     np.asarray(numerics.finite_rows(out))  # compiled before timing
     times = []
     for _ in range(iters):
@@ -885,7 +885,15 @@ def _auto_cells(auto_time: float, plain: float, tbo: float, decision) -> str:
     )
 
 
-def _runners(args, config) -> tuple[list, runner_lib.ModelRunner]:
+def bench_cases(args, vocab: int) -> list[tuple[str, int, tuple[split.ForwardBatch, ...]]]:
+    """The cases the flags ask for, in order: ``(mode, size, per-rank batches)``, prefill
+    (``prefill_batches``) then decode (``decode_batch`` on every rank)."""
+    cases = [("prefill", n, prefill_batches(n, args, vocab)) for n in args.prefill]
+    cases += [("decode", s, (decode_batch(s, args.context, vocab),) * args.dp) for s in args.decode]
+    return cases
+
+
+def bench_runners(args, config) -> tuple[list, runner_lib.ModelRunner]:
     """The plain / TBO runner and, with ``--barriers``, one with round barriers; and the
     "auto" runner."""
     mesh = mesh_lib.make_mesh(args.dp, args.attn_tp)
@@ -899,33 +907,36 @@ def _runners(args, config) -> tuple[list, runner_lib.ModelRunner]:
     return runners, _runner(model, mesh, args, largest, False, tbo="auto", shared=first)
 
 
+def parse(argv) -> tuple[argparse.Namespace, config_lib.MoEConfig]:
+    """The flags (``--devices N`` applied: dp N, attn_tp 1) and the model they name
+    (``bench_config``); a bad model stops at parse with the reason."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        config = bench_config(args)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.devices is not None:
+        args.dp, args.attn_tp = args.devices, 1
+    return args, config
+
+
 def main(argv) -> None:
     """Runs the benchmark and prints the tables (see the module docstring).
 
     Raises:
       ValueError: ``--env`` clashes with ``--link`` (``configure_environment``).
     """
-    parser = _parser()
-    args = parser.parse_args(argv)
-    try:
-        config = _config(args)
-    except ValueError as error:
-        parser.error(str(error))
+    args, config = parse(argv)
     directory = None if args.no_profile else args.profile or tempfile.mkdtemp(prefix="jtbo_tbo_")
     configure_environment(args, os.environ, directory)  # before anything starts the backend
-    if args.devices is not None:
-        args.dp, args.attn_tp = args.devices, 1
-    runners, auto = _runners(args, config)
+    runners, auto = bench_runners(args, config)
     args.moe_runner_backend = runners[
         0
     ].runner_config.parallel.moe.moe_runner_backend  # as resolved
     args.attention_backend = runners[0].runner_config.parallel.attention_backend
     print(_header(args) + "; " + _kv_bytes(config, args.dtype))
-    vocab = config.vocab_size
-    cases = [("prefill", n, _prefill_batches(n, args, vocab)) for n in args.prefill]
-    cases += [
-        ("decode", s, (_decode_batch(s, args.context, vocab),) * args.dp) for s in args.decode
-    ]
+    cases = bench_cases(args, config.vocab_size)
     step_times = _time_cases(runners, auto, cases, args)
     _print_limits(config, cases, step_times, args)
     if args.ep_routing_stats is not None:

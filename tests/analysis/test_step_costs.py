@@ -26,6 +26,25 @@ def test_check_names_a_bad_curve():
         step_costs.check(table)
 
 
+def test_runner_host_is_optional_and_checked():
+    table = copy.deepcopy(step_costs.load().table)
+    table.pop("runner_host", None)
+    bare = step_costs.StepCosts(table)
+    assert bare.step_host_ms("decode", True) == bare.host_ms  # the round trip stands for it
+    table["runner_host"] = dict(
+        prefill=dict(tokens=4096, plain_ms=1.5, tbo_ms=2.5),
+        decode=dict(tokens=128, plain_ms=1.25, tbo_ms=1.75),
+    )
+    step_costs.check(table)
+    runner = step_costs.StepCosts(table)
+    assert runner.step_host_ms("prefill", False) == 1.5
+    assert runner.step_host_ms("prefill", True) == 2.5
+    assert runner.step_host_ms("decode", True) == 1.75
+    table["runner_host"]["decode"]["tbo_ms"] = -1.0
+    with pytest.raises(ValueError, match="runner_host decode"):
+        step_costs.check(table)
+
+
 def test_interpolate_floor_inside_and_linear_above():
     xs, ys = [1.0, 100.0], [1.0, 10.0]
     assert step_costs.interpolate(xs, ys, 0.5) == 1.0

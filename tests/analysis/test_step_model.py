@@ -151,9 +151,9 @@ def test_host_time_is_an_input_added_once_per_step(mode):
     inputs = step_model.StepInputs(8, mode, 256, link)
     table = step_model.predict(SMALL, inputs, COSTS)
     given_host = step_model.predict(SMALL, dataclasses.replace(inputs, host_ms=2.0), COSTS)
-    for key in ("plain_ms", "tbo_ms"):
+    for key, tbo in (("plain_ms", False), ("tbo_ms", True)):
         extra = getattr(given_host, key) - getattr(table, key)
-        assert extra == pytest.approx(2.0 - COSTS.host_ms)
+        assert extra == pytest.approx(2.0 - COSTS.step_host_ms(mode, tbo))
     with pytest.raises(ValueError, match="host_ms"):
         step_model.StepInputs(8, mode, 256, link, host_ms=-1.0)
 

@@ -20,9 +20,9 @@ from jtbo.runner import kv_table
 
 def test_decode_context_has_its_own_slots_never_the_padding_slot():
     seqs, context = 5, 7
-    batch = tbo._decode_batch(seqs, context, vocab=64)
+    batch = tbo.decode_batch(seqs, context, vocab=64)
     table = np.zeros((seqs, context + 3), np.int32)
-    kv_table.record(table, tbo._decode_prefix(batch), num_slots=seqs * context + 1)
+    kv_table.record(table, tbo.decode_prefix(batch), num_slots=seqs * context + 1)
     kv_table.record(table, batch, num_slots=seqs * context + 1)
     want = np.arange(seqs)[:, None] * context + 1 + np.arange(context)[None, :]
     np.testing.assert_array_equal(table[:, :context], want)
@@ -311,12 +311,15 @@ def test_no_profile_sets_no_dump_and_prints_no_overlap_line(scratch_environment,
 
 def test_attention_kind_picks_the_preset_and_kv_bytes_per_token():
     parse = tbo._parser().parse_args
-    mla = tbo._config(parse([]))
+    mla = tbo.bench_config(parse([]))
     assert mla == config_lib.MoEConfig.deepseek_v3_reduced() and mla.attention_kind == "mla"
-    gqa = tbo._config(parse(["--attention-kind", "gqa"]))
+    gqa = tbo.bench_config(parse(["--attention-kind", "gqa"]))
     assert gqa == config_lib.MoEConfig.deepseek_v3_gqa_reduced()
-    assert tbo._config(parse(["--tiny"])) == config_lib.MoEConfig.tiny_mla()
-    assert tbo._config(parse(["--tiny", "--attention-kind", "gqa"])) == config_lib.MoEConfig.tiny()
+    assert tbo.bench_config(parse(["--tiny"])) == config_lib.MoEConfig.tiny_mla()
+    assert (
+        tbo.bench_config(parse(["--tiny", "--attention-kind", "gqa"]))
+        == config_lib.MoEConfig.tiny()
+    )
     # V3's latent: 512 + 64 values per token and layer; GQA: 2 x 8 heads x 128.
     assert tbo._kv_bytes(mla, "bfloat16").endswith(f"{4 * 576 * 2} bytes/token")
     assert tbo._kv_bytes(gqa, "bfloat16").endswith(f"{4 * 2 * 8 * 128 * 2} bytes/token")
@@ -329,18 +332,18 @@ def test_hf_config_takes_the_published_dimensions_cut_to_num_layers():
     parse = tbo._parser().parse_args
     path = HF_CONFIGS / "qwen3_30b_a3b.json"
     raw = json.loads(path.read_text())
-    config = tbo._config(parse(["--hf-config", str(path), "--num-layers", "3"]))
+    config = tbo.bench_config(parse(["--hf-config", str(path), "--num-layers", "3"]))
     assert config.num_layers == 3 and config.num_experts == raw["num_local_experts"] == 128
     assert config.moe_intermediate_size == raw["moe_intermediate_size"]
     assert config.hidden_size == raw["hidden_size"] and config.attention_kind == "gqa"
-    whole = tbo._config(parse(["--hf-config", str(path)]))
+    whole = tbo.bench_config(parse(["--hf-config", str(path)]))
     assert whole.num_layers == raw["num_hidden_layers"]
-    lite = tbo._config(
+    lite = tbo.bench_config(
         parse(["--hf-config", str(HF_CONFIGS / "deepseek_v2_lite.json"), "--num-layers", "2"])
     )
     assert lite.attention_kind == "mla" and lite.num_experts == 64 and lite.num_layers == 2
     fp8 = ["--hf-config", str(path), "--expert-dtype", "float8_e4m3fn"]
-    assert tbo._config(parse(fp8)).expert_dtype == "float8_e4m3fn"
+    assert tbo.bench_config(parse(fp8)).expert_dtype == "float8_e4m3fn"
 
 
 @pytest.mark.parametrize(
@@ -361,8 +364,8 @@ def test_hf_config_flags_that_do_not_fit_are_usage_errors(argv, message, capsys)
 
 def test_expert_dtype_gives_the_preset_fp8_experts():
     parse = tbo._parser().parse_args
-    fp8 = tbo._config(parse(["--tiny", "--expert-dtype", "float8_e4m3fn"]))
+    fp8 = tbo.bench_config(parse(["--tiny", "--expert-dtype", "float8_e4m3fn"]))
     assert fp8 == dataclasses.replace(config_lib.MoEConfig.tiny_mla(), expert_dtype="float8_e4m3fn")
-    assert tbo._config(parse(["--expert-dtype", "bfloat16"])).expert_dtype is None
+    assert tbo.bench_config(parse(["--expert-dtype", "bfloat16"])).expert_dtype is None
     with pytest.raises(ValueError, match="expert_dtype='bfloat16'"):
-        tbo._config(parse(["--expert-dtype", "bfloat16", "--dtype", "float32"]))
+        tbo.bench_config(parse(["--expert-dtype", "bfloat16", "--dtype", "float32"]))
