@@ -1,6 +1,7 @@
 """Probe: how fast can a Pallas (Triton) kernel read FP8 expert weights at decode sizes?
 
-``PYTHONPATH=. python tools/fp8_dot_probe.py [--experts 128] [--rows 16] [--hidden 2048] [--cols 1536]``
+``PYTHONPATH=. python tools/fp8_dot_probe.py [--experts 128] [--rows 16] [--hidden 2048]
+[--cols 1536]``
 
 One program per (expert, column tile) computes ``x[e] [rows, H] @ w[e] [H, cols tile]`` with
 a 128-wide contraction step, the shape of the grouped GEMM's gate / up kernel at decode

@@ -5,7 +5,8 @@
 # transformers), kernels (grouped GEMM, attention), presets (grouped GEMM at model shapes), fp8
 # (the FP8 kernels' GPU tests, the FP8 layer at decode sizes, the kernels alone at prefill
 # sizes), fp8-step (the device step with bf16, then FP8 experts), real-dims (device steps at
-# published models' dimensions).
+# published models' dimensions), host (the runner's host time per step: the step model's cost
+# table section runner_host).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -66,6 +67,13 @@ for group in "$@"; do
         LIMIT=280 bench "tbo-$model" 10 tbo --devices 1 --hf-config "tools/hf_configs/$model.json" \
           --num-layers 8 --prefill 4096 --decode 128 --iters 10 --no-profile
       done ;;
-    *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims)"; exit 2 ;;
+    host)  # the runner's host time per step into a copy of the shipped cost table
+      cp jtbo/analysis/step_costs_h200.json "$OUT/step_costs_h200.json"
+      echo "== python -m jtbo.bench predict --measure --sections runner_host"
+      timeout "${LIMIT:-240}" python3 -m jtbo.bench predict --measure --sections runner_host \
+        --out "$OUT/step_costs_h200.json" >"$OUT/runner-host.log" 2>&1
+      echo "(exit $?)"; grep "runner_host\|wrote" "$OUT/runner-host.log" ;;
+    *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host)"
+      exit 2 ;;
   esac
 done
