@@ -142,10 +142,15 @@ class Limit:
         """The limit's time: ``work`` at ``rate``."""
         return self.units / self.rate * 1e3
 
-    def describe(self, step_ms: float) -> str:
-        """``"19.31 TFLOP at 712 TFLOP/s (label) = 27.12 ms; step 42.25 ms = 1.56x"``."""
-        return (
+    def describe(self, step_ms: float, device_ms: float | None = None) -> str:
+        """``"19.31 TFLOP at 712 TFLOP/s (label) = 27.12 ms; step 42.25 ms = 1.56x"``, and with
+        ``device_ms`` (the devices' time per step, the host's hidden)
+        ``"...; device step 30.10 ms = 1.11x"``."""
+        line = (
             f"{self.units:.2f} {self.unit} at {self.rate:.0f} {self.unit}/s "
             f"({self.rate_label}) = {self.milliseconds:.2f} ms; step {step_ms:.2f} ms = "
             f"{step_ms / self.milliseconds:.2f}x"
         )
+        if device_ms is None:
+            return line
+        return f"{line}; device step {device_ms:.2f} ms = {device_ms / self.milliseconds:.2f}x"

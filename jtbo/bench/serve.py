@@ -23,10 +23,10 @@ compare like with like:
    robin, as ``generate`` splits them, each sequence at context ``L + T // 2`` (the middle of
    the decode phase), in the runner's own KV pool after the generate timings (``bench tbo``'s
    synthetic decode batch and context), planned as the runner plans it (with ``--tbo auto``
-   in the mode the runner chose for that shape). Its greedy token program is enqueued
-   ``DEVICE_ITERS`` times back to back (``ModelRunner.run_token_plan``; median of three such
-   runs): the devices' time per step, the host's hidden under it. The ratio decode-step wall
-   inside ``generate`` / that device step is what serving adds around the step. For
+   in the mode the runner chose for that shape). Its greedy token program is enqueued back
+   to back (``bench tbo``'s ``back_to_back_ms``: ``ModelRunner.run_token_plan``; median of
+   three runs): the devices' time per step, the host's hidden under it. The ratio
+   decode-step wall inside ``generate`` / that device step is what serving adds around the step. For
    comparison, the synchronous ``run_plan`` of the same plan (logits back, EP counts read
    before the next) is timed too, with its host part (inputs and dispatch).
 3. ``--peer transformers`` (needs ``torch`` and ``transformers``): the same checkpoint
@@ -564,20 +564,6 @@ class DeviceStep:
     host_ms: float  # of run_plan on the host before the devices run: inputs + dispatch
 
 
-def _back_to_back_ms(runner, plan) -> float:
-    """Milliseconds per step of ``runner.run_token_plan(plan)`` enqueued ``DEVICE_ITERS``
-    times back to back (median of three such runs, after a warm-up)."""
-    jax.block_until_ready(runner.run_token_plan(plan))
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(DEVICE_ITERS):
-            out = runner.run_token_plan(plan)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / DEVICE_ITERS * 1e3)
-    return statistics.median(times)
-
-
 def _device_step(runner, args) -> tuple[DeviceStep | None, str | None]:
     """The decode step in the middle of the decode phase, run alone, or ``(None, why not)``."""
     context = args.prompt_len + args.max_new_tokens // 2
@@ -587,7 +573,7 @@ def _device_step(runner, args) -> tuple[DeviceStep | None, str | None]:
     plan = _decode_plan(runner, batches)
     times, [(phases, _)] = tbo_bench.time_interleaved([(runner, plan)], DEVICE_ITERS)
     host = (phases.inputs + phases.dispatch) * 1e3
-    return DeviceStep(_back_to_back_ms(runner, plan), times[0] * 1e3, host), None
+    return DeviceStep(tbo_bench.back_to_back_ms(runner, plan), times[0] * 1e3, host), None
 
 
 def _tokens(results) -> np.ndarray:

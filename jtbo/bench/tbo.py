@@ -24,7 +24,9 @@ phases of the plain and TBO steps of each case (``ModelRunner.last_step_phases``
 inputs, the jitted call, the wait for the EP counts; ``jtbo.runner.step_phases``), then one
 line per case comparing the plain step with its physical limit (``jtbo.bench.limits``: useful FLOPs
 at a bf16 matmul rate for prefill, weight and KV bytes at the copy bandwidth for decode, both
-rates measured in the same run). ``--devices N`` runs
+rates measured in the same run), and, with ``--logits last``, the plain step's device time
+against the same limit: its greedy token program (``ModelRunner.run_token_plan``) enqueued back
+to back, the host's work hidden under the devices' (``back_to_back_ms``). ``--devices N`` runs
 DP attention over N devices (dp=N, EP over all of them: the multi-GPU measurement),
 and ``--barriers`` adds a column for TBO with round barriers (a second runner).
 ``--prefill-skew S`` gives every rank but rank 0 ``S`` times the case's prefill tokens (the
@@ -381,6 +383,25 @@ def time_interleaved(steps, iters: int) -> tuple[list[float], list[PhasesAndRest
     return medians, [_median_phases(*timed) for timed in zip(times, phases, strict=True)]
 
 
+DEVICE_ITERS = 10
+"""Steps enqueued back to back per timed run of ``back_to_back_ms``."""
+
+
+def back_to_back_ms(runner, plan) -> float:
+    """The devices' milliseconds per step: ``runner.run_token_plan(plan)`` enqueued
+    ``DEVICE_ITERS`` times back to back, the host's work hidden under the devices' (median of
+    three such runs, after a warm-up)."""
+    jax.block_until_ready(runner.run_token_plan(plan))
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(DEVICE_ITERS):
+            out = runner.run_token_plan(plan)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / DEVICE_ITERS * 1e3)
+    return statistics.median(times)
+
+
 def _median_phases(times: list[float], phases: list[step_phases.StepPhases]) -> PhasesAndRest:
     """``(StepPhases medians, median seconds of each step outside its phases)``."""
     rest = statistics.median(t - p.total for t, p in zip(times, phases, strict=True))
@@ -633,7 +654,7 @@ def _report_overlap(
         return
     rows = []
     for case, seconds in zip(cases, step_times, strict=True):
-        rows += _case_overlap(runner, case, seconds, directory, per_operation, logits)
+        rows += _case_overlap(runner, case, seconds[:2], directory, per_operation, logits)
     print(f"\nWhat was hidden (traces and HLO in {directory}):\n{overlap_table(rows)}")
 
 
@@ -753,7 +774,7 @@ def _print_limits(config: config_lib.MoEConfig, cases, step_times, args) -> None
     if "decode" in names:
         copy = device_rates.copy_gbs(1 << 30 if on_gpu else 1 << 20, iters=10, reps=3)
     itemsize = jnp.dtype(args.dtype).itemsize
-    for (name, size, batches), (plain, _) in zip(cases, step_times, strict=True):
+    for (name, size, batches), (plain, _, device) in zip(cases, step_times, strict=True):
         batch = batches[0]
         if name == "prefill":
             flops = limits.prefill_flops(config, [int(n) for n in batch.extend_seq_lens])
@@ -762,7 +783,7 @@ def _print_limits(config: config_lib.MoEConfig, cases, step_times, args) -> None
             context = int(np.sum(batch.seq_lens))
             traffic = limits.decode_bytes(config, context, args.dp * args.attn_tp, itemsize)
             limit = limits.Limit(traffic, "GB", *copy)
-        print(f"physical limit, {name} {size}: {limit.describe(plain * 1e3)}")
+        print(f"physical limit, {name} {size}: {limit.describe(plain * 1e3, device)}")
 
 
 def _header(args) -> str:
@@ -781,8 +802,10 @@ def _header(args) -> str:
     )
 
 
-def _time_cases(runners, auto, cases, args) -> list[tuple[float, float]]:
-    """Prints the timing table; returns each case's (plain, TBO) median seconds."""
+def _time_cases(runners, auto, cases, args) -> list[tuple[float, float, float | None]]:
+    """Prints the timing table; returns each case's (plain, TBO) median seconds and, where the
+    step computes the last rows' logits (``--logits last``), the plain step's device time in
+    milliseconds (``back_to_back_ms``; else None)."""
     extra = " TBO+barriers (ms) | ratio |" if args.barriers else ""
     print(
         "| case | tokens/rank | no TBO (ms) | TBO (ms) | TBO / no TBO |"
@@ -804,10 +827,12 @@ def _time_cases(runners, auto, cases, args) -> list[tuple[float, float]]:
         ]
         cells = "".join(f" {t * 1e3:.2f} | {t / plain:.3f} |" for t in tbo_times)
         guard = _guard_time(runners[0], batches, args.iters, args.logits)
+        plan_plain = case_plan(runners[0], batches, False, args.logits)
         print(f"| {name} {size} | {_tokens(batches)} | {plain * 1e3:.2f} |{cells}"
               f"{_auto_cells(auto_time, plain, tbo_times[0], decision)} {agreement} | "
               f"{guard * 1e3:.3f} |", flush=True)  # fmt: skip
-        step_times.append((plain, tbo_times[0]))
+        device = None if args.logits != "last" else back_to_back_ms(runners[0], plan_plain)
+        step_times.append((plain, tbo_times[0], device))
         rows, fill = _tbo_rows_and_fill(runners[0], batches, args.logits)
         child_rows.append(f"{name} {size}: {rows}")
         fills.append(f"{name} {size}: {fill}")

@@ -262,6 +262,7 @@ def test_tiny_run_prints_every_case_with_agreement(scratch_environment, capsys):
         line = out.split(f"physical limit, {case}: ")[1].splitlines()[0]
         assert line.startswith(work) and line.endswith("x"), line
         assert float(line.split("= ")[-1][:-1]) > 0, line
+        assert "; device step " in line, line  # the token program enqueued back to back
     assert not list(scratch_environment.glob("**/*.trace.json.gz"))  # no traces for nothing
     assert tbo.os.environ["NCCL_NVLS_ENABLE"] == "0"
 
