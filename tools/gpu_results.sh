@@ -12,6 +12,10 @@ set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+# One persistent compilation cache for every command of the call: a bench's runners (bench
+# tbo's plain / TBO runner and its "auto" runner) compile equal step programs, compiled once.
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jtbo-jax-cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
