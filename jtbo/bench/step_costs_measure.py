@@ -363,7 +363,7 @@ def measure(small: bool = False, on_section=None, only=None, into=None) -> dict:
 
     Raises:
       ValueError: ``only`` names an unknown section, or ``into`` was measured with the other
-        ``small``.
+        ``small`` or on another kind of device.
     """
     only = MEASURED if only is None else tuple(only)
     unknown = sorted(set(only) - set(MEASURED))
@@ -375,6 +375,9 @@ def measure(small: bool = False, on_section=None, only=None, into=None) -> dict:
     table.update(platform=jax.default_backend(), jax=jax.__version__, dtype="bfloat16")
     if into is not None and into.get("small", small) != small:
         raise ValueError(f"the table to update has small={into['small']}, not {small}")
+    if into is not None and into.get("device", device.device_kind) != device.device_kind:
+        raise ValueError(f"the table to update is of a {into['device']}, not this device's "
+                         f"{device.device_kind}")  # fmt: skip
     table.setdefault("date", _now())
     dates = dict(table.get("dates", {}))
     table["small"] = small

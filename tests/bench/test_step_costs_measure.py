@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import pytest
 
 from jtbo.analysis import step_costs
@@ -14,7 +15,8 @@ def test_measured_sections_are_the_tables():
 
 
 def test_sections_measure_the_runners_host_time_into_an_existing_table(tmp_path, capsys):
-    table = dict(step_costs.load().table, small=True)  # stands for a small table measured before
+    # stands for a small table measured before on this device
+    table = dict(step_costs.load().table, small=True, device=jax.devices()[0].device_kind)
     table.pop("runner_host", None)
     path = tmp_path / "table.json"
     path.write_text(json.dumps(table))
@@ -40,3 +42,5 @@ def test_sections_need_an_existing_table_and_known_names(tmp_path):
         predict.main(["--measure", "--out", missing, "--sections", "host"])
     with pytest.raises(ValueError, match="small=False"):
         step_costs_measure.measure(True, only=["host_ms"], into=dict(small=False))
+    with pytest.raises(ValueError, match="is of a NVIDIA H200"):
+        step_costs_measure.measure(True, only=["host_ms"], into=dict(device="NVIDIA H200"))
