@@ -660,9 +660,13 @@ class Step:
             return bound(params, kv_cache, per_rank_words, replicated_words, prev_tokens)
 
         # chex counts traces per name + source + call stack: a unique name gives every
-        # (Step, key) its own count, so the guard reads "this key traced once".
+        # (Step, key) its own count, so the guard reads "this key traced once". The jitted
+        # function is named plainly again: jit names the program after it, and one name for
+        # equal programs lets the persistent compilation cache serve every runner that
+        # compiles them.
         model_step.__name__ = f"model_step_{next(_STEP_IDS)}"
         guarded = chex.assert_max_traces(model_step, n=1)
+        guarded.__name__ = guarded.__qualname__ = "model_step"
         options = step_compiler_options(self._mesh, key.child_capacity)
         everywhere = _named(self._mesh, P())
         out_shardings = (  # the shard_map's out_specs on the mesh (_sharded_step)

@@ -1,10 +1,12 @@
 """The serving scenario of the multi-host test, run alike by one process and by several.
 
-Every process builds the same tiny model (fixed seed) on a ``(4, 2)`` mesh over all devices
-and the same host batches for all DP ranks; each passes only its own ranks' batches
-(``runner.local_dp_ranks``). Results are keyed by global DP rank, so the outputs of all
-processes together can be compared with a single-process run's.
+Every process builds the same tiny model (fixed seed, one dense and one MoE layer) on a
+``(4, 2)`` mesh over all devices and the same host batches for all DP ranks; each passes only
+its own ranks' batches (``runner.local_dp_ranks``). Results are keyed by global DP rank, so the
+outputs of all processes together can be compared with a single-process run's.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,9 @@ from tests.runner import helpers
 
 DP, ATTN_TP = 4, 2
 BUCKETS = (32,)  # one bucket: fewer compiles in each of the three processes
+# One dense and one MoE layer: every program of the scenario compiles fewer layers in each
+# process; what is checked (the processes together equal one) does not depend on the depth.
+CONFIG = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)
 NEW_TOKENS = 4
 # Per step, per DP rank: EXTEND new-token lengths per request, "decode", or None (idle).
 # Step 0: balanced split, a two-chunk prompt, an idle rank; step 1 extends the same requests
@@ -36,9 +41,9 @@ SCRIPT = (
 def make_runner(
     tbo: bool | str, buckets=BUCKETS, tbo_kwargs=None, **kwargs
 ) -> runner_lib.ModelRunner:
-    """A float32 runner of the tiny model (seed 0) on a (4, 2) mesh of all devices
+    """A float32 runner of ``CONFIG`` (seed 0) on a (4, 2) mesh of all devices
     (``tbo_kwargs``: further ``TboOptions`` fields; ``kwargs``: further runner keywords)."""
-    model = model_lib.MoEModel(config_lib.MoEConfig.tiny(), rngs=nnx.Rngs(0))
+    model = model_lib.MoEModel(CONFIG, rngs=nnx.Rngs(0))
     tbo = tbo_options.TboOptions(enable_two_batch_overlap=tbo, **(tbo_kwargs or {}))
     return runner_lib.ModelRunner(
         model, mesh_lib.make_mesh(DP, ATTN_TP), tbo=tbo,

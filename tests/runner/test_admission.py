@@ -6,6 +6,8 @@ a run whose pool holds every request at once, and the two oversized prompts are 
 their results while the others complete.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,6 +23,8 @@ NEW_TOKENS = 3
 SMALL = dict(max_total_tokens=24, max_running_requests=3, token_buckets=(16,))
 LARGE = dict(max_total_tokens=1024, max_running_requests=128, token_buckets=(16, 128))
 TOO_LONG = {17: 22, 45: 30}  # prompt index -> length: + NEW_TOKENS > 24 slots
+# One dense and one MoE layer: the queueing is what is checked, not the model's depth.
+CONFIG = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)
 
 
 def _prompts():
@@ -34,7 +38,7 @@ def _prompts():
 @pytest.fixture(scope="module")
 def outputs():
     """{"large": results, False: small-pool results, True: small-pool TBO results}."""
-    model = model_lib.MoEModel(config_lib.MoEConfig.tiny(), rngs=nnx.Rngs(2))
+    model = model_lib.MoEModel(CONFIG, rngs=nnx.Rngs(2))
     mesh = mesh_lib.make_mesh(2, 1)
     prompts, out = _prompts(), {}
     for key, tbo, pool in (("large", False, LARGE), (False, False, SMALL), (True, True, SMALL)):

@@ -1,5 +1,7 @@
 """Greedy generation: TBO and plain runners give identical tokens, equal to the reference's."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +15,9 @@ from jtbo.runner import runner as runner_lib
 from jtbo.runner import tbo_options
 
 NEW_TOKENS = 32
+# One dense and one MoE layer: the serving loop is what is checked, and every program it
+# compiles has fewer layers (tests/runner/test_runner.py covers the deeper TBO steps).
+CONFIG = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)
 
 
 def _reference_greedy(model, prompt, steps):
@@ -23,8 +28,7 @@ def _reference_greedy(model, prompt, steps):
 
 
 def test_generate_tbo_matches_plain_and_reference_and_rejects_bad_requests():
-    config = config_lib.MoEConfig.tiny()
-    model = model_lib.MoEModel(config, rngs=nnx.Rngs(3))
+    model = model_lib.MoEModel(CONFIG, rngs=nnx.Rngs(3))
     mesh = mesh_lib.make_mesh(4, 2)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 128, int(n)).tolist() for n in rng.integers(3, 12, 10)]
@@ -62,8 +66,7 @@ def test_mixed_chunk_steps_give_the_tokens_of_separate_prefill_and_decode_steps(
     # mixed_chunk their chunks share MIXED steps with those decodes (one DP rank, so a
     # "mixed" step is a MIXED batch). Tokens equal the separate steps' and the reference's,
     # with 0, 1 or 2 (``True``) steps in flight.
-    config = config_lib.MoEConfig.tiny()
-    model = model_lib.MoEModel(config, rngs=nnx.Rngs(7))
+    model = model_lib.MoEModel(CONFIG, rngs=nnx.Rngs(7))
     rng = np.random.default_rng(8)
     prompts = [rng.integers(0, 128, int(n)).tolist() for n in rng.integers(3, 14, 10)]
     runner = runner_lib.ModelRunner(

@@ -597,7 +597,7 @@ def test_params_from_shares_one_copy_of_the_device_parameters():
 def test_warmup_compiles_the_extend_programs_of_the_sequence_buckets_served():
     # Extend attention is sized by the step's sequence bucket (planning.seq_bucket): a batch
     # of 20 prompts needs the 32-sequence program, which warmup(seq_counts=...) compiles.
-    config = config_lib.MoEConfig.tiny()
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     make = lambda: runner_lib.ModelRunner(  # noqa: E731
         model, mesh_lib.make_mesh(8, 1), max_total_tokens=128, max_running_requests=32,
@@ -621,7 +621,8 @@ def test_warmup_compiles_every_child_capacity_of_a_tbo_bucket():
     # Bucket 64 has child capacities 32 (an even split) and 33 (the bound): warm-up compiles
     # both, an even and an uneven step then compile nothing, and the runner counts the
     # two TBO steps.
-    model = model_lib.MoEModel(config_lib.MoEConfig.tiny(), rngs=nnx.Rngs(0))
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     runner = runner_lib.ModelRunner(
         model, mesh_lib.make_mesh(8, 1), tbo=tbo_options.TboOptions(enable_two_batch_overlap=True),
         max_total_tokens=160, max_running_requests=4, token_buckets=(64,), dtype=jnp.float32,
@@ -638,7 +639,8 @@ def test_last_logits_are_each_sequence_last_row_of_all_logits(tbo):
     # forward(logits="last") runs the LM head on each sequence's last row only; an identical
     # runner's forward(logits="all") must hold the same values at those rows: an extend step
     # with an idle rank (rows 5 and 9 of rank 0), then a decode step.
-    runners = [_runners(2, 1, "ep")[2 if tbo else 1] for _ in range(2)]
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    runners = [_runners(2, 1, "ep", config)[2 if tbo else 1] for _ in range(2)]
     rng = np.random.default_rng(4)
     prompts = _prompts(rng, [6, 4])
     ranks = [[helpers.Rank(), helpers.Rank()] for _ in runners]
