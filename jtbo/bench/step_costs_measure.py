@@ -348,6 +348,30 @@ def _log(line: str) -> None:
     print(f"[measure {time.strftime('%H:%M:%S')}] {line}", flush=True)
 
 
+def _sections(grid: dict, small: bool) -> tuple:
+    """``(name, measure it)`` of every section, in ``MEASURED``'s order."""
+    return (
+        ("slowdown", slowdown),
+        ("host_ms", host_ms),
+        ("rowwise", lambda: rowwise(grid["rowwise_rows"], grid["hidden"])),
+        ("dense_gemm", lambda: dense_gemm(grid["dense_shapes"], grid["dense_rows"])),
+        (
+            "grouped_gemm",
+            lambda: grouped(
+                grid["expert_counts"], grid["rows_per_expert"], grid["hidden"], grid["ffn"]
+            ),
+        ),
+        (
+            "attention",
+            lambda: {
+                k: attention(k, **_small_attention_args(k, small), small=small)
+                for k in ("mla", "gqa")
+            },
+        ),
+        ("runner_host", lambda: runner_host(small)),
+    )
+
+
 def measure(small: bool = False, on_section=None, only=None, into=None) -> dict:
     """Measures the table's sections on the default device.
 
@@ -381,26 +405,7 @@ def measure(small: bool = False, on_section=None, only=None, into=None) -> dict:
     table.setdefault("date", _now())
     dates = dict(table.get("dates", {}))
     table["small"] = small
-    sections = (
-        ("slowdown", slowdown),
-        ("host_ms", host_ms),
-        ("rowwise", lambda: rowwise(grid["rowwise_rows"], grid["hidden"])),
-        ("dense_gemm", lambda: dense_gemm(grid["dense_shapes"], grid["dense_rows"])),
-        (
-            "grouped_gemm",
-            lambda: grouped(
-                grid["expert_counts"], grid["rows_per_expert"], grid["hidden"], grid["ffn"]
-            ),
-        ),
-        (
-            "attention",
-            lambda: {
-                k: attention(k, **_small_attention_args(k, small), small=small)
-                for k in ("mla", "gqa")
-            },
-        ),
-        ("runner_host", lambda: runner_host(small)),
-    )
+    sections = _sections(grid, small)
     for name, fn in sections:
         if name not in only:
             continue
