@@ -1,11 +1,18 @@
-"""Host batches for runner tests, and the unsharded reference logits they must match."""
+"""Host batches for runner tests, the unsharded reference logits they must match, and the
+two-layer tiny model most of them serve."""
+
+import dataclasses
 
 import numpy as np
 
 from jtbo import split
+from jtbo.models import config as config_lib
 from jtbo.models import reference
 
 EXTEND = split.ForwardMode.EXTEND
+TWO_LAYER_TINY = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)
+"""``MoEConfig.tiny`` cut to one dense and one MoE layer: for tests whose checks do not depend
+on the depth, each program they compile has fewer layers."""
 
 
 class Rank:

@@ -6,15 +6,12 @@ its own ranks' batches (``runner.local_dp_ranks``). Results are keyed by global 
 outputs of all processes together can be compared with a single-process run's.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jtbo.collectives import mesh as mesh_lib
-from jtbo.models import config as config_lib
 from jtbo.models import layer_ops
 from jtbo.models import model as model_lib
 from jtbo.runner import runner as runner_lib
@@ -25,7 +22,7 @@ DP, ATTN_TP = 4, 2
 BUCKETS = (32,)  # one bucket: fewer compiles in each of the three processes
 # One dense and one MoE layer: every program of the scenario compiles fewer layers in each
 # process; what is checked (the processes together equal one) does not depend on the depth.
-CONFIG = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)
+CONFIG = helpers.TWO_LAYER_TINY
 NEW_TOKENS = 4
 # Per step, per DP rank: EXTEND new-token lengths per request, "decode", or None (idle).
 # Step 0: balanced split, a two-chunk prompt, an idle rank; step 1 extends the same requests

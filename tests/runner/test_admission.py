@@ -6,25 +6,23 @@ a run whose pool holds every request at once, and the two oversized prompts are 
 their results while the others complete.
 """
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from jtbo.collectives import mesh as mesh_lib
-from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
 from jtbo.runner import admission, tbo_options
 from jtbo.runner import runner as runner_lib
+from tests.runner import helpers
 
 NEW_TOKENS = 3
 SMALL = dict(max_total_tokens=24, max_running_requests=3, token_buckets=(16,))
 LARGE = dict(max_total_tokens=1024, max_running_requests=128, token_buckets=(16, 128))
 TOO_LONG = {17: 22, 45: 30}  # prompt index -> length: + NEW_TOKENS > 24 slots
 # One dense and one MoE layer: the queueing is what is checked, not the model's depth.
-CONFIG = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)
+CONFIG = helpers.TWO_LAYER_TINY
 
 
 def _prompts():

@@ -1,23 +1,21 @@
 """Greedy generation: TBO and plain runners give identical tokens, equal to the reference's."""
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from jtbo.collectives import mesh as mesh_lib
-from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
 from jtbo.models import reference
 from jtbo.runner import runner as runner_lib
 from jtbo.runner import tbo_options
+from tests.runner import helpers
 
 NEW_TOKENS = 32
 # One dense and one MoE layer: the serving loop is what is checked, and every program it
 # compiles has fewer layers (tests/runner/test_runner.py covers the deeper TBO steps).
-CONFIG = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)
+CONFIG = helpers.TWO_LAYER_TINY
 
 
 def _reference_greedy(model, prompt, steps):

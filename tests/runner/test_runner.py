@@ -199,7 +199,7 @@ def test_pallas_experts_match_xla_end_to_end(dedup):
     # capacity einsum over the materialized slots (EP over 2 devices, 4 local experts, one
     # row per (token, expert) or per (token, device); tests/models/test_experts.py covers the
     # gathered-experts path's experts_capacity).
-    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    config = helpers.TWO_LAYER_TINY  # one MoE layer
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(3))
     dp = 2
     make = lambda impl: runner_lib.ModelRunner(  # noqa: E731
@@ -247,7 +247,7 @@ def test_pallas_attention_backend_matches_native_with_and_without_tbo():
 def test_dedup_exchange_with_and_without_tbo_matches_reference():
     # ep_dedup (one EP row per (token, destination device)) through the whole model, plain and
     # TBO; TBO at a capacity factor that overflows (the step re-runs with the next bucket).
-    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    config = helpers.TWO_LAYER_TINY  # one MoE layer
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     make = lambda tbo: runner_lib.ModelRunner(  # noqa: E731
         model, mesh_lib.make_mesh(4, 2), tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo),
@@ -280,7 +280,7 @@ def test_peer_copy_exchange_with_and_without_tbo_matches_reference(plain_exchang
     # The EP exchange by peer copies (jtbo.collectives.peer_copy; memcpy between the CPU
     # devices' buffers here) through the whole model, plain and TBO, against the unsharded
     # model; or XLA's all-to-all in plain steps and the peer copy in TBO steps.
-    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    config = helpers.TWO_LAYER_TINY  # one MoE layer
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     moe = layer_ops.MoEOptions(ep_exchange=plain_exchange, ep_exchange_tbo=tbo_exchange)
     make = lambda tbo: runner_lib.ModelRunner(  # noqa: E731
@@ -309,7 +309,7 @@ def test_routing_stats_round_trip_sizes_the_next_runners_capacities(tmp_path):
     # A runner records its steps' EP peak loads; a second runner given the saved file sizes
     # those dispatch sizes at headroom x peaks (below the factor rule here) and still matches
     # the unsharded model. A file of another EP layout is refused.
-    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    config = helpers.TWO_LAYER_TINY  # one MoE layer
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     moe = layer_ops.MoEOptions(ep_capacity_factor=4.0, ep_overflow_policy="rerun")
     make = lambda mesh, **kw: runner_lib.ModelRunner(  # noqa: E731
@@ -373,7 +373,7 @@ def test_skewed_ranks_sum_len_equals_max_len_and_reference():
     # Ranks of 14, 3, 1 and 0 tokens through the DP gather of the "none" backend (4 x 2
     # devices): SUM_LEN gathers a 20-row bucket of the 18 tokens where MAX_LEN gathers 4 x 16,
     # TBO off and on; "auto" picks SUM_LEN for them. Logits equal MAX_LEN's and the reference.
-    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    config = helpers.TWO_LAYER_TINY  # one MoE layer
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(2))
     mesh = mesh_lib.make_mesh(4, 2)
     make = lambda padding, tbo: runner_lib.ModelRunner(  # noqa: E731
@@ -564,7 +564,7 @@ def test_params_from_shares_one_copy_of_the_device_parameters():
     # A second runner of the same model, mesh, dtype and backend reads the first one's
     # parameters (the very same device arrays) and computes the same logits; anything that
     # would lay them out or value them differently is refused.
-    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)
+    config = helpers.TWO_LAYER_TINY
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     make = lambda **kw: runner_lib.ModelRunner(  # noqa: E731
         model, mesh_lib.make_mesh(4, 2), max_total_tokens=64, max_running_requests=4,
@@ -597,7 +597,7 @@ def test_params_from_shares_one_copy_of_the_device_parameters():
 def test_warmup_compiles_the_extend_programs_of_the_sequence_buckets_served():
     # Extend attention is sized by the step's sequence bucket (planning.seq_bucket): a batch
     # of 20 prompts needs the 32-sequence program, which warmup(seq_counts=...) compiles.
-    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    config = helpers.TWO_LAYER_TINY  # one MoE layer
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     make = lambda: runner_lib.ModelRunner(  # noqa: E731
         model, mesh_lib.make_mesh(8, 1), max_total_tokens=128, max_running_requests=32,
@@ -621,7 +621,7 @@ def test_warmup_compiles_every_child_capacity_of_a_tbo_bucket():
     # Bucket 64 has child capacities 32 (an even split) and 33 (the bound): warm-up compiles
     # both, an even and an uneven step then compile nothing, and the runner counts the
     # two TBO steps.
-    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    config = helpers.TWO_LAYER_TINY  # one MoE layer
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     runner = runner_lib.ModelRunner(
         model, mesh_lib.make_mesh(8, 1), tbo=tbo_options.TboOptions(enable_two_batch_overlap=True),
@@ -639,7 +639,7 @@ def test_last_logits_are_each_sequence_last_row_of_all_logits(tbo):
     # forward(logits="last") runs the LM head on each sequence's last row only; an identical
     # runner's forward(logits="all") must hold the same values at those rows: an extend step
     # with an idle rank (rows 5 and 9 of rank 0), then a decode step.
-    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+    config = helpers.TWO_LAYER_TINY  # one MoE layer
     runners = [_runners(2, 1, "ep", config)[2 if tbo else 1] for _ in range(2)]
     rng = np.random.default_rng(4)
     prompts = _prompts(rng, [6, 4])

@@ -4,7 +4,6 @@ Timings are injected (``tbo_timer``), so every decision is deterministic on the 
 still runs each program, so compiles and KV writes are those of a real auto runner.
 """
 
-import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -15,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jtbo.collectives import mesh as mesh_lib
-from jtbo.models import config as config_lib
 from jtbo.models import model as model_lib
 from jtbo.runner import runner as runner_lib
 from jtbo.runner import tbo_auto, tbo_options, tbo_plan_file
@@ -46,7 +44,7 @@ def _never_called(shape, use_tbo, run):
 def model():
     # One dense and one MoE layer: the decisions and the exactness of trial runs do not
     # depend on the depth, and each of the programs compiled has fewer layers.
-    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)
+    config = helpers.TWO_LAYER_TINY
     return model_lib.MoEModel(config, rngs=nnx.Rngs(0))
 
 

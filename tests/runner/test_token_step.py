@@ -2,8 +2,6 @@
 device page table against a host reference, tokens against the unsharded model, EP re-runs and
 the numerics guard one step late, and a decode step's host traffic independent of the pool."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,14 +12,13 @@ from hypothesis import strategies as st
 
 from jtbo import split
 from jtbo.collectives import mesh as mesh_lib
-from jtbo.models import config as config_lib
 from jtbo.models import layer_ops
 from jtbo.models import model as model_lib
 from jtbo.runner import kv_table, numerics, token_step
 from jtbo.runner import runner as runner_lib
 from tests.runner import helpers
 
-CONFIG = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)  # one MoE layer
+CONFIG = helpers.TWO_LAYER_TINY  # one MoE layer
 ROWS = 4
 
 
