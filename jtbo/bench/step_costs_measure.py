@@ -266,9 +266,12 @@ MEASURED = (
 """The sections ``measure`` takes, in the order it measures them."""
 RUNNER_HOST_FLAGS = ("--devices", "1", "--attention-kind", "gqa", "--prefill", "4096",
                      "--decode", "128", "--no-profile")  # fmt: skip
+"""``bench tbo``'s flags of the runner and cases ``runner_host`` times."""
 RUNNER_HOST_SMALL = ("--devices", "1", "--tiny", "--attention-kind", "gqa", "--prefill", "64",
                      "--decode", "8", "--context", "16", "--no-profile")  # fmt: skip
+"""The same with ``small``: the tiny model and cases, for a CPU run of the code."""
 RUNNER_HOST_ITERS = 10
+"""Timed steps of each of ``runner_host``'s plain and TBO steps (two with ``small``)."""
 
 
 def runner_host(small: bool = False, iters: int = RUNNER_HOST_ITERS) -> dict:

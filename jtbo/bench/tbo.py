@@ -333,6 +333,8 @@ def _prefill_batch(tokens: int, prompt_len: int, vocab: int) -> split.ForwardBat
 
 
 def decode_batch(seqs: int, context: int, vocab: int) -> split.ForwardBatch:
+    """A decode case: ``seqs`` sequences each at position ``context - 1``, sequence ``i``'s
+    new row in slot ``i * context + context`` (its cached context: ``decode_prefix``)."""
     rows = np.arange(seqs)
     return split.ForwardBatch(
         forward_mode=ForwardMode.DECODE, batch_size=seqs, input_ids=rows % vocab,
