@@ -205,15 +205,26 @@ def step_module(kernels: list[Kernel]) -> str:
 def hlo_dump_of(dump_dir: str, module: str) -> str:
     """The optimized HLO text of ``module`` in an ``--xla_dump_to`` folder.
 
+    A program compiled once and loaded again from the persistent compilation cache is dumped
+    twice under one name; such dumps differ in metadata only (their fusions and op names are
+    the same), and the first is returned.
+
     Raises:
-      ValueError: none, or more than one, dump of that module.
+      ValueError: no dump of that module, or dumps of different programs under its name.
     """
     pattern = re.compile(rf"module_\d+\.{re.escape(module)}\.\S*after_optimizations\.txt$")
     matches = [name for name in sorted(os.listdir(dump_dir)) if pattern.search(name)]
-    if len(matches) != 1:
-        raise ValueError(f"{len(matches)} optimized-HLO dumps of {module} in {dump_dir}")
-    with open(os.path.join(dump_dir, matches[0])) as file:
-        return file.read()
+    texts = []
+    for name in matches:
+        with open(os.path.join(dump_dir, name)) as file:
+            texts.append(file.read())
+    programs = {tuple(sorted(hlo_op_names(text)[0].items())) for text in texts}
+    if len(programs) != 1:
+        raise ValueError(
+            f"{len(matches)} optimized-HLO dumps of {len(programs)} programs named {module} "
+            f"in {dump_dir}"
+        )
+    return texts[0]
 
 
 def step_summary(trace_path: str, dump_dir: str, steps: int) -> tuple[dict[str, float], list[str]]:

@@ -613,6 +613,19 @@ class StepKey:
 _STEP_IDS = itertools.count()
 
 
+def program_name(key: StepKey) -> str:
+    """The jitted step's name for ``key`` (jit names the program ``jit_<name>``).
+
+    ``model_step_<capacity>``, then ``_tbo<child_capacity>_<mode>`` for a TBO step (the mode
+    of its operation strategy; a plain step has one) and ``_tokens`` for a step that samples
+    on the devices: the same for equal keys of any runner.
+    """
+    name = f"model_step_{key.capacity}"
+    if key.child_capacity is not None:
+        name += f"_tbo{key.child_capacity}_{key.mode.name.lower()}"
+    return name + ("_tokens" if key.sampler is not None else "")
+
+
 class Step:
     """The model step, one jitted program per ``StepKey``, each traced at most once.
 
@@ -661,12 +674,13 @@ class Step:
 
         # chex counts traces per name + source + call stack: a unique name gives every
         # (Step, key) its own count, so the guard reads "this key traced once". The jitted
-        # function is named plainly again: jit names the program after it, and one name for
-        # equal programs lets the persistent compilation cache serve every runner that
-        # compiles them.
+        # function is then named after its key (program_name): jit names the program after
+        # it, so equal programs of different runners share a name (the persistent
+        # compilation cache serves them all) and a runner's programs of different modes,
+        # buckets or TBO have their own (a profile's module names its program's HLO dump).
         model_step.__name__ = f"model_step_{next(_STEP_IDS)}"
         guarded = chex.assert_max_traces(model_step, n=1)
-        guarded.__name__ = guarded.__qualname__ = "model_step"
+        guarded.__name__ = guarded.__qualname__ = program_name(key)
         options = step_compiler_options(self._mesh, key.child_capacity)
         everywhere = _named(self._mesh, P())
         out_shardings = (  # the shard_map's out_specs on the mesh (_sharded_step)

@@ -94,8 +94,21 @@ def test_main_reads_traces_and_the_dump_folder(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| experts | 0.0 | 20.0 | +20.0 |" in out
     assert "| **all kernels** | 10.0 | 45.0 | +35.0 |" in out
-    with pytest.raises(ValueError, match="0 optimized-HLO dumps of jit_other"):
+    with pytest.raises(ValueError, match="0 optimized-HLO dumps of 0 programs named jit_other"):
         kernel_time.hlo_dump_of(str(dump), "jit_other")
+
+
+def test_hlo_dump_of_takes_one_program_dumped_twice_and_refuses_two(tmp_path):
+    # A program loaded from the persistent cache is dumped again under its name, with other
+    # metadata; another program of the same name is a different set of fusions.
+    (tmp_path / "module_0007.jit_model_step_1.sm_9.0a_gpu_after_optimizations.txt").write_text(HLO)
+    cached = HLO.replace("is_scheduled=true", "is_scheduled=true, loaded=1")
+    (tmp_path / "module_0009.jit_model_step_1.after_optimizations.txt").write_text(cached)
+    assert kernel_time.hlo_dump_of(str(tmp_path), "jit_model_step_1") == HLO
+    other = HLO.replace("experts", "router")
+    (tmp_path / "module_0011.jit_model_step_1.after_optimizations.txt").write_text(other)
+    with pytest.raises(ValueError, match="3 optimized-HLO dumps of 2 programs"):
+        kernel_time.hlo_dump_of(str(tmp_path), "jit_model_step_1")
     with pytest.raises(ValueError, match="no GPU kernels"):
         kernel_time.step_module([])
 

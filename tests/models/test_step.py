@@ -433,3 +433,18 @@ def test_tbo_steps_run_moe_runner_backend_tbo_and_plain_steps_moe_runner_backend
     assert (backend(fixed_parallel, None), backend(fixed_parallel, 8)) == ("pallas", "xla")
     with pytest.raises(ValueError, match="moe_runner_backend_tbo='cutlass'"):
         layer_ops.MoEOptions(moe_runner_backend_tbo="cutlass")
+
+
+def test_program_name_follows_the_key():
+    # Equal keys share a name (one persistent-cache entry for every runner); a runner's
+    # programs of other buckets, TBO strategies or sampling each have their own.
+    def key(capacity=128, child=None, mode=ForwardMode.EXTEND, sampler=None):
+        return step.StepKey(capacity, None, mode, child, None, sampler)
+
+    keys = (key(), key(64), key(child=64), key(child=64, mode=ForwardMode.DECODE),
+            key(sampler=object()))  # fmt: skip
+    names = [step.program_name(k) for k in keys]
+    assert names[0] == step.program_name(key()) == "model_step_128"
+    assert names[3] == "model_step_128_tbo64_decode"
+    assert names[4] == "model_step_128_tokens"
+    assert len(set(names)) == len(names)
