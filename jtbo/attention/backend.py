@@ -160,7 +160,8 @@ class PallasAttnBackend(NativeAttnBackend):
 
     Attributes:
       capacity: the static sizes of the metadata this backend builds and consumes.
-      config: the paged kernel's launch shape.
+      config: the paged kernel's launch shape, or None for the pool's default
+        (``paged.DEFAULT_CONFIG``; ``paged.LATENT_CONFIG`` over an MLA latent pool).
       extend_config: the extend kernel's launch shape.
       scaling: score scale, or None for ``head_dim ** -0.5``.
       impl: the kernels' impl (class attribute): ``"pallas"``.
@@ -171,7 +172,7 @@ class PallasAttnBackend(NativeAttnBackend):
     def __init__(
         self,
         capacity: metadata_lib.AttentionCapacity,
-        config: paged.PagedAttentionConfig = paged.DEFAULT_CONFIG,
+        config: paged.PagedAttentionConfig | None = None,
         scaling: float | None = None,
         extend_config: extend.ExtendAttentionConfig = extend.DEFAULT_CONFIG,
     ):
@@ -179,7 +180,8 @@ class PallasAttnBackend(NativeAttnBackend):
 
         Args:
           capacity: static sizes (one compile per distinct value).
-          config: the paged kernel's launch shape.
+          config: the paged kernel's launch shape; None: ``paged.DEFAULT_CONFIG`` over K/V
+            head pools and ``paged.LATENT_CONFIG`` over an MLA latent pool.
           scaling: score scale; None means ``head_dim ** -0.5``.
           extend_config: the extend kernel's launch shape.
         """
@@ -216,7 +218,7 @@ class PallasAttnBackend(NativeAttnBackend):
             )  # fmt: skip
         return paged.forward(
             q, k, v, layer_id, metadata, kv_cache, scaling=self.scaling, impl=self.impl,
-            config=self.config,
+            config=self.config or paged.DEFAULT_CONFIG,
         )  # fmt: skip
 
     def _mla_impl(self) -> dict:
@@ -224,7 +226,7 @@ class PallasAttnBackend(NativeAttnBackend):
         absorbed form); extend metadata in the decompressed form through the kernel over the
         step's up-projected rows when no sequence has a prefix, else through the native
         attention at its defaults (the kernel has no decompressing form)."""
-        return dict(impl=self.impl, kernel_config=self.config)
+        return dict(impl=self.impl, kernel_config=self.config or paged.LATENT_CONFIG)
 
 
 class TritonAttnBackend(PallasAttnBackend):

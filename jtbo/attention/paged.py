@@ -103,7 +103,15 @@ class PagedAttentionConfig:
 
 
 DEFAULT_CONFIG = PagedAttentionConfig()
-"""The kernel knobs used when none are given."""
+"""The kernel knobs used when none are given (over K/V head pools)."""
+
+# Over an MLA latent pool every query head shares the one latent KV head, so a decode batch
+# makes one program per sequence: DEFAULT_CONFIG's min_programs would cut a batch of 128
+# sequences' contexts into 4 splits, whose float32 partial rows XLA then merges outside the
+# kernel. On an H200 that merge cost more than the extra programs won; one split stores its
+# rows in place (docs/benchmarks/, "MLA decode launch").
+LATENT_CONFIG = PagedAttentionConfig(min_programs=128, num_stages=3)
+"""The kernel knobs used over an MLA latent pool (``value_width``) when none are given."""
 
 
 @dataclasses.dataclass(frozen=True)

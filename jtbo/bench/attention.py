@@ -53,6 +53,7 @@ import numpy as np
 from jtbo import attention
 from jtbo.attention import backend as backend_lib
 from jtbo.attention import kv_cache as kv_cache_lib
+from jtbo.attention import paged
 from jtbo.bench import device_rates, kernel_time, limits, options
 from jtbo.core import cli_arguments
 
@@ -122,6 +123,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--cases: {name!r} is not one of {CASES}")
     for name in args.backends:
         backend_lib.backend_class(name)  # ValueError naming the backend
+    _fill_paged_defaults(args)
     if args.small:
         _shrink(args)
     try:  # after --small's knobs: the ones that run
@@ -135,12 +137,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def _add_knob_arguments(parser: argparse.ArgumentParser) -> None:
-    """One comma-list flag per launch-shape knob of the paged and the extend kernel."""
-    defaults = attention.PagedAttentionConfig()
+    """One comma-list flag per launch-shape knob of the paged and the extend kernel (the
+    paged kernel's defaults depend on ``--mla``: ``_fill_paged_defaults``)."""
     for name in KNOBS:
         parser.add_argument(
-            f"--{name.replace('_', '-')}", type=_int_list, default=[getattr(defaults, name)],
-            help=f"pallas, triton: PagedAttentionConfig.{name} (a comma list sweeps it)",
+            f"--{name.replace('_', '-')}", type=_int_list, default=None,
+            help=f"pallas, triton: PagedAttentionConfig.{name} (a comma list sweeps it; "
+            "default: paged.DEFAULT_CONFIG's, with --mla paged.LATENT_CONFIG's)",
         )  # fmt: skip
     extend_defaults = attention.ExtendAttentionConfig()
     for name in EXTEND_KNOBS:
@@ -150,6 +153,15 @@ def _add_knob_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"pallas, triton, extend case: ExtendAttentionConfig.{name} (a comma list "
             "sweeps it)",
         )  # fmt: skip
+
+
+def _fill_paged_defaults(args: argparse.Namespace) -> None:
+    """The paged kernel's knobs left unset take the backend's default for the pool: MLA's
+    latent pool runs ``paged.LATENT_CONFIG``, K/V head pools ``paged.DEFAULT_CONFIG``."""
+    defaults = paged.LATENT_CONFIG if args.mla else paged.DEFAULT_CONFIG
+    for name in KNOBS:
+        if getattr(args, name) is None:
+            setattr(args, name, [getattr(defaults, name)])
 
 
 def _shrink(args: argparse.Namespace) -> None:
@@ -389,7 +401,10 @@ def _kernel_times(step, step_args, iters: int) -> dict:
     others = sum(k.microseconds for k in kernels if not k.name.startswith("jtbo_"))
     if not ours:  # the native backend: XLA's kernels only
         return times
-    return times | dict(kernel_ms=ours / iters / 1e3, other_kernel_ms=others / iters / 1e3)
+    largest = kernel_time.largest_compute_kernels(kernels, iters, top=6)
+    return times | dict(
+        kernel_ms=ours / iters / 1e3, other_kernel_ms=others / iters / 1e3, largest=largest
+    )
 
 
 def _uses_extend_kernel(args, case) -> bool:
@@ -475,6 +490,8 @@ def main(argv: list[str]) -> None:
                 diff = jnp.abs(out.astype(jnp.float32) - first[1].astype(jnp.float32)).max()
                 result[f"max_abs_diff_vs_{first[0]}"] = float(diff)
             print(_line(result, ceiling))
+            if result.get("largest"):
+                print(f"  {result['largest']}")
             print(json.dumps(result))
             if not result["finite"]:
                 raise SystemExit(f"{name} {backend_name}: non-finite attention output")

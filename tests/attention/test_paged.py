@@ -280,6 +280,20 @@ def test_one_split_reads_queries_and_stores_rows_in_place_on_an_h200():
     assert not re.search(r" (gather|scatter|broadcast|reduce|transpose)\(", hlo)
 
 
+def test_latent_pool_launches_one_split_per_sequence_where_heads_pools_split():
+    # One latent KV head makes one program per decode sequence: DEFAULT_CONFIG would split a
+    # batch of 128 contexts 4 ways into partial rows; LATENT_CONFIG stores the rows in place.
+    capacity = metadata.decode_capacity(128, 1024)
+    rank, rope = 512, 64
+    default = paged._launch(paged.DEFAULT_CONFIG, capacity, 1, 16, rank + rope, rank)
+    latent = paged._launch(paged.LATENT_CONFIG, capacity, 1, 16, rank + rope, rank)
+    assert (default.splits, default.stores_rows) == (4, False)
+    assert (latent.splits, latent.stores_rows) == (1, True)
+    # A small batch still splits to fill the GPU.
+    assert paged._launch(paged.LATENT_CONFIG, metadata.decode_capacity(16, 1024), 1, 16,
+                         rank + rope, rank).splits == 4  # fmt: skip
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="compiles for an H200 on the CPU")
 def test_lowers_for_an_h200_with_mla_decompressed_widths():
     # MLA's decompressed keys are 128 + 64 columns wide, its values 128: the key is loaded
