@@ -77,12 +77,17 @@ class MLAttention(nnx.Module):
         else:
             q_a = self.q_a_norm(jnp.dot(x, self.wq_a[...]))
             q = jnp.einsum("tr,rnd->tnd", q_a, self.wq_b[...])
-        q_pe = rope.apply_scaled_rope(q[..., self.nope :], positions, self.rope)
         kv = jnp.dot(x, self.wkv_a[...])  # [T, rank + rope]
+        q_pe = rope.apply_scaled_rope(q[..., self.nope :], positions, self.rope)
         rank = self.kv_a_norm.weight.shape[0]
         k_pe = rope.apply_scaled_rope(kv[:, None, rank:], positions, self.rope)[:, 0]
         latent = jnp.concatenate([self.kv_a_norm(kv[:, :rank]), k_pe], axis=-1)
-        return q[..., : self.nope], q_pe, latent
+        # At decode sizes XLA splits these projections' contraction and fuses the partial
+        # sums' reduction into their consumers; fused into the absorbed attention's
+        # transposing concatenation of the latent query it ran several times slower than the
+        # reduction alone (docs/benchmarks/, "MLA decode launch"). The barrier has the
+        # attention's inputs written once, before it reads them.
+        return jax.lax.optimization_barrier((q[..., : self.nope], q_pe, latent))
 
     def attend(self, backend, qkv, layer_id, metadata, kv_cache):
         """Paged MLA of ``qkv`` through ``backend.forward_mla``; returns ``(out, kv_cache)``."""
