@@ -164,10 +164,18 @@ def attribute(kernels: list[Kernel], hlo_text: str, steps: int) -> dict[str, flo
 
 def _attribute_one(kernels: list[Kernel], hlo_text: str, steps: int) -> dict[str, float]:
     """``attribute`` for the kernels of one GPU (cuBLAS calls are matched in its order)."""
+    totals = collections.defaultdict(float)
+    for kernel, key in zip(kernels, _operations_of(kernels, hlo_text, steps), strict=True):
+        totals[key] += kernel.microseconds / steps
+    return dict(totals)
+
+
+def _operations_of(kernels: list[Kernel], hlo_text: str, steps: int) -> list[str]:
+    """The operation of each of one GPU's kernels, in their order (see ``attribute``)."""
     by_name, cublas = hlo_op_names(hlo_text)
     blas = [k for k in kernels if k.name.startswith(CUBLAS_PREFIXES)]
     matched = bool(cublas) and len(blas) == steps * len(cublas)
-    totals, blas_index = collections.defaultdict(float), 0
+    keys, blas_index = [], 0
     for kernel in kernels:
         if kernel.name.startswith(CUBLAS_PREFIXES):
             key = "cuBLAS (unmatched)"
@@ -176,8 +184,33 @@ def _attribute_one(kernels: list[Kernel], hlo_text: str, steps: int) -> dict[str
                 blas_index += 1
         else:
             key = operation(by_name.get(kernel.name, ""), kernel.name)
-        totals[key] += kernel.microseconds / steps
-    return dict(totals)
+        keys.append(key)
+    return keys
+
+
+def largest_kernels_table(kernels: list[Kernel], hlo_text: str, steps: int, top: int = 15) -> str:
+    """Markdown table of the kernels with the most time per step on one GPU, with their
+    operation: what an operation's line of ``attribute`` is made of.
+
+    Args:
+      kernels: one module's kernel executions over ``steps`` steps (``gpu_kernels``).
+      hlo_text: that module's optimized HLO.
+      steps: how many steps the trace holds.
+      top: rows listed.
+
+    Returns:
+      ``| operation | kernel | us per step | launches per step |`` rows, largest first (the
+      first GPU of the trace).
+    """
+    first = [kernel for kernel in kernels if kernel.device == kernels[0].device] if kernels else []
+    totals, counts = collections.Counter(), collections.Counter()
+    for kernel, key in zip(first, _operations_of(first, hlo_text, steps), strict=True):
+        totals[(key, kernel.name)] += kernel.microseconds / steps
+        counts[(key, kernel.name)] += 1
+    lines = ["| operation | kernel | us per step | launches per step |", "|---|---|---|---|"]
+    for (key, name), micros in totals.most_common(top):
+        lines.append(f"| {key} | {name} | {micros:.1f} | {counts[(key, name)] / steps:g} |")
+    return "\n".join(lines)
 
 
 def compare_table(plain: dict[str, float], tbo: dict[str, float], top: int = 25) -> str:

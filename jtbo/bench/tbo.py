@@ -614,6 +614,20 @@ def _step_trace(trace_path: str, dump_dir: str) -> StepTrace:
     return StepTrace(mine, kernel_time.hlo_dump_of(dump_dir, module))
 
 
+def _print_per_operation(case: str, traces: list[StepTrace]) -> None:
+    """A case's kernel time per operation, plain against TBO, then each column's largest
+    kernels with their operation."""
+    plain, tbo = (kernel_time.attribute(list(t.kernels), t.hlo_text, PROFILE_STEPS) for t in traces)
+    print(f"\n{case}: GPU kernel time per step by operation")
+    print(kernel_time.compare_table(plain, tbo))
+    for column, trace in zip(COLUMNS, traces, strict=True):
+        print(f"\n{case}, {column}: the largest kernels per step and their operation")
+        table = kernel_time.largest_kernels_table(
+            list(trace.kernels), trace.hlo_text, PROFILE_STEPS
+        )
+        print(table)
+
+
 def _case_overlap(
     runner, case, seconds, directory: str, per_operation: bool, logits: str
 ) -> list[OverlapRow]:
@@ -625,11 +639,7 @@ def _case_overlap(
         for path in _trace_case(runner, batches, directory, f"{name}_{size}", logits)
     ]
     if per_operation:
-        plain, tbo = (
-            kernel_time.attribute(list(t.kernels), t.hlo_text, PROFILE_STEPS) for t in traces
-        )
-        print(f"\n{name} {size}: GPU kernel time per step by operation")
-        print(kernel_time.compare_table(plain, tbo))
+        _print_per_operation(f"{name} {size}", traces)
     return [
         overlap_row(
             f"{name} {size}",

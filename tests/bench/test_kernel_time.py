@@ -66,6 +66,19 @@ def test_attribution_by_fusion_name_cublas_order_and_family():
     }
 
 
+def test_largest_kernels_table_lists_kernels_with_their_operation_and_launches():
+    kernels = kernel_time.gpu_kernels(_trace(STEP * 2))
+    rows = kernel_time.largest_kernels_table(kernels, HLO, steps=2, top=3).splitlines()
+    assert rows[2:] == [
+        "| experts | nvjet_sm90_tss_128x64 | 20.0 | 1 |",
+        "| attn_prepare | gemm_fusion_dot_3 | 10.0 | 1 |",
+        "| logits | sm90_xmma_gemm_bf16 | 6.0 | 1 |",
+    ]
+    # The loop body's two launches of one fusion make one row of their sum.
+    full = kernel_time.largest_kernels_table(kernels, HLO, steps=2, top=10)
+    assert "| attn_core (loop) | loop_add_fusion_2 | 4.0 | 2 |" in full
+
+
 def test_cublas_kernels_that_do_not_fit_the_order_are_unmatched():
     kernels = kernel_time.gpu_kernels(_trace(STEP + [("nvjet_extra", 3.0)]))
     got = kernel_time.attribute(kernels, HLO, steps=1)

@@ -189,6 +189,12 @@ def test_gpu_overlap_report_joins_traces_dumps_and_timings(tmp_path, monkeypatch
     tbo._report_overlap(None, cases, [(2e-4, 3e-4)], str(tmp_path), True, True, "last")
     out = capsys.readouterr().out
     assert "| experts | 40.0 | 40.0 | +0.0 |" in out  # --profile DIR: per operation too
+    for column in ("no TBO", "TBO"):  # and each column's largest kernels
+        largest = out.split(f"decode 8, {column}: the largest kernels")[1]
+        assert largest.splitlines()[3:5] == [
+            "| ncclDevKernel_AllToAll | ncclDevKernel_AllToAll | 100.0 | 1 |",
+            "| experts | gemm_fusion_dot_1 | 40.0 | 1 |",
+        ]
     rate = 32 * 64 * 2 / 100.0 / 1e3  # one all-to-all per step over 100 us of NCCL
     for column, share, step_ms in zip(("no TBO", "TBO"), under, (0.2, 0.3), strict=True):
         want = (f"| decode 8 | {column} | {share:.3f} | 0.04 | 0.10 | {step_ms / 0.1:.3f} "
