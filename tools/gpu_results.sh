@@ -6,7 +6,8 @@
 # (the FP8 kernels' GPU tests, the FP8 layer at decode sizes, the kernels alone at prefill
 # sizes), fp8-step (the device step with bf16, then FP8 experts), real-dims (device steps at
 # published models' dimensions), host (the runner's host time per step: the step model's cost
-# table section runner_host).
+# table section runner_host), mla (the paged kernel's launch over an MLA latent pool),
+# fp8-tiles (the Pallas FP8 layer's tiles at decode sizes).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -72,13 +73,25 @@ for group in "$@"; do
         LIMIT=${LIMIT:-500} bench "tbo-$model" 10 tbo --devices 1 \
           --hf-config "tools/hf_configs/$model.json" --num-layers 8 --prefill 4096 --decode 128 --iters 10 --no-profile
       done ;;
+    mla)  # the paged kernel over an MLA latent pool (DeepSeek-V2-Lite's 16 heads): launch
+      # shapes at a TBO micro-batch's 64 sequences and a plain step's 128
+      for seqs in 64 128; do
+        bench "mla-$seqs" 24 attention --mla --q-heads 16 --cases decode --decode-seqs "$seqs" \
+          --decode-context 1024 --backends pallas --min-programs 64,128,512 --num-stages 2,3 \
+          --kernel-time --iters 20
+      done ;;
+    fp8-tiles)  # the Pallas FP8 layer's tiles at decode sizes (Qwen3-30B-A3B's expert shape)
+      LIMIT=240 bench fp8-tiles 30 grouped_gemm --preset qwen3-30b-a3b \
+        --expert-dtype float8_e4m3fn --tokens 64,128,256,512 --impls \
+        pallas,pallas:16x128x512w4s3,pallas:16x128x256w4s4,pallas:32x128x256w4s3 --iters 5 --reps 5 ;;
     host)  # the runner's host time per step into a copy of the shipped cost table
       cp jtbo/analysis/step_costs_h200.json "$OUT/step_costs_h200.json"
       echo "== python -m jtbo.bench predict --measure --sections runner_host"
       timeout "${LIMIT:-240}" python3 -m jtbo.bench predict --measure --sections runner_host \
         --out "$OUT/step_costs_h200.json" >"$OUT/runner-host.log" 2>&1
       echo "(exit $?)"; grep "runner_host\|wrote" "$OUT/runner-host.log" ;;
-    *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host)"
+    *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
+      "mla, fp8-tiles)"
       exit 2 ;;
   esac
 done
