@@ -17,8 +17,12 @@ overlap:
    splits it into two micro-batches (the prompts cut at the middle token, the decode
    sequences halved) and runs them staggered by the layout's ``delta`` stages, one compute
    stream and one link shared by both (``step_schedule``), compute beside an exchange slowed by
-   the table's measured factor for the link's engine. A decode TBO step also pays the merge
-   of its micro-batches' logits (a prefill step reads each prompt's last row either way).
+   the table's measured factor for the link's engine. At EP size 1 there is nothing to
+   exchange and jtbo runs the micro-batches in lockstep (``overlap.operations``): operation by
+   operation, A's then B's, the joint operations once over both micro-batches' rows and the
+   row-wise ones too where the micro-batches are small (``lockstep_order``). A decode TBO
+   step also pays the merge of its micro-batches' logits (a prefill step reads each prompt's
+   last row either way).
    Both add one host time per step (``StepInputs.host_ms``; None: the table's, the runner's
    measured host phases of the mode's plain or TBO step where it has them).
 
@@ -50,6 +54,7 @@ from collections.abc import Callable, Sequence
 
 from jtbo.analysis import step_costs, step_exchange, step_ops, step_schedule
 from jtbo.models import config as config_lib
+from jtbo.models import step as step_lib
 from jtbo.models import step_operations
 from jtbo.overlap import strategy
 from jtbo.split import forward_mode as forward_mode_lib
@@ -75,6 +80,15 @@ FLOAT32_WIDTH = 2
 """A float32 value's bytes in bf16 values (row-wise costs are priced by bf16 values moved)."""
 ISSUES = {"dispatch_a": "dispatch", "combine_a": "combine"}
 WAITS = {"dispatch_b": "dispatch", "combine_b": "combine"}
+JOINT_OPERATIONS = frozenset({"experts", "select_experts"})
+"""Operations with a joint form (``overlap.operations.JointOperation``): in lockstep, one call
+over both micro-batches' rows."""
+ROW_WISE_OPERATIONS = frozenset({
+    "embed", "comm_prepare_attn", "attn_prepare", "comm_prepare_mlp", "mlp", "gate", "output",
+    "shared_experts", "final_norm", "logits",
+})  # fmt: skip
+"""Operations marked row-wise (``overlap.row_joint.RowWiseOperation``): in lockstep, one call
+over both micro-batches' rows where they hold at most ``step.SINGLE_DEVICE_MERGE_MAX_ROWS``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +279,38 @@ def micro_batch_stages(
     return stages + ([current] if current else [])
 
 
+def lockstep_order(
+    whole: Sequence[step_schedule.Stage],
+    halves: Sequence[Sequence[step_schedule.Stage]],
+    child_rows: int,
+) -> list[step_schedule.Op]:
+    """A one-GPU TBO step's operations in the lockstep executor's order.
+
+    Args:
+      whole: the plain step's stages (the whole batch's operations).
+      halves: micro-batch A's and B's stages (the same operations).
+      child_rows: rows per micro-batch.
+
+    Returns:
+      Every operation of A then the same of B, except that a joint operation (and a row-wise
+      one when ``child_rows`` is at most ``step.SINGLE_DEVICE_MERGE_MAX_ROWS``) appears once,
+      priced as the whole batch's.
+
+    Raises:
+      ValueError: the three lists do not hold the same operations.
+    """
+    joined = JOINT_OPERATIONS
+    if child_rows <= step_lib.SINGLE_DEVICE_MERGE_MAX_ROWS:
+        joined = joined | ROW_WISE_OPERATIONS
+    flat = [[op for stage in stages for op in stage] for stages in (whole, *halves)]
+    if len({tuple(op.name for op in ops) for ops in flat}) != 1:
+        raise ValueError("lockstep needs the same operations in the step and both halves")
+    order = []
+    for plain_op, op_a, op_b in zip(*flat, strict=True):
+        order += [plain_op] if plain_op.name in joined else [op_a, op_b]
+    return order
+
+
 def _batch(inputs: StepInputs) -> step_ops.Batch:
     if inputs.mode == "decode":
         return step_ops.Batch(inputs.tokens_per_gpu, decode_context=inputs.context)
@@ -329,10 +375,12 @@ def predict(
         micro_batch_stages(costs, config, inputs, b, n)
         for b, n in zip(split_batch(whole), "AB", strict=True)
     ]
-    tbo_order = [
-        *step_schedule.rounds(*halves, delta),
-        _after_merge(costs, config, inputs, tbo=True),
-    ]
+    if inputs.ep_size == 1:
+        child_rows = math.ceil(whole.tokens / 2)
+        tbo_order = [lockstep_order(plain_order[:-1], halves, child_rows)]
+    else:
+        tbo_order = list(step_schedule.rounds(*halves, delta))
+    tbo_order.append(_after_merge(costs, config, inputs, tbo=True))
     plain = step_schedule.simulate(plain_order, slowdown)
     tbo = step_schedule.simulate(tbo_order, slowdown)
     routing = step_exchange.routing_for(config, inputs.ep_size, inputs.imbalance)

@@ -4,11 +4,17 @@ import dataclasses
 import math
 
 import pytest
+from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jtbo.analysis import step_costs, step_exchange, step_model, step_ops
 from jtbo.models import config as config_lib
+from jtbo.models import layer_ops, step_operations
+from jtbo.models import model as model_lib
+from jtbo.models import step as step_lib
+from jtbo.overlap import operations
+from jtbo.split import ForwardMode
 
 COSTS = step_costs.load()
 SMALL = dataclasses.replace(config_lib.MoEConfig.deepseek_v3(), num_layers=5)
@@ -180,3 +186,44 @@ def test_expert_gemm_inputs_are_checked():
         step_ops.ExpertGemm("bf16", 2.0)
     with pytest.raises(ValueError, match="dtype"):
         step_ops.ExpertGemm("int4")
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_one_gpu_tbo_runs_in_lockstep_with_joint_operations(mode):
+    # At EP 1 jtbo runs the micro-batches in lockstep: the routed experts once over both
+    # micro-batches' rows (their weights read once), small micro-batches' row-wise operations
+    # too; staggered micro-batches (EP 2) read the experts' weights each.
+    lockstep = _predict(mode, 1, 256, 50.0).per_operation
+    for name in ("experts", "select_experts", "attn_prepare", "shared_experts", "gate"):
+        assert lockstep[name]["tbo_ms"] == pytest.approx(lockstep[name]["plain_ms"]), name
+    staggered = _predict(mode, 2, 256, 50.0).per_operation
+    assert staggered["experts"]["tbo_ms"] > 1.2 * staggered["experts"]["plain_ms"]
+
+
+def test_one_gpu_lockstep_joins_row_wise_operations_of_small_micro_batches_only():
+    rows = 2 * step_lib.SINGLE_DEVICE_MERGE_MAX_ROWS + 512  # micro-batches past the bound
+    large = _predict("prefill", 1, rows, 50.0).per_operation
+    assert large["experts"]["tbo_ms"] == pytest.approx(large["experts"]["plain_ms"])
+    assert large["attn_prepare"]["tbo_ms"] != pytest.approx(large["attn_prepare"]["plain_ms"])
+
+
+def test_lockstep_order_refuses_different_operations():
+    op = step_model.step_schedule.Op
+    with pytest.raises(ValueError, match="same operations"):
+        step_model.lockstep_order([[op("gate", 1.0)]], [[[op("gate", 0.5)]], [[op("mlp", 0.5)]]], 8)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_joint_and_row_wise_names_are_the_step_operations_marks(mode):
+    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)
+    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    parallel = layer_ops.ParallelConfig(1, layer_ops.MoEOptions(moe_runner_backend="xla"))
+    ops, _ = step_operations.step_operations(model, parallel, mode)
+    by_name = {
+        op.debug_name.split(".")[-1]: op
+        for op in ops if isinstance(op, operations.ExecutionOperation)
+    }  # fmt: skip
+    joint = {name for name, op in by_name.items() if op.joint_fn is not None}
+    row_wise = {name for name, op in by_name.items() if op.row_wise}
+    assert joint == step_model.JOINT_OPERATIONS & by_name.keys() and joint
+    assert row_wise == step_model.ROW_WISE_OPERATIONS & by_name.keys() and row_wise
