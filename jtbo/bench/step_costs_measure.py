@@ -286,7 +286,7 @@ def runner_host(small: bool = False, iters: int = RUNNER_HOST_ITERS) -> dict:
     from jtbo.bench import tbo  # noqa: PLC0415  (builds runners: only this section needs it)
 
     args, config = tbo.parse(list(RUNNER_HOST_SMALL if small else RUNNER_HOST_FLAGS))
-    (runner, *_), _ = tbo.bench_runners(args, config)
+    (runner, *_), _ = tbo.bench_runners(args, config, auto=False)
     out = dict(
         model="tiny" if small else "deepseek_v3_gqa_reduced", devices=args.dp,
         method="ModelRunner.run_plan: last_step_phases inputs + dispatch (bench tbo's runner)",

@@ -930,9 +930,10 @@ def bench_cases(args, vocab: int) -> list[tuple[str, int, tuple[split.ForwardBat
     return cases
 
 
-def bench_runners(args, config) -> tuple[list, runner_lib.ModelRunner]:
+def bench_runners(args, config, auto: bool = True) -> tuple[list, runner_lib.ModelRunner | None]:
     """The plain / TBO runner and, with ``--barriers``, one with round barriers; and the
-    "auto" runner."""
+    "auto" runner (None with ``auto=False``: a caller that times no "auto" step builds no
+    third KV pool)."""
     mesh = mesh_lib.make_mesh(args.dp, args.attn_tp)
     largest = max(args.prefill + [s * args.context for s in args.decode] + [1])
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
@@ -941,6 +942,8 @@ def bench_runners(args, config) -> tuple[list, runner_lib.ModelRunner]:
     runners = [first] + (
         [_runner(model, mesh, args, largest, True, shared=first)] if args.barriers else []
     )
+    if not auto:
+        return runners, None
     return runners, _runner(model, mesh, args, largest, False, tbo="auto", shared=first)
 
 
