@@ -113,4 +113,9 @@ class MLAttention(nnx.Module):
     def output(self, attn: jax.Array) -> jax.Array:
         """Projects ``attn [T, heads, v_head_dim]`` to ``[T, H]`` (partial sum over local heads)."""
         # In attn's dtype, as ``self_attention.SelfAttention.output`` (one rounding either way).
-        return jnp.einsum("tnd,ndh->th", attn, self.wo[...], preferred_element_type=attn.dtype)
+        # One contraction over the heads' flattened rows: as a two-axis contraction XLA gave
+        # the absorbed attention's output a value-major layout and copied the whole weight
+        # into it on every step.
+        wo = self.wo[...]
+        rows = attn.reshape(attn.shape[0], -1)  # [T, heads * v_head_dim], heads major
+        return jnp.dot(rows, wo.reshape(-1, wo.shape[-1]), preferred_element_type=attn.dtype)

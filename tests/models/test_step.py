@@ -278,6 +278,37 @@ def test_one_h200_tbo_step_keeps_the_pool_in_place_and_reads_each_weight_once(mo
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="compiles for an H200 on the CPU")
+def test_mla_decode_step_reads_the_output_projection_in_place_on_an_h200():
+    # The absorbed attention's output came out value-major, and XLA copied the whole output
+    # projection into that order on every decode step (a loop fusion reading the weight);
+    # only matmul kernels may read it.
+    if not aot.aot_available():
+        pytest.skip("needs the aot extra (jax-cuda12-plugin)")
+    config = config_lib.MoEConfig.tiny_mla()
+    jitted, args, options = aot_report.model_step_program(
+        config, aot_report.h200_mesh(1, 1), mode=ForwardMode.DECODE, tokens_per_rank=16,
+        enable_tbo=False,
+    )  # fmt: skip
+    text = jitted.lower(*args).compile(compiler_options=options).as_text()
+    for layer in range(config.num_layers):
+        readers = _weight_readers(text, f"params__layers___{layer}___attn____wo")
+        assert readers and all("kind=kCustom" in r or " custom-call(" in r for r in readers)
+
+
+def _weight_readers(hlo_text: str, weight: str) -> list[str]:
+    """The entry computation's instructions that read parameter ``weight`` (directly or
+    through bitcasts), bitcasts left out."""
+    entry = hlo_text[hlo_text.index("\nENTRY") :]
+    names = [re.search(rf"%({re.escape(weight)}[\w.]*) = \S+ parameter\(", entry).group(1)]
+    names += re.findall(rf"%([\w.]+) = \S+ bitcast\(%{re.escape(names[0])}\)", entry)
+    operand = "|".join(re.escape(name) for name in names)
+    return [
+        line for line in entry.splitlines()
+        if re.search(rf"\([^)]*%(?:{operand})[,)]", line) and " bitcast(" not in line
+    ]  # fmt: skip
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="compiles for an H200 on the CPU")
 def test_one_h200_tbo_step_runs_one_grouped_gemm_per_layer_for_both_micro_batches():
     # The lockstep executor's joint experts: a one-device TBO prefill with the Pallas grouped
     # GEMM (micro-batches past the dot merger's rows) compiles to as many grouped GEMM
