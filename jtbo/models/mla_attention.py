@@ -77,8 +77,8 @@ class MLAttention(nnx.Module):
         else:
             q_a = self.q_a_norm(jnp.dot(x, self.wq_a[...]))
             q = jnp.einsum("tr,rnd->tnd", q_a, self.wq_b[...])
-        kv = jnp.dot(x, self.wkv_a[...])  # [T, rank + rope]
         q_pe = rope.apply_scaled_rope(q[..., self.nope :], positions, self.rope)
+        kv = jnp.dot(x, self.wkv_a[...])  # [T, rank + rope]
         rank = self.kv_a_norm.weight.shape[0]
         k_pe = rope.apply_scaled_rope(kv[:, None, rank:], positions, self.rope)[:, 0]
         latent = jnp.concatenate([self.kv_a_norm(kv[:, :rank]), k_pe], axis=-1)

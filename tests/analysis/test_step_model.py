@@ -215,8 +215,7 @@ def test_lockstep_order_refuses_different_operations():
 
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
 def test_joint_and_row_wise_names_are_the_step_operations_marks(mode):
-    config = dataclasses.replace(config_lib.MoEConfig.tiny(), num_layers=2)
-    model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
+    model = model_lib.MoEModel(config_lib.MoEConfig.tiny(), rngs=nnx.Rngs(0))
     parallel = layer_ops.ParallelConfig(1, layer_ops.MoEOptions(moe_runner_backend="xla"))
     ops, _ = step_operations.step_operations(model, parallel, mode)
     by_name = {

@@ -231,14 +231,20 @@ def _pool_copies(hlo_text: str, pool_shape: str) -> int:
     return len(re.findall(rf"= {re.escape(pool_shape)}\{{[0-9,]+\}} copy\(", entry))
 
 
+def _weight_operand(hlo_text: str, weight: str) -> tuple[str, str]:
+    """The entry computation, and a regex alternation of parameter ``weight``'s names there:
+    the parameter and its bitcasts."""
+    entry = hlo_text[hlo_text.index("\nENTRY") :]
+    names = [re.search(rf"%({re.escape(weight)}[\w.]*) = \S+ parameter\(", entry).group(1)]
+    names += re.findall(rf"%([\w.]+) = \S+ bitcast\(%{re.escape(names[0])}\)", entry)
+    return entry, "|".join(re.escape(name) for name in names)
+
+
 def _weight_reads(hlo_text: str, weight: str, kinds: str = "fusion|custom-call") -> int:
     """Instructions of the entry computation, of the ``kinds`` (an alternation), that take
     parameter ``weight`` (or a bitcast of it): kernels by default; ``tuple`` counts the loops
     (the Pallas grouped GEMM's launches run in one) that read it."""
-    entry = hlo_text[hlo_text.index("\nENTRY") :]
-    names = [re.search(rf"%({re.escape(weight)}[\w.]*) = \S+ parameter\(", entry).group(1)]
-    names += re.findall(rf"%([\w.]+) = \S+ bitcast\(%{re.escape(names[0])}\)", entry)
-    operand = "|".join(re.escape(name) for name in names)
+    entry, operand = _weight_operand(hlo_text, weight)
     return len(re.findall(rf"(?:{kinds})\([^)]*%(?:{operand})[,)]", entry))
 
 
@@ -298,10 +304,7 @@ def test_mla_decode_step_reads_the_output_projection_in_place_on_an_h200():
 def _weight_readers(hlo_text: str, weight: str) -> list[str]:
     """The entry computation's instructions that read parameter ``weight`` (directly or
     through bitcasts), bitcasts left out."""
-    entry = hlo_text[hlo_text.index("\nENTRY") :]
-    names = [re.search(rf"%({re.escape(weight)}[\w.]*) = \S+ parameter\(", entry).group(1)]
-    names += re.findall(rf"%([\w.]+) = \S+ bitcast\(%{re.escape(names[0])}\)", entry)
-    operand = "|".join(re.escape(name) for name in names)
+    entry, operand = _weight_operand(hlo_text, weight)
     return [
         line for line in entry.splitlines()
         if re.search(rf"\([^)]*%(?:{operand})[,)]", line) and " bitcast(" not in line
