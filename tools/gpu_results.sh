@@ -7,7 +7,8 @@
 # sizes), fp8-step (the device step with bf16, then FP8 experts), real-dims (device steps at
 # published models' dimensions), host (the runner's host time per step: the step model's cost
 # table section runner_host), mla (the paged kernel's launch over an MLA latent pool),
-# fp8-tiles (the Pallas FP8 layer's tiles at decode sizes).
+# fp8-tiles (the Pallas FP8 layer's tiles at decode sizes), gemm-kernels (the grouped GEMM
+# layer's kernels at Qwen3-30B-A3B's shape, bf16 and FP8).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -84,6 +85,21 @@ for group in "$@"; do
       LIMIT=240 bench fp8-tiles 30 grouped_gemm --preset qwen3-30b-a3b \
         --expert-dtype float8_e4m3fn --tokens 64,128,256,512 --impls \
         pallas,pallas:16x128x512w4s3,pallas:16x128x256w4s4,pallas:32x128x256w4s3 --iters 5 --reps 5 ;;
+    gemm-kernels)  # where the grouped GEMM layer's time goes at Qwen3-30B-A3B's expert shape:
+      # each row's kernels (--kernel-time), bf16 and FP8, decode row tiles of 16 beside the
+      # defaults, Mosaic at prefill sizes
+      for dtype in bfloat16 float8_e4m3fn; do
+        experts=()
+        decode=pallas,pallas:16x128x64w8s3/16x256x64w8s3,pallas:16x128x64w4s4/16x256x64w4s4
+        if [ "$dtype" = float8_e4m3fn ]; then
+          experts=(--expert-dtype "$dtype")
+          decode=pallas,pallas:16x128x128w4s3,pallas:16x128x128w8s3,pallas:32x128x128w4s3
+        fi
+        LIMIT=240 bench "gemm-decode-$dtype" 14 grouped_gemm --preset qwen3-30b-a3b "${experts[@]}" \
+          --tokens 64,128,256 --impls "$decode" --check-rows 16 --kernel-time --iters 5 --reps 5
+        LIMIT=240 bench "gemm-prefill-$dtype" 8 grouped_gemm --preset qwen3-30b-a3b "${experts[@]}" \
+          --tokens 4096,16384 --impls dense,mosaic --check-rows 16 --kernel-time --iters 5 --reps 5
+      done ;;
     host)  # the runner's host time per step into a copy of the shipped cost table
       cp jtbo/analysis/step_costs_h200.json "$OUT/step_costs_h200.json"
       echo "== python -m jtbo.bench predict --measure --sections runner_host"
@@ -91,7 +107,7 @@ for group in "$@"; do
         --out "$OUT/step_costs_h200.json" >"$OUT/runner-host.log" 2>&1
       echo "(exit $?)"; grep "runner_host\|wrote" "$OUT/runner-host.log" ;;
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
-      "mla, fp8-tiles)"
+      "mla, fp8-tiles, gemm-kernels)"
       exit 2 ;;
   esac
 done

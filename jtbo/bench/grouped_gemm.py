@@ -3,7 +3,7 @@
 ``python -m jtbo.bench grouped_gemm [--tokens 128,256,4096,16384]
 [--impls capacity,dense,pallas,ragged_dot,tokamax] [--capacity-factor 4] [--skew 0]
 [--preset NAME | --hidden H --ffn F --experts E --top-k K] [--iters 5] [--reps 5]
-[--expert-dtype float8_e4m3fn] [--small] [--no-copy-ceiling]``
+[--expert-dtype float8_e4m3fn] [--kernel-time] [--small] [--no-copy-ceiling]``
 
 Question: jtbo's routed experts run as a capacity-slot batched matmul
 (``jtbo.models.experts.experts_capacity``) because ``jax.lax.ragged_dot`` ran far slower on
@@ -87,6 +87,11 @@ rows (``capacity``, ``pallas``, ``mosaic``: ``fp8_rows``) it puts the rows and t
 through the same FP8 rounding, so ``rel err`` measures the kernels, not the FP8 rounding; the
 kernel check compares against ``grouped_ffn_reference`` of the same scheme.
 
+``--kernel-time`` traces ``--iters`` more calls of each timed row (after the timing, so the
+table's times carry no profiler) and logs a line per row: the GPU time per call of each of its
+kernels in microseconds (``kernel_time.kernels_per_call``): where a layer's time goes between
+the grouped GEMM kernels and the routing bookkeeping around them.
+
 Numerics: ``rel err`` = ||out - ref|| / ||ref|| over
 ``--check-rows`` tokens spread evenly over the batch (a token's output depends on its own row
 only), ``ref`` being ``experts_ragged_dot_reference`` in float32 at ``highest`` precision.
@@ -119,7 +124,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jtbo import kernels
-from jtbo.bench import device_rates, expert_presets, options
+from jtbo.bench import device_rates, expert_presets, kernel_time, options, trace_calls
 from jtbo.core import cli_arguments
 from jtbo.kernels import fp8_blocks, grouped_gemm
 from jtbo.models import config as config_lib
@@ -725,7 +730,19 @@ def measure(num_tokens: int, impls: list[str], shapes: Shapes, args) -> list[Row
     out_rows = timed(prepared, args)
     for row in out_rows:
         _log(format_row(row, None))
+    if args.kernel_time:
+        log_kernel_times(prepared, args.iters)
     return out_rows
+
+
+def log_kernel_times(prepared: list[Row | Pending], calls: int) -> None:
+    """Logs each pending row's kernels per call (``kernel_time.kernels_per_call``) from a
+    trace of ``calls`` more calls."""
+    for p in prepared:
+        if isinstance(p, Pending):
+            kernels = trace_calls.trace_kernels(functools.partial(p.fn, *p.args), calls)
+            line = kernel_time.kernels_per_call(kernels, calls)
+            _log(f"T={p.row.tokens} {p.row.impl}: {line}")
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -761,6 +778,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         help="tokens checked vs float32",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--kernel-time",
+        action="store_true",
+        help="log each row's GPU time per kernel (a profiler trace of --iters more calls)",
+    )
     p.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
     p.add_argument(
         "--no-copy-ceiling", action="store_true", help="skip the copy yardstick (no 'of copy')"

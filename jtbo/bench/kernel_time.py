@@ -414,6 +414,16 @@ def busy_summary(kernels: list[Kernel], steps: int) -> str:
     )
 
 
+def _compute_totals(kernels: list[Kernel]) -> tuple[collections.Counter, collections.Counter]:
+    """Microseconds and launches of each compute kernel's name, over all GPUs."""
+    totals, counts = collections.Counter(), collections.Counter()
+    for kernel in kernels:
+        if _is_compute(kernel):
+            totals[kernel.name] += kernel.microseconds
+            counts[kernel.name] += 1
+    return totals, counts
+
+
 def largest_compute_kernels(kernels: list[Kernel], steps: int, top: int = 5) -> str:
     """One line: the compute kernels with the most time per GPU and step, by name.
 
@@ -426,20 +436,43 @@ def largest_compute_kernels(kernels: list[Kernel], steps: int, top: int = 5) -> 
       ``"largest compute kernels per GPU and step: name 1.23 ms x 4, ..."`` (count: launches
       per GPU and step), or a line saying there were none.
     """
-    devices = max(len(_by_device(kernels)), 1)
-    totals, counts = collections.Counter(), collections.Counter()
-    for kernel in kernels:
-        if _is_compute(kernel):
-            totals[kernel.name] += kernel.microseconds
-            counts[kernel.name] += 1
+    totals, counts = _compute_totals(kernels)
     if not totals:
         return "no compute kernels in the trace"
-    per_step = devices * steps
+    per_step = max(len(_by_device(kernels)), 1) * steps
     listed = ", ".join(
         f"{name} {total / per_step / 1e3:.2f} ms x {counts[name] / per_step:g}"
         for name, total in totals.most_common(top)
     )
     return f"largest compute kernels per GPU and step: {listed}"
+
+
+def kernels_per_call(kernels: list[Kernel], calls: int, top: int = 8) -> str:
+    """One line: every compute kernel's GPU time per call in microseconds, largest first.
+
+    For a small program (one layer, one kernel) where ``largest_compute_kernels``'
+    milliseconds are too coarse: the total first, then ``top`` names, then the rest summed.
+
+    Args:
+      kernels: a trace's kernels (``gpu_kernels``), of one GPU.
+      calls: runs of the program the trace holds.
+      top: names listed.
+
+    Returns:
+      ``"kernels per call 123.4 us: name 100.0 us x 1, ..., 6 others 3.2 us"``, or a line
+      saying there were none.
+    """
+    totals, counts = _compute_totals(kernels)
+    if not totals:
+        return "no compute kernels in the trace"
+    ranked = totals.most_common()
+    listed = [
+        f"{name} {total / calls:.1f} us x {counts[name] / calls:g}" for name, total in ranked[:top]
+    ]
+    rest = ranked[top:]
+    if rest:
+        listed.append(f"{len(rest)} others {sum(t for _, t in rest) / calls:.1f} us")
+    return f"kernels per call {sum(totals.values()) / calls:.1f} us: {', '.join(listed)}"
 
 
 def communication_summary(kernels: list[Kernel]) -> str:

@@ -334,3 +334,21 @@ def test_largest_compute_kernels_per_gpu_and_step():
     assert kernel_time.largest_compute_kernels(kernels[5:], steps=1) == (
         "no compute kernels in the trace"
     )
+
+
+def test_kernels_per_call_in_microseconds_largest_first_and_the_rest_summed():
+    kernels = [
+        _k("_gate_up_kernel", 0.0, 200.0),
+        _k("_gate_up_kernel", 500.0, 210.0),
+        _k("_down_kernel", 200.0, 90.0),
+        _k("_down_kernel", 700.0, 100.0),
+        _k("input_scatter_fusion", 300.0, 6.0),
+        _k("loop_gather_fusion", 310.0, 4.0),
+        _k("MemsetD32", 320.0, 50.0),  # not compute
+    ]
+    line = kernel_time.kernels_per_call(kernels, calls=2, top=2)
+    assert line == (
+        "kernels per call 305.0 us: _gate_up_kernel 205.0 us x 1, _down_kernel 95.0 us x 1, "
+        "2 others 5.0 us"
+    )
+    assert kernel_time.kernels_per_call(kernels[6:], calls=1) == "no compute kernels in the trace"
