@@ -451,7 +451,9 @@ def kernels_per_call(kernels: list[Kernel], calls: int, top: int = 8) -> str:
     """One line: every compute kernel's GPU time per call in microseconds, largest first.
 
     For a small program (one layer, one kernel) where ``largest_compute_kernels``'
-    milliseconds are too coarse: the total first, then ``top`` names, then the rest summed.
+    milliseconds are too coarse: the total first, with the span of the calls (first kernel
+    start to last kernel end, over ``calls``: what the GPU took per call run back to back,
+    idle gaps between kernels included), then ``top`` names, then the rest summed.
 
     Args:
       kernels: a trace's kernels (``gpu_kernels``), of one GPU.
@@ -459,8 +461,8 @@ def kernels_per_call(kernels: list[Kernel], calls: int, top: int = 8) -> str:
       top: names listed.
 
     Returns:
-      ``"kernels per call 123.4 us: name 100.0 us x 1, ..., 6 others 3.2 us"``, or a line
-      saying there were none.
+      ``"kernels per call 123.4 us (span 150.0 us): name 100.0 us x 1, ..., 6 others 3.2
+      us"``, or a line saying there were none.
     """
     totals, counts = _compute_totals(kernels)
     if not totals:
@@ -472,7 +474,11 @@ def kernels_per_call(kernels: list[Kernel], calls: int, top: int = 8) -> str:
     rest = ranked[top:]
     if rest:
         listed.append(f"{len(rest)} others {sum(t for _, t in rest) / calls:.1f} us")
-    return f"kernels per call {sum(totals.values()) / calls:.1f} us: {', '.join(listed)}"
+    span = max(k.start + k.microseconds for k in kernels) - min(k.start for k in kernels)
+    return (
+        f"kernels per call {sum(totals.values()) / calls:.1f} us (span {span / calls:.1f} us): "
+        f"{', '.join(listed)}"
+    )
 
 
 def communication_summary(kernels: list[Kernel]) -> str:

@@ -8,8 +8,9 @@ grouped ordering of Triton's matmul tutorial and of SGLang's ``fused_moe``).
 
 Block sizes are upper bounds: ``fit`` shrinks a block to the largest power of two dividing
 the dimension it tiles (contraction and column dimensions must be tiled exactly) and
-``rows_block`` shrinks ``block_m`` to the row count rounded up to a power of two (at least
-16, Triton's smallest matmul tile).
+``rows_block`` shrinks ``block_m`` to a row count (``grouped_gemm.tile_row_count``: the
+balanced rows per expert, at most the capacity) rounded up to a power of two (at least 16,
+Triton's smallest matmul tile).
 
 ``MosaicFfnConfig`` holds the launch shapes of the ``"mosaic"`` impl's kernels
 (``jtbo.kernels.grouped_gemm_mosaic``): a CTA of two compute warpgroups takes a

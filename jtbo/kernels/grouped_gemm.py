@@ -13,7 +13,9 @@ the rows are seen as one flat ``[E * C, H]`` array and the work as a list of *ro
 starting at row ``e * C``. XLA builds the list (a few small integer ops) as ``[3, num_tiles]``
 ``(expert, first row, end row)``, live tiles first; a tile past the live ones has expert -1.
 ``num_tiles`` is static: every tile possible, or fewer when the caller bounds the total rows
-(``max_rows``), which keeps the grid near the useful work. Two kernels, each one program per
+(``max_rows``), which keeps the grid near the useful work. With such a bound ``block_m`` is
+sized for the balanced load ``max_rows / E`` rather than the capacity (``tile_row_count``):
+at decode sizes a tile then holds about one expert's rows. Two kernels, each one program per
 (row tile, column tile), a 1-D grid in grouped order (``gemm_config``):
 
 1. gate / up: ``x [tile rows, H] @ w_gate_up[e]`` into a gate and an up accumulator (float32),
@@ -302,6 +304,21 @@ def _launch(
     return blocks
 
 
+def tile_row_count(capacity: int, max_rows: int | None, num_experts: int) -> int:
+    """The rows per expert the row tile is sized for (``GemmConfig.rows_block``): the
+    balanced load ``ceil(max_rows / E)`` when the call bounds its rows, at most ``capacity``.
+
+    The capacity is a bound (the EP capacity factor sets it at several times the balanced
+    load); sizing the tile by it leaves most of each tile's rows empty at decode sizes, where
+    the kernels read every expert's weights once and a smaller tile costs no extra bytes.
+    An expert holding more rows than the tile takes more tiles (``tile_table.max_tiles``
+    bounds their number by ``max_rows``).
+    """
+    if max_rows is None:
+        return capacity
+    return max(1, min(capacity, arith.ceil_div(max_rows, num_experts)))
+
+
 def _gate_up_launch(rows, hidden, ffn, cfg, interpret, fp8, down_fp8):
     """``_launch`` of the gate / up kernel. With FP8 activations its column tile is the down
     weight's contraction block: the hidden rows are quantized per tile row, one group each.
@@ -349,7 +366,9 @@ def _gate_up_call(
     rows ``x_rows [N, H]`` through ``source [E * C]`` (the row each slot holds, -1 empty)."""
     num_experts, hidden, _, ffn = w_gate_up.shape
     weights, _ = _weight_operands(w_gate_up, (num_experts, hidden, 2 * ffn))
-    block_m, block_n, block_k = _gate_up_launch(rows, hidden, ffn, cfg, interpret, fp8, down_fp8)
+    block_m, block_n, block_k = _gate_up_launch(
+        tile_row_count(rows, max_rows, num_experts), hidden, ffn, cfg, interpret, fp8, down_fp8
+    )
     num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = ffn // block_n
     kernel = functools.partial(
@@ -388,7 +407,8 @@ def _down_call(
     to the output) or never written."""
     num_experts, ffn, hidden = w_down.shape
     weights, quant_block = _weight_operands(w_down, (num_experts, ffn, hidden))
-    block_m, block_n, block_k = _launch(rows, ffn, hidden, cfg, interpret, quant_block)
+    tile_rows = tile_row_count(rows, max_rows, num_experts)
+    block_m, block_n, block_k = _launch(tile_rows, ffn, hidden, cfg, interpret, quant_block)
     num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = hidden // block_n
     kernel = functools.partial(

@@ -348,7 +348,7 @@ def test_kernels_per_call_in_microseconds_largest_first_and_the_rest_summed():
     ]
     line = kernel_time.kernels_per_call(kernels, calls=2, top=2)
     assert line == (
-        "kernels per call 305.0 us: _gate_up_kernel 205.0 us x 1, _down_kernel 95.0 us x 1, "
+        "kernels per call 305.0 us (span 400.0 us): _gate_up_kernel 205.0 us x 1, _down_kernel 95.0 us x 1, "
         "2 others 5.0 us"
     )
     assert kernel_time.kernels_per_call(kernels[6:], calls=1) == "no compute kernels in the trace"

@@ -103,6 +103,33 @@ def test_max_rows_bounds_the_grid_without_changing_results():
     chex.assert_trees_all_close(out, _numpy_ffn(x, counts, w_gate_up, w_down), **F32_TOL)
 
 
+def test_tile_rows_follow_the_balanced_load_under_max_rows():
+    # 64 tokens x top-8 over 128 experts, capacity factor 4: 16-slot capacity, 4 rows each.
+    assert grouped_gemm.tile_row_count(16, 512, 128) == 4
+    assert grouped_gemm.tile_row_count(64, 2048, 128) == 16  # 256 tokens
+    assert grouped_gemm.tile_row_count(64, None, 128) == 64  # no bound: the capacity
+    assert grouped_gemm.tile_row_count(4, 2048, 128) == 4  # never past the capacity
+    assert grouped_gemm.tile_row_count(8, 1, 128) == 1
+
+
+@settings(max_examples=3, deadline=None)
+@given(seed=st.integers(0, 2**16), hot=st.integers(0, E - 1), cold=st.integers(0, 3))
+def test_an_expert_past_the_balanced_tile_takes_more_tiles(seed, hot, cold):
+    # max_rows sizes the tiles for the balanced load (16 or 32 rows here, from a bound of
+    # 64-73 rows over 4 experts): one hot expert holding all its 64 slots spans two to four
+    # tiles, the others a few rows each.
+    wide = gemm_config.GemmConfig(block_m=64, block_n=16, block_k=32, group_m=2)
+    config = gemm_config.GroupedFfnConfig(gate_up=wide, down=wide)
+    counts = np.full(E, cold, np.int32)
+    counts[hot] = 64
+    x, w_gate_up, w_down = _inputs(seed, 64)
+    out = kernels.grouped_ffn(
+        x, jnp.asarray(counts), w_gate_up, w_down, impl="pallas", config=config,
+        max_rows=int(counts.sum()),
+    )  # fmt: skip
+    chex.assert_trees_all_close(out, _numpy_ffn(x, counts, w_gate_up, w_down), **F32_TOL)
+
+
 def test_jit_traces_once_per_shape():
     x, w_gate_up, w_down = _inputs(1, 21)
     fn = jax.jit(
