@@ -3,7 +3,8 @@
 ``python -m jtbo.bench grouped_gemm [--tokens 128,256,4096,16384]
 [--impls capacity,dense,pallas,ragged_dot,tokamax] [--capacity-factor 4] [--skew 0]
 [--preset NAME | --hidden H --ffn F --experts E --top-k K] [--iters 5] [--reps 5]
-[--expert-dtype float8_e4m3fn] [--kernel-time] [--small] [--no-copy-ceiling]``
+[--expert-dtype float8_e4m3fn] [--kernel-time] [--xla-defaults] [--small]
+[--no-copy-ceiling]``
 
 Question: jtbo's routed experts run as a capacity-slot batched matmul
 (``jtbo.models.experts.experts_capacity``) because ``jax.lax.ragged_dot`` ran far slower on
@@ -63,7 +64,10 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
   come out in bf16 (its tuned path; float32 outputs halve its tile width), so silu runs on
   bf16-rounded values: a small extra error.
 
-Timing: each impl is one jitted function of (tokens, ids, routing weights, expert weights);
+Timing: each impl is one jitted function of (tokens, ids, routing weights, expert weights),
+compiled on a GPU with the options a model step compiles with (``jit_as_step``: its kernels
+recorded into one CUDA graph, as the layer runs inside a step; ``--xla-defaults``: XLA's
+default options);
 after ``--warmup`` calls, ``--reps`` batches of ``--iters`` calls are enqueued back to back and
 waited for (``block_until_ready``); the table gives the median per-call time. The impls of
 one T are timed in turns, one batch of each per rep (``device_rates.time_fns_interleaved``):
@@ -128,7 +132,17 @@ from jtbo.bench import device_rates, expert_presets, kernel_time, options, trace
 from jtbo.core import cli_arguments
 from jtbo.kernels import fp8_blocks, grouped_gemm
 from jtbo.models import config as config_lib
-from jtbo.models import experts
+from jtbo.models import experts, step
+
+
+def jit_as_step(fn: Callable, xla_defaults: bool = False) -> Callable:
+    """``fn`` jitted with the options a model step compiles with on a GPU
+    (``step.GPU_COMMAND_BUFFER``: the layer's kernels run as one CUDA graph, as inside a
+    step), or with XLA's defaults (``xla_defaults``, and off GPUs)."""
+    if xla_defaults or jax.default_backend() != "gpu":
+        return jax.jit(fn)
+    return jax.jit(fn, compiler_options={"xla_gpu_enable_command_buffer": step.GPU_COMMAND_BUFFER})
+
 
 IMPLS = ("capacity", "dense", "pallas", "mosaic", "ragged_dot", "tokamax")
 KERNEL_IMPLS = ("pallas", "mosaic")
@@ -427,24 +441,26 @@ def dense_layer(x_rows, w_gate_up, w_down) -> jax.Array:
     return jnp.dot(hidden, w_down, preferred_element_type=f32).astype(x_rows.dtype)
 
 
-def layer_fn(impl: str, shapes: Shapes, capacity: int):
-    """The jitted layer ``(x, ids, routing weights, expert weights) -> [T, H]`` of ``impl``."""
+def layer_fn(impl: str, shapes: Shapes, capacity: int, xla_defaults: bool = False):
+    """The jitted layer ``(x, ids, routing weights, expert weights) -> [T, H]`` of ``impl``
+    (``jit_as_step``)."""
+    jit = functools.partial(jit_as_step, xla_defaults=xla_defaults)
     if impl == "capacity":
-        return jax.jit(functools.partial(experts.experts_capacity, capacity=capacity))
+        return jit(functools.partial(experts.experts_capacity, capacity=capacity))
     name, _, variant = impl.partition(":")
     if name in KERNEL_IMPLS:
         layer = functools.partial(
             experts.experts_capacity, capacity=capacity, **kernel_options(name, variant)
         )
-        return jax.jit(layer)
+        return jit(layer)
     if impl == "ragged_dot":
-        return jax.jit(experts.experts_ragged_dot_reference)
+        return jit(experts.experts_ragged_dot_reference)
     if name == "tokamax":
         dot = tokamax_dot(variant, shapes.hidden)
         sorted_layer = functools.partial(
             experts.experts_sorted, grouped_dot=dot, hidden_dtype=None, out_dtype=None
         )
-        return jax.jit(sorted_layer)
+        return jit(sorted_layer)
     raise ValueError(
         f"unknown impl {impl!r}; expected one of {IMPLS}, pallas:SPEC, mosaic:SPEC or "
         "tokamax:VARIANT"
@@ -627,11 +643,12 @@ def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Pending:
     slots, counts = slot_inputs(x, ids, shapes.experts, capacity)
     pairs = num_tokens * shapes.top_k
     name, _, variant = impl.partition(":")
-    fn = jax.jit(
+    fn = jit_as_step(
         functools.partial(
             grouped_gemm.grouped_ffn_rows, **kernel_options(name, variant),
             max_rows=min(shapes.experts * capacity, pairs),
-        )
+        ),
+        args.xla_defaults,
     )  # fmt: skip
     row = Row(
         tokens=num_tokens, impl=f"{impl} (kernel)", capacity=None, dropped=None,
@@ -662,12 +679,12 @@ def _prepare(impl, num_tokens, shapes, capacity, inputs, args) -> Row | Pending:
                 computed_flops=shapes.slot_flops(pairs),
                 weight_bytes=shapes.weight_bytes(1, x.dtype.itemsize),
             )  # fmt: skip
-            return Pending(row, jax.jit(dense_layer), dense_args)
+            return Pending(row, jit_as_step(dense_layer, args.xla_defaults), dense_args)
         name, _, variant = impl.partition(":")
         if name in KERNEL_IMPLS:
             kernel_err = check_kernel(name, variant, x, ids_np, weights, capacity)
             _log(f"{impl} T={num_tokens}: kernel alone vs grouped_ffn_reference {kernel_err:.2e}")
-        fn = layer_fn(impl, shapes, capacity)
+        fn = layer_fn(impl, shapes, capacity, args.xla_defaults)
         ref = refs[fp8_rows(impl) and len(refs) > 1]
         err = rel_error(np.asarray(fn(x, ids, routing, weights))[rows], ref)
         computed_rows = shapes.experts * capacity if is_cap else pairs
@@ -782,6 +799,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--kernel-time",
         action="store_true",
         help="log each row's GPU time per kernel (a profiler trace of --iters more calls)",
+    )
+    p.add_argument(
+        "--xla-defaults",
+        action="store_true",
+        help="compile the timed functions with XLA's default options, not a model step's",
     )
     p.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
     p.add_argument(

@@ -8,9 +8,9 @@ grouped ordering of Triton's matmul tutorial and of SGLang's ``fused_moe``).
 
 Block sizes are upper bounds: ``fit`` shrinks a block to the largest power of two dividing
 the dimension it tiles (contraction and column dimensions must be tiled exactly) and
-``rows_block`` shrinks ``block_m`` to a row count (``grouped_gemm.tile_row_count``: the
-balanced rows per expert, at most the capacity) rounded up to a power of two (at least 16,
-Triton's smallest matmul tile).
+``rows_block`` shrinks ``block_m`` to a row count (the capacity, or with
+``balanced_row_tiles`` the balanced rows per expert: ``grouped_gemm.tile_row_count``) rounded
+up to a power of two (at least 16, Triton's smallest matmul tile).
 
 ``MosaicFfnConfig`` holds the launch shapes of the ``"mosaic"`` impl's kernels
 (``jtbo.kernels.grouped_gemm_mosaic``): a CTA of two compute warpgroups takes a
@@ -82,6 +82,9 @@ class GroupedFfnConfig:
       gate_up: the gate / up GEMM with the SiLU-times-up epilogue (contraction over H,
         columns over F; each program keeps a gate and an up accumulator).
       down: the down GEMM (contraction over F, columns over H).
+      balanced_row_tiles: size both kernels' row tiles for the balanced load ``max_rows /
+        E`` when the call bounds its rows, rather than for the capacity
+        (``grouped_gemm.tile_row_count``).
     """
 
     # The fastest of the shapes swept on one H200 at 4096 tokens (docs/benchmarks/, "The Pallas
@@ -90,10 +93,12 @@ class GroupedFfnConfig:
         block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3
     )
     down: GemmConfig = GemmConfig(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+    balanced_row_tiles: bool = False
 
     def describe(self) -> str:
-        """Short label for tables: ``gate_up <label> / down <label>``."""
-        return f"gate_up {self.gate_up.describe()} / down {self.down.describe()}"
+        """Short label for tables: ``gate_up <label> / down <label>`` (``, balanced rows``)."""
+        rows = ", balanced rows" if self.balanced_row_tiles else ""
+        return f"gate_up {self.gate_up.describe()} / down {self.down.describe()}{rows}"
 
 
 # Default launch shapes (measured: see GroupedFfnConfig).
@@ -101,10 +106,15 @@ GROUPED_FFN = GroupedFfnConfig()
 # Default launch shapes of FP8 weights: a contraction step of a whole 128-wide FP8 block moves
 # as many bytes per step as the float kernels' 64-wide bf16 steps; fastest of those measured
 # at decode sizes (docs/benchmarks/, "FP8 experts stored contraction-last, with FP8
-# activations").
+# activations"). Row tiles follow the balanced load: the FP8 dot runs slower on tiles of
+# many rows, and at 128-1024 tokens tiles sized for the capacity ran mostly empty
+# (docs/benchmarks/, "Grouped GEMM kernels at Qwen3-30B-A3B's expert shape"). The float
+# kernels keep capacity-sized tiles: balanced ones were as fast at decode sizes and slower at
+# 1024 tokens there.
 GROUPED_FFN_FP8 = GroupedFfnConfig(
     gate_up=GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
     down=GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3),
+    balanced_row_tiles=True,
 )
 
 

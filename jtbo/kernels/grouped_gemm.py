@@ -13,9 +13,10 @@ the rows are seen as one flat ``[E * C, H]`` array and the work as a list of *ro
 starting at row ``e * C``. XLA builds the list (a few small integer ops) as ``[3, num_tiles]``
 ``(expert, first row, end row)``, live tiles first; a tile past the live ones has expert -1.
 ``num_tiles`` is static: every tile possible, or fewer when the caller bounds the total rows
-(``max_rows``), which keeps the grid near the useful work. With such a bound ``block_m`` is
-sized for the balanced load ``max_rows / E`` rather than the capacity (``tile_row_count``):
-at decode sizes a tile then holds about one expert's rows. Two kernels, each one program per
+(``max_rows``), which keeps the grid near the useful work. With such a bound and
+``balanced_row_tiles`` (the FP8 default) ``block_m`` is sized for the balanced load
+``max_rows / E`` rather than the capacity (``tile_row_count``): at decode sizes a tile then
+holds about one expert's rows. Two kernels, each one program per
 (row tile, column tile), a 1-D grid in grouped order (``gemm_config``):
 
 1. gate / up: ``x [tile rows, H] @ w_gate_up[e]`` into a gate and an up accumulator (float32),
@@ -304,9 +305,10 @@ def _launch(
     return blocks
 
 
-def tile_row_count(capacity: int, max_rows: int | None, num_experts: int) -> int:
-    """The rows per expert the row tile is sized for (``GemmConfig.rows_block``): the
-    balanced load ``ceil(max_rows / E)`` when the call bounds its rows, at most ``capacity``.
+def tile_row_count(capacity: int, max_rows: int | None, num_experts: int, balanced: bool) -> int:
+    """The rows per expert the row tile is sized for (``GemmConfig.rows_block``): with
+    ``balanced`` and a bound on the call's rows, the balanced load ``ceil(max_rows / E)`` (at
+    most ``capacity``), else ``capacity``.
 
     The capacity is a bound (the EP capacity factor sets it at several times the balanced
     load); sizing the tile by it leaves most of each tile's rows empty at decode sizes, where
@@ -314,7 +316,7 @@ def tile_row_count(capacity: int, max_rows: int | None, num_experts: int) -> int
     An expert holding more rows than the tile takes more tiles (``tile_table.max_tiles``
     bounds their number by ``max_rows``).
     """
-    if max_rows is None:
+    if max_rows is None or not balanced:
         return capacity
     return max(1, min(capacity, arith.ceil_div(max_rows, num_experts)))
 
@@ -358,8 +360,8 @@ def _weight_operands(w, matrix_shape: tuple[int, int, int]) -> tuple[list, tuple
 
 
 def _gate_up_call(
-    x_rows, source, w_gate_up, group_start, counts, *, rows, max_rows, cfg, interpret, fp8,
-    down_fp8,
+    x_rows, source, w_gate_up, group_start, counts, *, rows, tile_rows, max_rows, cfg, interpret,
+    fp8, down_fp8,
 ):  # fmt: skip
     """Kernel 1: the ``[E * C, F]`` hidden rows of every live tile (and their row scales with
     FP8 activations), from slot rows ``x_rows [E * C, H]`` (``source`` None) or from source
@@ -367,7 +369,7 @@ def _gate_up_call(
     num_experts, hidden, _, ffn = w_gate_up.shape
     weights, _ = _weight_operands(w_gate_up, (num_experts, hidden, 2 * ffn))
     block_m, block_n, block_k = _gate_up_launch(
-        tile_row_count(rows, max_rows, num_experts), hidden, ffn, cfg, interpret, fp8, down_fp8
+        tile_rows, hidden, ffn, cfg, interpret, fp8, down_fp8
     )
     num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = ffn // block_n
@@ -399,15 +401,14 @@ def _gate_up_call(
 
 
 def _down_call(
-    hidden_rows, w_down, group_start, counts, *, rows, max_rows, cfg, interpret, zero_padding,
-    fp8, out_dtype,
+    hidden_rows, w_down, group_start, counts, *, rows, tile_rows, max_rows, cfg, interpret,
+    zero_padding, fp8, out_dtype,
 ):  # fmt: skip
     """Kernel 2 over flat hidden rows (``[R, F]``, or with FP8 activations ``(values, row
     scales)``): ``[R, H]``, outside the live rows zero (``zero_padding``, a zero buffer aliased
     to the output) or never written."""
     num_experts, ffn, hidden = w_down.shape
     weights, quant_block = _weight_operands(w_down, (num_experts, ffn, hidden))
-    tile_rows = tile_row_count(rows, max_rows, num_experts)
     block_m, block_n, block_k = _launch(tile_rows, ffn, hidden, cfg, interpret, quant_block)
     num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = hidden // block_n
@@ -448,7 +449,8 @@ def grouped_ffn_pallas(
     ``x_slots`` a slot buffer or ``SlotRows`` (loaded through its row index)."""
     num_experts, capacity, hidden = x_slots.shape
     group_start = jnp.arange(num_experts, dtype=jnp.int32) * capacity
-    common = dict(rows=capacity, max_rows=max_rows, interpret=interpret)
+    tile_rows = tile_row_count(capacity, max_rows, num_experts, cfg.balanced_row_tiles)
+    common = dict(rows=capacity, tile_rows=tile_rows, max_rows=max_rows, interpret=interpret)
     if isinstance(x_slots, slot_rows.SlotRows):
         x_rows, source = x_slots.rows, x_slots.slot_row.reshape(-1).astype(jnp.int32)
     else:

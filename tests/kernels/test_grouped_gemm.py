@@ -105,11 +105,14 @@ def test_max_rows_bounds_the_grid_without_changing_results():
 
 def test_tile_rows_follow_the_balanced_load_under_max_rows():
     # 64 tokens x top-8 over 128 experts, capacity factor 4: 16-slot capacity, 4 rows each.
-    assert grouped_gemm.tile_row_count(16, 512, 128) == 4
-    assert grouped_gemm.tile_row_count(64, 2048, 128) == 16  # 256 tokens
-    assert grouped_gemm.tile_row_count(64, None, 128) == 64  # no bound: the capacity
-    assert grouped_gemm.tile_row_count(4, 2048, 128) == 4  # never past the capacity
-    assert grouped_gemm.tile_row_count(8, 1, 128) == 1
+    assert grouped_gemm.tile_row_count(16, 512, 128, True) == 4
+    assert grouped_gemm.tile_row_count(64, 2048, 128, True) == 16  # 256 tokens
+    assert grouped_gemm.tile_row_count(64, 2048, 128, False) == 64  # capacity-sized tiles
+    assert grouped_gemm.tile_row_count(64, None, 128, True) == 64  # no bound: the capacity
+    assert grouped_gemm.tile_row_count(4, 2048, 128, True) == 4  # never past the capacity
+    assert grouped_gemm.tile_row_count(8, 1, 128, True) == 1
+    assert gemm_config.GROUPED_FFN_FP8.balanced_row_tiles
+    assert not gemm_config.GROUPED_FFN.balanced_row_tiles
 
 
 @settings(max_examples=3, deadline=None)
@@ -119,7 +122,7 @@ def test_an_expert_past_the_balanced_tile_takes_more_tiles(seed, hot, cold):
     # 64-73 rows over 4 experts): one hot expert holding all its 64 slots spans two to four
     # tiles, the others a few rows each.
     wide = gemm_config.GemmConfig(block_m=64, block_n=16, block_k=32, group_m=2)
-    config = gemm_config.GroupedFfnConfig(gate_up=wide, down=wide)
+    config = gemm_config.GroupedFfnConfig(gate_up=wide, down=wide, balanced_row_tiles=True)
     counts = np.full(E, cold, np.int32)
     counts[hot] = 64
     x, w_gate_up, w_down = _inputs(seed, 64)
