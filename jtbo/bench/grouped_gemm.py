@@ -2,7 +2,7 @@
 
 ``python -m jtbo.bench grouped_gemm [--tokens 128,256,4096,16384]
 [--impls capacity,dense,pallas,ragged_dot,tokamax] [--capacity-factor 4] [--skew 0]
-[--preset NAME | --hidden H --ffn F --experts E --top-k K] [--iters 5] [--reps 5]
+[--preset NAME | --hidden H --ffn F --experts E --top-k K] [--iters 20] [--reps 5]
 [--expert-dtype float8_e4m3fn] [--kernel-time] [--xla-defaults] [--small]
 [--no-copy-ceiling]``
 
@@ -69,7 +69,11 @@ compiled on a GPU with the options a model step compiles with (``jit_as_step``: 
 recorded into one CUDA graph, as the layer runs inside a step; ``--xla-defaults``: XLA's
 default options);
 after ``--warmup`` calls, ``--reps`` batches of ``--iters`` calls are enqueued back to back and
-waited for (``block_until_ready``); the table gives the median per-call time. The impls of
+waited for (``block_until_ready``); the table gives the median per-call time. A batch
+carries a fixed cost besides its calls (the first call's dispatch before the GPU starts, the
+wait at its end: about 0.3 ms on one H200), so few calls per batch inflate a decode-size
+layer's time per call by a fifth at 5 calls; the default of 20 keeps it near the steady
+rate at which a model step runs its layers back to back. The impls of
 one T are timed in turns, one batch of each per rep (``device_rates.time_fns_interleaved``):
 a GPU's clock falls within seconds of matmuls, so impls timed one after the other would
 compare different clocks (docs/benchmarks/, "the clock falls under load"). ``useful TF/s``
@@ -783,7 +787,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument(
-        "--iters", type=cli_arguments.positive_int, default=5, help="calls per timed batch"
+        "--iters", type=cli_arguments.positive_int, default=20, help="calls per timed batch"
     )
     p.add_argument(
         "--reps", type=cli_arguments.positive_int, default=5, help="timed batches (median)"

@@ -18,9 +18,10 @@ walking the (row tile, column tile) pairs with ``plgpu.nd_loop``. Each CTA has t
 warpgroups of ``tile_m`` rows each (``block_m = 2 * tile_m``) and one memory warpgroup that
 runs the TMA pipeline over the contraction (``emit_pipeline_warp_specialized``). The two CTAs
 of a cluster take neighbouring column tiles of the same row tile: the row tile is loaded
-once for both (``collective_axes``), the weight columns per CTA. A dead tile (expert -1) is
-skipped. The gate / up kernel keeps a gate and an up accumulator and writes
-``silu(gate) * up`` in the input dtype; the down kernel writes its accumulator.
+once for both (``collective_axes``), the weight columns per CTA. With an odd number of
+column tiles the last pair's second CTA computes the last tile again and does not store it.
+A dead tile (expert -1) is skipped. The gate / up kernel keeps a gate and an up accumulator
+and writes ``silu(gate) * up`` in the input dtype; the down kernel writes its accumulator.
 """
 
 import functools
@@ -90,7 +91,7 @@ def _grouped_matmul_body(
         warpgroup = lax.axis_index(WARPGROUP)
 
         @functools.partial(walk_tiles, num_tiles, num_col_tiles, cfg.grid_tile_width)
-        def _visit(tile, col):
+        def _visit(tile, col, stores):
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
             wg_rows = pl.ds(warpgroup * tile_m, tile_m)
@@ -102,8 +103,10 @@ def _grouped_matmul_body(
                 def _acc_scope(accs):
                     run_pipeline(tuple(accs))
                     out = epilogue(*[acc[...] for acc in accs]).astype(out_gmem.dtype)
-                    store_tile(out, out_smem, out_gmem.at[rows, pl.ds(col * tile_n, tile_n)],
-                           warpgroup, tile_m, tile_n)  # fmt: skip
+                    out_tile = out_gmem.at[rows, pl.ds(col * tile_n, tile_n)]
+                    when_stored(stores, lambda: store_tile(
+                        out, out_smem, out_tile, warpgroup, tile_m, tile_n
+                    ))  # fmt: skip
 
             def mma(_, a_smem, *rest):
                 b_smems, accs = rest[:num_acc], rest[num_acc]
@@ -127,16 +130,34 @@ def _grouped_matmul_body(
 
 
 def walk_tiles(num_tiles: int, num_col_tiles: int, grid_tile_width: int, visit) -> None:
-    """Calls ``visit(row tile, column tile)`` for each pair of the persistent grid: the
-    clusters walk the (row tile, column pair) pairs in ``plgpu.planar_snake`` order, and the
-    two CTAs of a cluster take the pair's two neighbouring column tiles."""
+    """Calls ``visit(row tile, column tile, stores)`` for each pair of the persistent grid:
+    the clusters walk the (row tile, column pair) pairs in ``plgpu.planar_snake`` order, and
+    the two CTAs of a cluster take the pair's two neighbouring column tiles.
+
+    With an odd number of column tiles the last pair has one: its second CTA still runs the
+    pipeline (the cluster loads the row tile for both) over the last column tile again, and
+    must not store it. ``stores`` is then a traced bool, false for that CTA (``when_stored``);
+    with an even number it is None (every CTA stores).
+    """
     cta = lax.axis_index(CLUSTER)
-    pairs = num_col_tiles // 2
+    pairs = -(-num_col_tiles // 2)
 
     @plgpu.nd_loop((num_tiles * pairs,), collective_axes=CLUSTER_GRID)
     def _tile_loop(loop_info):
         tile, pair = plgpu.planar_snake(loop_info.index[0], (num_tiles, pairs), 0, grid_tile_width)
-        visit(tile, pair * 2 + cta)
+        col = pair * 2 + cta
+        if num_col_tiles % 2 == 0:
+            visit(tile, col, None)
+        else:
+            visit(tile, jnp.minimum(col, num_col_tiles - 1), col < num_col_tiles)
+
+
+def when_stored(stores, store) -> None:
+    """Runs ``store()``, under ``pl.when(stores)`` unless ``stores`` is None (``walk_tiles``)."""
+    if stores is None:
+        store()
+    else:
+        pl.when(stores)(store)
 
 
 def store_tile(out, out_smem, out_tile_gmem, warpgroup, tile_m: int, tile_n: int) -> None:
@@ -173,8 +194,8 @@ def num_clusters(interpret: bool) -> int:
 
 
 def _fits(out_cols: int, contraction: int, cfg: gemm_config.MosaicGemmConfig) -> bool:
-    """Whether a cluster's two column tiles divide ``out_cols`` and ``tile_k`` the contraction."""
-    return out_cols % (2 * cfg.tile_n) == 0 and contraction % cfg.tile_k == 0
+    """Whether ``tile_n`` divides ``out_cols`` and ``tile_k`` the contraction."""
+    return out_cols % cfg.tile_n == 0 and contraction % cfg.tile_k == 0
 
 
 def runs_dtype(dtype) -> bool:
@@ -187,13 +208,19 @@ def tiles(hidden: int, ffn: int, cfg: gemm_config.MosaicFfnConfig) -> bool:
     return _fits(ffn, hidden, cfg.gate_up) and _fits(hidden, ffn, cfg.down)
 
 
+def pairs_columns(hidden: int, ffn: int, cfg) -> bool:
+    """Whether both kernels' column tiles come in whole cluster pairs (none computed twice:
+    ``walk_tiles``); ``cfg`` a ``MosaicFfnConfig``."""
+    return ffn % (2 * cfg.gate_up.tile_n) == 0 and hidden % (2 * cfg.down.tile_n) == 0
+
+
 def _grouped_matmul(tile_expert, a_rows, weights, *, out_cols, column_offsets, epilogue, cfg,
                     interpret):  # fmt: skip
     """``[num_tiles * block_m, out_cols]``: each live row tile times its expert's weights."""
     if not _fits(out_cols, a_rows.shape[1], cfg):
         raise impls.KernelUnavailableError(
-            f"impl='mosaic' tiles {out_cols} columns by 2 x {cfg.tile_n} (a cluster) and the "
-            f"contraction {a_rows.shape[1]} by {cfg.tile_k}; use impl='pallas'"
+            f"impl='mosaic' tiles {out_cols} columns by {cfg.tile_n} and the contraction "
+            f"{a_rows.shape[1]} by {cfg.tile_k}; use impl='pallas'"
         )
     body = functools.partial(
         _grouped_matmul_body, column_offsets=column_offsets, epilogue=epilogue, cfg=cfg,

@@ -131,7 +131,7 @@ def _fp8_matmul_body(
             grouped_gemm_mosaic.walk_tiles, tile_expert_gmem.shape[0], num_col_tiles,
             cfg.grid_tile_width,
         )  # fmt: skip
-        def _visit(tile, col):
+        def _visit(tile, col, stores):
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
             wg_rows = pl.ds(warpgroup * tile_m, tile_m)
@@ -141,8 +141,9 @@ def _fp8_matmul_body(
                 zeros = plgpu.layout_cast(jnp.full((tile_m, tile_n), 0, _F32), plgpu.Layout.WGMMA)
                 sums = run_pipeline((zeros,) * num_acc)
                 out_rows = pl.ds(tile * block_m + warpgroup * tile_m, tile_m)
-                _epilogue(sums, out_gmems, out_smem, scale_smem, warpgroup, rows, out_rows, col,
-                          cfg)  # fmt: skip
+                grouped_gemm_mosaic.when_stored(stores, lambda: _epilogue(
+                    sums, out_gmems, out_smem, scale_smem, warpgroup, rows, out_rows, col, cfg
+                ))  # fmt: skip
 
             def mma(indices, a_smem, a_scale_smem, *rest):
                 b_smems, sums = rest[:num_acc], rest[num_acc]
@@ -204,10 +205,10 @@ def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction:
             f"tile_k {cfg.tile_k} and tile_n {cfg.tile_n} must be {qk} and {qn} "
             "(gemm_config.MOSAIC_FFN_FP8)"
         )
-    if out_cols % (2 * cfg.tile_n) or contraction % cfg.tile_k:
+    if out_cols % cfg.tile_n or contraction % cfg.tile_k:
         return (
-            f"impl='mosaic' tiles {out_cols} columns by 2 x {cfg.tile_n} (a cluster) and the "
-            f"contraction {contraction} by {cfg.tile_k}; use impl='pallas'"
+            f"impl='mosaic' tiles {out_cols} columns by {cfg.tile_n} and the contraction "
+            f"{contraction} by {cfg.tile_k}; use impl='pallas'"
         )
     return None
 

@@ -14,9 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jtbo import kernels
+from jtbo import aot, kernels
 from jtbo.kernels import gemm_config, grouped_gemm, grouped_gemm_mosaic, impls, slot_rows
 from jtbo.models import experts
+from tests.kernels import helpers
 
 E, C, H, F = 3, 200, 128, 128
 # The smallest launch shapes: 128-row tiles, 64 columns per CTA (a cluster covers 128).
@@ -108,6 +109,43 @@ def test_tile_rows_places_each_slot_once_in_its_experts_tiles(counts, block_m, b
     assert (tile_expert[sum(-(-c // block_m) for c in counts) :] == -1).all()
 
 
+def test_an_odd_number_of_column_tiles_is_stored_once():
+    # 192 columns of 64 in both kernels (DeepSeek-V2-Lite's F = 1408 is 11 tiles of 128): the
+    # last cluster pair holds one column tile, which its second CTA computes again and must
+    # not store. Padding slots hold NaN: a kernel that read them would spread it.
+    k_gu, k_d, k_x = jax.random.split(jax.random.key(7), 3)
+    w_gate_up = (jax.random.normal(k_gu, (E, 192, 2, 192), jnp.float32) / np.sqrt(192)).astype(
+        DTYPE
+    )
+    w_down = (jax.random.normal(k_d, (E, 192, 192), jnp.float32) / np.sqrt(192)).astype(DTYPE)
+    counts = jnp.array([C, 0, 9], jnp.int32)
+    live = jnp.arange(C)[None, :, None] < counts[:, None, None]
+    x = jnp.where(live, jax.random.normal(k_x, (E, C, 192), DTYPE), jnp.nan)
+    out = kernels.grouped_ffn(x, counts, w_gate_up, w_down, impl="mosaic", config=SMALL)
+    want = grouped_gemm.grouped_ffn_reference(jnp.where(live, x, 0), counts, w_gate_up, w_down)
+    _close(out, want)
+    assert not np.asarray(out)[~np.asarray(live[..., 0])].any()
+
+
+def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkeypatch):
+    # Both kernels' Mosaic GPU lowering compiled by XLA for a described H200 (jtbo.aot) at
+    # DeepSeek-V2-Lite's expert width F = 1408: 11 gate / up column tiles of 128.
+    if not aot.aot_available():
+        pytest.skip("needs the aot extra (jax-cuda12-plugin)")
+    monkeypatch.setattr(grouped_gemm_mosaic, "num_clusters", lambda interpret: 66)
+    shapes = [((8, 512, 2048), jnp.bfloat16), ((8,), jnp.int32)]
+    shapes += [((8, 2048, 2, 1408), jnp.bfloat16), ((8, 1408, 2048), jnp.bfloat16)]
+
+    def layer(x, counts, w_gate_up, w_down):
+        return grouped_gemm_mosaic.grouped_ffn_mosaic(
+            x, counts, w_gate_up, w_down, max_rows=2048, cfg=gemm_config.MOSAIC_FFN,
+            interpret=False,
+        ).rows  # fmt: skip
+
+    hlo = helpers.compiled_for_h200(layer, shapes)
+    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
+
+
 def test_shapes_the_kernels_cannot_tile_are_refused():
     x = jnp.ones((E, C, H), DTYPE)
     w_gate_up, w_down = jnp.ones((E, H, 2, 32), DTYPE), jnp.ones((E, 32, H), DTYPE)
@@ -139,6 +177,9 @@ def test_auto_takes_mosaic_from_its_rows_on_hopper_and_pallas_below(monkeypatch)
     assert grouped_gemm.auto_impl(grouped_gemm.MOSAIC_MIN_ROWS, 7168, 2048) == "mosaic"
     assert grouped_gemm.auto_impl(grouped_gemm.MOSAIC_MIN_ROWS - 1, 7168, 2048) == "pallas"
     assert grouped_gemm.auto_impl(1 << 20, 7168, 96) == "pallas"  # mosaic cannot tile 96
+    # DeepSeek-V2-Lite's F: Mosaic tiles it with an odd column tile, not measured: Pallas.
+    assert grouped_gemm.auto_impl(1 << 20, 2048, 1408) == "pallas"
+    assert grouped_gemm_mosaic.tiles(2048, 1408, gemm_config.MOSAIC_FFN)
     assert grouped_gemm.auto_impl(1 << 20, 7168, 40) == "xla"  # nor can pallas tile 40
     assert grouped_gemm.auto_impl(1 << 20, 7168, 2048, jnp.float32) == "pallas"  # 16-bit only
 

@@ -104,9 +104,29 @@ def test_weight_only_fp8_and_other_tiles_are_refused():
         call(config=SMALL, fp8_activations=False)
     with pytest.raises(kernels.KernelUnavailableError, match="one 64 x 64 weight block"):
         call(config=gemm_config.MOSAIC_FFN_FP8)  # 128-wide steps over 64-wide blocks
-    (w_gate_up, _), (w_down, _) = helpers.fp8_expert_weights(0, (E, hidden, 192), block)
-    with pytest.raises(kernels.KernelUnavailableError, match="tiles 192 columns by 2 x 64"):
+    (w_gate_up, _), (w_down, _) = helpers.fp8_expert_weights(0, (E, hidden, 160), block)
+    with pytest.raises(kernels.KernelUnavailableError, match="tiles 160 columns by 64"):
         kernels.grouped_ffn(x, counts, w_gate_up, w_down, impl="mosaic", config=SMALL)
+
+
+def test_an_odd_number_of_column_tiles_is_stored_once():
+    # 192 columns of 64 in both kernels: the last cluster pair holds one column tile, which
+    # its second CTA computes again and must not store (poisoned rows would show).
+    (w_gate_up, gate_up_64), (w_down, down_64) = helpers.fp8_expert_weights(
+        5, (E, 192, 192), SMALL_BLOCK
+    )
+    counts = np.array([7, C, 0], np.int32)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((E, C, 192)) * 3, DTYPE)
+    x = jnp.where(jnp.arange(C)[None, :, None] < counts[:, None, None], x, jnp.nan)
+    out = kernels.grouped_ffn(
+        x, jnp.asarray(counts), w_gate_up, w_down, impl="mosaic", config=SMALL
+    )
+    live = np.arange(C)[None, :] < counts[:, None]
+    want = helpers.numpy_fp8_activations_ffn(
+        np.where(live[..., None], np.asarray(x, np.float64), 0.0), counts, gate_up_64, down_64, 64
+    )
+    _within(out, want, DTYPE)
+    assert not np.asarray(out, np.float64)[~live].any()
 
 
 def test_the_rows_are_quantized_then_gathered_into_tiles():
@@ -136,15 +156,16 @@ def test_the_rows_are_quantized_then_gathered_into_tiles():
         np.testing.assert_array_equal(np.asarray(scales[:, row]), want_scales[slot])
 
 
-def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch):
+@pytest.mark.parametrize("ffn", [768, 1408])
+def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
     # The Mosaic GPU lowering of both FP8 kernels (FP8 wgmma, the scale loads, the hidden
     # rows' quantization) compiled by XLA for a described H200 (jtbo.aot) at Qwen3-30B-A3B's
-    # expert shape.
+    # expert shape, and at DeepSeek-V2-Lite's F (11 column tiles: the last pair has one).
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
     monkeypatch.setattr(grouped_gemm_mosaic, "num_clusters", lambda interpret: 66)
     shapes = [((8, 512, 2048), jnp.bfloat16), ((8,), jnp.int32)]
-    shapes += helpers.fp8_expert_shapes(8, 2048, 768)
+    shapes += helpers.fp8_expert_shapes(8, 2048, ffn)
 
     def layer(x, counts, *fp8_arrays):
         return grouped_gemm_mosaic_fp8.grouped_ffn_mosaic_fp8(
