@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jtbo.core import arith
 from jtbo.kernels import gemm_config, impls, slot_rows, tile_gather, tile_table
 
 _F32 = jnp.float32
@@ -140,7 +141,7 @@ def walk_tiles(num_tiles: int, num_col_tiles: int, grid_tile_width: int, visit) 
     with an even number it is None (every CTA stores).
     """
     cta = lax.axis_index(CLUSTER)
-    pairs = -(-num_col_tiles // 2)
+    pairs = arith.ceil_div(num_col_tiles, 2)
 
     @plgpu.nd_loop((num_tiles * pairs,), collective_axes=CLUSTER_GRID)
     def _tile_loop(loop_info):
