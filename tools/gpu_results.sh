@@ -8,7 +8,9 @@
 # published models' dimensions), host (the runner's host time per step: the step model's cost
 # table section runner_host), mla (the paged kernel's launch over an MLA latent pool),
 # fp8-tiles (the Pallas FP8 layer's tiles at decode sizes), gemm-kernels (the grouped GEMM
-# layer's kernels at Qwen3-30B-A3B's shape, bf16 and FP8).
+# layer's kernels at Qwen3-30B-A3B's shape, bf16 and FP8), mosaic-odd (Mosaic with an odd
+# column tile against Pallas), fp8-threshold (Pallas against Mosaic FP8 around "auto"'s
+# threshold).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -96,10 +98,19 @@ for group in "$@"; do
           decode=pallas,pallas:16x128x128w4s3,pallas:16x128x128w8s3,pallas:32x128x128w4s3
         fi
         LIMIT=240 bench "gemm-decode-$dtype" 14 grouped_gemm --preset qwen3-30b-a3b "${experts[@]}" \
-          --tokens 64,128,256 --impls "$decode" --check-rows 16 --kernel-time --iters 5 --reps 5
+          --tokens 64,128,256 --impls "$decode" --check-rows 16 --kernel-time
         LIMIT=240 bench "gemm-prefill-$dtype" 8 grouped_gemm --preset qwen3-30b-a3b "${experts[@]}" \
-          --tokens 4096,16384 --impls dense,mosaic --check-rows 16 --kernel-time --iters 5 --reps 5
+          --tokens 4096,16384 --impls dense,mosaic --check-rows 16 --kernel-time
       done ;;
+    mosaic-odd)  # the Mosaic kernels with an odd column tile (DeepSeek-V2-Lite's F = 1408)
+      # against the Pallas ones, for "auto"'s rule (grouped_gemm._mosaic_serves)
+      LIMIT=240 bench gemm-dsv2-lite-mosaic 10 grouped_gemm --preset deepseek-v2-lite \
+        --tokens 4096,16384 --impls dense,pallas,mosaic --check-rows 16 --kernel-time ;;
+    fp8-threshold)  # the FP8 layer on Pallas (balanced row tiles) against Mosaic around
+      # MOSAIC_FP8_MIN_ROWS (2048 rows: 256 tokens x 8)
+      LIMIT=240 bench fp8-threshold 14 grouped_gemm --preset qwen3-30b-a3b \
+        --expert-dtype float8_e4m3fn --tokens 256,512,1024,2048 --impls pallas,mosaic \
+        --check-rows 16 --kernel-time ;;
     host)  # the runner's host time per step into a copy of the shipped cost table
       cp jtbo/analysis/step_costs_h200.json "$OUT/step_costs_h200.json"
       echo "== python -m jtbo.bench predict --measure --sections runner_host"
@@ -107,7 +118,7 @@ for group in "$@"; do
         --out "$OUT/step_costs_h200.json" >"$OUT/runner-host.log" 2>&1
       echo "(exit $?)"; grep "runner_host\|wrote" "$OUT/runner-host.log" ;;
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
-      "mla, fp8-tiles, gemm-kernels)"
+      "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold)"
       exit 2 ;;
   esac
 done

@@ -77,11 +77,15 @@ def test_mosaic_spec_parses_per_kernel_configs():
 def test_the_mosaic_layer_row_is_checked_and_timed(capsys):
     # Two experts, one pick each: few tiles, so the interpreter runs the kernels quickly.
     flags = "--hidden 128 --ffn 128 --experts 2 --top-k 1 --tokens 16 --warmup 0 --iters 1"
-    flags += " --reps 1 --impls dense,mosaic:128x64x64s2 --no-copy-ceiling"
+    flags += " --reps 1 --impls dense,mosaic:128x64x64s2 --no-copy-ceiling --kernel-time"
     grouped_gemm.main(flags.split())
-    rows = _table(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    rows = _table(out)
     assert [r[1] for r in rows] == ["dense", "mosaic:128x64x64s2", "mosaic:128x64x64s2 (kernel)"]
     assert float(rows[1][8]) < 1e-2  # rel err against float32
+    # --kernel-time traced each row; the CPU's trace holds no GPU kernels.
+    for impl in ("dense", "mosaic:128x64x64s2", "mosaic:128x64x64s2 (kernel)"):
+        assert f"T=16 {impl}: no compute kernels in the trace" in out
 
 
 def test_interleaved_timing_gives_one_median_per_case():
