@@ -36,7 +36,8 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
   block_n x block_k, warps, pipeline stages, row-tile group; omitted parts keep the
   defaults), e.g.
   ``pallas:128x64x64w8s3/128x128x64w8s3`` (a spec's row tiles follow the capacity:
-  ``balanced_row_tiles`` off, as in the float default; the FP8 default has it on). With FP8 experts the kernels quantize the rows
+  ``balanced_row_tiles`` off, as in the float default; the FP8 default has it on). With FP8
+  experts the kernels quantize the rows
   too (``fp8_activations``, the default); ``pallas:weight_only[:SPEC]`` runs them with float
   rows (weight-only FP8). Before timing, the kernel alone is checked on the
   first two experts' slots against ``grouped_ffn_reference`` (float32, exact count) and its
