@@ -22,8 +22,13 @@ def _table(text: str) -> list[list[str]]:
 
 
 def test_small_run_prints_both_impls_with_small_errors(capsys):
-    grouped_gemm.main(["--small", "--impls", "capacity,ragged_dot"])
-    rows = _table(capsys.readouterr().out)
+    grouped_gemm.main(["--small", "--impls", "capacity,ragged_dot", "--kernel-time"])
+    out = capsys.readouterr().out
+    rows = _table(out)
+    # --kernel-time traced each row; the CPU's trace holds no GPU kernels.
+    for tokens in (16, 64):
+        for impl in ("capacity", "ragged_dot"):
+            assert f"T={tokens} {impl}: no compute kernels in the trace" in out
     assert [(r[0], r[1]) for r in rows] == [
         ("16", "capacity"),
         ("16", "ragged_dot"),
@@ -77,15 +82,11 @@ def test_mosaic_spec_parses_per_kernel_configs():
 def test_the_mosaic_layer_row_is_checked_and_timed(capsys):
     # Two experts, one pick each: few tiles, so the interpreter runs the kernels quickly.
     flags = "--hidden 128 --ffn 128 --experts 2 --top-k 1 --tokens 16 --warmup 0 --iters 1"
-    flags += " --reps 1 --impls dense,mosaic:128x64x64s2 --no-copy-ceiling --kernel-time"
+    flags += " --reps 1 --impls dense,mosaic:128x64x64s2 --no-copy-ceiling"
     grouped_gemm.main(flags.split())
-    out = capsys.readouterr().out
-    rows = _table(out)
+    rows = _table(capsys.readouterr().out)
     assert [r[1] for r in rows] == ["dense", "mosaic:128x64x64s2", "mosaic:128x64x64s2 (kernel)"]
     assert float(rows[1][8]) < 1e-2  # rel err against float32
-    # --kernel-time traced each row; the CPU's trace holds no GPU kernels.
-    for impl in ("dense", "mosaic:128x64x64s2", "mosaic:128x64x64s2 (kernel)"):
-        assert f"T=16 {impl}: no compute kernels in the trace" in out
 
 
 def test_interleaved_timing_gives_one_median_per_case():
