@@ -142,12 +142,13 @@ from jtbo.models import experts, step
 
 
 def jit_as_step(fn: Callable, xla_defaults: bool = False) -> Callable:
-    """``fn`` jitted with the options a model step compiles with on a GPU
-    (``step.GPU_COMMAND_BUFFER``: the layer's kernels run as one CUDA graph, as inside a
-    step), or with XLA's defaults (``xla_defaults``, and off GPUs)."""
-    if xla_defaults or jax.default_backend() != "gpu":
+    """``fn`` jitted with the options a plain model step on one device compiles with
+    (``step.step_compiler_options``: on a GPU the layer's kernels run as one CUDA graph, as
+    inside a step; none elsewhere), or with XLA's defaults (``xla_defaults``)."""
+    if xla_defaults:
         return jax.jit(fn)
-    return jax.jit(fn, compiler_options={"xla_gpu_enable_command_buffer": step.GPU_COMMAND_BUFFER})
+    one_device = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("device",))
+    return jax.jit(fn, compiler_options=step.step_compiler_options(one_device, None))
 
 
 IMPLS = ("capacity", "dense", "pallas", "mosaic", "ragged_dot", "tokamax")
