@@ -73,9 +73,10 @@ default options);
 after ``--warmup`` calls, ``--reps`` batches of ``--iters`` calls are enqueued back to back and
 waited for (``block_until_ready``); the table gives the median per-call time. A batch
 carries a fixed cost besides its calls (the first call's dispatch before the GPU starts, the
-wait at its end: about 0.3 ms on one H200), so few calls per batch inflate a decode-size
-layer's time per call by a fifth at 5 calls; the default of 20 keeps it near the steady
-rate at which a model step runs its layers back to back. The impls of
+wait at its end), which few calls per batch add to a decode-size layer's time per call
+(docs/benchmarks/, "Grouped GEMM kernels at Qwen3-30B-A3B's expert shape"); the default of
+20 keeps it near the steady rate at which a model step runs its layers back to back. The
+impls of
 one T are timed in turns, one batch of each per rep (``device_rates.time_fns_interleaved``):
 a GPU's clock falls within seconds of matmuls, so impls timed one after the other would
 compare different clocks (docs/benchmarks/, "the clock falls under load"). ``useful TF/s``
