@@ -96,10 +96,11 @@ MOSAIC_MIN_ROWS = 16384
 GPU: the smallest size measured where the Mosaic GPU layer beat the Pallas one (2048 tokens x 8
 experts; at decode sizes, where both read the weights once, Pallas was ahead: docs/benchmarks/,
 "the grouped FFN on Mosaic GPU")."""
-MOSAIC_FP8_MIN_ROWS = 2048
+MOSAIC_FP8_MIN_ROWS = 4096
 """The same threshold for FP8 weights with FP8 activations: at Qwen3-30B-A3B's expert shape the
-Mosaic GPU FP8 layer was ahead of the Pallas one from 256 tokens x 8 experts, behind at 64 x 8
-(docs/benchmarks/, "FP8 experts on Mosaic GPU")."""
+Mosaic GPU FP8 layer was level with the Pallas one (balanced row tiles) at 512 tokens x 8
+experts, ahead from 1024 x 8 and behind at 256 x 8 (docs/benchmarks/, "FP8 experts: the
+Mosaic threshold")."""
 
 
 def _tile_at(pid, *, num_tiles: int, num_n: int, group_m: int):
@@ -130,11 +131,13 @@ class _Fp8:
 
 def _gate_up_kernel(
     tiles_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, ffn, gathered, fp8,
+    quantize_rows,
 ):  # fmt: skip
     # tiles_ref: [3, num_tiles] int32 (expert or -1, first row, end row). Then, in order:
     # source_ref [R] int32 (gathered only): the row of x_ref each slot holds (-1 empty);
-    # x_ref [R, H] slot rows, or [N, H] source rows when gathered (FP8 with FP8 activations);
-    # xs_ref [R or N, H / qk] float32 row scales (FP8 activations only);
+    # x_ref [R, H] slot rows, or [N, H] source rows when gathered (FP8 with FP8 activations
+    # quantized before the kernel; float rows that quantize_rows quantizes per step here);
+    # xs_ref [R or N, H / qk] float32 row scales (FP8 activations quantized before only);
     # w_ref [E, H, 2 * F] (gate columns, then up columns), or FP8 [E, 2 * F, H] (gate rows,
     # then up rows); s_ref [E, 2 * ceil(F / qn), H / qk] float32 block scales (FP8 only);
     # h_ref [R, F] (FP8 with FP8 activations); hs_ref [R, F / block_n] float32 (FP8
@@ -142,7 +145,7 @@ def _gate_up_kernel(
     refs = list(refs)
     source_ref = refs.pop(0) if gathered else None
     x_ref = refs.pop(0)
-    xs_ref = refs.pop(0) if fp8 is not None and fp8.activations else None
+    xs_ref = refs.pop(0) if fp8 is not None and fp8.activations and not quantize_rows else None
     weights = _WeightTiles(refs.pop(0), refs.pop(0) if fp8 is not None else None, fp8)
     h_ref, hs_ref = refs[0], refs[1] if len(refs) > 1 else None
     tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
@@ -153,6 +156,8 @@ def _gate_up_kernel(
         start, live = _tile_rows(tiles_ref, tile, block_m)
         qk = fp8.quant_block[0] if fp8 is not None else block_k
         load_rows = _row_loader(source_ref, x_ref, xs_ref, start, live, (block_m, block_k), qk)
+        if quantize_rows:  # a contraction step is one quantization group of each row
+            load_rows = _quantized(load_rows)
         n0 = pl.multiple_of(col * block_n, block_n)
         up_scale_row = 0 if fp8 is None else -(-ffn // fp8.quant_block[1])
 
@@ -173,6 +178,16 @@ def _gate_up_kernel(
             hidden, scale = _quantize_rows(hidden)
             plgpu.store(hs_ref.at[rows, pl.ds(col, 1)], scale, mask=live)
         plgpu.store(h_ref.at[rows, pl.ds(n0, block_n)], hidden.astype(h_ref.dtype), mask=h_mask)
+
+
+def _quantized(load_rows):
+    """``load_rows`` (float rows, no scales) with each loaded row quantized on its own."""
+
+    def load(k0):
+        x, _ = load_rows(k0)
+        return _quantize_rows(x.astype(_F32))
+
+    return load
 
 
 def _quantize_rows(values):
@@ -360,7 +375,7 @@ def _weight_operands(w, matrix_shape: tuple[int, int, int]) -> tuple[list, tuple
 
 
 def _gate_up_call(
-    x_rows, source, w_gate_up, group_start, counts, *, rows, tile_rows, max_rows, cfg, interpret,
+    x_rows, source, w_gate_up, counts, *, rows, tile_rows, max_rows, cfg, interpret,
     fp8, down_fp8,
 ):  # fmt: skip
     """Kernel 1: the ``[E * C, F]`` hidden rows of every live tile (and their row scales with
@@ -373,17 +388,24 @@ def _gate_up_call(
     )
     num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = ffn // block_n
+    fp8_rows = fp8 is not None and fp8.activations
+    # A contraction step of a whole quantization group quantizes its rows in the kernel,
+    # which saves the few small kernels of quantizing them before.
+    quantize_rows = fp8_rows and block_k == fp8.quant_block[0]
     kernel = functools.partial(
         _gate_up_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
         block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn, gathered=source is not None,
-        fp8=fp8,
+        fp8=fp8, quantize_rows=quantize_rows,
     )  # fmt: skip
-    operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles)]
+    operands = [_tile_table(counts, block_m, num_tiles, rows, interpret)]
     operands += [] if source is None else [source]
     flat_rows = num_experts * rows
-    if fp8 is not None and fp8.activations:
-        quantized = fp8_blocks.quantize_blocks(x_rows, (1, fp8.quant_block[0]))
-        operands += [quantized.values, quantized.scales, *weights]
+    if fp8_rows:
+        if quantize_rows:
+            operands += [x_rows, *weights]
+        else:
+            quantized = fp8_blocks.quantize_blocks(x_rows, (1, fp8.quant_block[0]))
+            operands += [quantized.values, quantized.scales, *weights]
         out_shape = (
             jax.ShapeDtypeStruct((flat_rows, ffn), fp8_blocks.FP8_DTYPE),
             jax.ShapeDtypeStruct((flat_rows, num_n), _F32),
@@ -401,7 +423,7 @@ def _gate_up_call(
 
 
 def _down_call(
-    hidden_rows, w_down, group_start, counts, *, rows, tile_rows, max_rows, cfg, interpret,
+    hidden_rows, w_down, counts, *, rows, tile_rows, max_rows, cfg, interpret,
     zero_padding, fp8, out_dtype,
 ):  # fmt: skip
     """Kernel 2 over flat hidden rows (``[R, F]``, or with FP8 activations ``(values, row
@@ -418,7 +440,7 @@ def _down_call(
     )  # fmt: skip
     h_operands = list(hidden_rows) if isinstance(hidden_rows, tuple) else [hidden_rows]
     out_shape = jax.ShapeDtypeStruct((h_operands[0].shape[0], hidden), out_dtype)
-    operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles), *h_operands]
+    operands = [_tile_table(counts, block_m, num_tiles, rows, interpret), *h_operands]
     operands += weights
     aliases = {len(operands): 0} if zero_padding else {}  # the zero buffer is the output
     operands += [jnp.zeros(out_shape.shape, out_shape.dtype)] if zero_padding else []
@@ -430,6 +452,13 @@ def _down_call(
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(*operands)
+
+
+def _tile_table(counts, block_m, num_tiles, capacity, interpret) -> jax.Array:
+    """The kernels' row-tile table over the capacity slots (expert ``e`` from row ``e * C``),
+    built by one Pallas kernel (``tile_table.row_tiles_pallas``) from the counts as given,
+    clipped to ``[0, C]`` there."""
+    return tile_table.row_tiles_pallas(counts, capacity, block_m, num_tiles, capacity, interpret)
 
 
 def _fp8_modes(w_gate_up, w_down, fp8_activations: bool) -> tuple[_Fp8 | None, _Fp8 | None]:
@@ -445,10 +474,10 @@ def grouped_ffn_pallas(
     x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, interpret, zero_padding=True,
     fp8_activations=True,
 ):  # fmt: skip
-    """Pallas impl over the capacity-slot layout (``counts`` already clipped to ``[0, C]``);
-    ``x_slots`` a slot buffer or ``SlotRows`` (loaded through its row index)."""
+    """Pallas impl over the capacity-slot layout (``counts`` as given: the tile table clips
+    them to ``[0, C]``); ``x_slots`` a slot buffer or ``SlotRows`` (loaded through its row
+    index)."""
     num_experts, capacity, hidden = x_slots.shape
-    group_start = jnp.arange(num_experts, dtype=jnp.int32) * capacity
     tile_rows = tile_row_count(capacity, max_rows, num_experts, cfg.balanced_row_tiles)
     common = dict(rows=capacity, tile_rows=tile_rows, max_rows=max_rows, interpret=interpret)
     if isinstance(x_slots, slot_rows.SlotRows):
@@ -457,11 +486,11 @@ def grouped_ffn_pallas(
         x_rows, source = x_slots.reshape(num_experts * capacity, hidden), None
     gate_up_fp8, down_fp8 = _fp8_modes(w_gate_up, w_down, fp8_activations)
     hidden_rows = _gate_up_call(
-        x_rows, source, w_gate_up, group_start, counts, cfg=cfg.gate_up, fp8=gate_up_fp8,
+        x_rows, source, w_gate_up, counts, cfg=cfg.gate_up, fp8=gate_up_fp8,
         down_fp8=down_fp8, **common,
     )  # fmt: skip
     out = _down_call(
-        hidden_rows, w_down, group_start, counts, cfg=cfg.down, zero_padding=zero_padding,
+        hidden_rows, w_down, counts, cfg=cfg.down, zero_padding=zero_padding,
         fp8=down_fp8, out_dtype=x_rows.dtype, **common,
     )  # fmt: skip
     return out.reshape((num_experts, capacity, w_down.shape[2]))
@@ -669,24 +698,26 @@ def grouped_ffn_rows(
     shape = (rows, hidden, w_gate_up.shape[3])
     quant_block = _quant_block(w_gate_up)
     impl = _resolve(impl, config, shape, x_slots.dtype, quant_block, fp8_activations)
-    counts = jnp.clip(counts.astype(jnp.int32), 0, capacity)
-    if impl == "xla" or math.prod(x_slots.shape) == 0:
-        return _xla_any_weights(_materialized(x_slots), counts, w_gate_up, w_down, fp8_activations)
     interpret = impls.backend() == "cpu"
-    if impl == impls.MOSAIC and quant_block is not None:
+    if math.prod(x_slots.shape) == 0:
+        impl = "xla"
+    if impl == "pallas":  # the kernels' tile table clips the counts
+        return grouped_ffn_pallas(
+            x_slots, counts.astype(jnp.int32), w_gate_up, w_down, max_rows=max_rows,
+            cfg=config or _default_config(w_gate_up), interpret=interpret,
+            zero_padding=zero_padding, fp8_activations=fp8_activations,
+        )  # fmt: skip
+    counts = jnp.clip(counts.astype(jnp.int32), 0, capacity)
+    if impl == "xla":
+        return _xla_any_weights(_materialized(x_slots), counts, w_gate_up, w_down, fp8_activations)
+    if quant_block is not None:
         return grouped_gemm_mosaic_fp8.grouped_ffn_mosaic_fp8(
             x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
             cfg=config or gemm_config.MOSAIC_FFN_FP8, interpret=interpret,
         )  # fmt: skip
-    if impl == impls.MOSAIC:
-        return grouped_gemm_mosaic.grouped_ffn_mosaic(
-            x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
-            cfg=config or gemm_config.MOSAIC_FFN, interpret=interpret,
-        )  # fmt: skip
-    return grouped_ffn_pallas(
+    return grouped_gemm_mosaic.grouped_ffn_mosaic(
         x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
-        cfg=config or _default_config(w_gate_up), interpret=interpret, zero_padding=zero_padding,
-        fp8_activations=fp8_activations,
+        cfg=config or gemm_config.MOSAIC_FFN, interpret=interpret,
     )  # fmt: skip
 
 
@@ -729,9 +760,9 @@ def auto_impl(
     and ``ffn`` deep, its weights float (``quant_block`` None) or FP8 in ``quant_block =
     (qk, qn)`` blocks, with FP8 activations or weight-only (``fp8_activations``).
 
-    ``"mosaic"`` where it runs and tiles the shapes and dtype in whole column pairs
-    (``grouped_gemm_mosaic.pairs_columns``), from ``MOSAIC_MIN_ROWS`` rows (float weights) or
-    ``MOSAIC_FP8_MIN_ROWS`` (FP8 weights with FP8 activations); else the
+    ``"mosaic"`` where it runs and tiles the shapes and dtype, from ``MOSAIC_MIN_ROWS`` rows
+    (float weights) or ``MOSAIC_FP8_MIN_ROWS`` (FP8 weights with FP8 activations, in whole
+    column pairs: ``grouped_gemm_mosaic.pairs_columns``); else the
     backend's fastest (``impls.FASTEST``) if it tiles them (FP8: inside the blocks), else
     ``"xla"``.
     """
@@ -752,13 +783,11 @@ def _mosaic_serves(rows, hidden, ffn, dtype, quant_block, fp8_activations) -> bo
         return False
     if impls.unavailable_reason(impls.MOSAIC, "gpu") is not None:
         return False
-    # Shapes with an odd column tile (computed twice) run Mosaic on request only: they were
-    # not measured against the Pallas kernels.
     if quant_block is None:
-        cfg = gemm_config.MOSAIC_FFN
-        fits = grouped_gemm_mosaic.tiles(hidden, ffn, cfg)
-        paired = grouped_gemm_mosaic.pairs_columns(hidden, ffn, cfg)
-        return rows >= MOSAIC_MIN_ROWS and fits and paired
+        fits = grouped_gemm_mosaic.tiles(hidden, ffn, gemm_config.MOSAIC_FFN)
+        return rows >= MOSAIC_MIN_ROWS and fits
+    # FP8 shapes with an odd column tile (computed twice) run Mosaic on request only: the odd
+    # tile was measured against the Pallas kernels with float weights alone.
     cfg = gemm_config.MOSAIC_FFN_FP8
     fits = grouped_gemm_mosaic_fp8.tiles(hidden, ffn, quant_block, cfg)
     paired = grouped_gemm_mosaic.pairs_columns(hidden, ffn, cfg)
