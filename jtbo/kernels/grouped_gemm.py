@@ -49,9 +49,13 @@ as the checkpoint has them), the order in which an FP8 tensor-core dot takes its
 operand; their block_k and block_n divide the block sizes, so a weight tile has one scale.
 Two schemes (``fp8_activations``):
 
-* FP8 activations (the default; DeepSeek-V3's inference scheme): before the gate / up kernel
-  each row of x is quantized per ``qk`` columns (one float32 scale per row and group,
-  ``fp8_blocks.quantize_blocks`` in ``(1, qk)`` blocks); each step is an FP8 x FP8 dot with
+* FP8 activations (the default; DeepSeek-V3's inference scheme): each row of x is quantized
+  per ``qk`` columns (one float32 scale per row and group, ``fp8_blocks.quantize_blocks`` in
+  ``(1, qk)`` blocks). Slot rows (a slot buffer) are quantized inside the gate / up kernel
+  when its contraction step is one group (``block_k == qk``): each step quantizes the rows
+  it loads, so the padding slots are never quantized. Source rows (``SlotRows``), one per
+  token, are quantized before the kernel, once each rather than once per column tile. Each
+  step is an FP8 x FP8 dot with
   float32 sums, scaled by the rows' and the block's scales. The gate / up epilogue quantizes
   the hidden rows the same way, per the down weight's ``qk`` columns, which is its column
   tile, so a tile row is one group and its scale is the tile row's largest magnitude; the
@@ -375,7 +379,7 @@ def _weight_operands(w, matrix_shape: tuple[int, int, int]) -> tuple[list, tuple
 
 
 def _gate_up_call(
-    x_rows, source, w_gate_up, counts, *, rows, tile_rows, max_rows, cfg, interpret,
+    x_rows, source, w_gate_up, group_start, counts, *, rows, tile_rows, max_rows, cfg, interpret,
     fp8, down_fp8,
 ):  # fmt: skip
     """Kernel 1: the ``[E * C, F]`` hidden rows of every live tile (and their row scales with
@@ -389,15 +393,16 @@ def _gate_up_call(
     num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = ffn // block_n
     fp8_rows = fp8 is not None and fp8.activations
-    # A contraction step of a whole quantization group quantizes its rows in the kernel,
-    # which saves the few small kernels of quantizing them before.
-    quantize_rows = fp8_rows and block_k == fp8.quant_block[0]
+    # Slot rows, padding included, are quantized in the kernel when a contraction step is one
+    # group: only the live rows are then quantized. Source rows are few: quantized before,
+    # once each (inside, each column tile would quantize them again).
+    quantize_rows = fp8_rows and source is None and block_k == fp8.quant_block[0]
     kernel = functools.partial(
         _gate_up_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
         block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn, gathered=source is not None,
         fp8=fp8, quantize_rows=quantize_rows,
     )  # fmt: skip
-    operands = [_tile_table(counts, block_m, num_tiles, rows, interpret)]
+    operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles)]
     operands += [] if source is None else [source]
     flat_rows = num_experts * rows
     if fp8_rows:
@@ -423,7 +428,7 @@ def _gate_up_call(
 
 
 def _down_call(
-    hidden_rows, w_down, counts, *, rows, tile_rows, max_rows, cfg, interpret,
+    hidden_rows, w_down, group_start, counts, *, rows, tile_rows, max_rows, cfg, interpret,
     zero_padding, fp8, out_dtype,
 ):  # fmt: skip
     """Kernel 2 over flat hidden rows (``[R, F]``, or with FP8 activations ``(values, row
@@ -440,7 +445,7 @@ def _down_call(
     )  # fmt: skip
     h_operands = list(hidden_rows) if isinstance(hidden_rows, tuple) else [hidden_rows]
     out_shape = jax.ShapeDtypeStruct((h_operands[0].shape[0], hidden), out_dtype)
-    operands = [_tile_table(counts, block_m, num_tiles, rows, interpret), *h_operands]
+    operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles), *h_operands]
     operands += weights
     aliases = {len(operands): 0} if zero_padding else {}  # the zero buffer is the output
     operands += [jnp.zeros(out_shape.shape, out_shape.dtype)] if zero_padding else []
@@ -452,13 +457,6 @@ def _down_call(
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(*operands)
-
-
-def _tile_table(counts, block_m, num_tiles, capacity, interpret) -> jax.Array:
-    """The kernels' row-tile table over the capacity slots (expert ``e`` from row ``e * C``),
-    built by one Pallas kernel (``tile_table.row_tiles_pallas``) from the counts as given,
-    clipped to ``[0, C]`` there."""
-    return tile_table.row_tiles_pallas(counts, capacity, block_m, num_tiles, capacity, interpret)
 
 
 def _fp8_modes(w_gate_up, w_down, fp8_activations: bool) -> tuple[_Fp8 | None, _Fp8 | None]:
@@ -474,10 +472,10 @@ def grouped_ffn_pallas(
     x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, interpret, zero_padding=True,
     fp8_activations=True,
 ):  # fmt: skip
-    """Pallas impl over the capacity-slot layout (``counts`` as given: the tile table clips
-    them to ``[0, C]``); ``x_slots`` a slot buffer or ``SlotRows`` (loaded through its row
-    index)."""
+    """Pallas impl over the capacity-slot layout (``counts`` already clipped to ``[0, C]``);
+    ``x_slots`` a slot buffer or ``SlotRows`` (loaded through its row index)."""
     num_experts, capacity, hidden = x_slots.shape
+    group_start = jnp.arange(num_experts, dtype=jnp.int32) * capacity
     tile_rows = tile_row_count(capacity, max_rows, num_experts, cfg.balanced_row_tiles)
     common = dict(rows=capacity, tile_rows=tile_rows, max_rows=max_rows, interpret=interpret)
     if isinstance(x_slots, slot_rows.SlotRows):
@@ -486,11 +484,11 @@ def grouped_ffn_pallas(
         x_rows, source = x_slots.reshape(num_experts * capacity, hidden), None
     gate_up_fp8, down_fp8 = _fp8_modes(w_gate_up, w_down, fp8_activations)
     hidden_rows = _gate_up_call(
-        x_rows, source, w_gate_up, counts, cfg=cfg.gate_up, fp8=gate_up_fp8,
+        x_rows, source, w_gate_up, group_start, counts, cfg=cfg.gate_up, fp8=gate_up_fp8,
         down_fp8=down_fp8, **common,
     )  # fmt: skip
     out = _down_call(
-        hidden_rows, w_down, counts, cfg=cfg.down, zero_padding=zero_padding,
+        hidden_rows, w_down, group_start, counts, cfg=cfg.down, zero_padding=zero_padding,
         fp8=down_fp8, out_dtype=x_rows.dtype, **common,
     )  # fmt: skip
     return out.reshape((num_experts, capacity, w_down.shape[2]))
@@ -698,26 +696,24 @@ def grouped_ffn_rows(
     shape = (rows, hidden, w_gate_up.shape[3])
     quant_block = _quant_block(w_gate_up)
     impl = _resolve(impl, config, shape, x_slots.dtype, quant_block, fp8_activations)
-    interpret = impls.backend() == "cpu"
-    if math.prod(x_slots.shape) == 0:
-        impl = "xla"
-    if impl == "pallas":  # the kernels' tile table clips the counts
-        return grouped_ffn_pallas(
-            x_slots, counts.astype(jnp.int32), w_gate_up, w_down, max_rows=max_rows,
-            cfg=config or _default_config(w_gate_up), interpret=interpret,
-            zero_padding=zero_padding, fp8_activations=fp8_activations,
-        )  # fmt: skip
     counts = jnp.clip(counts.astype(jnp.int32), 0, capacity)
-    if impl == "xla":
+    if impl == "xla" or math.prod(x_slots.shape) == 0:
         return _xla_any_weights(_materialized(x_slots), counts, w_gate_up, w_down, fp8_activations)
-    if quant_block is not None:
+    interpret = impls.backend() == "cpu"
+    if impl == impls.MOSAIC and quant_block is not None:
         return grouped_gemm_mosaic_fp8.grouped_ffn_mosaic_fp8(
             x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
             cfg=config or gemm_config.MOSAIC_FFN_FP8, interpret=interpret,
         )  # fmt: skip
-    return grouped_gemm_mosaic.grouped_ffn_mosaic(
+    if impl == impls.MOSAIC:
+        return grouped_gemm_mosaic.grouped_ffn_mosaic(
+            x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
+            cfg=config or gemm_config.MOSAIC_FFN, interpret=interpret,
+        )  # fmt: skip
+    return grouped_ffn_pallas(
         x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
-        cfg=config or gemm_config.MOSAIC_FFN, interpret=interpret,
+        cfg=config or _default_config(w_gate_up), interpret=interpret, zero_padding=zero_padding,
+        fp8_activations=fp8_activations,
     )  # fmt: skip
 
 

@@ -40,9 +40,6 @@ FASTEST = {
     # jtbo.kernels.tile_gather: the kernel skips dead tiles, XLA's gather writes them (the
     # Mosaic grouped GEMM's input; docs/benchmarks/, "The gather into row tiles").
     "gather_tiles": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
-    # jtbo.kernels.capacity_routing: one kernel against XLA's dozen small ones at decode sizes
-    # (capacity_slots takes XLA past KERNEL_MAX_PAIRS pairs whatever this order says).
-    "capacity_slots": {"gpu": ("pallas", "xla"), "cpu": ("xla",)},
     # The paged attention op: "xla" is the native attention, which the paged kernel beats in
     # decode and extend (docs/benchmarks/, "Attention: the paged kernel"); its Triton twin is
     # slower at decode (docs/benchmarks/, "Attention: the jax-triton kernels").

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jtbo.collectives import rows as rows_lib
-from jtbo.kernels import capacity_routing, fp8_blocks, gemm_config, grouped_gemm, slot_rows
+from jtbo.kernels import fp8_blocks, gemm_config, grouped_gemm, slot_rows
 from jtbo.models import config as config_lib
 from jtbo.models import mlp
 
@@ -142,16 +142,11 @@ def experts_capacity(
     """
     num_experts = weights[0].shape[0]
     capacity = x.shape[0] if capacity is None else capacity
-    # The kernel impls take the routing kernel where it is the faster (capacity_slots' impl
-    # None); the XLA impl keeps every step in XLA.
-    routing = capacity_routing.capacity_slots(
-        topk_ids, num_experts, capacity, impl="xla" if impl == "xla" else None
-    )
-    valid = routing.valid(topk_ids)
+    position = slot_positions(topk_ids, num_experts)
+    valid = (topk_ids >= 0) & (topk_ids < num_experts) & (position < capacity)
     expert = jnp.where(valid, topk_ids, num_experts)  # out of bounds: takes no slot
-    position = routing.position
-    slots = slot_rows.SlotRows(x, routing.slot_token)
-    counts = routing.counts
+    slots = slot_rows.SlotRows(x, _slot_tokens(expert, position, num_experts, capacity))
+    counts = jnp.bincount(expert.reshape(-1), length=num_experts + 1)[:num_experts]
     max_rows = min(num_experts * capacity, topk_ids.size)  # a pair fills at most one slot
     # The gather below reads only filled slots: the kernel need not zero the rest.
     out_slots = experts_ffn_slots(
@@ -161,6 +156,15 @@ def experts_capacity(
     gathered = slot_rows.take_slots(out_slots, expert, position)  # [T, k, H]
     scale = jnp.where(valid, topk_weights, 0.0).astype(jnp.float32)
     return jnp.einsum("tkh,tk->th", gathered.astype(jnp.float32), scale).astype(x.dtype)
+
+
+def _slot_tokens(expert, position, num_experts: int, capacity: int) -> jax.Array:
+    """``[E, C]`` the token row in each slot (-1 empty) of the pairs ``(expert, position)``
+    (``[T, k]``; expert ``E`` for a pair that takes no slot)."""
+    slot = jnp.where(expert < num_experts, expert * capacity + position, -1).reshape(-1)
+    pair = slot_rows.invert_slots(slot.astype(jnp.int32), num_experts * capacity)
+    token = jnp.where(pair >= 0, pair // expert.shape[1], -1)
+    return token.reshape(num_experts, capacity)
 
 
 def experts_sorted(
