@@ -757,8 +757,7 @@ def auto_impl(
     (qk, qn)`` blocks, with FP8 activations or weight-only (``fp8_activations``).
 
     ``"mosaic"`` where it runs and tiles the shapes and dtype, from ``MOSAIC_MIN_ROWS`` rows
-    (float weights) or ``MOSAIC_FP8_MIN_ROWS`` (FP8 weights with FP8 activations, in whole
-    column pairs: ``grouped_gemm_mosaic.pairs_columns``); else the
+    (float weights) or ``MOSAIC_FP8_MIN_ROWS`` (FP8 weights with FP8 activations); else the
     backend's fastest (``impls.FASTEST``) if it tiles them (FP8: inside the blocks), else
     ``"xla"``.
     """
@@ -782,12 +781,8 @@ def _mosaic_serves(rows, hidden, ffn, dtype, quant_block, fp8_activations) -> bo
     if quant_block is None:
         fits = grouped_gemm_mosaic.tiles(hidden, ffn, gemm_config.MOSAIC_FFN)
         return rows >= MOSAIC_MIN_ROWS and fits
-    # FP8 shapes with an odd column tile (computed twice) run Mosaic on request only: the odd
-    # tile was measured against the Pallas kernels with float weights alone.
-    cfg = gemm_config.MOSAIC_FFN_FP8
-    fits = grouped_gemm_mosaic_fp8.tiles(hidden, ffn, quant_block, cfg)
-    paired = grouped_gemm_mosaic.pairs_columns(hidden, ffn, cfg)
-    return fp8_activations and rows >= MOSAIC_FP8_MIN_ROWS and fits and paired
+    fits = grouped_gemm_mosaic_fp8.tiles(hidden, ffn, quant_block, gemm_config.MOSAIC_FFN_FP8)
+    return fp8_activations and rows >= MOSAIC_FP8_MIN_ROWS and fits
 
 
 def _check_config(impl: str, config) -> None:

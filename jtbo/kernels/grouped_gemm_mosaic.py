@@ -209,12 +209,6 @@ def tiles(hidden: int, ffn: int, cfg: gemm_config.MosaicFfnConfig) -> bool:
     return _fits(ffn, hidden, cfg.gate_up) and _fits(hidden, ffn, cfg.down)
 
 
-def pairs_columns(hidden: int, ffn: int, cfg) -> bool:
-    """Whether both kernels' column tiles come in whole cluster pairs (none computed twice:
-    ``walk_tiles``); ``cfg`` a ``MosaicFfnConfig``."""
-    return ffn % (2 * cfg.gate_up.tile_n) == 0 and hidden % (2 * cfg.down.tile_n) == 0
-
-
 def _grouped_matmul(tile_expert, a_rows, weights, *, out_cols, column_offsets, epilogue, cfg,
                     interpret):  # fmt: skip
     """``[num_tiles * block_m, out_cols]``: each live row tile times its expert's weights."""

@@ -416,7 +416,7 @@ def test_weight_only_fp8_is_refused_by_mosaic_and_auto_takes_mosaic_for_fp8_rows
     weight_only = dict(quant_block=block, fp8_activations=False)
     assert grouped_gemm.auto_impl(rows, 7168, 2048, **weight_only) == "pallas"
     assert grouped_gemm.auto_impl(fp8_rows - 1, 7168, 2048, quant_block=block) == "pallas"
-    assert grouped_gemm.auto_impl(rows, 7168, 1408, quant_block=block) == "pallas"  # 11 tiles
+    assert grouped_gemm.auto_impl(rows, 7168, 1408, quant_block=block) == "mosaic"  # 11 tiles
     assert grouped_gemm.auto_impl(16, 7168, 2048, quant_block=(128, 8)) == "xla"  # no tile
 
 

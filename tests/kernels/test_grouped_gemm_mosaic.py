@@ -177,13 +177,10 @@ def test_auto_takes_mosaic_from_its_rows_on_hopper_and_pallas_below(monkeypatch)
     assert grouped_gemm.auto_impl(grouped_gemm.MOSAIC_MIN_ROWS, 7168, 2048) == "mosaic"
     assert grouped_gemm.auto_impl(grouped_gemm.MOSAIC_MIN_ROWS - 1, 7168, 2048) == "pallas"
     assert grouped_gemm.auto_impl(1 << 20, 7168, 96) == "pallas"  # mosaic cannot tile 96
-    # DeepSeek-V2-Lite's F: Mosaic tiles it with an odd column tile (its last computed twice).
+    # DeepSeek-V2-Lite's F: Mosaic tiles it with an odd column tile (its last computed twice),
+    # float and FP8 weights alike.
     assert grouped_gemm.auto_impl(1 << 20, 2048, 1408) == "mosaic"
-    assert not grouped_gemm_mosaic.pairs_columns(2048, 1408, gemm_config.MOSAIC_FFN)
-    # FP8 weights at that shape: the odd tile was not measured with them: Pallas.
-    fp8 = dict(quant_block=(128, 128))
-    assert grouped_gemm.auto_impl(1 << 20, 2048, 1408, **fp8) == "pallas"
-    assert grouped_gemm.auto_impl(1 << 20, 2048, 1536, **fp8) == "mosaic"
+    assert grouped_gemm.auto_impl(1 << 20, 2048, 1408, quant_block=(128, 128)) == "mosaic"
     assert grouped_gemm.auto_impl(1 << 20, 7168, 40) == "xla"  # nor can pallas tile 40
     assert grouped_gemm.auto_impl(1 << 20, 7168, 2048, jnp.float32) == "pallas"  # 16-bit only
 
