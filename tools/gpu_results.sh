@@ -65,10 +65,10 @@ for group in "$@"; do
       PYTHONPATH=. timeout 150 python3 tools/fp8_layer_probe.py --tokens 4096,16384,256 \
         --pallas-fp8-max 256 >"$OUT/fp8-probe.log" 2>&1
       echo "(exit $?)"; grep "^|\|rel diff" "$OUT/fp8-probe.log" ;;
-    fp8-step)  # the device step with bf16, then FP8 experts (the Pallas grouped GEMM)
+    fp8-step)  # the device step with bf16, then FP8 experts (both "auto": Mosaic at prefill)
       for dtype in bfloat16 float8_e4m3fn; do
         LIMIT=240 bench "tbo-$dtype" 8 tbo --devices 1 --attention-kind gqa --prefill 4096 \
-          --decode 128 --iters 10 --no-profile --expert-dtype "$dtype" --moe-runner-backend pallas
+          --decode 128 --iters 10 --no-profile --expert-dtype "$dtype"
       done ;;
     real-dims)  # the plain and TBO device steps at published models' dimensions (8 layers); a cold
       # machine compiles each model's eight step programs for several minutes
@@ -103,11 +103,11 @@ for group in "$@"; do
           --tokens 4096,16384 --impls dense,mosaic --check-rows 16 --kernel-time
       done ;;
     mosaic-odd)  # the Mosaic kernels with an odd column tile (DeepSeek-V2-Lite's F = 1408)
-      # against the Pallas ones, for "auto"'s rule (grouped_gemm._mosaic_serves)
+      # against the Pallas ones, the measure of "auto"'s rule (grouped_gemm._mosaic_serves)
       LIMIT=240 bench gemm-dsv2-lite-mosaic 10 grouped_gemm --preset deepseek-v2-lite \
         --tokens 4096,16384 --impls dense,pallas,mosaic --check-rows 16 --kernel-time ;;
     fp8-threshold)  # the FP8 layer on Pallas (balanced row tiles) against Mosaic around
-      # MOSAIC_FP8_MIN_ROWS (2048 rows: 256 tokens x 8)
+      # MOSAIC_FP8_MIN_ROWS (4096 rows: 512 tokens x 8)
       LIMIT=240 bench fp8-threshold 14 grouped_gemm --preset qwen3-30b-a3b \
         --expert-dtype float8_e4m3fn --tokens 256,512,1024,2048 --impls pallas,mosaic \
         --check-rows 16 --kernel-time ;;
