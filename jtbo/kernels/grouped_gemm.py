@@ -55,11 +55,10 @@ Two schemes (``fp8_activations``):
   when its contraction step is one group (``block_k == qk``): each step quantizes the rows
   it loads, so the padding slots are never quantized. Source rows (``SlotRows``), one per
   token, are quantized before the kernel, once each rather than once per column tile. Each
-  step is an FP8 x FP8 dot with
-  float32 sums, scaled by the rows' and the block's scales. The gate / up epilogue quantizes
-  the hidden rows the same way, per the down weight's ``qk`` columns, which is its column
-  tile, so a tile row is one group and its scale is the tile row's largest magnitude; the
-  down kernel reads FP8 hidden rows and their scales.
+  step is an FP8 x FP8 dot with float32 sums, scaled by the rows' and the block's scales. The
+  gate / up epilogue quantizes the hidden rows the same way, per the down weight's ``qk``
+  columns, which is its column tile, so a tile row is one group and its scale is the tile
+  row's largest magnitude; the down kernel reads FP8 hidden rows and their scales.
 * Weight-only (``fp8_activations=False``): the rows stay in their float dtype; each FP8 tile is
   widened to it (exact: e4m3 values are bf16 values) and the partial product scaled.
 
