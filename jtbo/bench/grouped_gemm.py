@@ -34,14 +34,13 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
   (``kernels.SlotRows``) instead of a slot buffer. ``pallas:SPEC`` sets its launch shapes:
   ``SPEC`` is ``MxNxK[wW][sS][gG]`` for both kernels or ``GATE_UP/DOWN`` for each (block_m x
   block_n x block_k, warps, pipeline stages, row-tile group; omitted parts keep the
-  defaults), e.g.
-  ``pallas:128x64x64w8s3/128x128x64w8s3`` (a spec's row tiles follow the capacity:
-  ``balanced_row_tiles`` off, as in the float default; the FP8 default has it on). With FP8
-  experts the kernels quantize the rows
-  too (``fp8_activations``, the default); ``pallas:weight_only[:SPEC]`` runs them with float
-  rows (weight-only FP8). Before timing, the kernel alone is checked on the
-  first two experts' slots against ``grouped_ffn_reference`` (float32, exact count) and its
-  padding slots must come out zero (a log line; a failure is an error row). Each ``pallas``
+  defaults), e.g. ``pallas:128x64x64w8s3/128x128x64w8s3`` (a spec's row tiles follow the
+  capacity: ``balanced_row_tiles`` off, as in the float default; the FP8 default has it on).
+  With FP8 experts the kernels quantize the rows too (``fp8_activations``, the default);
+  ``pallas:weight_only[:SPEC]`` runs them with float rows (weight-only FP8). Before timing,
+  the kernel alone is checked on the first two experts' slots against
+  ``grouped_ffn_reference`` (float32, exact count) and its padding slots must come out zero
+  (a log line; a failure is an error row). Each ``pallas``
   row is followed by ``pallas (kernel)``: ``kernels.grouped_ffn`` alone on a slot buffer laid
   out beforehand, without the layer's slot index and its gather out of the slots.
 * ``mosaic``: ``experts_capacity`` with ``impl="mosaic"``: the Hopper kernels (Pallas Mosaic
@@ -76,10 +75,10 @@ carries a fixed cost besides its calls (the first call's dispatch before the GPU
 wait at its end), which few calls per batch add to a decode-size layer's time per call
 (docs/benchmarks/, "Grouped GEMM kernels at Qwen3-30B-A3B's expert shape"); the default of
 20 keeps it near the steady rate at which a model step runs its layers back to back. The
-impls of
-one T are timed in turns, one batch of each per rep (``device_rates.time_fns_interleaved``):
-a GPU's clock falls within seconds of matmuls, so impls timed one after the other would
-compare different clocks (docs/benchmarks/, "the clock falls under load"). ``useful TF/s``
+impls of one T are timed in turns, one batch of each per rep
+(``device_rates.time_fns_interleaved``): a GPU's clock falls within seconds of matmuls, so
+impls timed one after the other would compare different clocks (docs/benchmarks/, "the clock
+falls under load"). ``useful TF/s``
 = 2 * 3 * T * k * H * F / time; ``time / capacity`` is the impl's time over ``capacity``'s at
 the same T (< 1: faster); ``vs dense`` = the dense row's time over the impl's (its useful TF/s
 as a fraction of dense; target >= 0.75 at 4096-16384 tokens). ``weight GB/s`` = the bytes of
