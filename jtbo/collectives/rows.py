@@ -41,24 +41,98 @@ def attn_tp_shard(x: jax.Array, attn_tp_size: int, attn_tp_rank: jax.Array) -> j
     return jax.lax.dynamic_slice_in_dim(x, attn_tp_rank * shard_rows, shard_rows, axis=0)
 
 
-def rank_within_group(group: jax.Array, num_groups: int) -> jax.Array:
-    """For each element, how many earlier elements share its group (an exclusive running count).
+RANK_BLOCK = 128
+"""Elements per block of ``group_ranks``' blocked running count."""
 
-    This is the slot of a (token, choice) pair in its expert's (or its peer's) buffer: EP
+
+def group_ranks(
+    group: jax.Array, num_groups: int, *, block: int = RANK_BLOCK
+) -> tuple[jax.Array, jax.Array]:
+    """Each element's rank within its group (an exclusive running count) and each group's size.
+
+    The rank is the slot of a (token, choice) pair in its expert's (or its peer's) buffer: EP
     dispatch ranks pairs within their peer and expert, the capacity-slot expert layout within
-    their expert.
+    their expert; the sizes are the experts' row counts.
+
+    Blocked, so that nothing of ``N * num_groups`` elements is ever written: the elements are
+    cut into blocks of ``block``; a histogram per block (``[N / block, num_groups]``) and its
+    exclusive running sum over the blocks give each group's count before a block, and within a
+    block an element counts the earlier elements of its own group (``block`` compares each).
+    All three are reductions that XLA fuses with their compares, where a one-hot running sum
+    over all elements wrote and read ``N * num_groups`` counts, and a ``bincount`` serialized
+    its atomic adds on a few addresses.
 
     Args:
       group: ``[N]`` integer group of each element; a value outside ``[0, num_groups)`` (e.g.
         ``num_groups`` or -1 for "no group") counts for no group.
       num_groups: number of groups.
+      block: elements per block (clipped to ``[1, N]``).
+
+    Returns:
+      ``([N] int32 ranks, 0 for elements outside every group; [num_groups] int32 sizes)``.
+    """
+    size = group.shape[0]
+    if size == 0:
+        return jnp.zeros((0,), jnp.int32), jnp.zeros((num_groups,), jnp.int32)
+    label = _block_labels(group, num_groups, max(1, min(block, size)))  # [B, S]
+    hist = _block_histogram(label, num_groups)  # [B, G]
+    before = jnp.cumsum(hist, axis=0, dtype=jnp.int32) - hist  # [B, G] counts in earlier blocks
+    position = jnp.arange(label.shape[1], dtype=jnp.int32)
+    earlier = position[None, :] < position[:, None]  # [i, j]: j comes before i
+    same = label[:, :, None] == label[:, None, :]  # [B, S, S]
+    within = jnp.sum(same & earlier[None], axis=2, dtype=jnp.int32)  # [B, S]
+    base = jnp.take_along_axis(before, jnp.minimum(label, num_groups - 1), axis=1)
+    rank = jnp.where(label < num_groups, base + within, 0).reshape(-1)[:size]
+    return rank, before[-1] + hist[-1]
+
+
+def rank_within_group(group: jax.Array, num_groups: int) -> jax.Array:
+    """For each element, how many earlier elements share its group (``group_ranks``' ranks).
+
+    Args:
+      group: ``[N]`` integer group of each element; a value outside ``[0, num_groups)`` counts
+        for no group.
+      num_groups: number of groups.
 
     Returns:
       ``[N]`` int32 ranks; 0 for elements outside every group.
     """
-    one_hot = group[:, None] == jnp.arange(num_groups, dtype=group.dtype)[None, :]
-    earlier = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32) - one_hot
-    return jnp.sum(jnp.where(one_hot, earlier, 0), axis=1)
+    return group_ranks(group, num_groups)[0]
+
+
+def group_sizes(group: jax.Array, num_groups: int, *, block: int = RANK_BLOCK) -> jax.Array:
+    """Elements per group: ``bincount`` as one reduction per block of ``block`` elements and a
+    sum over the blocks, no atomic adds (``group_ranks``).
+
+    Args:
+      group: ``[N]`` integer group of each element; a value outside ``[0, num_groups)`` counts
+        for no group.
+      num_groups: number of groups.
+      block: elements per block (clipped to ``[1, N]``).
+
+    Returns:
+      ``[num_groups]`` int32 sizes.
+    """
+    if group.shape[0] == 0:
+        return jnp.zeros((num_groups,), jnp.int32)
+    label = _block_labels(group, num_groups, max(1, min(block, group.shape[0])))
+    return jnp.sum(_block_histogram(label, num_groups), axis=0, dtype=jnp.int32)
+
+
+def _block_labels(group: jax.Array, num_groups: int, block: int) -> jax.Array:
+    """``[ceil(N / block), block]`` int32 groups, ``num_groups`` for no group and padding."""
+    in_group = (group >= 0) & (group < num_groups)
+    label = jnp.where(in_group, group, num_groups).astype(jnp.int32)
+    padding = -label.shape[0] % block
+    label = jnp.pad(label, (0, padding), constant_values=num_groups)
+    return label.reshape(-1, block)
+
+
+def _block_histogram(label: jax.Array, num_groups: int) -> jax.Array:
+    """``[B, num_groups]`` int32 elements of each group per block of ``label [B, S]``."""
+    # Reduced over the minor axis: a row reduction per (block, group), compares fused in.
+    groups = jnp.arange(num_groups, dtype=jnp.int32)
+    return jnp.sum(label[:, None, :] == groups[None, :, None], axis=2, dtype=jnp.int32)
 
 
 def pack_int32_columns(rows: jax.Array, values: jax.Array) -> jax.Array:

@@ -35,7 +35,10 @@ intermediate is rounded to the input dtype as in the ``"xla"`` impl.
 ``grouped_gemm_mosaic``) over the filled slots gathered into tile-major rows, and returns its
 result as ``SlotRows`` over those rows (``grouped_ffn_rows``; ``grouped_ffn`` materializes the
 slot layout). ``impl="auto"`` (or None) picks by the call's static rows (``auto_impl``): the
-Mosaic kernels from ``MOSAIC_MIN_ROWS`` on a Hopper GPU, the Pallas ones below.
+Mosaic kernels from ``MOSAIC_MIN_ROWS`` on a Hopper GPU, the Pallas ones below, and the
+Mosaic ones at any rows for weights the Pallas kernels cannot index (``triton_offsets_fit``:
+the Triton lowering's 32-bit offsets wrap inside FP8 weights of 2**31 to 2**32 values, such as
+DeepSeek-V3's 256 experts on one device).
 
 ``impl="xla"`` is the capacity-slot batched einsum over all ``C`` slots (the CPU path and
 the measured alternative), with the hidden rows past ``counts`` set to zero so that both impls
@@ -369,12 +372,40 @@ def _weight_operands(w, matrix_shape: tuple[int, int, int]) -> tuple[list, tuple
 
     Raises:
       ValueError: FP8 weights in another stored order.
+      KernelUnavailableError: a weight the kernels' offsets cannot index
+        (``triton_offsets_fit``).
     """
+    values = w.values if isinstance(w, fp8_blocks.BlockQuantized) else w
+    if not triton_offsets_fit(values.size, jnp.dtype(values.dtype).itemsize):
+        raise impls.KernelUnavailableError(
+            f"impl='pallas' cannot index a {values.dtype} expert weight of {values.size} values "
+            "(the Triton lowering offsets an operand of at most 2**32 bytes by signed 32-bit "
+            "element counts, which wrap past 2**31): use impl='mosaic', or fewer experts per "
+            "device (expert parallelism)"
+        )
     if not isinstance(w, fp8_blocks.BlockQuantized):
         return [w.reshape(matrix_shape)], None
     _, k, n = matrix_shape
     values, scales = fp8_blocks.expert_matrices(w, n, k, "pallas")
     return [values, scales], (w.block_shape[1], w.block_shape[-1])
+
+
+def triton_offsets_fit(size: int, itemsize: int) -> bool:
+    """Whether the Pallas kernels (Triton lowering) can index an operand of ``size`` elements
+    of ``itemsize`` bytes.
+
+    The lowering offsets pointers by 64-bit element counts only for operands over 2**32
+    bytes, and by signed 32-bit ones otherwise, which wrap past 2**31 elements: a 1-byte
+    (FP8) operand of 2**31 to 2**32 values is read out of bounds (an illegal address).
+
+    Args:
+      size: the operand's elements.
+      itemsize: bytes per element.
+
+    Returns:
+      False where the offsets wrap.
+    """
+    return size <= 2**31 or size * itemsize > 2**32
 
 
 def _gate_up_call(
@@ -692,7 +723,7 @@ def grouped_ffn_rows(
         raise ValueError(f"max_rows must be >= 0 or None, got {max_rows}")
     num_experts, capacity, hidden = x_slots.shape
     rows = num_experts * capacity if max_rows is None else max_rows
-    shape = (rows, hidden, w_gate_up.shape[3])
+    shape = (rows, hidden, w_gate_up.shape[3], num_experts)
     quant_block = _quant_block(w_gate_up)
     impl = _resolve(impl, config, shape, x_slots.dtype, quant_block, fp8_activations)
     counts = jnp.clip(counts.astype(jnp.int32), 0, capacity)
@@ -723,8 +754,8 @@ def _default_config(w_gate_up) -> gemm_config.GroupedFfnConfig:
     return gemm_config.GROUPED_FFN
 
 
-def _resolve(impl, config, shape: tuple[int, int, int], dtype, quant_block, fp8_activations):
-    """The impl that serves a call of ``shape = (rows, H, F)``; raises for one that cannot.
+def _resolve(impl, config, shape: tuple[int, int, int, int], dtype, quant_block, fp8_activations):
+    """The impl that serves a call of ``shape = (rows, H, F, E)``; raises for one that cannot.
 
     Raises:
       ValueError: a ``config`` with ``"auto"``, or of another impl; weight-only FP8
@@ -734,7 +765,10 @@ def _resolve(impl, config, shape: tuple[int, int, int], dtype, quant_block, fp8_
     if impl in (None, AUTO):
         if config is not None:
             raise ValueError("launch shapes are an impl's: name the impl with config=")
-        impl = auto_impl(*shape, dtype, quant_block=quant_block, fp8_activations=fp8_activations)
+        impl = auto_impl(
+            *shape[:3], dtype, quant_block=quant_block, fp8_activations=fp8_activations,
+            num_experts=shape[3],
+        )  # fmt: skip
     impl = impls.resolve(impl, op="grouped_ffn")
     if impl == "triton":
         raise impls.KernelUnavailableError("grouped_ffn has no impl='triton'; use 'pallas'")
@@ -749,7 +783,7 @@ def _resolve(impl, config, shape: tuple[int, int, int], dtype, quant_block, fp8_
 
 def auto_impl(
     rows: int, hidden: int, ffn: int, dtype=jnp.bfloat16, *, quant_block=None,
-    fp8_activations: bool = True,
+    fp8_activations: bool = True, num_experts: int | None = None,
 ) -> str:  # fmt: skip
     """The impl ``"auto"`` takes for ``rows`` rows of ``dtype`` through an FFN ``hidden`` wide
     and ``ffn`` deep, its weights float (``quant_block`` None) or FP8 in ``quant_block =
@@ -758,30 +792,49 @@ def auto_impl(
     ``"mosaic"`` where it runs and tiles the shapes and dtype, from ``MOSAIC_MIN_ROWS`` rows
     (float weights) or ``MOSAIC_FP8_MIN_ROWS`` (FP8 weights with FP8 activations); else the
     backend's fastest (``impls.FASTEST``) if it tiles them (FP8: inside the blocks), else
-    ``"xla"``.
+    ``"xla"``. Where the Pallas kernels cannot index ``num_experts`` experts' weights
+    (``triton_offsets_fit``: FP8 weights of 2**31 to 2**32 values), ``"mosaic"`` at any rows
+    if it serves them, else ``"xla"``.
     """
     platform = impls.backend()
-    if platform == "gpu" and _mosaic_serves(rows, hidden, ffn, dtype, quant_block, fp8_activations):
+    runs_mosaic = platform == "gpu" and _mosaic_runs(
+        hidden, ffn, dtype, quant_block, fp8_activations
+    )
+    threshold = MOSAIC_MIN_ROWS if quant_block is None else MOSAIC_FP8_MIN_ROWS
+    if runs_mosaic and rows >= threshold:
         return impls.MOSAIC
     impl = impls.resolve(None, op="grouped_ffn")
     dims = (hidden, ffn)
     if quant_block is not None:  # each weight tile inside one block
         dims = tuple(math.gcd(dim, block) for dim in dims for block in quant_block)
-    tiled = all(map(gemm_config.dot_tiles, dims))
-    return impl if impl != "pallas" or tiled else "xla"
+    if impl != "pallas":
+        return impl
+    if not _pallas_indexes(num_experts, hidden, ffn, dtype, quant_block):
+        return impls.MOSAIC if runs_mosaic else "xla"
+    return impl if all(map(gemm_config.dot_tiles, dims)) else "xla"
 
 
-def _mosaic_serves(rows, hidden, ffn, dtype, quant_block, fp8_activations) -> bool:
-    """Whether ``"auto"`` takes the Mosaic GPU kernels on a GPU (``auto_impl``)."""
+def _pallas_indexes(num_experts, hidden, ffn, dtype, quant_block) -> bool:
+    """Whether the Pallas kernels index ``num_experts`` experts' ``w_gate_up`` (the larger
+    weight) in range (``triton_offsets_fit``); True when the count is not given."""
+    if num_experts is None:
+        return True
+    itemsize = jnp.dtype(dtype if quant_block is None else fp8_blocks.FP8_DTYPE).itemsize
+    return triton_offsets_fit(num_experts * hidden * 2 * ffn, itemsize) and triton_offsets_fit(
+        num_experts * hidden * ffn, itemsize
+    )
+
+
+def _mosaic_runs(hidden, ffn, dtype, quant_block, fp8_activations) -> bool:
+    """Whether the Mosaic GPU kernels serve the shapes and dtypes on a GPU, at any rows."""
     if not grouped_gemm_mosaic.runs_dtype(dtype):
         return False
     if impls.unavailable_reason(impls.MOSAIC, "gpu") is not None:
         return False
     if quant_block is None:
-        fits = grouped_gemm_mosaic.tiles(hidden, ffn, gemm_config.MOSAIC_FFN)
-        return rows >= MOSAIC_MIN_ROWS and fits
+        return grouped_gemm_mosaic.tiles(hidden, ffn, gemm_config.MOSAIC_FFN)
     fits = grouped_gemm_mosaic_fp8.tiles(hidden, ffn, quant_block, gemm_config.MOSAIC_FFN_FP8)
-    return fp8_activations and rows >= MOSAIC_FP8_MIN_ROWS and fits
+    return fp8_activations and fits
 
 
 def _check_config(impl: str, config) -> None:

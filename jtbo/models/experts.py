@@ -142,11 +142,12 @@ def experts_capacity(
     """
     num_experts = weights[0].shape[0]
     capacity = x.shape[0] if capacity is None else capacity
-    position = slot_positions(topk_ids, num_experts)
+    position, loads = rows_lib.group_ranks(topk_ids.reshape(-1), num_experts)
+    position = position.reshape(topk_ids.shape)
     valid = (topk_ids >= 0) & (topk_ids < num_experts) & (position < capacity)
     expert = jnp.where(valid, topk_ids, num_experts)  # out of bounds: takes no slot
     slots = slot_rows.SlotRows(x, _slot_tokens(expert, position, num_experts, capacity))
-    counts = jnp.bincount(expert.reshape(-1), length=num_experts + 1)[:num_experts]
+    counts = jnp.minimum(loads, capacity)  # an expert's first `capacity` pairs fill its slots
     max_rows = min(num_experts * capacity, topk_ids.size)  # a pair fills at most one slot
     # The gather below reads only filled slots: the kernel need not zero the rest.
     out_slots = experts_ffn_slots(

@@ -1,4 +1,4 @@
-"""Row helpers: rank_within_group against a numpy reference."""
+"""Row helpers: group ranks and sizes against a numpy reference, the int32 column packing."""
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,39 @@ def test_rank_within_group_matches_numpy(data, num_groups):
     got = rows.rank_within_group(jnp.asarray(group), num_groups)
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), _rank_reference(group, num_groups))
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), num_groups=st.integers(1, 9), block=st.sampled_from([1, 2, 3, 8, 128]))
+def test_group_ranks_match_numpy_over_blocks(data, num_groups, block):
+    # Small blocks put the running count across many blocks (and a padded last one).
+    values = data.draw(st.lists(st.integers(-2, num_groups + 1), min_size=1, max_size=70))
+    group = np.asarray(values, np.int32)
+    rank, sizes = rows.group_ranks(jnp.asarray(group), num_groups, block=block)
+    assert rank.dtype == sizes.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(rank), _rank_reference(group, num_groups))
+    in_group = group[(group >= 0) & (group < num_groups)]
+    expected = np.bincount(in_group, minlength=num_groups)
+    np.testing.assert_array_equal(np.asarray(sizes), expected)
+    got = rows.group_sizes(jnp.asarray(group), num_groups, block=block)
+    np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+def test_group_ranks_of_many_elements_under_jit():
+    # The shape of a prefill's routing: thousands of pairs over 128 experts, several blocks.
+    rng = np.random.default_rng(11)
+    group = rng.integers(-1, 129, 5000).astype(np.int32)
+    rank, sizes = jax.jit(rows.group_ranks, static_argnums=1)(jnp.asarray(group), 128)
+    np.testing.assert_array_equal(np.asarray(rank), _rank_reference(group, 128))
+    np.testing.assert_array_equal(
+        np.asarray(sizes), np.bincount(group[(group >= 0) & (group < 128)], minlength=128)
+    )
+
+
+def test_group_ranks_of_no_elements():
+    rank, sizes = rows.group_ranks(jnp.zeros((0,), jnp.int32), 3)
+    assert rank.shape == (0,)
+    np.testing.assert_array_equal(np.asarray(sizes), [0, 0, 0])
 
 
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32])

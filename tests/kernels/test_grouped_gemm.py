@@ -459,3 +459,46 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu():
 
     hlo = helpers.compiled_for_h200(kernel, shapes)
     assert hlo.count('custom_call_target="__gpu$xla.gpu.triton"') == 4
+
+
+def test_triton_offsets_fit_only_where_32_bit_offsets_stay_below_2_31():
+    assert grouped_gemm.triton_offsets_fit(2**31, 1)
+    assert not grouped_gemm.triton_offsets_fit(2**31 + 1, 1)  # 32-bit offsets, wrapped
+    assert not grouped_gemm.triton_offsets_fit(2**32, 1)
+    assert grouped_gemm.triton_offsets_fit(2**32 + 1, 1)  # over 2**32 bytes: 64-bit offsets
+    assert grouped_gemm.triton_offsets_fit(2**31 + 1, 2)  # bf16: 64-bit past 2**31 values
+
+
+def _deepseek_v3_fp8_down(num_experts):
+    """Shapes of DeepSeek-V3's FP8 ``w_down`` for ``num_experts`` experts (no values)."""
+    hidden, ffn = 7168, 2048
+    values = jax.ShapeDtypeStruct((num_experts, hidden, ffn), fp8_blocks.FP8_DTYPE)
+    scales = jax.ShapeDtypeStruct((num_experts, hidden // 128, ffn // 128), jnp.float32)
+    return fp8_blocks.BlockQuantized(values, scales, (1, 128, 128), fp8_blocks.expert_axes(3))
+
+
+def test_pallas_refuses_fp8_weights_its_offsets_cannot_index():
+    # DeepSeek-V3's w_down with all 256 experts on one device: 3.76e9 FP8 values, 3.5 GiB.
+    def operands(num_experts):
+        shape = (num_experts, 2048, 7168)
+        return jax.eval_shape(
+            lambda w: grouped_gemm._weight_operands(w, shape)[0], _deepseek_v3_fp8_down(num_experts)
+        )
+
+    with pytest.raises(kernels.KernelUnavailableError, match="cannot index a float8_e4m3fn"):
+        operands(256)
+    values, _ = operands(146)  # 2.14e9 values: under 2**31
+    assert values.shape == (146, 7168, 2048)
+
+
+def test_auto_takes_mosaic_where_pallas_cannot_index_the_weights(monkeypatch):
+    monkeypatch.setattr(impls, "backend", lambda: "gpu")
+    monkeypatch.setattr(impls, "unavailable_reason", lambda impl, platform: None)
+    block = (128, 128)
+    # Decode rows, DeepSeek-V3's experts: Pallas below the Mosaic threshold, unless the
+    # experts' FP8 weights are past what its offsets index.
+    assert grouped_gemm.auto_impl(512, 7168, 2048, quant_block=block, num_experts=32) == "pallas"
+    assert grouped_gemm.auto_impl(512, 7168, 2048, quant_block=block, num_experts=256) == "mosaic"
+    weight_only = dict(quant_block=block, fp8_activations=False, num_experts=256)
+    assert grouped_gemm.auto_impl(512, 7168, 2048, **weight_only) == "xla"
+    assert grouped_gemm.auto_impl(512, 7168, 2048, num_experts=256) == "pallas"  # bf16: 64-bit
