@@ -10,7 +10,7 @@
 # fp8-tiles (the Pallas FP8 layer's tiles at decode sizes), gemm-kernels (the grouped GEMM
 # layer's kernels at Qwen3-30B-A3B's shape, bf16 and FP8), mosaic-odd (Mosaic with an odd
 # column tile against Pallas), fp8-threshold (Pallas against Mosaic FP8 around "auto"'s
-# threshold).
+# threshold), ranks (the expert layer with the blocked group ranks against the one-hot ones).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -48,7 +48,7 @@ for group in "$@"; do
       bench attention 12 attention
       bench extend 8 attention --cases extend --kernel-time ;;
     presets)
-      for preset in qwen3-30b-a3b deepseek-v2-lite deepseek-v3; do
+      for preset in qwen3-30b-a3b qwen3-235b-a22b deepseek-v2-lite deepseek-v3 mixtral-8x7b; do
         bench "gemm-$preset" 10 grouped_gemm --preset "$preset" --tokens 64,128,256,4096,16384 \
           --impls dense,pallas,mosaic --iters 5 --reps 5
       done ;;
@@ -111,6 +111,10 @@ for group in "$@"; do
       LIMIT=240 bench fp8-threshold 14 grouped_gemm --preset qwen3-30b-a3b \
         --expert-dtype float8_e4m3fn --tokens 256,512,1024,2048 --impls pallas,mosaic \
         --check-rows 16 --kernel-time ;;
+    ranks)  # the expert layer with blocked group ranks against the one-hot ranks, in turns
+      echo "== PYTHONPATH=. python tools/layer_ranks_probe.py"
+      PYTHONPATH=. timeout "${LIMIT:-250}" python3 tools/layer_ranks_probe.py >"$OUT/ranks.log" 2>&1
+      echo "(exit $?)"; grep "^|" "$OUT/ranks.log" | tail -10 ;;
     host)  # the runner's host time per step into a copy of the shipped cost table
       cp jtbo/analysis/step_costs_h200.json "$OUT/step_costs_h200.json"
       echo "== python -m jtbo.bench predict --measure --sections runner_host"
@@ -118,7 +122,7 @@ for group in "$@"; do
         --out "$OUT/step_costs_h200.json" >"$OUT/runner-host.log" 2>&1
       echo "(exit $?)"; grep "runner_host\|wrote" "$OUT/runner-host.log" ;;
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
-      "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold)"
+      "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks)"
       exit 2 ;;
   esac
 done
