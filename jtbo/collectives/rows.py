@@ -51,16 +51,17 @@ def group_ranks(
     """Each element's rank within its group (an exclusive running count) and each group's size.
 
     The rank is the slot of a (token, choice) pair in its expert's (or its peer's) buffer: EP
-    dispatch ranks pairs within their peer and expert, the capacity-slot expert layout within
-    their expert; the sizes are the experts' row counts.
+    dispatch ranks pairs within their peer and expert (``rank_within_group``), the
+    capacity-slot expert layout within their expert (this); the sizes are the experts' row
+    counts.
 
     Blocked, so that nothing of ``N * num_groups`` elements is ever written: the elements are
     cut into blocks of ``block``; a histogram per block (``[N / block, num_groups]``) and its
     exclusive running sum over the blocks give each group's count before a block, and within a
     block an element counts the earlier elements of its own group (``block`` compares each).
     All three are reductions that XLA fuses with their compares, where a one-hot running sum
-    over all elements wrote and read ``N * num_groups`` counts, and a ``bincount`` serialized
-    its atomic adds on a few addresses.
+    over all elements (``rank_within_group``) writes and reads ``N * num_groups`` counts, and a
+    ``bincount`` serializes its atomic adds on a few addresses.
 
     Args:
       group: ``[N]`` integer group of each element; a value outside ``[0, num_groups)`` (e.g.
@@ -87,36 +88,25 @@ def group_ranks(
 
 
 def rank_within_group(group: jax.Array, num_groups: int) -> jax.Array:
-    """For each element, how many earlier elements share its group (``group_ranks``' ranks).
+    """For each element, how many earlier elements share its group, as a one-hot running count
+    over ``[N, num_groups]``.
+
+    The EP exchanges rank their pairs with it, within a peer or a device's local experts: few
+    groups, few pairs, and their compiled schedules (what runs beside each all-to-all) are
+    built around these fusions. ``group_ranks`` gives the same ranks without the one-hot
+    array, for many groups over many elements (the capacity-slot layout's experts).
 
     Args:
-      group: ``[N]`` integer group of each element; a value outside ``[0, num_groups)`` counts
-        for no group.
+      group: ``[N]`` integer group of each element; a value outside ``[0, num_groups)`` (e.g.
+        ``num_groups`` or -1 for "no group") counts for no group.
       num_groups: number of groups.
 
     Returns:
       ``[N]`` int32 ranks; 0 for elements outside every group.
     """
-    return group_ranks(group, num_groups)[0]
-
-
-def group_sizes(group: jax.Array, num_groups: int, *, block: int = RANK_BLOCK) -> jax.Array:
-    """Elements per group: ``bincount`` as one reduction per block of ``block`` elements and a
-    sum over the blocks, no atomic adds (``group_ranks``).
-
-    Args:
-      group: ``[N]`` integer group of each element; a value outside ``[0, num_groups)`` counts
-        for no group.
-      num_groups: number of groups.
-      block: elements per block (clipped to ``[1, N]``).
-
-    Returns:
-      ``[num_groups]`` int32 sizes.
-    """
-    if group.shape[0] == 0:
-        return jnp.zeros((num_groups,), jnp.int32)
-    label = _block_labels(group, num_groups, max(1, min(block, group.shape[0])))
-    return jnp.sum(_block_histogram(label, num_groups), axis=0, dtype=jnp.int32)
+    one_hot = group[:, None] == jnp.arange(num_groups, dtype=group.dtype)[None, :]
+    earlier = jnp.cumsum(one_hot, axis=0, dtype=jnp.int32) - one_hot
+    return jnp.sum(jnp.where(one_hot, earlier, 0), axis=1)
 
 
 def _block_labels(group: jax.Array, num_groups: int, block: int) -> jax.Array:

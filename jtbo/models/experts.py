@@ -62,8 +62,8 @@ def slot_positions(topk_ids: jax.Array, num_experts: int) -> jax.Array:
     Returns:
       ``[T, k]`` int32 positions (undefined for pairs that take no slot).
     """
-    position = rows_lib.rank_within_group(topk_ids.reshape(-1), num_experts)
-    return position.reshape(topk_ids.shape).astype(jnp.int32)
+    position, _ = rows_lib.group_ranks(topk_ids.reshape(-1), num_experts)
+    return position.reshape(topk_ids.shape)
 
 
 def experts_ffn_slots(

@@ -62,7 +62,7 @@ def expert_counts(recv_expert_slot: jax.Array, num_local: int, capacity: int) ->
     ``count`` slots.
     """
     expert = jnp.where(recv_expert_slot >= 0, recv_expert_slot // capacity, num_local)
-    return rows.group_sizes(expert, num_local)
+    return jnp.bincount(expert, length=num_local + 1)[:num_local].astype(jnp.int32)
 
 
 def ep_operations(
