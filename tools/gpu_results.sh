@@ -10,7 +10,8 @@
 # fp8-tiles (the Pallas FP8 layer's tiles at decode sizes), gemm-kernels (the grouped GEMM
 # layer's kernels at Qwen3-30B-A3B's shape, bf16 and FP8), mosaic-odd (Mosaic with an odd
 # column tile against Pallas), fp8-threshold (Pallas against Mosaic FP8 around "auto"'s
-# threshold), ranks (the expert layer with the blocked group ranks against the one-hot ones).
+# threshold), ranks (the expert layer with the blocked group ranks against the one-hot ones),
+# dsv3-walk (the Mosaic walk's row tiles per column pair at DeepSeek-V3's 4096 tokens).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -111,6 +112,11 @@ for group in "$@"; do
       LIMIT=240 bench fp8-threshold 14 grouped_gemm --preset qwen3-30b-a3b \
         --expert-dtype float8_e4m3fn --tokens 256,512,1024,2048 --impls pallas,mosaic \
         --check-rows 16 --kernel-time ;;
+    dsv3-walk)  # DeepSeek-V3's experts at 4096 tokens (about 128 rows an expert): the Mosaic
+      # walk's grid_tile_width, row tiles that take the same weight columns at once
+      LIMIT=240 bench dsv3-walk 10 grouped_gemm --preset deepseek-v3 --tokens 4096 \
+        --impls dense,mosaic,mosaic:128x256x64s4t8,mosaic:128x256x64s4t16,mosaic:128x256x64s4t32 \
+        --check-rows 16 --kernel-time ;;
     ranks)  # the expert layer with blocked group ranks against the one-hot ranks, in turns
       echo "== PYTHONPATH=. python tools/layer_ranks_probe.py"
       PYTHONPATH=. timeout "${LIMIT:-250}" python3 tools/layer_ranks_probe.py >"$OUT/ranks.log" 2>&1
@@ -122,7 +128,7 @@ for group in "$@"; do
         --out "$OUT/step_costs_h200.json" >"$OUT/runner-host.log" 2>&1
       echo "(exit $?)"; grep "runner_host\|wrote" "$OUT/runner-host.log" ;;
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
-      "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks)"
+      "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk)"
       exit 2 ;;
   esac
 done
