@@ -84,6 +84,21 @@ def test_padding_ids_take_no_slot_and_small_capacity_drops():
     np.testing.assert_array_equal(np.asarray(dropped[4:]), 0.0)
 
 
+def test_ranks_across_blocks_keep_token_order_and_drop_past_the_capacity():
+    # 100 tokens x 2 choices: 200 pairs, two blocks of group_ranks' running count. With every
+    # token on experts 0 and 1, capacity 70 keeps tokens 0..69, whose last pairs lie in the
+    # second block; a random routing with a padding pair matches numpy as a whole.
+    weights, x, ids, w = _inputs(11, 100)
+    ids[57] = [-1, ids[57, 1]]
+    want = _numpy_experts(x, ids, w, weights)
+    chex.assert_trees_all_close(experts.experts_capacity(x, ids, w, weights), want, **F32_TOL)
+    ids[:] = np.array([0, 1])
+    dropped = experts.experts_capacity(x, ids, w, weights, capacity=70)
+    kept = _numpy_experts(x[:70], ids[:70], w[:70], weights)
+    chex.assert_trees_all_close(dropped[:70], kept, **F32_TOL)
+    np.testing.assert_array_equal(np.asarray(dropped[70:]), 0.0)
+
+
 def test_pallas_slot_ffn_with_padding_and_dropped_pairs_matches_numpy():
     # The grouped GEMM kernel (Pallas interpreter on the CPU) behind experts_capacity: a
     # padding pair, then a capacity that drops pairs (expert 0 and 1 keep 4 rows each).
