@@ -815,8 +815,9 @@ def auto_impl(
 
 
 def _pallas_indexes(num_experts, hidden, ffn, dtype, quant_block) -> bool:
-    """Whether the Pallas kernels index ``num_experts`` experts' ``w_gate_up`` (the larger
-    weight) in range (``triton_offsets_fit``); True when the count is not given."""
+    """Whether the Pallas kernels index both of ``num_experts`` experts' weights in range
+    (``triton_offsets_fit``: ``w_down``'s values may wrap where ``w_gate_up``'s, twice as many,
+    are past 2**32 bytes and indexed in 64 bits); True when the count is not given."""
     if num_experts is None:
         return True
     itemsize = jnp.dtype(dtype if quant_block is None else fp8_blocks.FP8_DTYPE).itemsize
