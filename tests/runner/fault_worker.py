@@ -75,6 +75,7 @@ def main(argv: list[str]) -> None:
         num_processes=num_processes,
         process_id=process_id,
     )
+    multihost_worker.cache_every_process()
     from tests.runner import multihost_scenario  # noqa: PLC0415 - imports jax-using modules
 
     if process_id == FAULT_PROCESS:

@@ -8,6 +8,7 @@ cases and an "auto" runner whose processes time differently) and pickles its res
 processes it is compared with.
 """
 
+import inspect
 import os
 import pickle
 import sys
@@ -21,6 +22,40 @@ def xla_flags(num_processes: int) -> str:
     """The ``XLA_FLAGS`` of one of ``num_processes`` processes sharing ``TOTAL_DEVICES``."""
     count = TOTAL_DEVICES // num_processes
     return test_xla_flags.with_fast_compile(f"--xla_force_host_platform_device_count={count}")
+
+
+# The arguments of jax's private cache writer that ``cache_every_process`` wraps; another
+# jax whose writer differs is left alone (its process 1 then compiles as before).
+_CACHE_WRITE_ARGS = ["cache_key", "compile_time_secs", "module_name", "backend", "executable"]
+
+
+def cache_every_process() -> None:
+    """Lets a process other than 0 write the programs it compiles to the persistent cache.
+
+    jax writes cache entries from process 0 only (against write contention on shared file
+    systems). On the CPU each process compiles for its own devices, under keys of its own, so
+    process 1 compiled every program again in each runner it built and in each run of the
+    fault test. With its own entries written, a later runner or process 1 of a later run
+    loads them, as process 0 does; nothing is shared between the processes, whose programs
+    differ. Call after ``jax.distributed.initialize``.
+    """
+    import jax  # noqa: PLC0415 - only after the worker set the environment up
+    from jax._src import compilation_cache, compiler, distributed  # noqa: PLC0415
+
+    write = getattr(compiler, "_cache_write", None)
+    if write is None or list(inspect.signature(write).parameters) != _CACHE_WRITE_ARGS:
+        return
+    if distributed.global_state.process_id == 0:  # jax writes process 0's entries itself
+        return
+
+    def write_own(cache_key, compile_time_secs, module_name, backend, executable):
+        if compile_time_secs < jax.config.jax_persistent_cache_min_compile_time_secs:
+            return  # jax's own threshold, as for process 0
+        compilation_cache.put_executable_and_time(
+            cache_key, module_name, executable, backend, int(compile_time_secs)
+        )
+
+    compiler._cache_write = write_own
 
 
 def main(argv: list[str]) -> None:
@@ -41,6 +76,7 @@ def main(argv: list[str]) -> None:
             num_processes=num_processes,
             process_id=process_id,
         )
+        cache_every_process()
     from tests.runner import multihost_scenario  # noqa: PLC0415 - imports jax-using modules
 
     results = multihost_scenario.run(num_processes)
