@@ -30,19 +30,25 @@ def test_rank_within_group_matches_numpy(data, num_groups):
     np.testing.assert_array_equal(np.asarray(got), _rank_reference(group, num_groups))
 
 
+# Jitted once per example's shapes: eagerly, each of their operations compiled for every new
+# shape the examples draw.
+_group_ranks = jax.jit(rows.group_ranks, static_argnums=1, static_argnames="block")
+_rank_within_group = jax.jit(rows.rank_within_group, static_argnums=1)
+
+
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), num_groups=st.integers(1, 9), block=st.sampled_from([1, 2, 3, 8, 128]))
 def test_group_ranks_match_numpy_over_blocks(data, num_groups, block):
     # Small blocks put the running count across many blocks (and a padded last one).
     values = data.draw(st.lists(st.integers(-2, num_groups + 1), min_size=1, max_size=70))
     group = np.asarray(values, np.int32)
-    rank, sizes = rows.group_ranks(jnp.asarray(group), num_groups, block=block)
+    rank, sizes = _group_ranks(jnp.asarray(group), num_groups, block=block)
     assert rank.dtype == sizes.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(rank), _rank_reference(group, num_groups))
     in_group = group[(group >= 0) & (group < num_groups)]
     expected = np.bincount(in_group, minlength=num_groups)
     np.testing.assert_array_equal(np.asarray(sizes), expected)
-    one_hot = rows.rank_within_group(jnp.asarray(group), num_groups)
+    one_hot = _rank_within_group(jnp.asarray(group), num_groups)
     np.testing.assert_array_equal(np.asarray(one_hot), np.asarray(rank))
 
 

@@ -51,6 +51,13 @@ def _filled_slots(rng, experts, capacity, num_rows):
     return counts, slot_row
 
 
+# Jitted once per example's shapes: eagerly, each of their operations compiled for every new
+# shape the examples draw.
+_concat_slots = jax.jit(slot_rows.concat_slots)
+_materialize = jax.jit(slot_rows.SlotRows.materialize)
+_move_slots = jax.jit(slot_rows.move_slots, static_argnums=(1, 2))
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     experts=st.integers(1, 5), first_capacity=st.integers(1, 6), second_capacity=st.integers(1, 6),
@@ -65,16 +72,16 @@ def test_concat_slots_puts_each_experts_second_rows_after_its_first(
     counts_b, index_b = _filled_slots(rng, experts, second_capacity, 4)
     first = slot_rows.SlotRows(jnp.asarray(first_rows), jnp.asarray(index_a))
     second = slot_rows.SlotRows(jnp.asarray(second_rows), jnp.asarray(index_b))
-    joint = slot_rows.concat_slots(first, jnp.asarray(counts_a), second)
+    joint = _concat_slots(first, jnp.asarray(counts_a), second)
     # numpy: per expert, the first set's rows, then the second's, then empty slots.
     rows = np.concatenate([first_rows, second_rows])
     want = np.zeros((experts, first_capacity + second_capacity, 3), np.float32)
     for e in range(experts):
         names = [*index_a[e, : counts_a[e]], *(index_b[e, : counts_b[e]] + 7)]
         want[e, : len(names)] = rows[names]
-    np.testing.assert_array_equal(np.asarray(joint.materialize()), want)
+    np.testing.assert_array_equal(np.asarray(_materialize(joint)), want)
     # Each set's own slot indices, moved, read the same rows out of the joint slots.
-    flat = np.asarray(joint.materialize()).reshape(-1, 3)
+    flat = np.asarray(_materialize(joint)).reshape(-1, 3)
     for slots, counts, capacity, offset in (
         (first, counts_a, first_capacity, np.zeros_like(counts_a)),
         (second, counts_b, second_capacity, counts_a),
@@ -83,11 +90,11 @@ def test_concat_slots_puts_each_experts_second_rows_after_its_first(
         own = np.where(np.arange(capacity)[None] < counts[:, None], own, -1).reshape(-1)
         own[rng.random(own.shape) < 0.2] = -1  # some items take no slot
         moved = np.asarray(
-            slot_rows.move_slots(jnp.asarray(own), capacity, joint.shape[1], jnp.asarray(offset))
+            _move_slots(jnp.asarray(own), capacity, joint.shape[1], jnp.asarray(offset))
         )
         assert np.all((moved >= 0) == (own >= 0))
         got = np.where(moved[:, None] >= 0, flat[np.maximum(moved, 0)], 0.0)
-        ref = np.asarray(slots.materialize()).reshape(-1, 3)
+        ref = np.asarray(_materialize(slots)).reshape(-1, 3)
         np.testing.assert_array_equal(got, np.where(own[:, None] >= 0, ref[np.maximum(own, 0)], 0))
 
 
