@@ -23,7 +23,10 @@ import sys
 import time
 
 _EVENTS: collections.Counter = collections.Counter()
+_PROGRAMS: list = []  # (program, seconds) of the test's slow backend compiles (misses)
 _OUT = []
+# Backend compiles shorter than this are small helpers or persistent-cache hits.
+_SLOW_COMPILE_S = 0.5
 
 
 def _cpu_seconds() -> float:
@@ -37,9 +40,11 @@ def _listen() -> None:
     """Sums jax's compile events (tracing, lowering, backend compiles, cache hits/misses)."""
     import jax.monitoring as monitoring  # noqa: PLC0415 - after conftest set jax up
 
-    def duration(event, seconds, **_):
+    def duration(event, seconds, fun_name=None, **_):
         _EVENTS[event.rsplit("/", 1)[-1]] += seconds
         _EVENTS["compiles"] += event.endswith("backend_compile_duration")
+        if event.endswith("backend_compile_duration") and seconds >= _SLOW_COMPILE_S:
+            _PROGRAMS.append((fun_name, round(seconds, 2)))
 
     monitoring.register_event_duration_secs_listener(duration)
     monitoring.register_event_listener(lambda event, **_: _EVENTS.update([event.rsplit("/")[-1]]))
@@ -65,12 +70,13 @@ else:
         """Times one test (set-up, call and tear-down) and records its compile events."""
         _open()
         _EVENTS.clear()
+        _PROGRAMS.clear()
         start, cpu = time.time(), _cpu_seconds()
         try:
             return (yield)
         finally:
             record = dict(id=item.nodeid, t0=start, t1=time.time(), cpu=_cpu_seconds() - cpu)
-            _OUT[0].write(json.dumps(dict(record, ev=dict(_EVENTS))) + "\n")
+            _OUT[0].write(json.dumps(dict(record, ev=dict(_EVENTS), programs=_PROGRAMS)) + "\n")
             _OUT[0].flush()
 
 
