@@ -115,7 +115,7 @@ for group in "$@"; do
     dsv3-walk)  # DeepSeek-V3's experts at 4096 tokens (about 128 rows an expert): the Mosaic
       # walk's grid_tile_width, row tiles that take the same weight columns at once
       LIMIT=240 bench dsv3-walk 10 grouped_gemm --preset deepseek-v3 --tokens 4096 \
-        --impls dense,mosaic,mosaic:128x256x64s4t8,mosaic:128x256x64s4t16,mosaic:128x256x64s4t32 \
+        --impls dense,mosaic,mosaic:128x128x64s4t8/128x256x64s4t8,mosaic:128x128x64s4t16/128x256x64s4t16,mosaic:128x128x64s4t32/128x256x64s4t32 \
         --check-rows 16 --kernel-time ;;
     ranks)  # the expert layer with blocked group ranks against the one-hot ranks, in turns
       echo "== PYTHONPATH=. python tools/layer_ranks_probe.py"
