@@ -21,11 +21,8 @@ adds it to the running sum scaled by its rows' scales times the block's scale, r
 weight scales in global memory (DeepSeek-V3's promotion of each block's partial sums). The
 gate and the up products are promoted one after the other, so that a warpgroup holds two
 running sums and one partial sum in registers; the other compute warpgroup's ``wgmma`` runs
-while one promotes. ``tile_n`` is the block's width, so one scale covers a tile. The down
-kernel likewise keeps two accumulators, of two neighbouring column tiles, where the hidden
-size holds pairs of them (``down_column_offsets``): its contraction is short (F / qk steps),
-so a row block loaded once and each tile's pipeline fill then serve twice the columns. The
-gate / up epilogue computes ``silu(gate) * up`` and quantizes each row of the tile (one group:
+while one promotes. ``tile_n`` is the block's width, so one scale covers a tile. The gate / up
+epilogue computes ``silu(gate) * up`` and quantizes each row of the tile (one group:
 ``tile_n`` is the down weight's contraction block) as ``fp8_blocks`` does: its largest
 magnitude times ``1 / 448`` (1 for a zero row), the values divided by it.
 
@@ -81,14 +78,14 @@ def _quantized_rows(values: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _fp8_matmul_body(
     tile_expert_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, *out_gmems, column_offsets,
-    column_stride, swiglu, cfg, num_col_tiles,
+    cfg, num_col_tiles,
 ):  # fmt: skip
     # tile_expert_gmem: [num_tiles] int32 expert per row tile (-1: dead); a_gmem: [R, K] FP8
     # tile-major rows (R = num_tiles * block_m); a_scale_gmem: [K / qk, R] float32;
     # b_gmem: [E, N_b, K] FP8; b_scale_gmem: [E, N_b / tile_n, K / qk] float32. out_gmems:
-    # (out [R, N_b],) in the output dtype, or with swiglu (gate, up) (hidden [R, N] FP8,
-    # hidden scales [N / tile_n, R] float32). Accumulator i of column tile c reads the
-    # tile_n weight rows from column_offsets[i] + c * column_stride.
+    # (out [R, N],) in the output dtype, or with two accumulators (gate, up) (hidden [R, N]
+    # FP8, hidden scales [N / tile_n, R] float32). Accumulator i reads the weight rows
+    # column_offsets[i] + (column tile) * tile_n.
     block_m, tile_m, tile_n, tile_k = cfg.block_m, cfg.tile_m, cfg.tile_n, cfg.tile_k
     num_acc = len(column_offsets)
     operand_transforms = grouped_gemm_mosaic.smem_transforms(tile_k, 1)
@@ -119,18 +116,15 @@ def _fp8_matmul_body(
         _EPILOGUE_TILE, jnp.dtype(out_dtype).itemsize
     )
     epi_shape = (2, 2, _EPILOGUE_TILE, _EPILOGUE_TILE)  # (warpgroup, buffer, rows, columns)
-    # (warpgroup, rows): the hidden rows' scales; the down kernel has no room to spare for
-    # them beside its two weight operands' pipeline buffers.
-    hidden_scales = {"scale_smem": plgpu.SMEM((2, tile_m), _F32)} if swiglu else {}
 
     @functools.partial(
         pl.run_scoped,
         allocations=allocations,
         out_smem=plgpu.SMEM(epi_shape, out_dtype, transforms=out_transforms),
-        **hidden_scales,
+        scale_smem=plgpu.SMEM((2, tile_m), _F32),  # (warpgroup, rows): the hidden rows' scales
         collective_axes=_WARPGROUP,
     )
-    def _scope(allocations, out_smem, scale_smem=None):
+    def _scope(allocations, out_smem, scale_smem):
         warpgroup = lax.axis_index(_WARPGROUP)
 
         @functools.partial(
@@ -141,22 +135,15 @@ def _fp8_matmul_body(
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
             wg_rows = pl.ds(warpgroup * tile_m, tile_m)
-            first_rows = [offset + col * column_stride for offset in column_offsets]
-            scale_rows = [first // tile_n for first in first_rows]
+            scale_rows = [(offset + col * tile_n) // tile_n for offset in column_offsets]
 
             def compute_context(run_pipeline):
                 zeros = plgpu.layout_cast(jnp.full((tile_m, tile_n), 0, _F32), plgpu.Layout.WGMMA)
                 sums = run_pipeline((zeros,) * num_acc)
                 out_rows = pl.ds(tile * block_m + warpgroup * tile_m, tile_m)
-                if swiglu:
-                    store = lambda: _store_hidden(  # noqa: E731
-                        sums, out_gmems, out_smem, scale_smem, warpgroup, rows, out_rows, col, cfg
-                    )  # fmt: skip
-                else:
-                    store = lambda: _store_outputs(  # noqa: E731
-                        sums, out_gmems[0], out_smem, warpgroup, rows, first_rows, cfg
-                    )  # fmt: skip
-                grouped_gemm_mosaic.when_stored(stores, store)
+                grouped_gemm_mosaic.when_stored(stores, lambda: _epilogue(
+                    sums, out_gmems, out_smem, scale_smem, warpgroup, rows, out_rows, col, cfg
+                ))  # fmt: skip
 
             def mma(indices, a_smem, a_scale_smem, *rest):
                 b_smems, sums = rest[:num_acc], rest[num_acc]
@@ -173,7 +160,10 @@ def _fp8_matmul_body(
                     promoted.append(running + _rows_scaled(part, factor))
                 return tuple(promoted)
 
-            weights = [b_gmem.at[expert, pl.ds(first, tile_n), :] for first in first_rows]
+            weights = [
+                b_gmem.at[expert, pl.ds(offset + col * tile_n, tile_n), :]
+                for offset in column_offsets
+            ]
 
             @pl.when(expert >= 0)
             def _live():
@@ -185,19 +175,15 @@ def _fp8_matmul_body(
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _store_outputs(sums, out_gmem, out_smem, warpgroup, rows, first_columns, cfg):
-    """Writes one warpgroup's accumulators in the output dtype, accumulator i at the
-    ``tile_n`` columns from ``first_columns[i]``."""
-    for acc, first in zip(sums, first_columns, strict=True):
-        out_tile = out_gmem.at[rows, pl.ds(first, cfg.tile_n)]
-        out = acc.astype(out_gmem.dtype)
-        grouped_gemm_mosaic.store_tile(out, out_smem, out_tile, warpgroup, cfg.tile_m, cfg.tile_n)
-
-
-def _store_hidden(sums, out_gmems, out_smem, scale_smem, warpgroup, rows, out_rows, col, cfg):
-    """Writes one warpgroup's ``silu(gate) * up`` quantized per row, with its row scales."""
+def _epilogue(sums, out_gmems, out_smem, scale_smem, warpgroup, rows, out_rows, col, cfg):
+    """Writes one warpgroup's tile: the down kernel's sum in the output dtype, or the gate /
+    up kernel's ``silu(gate) * up`` quantized per row, with its row scales."""
     tile_n = cfg.tile_n
     out_tile = out_gmems[0].at[rows, pl.ds(col * tile_n, tile_n)]
+    if len(sums) == 1:
+        out = sums[0].astype(out_gmems[0].dtype)
+        grouped_gemm_mosaic.store_tile(out, out_smem, out_tile, warpgroup, cfg.tile_m, tile_n)
+        return
     gate, up = sums
     hidden, scale = _quantized_rows(gate * jax.nn.sigmoid(gate) * up)
     # store_tile first waits for every earlier store, the last tile's scales included.
@@ -245,30 +231,22 @@ def tiles(hidden: int, ffn: int, quant_block: tuple[int, int], cfg) -> bool:
     return _ffn_problem(hidden, ffn, quant_block, quant_block, cfg) is None
 
 
-def _fp8_matmul(tile_expert, a_rows, a_scales, weight, *, out_cols, column_offsets,
-                column_stride, swiglu, out_dtype, cfg, interpret):  # fmt: skip
+def _fp8_matmul(tile_expert, a_rows, a_scales, weight, *, out_cols, column_offsets, out_dtype,
+                cfg, interpret):  # fmt: skip
     """One FP8 grouped GEMM over tile-major rows: ``[R, out_cols]`` in ``out_dtype``, or with
-    ``swiglu`` (two column offsets: gate / up) the FP8 hidden rows and their
-    ``[out_cols / tile_n, R]`` scales. A CTA's column tile spans ``column_stride`` output
-    columns."""
+    two column offsets (gate / up) the FP8 hidden rows and their ``[out_cols / tile_n, R]``
+    scales."""
     values, scales = weight
     body = functools.partial(
-        _fp8_matmul_body, column_offsets=column_offsets, column_stride=column_stride,
-        swiglu=swiglu, cfg=cfg, num_col_tiles=out_cols // column_stride,
+        _fp8_matmul_body, column_offsets=column_offsets, cfg=cfg,
+        num_col_tiles=out_cols // cfg.tile_n,
     )  # fmt: skip
     num_rows = a_rows.shape[0]
     out_type = [jax.ShapeDtypeStruct((num_rows, out_cols), out_dtype)]
-    if swiglu:
+    if len(column_offsets) == 2:
         out_type.append(jax.ShapeDtypeStruct((out_cols // cfg.tile_n, num_rows), _F32))
     kernel = grouped_gemm_mosaic.persistent_kernel(body, tuple(out_type), interpret)
     return kernel(tile_expert, a_rows, a_scales, values, scales)
-
-
-def down_column_offsets(hidden: int, tile_n: int) -> tuple[int, ...]:
-    """The down kernel's accumulators within a CTA's column tile: two neighbouring
-    ``tile_n``-column tiles where ``hidden`` holds pairs of them (each row block and each
-    pipeline fill then serves twice the columns), else one."""
-    return (0, tile_n) if hidden % (2 * tile_n) == 0 else (0,)
 
 
 def gathered_fp8_rows(x_slots, slot_of_row, tile_expert, block_m: int, qk: int):
@@ -308,13 +286,12 @@ def grouped_ffn_mosaic_fp8(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg,
     down_matrices = fp8_blocks.expert_matrices(w_down, hidden, ffn, "mosaic")
     hidden_rows, hidden_scales = _fp8_matmul(
         tile_expert, rows, row_scales, gate_up_matrices,
-        out_cols=ffn, column_offsets=(0, ffn), column_stride=cfg.gate_up.tile_n, swiglu=True,
-        out_dtype=fp8_blocks.FP8_DTYPE, cfg=cfg.gate_up, interpret=interpret,
+        out_cols=ffn, column_offsets=(0, ffn), out_dtype=fp8_blocks.FP8_DTYPE,
+        cfg=cfg.gate_up, interpret=interpret,
     )  # fmt: skip
-    down_offsets = down_column_offsets(hidden, cfg.down.tile_n)
     (out_rows,) = _fp8_matmul(
-        tile_expert, hidden_rows, hidden_scales, down_matrices, out_cols=hidden,
-        column_offsets=down_offsets, column_stride=len(down_offsets) * cfg.down.tile_n,
-        swiglu=False, out_dtype=x_slots.dtype, cfg=cfg.down, interpret=interpret,
+        tile_expert, hidden_rows, hidden_scales, down_matrices,
+        out_cols=hidden, column_offsets=(0,), out_dtype=x_slots.dtype, cfg=cfg.down,
+        interpret=interpret,
     )  # fmt: skip
     return slot_rows.SlotRows(out_rows, row_of_slot)
