@@ -21,6 +21,7 @@ of the numerically exact variants from ``library``.
 """
 
 import argparse
+import dataclasses
 import functools
 
 import jax
@@ -193,14 +194,9 @@ def _body(
 def _kernel(variant, blocks_per_step, *, out_cols, column_offsets, out_dtype, cfg, interpret):
     """``(tile_expert, rows, row_scales, values, scales) -> outputs`` of one variant."""
     if variant == "library":
-        swiglu = len(column_offsets) == 2
-        offsets = column_offsets
-        if not swiglu:
-            offsets = grouped_gemm_mosaic_fp8.down_column_offsets(out_cols, cfg.tile_n)
         return functools.partial(
-            _library, out_cols=out_cols, column_offsets=offsets, out_dtype=out_dtype,
-            column_stride=cfg.tile_n * (1 if swiglu else len(offsets)), swiglu=swiglu, cfg=cfg,
-            interpret=interpret,
+            _library, out_cols=out_cols, column_offsets=column_offsets, out_dtype=out_dtype,
+            cfg=cfg, interpret=interpret,
         )  # fmt: skip
     body = functools.partial(
         _body, column_offsets=column_offsets, cfg=cfg, num_col_tiles=out_cols // cfg.tile_n,
@@ -264,6 +260,12 @@ def _variants(ffn, hidden, cfg, interpret):
         for variant, bps in names:
             label = f"{kernel} {'k256 ' if bps == 2 else ''}{variant}"
             out[label] = _kernel(variant, bps, cfg=cfg, interpret=interpret, **kw)
+        for name, change in (("t8", dict(grid_tile_width=8)), ("t16", dict(grid_tile_width=16)),
+                             ("s3", dict(max_concurrent_steps=3)), ("s2", dict(max_concurrent_steps=2))):  # fmt: skip
+            label = f"{kernel} library-{name}"
+            out[label] = _kernel(
+                "library", 1, cfg=dataclasses.replace(cfg, **change), interpret=interpret, **kw
+            )
     return out
 
 
@@ -339,7 +341,7 @@ def main() -> None:
             kernel, variant = label.split(" ", 1)
             base = times.get(f"{kernel} library", float("nan"))
             diff = "—"
-            if variant not in ("library", "direct", "noscale", "bf16"):
+            if variant == "serial" or variant.startswith("library-"):
                 diff = _live_difference(results[label], results[f"{kernel} library"], live_rows)
                 diff = f"{diff:.3g}"
             print(f"| {kernel} | {variant} | {t * 1e3:.3f} | {flops[kernel] / t / 1e12:.0f} | "
