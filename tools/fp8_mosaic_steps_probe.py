@@ -2,22 +2,27 @@
 
 ``PYTHONPATH=. python tools/fp8_mosaic_steps_probe.py [--tokens 4096,16384] [--interpret]``
 
-Each variant is the body of ``grouped_gemm_mosaic_fp8`` with another per-step ``mma``:
+Each variant is the body of ``grouped_gemm_mosaic_fp8`` with another per-step ``mma``
+(``--variants``, a comma-separated list; ``library`` is always timed):
 
 * ``library``: the shipped kernel (``grouped_gemm_mosaic_fp8._fp8_matmul``).
+* ``library-tN`` / ``library-sN``: the shipped kernel with ``grid_tile_width`` N or N
+  pipeline stages (``max_concurrent_steps``).
 * ``serial``: this file's copy of it (each block product into a fresh accumulator, waited,
   promoted, one after the other), to show the copy runs as the library does.
 * ``noscale``: the same without the multiply by the scales (the promotion's arithmetic).
+* ``rowscale``: the same multiplied by the rows' scales only (no block scale loaded).
 * ``direct``: no promotion at all, the running sums in ``wgmma`` accumulators as the bf16
   kernel keeps them (wrong numbers; the ceiling of the tiling with FP8 operands).
 * ``overlap``: every block product of a step issued into its own fresh accumulator, then
   each waited for in turn (``wgmma_accumulator_load(wait_n=...)``) and promoted while the
   later ones still run.
-* ``k256 overlap``: two weight blocks per pipeline step (``tile_k = 2 * qk``), overlapped.
+* ``k256-overlap``: two weight blocks per pipeline step (``tile_k = 2 * qk``), overlapped.
 
 The bf16 Mosaic kernels on the same tiles are timed beside them. Prints one table per token
 count: ms, TFLOP/s of the routed rows' FLOPs, against ``library``, and the largest difference
-of the numerically exact variants from ``library``.
+of the numerically exact variants (all but ``noscale``, ``rowscale`` and ``direct``) from
+``library`` over the live tiles' rows.
 """
 
 import argparse
@@ -133,10 +138,11 @@ def _body(
                 ]
                 # products in order: (accumulator, block of the step)
                 products = [(i, j) for i in range(num_acc) for j in range(blocks_per_step)]
+                first_block = step * blocks_per_step
                 factors = {
-                    (i, j): row_scales[j] * b_scale_gmem[expert, scale_rows[i], step * blocks_per_step + j]
+                    (i, j): row_scales[j] * b_scale_gmem[expert, scale_rows[i], first_block + j]
                     for i, j in products
-                }  # fmt: skip
+                }
 
                 def a_block(j):
                     a = a_smem.at[wg_rows]
@@ -251,22 +257,29 @@ def _problem(tokens, experts, top_k, hidden, ffn, block_m, seed=0):
     return tile_expert, rows, row_scales, gate_up, down, bf16, bf16_rows, int(counts.sum())
 
 
-def _variants(ffn, hidden, cfg, interpret):
+DEFAULT_VARIANTS = "serial,noscale,rowscale,direct,library-t8,library-t16,library-s3,library-s2"
+_CFG_FIELDS = {"t": "grid_tile_width", "s": "max_concurrent_steps"}
+
+
+def _variant_kernel(name, cfg, interpret, kw):
+    """The kernel of one ``--variants`` name (see the module docstring)."""
+    if name.startswith("library-"):
+        field, value = _CFG_FIELDS[name[len("library-")]], int(name[len("library-") + 1 :])
+        cfg = dataclasses.replace(cfg, **{field: value})
+        return _kernel("library", 1, cfg=cfg, interpret=interpret, **kw)
+    blocks_per_step = 2 if name.startswith("k256-") else 1
+    return _kernel(name.removeprefix("k256-"), blocks_per_step, cfg=cfg, interpret=interpret, **kw)
+
+
+def _variants(names, ffn, hidden, cfg, interpret):
+    """``{"<kernel> <variant>": kernel}`` for both kernels, ``library`` first."""
     gate_up = dict(out_cols=ffn, column_offsets=(0, ffn), out_dtype=fp8_blocks.FP8_DTYPE)
     down = dict(out_cols=hidden, column_offsets=(0,), out_dtype=jnp.bfloat16)
-    names = [("library", 1), ("serial", 1), ("noscale", 1), ("rowscale", 1), ("direct", 1)]
-    out = {}
-    for kernel, kw in (("gate_up", gate_up), ("down", down)):
-        for variant, bps in names:
-            label = f"{kernel} {'k256 ' if bps == 2 else ''}{variant}"
-            out[label] = _kernel(variant, bps, cfg=cfg, interpret=interpret, **kw)
-        for name, change in (("t8", dict(grid_tile_width=8)), ("t16", dict(grid_tile_width=16)),
-                             ("s3", dict(max_concurrent_steps=3)), ("s2", dict(max_concurrent_steps=2))):  # fmt: skip
-            label = f"{kernel} library-{name}"
-            out[label] = _kernel(
-                "library", 1, cfg=dataclasses.replace(cfg, **change), interpret=interpret, **kw
-            )
-    return out
+    return {
+        f"{kernel} {name}": _variant_kernel(name, cfg, interpret, kw)
+        for kernel, kw in (("gate_up", gate_up), ("down", down))
+        for name in ["library", *names]
+    }
 
 
 def _live_difference(got, want, live_rows) -> float:
@@ -290,23 +303,26 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=768)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--interpret", action="store_true")
+    parser.add_argument("--variants", default=DEFAULT_VARIANTS)
     args = parser.parse_args()
     cfg = gemm_config.MOSAIC_FFN_FP8.gate_up
     bf16_cfg = gemm_config.MosaicFfnConfig()
+    names = [name for name in args.variants.split(",") if name and name != "library"]
+    variants = _variants(names, args.ffn, args.hidden, cfg, args.interpret)
+    mm = functools.partial(grouped_gemm_mosaic._grouped_matmul, interpret=args.interpret)
     print(f"device {jax.devices()[0].device_kind}  jax {jax.__version__}")
     for tokens in map(int, args.tokens.split(",")):
         tile_expert, rows, row_scales, gate_up, down, bf16, bf16_rows, routed = _problem(
             tokens, args.experts, args.top_k, args.hidden, args.ffn, cfg.block_m
         )
-        hidden_rows, hidden_scales = jax.jit(_variants(args.ffn, args.hidden, cfg, args.interpret)["gate_up library"])(
+        hidden_rows, hidden_scales = jax.jit(variants["gate_up library"])(
             tile_expert, rows, row_scales, *gate_up
-        )  # fmt: skip
-        cases, inputs = {}, {}
-        for label, fn in _variants(args.ffn, args.hidden, cfg, args.interpret).items():
+        )
+        cases = {}
+        for label, fn in variants.items():
             operands = (rows, row_scales, *gate_up) if label.startswith("gate_up") else (
                 hidden_rows, hidden_scales, *down)  # fmt: skip
             cases[label] = (jax.jit(fn), (tile_expert, *operands))
-        mm = functools.partial(grouped_gemm_mosaic._grouped_matmul, interpret=args.interpret)
         cases["gate_up bf16"] = (
             jax.jit(lambda t, r, w: mm(t, r, w, out_cols=args.ffn, column_offsets=(0, args.ffn),
                                        epilogue=grouped_gemm_mosaic._swiglu, cfg=bf16_cfg.gate_up)),
@@ -341,7 +357,7 @@ def main() -> None:
             kernel, variant = label.split(" ", 1)
             base = times.get(f"{kernel} library", float("nan"))
             diff = "—"
-            if variant == "serial" or variant.startswith("library-"):
+            if variant not in ("library", "noscale", "rowscale", "direct", "bf16"):  # exact ones
                 diff = _live_difference(results[label], results[f"{kernel} library"], live_rows)
                 diff = f"{diff:.3g}"
             print(f"| {kernel} | {variant} | {t * 1e3:.3f} | {flops[kernel] / t / 1e12:.0f} | "
