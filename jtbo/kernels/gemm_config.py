@@ -48,10 +48,6 @@ class GemmConfig:
       group_m: row tiles launched together over all column tiles (>= 1).
       num_warps: warps per program (a power of two).
       num_stages: software-pipelining stages of the contraction loop (>= 1).
-      column_tiles: neighbouring ``block_n``-column tiles one program computes, each with
-        its own accumulators, from the rows it loads once per contraction step (a power of
-        two; an upper bound: ``columns_per_program`` shrinks it to divide the column tiles).
-        More bytes per program where few rows make programs short.
     """
 
     block_m: int = 64
@@ -60,30 +56,21 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
-    column_tiles: int = 1
 
     def __post_init__(self):
-        launch_checks.require_powers_of_two(
-            self, ("block_m", "block_n", "block_k", "num_warps", "column_tiles")
-        )
+        launch_checks.require_powers_of_two(self, ("block_m", "block_n", "block_k", "num_warps"))
         launch_checks.require_at_least(self, ("block_m", "block_n", "block_k"), MIN_DOT_BLOCK)
         launch_checks.require_at_least(self, ("group_m", "num_stages"), 1)
-
-    def columns_per_program(self, num_n: int) -> int:
-        """``column_tiles``, or less: the largest power of two at most it dividing ``num_n``
-        (the column tiles of the output)."""
-        return fit(self.column_tiles, num_n)
 
     def rows_block(self, rows: int) -> int:
         """``block_m``, or less when ``rows`` fit a smaller power of two (>= 16)."""
         return min(self.block_m, arith.power_of_two_at_least(rows, MIN_DOT_BLOCK))
 
     def describe(self) -> str:
-        """Short label for tables: ``MxNxK wW sS gG`` (`` cC`` past one column tile)."""
-        columns = f" c{self.column_tiles}" if self.column_tiles > 1 else ""
+        """Short label for tables: ``MxNxK wW sS gG``."""
         return (
             f"{self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} "
-            f"s{self.num_stages} g{self.group_m}{columns}"
+            f"s{self.num_stages} g{self.group_m}"
         )
 
 

@@ -137,7 +137,7 @@ class _Fp8:
 
 def _gate_up_kernel(
     tiles_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, ffn, gathered, fp8,
-    quantize_rows, column_tiles,
+    quantize_rows,
 ):  # fmt: skip
     # tiles_ref: [3, num_tiles] int32 (expert or -1, first row, end row). Then, in order:
     # source_ref [R] int32 (gathered only): the row of x_ref each slot holds (-1 empty);
@@ -147,8 +147,7 @@ def _gate_up_kernel(
     # w_ref [E, H, 2 * F] (gate columns, then up columns), or FP8 [E, 2 * F, H] (gate rows,
     # then up rows); s_ref [E, 2 * ceil(F / qn), H / qk] float32 block scales (FP8 only);
     # h_ref [R, F] (FP8 with FP8 activations); hs_ref [R, F / block_n] float32 (FP8
-    # activations only: one scale per row and column tile). A program computes
-    # column_tiles neighbouring column tiles; num_n counts such groups of tiles.
+    # activations only: one scale per row and column tile).
     refs = list(refs)
     source_ref = refs.pop(0) if gathered else None
     x_ref = refs.pop(0)
@@ -165,36 +164,26 @@ def _gate_up_kernel(
         load_rows = _row_loader(source_ref, x_ref, xs_ref, start, live, (block_m, block_k), qk)
         if quantize_rows:  # a contraction step is one quantization group of each row
             load_rows = _quantized(load_rows)
-        first = pl.multiple_of(col * column_tiles * block_n, block_n)
-        columns = [first + j * block_n for j in range(column_tiles)]
+        n0 = pl.multiple_of(col * block_n, block_n)
         up_scale_row = 0 if fp8 is None else -(-ffn // fp8.quant_block[1])
 
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
             x, x_scale = load_rows(k0)
-            sums = []
-            for j, n0 in enumerate(columns):  # each tile's gate, then up columns
-                gate = weights.dot(x, x_scale, expert, k0, n0, (block_k, block_n))
-                up = weights.dot(
-                    x, x_scale, expert, k0, n0, (block_k, block_n), (ffn, up_scale_row)
-                )
-                sums += [acc[2 * j] + gate, acc[2 * j + 1] + up]
-            return tuple(sums)
+            gate = weights.dot(x, x_scale, expert, k0, n0, (block_k, block_n))
+            up = weights.dot(x, x_scale, expert, k0, n0, (block_k, block_n), (ffn, up_scale_row))
+            return acc[0] + gate, acc[1] + up
 
-        zeros = (jnp.zeros((block_m, block_n), _F32),) * (2 * column_tiles)
-        sums = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, zeros)
+        zeros = jnp.zeros((block_m, block_n), _F32)
+        gate, up = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros, zeros))
+        hidden = gate * jax.nn.sigmoid(gate) * up
         # Every live slot's row is written (an empty slot's as zero): the down kernel reads it.
         h_mask = jnp.broadcast_to(live, (block_m, block_n))
         rows = pl.ds(start, block_m)
-        for j, n0 in enumerate(columns):
-            gate, up = sums[2 * j], sums[2 * j + 1]
-            hidden = gate * jax.nn.sigmoid(gate) * up
-            if hs_ref is not None:  # one quantization group per row of the tile
-                hidden, scale = _quantize_rows(hidden)
-                tile_column = pl.ds(col * column_tiles + j, 1)
-                plgpu.store(hs_ref.at[rows, tile_column], scale, mask=live)
-            store_to = h_ref.at[rows, pl.ds(n0, block_n)]
-            plgpu.store(store_to, hidden.astype(h_ref.dtype), mask=h_mask)
+        if hs_ref is not None:  # one quantization group per row of the tile
+            hidden, scale = _quantize_rows(hidden)
+            plgpu.store(hs_ref.at[rows, pl.ds(col, 1)], scale, mask=live)
+        plgpu.store(h_ref.at[rows, pl.ds(n0, block_n)], hidden.astype(h_ref.dtype), mask=h_mask)
 
 
 def _quantized(load_rows):
@@ -282,14 +271,12 @@ def _row_loader(source_ref, x_ref, xs_ref, start, live, shape: tuple[int, int], 
 
 def _down_kernel(
     tiles_ref, h_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, fp8,
-    column_tiles,
 ):  # fmt: skip
     # tiles_ref: [3, num_tiles] int32; h_ref: [R, F] (FP8 with FP8 activations). Then, in
     # order: hs_ref [R, F / qk] float32 row scales (FP8 activations only); w_ref [E, F, H], or
     # FP8 [E, H, F]; s_ref [E, ceil(H / qn), F / qk] float32 block scales (FP8 only); then
     # out_ref [R, H] alone (rows no tile writes are left as they are), or a zero buffer and
-    # out_ref, the same buffer (aliased; rows no tile writes stay zero). A program computes
-    # column_tiles neighbouring column tiles; num_n counts such groups of tiles.
+    # out_ref, the same buffer (aliased; rows no tile writes stay zero).
     refs = list(refs)
     hs_ref = refs.pop(0) if fp8 is not None and fp8.activations else None
     weights = _WeightTiles(refs.pop(0), refs.pop(0) if fp8 is not None else None, fp8)
@@ -302,23 +289,18 @@ def _down_kernel(
         start, live = _tile_rows(tiles_ref, tile, block_m)
         qk = fp8.quant_block[0] if fp8 is not None else block_k
         load_rows = _row_loader(None, h_ref, hs_ref, start, live, (block_m, block_k), qk)
-        first = pl.multiple_of(col * column_tiles * block_n, block_n)
-        columns = [first + j * block_n for j in range(column_tiles)]
+        n0 = pl.multiple_of(col * block_n, block_n)
 
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
             h, h_scale = load_rows(k0)
-            return tuple(
-                acc[j] + weights.dot(h, h_scale, expert, k0, n0, (block_k, block_n))
-                for j, n0 in enumerate(columns)
-            )
+            return acc + weights.dot(h, h_scale, expert, k0, n0, (block_k, block_n))
 
-        zeros = (jnp.zeros((block_m, block_n), _F32),) * column_tiles
-        sums = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, zeros)
+        acc = jnp.zeros((block_m, block_n), _F32)
+        acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, acc)
         out_mask = jnp.broadcast_to(live, (block_m, block_n))
-        for acc, n0 in zip(sums, columns, strict=True):
-            store_to = out_ref.at[pl.ds(start, block_m), pl.ds(n0, block_n)]
-            plgpu.store(store_to, acc.astype(out_ref.dtype), mask=out_mask)
+        out = acc.astype(out_ref.dtype)
+        plgpu.store(out_ref.at[pl.ds(start, block_m), pl.ds(n0, block_n)], out, mask=out_mask)
 
 
 def _launch(
@@ -439,8 +421,7 @@ def _gate_up_call(
         tile_rows, hidden, ffn, cfg, interpret, fp8, down_fp8
     )
     num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
-    column_tiles = cfg.columns_per_program(ffn // block_n)
-    num_n = ffn // block_n // column_tiles
+    num_n = ffn // block_n
     fp8_rows = fp8 is not None and fp8.activations
     # Slot rows, padding included, are quantized in the kernel when a contraction step is one
     # group: only the live rows are then quantized. Source rows are few: quantized before,
@@ -449,7 +430,7 @@ def _gate_up_call(
     kernel = functools.partial(
         _gate_up_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
         block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn, gathered=source is not None,
-        fp8=fp8, quantize_rows=quantize_rows, column_tiles=column_tiles,
+        fp8=fp8, quantize_rows=quantize_rows,
     )  # fmt: skip
     operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles)]
     operands += [] if source is None else [source]
@@ -462,7 +443,7 @@ def _gate_up_call(
             operands += [quantized.values, quantized.scales, *weights]
         out_shape = (
             jax.ShapeDtypeStruct((flat_rows, ffn), fp8_blocks.FP8_DTYPE),
-            jax.ShapeDtypeStruct((flat_rows, ffn // block_n), _F32),
+            jax.ShapeDtypeStruct((flat_rows, num_n), _F32),
         )
     else:
         operands += [x_rows, *weights]
@@ -487,11 +468,10 @@ def _down_call(
     weights, quant_block = _weight_operands(w_down, (num_experts, ffn, hidden))
     block_m, block_n, block_k = _launch(tile_rows, ffn, hidden, cfg, interpret, quant_block)
     num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
-    column_tiles = cfg.columns_per_program(hidden // block_n)
-    num_n = hidden // block_n // column_tiles
+    num_n = hidden // block_n
     kernel = functools.partial(
         _down_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
-        block_m=block_m, block_n=block_n, block_k=block_k, fp8=fp8, column_tiles=column_tiles,
+        block_m=block_m, block_n=block_n, block_k=block_k, fp8=fp8,
     )  # fmt: skip
     h_operands = list(hidden_rows) if isinstance(hidden_rows, tuple) else [hidden_rows]
     out_shape = jax.ShapeDtypeStruct((h_operands[0].shape[0], hidden), out_dtype)

@@ -178,14 +178,7 @@ def test_bad_impl_and_max_rows_raise():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [
-        ("block_m", 48),
-        ("block_n", 8),
-        ("num_warps", 3),
-        ("group_m", 0),
-        ("num_stages", 0),
-        ("column_tiles", 3),
-    ],
+    [("block_m", 48), ("block_n", 8), ("num_warps", 3), ("group_m", 0), ("num_stages", 0)],
 )
 def test_gemm_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=field):
@@ -196,52 +189,6 @@ def test_gemm_config_fits_blocks():
     assert gemm_config.fit(128, 7168) == 128 and gemm_config.fit(128, 96) == 32
     cfg = gemm_config.GemmConfig(block_m=128)
     assert cfg.rows_block(5) == 16 and cfg.rows_block(40) == 64 and cfg.rows_block(999) == 128
-
-
-def _columns_per_program(cfg: gemm_config.GroupedFfnConfig, column_tiles: int):
-    """``cfg`` with both kernels computing ``column_tiles`` column tiles per program."""
-    return gemm_config.GroupedFfnConfig(
-        gate_up=dataclasses.replace(cfg.gate_up, column_tiles=column_tiles),
-        down=dataclasses.replace(cfg.down, column_tiles=column_tiles),
-        balanced_row_tiles=cfg.balanced_row_tiles,
-    )
-
-
-@pytest.mark.parametrize("column_tiles", [2, 4])
-def test_column_tiles_per_program_give_the_same_rows(column_tiles):
-    # Each column tile sums the same products in the same order whichever program computes
-    # it: bit-equal to one tile per program. Float rows through a row index (F 32: two 16-wide
-    # gate / up tiles, H 64: two 32-wide down tiles; 4 shrinks to 2), and FP8 weights with FP8
-    # activations (F 64: four 16-wide tiles, each its own quantization group).
-    counts = np.array([3, 0, 21, 9], np.int32)
-    slots = _slot_rows(13, 21, counts)
-    x, w_gate_up, w_down = _inputs(14, 21)
-    (fp8_gate_up, gate_up_64), (fp8_down, down_64) = helpers.fp8_expert_weights(
-        15, (E, H, 64), FP8_BLOCK
-    )
-    fp8_x = x * 3
-    cases = (
-        (slots, w_gate_up, w_down, _numpy_ffn(slots.materialize(), counts, w_gate_up, w_down)),
-        (fp8_x, fp8_gate_up, fp8_down, helpers.numpy_fp8_activations_ffn(
-            fp8_x, counts, gate_up_64, down_64, FP8_BLOCK[0]
-        )),
-    )  # fmt: skip
-    for rows, gate_up, down, want in cases:
-        run = functools.partial(
-            kernels.grouped_ffn, rows, jnp.asarray(counts), gate_up, down, impl="pallas"
-        )
-        one = np.asarray(run(config=SMALL), np.float64)
-        many = np.asarray(run(config=_columns_per_program(SMALL, column_tiles)), np.float64)
-        np.testing.assert_array_equal(many, one)
-        assert np.linalg.norm(many - want) <= FP8_ACTIVATIONS_TOL * np.linalg.norm(want)
-        for e, count in enumerate(counts):
-            assert not many[e, count:].any()
-
-
-def test_columns_per_program_divide_the_column_tiles():
-    cfg = gemm_config.GemmConfig(column_tiles=4)
-    assert [cfg.columns_per_program(n) for n in (16, 6, 11, 2)] == [4, 2, 1, 2]
-    assert "c4" in cfg.describe() and " c" not in gemm_config.GemmConfig().describe()
 
 
 @pytest.mark.parametrize("gathered", [False, True])
