@@ -63,8 +63,10 @@ def row_tiles(
     """
     first, ends = tile_spans(group_size, block_m)
     index = jnp.arange(num_tiles, dtype=jnp.int32)
-    group = jnp.searchsorted(ends, index, side="right", method="compare_all")
-    group = jnp.minimum(group, group_size.shape[0] - 1).astype(jnp.int32)
+    # The groups that end at or before each tile, summed along each tile's row (a row
+    # reduction, which XLA fuses with its compares).
+    group = jnp.sum(ends[None, :] <= index[:, None], axis=1, dtype=jnp.int32)
+    group = jnp.minimum(group, group_size.shape[0] - 1)
     live = index < ends[-1]
     start = group_start[group] + (index - first[group]) * block_m
     end = group_start[group] + group_size[group]

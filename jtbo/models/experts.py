@@ -162,10 +162,13 @@ def experts_capacity(
 def _slot_tokens(expert, position, num_experts: int, capacity: int) -> jax.Array:
     """``[E, C]`` the token row in each slot (-1 empty) of the pairs ``(expert, position)``
     (``[T, k]``; expert ``E`` for a pair that takes no slot)."""
-    slot = jnp.where(expert < num_experts, expert * capacity + position, -1).reshape(-1)
-    pair = slot_rows.invert_slots(slot.astype(jnp.int32), num_experts * capacity)
-    token = jnp.where(pair >= 0, pair // expert.shape[1], -1)
-    return token.reshape(num_experts, capacity)
+    num_slots = num_experts * capacity
+    # A pair that takes no slot targets num_slots, which the scatter drops.
+    slot = jnp.where(expert < num_experts, expert * capacity + position, num_slots).reshape(-1)
+    token = jnp.arange(slot.shape[0], dtype=jnp.int32) // expert.shape[1]
+    # The token itself is scattered (not the pair, divided after): one pass over the slots.
+    empty = jnp.full((num_slots,), -1, jnp.int32)
+    return empty.at[slot].set(token, mode="drop").reshape(num_experts, capacity)
 
 
 def experts_sorted(

@@ -36,3 +36,29 @@ def test_tile_spans_are_each_groups_tiles_in_order(counts, block_m):
     blocks = [-(-c // block_m) for c in counts]
     np.testing.assert_array_equal(ends, np.cumsum(blocks))
     np.testing.assert_array_equal(first, np.cumsum(blocks) - blocks)
+
+
+def _numpy_row_tiles(group_start, counts, block_m, num_tiles):
+    """The table by a loop over the groups' tiles, dead tiles padding it."""
+    table = [(e, start + i * block_m, start + count)
+             for e, (start, count) in enumerate(zip(group_start, counts, strict=True))
+             for i in range(-(-count // block_m))]  # fmt: skip
+    table = (table + [(-1, 0, 0)] * num_tiles)[:num_tiles]
+    return np.asarray(table, np.int32).T
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 40), min_size=1, max_size=7),
+    block_m=st.sampled_from([4, 8, 16]),
+    spare=st.integers(-3, 4),
+)
+def test_row_tiles_match_a_loop_over_the_groups(counts, block_m, spare):
+    # Tables longer than the live tiles (dead tiles at the end) and shorter (cut off).
+    group_start = np.cumsum([0] + counts[:-1]) + 3 * np.arange(len(counts))  # gaps between
+    num_tiles = max(1, sum(-(-c // block_m) for c in counts) + spare)
+    table = tile_table.row_tiles(
+        jnp.asarray(group_start, jnp.int32), jnp.asarray(counts, jnp.int32), block_m, num_tiles
+    )
+    want = _numpy_row_tiles(group_start, counts, block_m, num_tiles)
+    np.testing.assert_array_equal(np.asarray(table), want)

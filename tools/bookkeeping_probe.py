@@ -1,0 +1,109 @@
+"""Probe: the expert layer's routing bookkeeping before and after the tile table's group
+lookup became a row reduction and the slot tokens one scatter, side by side in one process;
+the layer as the model calls it (``experts_capacity``, capacity = T, ``"auto"``) in a stack
+of layers (``layer_stack_probe.stack``), bf16 and FP8 experts at decode sizes. The old code is
+this file's copy of the two functions, patched in while the old stack traces. Prints ms per
+layer, weight bytes over the copy ceiling, kernels per layer, and whether the outputs are
+bit-equal; a markdown table last.
+
+``PYTHONPATH=.:tools python tools/bookkeeping_probe.py [--tokens 64,128,256]`` (a GPU)
+"""
+
+import argparse
+import functools
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import layer_stack_probe
+import numpy as np
+
+from jtbo.bench import device_rates, expert_presets, kernel_time, trace_calls
+from jtbo.bench import grouped_gemm as bg
+from jtbo.kernels import slot_rows, tile_table
+from jtbo.models import experts
+
+
+def old_row_tiles(group_start, group_size, block_m, num_tiles):
+    first, ends = tile_table.tile_spans(group_size, block_m)
+    index = jnp.arange(num_tiles, dtype=jnp.int32)
+    group = jnp.searchsorted(ends, index, side="right", method="compare_all")
+    group = jnp.minimum(group, group_size.shape[0] - 1).astype(jnp.int32)
+    live = index < ends[-1]
+    start = group_start[group] + (index - first[group]) * block_m
+    end = group_start[group] + group_size[group]
+    table = [jnp.where(live, group, -1), jnp.where(live, start, 0), jnp.where(live, end, 0)]
+    return jnp.stack(table).astype(jnp.int32)
+
+
+def old_slot_tokens(expert, position, num_experts, capacity):
+    slot = jnp.where(expert < num_experts, expert * capacity + position, -1).reshape(-1)
+    pair = slot_rows.invert_slots(slot.astype(jnp.int32), num_experts * capacity)
+    token = jnp.where(pair >= 0, pair // expert.shape[1], -1)
+    return token.reshape(num_experts, capacity)
+
+
+def _compiled_old(args):
+    """The stack jitted as a step, traced and compiled now with the old functions (a function
+    of its own: jax's trace cache is keyed by the function)."""
+    fn = bg.jit_as_step(lambda *a: layer_stack_probe.stack(*a))
+    with (
+        mock.patch.object(tile_table, "row_tiles", old_row_tiles),
+        mock.patch.object(experts, "_slot_tokens", old_slot_tokens),
+    ):
+        out = np.asarray(fn(*args), np.float32)
+    return fn, out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="64,128,256")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    args = parser.parse_args()
+    shapes = bg.Shapes(**expert_presets.PRESETS[args.preset].shape_flags())
+    copy_gbs, _ = device_rates.copy_gbs(1 << 30, iters=20, reps=5)
+    device = jax.devices()[0].device_kind
+    print(f"device {device}  jax {jax.__version__}  {shapes}  copy {copy_gbs:.0f} GB/s")
+    rows = []
+    for dtype in ("fp8", "bf16"):
+        expert_dtype = "float8_e4m3fn" if dtype == "fp8" else None
+        keys = jax.random.split(jax.random.key(3), args.layers)
+        layer_weights = [bg.make_inputs(1, shapes, jnp.bfloat16, k, expert_dtype)[1] for k in keys]
+        for tokens in map(int, args.tokens.split(",")):
+            routes = [bg.route(tokens, shapes, 0.0, tokens + i) for i in range(args.layers)]
+            x = jax.random.normal(jax.random.key(tokens), (tokens, shapes.hidden), jnp.bfloat16)
+            call_args = (
+                x, [jnp.asarray(r[0]) for r in routes], [jnp.asarray(r[1]) for r in routes],
+                layer_weights,
+            )  # fmt: skip
+            old, old_out = _compiled_old(call_args)
+            new = bg.jit_as_step(lambda *a: layer_stack_probe.stack(*a))
+            new_out = np.asarray(new(*call_args), np.float32)
+            cases = [(old, call_args), (new, call_args)]
+            seconds = device_rates.time_fns_interleaved(cases, warmup=2, iters=20, reps=9)
+            per_layer = [s / args.layers for s in seconds]
+            experts_hit = np.mean([len(np.unique(r[0])) for r in routes])
+            gbytes = shapes.weight_bytes(experts_hit, 1 if expert_dtype else 2) / 1e9
+            counts = []
+            for fn in (old, new):
+                ks = trace_calls.trace_kernels(functools.partial(fn, *call_args), 5)
+                counts.append(f"{len(ks) / 5 / args.layers:.1f}")
+                print(f"  {kernel_time.kernels_per_call(ks, 5 * args.layers, top=3)}", flush=True)
+            timed = [f"{t * 1e3:.4f} ({gbytes / t / copy_gbs:.3f})" for t in per_layer]
+            line = (
+                f"| {dtype} | {tokens} | {' | '.join(timed)} | {seconds[0] / seconds[1]:.3f} "
+                f"| {' / '.join(counts)} | {np.array_equal(old_out, new_out)} |"
+            )
+            rows.append(line)
+            print(line, flush=True)
+    print(
+        "| experts | tokens | old ms per layer (of copy) | new ms per layer (of copy) "
+        "| old / new | kernels per layer old / new | bit-equal |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

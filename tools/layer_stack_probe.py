@@ -1,0 +1,87 @@
+"""Probe: the expert layer timed one layer per call (as ``bench grouped_gemm`` times it)
+against a stack of layers in one call, each with its own routing and weights, the output of
+one the input of the next (as a model step runs its layers); the layer as the model calls it
+(``experts_capacity``, capacity = T, ``"auto"``), timed in turns in one process. The per-call
+cost of a jitted call (its launch and the gap before its first kernel) is paid once per layer
+in the first, once per stack in the second. Prints ms per layer and the weight bytes per
+second over the copy ceiling; a markdown table last.
+
+``PYTHONPATH=. python tools/layer_stack_probe.py [--tokens 64,128,256] [--dtypes fp8,bf16]
+[--layers 8]`` (a GPU)
+"""
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jtbo.bench import device_rates, expert_presets, kernel_time, trace_calls
+from jtbo.bench import grouped_gemm as bg
+from jtbo.models import experts
+
+_layer = functools.partial(experts.experts_capacity, impl="auto")
+
+
+def stack(x, layer_ids, layer_routing, layer_weights):
+    """The layers one after the other, each with its own routing and weights."""
+    for topk_ids, topk_weights, weights in zip(
+        layer_ids, layer_routing, layer_weights, strict=True
+    ):
+        x = _layer(x, topk_ids, topk_weights, weights)
+    return x
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="64,128,256")
+    parser.add_argument("--dtypes", default="fp8,bf16")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--preset", default="qwen3-30b-a3b")
+    args = parser.parse_args()
+    shapes = bg.Shapes(**expert_presets.PRESETS[args.preset].shape_flags())
+    copy_gbs, _ = device_rates.copy_gbs(1 << 30, iters=20, reps=5)
+    device = jax.devices()[0].device_kind
+    print(f"device {device}  jax {jax.__version__}  {shapes}  copy {copy_gbs:.0f} GB/s")
+    rows = []
+    for dtype in args.dtypes.split(","):
+        expert_dtype = "float8_e4m3fn" if dtype == "fp8" else None
+        keys = jax.random.split(jax.random.key(3), args.layers)
+        layer_weights = [bg.make_inputs(1, shapes, jnp.bfloat16, k, expert_dtype)[1] for k in keys]
+        for tokens in map(int, args.tokens.split(",")):
+            routes = [bg.route(tokens, shapes, 0.0, tokens + i) for i in range(args.layers)]
+            ids_np = routes[0][0]
+            layer_ids = [jnp.asarray(ids) for ids, _ in routes]
+            layer_routing = [jnp.asarray(routing) for _, routing in routes]
+            ids, routing = layer_ids[0], layer_routing[0]
+            x = jax.random.normal(jax.random.key(tokens), (tokens, shapes.hidden), jnp.bfloat16)
+            one = bg.jit_as_step(_layer)
+            many = bg.jit_as_step(stack)
+            cases = [
+                (one, (x, ids, routing, layer_weights[0])),
+                (many, (x, layer_ids, layer_routing, layer_weights)),
+            ]
+            seconds = device_rates.time_fns_interleaved(cases, warmup=2, iters=20, reps=7)
+            per_layer = [seconds[0], seconds[1] / args.layers]
+            gbytes = shapes.weight_bytes(len(np.unique(ids_np)), 1 if expert_dtype else 2) / 1e9
+            ks = trace_calls.trace_kernels(functools.partial(many, *cases[1][1]), 5)
+            timed = [f"{t * 1e3:.3f} ({gbytes / t / copy_gbs:.2f})" for t in per_layer]
+            line = (
+                f"| {dtype} | {tokens} | {' | '.join(timed)} | {per_layer[0] / per_layer[1]:.3f} |"
+            )
+            rows.append(line)
+            print(line, flush=True)
+            print(
+                f"  stack: {kernel_time.kernels_per_call(ks, 5 * args.layers, top=4)}", flush=True
+            )
+    print(
+        f"| experts | tokens | one layer a call: ms (of copy) | {args.layers} layers a call: "
+        "ms per layer (of copy) | one / stack |"
+    )
+    print("|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
