@@ -21,7 +21,7 @@ from jtbo.bench import device_rates, expert_presets, kernel_time, trace_calls
 from jtbo.bench import grouped_gemm as bg
 from jtbo.models import experts
 
-_layer = functools.partial(experts.experts_capacity, impl="auto")
+layer = functools.partial(experts.experts_capacity, impl="auto")
 
 
 def stack(x, layer_ids, layer_routing, layer_weights):
@@ -29,7 +29,7 @@ def stack(x, layer_ids, layer_routing, layer_weights):
     for topk_ids, topk_weights, weights in zip(
         layer_ids, layer_routing, layer_weights, strict=True
     ):
-        x = _layer(x, topk_ids, topk_weights, weights)
+        x = layer(x, topk_ids, topk_weights, weights)
     return x
 
 
@@ -56,7 +56,7 @@ def main() -> None:
             layer_routing = [jnp.asarray(routing) for _, routing in routes]
             ids, routing = layer_ids[0], layer_routing[0]
             x = jax.random.normal(jax.random.key(tokens), (tokens, shapes.hidden), jnp.bfloat16)
-            one = bg.jit_as_step(_layer)
+            one = bg.jit_as_step(layer)
             many = bg.jit_as_step(stack)
             cases = [
                 (one, (x, ids, routing, layer_weights[0])),
