@@ -215,14 +215,22 @@ def scratch_environment(monkeypatch, tmp_path):
     return tmp_path
 
 
+# The three tiny runs below serve the same cases (prefill 64, decode 8, float32) on one xdist
+# worker, in file order: the later two load the first one's programs from the run's
+# compilation cache (tests/conftest.py) instead of compiling them again alongside it.
+TINY_CASES = ["--tiny", "--prefill", "64", "--decode", "8", "--context", "8", "--iters", "1",
+              "--dtype", "float32"]  # fmt: skip
+same_programs = pytest.mark.xdist_group("bench/test_tbo.py")
+
+
+@same_programs
 def test_tiny_run_prints_every_case_with_agreement(scratch_environment, capsys):
-    tbo.main(["--tiny", "--prefill", "128", "--decode", "32", "--context", "8", "--iters", "1",
-              "--dtype", "float32"])  # fmt: skip
+    tbo.main(TINY_CASES)
     out = capsys.readouterr().out
     assert "link nvlink" in out.splitlines()[0]
     lines = list(itertools.takewhile(lambda line: line.startswith("|"), out.splitlines()[1:]))
     lines = [line for line in lines if line.startswith("| ")]  # the timing table
-    assert [line.split("|")[1].strip() for line in lines[1:]] == ["prefill 128", "decode 32"]
+    assert [line.split("|")[1].strip() for line in lines[1:]] == ["prefill 64", "decode 8"]
     for line in lines[1:]:
         median_row, same_token = line.split("|")[-3].split(" / ")
         assert float(median_row) < 1e-5 and float(same_token) == 1.0, line  # float32 on the CPU
@@ -239,31 +247,31 @@ def test_tiny_run_prints_every_case_with_agreement(scratch_environment, capsys):
     phase_table = out.split(tbo.PHASE_HEADER[0])[1].split("\n\n")[0].strip().splitlines()[1:]
     assert [row.split("|")[1:3] for row in phase_table] == [
         [f" {case} ", f" {column} "]
-        for case in ("prefill 128", "decode 32")
+        for case in ("prefill 64", "decode 8")
         for column in ("no TBO", "TBO")
     ]
     for row in phase_table:
         inputs, dispatch, counts, rest, step_ms = map(float, row.split("|")[3:8])
         assert min(inputs, dispatch, counts) > 0 and rest >= 0, row  # one timed step each
         assert inputs + dispatch + counts + rest == pytest.approx(step_ms, abs=2e-3), row
-    # One 128-token prompt (two-chunk split) and 32 decode sequences: even splits, children
-    # of half the bucket.
+    # One 64-token prompt (two-chunk split) and 8 decode sequences: even splits, children of
+    # half the bucket.
     rows = out.split("TBO micro-batch rows (child capacity of the bucket): ")[1].splitlines()[0]
-    assert rows == "prefill 128: 64 of 128; decode 32: 16 of 32", rows
+    assert rows == "prefill 64: 32 of 64; decode 8: 4 of 8", rows
     fill = out.split("EP buffer fill")[1].splitlines()[0]
-    assert "prefill 128: " in fill and "decode 32: " in fill, fill
+    assert "prefill 64: " in fill and "decode 8: " in fill, fill
     ratios = [
         float(x)
         for case in fill.split(";")
         for x in case.split(":")[-1].replace(",", "/").split("/")
     ]
     assert len(ratios) == 8 and all(0 < r <= 1 for r in ratios), fill  # 2 cases x 2 micro-batches
-    # The physical limits: the tiny MLA model's prefill FLOPs of one 128-token prompt, and the
+    # The physical limits: the tiny MLA model's prefill FLOPs of one 64-token prompt, and the
     # decode step's weight and KV bytes (float32), each against the plain step.
     config = config_lib.MoEConfig.tiny_mla()
     for case, work in (
-        ("prefill 128", f"{limits.prefill_flops(config, [128]) / 1e12:.2f} TFLOP at "),
-        ("decode 32", f"{limits.decode_bytes(config, 32 * 8, 1, 4) / 1e9:.2f} GB at "),
+        ("prefill 64", f"{limits.prefill_flops(config, [64]) / 1e12:.2f} TFLOP at "),
+        ("decode 8", f"{limits.decode_bytes(config, 8 * 8, 1, 4) / 1e9:.2f} GB at "),
     ):
         line = out.split(f"physical limit, {case}: ")[1].splitlines()[0]
         assert line.startswith(work) and line.endswith("x"), line
@@ -289,10 +297,10 @@ def test_skewed_prefill_through_sum_len_gathers(scratch_environment, capsys):
         tbo._parser().parse_args(["--prefill-skew", "0"])
 
 
+@same_programs
 def test_profile_traces_plain_and_tbo_steps_of_every_case(scratch_environment, capsys):
     tmp_path = scratch_environment
-    tbo.main(["--tiny", "--prefill", "64", "--decode", "8", "--context", "8",
-              "--iters", "1", "--profile", str(tmp_path), "--link", "host"])  # fmt: skip
+    tbo.main([*TINY_CASES, "--profile", str(tmp_path), "--link", "host"])
     for case in ("prefill_64", "decode_8"):
         for kind in ("plain", "tbo"):
             assert list((tmp_path / f"{case}_{kind}").glob("**/*.trace.json.gz")), (case, kind)
@@ -302,12 +310,12 @@ def test_profile_traces_plain_and_tbo_steps_of_every_case(scratch_environment, c
     assert "link host" in out.splitlines()[0] and "overlap table: needs a GPU" in out
 
 
+@same_programs
 def test_no_profile_sets_no_dump_and_prints_no_overlap_line(scratch_environment, capsys):
     # Also writes the runners' EP peak loads (--ep-routing-stats; the file does not exist yet,
     # so the capacities follow the factor rule): one entry per dispatch size run.
     stats = scratch_environment / "routing.json"
-    tbo.main(["--tiny", "--prefill", "64", "--decode", "8", "--context", "8", "--iters", "1",
-              "--no-profile", "--ep-routing-stats", str(stats)])  # fmt: skip
+    tbo.main([*TINY_CASES, "--no-profile", "--ep-routing-stats", str(stats)])
     out = capsys.readouterr().out
     assert "overlap table" not in out and f"-> {stats}" in out
     assert "--xla_dump_to" not in tbo.os.environ["XLA_FLAGS"]
