@@ -9,16 +9,14 @@ bit-equal; a markdown table last.
 ``PYTHONPATH=.:tools python tools/bookkeeping_probe.py [--tokens 64,128,256]`` (a GPU)
 """
 
-import argparse
 import functools
 from unittest import mock
 
-import jax
 import jax.numpy as jnp
 import layer_stack_probe
 import numpy as np
 
-from jtbo.bench import device_rates, expert_presets, kernel_time, trace_calls
+from jtbo.bench import device_rates, kernel_time, trace_calls
 from jtbo.bench import grouped_gemm as bg
 from jtbo.kernels import slot_rows, tile_table
 from jtbo.models import experts
@@ -56,27 +54,13 @@ def _compiled_old(args, body=layer_stack_probe.stack):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", default="64,128,256")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--preset", default="qwen3-30b-a3b")
-    args = parser.parse_args()
-    shapes = bg.Shapes(**expert_presets.PRESETS[args.preset].shape_flags())
-    copy_gbs, _ = device_rates.copy_gbs(1 << 30, iters=20, reps=5)
-    device = jax.devices()[0].device_kind
-    print(f"device {device}  jax {jax.__version__}  {shapes}  copy {copy_gbs:.0f} GB/s")
+    args, shapes, copy_gbs = layer_stack_probe.setup(__doc__, dtypes=False)
     rows = []
     for dtype in ("fp8", "bf16"):
-        expert_dtype = "float8_e4m3fn" if dtype == "fp8" else None
-        keys = jax.random.split(jax.random.key(3), args.layers)
-        layer_weights = [bg.make_inputs(1, shapes, jnp.bfloat16, k, expert_dtype)[1] for k in keys]
+        layer_weights = layer_stack_probe.layer_weights_of(shapes, args.layers, dtype)
         for tokens in map(int, args.tokens.split(",")):
-            routes = [bg.route(tokens, shapes, 0.0, tokens + i) for i in range(args.layers)]
-            x = jax.random.normal(jax.random.key(tokens), (tokens, shapes.hidden), jnp.bfloat16)
-            call_args = (
-                x, [jnp.asarray(r[0]) for r in routes], [jnp.asarray(r[1]) for r in routes],
-                layer_weights,
-            )  # fmt: skip
+            call_args = layer_stack_probe.stack_args(shapes, tokens, layer_weights)
+            x = call_args[0]
             old, _ = _compiled_old(call_args)
             new = bg.jit_as_step(lambda *a: layer_stack_probe.stack(*a))
             one_layer = (x, call_args[1][0], call_args[2][0], layer_weights[0])
@@ -86,8 +70,7 @@ def main() -> None:
             cases = [(old, call_args), (new, call_args)]
             seconds = device_rates.time_fns_interleaved(cases, warmup=2, iters=20, reps=9)
             per_layer = [s / args.layers for s in seconds]
-            experts_hit = np.mean([len(np.unique(r[0])) for r in routes])
-            gbytes = shapes.weight_bytes(experts_hit, 1 if expert_dtype else 2) / 1e9
+            gbytes = layer_stack_probe.weight_gb(shapes, call_args[1], dtype)
             counts = []
             for fn in (old, new):
                 ks = trace_calls.trace_kernels(functools.partial(fn, *call_args), 5)

@@ -33,10 +33,13 @@ def stack(x, layer_ids, layer_routing, layer_weights):
     return x
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def setup(doc: str, dtypes: bool = True):
+    """``(args, shapes, copy GB/s)``: the probes' flags parsed, the preset's expert shape, the
+    copy ceiling measured; prints the device line."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--tokens", default="64,128,256")
-    parser.add_argument("--dtypes", default="fp8,bf16")
+    if dtypes:
+        parser.add_argument("--dtypes", default="fp8,bf16")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--preset", default="qwen3-30b-a3b")
     args = parser.parse_args()
@@ -44,18 +47,38 @@ def main() -> None:
     copy_gbs, _ = device_rates.copy_gbs(1 << 30, iters=20, reps=5)
     device = jax.devices()[0].device_kind
     print(f"device {device}  jax {jax.__version__}  {shapes}  copy {copy_gbs:.0f} GB/s")
+    return args, shapes, copy_gbs
+
+
+def layer_weights_of(shapes, layers: int, dtype: str) -> list:
+    """Each layer's expert weights, bf16 or FP8 (``dtype`` "fp8")."""
+    expert_dtype = "float8_e4m3fn" if dtype == "fp8" else None
+    keys = jax.random.split(jax.random.key(3), layers)
+    return [bg.make_inputs(1, shapes, jnp.bfloat16, k, expert_dtype)[1] for k in keys]
+
+
+def stack_args(shapes, tokens: int, layer_weights: list) -> tuple:
+    """``stack``'s arguments: random tokens, each layer its own random routing."""
+    routes = [bg.route(tokens, shapes, 0.0, tokens + i) for i in range(len(layer_weights))]
+    x = jax.random.normal(jax.random.key(tokens), (tokens, shapes.hidden), jnp.bfloat16)
+    layer_ids = [jnp.asarray(ids) for ids, _ in routes]
+    return x, layer_ids, [jnp.asarray(routing) for _, routing in routes], layer_weights
+
+
+def weight_gb(shapes, layer_ids: list, dtype: str) -> float:
+    """GB of the routed experts' weights a layer reads (the experts hit, averaged)."""
+    experts_hit = np.mean([len(np.unique(np.asarray(ids))) for ids in layer_ids])
+    return shapes.weight_bytes(experts_hit, 1 if dtype == "fp8" else 2) / 1e9
+
+
+def main() -> None:
+    args, shapes, copy_gbs = setup(__doc__)
     rows = []
     for dtype in args.dtypes.split(","):
-        expert_dtype = "float8_e4m3fn" if dtype == "fp8" else None
-        keys = jax.random.split(jax.random.key(3), args.layers)
-        layer_weights = [bg.make_inputs(1, shapes, jnp.bfloat16, k, expert_dtype)[1] for k in keys]
+        layer_weights = layer_weights_of(shapes, args.layers, dtype)
         for tokens in map(int, args.tokens.split(",")):
-            routes = [bg.route(tokens, shapes, 0.0, tokens + i) for i in range(args.layers)]
-            ids_np = routes[0][0]
-            layer_ids = [jnp.asarray(ids) for ids, _ in routes]
-            layer_routing = [jnp.asarray(routing) for _, routing in routes]
+            x, layer_ids, layer_routing, _ = stack_args(shapes, tokens, layer_weights)
             ids, routing = layer_ids[0], layer_routing[0]
-            x = jax.random.normal(jax.random.key(tokens), (tokens, shapes.hidden), jnp.bfloat16)
             one = bg.jit_as_step(layer)
             many = bg.jit_as_step(stack)
             cases = [
@@ -64,7 +87,7 @@ def main() -> None:
             ]
             seconds = device_rates.time_fns_interleaved(cases, warmup=2, iters=20, reps=7)
             per_layer = [seconds[0], seconds[1] / args.layers]
-            gbytes = shapes.weight_bytes(len(np.unique(ids_np)), 1 if expert_dtype else 2) / 1e9
+            gbytes = weight_gb(shapes, layer_ids[:1], dtype)
             ks = trace_calls.trace_kernels(functools.partial(many, *cases[1][1]), 5)
             timed = [f"{t * 1e3:.3f} ({gbytes / t / copy_gbs:.2f})" for t in per_layer]
             line = (
