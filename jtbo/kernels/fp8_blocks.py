@@ -256,6 +256,29 @@ def quantize_blocks(
     return BlockQuantized(values, scales, block_shape, None if axes is None else tuple(axes))
 
 
+def quantize_rows(x: jax.Array, group: int) -> BlockQuantized:
+    """Activations as FP8: each row of ``x [N, K]`` in groups of ``group`` columns (blocks of
+    ``(1, group)``), from the values ``x`` holds in its own dtype.
+
+    XLA may keep a producer's float32 values where the program rounds them to ``x.dtype``
+    (it drops a float32 -> bf16 -> float32 pair: ``xla_allow_excess_precision``); the scales
+    and values would then depend on how the program is fused (a layer's output rounded or
+    not before the next layer quantizes it). An optimization barrier makes ``x`` a value of
+    its own dtype first, as ``quantize_blocks`` defines the quantization.
+
+    Args:
+      x: ``[N, K]`` float rows.
+      group: columns per quantization group.
+
+    Returns:
+      The ``BlockQuantized`` rows: values ``[N, K]``, scales ``[N, ceil(K / group)]``.
+
+    Raises:
+      ValueError: as ``quantize_blocks``.
+    """
+    return quantize_blocks(jax.lax.optimization_barrier(x), (1, group))
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _quantize_jit(x, block_shape):
     """``_quantize`` as one program (called eagerly, e.g. at a model's init, its many small

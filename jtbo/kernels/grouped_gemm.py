@@ -439,7 +439,7 @@ def _gate_up_call(
         if quantize_rows:
             operands += [x_rows, *weights]
         else:
-            quantized = fp8_blocks.quantize_blocks(x_rows, (1, fp8.quant_block[0]))
+            quantized = fp8_blocks.quantize_rows(x_rows, fp8.quant_block[0])
             operands += [quantized.values, quantized.scales, *weights]
         out_shape = (
             jax.ShapeDtypeStruct((flat_rows, ffn), fp8_blocks.FP8_DTYPE),

@@ -6,7 +6,7 @@ The ``"mosaic"`` impl of ``grouped_gemm.grouped_ffn`` for block-scaled FP8 weigh
 of ``grouped_gemm``'s module docstring, on the tile-major rows and the persistent 2-CTA
 cluster grid of ``grouped_gemm_mosaic``.
 
-Data flow: the source rows are quantized per ``qk`` columns (``fp8_blocks.quantize_blocks``
+Data flow: the source rows are quantized per ``qk`` columns (``fp8_blocks.quantize_rows``
 in ``(1, qk)`` blocks), then the live tiles' FP8 rows and their scales are gathered into
 tile-major order (``tile_gather``; the FP8 values travel as bytes). The gate / up kernel
 writes FP8 hidden rows and one scale per row and ``qk`` columns; the down kernel reads them
@@ -253,7 +253,7 @@ def gathered_fp8_rows(x_slots, slot_of_row, tile_expert, block_m: int, qk: int):
     """The live tiles' rows quantized per ``qk`` columns: ``(values [R, H] FP8, scales
     [H / qk, R] float32)``, zero bytes and zero scales for padding rows."""
     source_rows, source = slot_rows.flat_slot_source(x_slots, slot_of_row)
-    quantized = fp8_blocks.quantize_blocks(source_rows, (1, qk))
+    quantized = fp8_blocks.quantize_rows(source_rows, qk)
     source = grouped_gemm_mosaic.unfused(source)
     as_bytes = lax.bitcast_convert_type(quantized.values, jnp.uint8)  # FP8 has no fill value
     values = tile_gather.gather_tiles(as_bytes, source, tile_expert, block_m)

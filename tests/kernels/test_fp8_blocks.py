@@ -6,6 +6,8 @@ module: e4m3 keeps 3 mantissa bits, so ``|q * s - w| <= max(2**-4 |w|, 2**-10 s)
 term for values that land in e4m3's subnormal range).
 """
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -175,3 +177,44 @@ def test_check_takes_the_scales_in_the_stored_order():
     back = jax.jit(fp8_blocks.dequantize_blocks)(q)
     assert back.shape == (2, 12, 33)
     np.testing.assert_array_equal(back, fp8_blocks.dequantize_blocks(q))
+
+
+def test_quantize_rows_is_the_row_blocks_quantization():
+    rng = np.random.default_rng(21)
+    x = jnp.asarray(_weight(rng, (24, 96)), jnp.bfloat16)
+    rows = jax.jit(fp8_blocks.quantize_rows, static_argnums=1)(x, 32)
+    want = fp8_blocks.quantize_blocks_reference(np.asarray(x, np.float32), (1, 32))
+    assert rows.block_shape == (1, 32)
+    np.testing.assert_array_equal(np.asarray(rows.values, np.float32), want[0].astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(rows.scales), want[1])
+
+
+def _quantized_from_rounded_rows(quantize):
+    """An H200 compile of float32 rows rounded to bf16, then quantized by ``quantize``: the
+    dtypes of the entry's fusion outputs of the rows' shape (the rows between the two)."""
+    from jtbo import aot  # noqa: PLC0415 - the aot extra's module, skipped without it
+    from tests.kernels import helpers  # noqa: PLC0415
+
+    if not aot.aot_available():
+        pytest.skip("needs the aot extra (jax-cuda12-plugin)")
+
+    def layer(a, b):
+        rows = (a * b).astype(jnp.bfloat16)  # a layer's output, rounded to its dtype
+        return quantize(rows).values
+
+    hlo = helpers.compiled_for_h200(layer, [((64, 256), jnp.float32)] * 2)
+    entry = hlo[hlo.index("ENTRY") :]
+    return set(re.findall(r"= (f32|bf16)\[64,256\]\{[^}]*\} fusion\(", entry))
+
+
+def test_quantize_rows_reads_the_rounded_rows_on_an_h200_compile():
+    # XLA drops a float32 -> bf16 -> float32 pair (excess precision): quantized from the
+    # blocks directly, the rows' scales come from the unrounded float32 products.
+    unguarded = _quantized_from_rounded_rows(
+        lambda rows: fp8_blocks.quantize_blocks(rows, (1, 128))
+    )
+    if "bf16" in unguarded:
+        pytest.skip("this XLA keeps the rounding without the barrier: nothing to guard")
+    assert _quantized_from_rounded_rows(lambda rows: fp8_blocks.quantize_rows(rows, 128)) == {
+        "bf16"
+    }
