@@ -153,8 +153,8 @@ def test_tbo_step_covers_its_collectives_on_an_h200_compile(mode):
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
     rep = aot_report.model_overlap_report(
-        config_lib.MoEConfig.tiny(), dp_size=4, attn_tp_size=2, mode=mode, tokens_per_rank=16
-    )
+        helpers.TWO_LAYER_TINY, dp_size=4, attn_tp_size=2, mode=mode, tokens_per_rank=16
+    )  # one dense and one MoE layer: every kind of collective the step has
     assert rep.coverage >= 0.95, report.format_report(rep)
     assert all(window.micro_batch for window in rep.windows if window.num_bytes > 16)
     # Only the 16-byte overflow / peak-load reductions may run synchronously: a larger one
@@ -165,7 +165,7 @@ def test_tbo_step_covers_its_collectives_on_an_h200_compile(mode):
 
 
 def test_step_key_traces_once_and_a_retrace_fails_loudly():
-    config = config_lib.MoEConfig.tiny()
+    config = helpers.TWO_LAYER_TINY  # the key and its guard do not depend on the depth
     model = model_lib.MoEModel(config, rngs=nnx.Rngs(0))
     runner = runner_lib.ModelRunner(
         model, mesh_lib.make_mesh(8, 1), max_total_tokens=32, max_running_requests=2,
@@ -255,7 +255,9 @@ def test_one_h200_tbo_step_keeps_the_pool_in_place_and_reads_each_weight_once(mo
     # pool write after this attention's reads) and read every weight once per micro-batch.
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
-    config = config_lib.MoEConfig.tiny()
+    # One dense and one MoE layer: every weight checked below (layer 0's attention and MLP,
+    # layer 1's shared and routed experts) and two layers' attentions sharing the pool.
+    config = helpers.TWO_LAYER_TINY
     mesh = aot_report.h200_mesh(1, 1)
     compiled = {}
     for tbo in (False, True):
@@ -319,7 +321,7 @@ def test_one_h200_tbo_step_runs_one_grouped_gemm_per_layer_for_both_micro_batche
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
     moe = layer_ops.MoEOptions(ep_capacity_factor=4.0, moe_runner_backend="pallas")
-    config = config_lib.MoEConfig.tiny()
+    config = helpers.TWO_LAYER_TINY  # one MoE layer: its two grouped GEMMs
     reads = {}
     for tbo in (False, True):
         jitted, args, options = aot_report.model_step_program(
@@ -366,7 +368,9 @@ def test_two_gpu_exchange_windows_hold_the_other_micro_batchs_compute(mode, toke
     # without the issue barriers the prefill dispatch windows are nearly empty again.
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
-    config = config_lib.MoEConfig.deepseek_v3_gqa_reduced()
+    # Three layers (DeepSeek-V3's dense first layer and two MoE layers): exchanges inside the
+    # step and at its tail, each as in the preset's four.
+    config = dataclasses.replace(config_lib.MoEConfig.deepseek_v3_gqa_reduced(), num_layers=3)
     jitted, args, options = aot_report.model_step_program(
         config, aot_report.h200_mesh(2, 1), mode=mode, tokens_per_rank=tokens,
         enable_tbo=True, dtype=jnp.bfloat16, tbo_issue_barriers=issue_barriers,
@@ -375,7 +379,7 @@ def test_two_gpu_exchange_windows_hold_the_other_micro_batchs_compute(mode, toke
     text = jitted.lower(*args).compile(compiler_options=options).as_text()
     windows = [w for w in hlo_schedule.collective_windows(text) if w.kind == "all-to-all"]
     fills = [f.fill for f in schedule_costs.window_fill(text) if f.kind == "all-to-all"]
-    assert len(windows) == 12
+    assert len(windows) == 8  # 2 MoE layers x dispatch and combine x 2 micro-batches
     if not issue_barriers:  # nearly empty or synchronous (no window at all) exchanges
         assert sum(fill < 1.0 for fill in fills) + sum(not w.is_async for w in windows) >= 3
         return
