@@ -18,7 +18,8 @@ from jtbo.bench import grouped_gemm as bg
 from jtbo.models import experts
 
 CALLS = 12
-GEMM_KERNELS = ("_gate_up_kernel", "_down_kernel", "mosaic")
+# Name parts of the GEMM kernels: the Pallas (Triton) ones and the Mosaic GPU ones.
+GEMM_KERNELS = ("_gate_up_kernel", "_down_kernel", "mosaic_gpu_kernel")
 
 
 def _one_call(kernels: list[kernel_time.Kernel], calls: int) -> list[kernel_time.Kernel]:
@@ -42,7 +43,7 @@ def timeline(kernels: list[kernel_time.Kernel], op_names: dict[str, str]) -> tup
         gap = max(0.0, kernel.start - end)
         gaps += gap
         end = max(end, kernel.start + kernel.microseconds)
-        is_gemm = kernel.name.startswith(GEMM_KERNELS)
+        is_gemm = any(part in kernel.name for part in GEMM_KERNELS)
         gemm += kernel.microseconds if is_gemm else 0.0
         other += 0.0 if is_gemm else kernel.microseconds
         op = _short(op_names.get(kernel.name, ""))
