@@ -10,14 +10,12 @@ bit-equal; a markdown table last.
 """
 
 import functools
-from unittest import mock
 
 import jax.numpy as jnp
 import layer_stack_probe
 import numpy as np
 
 from jtbo.bench import device_rates, kernel_time, trace_calls
-from jtbo.bench import grouped_gemm as bg
 from jtbo.kernels import slot_rows, tile_table
 from jtbo.models import experts
 
@@ -41,16 +39,10 @@ def old_slot_tokens(expert, position, num_experts, capacity):
     return token.reshape(num_experts, capacity)
 
 
-def _compiled_old(args, body=layer_stack_probe.stack):
-    """``body`` (the stack) jitted as a step, traced and compiled now with the old functions (a
-    function of its own: jax's trace cache is keyed by the function)."""
-    fn = bg.jit_as_step(lambda *a: body(*a))
-    with (
-        mock.patch.object(tile_table, "row_tiles", old_row_tiles),
-        mock.patch.object(experts, "_slot_tokens", old_slot_tokens),
-    ):
-        out = np.asarray(fn(*args), np.float32)
-    return fn, out
+OLD_CODE = (
+    (tile_table, "row_tiles", old_row_tiles),
+    (experts, "_slot_tokens", old_slot_tokens),
+)
 
 
 def main() -> None:
@@ -60,13 +52,12 @@ def main() -> None:
         layer_weights = layer_stack_probe.layer_weights_of(shapes, args.layers, dtype)
         for tokens in map(int, args.tokens.split(",")):
             call_args = layer_stack_probe.stack_args(shapes, tokens, layer_weights)
-            x = call_args[0]
-            old, _ = _compiled_old(call_args)
-            new = bg.jit_as_step(lambda *a: layer_stack_probe.stack(*a))
-            one_layer = (x, call_args[1][0], call_args[2][0], layer_weights[0])
-            _, old_out = _compiled_old(one_layer, layer_stack_probe.layer)
-            new_layer = bg.jit_as_step(lambda *a: layer_stack_probe.layer(*a))
-            new_out = np.asarray(new_layer(*one_layer), np.float32)
+            old, _ = layer_stack_probe.compiled(layer_stack_probe.stack, call_args, OLD_CODE)
+            new, _ = layer_stack_probe.compiled(layer_stack_probe.stack, call_args)
+            x, layer_ids, layer_routing, _ = call_args
+            one_layer = (x, layer_ids[0], layer_routing[0], layer_weights[0])
+            _, old_out = layer_stack_probe.compiled(layer_stack_probe.layer, one_layer, OLD_CODE)
+            _, new_out = layer_stack_probe.compiled(layer_stack_probe.layer, one_layer)
             cases = [(old, call_args), (new, call_args)]
             seconds = device_rates.time_fns_interleaved(cases, warmup=2, iters=20, reps=9)
             per_layer = [s / args.layers for s in seconds]
@@ -76,19 +67,18 @@ def main() -> None:
                 ks = trace_calls.trace_kernels(functools.partial(fn, *call_args), 5)
                 counts.append(f"{len(ks) / 5 / args.layers:.1f}")
                 print(f"  {kernel_time.kernels_per_call(ks, 5 * args.layers, top=3)}", flush=True)
-            timed = [f"{t * 1e3:.4f} ({gbytes / t / copy_gbs:.3f})" for t in per_layer]
+            timed = layer_stack_probe.per_layer_cells(per_layer, gbytes, copy_gbs, digits=4)
             line = (
                 f"| {dtype} | {tokens} | {' | '.join(timed)} | {seconds[0] / seconds[1]:.3f} "
                 f"| {' / '.join(counts)} | {np.array_equal(old_out, new_out)} |"
             )
             rows.append(line)
             print(line, flush=True)
-    print(
+    layer_stack_probe.print_table(
         "| experts | tokens | old ms per layer (of copy) | new ms per layer (of copy) "
-        "| old / new | kernels per layer old / new | one layer bit-equal |"
+        "| old / new | kernels per layer old / new | one layer bit-equal |",
+        rows,
     )
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
 
 
 if __name__ == "__main__":

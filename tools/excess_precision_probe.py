@@ -8,13 +8,10 @@ layer of each and whether the stacks' outputs are bit-equal; a markdown table la
 [--layers 4]`` (a GPU)
 """
 
-from unittest import mock
-
 import layer_stack_probe
 import numpy as np
 
 from jtbo.bench import device_rates
-from jtbo.bench import grouped_gemm as bg
 from jtbo.kernels import fp8_blocks
 
 
@@ -28,18 +25,14 @@ def main() -> None:
     rows = []
     for tokens in map(int, args.tokens.split(",")):
         call_args = layer_stack_probe.stack_args(shapes, tokens, layer_weights)
-        old = bg.jit_as_step(lambda *a: layer_stack_probe.stack(*a))
-        with mock.patch.object(fp8_blocks, "quantize_rows", _unguarded):
-            old_out = np.asarray(old(*call_args), np.float32)
-        new = bg.jit_as_step(lambda *a: layer_stack_probe.stack(*a))
-        new_out = np.asarray(new(*call_args), np.float32)
+        unguarded = ((fp8_blocks, "quantize_rows", _unguarded),)
+        old, old_out = layer_stack_probe.compiled(layer_stack_probe.stack, call_args, unguarded)
+        new, new_out = layer_stack_probe.compiled(layer_stack_probe.stack, call_args)
         cases = [(old, call_args), (new, call_args)]
         seconds = device_rates.time_fns_interleaved(cases, warmup=2, iters=10, reps=7)
         gbytes = layer_stack_probe.weight_gb(shapes, call_args[1], "fp8")
-        timed = [
-            f"{s / args.layers * 1e3:.4f} ({gbytes * args.layers / s / copy_gbs:.3f})"
-            for s in seconds
-        ]
+        per_layer = [s / args.layers for s in seconds]
+        timed = layer_stack_probe.per_layer_cells(per_layer, gbytes, copy_gbs, digits=4)
         diff = np.abs(old_out - new_out).max() / np.abs(new_out).max()
         line = (
             f"| {tokens} | {' | '.join(timed)} | {seconds[0] / seconds[1]:.3f} "
@@ -47,12 +40,11 @@ def main() -> None:
         )
         rows.append(line)
         print(line, flush=True)
-    print(
+    layer_stack_probe.print_table(
         "| tokens | unguarded ms per layer (of copy) | quantize_rows ms per layer (of copy) "
-        "| unguarded / guarded | bit-equal (max difference over max) |"
+        "| unguarded / guarded | bit-equal (max difference over max) |",
+        rows,
     )
-    print("|---|---|---|---|---|")
-    print("\n".join(rows))
 
 
 if __name__ == "__main__":

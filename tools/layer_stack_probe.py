@@ -11,7 +11,9 @@ second over the copy ceiling; a markdown table last.
 """
 
 import argparse
+import contextlib
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +73,33 @@ def weight_gb(shapes, layer_ids: list, dtype: str) -> float:
     return shapes.weight_bytes(experts_hit, 1 if dtype == "fp8" else 2) / 1e9
 
 
+def compiled(body, args, patches=()):
+    """``(fn, its output as float32)``: ``body`` jitted as a step, traced and compiled now with
+    ``patches`` (``(module, name, value)``) in place. Each call jits a function of its own:
+    jax's trace cache is keyed by the function, and a patched trace must not serve another."""
+    fn = bg.jit_as_step(lambda *a: body(*a))
+    with contextlib.ExitStack() as patched:
+        for module, name, value in patches:
+            patched.enter_context(mock.patch.object(module, name, value))
+        out = np.asarray(fn(*args), np.float32)
+    return fn, out
+
+
+def per_layer_cells(seconds_per_layer, gbytes: float, copy_gbs: float, digits: int = 3):
+    """``"ms (of copy)"`` of each time per layer: milliseconds, and the layer's weight bytes
+    per second over the copy ceiling."""
+    return [
+        f"{t * 1e3:.{digits}f} ({gbytes / t / copy_gbs:.{digits - 1}f})" for t in seconds_per_layer
+    ]
+
+
+def print_table(header: str, rows: list[str]) -> None:
+    """A markdown table: ``header`` (``| a | b |``), its rule, then ``rows``."""
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    print("\n".join(rows))
+
+
 def main() -> None:
     args, shapes, copy_gbs = setup(__doc__)
     rows = []
@@ -89,7 +118,7 @@ def main() -> None:
             per_layer = [seconds[0], seconds[1] / args.layers]
             gbytes = weight_gb(shapes, layer_ids[:1], dtype)
             ks = trace_calls.trace_kernels(functools.partial(many, *cases[1][1]), 5)
-            timed = [f"{t * 1e3:.3f} ({gbytes / t / copy_gbs:.2f})" for t in per_layer]
+            timed = per_layer_cells(per_layer, gbytes, copy_gbs)
             line = (
                 f"| {dtype} | {tokens} | {' | '.join(timed)} | {per_layer[0] / per_layer[1]:.3f} |"
             )
@@ -98,12 +127,11 @@ def main() -> None:
             print(
                 f"  stack: {kernel_time.kernels_per_call(ks, 5 * args.layers, top=4)}", flush=True
             )
-    print(
+    print_table(
         f"| experts | tokens | one layer a call: ms (of copy) | {args.layers} layers a call: "
-        "ms per layer (of copy) | one / stack |"
+        "ms per layer (of copy) | one / stack |",
+        rows,
     )
-    print("|---|---|---|---|---|")
-    print("\n".join(rows))
 
 
 if __name__ == "__main__":
