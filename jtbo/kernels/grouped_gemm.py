@@ -408,6 +408,15 @@ def triton_offsets_fit(size: int, itemsize: int) -> bool:
     return size <= 2**31 or size * itemsize > 2**32
 
 
+def _rows_quantized_in_kernel(source, block_k: int, qk: int) -> bool:
+    """Whether the gate / up kernel quantizes its FP8 rows as it loads them (else they are
+    quantized before it). Slot rows (``source`` None), padding included, are quantized in the
+    kernel when a contraction step is one group: only the live rows are then quantized. Source
+    rows are few: quantized before, once each (inside, each column tile would quantize them
+    again)."""
+    return source is None and block_k == qk
+
+
 def _gate_up_call(
     x_rows, source, w_gate_up, group_start, counts, *, rows, tile_rows, max_rows, cfg, interpret,
     fp8, down_fp8,
@@ -423,10 +432,7 @@ def _gate_up_call(
     num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = ffn // block_n
     fp8_rows = fp8 is not None and fp8.activations
-    # Slot rows, padding included, are quantized in the kernel when a contraction step is one
-    # group: only the live rows are then quantized. Source rows are few: quantized before,
-    # once each (inside, each column tile would quantize them again).
-    quantize_rows = fp8_rows and source is None and block_k == fp8.quant_block[0]
+    quantize_rows = fp8_rows and _rows_quantized_in_kernel(source, block_k, fp8.quant_block[0])
     kernel = functools.partial(
         _gate_up_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
         block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn, gathered=source is not None,
