@@ -90,7 +90,6 @@ from jtbo.kernels import (
     grouped_gemm_mosaic,
     grouped_gemm_mosaic_fp8,
     impls,
-    pair_tiles,
     slot_rows,
     tile_table,
 )
@@ -103,10 +102,6 @@ MOSAIC_MIN_ROWS = 16384
 GPU: the smallest size measured where the Mosaic GPU layer beat the Pallas one (2048 tokens x 8
 experts; at decode sizes, where both read the weights once, Pallas was ahead: docs/benchmarks/,
 "the grouped FFN on Mosaic GPU")."""
-PAIRS_MAX = 2048
-"""(token, choice) pairs up to which ``runs_pairs`` lets the Pallas kernels find their rows
-from the pairs (``grouped_ffn_pairs``): each program compares its tile's rows with every pair,
-a cost that grows with the pairs, against the XLA fusions of the slot layout it saves."""
 MOSAIC_FP8_MIN_ROWS = 4096
 """The same threshold for FP8 weights with FP8 activations: at Qwen3-30B-A3B's expert shape the
 Mosaic GPU FP8 layer was level with the Pallas one (balanced row tiles) at 512 tokens x 8
@@ -140,92 +135,33 @@ class _Fp8:
     activations: bool
 
 
-SLOTS, GATHERED, PAIRS = "slots", "gathered", "pairs"
-"""Where a kernel's rows come from: slot rows (``[E * C, H]``, a tile's rows consecutive), slot
-rows loaded through the index of ``SlotRows`` (the gate / up kernel), or (token, choice)
-pairs, each tile's rows found from the pairs' experts (``pair_tiles``), loaded through the
-pair's token and stored at the pair's row."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rows:
-    """A live tile's rows inside a program (trace-time only, not a pytree)."""
-
-    live: jax.Array  # [block_m, 1] bool: the rows the tile holds
-    start: jax.Array | None  # first of the tile's consecutive rows (slot rows), else None
-    load_index: jax.Array | None  # [block_m] int32 row to load per tile row (-1: none), or None
-    store_index: jax.Array | None  # [block_m] int32 row to store per tile row, or None
-
-
-def _tile_source(mode: str, refs: list, tile, block_m: int, pair_divisor: int):
-    """``(expert, rows)`` of row tile ``tile``: its expert (-1 for a dead tile) and a thunk
-    giving its ``_Rows``, called under ``expert >= 0`` so that dead tiles load nothing more.
-    Pops the index operands from ``refs``: ``tiles_ref [3, num_tiles]`` (and ``source_ref
-    [R]`` when gathered), or ``counts_ref [E2]`` and ``pairs_ref [P2]`` (``pair_tiles``);
-    a pair's row is loaded from row ``pair // pair_divisor``."""
-    if mode == PAIRS:
-        counts_ref, pairs_ref = refs.pop(0), refs.pop(0)
-        expert, first_rank, count = pair_tiles.tile_expert(counts_ref[...], tile, block_m)
-
-        def pair_rows():
-            pair_expert = pairs_ref[...]
-            pair, live = pair_tiles.tile_pairs(pair_expert, expert, first_rank, count, block_m)
-            return _Rows(live, None, pair // pair_divisor, pair)
-
-        return expert, pair_rows
-    tiles_ref = refs.pop(0)
-    source_ref = refs.pop(0) if mode == GATHERED else None
-
-    def table_rows():
-        start, live = _tile_rows(tiles_ref, tile, block_m)
-        if source_ref is None:
-            return _Rows(live, start, None, None)
-        source = plgpu.load(source_ref.at[pl.ds(start, block_m)], mask=live[:, 0], other=-1)
-        return _Rows(live, start, source, None)
-
-    return tiles_ref[0, tile], table_rows
-
-
-def _store(ref, rows: _Rows, column, width: int, value):
-    """``value [block_m, width]`` into columns ``column ..`` of the tile's live rows of
-    ``ref``: its consecutive rows, or the rows ``store_index`` names (a row the tile does not
-    hold names one past the last row, which the interpreter's scatter drops)."""
-    if rows.store_index is None:
-        target = ref.at[pl.ds(rows.start, value.shape[0]), pl.ds(column, width)]
-    else:
-        row = jnp.where(rows.live, rows.store_index[:, None], ref.shape[0])
-        target = ref.at[row, column + jnp.arange(width, dtype=jnp.int32)[None, :]]
-    plgpu.store(target, value, mask=jnp.broadcast_to(rows.live, value.shape))
-
-
 def _gate_up_kernel(
-    *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, ffn, mode, fp8, quantize_rows,
-    top_k,
+    tiles_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, ffn, gathered, fp8,
+    quantize_rows,
 ):  # fmt: skip
-    # First the index operands (_tile_source): tiles_ref [3, num_tiles] int32 (expert or -1,
-    # first row, end row) and, gathered, source_ref [R] int32 (the row of x_ref each slot
-    # holds, -1 empty); or, pairs, counts_ref [E2] int32 and pairs_ref [P2] int32 (the expert
-    # of each pair, -1 none). Then, in order: x_ref [R, H] slot rows, or [N, H] source rows
-    # (gathered; pairs: a pair's row is its token's, pair // top_k) (FP8 with FP8
-    # activations quantized before the kernel; float rows that quantize_rows quantizes per
-    # step here); xs_ref [R or N, H / qk] float32 row scales (FP8 activations quantized
-    # before only); w_ref [E, H, 2 * F] (gate columns, then up columns), or FP8 [E, 2 * F, H]
-    # (gate rows, then up rows); s_ref [E, 2 * ceil(F / qn), H / qk] float32 block scales
-    # (FP8 only); h_ref [R or P2, F] (FP8 with FP8 activations); hs_ref [R or P2, F / block_n]
-    # float32 (FP8 activations only: one scale per row and column tile).
+    # tiles_ref: [3, num_tiles] int32 (expert or -1, first row, end row). Then, in order:
+    # source_ref [R] int32 (gathered only): the row of x_ref each slot holds (-1 empty);
+    # x_ref [R, H] slot rows, or [N, H] source rows when gathered (FP8 with FP8 activations
+    # quantized before the kernel; float rows that quantize_rows quantizes per step here);
+    # xs_ref [R or N, H / qk] float32 row scales (FP8 activations quantized before only);
+    # w_ref [E, H, 2 * F] (gate columns, then up columns), or FP8 [E, 2 * F, H] (gate rows,
+    # then up rows); s_ref [E, 2 * ceil(F / qn), H / qk] float32 block scales (FP8 only);
+    # h_ref [R, F] (FP8 with FP8 activations); hs_ref [R, F / block_n] float32 (FP8
+    # activations only: one scale per row and column tile).
     refs = list(refs)
-    tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
-    expert, tile_rows = _tile_source(mode, refs, tile, block_m, top_k)
+    source_ref = refs.pop(0) if gathered else None
     x_ref = refs.pop(0)
     xs_ref = refs.pop(0) if fp8 is not None and fp8.activations and not quantize_rows else None
     weights = _WeightTiles(refs.pop(0), refs.pop(0) if fp8 is not None else None, fp8)
     h_ref, hs_ref = refs[0], refs[1] if len(refs) > 1 else None
+    tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
+    expert = tiles_ref[0, tile]
 
     @pl.when(expert >= 0)
     def _compute():
-        rows = tile_rows()
+        start, live = _tile_rows(tiles_ref, tile, block_m)
         qk = fp8.quant_block[0] if fp8 is not None else block_k
-        load_rows = _row_loader(rows, x_ref, xs_ref, (block_m, block_k), qk)
+        load_rows = _row_loader(source_ref, x_ref, xs_ref, start, live, (block_m, block_k), qk)
         if quantize_rows:  # a contraction step is one quantization group of each row
             load_rows = _quantized(load_rows)
         n0 = pl.multiple_of(col * block_n, block_n)
@@ -242,10 +178,12 @@ def _gate_up_kernel(
         gate, up = jax.lax.fori_loop(0, x_ref.shape[1] // block_k, step, (zeros, zeros))
         hidden = gate * jax.nn.sigmoid(gate) * up
         # Every live slot's row is written (an empty slot's as zero): the down kernel reads it.
+        h_mask = jnp.broadcast_to(live, (block_m, block_n))
+        rows = pl.ds(start, block_m)
         if hs_ref is not None:  # one quantization group per row of the tile
             hidden, scale = _quantize_rows(hidden)
-            _store(hs_ref, rows, col, 1, scale)
-        _store(h_ref, rows, n0, block_n, hidden.astype(h_ref.dtype))
+            plgpu.store(hs_ref.at[rows, pl.ds(col, 1)], scale, mask=live)
+        plgpu.store(h_ref.at[rows, pl.ds(n0, block_n)], hidden.astype(h_ref.dtype), mask=h_mask)
 
 
 def _quantized(load_rows):
@@ -296,27 +234,28 @@ class _WeightTiles:
         return part * (scale if x_scale is None else x_scale * scale)
 
 
-def _row_loader(rows: _Rows, x_ref, xs_ref, shape: tuple[int, int], qk: int):
+def _row_loader(source_ref, x_ref, xs_ref, start, live, shape: tuple[int, int], qk: int):
     """``k0 -> (the tile's [block_m, block_k] rows, their [block_m, 1] scales or None)``.
 
-    Slot rows are ``block_m`` consecutive rows of x from ``rows.start``; gathered rows are
-    the rows ``rows.load_index`` names, each row's ``block_k`` columns still contiguous. The
-    gathered view indexes both axes with arrays (rows ``[block_m, 1]``, columns ``[1,
-    block_k]``): the Pallas interpreter cannot mix an array index with a slice. Rows the tile
-    does not hold and empty slots (-1) load as zero. FP8 rows (``xs_ref`` not None) come
-    with the scale of their ``qk`` columns that hold ``k0``.
+    Slot rows are ``block_m`` consecutive rows of x from ``start``; gathered rows are the
+    rows the tile's slots name, each row's ``block_k`` columns still contiguous. The gathered
+    view indexes both axes with arrays (rows ``[block_m, 1]``, columns ``[1, block_k]``): the
+    Pallas interpreter cannot mix an array index with a slice. Rows past the tile's end and
+    empty slots (-1) load as zero. FP8 rows (``xs_ref`` not None) come with the scale of
+    their ``qk`` columns that hold ``k0``.
     """
     block_m, block_k = shape
-    if rows.load_index is None:
-        live_rows, consecutive = rows.live, pl.ds(rows.start, block_m)
-        view = lambda k0: x_ref.at[consecutive, pl.ds(k0, block_k)]  # noqa: E731
-        scale_view = lambda k0: xs_ref.at[consecutive, pl.ds(k0 // qk, 1)]  # noqa: E731
+    if source_ref is None:
+        rows, live_rows = pl.ds(start, block_m), live
+        view = lambda k0: x_ref.at[rows, pl.ds(k0, block_k)]  # noqa: E731
+        scale_view = lambda k0: xs_ref.at[rows, pl.ds(k0 // qk, 1)]  # noqa: E731
     else:
-        row = jnp.maximum(rows.load_index, 0)[:, None]
+        source = plgpu.load(source_ref.at[pl.ds(start, block_m)], mask=live[:, 0], other=-1)
+        row = jnp.maximum(source, 0)[:, None]
         columns = jnp.arange(block_k, dtype=jnp.int32)[None, :]
         view = lambda k0: x_ref.at[row, k0 + columns]  # noqa: E731
         scale_view = lambda k0: xs_ref.at[row, k0 // qk + jnp.zeros((1, 1), jnp.int32)]  # noqa: E731
-        live_rows = rows.live & (rows.load_index >= 0)[:, None]
+        live_rows = live & (source >= 0)[:, None]
     x_mask = jnp.broadcast_to(live_rows, (block_m, block_k))
 
     def load(k0):
@@ -330,29 +269,26 @@ def _row_loader(rows: _Rows, x_ref, xs_ref, shape: tuple[int, int], qk: int):
     return load
 
 
-def _down_kernel(*refs, num_tiles, num_n, group_m, block_m, block_n, block_k, mode, fp8):
-    # First the index operands (_tile_source): tiles_ref [3, num_tiles] int32, or counts_ref
-    # [E2] and pairs_ref [P2] int32 (pairs: a tile row's hidden row and output row are its
-    # pair's). Then h_ref [R or P2, F] (FP8 with FP8 activations); hs_ref [R or P2, F / qk]
-    # float32 row scales (FP8 activations only); w_ref [E, F, H], or FP8 [E, H, F]; s_ref [E,
-    # ceil(H / qn), F / qk] float32 block scales (FP8 only); then out_ref [R or P2, H] alone
-    # (rows no tile writes are left as they are), or a zero buffer and out_ref, the same
-    # buffer (aliased; rows no tile writes stay zero).
+def _down_kernel(
+    tiles_ref, h_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, fp8,
+):  # fmt: skip
+    # tiles_ref: [3, num_tiles] int32; h_ref: [R, F] (FP8 with FP8 activations). Then, in
+    # order: hs_ref [R, F / qk] float32 row scales (FP8 activations only); w_ref [E, F, H], or
+    # FP8 [E, H, F]; s_ref [E, ceil(H / qn), F / qk] float32 block scales (FP8 only); then
+    # out_ref [R, H] alone (rows no tile writes are left as they are), or a zero buffer and
+    # out_ref, the same buffer (aliased; rows no tile writes stay zero).
     refs = list(refs)
-    tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
-    expert, tile_rows = _tile_source(mode, refs, tile, block_m, 1)
-    h_ref = refs.pop(0)
     hs_ref = refs.pop(0) if fp8 is not None and fp8.activations else None
     weights = _WeightTiles(refs.pop(0), refs.pop(0) if fp8 is not None else None, fp8)
     out_ref = refs[-1]
+    tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
+    expert = tiles_ref[0, tile]
 
     @pl.when(expert >= 0)
     def _compute():
-        rows = tile_rows()
+        start, live = _tile_rows(tiles_ref, tile, block_m)
         qk = fp8.quant_block[0] if fp8 is not None else block_k
-        # Hidden rows lie where the tile's outputs go: consecutive, or at each pair's row.
-        h_rows = dataclasses.replace(rows, load_index=rows.store_index)
-        load_rows = _row_loader(h_rows, h_ref, hs_ref, (block_m, block_k), qk)
+        load_rows = _row_loader(None, h_ref, hs_ref, start, live, (block_m, block_k), qk)
         n0 = pl.multiple_of(col * block_n, block_n)
 
         def step(i, acc):
@@ -362,7 +298,9 @@ def _down_kernel(*refs, num_tiles, num_n, group_m, block_m, block_n, block_k, mo
 
         acc = jnp.zeros((block_m, block_n), _F32)
         acc = jax.lax.fori_loop(0, h_ref.shape[1] // block_k, step, acc)
-        _store(out_ref, rows, n0, block_n, acc.astype(out_ref.dtype))
+        out_mask = jnp.broadcast_to(live, (block_m, block_n))
+        out = acc.astype(out_ref.dtype)
+        plgpu.store(out_ref.at[pl.ds(start, block_m), pl.ds(n0, block_n)], out, mask=out_mask)
 
 
 def _launch(
@@ -470,63 +408,39 @@ def triton_offsets_fit(size: int, itemsize: int) -> bool:
     return size <= 2**31 or size * itemsize > 2**32
 
 
-@dataclasses.dataclass(frozen=True)
-class _RowIndex:
-    """How a call's kernels find their rows (trace-time only, not a pytree): ``mode``
-    (``SLOTS``, ``GATHERED`` or ``PAIRS``) and its index arrays."""
-
-    mode: str
-    num_experts: int  # E
-    counts: jax.Array  # [E] int32 rows per expert (pairs: [E2], zero past E)
-    group_rows: int  # rows an expert can hold (the capacity; pairs: the tokens)
-    out_rows: int  # rows of the hidden and output arrays (E * C; pairs: P2)
-    group_start: jax.Array | None = None  # [E] int32 first slot row of each expert (slots)
-    source: jax.Array | None = None  # [E * C] int32 row each slot holds, -1 empty (gathered)
-    pair_expert: jax.Array | None = None  # [P2] int32 expert of each pair, -1 none (pairs)
-    top_k: int = 1  # pairs per token (pairs)
-
-    def operands(self, block_m: int, num_tiles: int) -> list:
-        """The kernels' index operands for ``block_m``-row tiles (``_tile_source``)."""
-        if self.mode == PAIRS:
-            return [self.counts, self.pair_expert]
-        table = [tile_table.row_tiles(self.group_start, self.counts, block_m, num_tiles)]
-        return table + ([self.source] if self.mode == GATHERED else [])
-
-    def num_tiles(self, block_m: int, max_rows: int | None) -> int:
-        """The static length of the tile list (``tile_table.max_tiles``)."""
-        return tile_table.max_tiles(self.num_experts, self.group_rows, block_m, max_rows)
-
-
-def _rows_quantized_in_kernel(mode: str, block_k: int, qk: int) -> bool:
+def _rows_quantized_in_kernel(source, block_k: int, qk: int) -> bool:
     """Whether the gate / up kernel quantizes its FP8 rows as it loads them (else they are
-    quantized before it). Slot rows, padding included, are quantized in the kernel when a
-    contraction step is one group: only the live rows are then quantized. Source rows
-    (gathered, pairs) are few: quantized before, once each (inside, each column tile would
-    quantize them again, which measured slower at 256 tokens)."""
-    return mode == SLOTS and block_k == qk
+    quantized before it). Slot rows (``source`` None), padding included, are quantized in the
+    kernel when a contraction step is one group: only the live rows are then quantized. Source
+    rows are few: quantized before, once each (inside, each column tile would quantize them
+    again)."""
+    return source is None and block_k == qk
 
 
 def _gate_up_call(
-    x_rows, index: _RowIndex, w_gate_up, *, tile_rows, max_rows, cfg, interpret, fp8, down_fp8,
+    x_rows, source, w_gate_up, group_start, counts, *, rows, tile_rows, max_rows, cfg, interpret,
+    fp8, down_fp8,
 ):  # fmt: skip
-    """Kernel 1: the ``[R, F]`` hidden rows of every live tile (and their row scales with FP8
-    activations), from slot rows ``x_rows [E * C, H]`` or source rows ``x_rows [N, H]``
-    (gathered: through ``index.source``; pairs: a pair's token's row)."""
+    """Kernel 1: the ``[E * C, F]`` hidden rows of every live tile (and their row scales with
+    FP8 activations), from slot rows ``x_rows [E * C, H]`` (``source`` None) or from source
+    rows ``x_rows [N, H]`` through ``source [E * C]`` (the row each slot holds, -1 empty)."""
     num_experts, hidden, _, ffn = w_gate_up.shape
     weights, _ = _weight_operands(w_gate_up, (num_experts, hidden, 2 * ffn))
     block_m, block_n, block_k = _gate_up_launch(
         tile_rows, hidden, ffn, cfg, interpret, fp8, down_fp8
     )
-    num_tiles = index.num_tiles(block_m, max_rows)
+    num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = ffn // block_n
     fp8_rows = fp8 is not None and fp8.activations
-    quantize_rows = fp8_rows and _rows_quantized_in_kernel(index.mode, block_k, fp8.quant_block[0])
+    quantize_rows = fp8_rows and _rows_quantized_in_kernel(source, block_k, fp8.quant_block[0])
     kernel = functools.partial(
         _gate_up_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
-        block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn, mode=index.mode, fp8=fp8,
-        quantize_rows=quantize_rows, top_k=index.top_k,
+        block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn, gathered=source is not None,
+        fp8=fp8, quantize_rows=quantize_rows,
     )  # fmt: skip
-    operands = index.operands(block_m, num_tiles)
+    operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles)]
+    operands += [] if source is None else [source]
+    flat_rows = num_experts * rows
     if fp8_rows:
         if quantize_rows:
             operands += [x_rows, *weights]
@@ -534,12 +448,12 @@ def _gate_up_call(
             quantized = fp8_blocks.quantize_rows(x_rows, fp8.quant_block[0])
             operands += [quantized.values, quantized.scales, *weights]
         out_shape = (
-            jax.ShapeDtypeStruct((index.out_rows, ffn), fp8_blocks.FP8_DTYPE),
-            jax.ShapeDtypeStruct((index.out_rows, num_n), _F32),
+            jax.ShapeDtypeStruct((flat_rows, ffn), fp8_blocks.FP8_DTYPE),
+            jax.ShapeDtypeStruct((flat_rows, num_n), _F32),
         )
     else:
         operands += [x_rows, *weights]
-        out_shape = jax.ShapeDtypeStruct((index.out_rows, ffn), x_rows.dtype)
+        out_shape = jax.ShapeDtypeStruct((flat_rows, ffn), x_rows.dtype)
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -550,26 +464,25 @@ def _gate_up_call(
 
 
 def _down_call(
-    hidden_rows, index: _RowIndex, w_down, *, tile_rows, max_rows, cfg, interpret, zero_padding,
-    fp8, out_dtype,
+    hidden_rows, w_down, group_start, counts, *, rows, tile_rows, max_rows, cfg, interpret,
+    zero_padding, fp8, out_dtype,
 ):  # fmt: skip
-    """Kernel 2 over the hidden rows (``[R, F]``, or with FP8 activations ``(values, row
+    """Kernel 2 over flat hidden rows (``[R, F]``, or with FP8 activations ``(values, row
     scales)``): ``[R, H]``, outside the live rows zero (``zero_padding``, a zero buffer aliased
     to the output) or never written."""
     num_experts, ffn, hidden = w_down.shape
     weights, quant_block = _weight_operands(w_down, (num_experts, ffn, hidden))
     block_m, block_n, block_k = _launch(tile_rows, ffn, hidden, cfg, interpret, quant_block)
-    num_tiles = index.num_tiles(block_m, max_rows)
+    num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = hidden // block_n
-    mode = SLOTS if index.mode == GATHERED else index.mode  # hidden rows are slot rows
     kernel = functools.partial(
         _down_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
-        block_m=block_m, block_n=block_n, block_k=block_k, mode=mode, fp8=fp8,
+        block_m=block_m, block_n=block_n, block_k=block_k, fp8=fp8,
     )  # fmt: skip
     h_operands = list(hidden_rows) if isinstance(hidden_rows, tuple) else [hidden_rows]
-    out_shape = jax.ShapeDtypeStruct((index.out_rows, hidden), out_dtype)
-    operands = dataclasses.replace(index, mode=mode).operands(block_m, num_tiles)
-    operands += [*h_operands, *weights]
+    out_shape = jax.ShapeDtypeStruct((h_operands[0].shape[0], hidden), out_dtype)
+    operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles), *h_operands]
+    operands += weights
     aliases = {len(operands): 0} if zero_padding else {}  # the zero buffer is the output
     operands += [jnp.zeros(out_shape.shape, out_shape.dtype)] if zero_padding else []
     return pl.pallas_call(
@@ -591,21 +504,6 @@ def _fp8_modes(w_gate_up, w_down, fp8_activations: bool) -> tuple[_Fp8 | None, _
     )
 
 
-def _ffn_calls(x_rows, index: _RowIndex, w_gate_up, w_down, *, cfg, tile_rows, **common):
-    """Both kernels over the rows ``index`` names: ``[R, H]`` in ``x_rows.dtype``."""
-    fp8_activations = common.pop("fp8_activations")
-    zero_padding = common.pop("zero_padding")
-    gate_up_fp8, down_fp8 = _fp8_modes(w_gate_up, w_down, fp8_activations)
-    hidden_rows = _gate_up_call(
-        x_rows, index, w_gate_up, tile_rows=tile_rows, cfg=cfg.gate_up, fp8=gate_up_fp8,
-        down_fp8=down_fp8, **common,
-    )  # fmt: skip
-    return _down_call(
-        hidden_rows, index, w_down, tile_rows=tile_rows, cfg=cfg.down, zero_padding=zero_padding,
-        fp8=down_fp8, out_dtype=x_rows.dtype, **common,
-    )  # fmt: skip
-
-
 def grouped_ffn_pallas(
     x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, interpret, zero_padding=True,
     fp8_activations=True,
@@ -615,43 +513,21 @@ def grouped_ffn_pallas(
     num_experts, capacity, hidden = x_slots.shape
     group_start = jnp.arange(num_experts, dtype=jnp.int32) * capacity
     tile_rows = tile_row_count(capacity, max_rows, num_experts, cfg.balanced_row_tiles)
-    slots = dict(
-        num_experts=num_experts, counts=counts, group_rows=capacity, out_rows=num_experts * capacity
-    )
+    common = dict(rows=capacity, tile_rows=tile_rows, max_rows=max_rows, interpret=interpret)
     if isinstance(x_slots, slot_rows.SlotRows):
-        source = x_slots.slot_row.reshape(-1).astype(jnp.int32)
-        x_rows = x_slots.rows
-        index = _RowIndex(GATHERED, group_start=group_start, source=source, **slots)
+        x_rows, source = x_slots.rows, x_slots.slot_row.reshape(-1).astype(jnp.int32)
     else:
-        x_rows = x_slots.reshape(num_experts * capacity, hidden)
-        index = _RowIndex(SLOTS, group_start=group_start, **slots)
-    out = _ffn_calls(
-        x_rows, index, w_gate_up, w_down, cfg=cfg, tile_rows=tile_rows, max_rows=max_rows,
-        interpret=interpret, zero_padding=zero_padding, fp8_activations=fp8_activations,
+        x_rows, source = x_slots.reshape(num_experts * capacity, hidden), None
+    gate_up_fp8, down_fp8 = _fp8_modes(w_gate_up, w_down, fp8_activations)
+    hidden_rows = _gate_up_call(
+        x_rows, source, w_gate_up, group_start, counts, cfg=cfg.gate_up, fp8=gate_up_fp8,
+        down_fp8=down_fp8, **common,
+    )  # fmt: skip
+    out = _down_call(
+        hidden_rows, w_down, group_start, counts, cfg=cfg.down, zero_padding=zero_padding,
+        fp8=down_fp8, out_dtype=x_rows.dtype, **common,
     )  # fmt: skip
     return out.reshape((num_experts, capacity, w_down.shape[2]))
-
-
-def grouped_ffn_pairs_pallas(x, pair_expert, w_gate_up, w_down, *, cfg, interpret, fp8_activations):
-    """Pallas impl over (token, choice) pairs, each kernel program finding its rows from the
-    pairs' experts (``pair_tiles``): ``[T * k, H]`` per pair, rows of pairs that take none
-    never written."""
-    num_tokens, top_k = pair_expert.shape
-    num_pairs = num_tokens * top_k
-    num_experts = w_gate_up.shape[0]
-    # Whole-array loads in a program: the pairs and the counts padded to powers of two.
-    padded = arith.power_of_two_at_least(num_pairs, 1)
-    pairs = jnp.pad(pair_expert.reshape(-1), (0, padded - num_pairs), constant_values=-1)
-    counts = pair_tiles.pair_counts(pairs, arith.power_of_two_at_least(num_experts, 1))
-    index = _RowIndex(
-        PAIRS, num_experts, counts, num_tokens, padded, pair_expert=pairs, top_k=top_k
-    )
-    tile_rows = tile_row_count(num_tokens, num_pairs, num_experts, cfg.balanced_row_tiles)
-    out = _ffn_calls(
-        x, index, w_gate_up, w_down, cfg=cfg, tile_rows=tile_rows, max_rows=num_pairs,
-        interpret=interpret, zero_padding=False, fp8_activations=fp8_activations,
-    )  # fmt: skip
-    return out[:num_pairs]
 
 
 def grouped_ffn_xla(x_slots, counts, w_gate_up, w_down):
@@ -703,15 +579,6 @@ def _check_inputs(x_slots, counts, w_gate_up, w_down) -> None:
     elif x_slots.ndim != 3:
         raise ValueError(f"x_slots must be [E, C, H], got shape {x_slots.shape}")
     num_experts, _, hidden = x_slots.shape
-    _check_weights(num_experts, hidden, w_gate_up, w_down)
-    if counts.shape != (num_experts,) or not jnp.issubdtype(counts.dtype, jnp.integer):
-        raise ValueError(
-            f"counts must be [{num_experts}] integers, got {counts.shape} {counts.dtype}"
-        )
-    _check_dtypes(x_slots, w_gate_up, w_down)
-
-
-def _check_weights(num_experts: int, hidden: int, w_gate_up, w_down) -> None:
     if len(w_gate_up.shape) != 4 or tuple(w_gate_up.shape[:3]) != (num_experts, hidden, 2):
         raise ValueError(
             f"w_gate_up shape {w_gate_up.shape} must be [E={num_experts}, H={hidden}, 2, F]"
@@ -719,6 +586,11 @@ def _check_weights(num_experts: int, hidden: int, w_gate_up, w_down) -> None:
     want_down = (num_experts, w_gate_up.shape[3], hidden)
     if tuple(w_down.shape) != want_down:
         raise ValueError(f"w_down shape {w_down.shape} must be [E, F, H] = {want_down}")
+    if counts.shape != (num_experts,) or not jnp.issubdtype(counts.dtype, jnp.integer):
+        raise ValueError(
+            f"counts must be [{num_experts}] integers, got {counts.shape} {counts.dtype}"
+        )
+    _check_dtypes(x_slots, w_gate_up, w_down)
 
 
 def _check_dtypes(x_slots, w_gate_up, w_down) -> None:
@@ -825,85 +697,6 @@ def grouped_ffn(
         zero_padding=zero_padding, fp8_activations=fp8_activations,
     )  # fmt: skip
     return out if not isinstance(out, slot_rows.SlotRows) else out.materialize()
-
-
-def runs_pairs(
-    impl: str | None, config, num_pairs: int, w_gate_up: Weight, dtype, fp8_activations: bool
-) -> bool:
-    """Whether ``grouped_ffn_pairs`` serves a call that ``grouped_ffn_rows`` would otherwise
-    serve over capacity slots: ``impl`` (with ``config``) resolves to ``"pallas"`` for the
-    call's ``num_pairs`` rows, and there are at most ``PAIRS_MAX`` pairs.
-
-    Args:
-      impl, config: as ``grouped_ffn``'s.
-      num_pairs: the (token, choice) pairs, T * k.
-      w_gate_up: the gate / up weight (its shape; FP8 or not).
-      dtype: the tokens' dtype.
-      fp8_activations: as ``grouped_ffn``'s.
-
-    Returns:
-      True where the pairs' kernels serve the call.
-
-    Raises:
-      ValueError, KernelUnavailableError: as ``grouped_ffn`` for the impl.
-    """
-    if num_pairs > PAIRS_MAX:
-        return False
-    num_experts, hidden, _, ffn = w_gate_up.shape
-    shape = (num_pairs, hidden, ffn, num_experts)
-    quant_block = _quant_block(w_gate_up)
-    return _resolve(impl, config, shape, dtype, quant_block, fp8_activations) == "pallas"
-
-
-def grouped_ffn_pairs(
-    x: jax.Array,
-    pair_expert: jax.Array,
-    w_gate_up: Weight,
-    w_down: Weight,
-    *,
-    config: gemm_config.GroupedFfnConfig | None = None,
-    fp8_activations: bool = True,
-) -> jax.Array:
-    """SwiGLU of each (token, choice) pair's expert over its token's row, by the Pallas kernels
-    finding each tile's rows from the pairs themselves (``pair_tiles``): no slot layout, no
-    tile table, built before them. The same arithmetic, row for row, as ``grouped_ffn`` over
-    the capacity slots of the same pairs with ``impl="pallas"`` and the same ``config``.
-
-    Args:
-      x: ``[T, H]`` token rows.
-      pair_expert: ``[T, k]`` int32 expert of each pair, in ``[0, E)`` or -1 for a pair that
-        takes no row.
-      w_gate_up, w_down: as ``grouped_ffn``'s.
-      config: the kernels' launch shapes (None: ``grouped_ffn``'s default for the weights).
-      fp8_activations: as ``grouped_ffn``'s.
-
-    Returns:
-      ``[T, k, H]`` in ``x.dtype``: each pair's expert output; undefined for a pair of -1.
-
-    Raises:
-      ValueError: shapes or dtypes that do not fit together, a config of another impl.
-      KernelUnavailableError: the Pallas kernels cannot run here or tile these shapes.
-    """
-    num_tokens, top_k = pair_expert.shape
-    if (
-        x.ndim != 2
-        or x.shape[0] != num_tokens
-        or not jnp.issubdtype(pair_expert.dtype, jnp.integer)
-    ):
-        raise ValueError(
-            f"grouped_ffn_pairs takes x [T, H] and integer pair_expert [T, k], got x "
-            f"{x.shape} and pair_expert {pair_expert.shape} {pair_expert.dtype}"
-        )
-    _check_weights(w_gate_up.shape[0], x.shape[1], w_gate_up, w_down)
-    _check_dtypes(x, w_gate_up, w_down)
-    _check_config("pallas", config)
-    impls.resolve("pallas", op="grouped_ffn")
-    out = grouped_ffn_pairs_pallas(
-        x, pair_expert.astype(jnp.int32), w_gate_up, w_down,
-        cfg=config or _default_config(w_gate_up), interpret=impls.backend() == "cpu",
-        fp8_activations=fp8_activations,
-    )  # fmt: skip
-    return out.reshape(num_tokens, top_k, -1)
 
 
 def grouped_ffn_rows(

@@ -142,12 +142,6 @@ def experts_capacity(
     """
     num_experts = weights[0].shape[0]
     capacity = x.shape[0] if capacity is None else capacity
-    # With no pair dropped, the Pallas kernels can find their rows from the pairs themselves.
-    pairs_served = capacity >= x.shape[0] and grouped_gemm.runs_pairs(
-        impl, config, topk_ids.size, weights[0], x.dtype, fp8_activations
-    )
-    if pairs_served:
-        return _experts_pairs(x, topk_ids, topk_weights, weights, config, fp8_activations)
     position, loads = rows_lib.group_ranks(topk_ids.reshape(-1), num_experts)
     position = position.reshape(topk_ids.shape)
     valid = (topk_ids >= 0) & (topk_ids < num_experts) & (position < capacity)
@@ -161,25 +155,8 @@ def experts_capacity(
         config=config, zero_padding=False, fp8_activations=fp8_activations,
     )  # fmt: skip
     gathered = slot_rows.take_slots(out_slots, expert, position)  # [T, k, H]
-    return _combine(gathered, valid, topk_weights, x.dtype)
-
-
-def _experts_pairs(x, topk_ids, topk_weights, weights, config, fp8_activations) -> jax.Array:
-    """``experts_capacity`` by ``grouped_gemm.grouped_ffn_pairs`` (no pair dropped)."""
-    num_experts = weights[0].shape[0]
-    valid = (topk_ids >= 0) & (topk_ids < num_experts)
-    pair_expert = jnp.where(valid, topk_ids, -1).astype(jnp.int32)
-    out = grouped_gemm.grouped_ffn_pairs(
-        x, pair_expert, *weights, config=config, fp8_activations=fp8_activations
-    )  # [T, k, H]; undefined for the pairs of -1
-    return _combine(jnp.where(valid[..., None], out, 0), valid, topk_weights, x.dtype)
-
-
-def _combine(pair_out, valid, topk_weights, dtype) -> jax.Array:
-    """``[T, H]``: each token's pairs' outputs ``[T, k, H]`` times their routing weights (zero
-    for pairs that are not ``valid``), summed in float32."""
     scale = jnp.where(valid, topk_weights, 0.0).astype(jnp.float32)
-    return jnp.einsum("tkh,tk->th", pair_out.astype(jnp.float32), scale).astype(dtype)
+    return jnp.einsum("tkh,tk->th", gathered.astype(jnp.float32), scale).astype(x.dtype)
 
 
 def _slot_tokens(expert, position, num_experts: int, capacity: int) -> jax.Array:
