@@ -71,7 +71,7 @@ arithmetic over every slot (dequantized weights; with FP8 activations the rows q
 dequantized, float32 math); ``grouped_ffn_reference`` defines both schemes. ``impl="mosaic"``
 runs FP8 activations as Hopper kernels (``grouped_gemm_mosaic_fp8``: FP8 ``wgmma``, the
 partial sums promoted per weight block) and refuses weight-only FP8; ``"auto"`` takes it
-for FP8 activations from ``MOSAIC_FP8_MIN_ROWS`` rows.
+for FP8 activations from ``MOSAIC_FP8_MIN_ROWS_PER_EXPERT`` rows an expert.
 """
 
 import dataclasses
@@ -102,11 +102,14 @@ MOSAIC_MIN_ROWS = 16384
 GPU: the smallest size measured where the Mosaic GPU layer beat the Pallas one (2048 tokens x 8
 experts; at decode sizes, where both read the weights once, Pallas was ahead: docs/benchmarks/,
 "the grouped FFN on Mosaic GPU")."""
-MOSAIC_FP8_MIN_ROWS = 4096
-"""The same threshold for FP8 weights with FP8 activations: at Qwen3-30B-A3B's expert shape the
-Mosaic GPU FP8 layer was level with the Pallas one (balanced row tiles) at 512 tokens x 8
-experts, ahead from 1024 x 8 and behind at 256 x 8 (docs/benchmarks/, "FP8 experts: the
-Mosaic threshold")."""
+MOSAIC_FP8_MIN_ROWS_PER_EXPERT = 32
+"""The same threshold for FP8 weights with FP8 activations, per expert (rows from this many
+times the experts): the FP8 Pallas kernels slow down as an expert's rows fill their tiles,
+where the Mosaic GPU kernels run at the FP8 tensor-core rate. At Qwen3-30B-A3B's expert shape
+(128 experts) the two were level at 32 rows an expert, Mosaic ahead from 64 and behind at 16;
+at Mixtral-8x7B's (8 experts) Mosaic was level at 16 and ahead from 32; at DeepSeek-V2-Lite's
+(64) Pallas was ahead at 6 and 12 (docs/benchmarks/, "FP8 experts: the Mosaic threshold" and
+"the FP8 Mosaic threshold per expert")."""
 
 
 def _tile_at(pid, *, num_tiles: int, num_n: int, group_m: int):
@@ -796,18 +799,20 @@ def auto_impl(
     (qk, qn)`` blocks, with FP8 activations or weight-only (``fp8_activations``).
 
     ``"mosaic"`` where it runs and tiles the shapes and dtype, from ``MOSAIC_MIN_ROWS`` rows
-    (float weights) or ``MOSAIC_FP8_MIN_ROWS`` (FP8 weights with FP8 activations); else the
-    backend's fastest (``impls.FASTEST``) if it tiles them (FP8: inside the blocks), else
-    ``"xla"``. Where the Pallas kernels cannot index ``num_experts`` experts' weights
-    (``triton_offsets_fit``: FP8 weights of 2**31 to 2**32 values), ``"mosaic"`` at any rows
-    if it serves them, else ``"xla"``.
+    (float weights) or ``MOSAIC_FP8_MIN_ROWS_PER_EXPERT`` times ``num_experts`` (FP8 weights
+    with FP8 activations); else the backend's fastest (``impls.FASTEST``) if it tiles them
+    (FP8: inside the blocks), else ``"xla"``. Where the Pallas kernels cannot index
+    ``num_experts`` experts' weights (``triton_offsets_fit``: FP8 weights of 2**31 to 2**32
+    values), ``"mosaic"`` at any rows if it serves them, else ``"xla"``.
+
+    Raises:
+      ValueError: FP8 weights without ``num_experts``.
     """
     platform = impls.backend()
     runs_mosaic = platform == "gpu" and _mosaic_runs(
         hidden, ffn, dtype, quant_block, fp8_activations
     )
-    threshold = MOSAIC_MIN_ROWS if quant_block is None else MOSAIC_FP8_MIN_ROWS
-    if runs_mosaic and rows >= threshold:
+    if runs_mosaic and rows >= _mosaic_min_rows(quant_block, num_experts):
         return impls.MOSAIC
     impl = impls.resolve(None, op="grouped_ffn")
     dims = (hidden, ffn)
@@ -818,6 +823,18 @@ def auto_impl(
     if not _pallas_indexes(num_experts, hidden, ffn, dtype, quant_block):
         return impls.MOSAIC if runs_mosaic else "xla"
     return impl if all(map(gemm_config.dot_tiles, dims)) else "xla"
+
+
+def _mosaic_min_rows(quant_block, num_experts: int | None) -> int:
+    """The rows from which ``auto_impl`` takes ``"mosaic"``: ``MOSAIC_MIN_ROWS`` for float
+    weights, ``MOSAIC_FP8_MIN_ROWS_PER_EXPERT`` times the experts for FP8 ones."""
+    if quant_block is None:
+        return MOSAIC_MIN_ROWS
+    if num_experts is None:
+        raise ValueError(
+            "auto_impl needs num_experts for FP8 weights (its threshold is per expert)"
+        )
+    return MOSAIC_FP8_MIN_ROWS_PER_EXPERT * num_experts
 
 
 def _pallas_indexes(num_experts, hidden, ffn, dtype, quant_block) -> bool:

@@ -411,13 +411,19 @@ def test_weight_only_fp8_is_refused_by_mosaic_and_auto_takes_mosaic_for_fp8_rows
     monkeypatch.setattr(grouped_gemm_mosaic, "tiles", lambda *args: True)
     rows = grouped_gemm.MOSAIC_MIN_ROWS
     assert grouped_gemm.auto_impl(rows, 7168, 2048) == "mosaic"
-    fp8_rows, block = grouped_gemm.MOSAIC_FP8_MIN_ROWS, (128, 128)
-    assert grouped_gemm.auto_impl(fp8_rows, 7168, 2048, quant_block=block) == "mosaic"
-    weight_only = dict(quant_block=block, fp8_activations=False)
+    # FP8: the threshold is per expert (few experts fill their tiles at fewer rows).
+    per_expert, block = grouped_gemm.MOSAIC_FP8_MIN_ROWS_PER_EXPERT, (128, 128)
+    for experts in (8, 128):  # Mixtral's and Qwen3-30B-A3B's expert counts, Qwen3's shape
+        fp8 = dict(quant_block=block, num_experts=experts)
+        assert grouped_gemm.auto_impl(per_expert * experts, 2048, 768, **fp8) == "mosaic"
+        assert grouped_gemm.auto_impl(per_expert * experts - 1, 2048, 768, **fp8) == "pallas"
+    fp8 = dict(quant_block=block, num_experts=8)
+    weight_only = dict(fp8, fp8_activations=False)
     assert grouped_gemm.auto_impl(rows, 7168, 2048, **weight_only) == "pallas"
-    assert grouped_gemm.auto_impl(fp8_rows - 1, 7168, 2048, quant_block=block) == "pallas"
-    assert grouped_gemm.auto_impl(rows, 7168, 1408, quant_block=block) == "mosaic"  # 11 tiles
-    assert grouped_gemm.auto_impl(16, 7168, 2048, quant_block=(128, 8)) == "xla"  # no tile
+    assert grouped_gemm.auto_impl(rows, 7168, 1408, **fp8) == "mosaic"  # 11 tiles
+    assert grouped_gemm.auto_impl(16, 7168, 2048, quant_block=(128, 8), num_experts=8) == "xla"
+    with pytest.raises(ValueError, match="needs num_experts for FP8 weights"):
+        grouped_gemm.auto_impl(rows, 7168, 2048, quant_block=block)
 
 
 def test_fp8_bad_weights_raise():

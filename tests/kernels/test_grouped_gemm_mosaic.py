@@ -180,7 +180,8 @@ def test_auto_takes_mosaic_from_its_rows_on_hopper_and_pallas_below(monkeypatch)
     # DeepSeek-V2-Lite's F: Mosaic tiles it with an odd column tile (its last computed twice),
     # float and FP8 weights alike.
     assert grouped_gemm.auto_impl(1 << 20, 2048, 1408) == "mosaic"
-    assert grouped_gemm.auto_impl(1 << 20, 2048, 1408, quant_block=(128, 128)) == "mosaic"
+    fp8 = dict(quant_block=(128, 128), num_experts=64)
+    assert grouped_gemm.auto_impl(1 << 20, 2048, 1408, **fp8) == "mosaic"
     assert grouped_gemm.auto_impl(1 << 20, 7168, 40) == "xla"  # nor can pallas tile 40
     assert grouped_gemm.auto_impl(1 << 20, 7168, 2048, jnp.float32) == "pallas"  # 16-bit only
 
