@@ -806,7 +806,8 @@ def auto_impl(
     values), ``"mosaic"`` at any rows if it serves them, else ``"xla"``.
 
     Raises:
-      ValueError: FP8 weights without ``num_experts``.
+      ValueError: FP8 weights with FP8 activations and no ``num_experts``, where the Mosaic
+        kernels run.
     """
     platform = impls.backend()
     runs_mosaic = platform == "gpu" and _mosaic_runs(
