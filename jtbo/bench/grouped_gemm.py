@@ -3,8 +3,8 @@
 ``python -m jtbo.bench grouped_gemm [--tokens 128,256,4096,16384]
 [--impls capacity,dense,pallas,ragged_dot,tokamax] [--capacity-factor 4] [--skew 0]
 [--preset NAME | --hidden H --ffn F --experts E --top-k K] [--iters 20] [--reps 5]
-[--expert-dtype float8_e4m3fn] [--kernel-time] [--xla-defaults] [--small]
-[--no-copy-ceiling]``
+[--expert-dtype float8_e4m3fn] [--kernel-time] [--layers-per-call N] [--xla-defaults]
+[--small] [--no-copy-ceiling]``
 
 Question: jtbo's routed experts run as a capacity-slot batched matmul
 (``jtbo.models.experts.experts_capacity``) because ``jax.lax.ragged_dot`` ran far slower on
@@ -97,10 +97,20 @@ rows (``capacity``, ``pallas``, ``mosaic``: ``fp8_rows``) it puts the rows and t
 through the same FP8 rounding, so ``rel err`` measures the kernels, not the FP8 rounding; the
 kernel check compares against ``grouped_ffn_reference`` of the same scheme.
 
+``--layers-per-call N`` times each layer row, and ``dense``, as ``N`` layers in one call, as a
+model step runs its layers: each layer with its own routing (the first one the checked one),
+all with the same expert weights (one layer's weights are far larger than the L2 cache, so
+reading them again costs what reading another layer's would), each adding its output to the
+rows it took, as a residual connection does; ``ms`` and the rates are per layer. A call's own
+cost (its launch and the gap before its first kernel) is then paid once per ``N`` layers,
+which at decode sizes is a visible part of a layer called alone. The ``(kernel)`` rows stay
+one call each.
+
 ``--kernel-time`` traces ``--iters`` more calls of each timed row (after the timing, so the
-table's times carry no profiler) and logs a line per row: the GPU time per call of each of its
-kernels in microseconds (``kernel_time.kernels_per_call``): where a layer's time goes between
-the grouped GEMM kernels and the routing bookkeeping around them.
+table's times carry no profiler) and logs a line per row: the GPU time per call (per layer
+with ``--layers-per-call``) of each of its kernels in microseconds
+(``kernel_time.kernels_per_call``): where a layer's time goes between the grouped GEMM kernels
+and the routing bookkeeping around them.
 
 Numerics: ``rel err`` = ||out - ref|| / ||ref|| over
 ``--check-rows`` tokens spread evenly over the batch (a token's output depends on its own row
@@ -451,23 +461,50 @@ def dense_layer(x_rows, w_gate_up, w_down) -> jax.Array:
 def layer_fn(impl: str, shapes: Shapes, capacity: int, xla_defaults: bool = False):
     """The jitted layer ``(x, ids, routing weights, expert weights) -> [T, H]`` of ``impl``
     (``jit_as_step``)."""
-    jit = functools.partial(jit_as_step, xla_defaults=xla_defaults)
+    return jit_as_step(layer_body(impl, shapes, capacity), xla_defaults)
+
+
+def stacked(layer: Callable) -> Callable:
+    """``layer(x, ids, routing, weights)`` as a stack: ``(x, ids [N, T, k], routing [N, T, k],
+    weights) -> [T, H]``, layer ``i`` with routing ``i``, each adding its output to its input
+    rows (``--layers-per-call``)."""
+
+    def stack(x, layer_ids, layer_routing, weights):
+        for ids, routing in zip(layer_ids, layer_routing, strict=True):
+            x = x + layer(x, ids, routing, weights)
+        return x
+
+    return stack
+
+
+def dense_stack(layers: int) -> Callable:
+    """``dense_layer`` ``layers`` times in one call, each adding its output to its rows."""
+
+    def stack(x_rows, w_gate_up, w_down):
+        for _ in range(layers):
+            x_rows = x_rows + dense_layer(x_rows, w_gate_up, w_down)
+        return x_rows
+
+    return stack
+
+
+def layer_body(impl: str, shapes: Shapes, capacity: int) -> Callable:
+    """The layer ``(x, ids, routing weights, expert weights) -> [T, H]`` of ``impl``, not
+    jitted."""
     if impl == "capacity":
-        return jit(functools.partial(experts.experts_capacity, capacity=capacity))
+        return functools.partial(experts.experts_capacity, capacity=capacity)
     name, _, variant = impl.partition(":")
     if name in KERNEL_IMPLS:
-        layer = functools.partial(
+        return functools.partial(
             experts.experts_capacity, capacity=capacity, **kernel_options(name, variant)
         )
-        return jit(layer)
     if impl == "ragged_dot":
-        return jit(experts.experts_ragged_dot_reference)
+        return experts.experts_ragged_dot_reference
     if name == "tokamax":
         dot = tokamax_dot(variant, shapes.hidden)
-        sorted_layer = functools.partial(
+        return functools.partial(
             experts.experts_sorted, grouped_dot=dot, hidden_dtype=None, out_dtype=None
         )
-        return jit(sorted_layer)
     raise ValueError(
         f"unknown impl {impl!r}; expected one of {IMPLS}, pallas:SPEC, mosaic:SPEC or "
         "tokamax:VARIANT"
@@ -641,12 +678,13 @@ class Pending:
     row: Row  # every field but ``seconds``
     fn: Callable  # the jitted function timed
     args: tuple  # its arguments
+    layers: int = 1  # layers one call of ``fn`` runs (``seconds`` is per layer)
 
 
 def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Pending:
     """``IMPL (kernel)``: the grouped FFN alone on ready slots (no routing bookkeeping); the
     ``"mosaic"`` impl's result stays in its tile-major rows (``grouped_ffn_rows``)."""
-    x, ids_np, ids, _, weights, _, _ = inputs
+    x, ids_np, ids, _, weights, _, _, _ = inputs
     slots, counts = slot_inputs(x, ids, shapes.experts, capacity)
     pairs = num_tokens * shapes.top_k
     name, _, variant = impl.partition(":")
@@ -667,7 +705,7 @@ def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Pending:
 
 def _prepare(impl, num_tokens, shapes, capacity, inputs, args) -> Row | Pending:
     """Runs and checks one impl; an error row for any failure, else its pending timing."""
-    x, ids_np, ids, routing, weights, rows, refs = inputs
+    x, ids_np, ids, routing, weights, rows, refs, layer_routes = inputs
     is_cap = impl == "capacity"
     base = dict(
         tokens=num_tokens,
@@ -686,7 +724,9 @@ def _prepare(impl, num_tokens, shapes, capacity, inputs, args) -> Row | Pending:
                 computed_flops=shapes.slot_flops(pairs),
                 weight_bytes=shapes.weight_bytes(1, x.dtype.itemsize),
             )  # fmt: skip
-            return Pending(row, jit_as_step(dense_layer, args.xla_defaults), dense_args)
+            layers = args.layers_per_call
+            dense = dense_layer if layers == 1 else dense_stack(layers)
+            return Pending(row, jit_as_step(dense, args.xla_defaults), dense_args, layers)
         name, _, variant = impl.partition(":")
         if name in KERNEL_IMPLS:
             kernel_err = check_kernel(name, variant, x, ids_np, weights, capacity)
@@ -703,7 +743,10 @@ def _prepare(impl, num_tokens, shapes, capacity, inputs, args) -> Row | Pending:
             rel_err=err,
             weight_bytes=shapes.weight_bytes(touched, itemsize),
         )
-        return Pending(row, fn, (x, ids, routing, weights))
+        if args.layers_per_call == 1:
+            return Pending(row, fn, (x, ids, routing, weights))
+        stack = jit_as_step(stacked(layer_body(impl, shapes, capacity)), args.xla_defaults)
+        return Pending(row, stack, (x, *layer_routes, weights), args.layers_per_call)
     except Exception as e:  # noqa: BLE001  (reported as an error row, never skipped)
         return Row(**base, error=_error_text(e))
 
@@ -725,7 +768,8 @@ def timed(prepared: list[Row | Pending], args) -> list[Row]:
         failed = {id(p): dataclasses.replace(p.row, error=_error_text(e)) for p in pending}
         return [failed.get(id(p), p) for p in prepared]
     done = {
-        id(p): dataclasses.replace(p.row, seconds=t) for p, t in zip(pending, seconds, strict=True)
+        id(p): dataclasses.replace(p.row, seconds=t / p.layers)
+        for p, t in zip(pending, seconds, strict=True)
     }
     return [done.get(id(p), p) for p in prepared]
 
@@ -744,7 +788,7 @@ def measure(num_tokens: int, impls: list[str], shapes: Shapes, args) -> list[Row
         groups = (fp8_blocks.DEFAULT_BLOCK[0],) * 2
         refs[True] = reference(x, ids, routing, weights, rows, groups)
     capacity = capacity_for(num_tokens, shapes, args.capacity_factor)
-    inputs = (x, ids_np, ids, routing, weights, rows, refs)
+    inputs = (x, ids_np, ids, routing, weights, rows, refs, layer_routes(ids, routing, args))
     prepared = []
     for impl in impls:
         row = _prepare(impl, num_tokens, shapes, capacity, inputs, args)
@@ -759,13 +803,26 @@ def measure(num_tokens: int, impls: list[str], shapes: Shapes, args) -> list[Row
     return out_rows
 
 
+def layer_routes(ids, routing, args) -> tuple[jax.Array, jax.Array]:
+    """``([N, T, k] ids, [N, T, k] routing weights)`` of ``--layers-per-call`` N layers: the
+    first the checked layer's, each other drawn with its own seed."""
+    num_tokens = ids.shape[0]
+    more = [
+        route(num_tokens, args.shapes, args.skew, args.seed + num_tokens + layer * 7919)
+        for layer in range(1, args.layers_per_call)
+    ]
+    layer_ids = jnp.stack([ids, *(jnp.asarray(i) for i, _ in more)])
+    layer_routing = jnp.stack([routing, *(jnp.asarray(r) for _, r in more)])
+    return layer_ids, layer_routing
+
+
 def log_kernel_times(prepared: list[Row | Pending], calls: int) -> None:
-    """Logs each pending row's kernels per call (``kernel_time.kernels_per_call``) from a
-    trace of ``calls`` more calls."""
+    """Logs each pending row's kernels per layer (``kernel_time.kernels_per_call``; a call of
+    a ``--layers-per-call`` stack counts as that many) from a trace of ``calls`` more calls."""
     for p in prepared:
         if isinstance(p, Pending):
             kernels = trace_calls.trace_kernels(functools.partial(p.fn, *p.args), calls)
-            line = kernel_time.kernels_per_call(kernels, calls)
+            line = kernel_time.kernels_per_call(kernels, calls * p.layers)
             _log(f"T={p.row.tokens} {p.row.impl}: {line}")
 
 
@@ -806,6 +863,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--kernel-time",
         action="store_true",
         help="log each row's GPU time per kernel (a profiler trace of --iters more calls)",
+    )
+    p.add_argument(
+        "--layers-per-call",
+        type=cli_arguments.positive_int,
+        default=1,
+        help="time the layer rows and dense as N layers a call, each its own routing (per layer)",
     )
     p.add_argument(
         "--xla-defaults",
@@ -849,6 +912,8 @@ def main(argv: list[str]) -> None:
         f"capacity factor {args.capacity_factor:g}  skew {args.skew:g}  "
         f"median of {args.reps} x {args.iters} calls"
     )
+    if args.layers_per_call > 1:
+        header += f"  {args.layers_per_call} layers a call (times per layer)"
     copy_gbs = None
     if not args.no_copy_ceiling:
         nbytes = GIB if not args.small else 1 << 20

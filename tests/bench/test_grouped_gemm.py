@@ -1,14 +1,18 @@
 """CPU smoke test of ``python -m jtbo.bench grouped_gemm`` (tables and numerics, no timings)."""
 
 import importlib.util
+import types
 
+import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jtbo.bench import grouped_gemm
 from jtbo.kernels import fp8_blocks
 from jtbo.models import config as config_lib
+from jtbo.models import experts
 
 SMALL = grouped_gemm.Shapes(hidden=64, ffn=32, experts=8, top_k=2)
 
@@ -54,6 +58,38 @@ def test_pallas_and_dense_rows_with_ratios(capsys):
     assert float(rows["pallas:16x16x32w4s2 (kernel)"][4]) > 0  # the kernel alone, timed
     for row in rows.values():
         assert float(row[9]) > 0 and float(row[10]) > 0 and float(row[11]) > 0
+
+
+def test_layers_per_call_times_a_stack_and_says_so(capsys):
+    grouped_gemm.main(
+        ["--small", "--tokens", "16", "--impls", "dense,capacity", "--layers-per-call", "2"]
+    )
+    out = capsys.readouterr().out
+    assert "2 layers a call (times per layer)" in out
+    rows = {r[1]: r for r in _table(out)}
+    assert float(rows["capacity"][8]) < 2e-2  # the checked layer is the first one alone
+    assert float(rows["capacity"][4]) > 0 and float(rows["dense"][4]) > 0
+
+
+def test_a_stack_runs_each_layer_with_its_own_routing_on_the_residual_rows():
+    # Against a loop over the exact reference layer: layer i takes routing i, and each adds
+    # its output to the rows it was given.
+    args = types.SimpleNamespace(shapes=SMALL, skew=0.0, seed=0, layers_per_call=3)
+    ids_np, routing_np = grouped_gemm.route(24, SMALL, 0.0, 5)
+    ids, routing = jnp.asarray(ids_np), jnp.asarray(routing_np)
+    layer_ids, layer_routing = grouped_gemm.layer_routes(ids, routing, args)
+    assert layer_ids.shape == (3, 24, 2)
+    np.testing.assert_array_equal(layer_ids[0], ids)
+    assert not np.array_equal(layer_ids[1], layer_ids[2])
+    x, weights = grouped_gemm.make_inputs(24, SMALL, jnp.float32, jax.random.key(2))
+    layer = grouped_gemm.layer_body("capacity", SMALL, capacity=24)
+    got = jax.jit(grouped_gemm.stacked(layer))(x, layer_ids, layer_routing, weights)
+    want = x
+    for i in range(3):
+        want = want + experts.experts_ragged_dot_reference(
+            want, layer_ids[i], layer_routing[i], weights
+        )
+    chex.assert_trees_all_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 def test_pallas_spec_parses_per_kernel_configs():
