@@ -826,6 +826,23 @@ def log_kernel_times(prepared: list[Row | Pending], calls: int) -> None:
             _log(f"T={p.row.tokens} {p.row.impl}: {line}")
 
 
+def _add_timing_flags(p: argparse.ArgumentParser) -> None:
+    """How the rows are timed: warm-up calls, batches of calls, layers a call."""
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--iters", type=cli_arguments.positive_int, default=20, help="calls per timed batch"
+    )
+    p.add_argument(
+        "--reps", type=cli_arguments.positive_int, default=5, help="timed batches (median)"
+    )
+    p.add_argument(
+        "--layers-per-call",
+        type=cli_arguments.positive_int,
+        default=1,
+        help="time the layer rows and dense as N layers a call, each its own routing (per layer)",
+    )
+
+
 def _parse(argv: list[str]) -> argparse.Namespace:
     """The flags, with ``args.shapes`` resolved (``parser.error``: exit status 2 with the
     reason)."""
@@ -845,13 +862,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         choices=("float8_e4m3fn",),
         help="the experts' weights as block-scaled FP8 (weight-only; default: --dtype)",
     )
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument(
-        "--iters", type=cli_arguments.positive_int, default=20, help="calls per timed batch"
-    )
-    p.add_argument(
-        "--reps", type=cli_arguments.positive_int, default=5, help="timed batches (median)"
-    )
+    _add_timing_flags(p)
     p.add_argument(
         "--check-rows",
         type=cli_arguments.positive_int,
@@ -863,12 +874,6 @@ def _parse(argv: list[str]) -> argparse.Namespace:
         "--kernel-time",
         action="store_true",
         help="log each row's GPU time per kernel (a profiler trace of --iters more calls)",
-    )
-    p.add_argument(
-        "--layers-per-call",
-        type=cli_arguments.positive_int,
-        default=1,
-        help="time the layer rows and dense as N layers a call, each its own routing (per layer)",
     )
     p.add_argument(
         "--xla-defaults",
