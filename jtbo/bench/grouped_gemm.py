@@ -807,6 +807,8 @@ def layer_routes(ids, routing, args) -> tuple[jax.Array, jax.Array]:
     """``([N, T, k] ids, [N, T, k] routing weights)`` of ``--layers-per-call`` N layers: the
     first the checked layer's, each other drawn with its own seed."""
     num_tokens = ids.shape[0]
+    # The first layer's seed is measure()'s; a prime stride keeps the others apart from it
+    # and from the seeds of other token counts.
     more = [
         route(num_tokens, args.shapes, args.skew, args.seed + num_tokens + layer * 7919)
         for layer in range(1, args.layers_per_call)

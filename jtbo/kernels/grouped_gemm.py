@@ -105,11 +105,10 @@ experts; at decode sizes, where both read the weights once, Pallas was ahead: do
 MOSAIC_FP8_MIN_ROWS_PER_EXPERT = 32
 """The same threshold for FP8 weights with FP8 activations, per expert (rows from this many
 times the experts): the FP8 Pallas kernels slow down as an expert's rows fill their tiles,
-where the Mosaic GPU kernels run at the FP8 tensor-core rate. At Qwen3-30B-A3B's expert shape
-(128 experts) the two were level at 32 rows an expert, Mosaic ahead from 64 and behind at 16;
-at Mixtral-8x7B's (8 experts) Mosaic was level at 16 and ahead from 32; at DeepSeek-V2-Lite's
-(64) Pallas was ahead at 6 and 12 (docs/benchmarks/, "FP8 experts: the Mosaic threshold" and
-"the FP8 Mosaic threshold per expert")."""
+where the Mosaic GPU kernels run at the FP8 tensor-core rate, so where the two meet depends on
+the rows an expert holds, not on the call's rows. The rows an expert from which the Mosaic GPU
+FP8 layer was level or ahead at every expert shape measured (docs/benchmarks/, "FP8 experts:
+the Mosaic threshold" and "the FP8 Mosaic threshold per expert")."""
 
 
 def _tile_at(pid, *, num_tiles: int, num_n: int, group_m: int):
