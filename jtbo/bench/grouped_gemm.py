@@ -525,20 +525,35 @@ def reference(x, ids, routing, weights, rows, activation_groups=None) -> jax.Arr
     """float32 ``experts_ragged_dot_reference`` on ``rows`` at ``highest`` precision, in chunks
     of ``REFERENCE_CHUNK`` rows over the experts each chunk uses (ids renumbered to them; FP8
     weights dequantized to float32; ``activation_groups``: FP8 rows, as the reference's)."""
+    num_experts, top_k = jax.tree.leaves(weights)[0].shape[0], ids.shape[1]
+    # Every chunk takes the same number of experts (its own, then repeats of its first), so
+    # one compiled program serves them all: run op by op, the chunks took over a minute.
+    used_per_chunk = min(num_experts, REFERENCE_CHUNK * top_k)
     outs = []
     for start in range(0, len(rows), REFERENCE_CHUNK):
         part = rows[start : start + REFERENCE_CHUNK]
         used, local = np.unique(np.asarray(ids[part]), return_inverse=True)
-        chosen = jax.tree.map(lambda a, used=used: a[jnp.asarray(used)], tuple(weights))
-        f32 = tuple(w.astype(jnp.float32) for w in experts.float_weights(chosen, jnp.float32))
+        used = np.pad(used, (0, used_per_chunk - len(used)), mode="edge")
         local_ids = jnp.asarray(local.reshape(ids[part].shape), ids.dtype)
-        with jax.default_matmul_precision("highest"):
-            outs.append(
-                experts.experts_ragged_dot_reference(
-                    x[part].astype(jnp.float32), local_ids, routing[part], f32, activation_groups
-                )
+        outs.append(
+            _reference_chunk(
+                x[part], local_ids, routing[part], tuple(weights), jnp.asarray(used),
+                activation_groups,
             )
+        )  # fmt: skip
     return jnp.concatenate(outs)
+
+
+@functools.partial(jax.jit, static_argnums=5)
+def _reference_chunk(x, local_ids, routing, weights, used, activation_groups) -> jax.Array:
+    """One chunk of ``reference``: ``x [C, H]`` routed by ``local_ids [C, k]`` into the
+    experts ``used [U]`` (in float32, at ``highest`` precision)."""
+    chosen = jax.tree.map(lambda a: a[used], weights)
+    f32 = tuple(w.astype(jnp.float32) for w in experts.float_weights(chosen, jnp.float32))
+    with jax.default_matmul_precision("highest"):
+        return experts.experts_ragged_dot_reference(
+            x.astype(jnp.float32), local_ids, routing, f32, activation_groups
+        )
 
 
 def rel_error(out: jax.Array, ref: jax.Array) -> float:
@@ -650,16 +665,20 @@ def check_kernel(name: str, variant: str, x, ids_np, weights, capacity: int) -> 
     options = kernel_options(name, variant)
     fn = jax.jit(functools.partial(kernels.grouped_ffn, **options))
     out = np.asarray(fn(slots, counts_arr, *w2), np.float32)
-    with jax.default_matmul_precision("highest"):
-        ref = grouped_gemm.grouped_ffn_reference(
-            slots, counts_arr, *w2, fp8_activations=options["fp8_activations"]
+    reference_fn = jax.jit(
+        functools.partial(
+            grouped_gemm.grouped_ffn_reference, fp8_activations=options["fp8_activations"]
         )
+    )
+    with jax.default_matmul_precision("highest"):
+        ref = reference_fn(slots, counts_arr, *w2)
     for e, count in enumerate(counts):
         if out[e, count:].any():
             raise AssertionError(f"expert {e}: slots past its count {count} are not zero")
     return rel_error(out, ref)
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))
 def slot_inputs(x, ids, num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
     """``(x_slots [E, C, H], counts [E])`` laid out as ``experts_capacity`` lays them."""
     position = experts.slot_positions(ids, num_experts)
