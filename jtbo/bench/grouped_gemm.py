@@ -46,9 +46,10 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
 * ``mosaic``: ``experts_capacity`` with ``impl="mosaic"``: the Hopper kernels (Pallas Mosaic
   GPU, ``jtbo.kernels.grouped_gemm_mosaic``) over the same filled slots, gathered into
   tile-major rows first; the layer reads its result through the rows' slot index.
-  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT]`` for both kernels or
+  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF]`` for both kernels or
   ``GATE_UP/DOWN`` (row tile x columns per CTA x contraction step, pipeline stages, row
-  tiles walked together), e.g. ``mosaic:128x128x64s4/128x256x64s4``. It is checked and
+  tiles walked together, steps whose ``wgmma`` stays in flight), e.g.
+  ``mosaic:128x128x64s4/128x256x64s4f1``. It is checked and
   followed by a ``mosaic (kernel)`` row as ``pallas`` is.
 * ``dense``: the yardstick of the ``vs dense`` target, not a routed layer: one dense SwiGLU
   (``[T * k, H] @ [H, 2F]``, ``silu * up``, ``@ [F, H]``, bf16 hidden, float32 accumulate)
@@ -391,13 +392,14 @@ def pallas_config(variant: str) -> kernels.GroupedFfnConfig | None:
     return _two_kernels(variant, parse_gemm_config, kernels.GroupedFfnConfig)
 
 
-_MOSAIC_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?")
+_MOSAIC_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?")
 
 
 def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
-    """``MxNxK[sS][tT]`` -> ``MosaicGemmConfig``: M the row tile (two warpgroups of M / 2
+    """``MxNxK[sS][tT][fF]`` -> ``MosaicGemmConfig``: M the row tile (two warpgroups of M / 2
     rows), N the columns per CTA, K the contraction step, S the pipeline stages, T the row
-    tiles walked together (omitted parts keep the defaults).
+    tiles walked together, F the steps' ``wgmma`` left in flight (omitted parts keep the
+    defaults).
 
     Raises:
       ValueError: a spec that does not match, or values ``MosaicGemmConfig`` rejects.
@@ -405,12 +407,13 @@ def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
     match = _MOSAIC_SPEC.fullmatch(spec)
     if match is None or int(match.group(1)) % 2:
         raise ValueError(
-            f"mosaic config {spec!r}: expected MxNxK[sS][tT] with M even, e.g. 128x256x64s4"
+            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF] with M even, e.g. 128x256x64s4"
         )
-    block_m, tile_n, tile_k, stages, width = match.groups()
+    block_m, tile_n, tile_k, stages, width, in_flight = match.groups()
     fields = dict(tile_m=int(block_m) // 2, tile_n=int(tile_n), tile_k=int(tile_k))
     fields.update({} if stages is None else {"max_concurrent_steps": int(stages)})
     fields.update({} if width is None else {"grid_tile_width": int(width)})
+    fields.update({} if in_flight is None else {"wgmma_in_flight": int(in_flight)})
     return kernels.MosaicGemmConfig(**fields)
 
 

@@ -129,6 +129,9 @@ class MosaicGemmConfig:
       max_concurrent_steps: pipeline stages in flight (shared-memory buffers per operand).
       grid_tile_width: row tiles walked together over the column tiles (L2 reuse of the
         weight columns, ``plgpu.planar_snake``).
+      wgmma_in_flight: contraction steps whose ``wgmma`` may still run when a warpgroup
+        issues the next step's (0 or 1; their stage buffers are released that many steps
+        later). The FP8 kernels read each step's product, so they take 0 only.
     """
 
     tile_m: int = 64
@@ -136,11 +139,19 @@ class MosaicGemmConfig:
     tile_k: int = 64
     max_concurrent_steps: int = 4
     grid_tile_width: int = 4
+    wgmma_in_flight: int = 0
 
     def __post_init__(self):
         launch_checks.require_powers_of_two(self, ("tile_m", "tile_n", "tile_k"))
         launch_checks.require_at_least(self, ("tile_m", "tile_n", "tile_k"), MOSAIC_EPILOGUE_TILE)
         launch_checks.require_at_least(self, ("max_concurrent_steps", "grid_tile_width"), 1)
+        if self.wgmma_in_flight not in (0, 1):
+            raise ValueError(f"wgmma_in_flight must be 0 or 1, got {self.wgmma_in_flight}")
+        if self.max_concurrent_steps <= self.wgmma_in_flight:
+            raise ValueError(
+                f"max_concurrent_steps ({self.max_concurrent_steps}) must exceed "
+                f"wgmma_in_flight ({self.wgmma_in_flight}): a step in flight holds its buffers"
+            )
 
     @property
     def block_m(self) -> int:
@@ -148,10 +159,12 @@ class MosaicGemmConfig:
         return 2 * self.tile_m
 
     def describe(self) -> str:
-        """Short label for tables: ``MxNxK sS tT`` (M the row tile)."""
+        """Short label for tables: ``MxNxK sS tT [fF]`` (M the row tile, F the steps in
+        flight when not 0)."""
+        in_flight = f" f{self.wgmma_in_flight}" if self.wgmma_in_flight else ""
         return (
             f"{self.block_m}x{self.tile_n}x{self.tile_k} s{self.max_concurrent_steps} "
-            f"t{self.grid_tile_width}"
+            f"t{self.grid_tile_width}{in_flight}"
         )
 
 

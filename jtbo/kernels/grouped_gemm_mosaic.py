@@ -67,10 +67,11 @@ def _grouped_matmul_body(
         a_spec = plgpu.BlockSpec(
             (block_m, tile_k), lambda k: (0, k), transforms=operand_transforms,
             memory_space=plgpu.SMEM, collective_axes=(CLUSTER,),
+            delay_release=cfg.wgmma_in_flight,
         )  # fmt: skip
         b_spec = plgpu.BlockSpec(
             (tile_k, tile_n), lambda k: (k, 0), transforms=weight_transforms,
-            memory_space=plgpu.SMEM,
+            memory_space=plgpu.SMEM, delay_release=cfg.wgmma_in_flight,
         )  # fmt: skip
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_steps,), memory_registers=40, in_specs=[a_spec] + [b_spec] * num_acc,
@@ -113,7 +114,10 @@ def _grouped_matmul_body(
                 b_smems, accs = rest[:num_acc], rest[num_acc]
                 for b_smem, acc in zip(b_smems, accs, strict=True):
                     plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem)
-                plgpu.wgmma_wait(0)
+                # Each wgmma is one group: leaving this step's num_acc groups in flight
+                # waits for the previous step's, whose buffers the pipeline then releases
+                # (delay_release); the epilogue's read of the accumulators waits for all.
+                plgpu.wgmma_wait(cfg.wgmma_in_flight * num_acc)
                 return accs
 
             weights = [

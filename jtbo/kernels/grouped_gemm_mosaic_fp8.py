@@ -199,6 +199,11 @@ def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction:
     one weight block deep, a column tile one block wide, and the clusters' column pairs and
     the steps must cover the shapes."""
     qk, qn = quant_block
+    if cfg.wgmma_in_flight:
+        return (
+            "impl='mosaic' with FP8 weights reads each block's product to scale it: "
+            f"wgmma_in_flight must be 0, got {cfg.wgmma_in_flight}"
+        )
     if cfg.tile_k != qk or cfg.tile_n != qn:
         return (
             f"impl='mosaic' with FP8 weights steps one {qk} x {qn} weight block at a time: "

@@ -6,6 +6,8 @@ edge cases at once: an empty expert, a full one (count == capacity), partial las
 capacity that is not a multiple of the row tile, and slot rows loaded through an index.
 """
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -46,10 +48,18 @@ def _weights(seed: int, dtype=DTYPE):
     return w_gate_up.astype(dtype), w_down.astype(dtype)
 
 
-def test_slot_buffer_matches_the_reference_and_zeros_the_padding():
+# The same shapes with each step's wgmma left in flight while the next one's is issued.
+IN_FLIGHT = gemm_config.MosaicFfnConfig(
+    gate_up=dataclasses.replace(SMALL.gate_up, wgmma_in_flight=1),
+    down=dataclasses.replace(SMALL.down, wgmma_in_flight=1),
+)
+
+
+@pytest.mark.parametrize("config", [SMALL, IN_FLIGHT], ids=["waited", "in_flight"])
+def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
     counts = jnp.array([130, 0, C], jnp.int32)  # a partial second tile, empty, full
     x = jax.random.normal(jax.random.key(0), (E, C, H), DTYPE)
-    out = kernels.grouped_ffn(x, counts, *_weights(1), impl="mosaic", config=SMALL)
+    out = kernels.grouped_ffn(x, counts, *_weights(1), impl="mosaic", config=config)
     _close(out, grouped_gemm.grouped_ffn_reference(x, counts, *_weights(1)))
     assert not np.asarray(out)[0, 130:].any() and not np.asarray(out)[1].any()
 
@@ -136,14 +146,19 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
     shapes = [((8, 512, 2048), jnp.bfloat16), ((8,), jnp.int32)]
     shapes += [((8, 2048, 2, 1408), jnp.bfloat16), ((8, 1408, 2048), jnp.bfloat16)]
 
-    def layer(x, counts, w_gate_up, w_down):
-        return grouped_gemm_mosaic.grouped_ffn_mosaic(
-            x, counts, w_gate_up, w_down, max_rows=2048, cfg=gemm_config.MOSAIC_FFN,
-            interpret=False,
-        ).rows  # fmt: skip
+    in_flight = gemm_config.MosaicFfnConfig(
+        gate_up=dataclasses.replace(gemm_config.MOSAIC_FFN.gate_up, wgmma_in_flight=1),
+        down=dataclasses.replace(gemm_config.MOSAIC_FFN.down, wgmma_in_flight=1),
+    )
+    for cfg in (gemm_config.MOSAIC_FFN, in_flight):
 
-    hlo = helpers.compiled_for_h200(layer, shapes)
-    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
+        def layer(x, counts, w_gate_up, w_down, cfg=cfg):
+            return grouped_gemm_mosaic.grouped_ffn_mosaic(
+                x, counts, w_gate_up, w_down, max_rows=2048, cfg=cfg, interpret=False
+            ).rows
+
+        hlo = helpers.compiled_for_h200(layer, shapes)
+        assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
 
 
 def test_shapes_the_kernels_cannot_tile_are_refused():
@@ -167,6 +182,11 @@ def test_launch_shapes_are_checked():
         gemm_config.MosaicGemmConfig(tile_m=32)
     with pytest.raises(ValueError, match="both kernels tile the same rows"):
         gemm_config.MosaicFfnConfig(down=gemm_config.MosaicGemmConfig(tile_m=128))
+    with pytest.raises(ValueError, match="wgmma_in_flight must be 0 or 1, got 2"):
+        gemm_config.MosaicGemmConfig(wgmma_in_flight=2)
+    with pytest.raises(ValueError, match=r"max_concurrent_steps \(1\) must exceed"):
+        gemm_config.MosaicGemmConfig(max_concurrent_steps=1, wgmma_in_flight=1)
+    assert gemm_config.MosaicGemmConfig(wgmma_in_flight=1).describe().endswith(" f1")
 
 
 def test_auto_takes_mosaic_from_its_rows_on_hopper_and_pallas_below(monkeypatch):

@@ -7,6 +7,7 @@ the row tile, slot rows loaded through an index; 64 x 64 blocks (two contraction
 cluster's two column tiles on small shapes) and the default 128 x 128 blocks.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -104,6 +105,9 @@ def test_weight_only_fp8_and_other_tiles_are_refused():
         call(config=SMALL, fp8_activations=False)
     with pytest.raises(kernels.KernelUnavailableError, match="one 64 x 64 weight block"):
         call(config=gemm_config.MOSAIC_FFN_FP8)  # 128-wide steps over 64-wide blocks
+    in_flight = dataclasses.replace(SMALL.down, wgmma_in_flight=1)
+    with pytest.raises(kernels.KernelUnavailableError, match="wgmma_in_flight must be 0"):
+        call(config=dataclasses.replace(SMALL, down=in_flight))
     (w_gate_up, _), (w_down, _) = helpers.fp8_expert_weights(0, (E, hidden, 160), block)
     with pytest.raises(kernels.KernelUnavailableError, match="tiles 160 columns by 64"):
         kernels.grouped_ffn(x, counts, w_gate_up, w_down, impl="mosaic", config=SMALL)
