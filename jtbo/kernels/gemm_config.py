@@ -177,8 +177,8 @@ class MosaicFfnConfig:
       down: the down GEMM.
     """
 
-    gate_up: MosaicGemmConfig = MosaicGemmConfig(tile_n=128)
-    down: MosaicGemmConfig = MosaicGemmConfig(tile_n=256)
+    gate_up: MosaicGemmConfig = MosaicGemmConfig(tile_n=128, wgmma_in_flight=1)
+    down: MosaicGemmConfig = MosaicGemmConfig(tile_n=256, wgmma_in_flight=1)
 
     def __post_init__(self):
         if self.gate_up.block_m != self.down.block_m:
@@ -194,7 +194,9 @@ class MosaicFfnConfig:
 
 # Default Mosaic GPU launch shapes: the 2-CTA-cluster, two-warpgroup shape of the fastest
 # dense Mosaic GPU matmul measured, with 128-row tiles; the swept variants were not faster
-# (docs/benchmarks/, "Mosaic GPU against cuBLAS" and "the grouped FFN on Mosaic GPU").
+# (docs/benchmarks/, "Mosaic GPU against cuBLAS" and "the grouped FFN on Mosaic GPU"). A
+# step's wgmma stays in flight while the next is issued: side by side the layer ran faster
+# so at every prefill size measured (docs/benchmarks/layers-per-call-presets-1xh200-2026-12-04.md).
 MOSAIC_FFN = MosaicFfnConfig()
 
 

@@ -16,7 +16,9 @@ zero outputs. ``tile_rows`` builds the layout from the counts.
 Kernel (one per GEMM, ``_grouped_matmul``): persistent, one 2-CTA cluster per pair of SMs,
 walking the (row tile, column tile) pairs with ``plgpu.nd_loop``. Each CTA has two compute
 warpgroups of ``tile_m`` rows each (``block_m = 2 * tile_m``) and one memory warpgroup that
-runs the TMA pipeline over the contraction (``emit_pipeline_warp_specialized``). The two CTAs
+runs the TMA pipeline over the contraction (``emit_pipeline_warp_specialized``); with
+``wgmma_in_flight`` a compute warpgroup issues a step's ``wgmma`` before the previous step's
+has finished, and the pipeline releases a stage's buffers one step later. The two CTAs
 of a cluster take neighbouring column tiles of the same row tile: the row tile is loaded
 once for both (``collective_axes``), the weight columns per CTA. With an odd number of
 column tiles the last pair's second CTA computes the last tile again and does not store it.

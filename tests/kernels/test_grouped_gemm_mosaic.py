@@ -146,11 +146,12 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
     shapes = [((8, 512, 2048), jnp.bfloat16), ((8,), jnp.int32)]
     shapes += [((8, 2048, 2, 1408), jnp.bfloat16), ((8, 1408, 2048), jnp.bfloat16)]
 
-    in_flight = gemm_config.MosaicFfnConfig(
-        gate_up=dataclasses.replace(gemm_config.MOSAIC_FFN.gate_up, wgmma_in_flight=1),
-        down=dataclasses.replace(gemm_config.MOSAIC_FFN.down, wgmma_in_flight=1),
+    waited = gemm_config.MosaicFfnConfig(
+        gate_up=dataclasses.replace(gemm_config.MOSAIC_FFN.gate_up, wgmma_in_flight=0),
+        down=dataclasses.replace(gemm_config.MOSAIC_FFN.down, wgmma_in_flight=0),
     )
-    for cfg in (gemm_config.MOSAIC_FFN, in_flight):
+    assert gemm_config.MOSAIC_FFN.gate_up.wgmma_in_flight == 1  # the default leaves one
+    for cfg in (gemm_config.MOSAIC_FFN, waited):
 
         def layer(x, counts, w_gate_up, w_down, cfg=cfg):
             return grouped_gemm_mosaic.grouped_ffn_mosaic(
