@@ -196,7 +196,7 @@ class MosaicFfnConfig:
 # dense Mosaic GPU matmul measured, with 128-row tiles; the swept variants were not faster
 # (docs/benchmarks/, "Mosaic GPU against cuBLAS" and "the grouped FFN on Mosaic GPU"). A
 # step's wgmma stays in flight while the next is issued: side by side the layer ran faster
-# so at every prefill size measured (docs/benchmarks/, "a step's wgmma left in flight").
+# so at every prefill size measured (docs/benchmarks/, "left in flight in the bf16 Mosaic kernels").
 MOSAIC_FFN = MosaicFfnConfig()
 
 
