@@ -196,19 +196,20 @@ def _epilogue(sums, out_gmems, out_smem, scale_smem, warpgroup, rows, out_rows, 
 def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction: int,
                   quant_block: tuple[int, int]) -> str | None:  # fmt: skip
     """Why one kernel cannot tile its shapes (None when it can): a contraction step must be
-    one weight block deep, a column tile one block wide, and the clusters' column pairs and
-    the steps must cover the shapes."""
+    one weight block deep, a column tile one block wide, no step's ``wgmma`` left in flight
+    (each block's product is read to scale it), and the clusters' column pairs and the steps
+    must cover the shapes."""
     qk, qn = quant_block
-    if cfg.wgmma_in_flight:
-        return (
-            "impl='mosaic' with FP8 weights reads each block's product to scale it: "
-            f"wgmma_in_flight must be 0, got {cfg.wgmma_in_flight}"
-        )
     if cfg.tile_k != qk or cfg.tile_n != qn:
         return (
             f"impl='mosaic' with FP8 weights steps one {qk} x {qn} weight block at a time: "
             f"tile_k {cfg.tile_k} and tile_n {cfg.tile_n} must be {qk} and {qn} "
             "(gemm_config.MOSAIC_FFN_FP8)"
+        )
+    if cfg.wgmma_in_flight:
+        return (
+            "impl='mosaic' with FP8 weights reads each block's product to scale it: "
+            f"wgmma_in_flight must be 0, got {cfg.wgmma_in_flight} (gemm_config.MOSAIC_FFN_FP8)"
         )
     if out_cols % cfg.tile_n or contraction % cfg.tile_k:
         return (
