@@ -51,9 +51,11 @@ def smem_transforms(minor_elems: int, itemsize: int) -> tuple:
 
 
 def _grouped_matmul_body(
-    tile_expert_gmem, a_gmem, b_gmem, out_gmem, *, column_offsets, epilogue, cfg, num_col_tiles
+    tile_expert_gmem, tile_live_rows_gmem, a_gmem, b_gmem, out_gmem, *, column_offsets, epilogue,
+    cfg, num_col_tiles,
 ):  # fmt: skip
-    # tile_expert_gmem: [num_tiles] int32 expert of each row tile (-1: dead); a_gmem:
+    # tile_expert_gmem: [num_tiles] int32 expert of each row tile (-1: dead);
+    # tile_live_rows_gmem: [num_tiles] int32 rows of each tile that hold a slot; a_gmem:
     # [num_tiles * block_m, K] tile-major rows; b_gmem: [E, K, N_b] weights; out_gmem:
     # [num_tiles * block_m, N] with N = num_col_tiles * tile_n. Accumulator i reads the
     # weight columns column_offsets[i] + (column tile) * tile_n.
@@ -99,6 +101,7 @@ def _grouped_matmul_body(
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
             wg_rows = pl.ds(warpgroup * tile_m, tile_m)
+            wg_has_rows = tile_live_rows_gmem[tile] > warpgroup * tile_m
 
             def compute_context(run_pipeline):
                 @functools.partial(
@@ -114,8 +117,17 @@ def _grouped_matmul_body(
 
             def mma(_, a_smem, *rest):
                 b_smems, accs = rest[:num_acc], rest[num_acc]
-                for b_smem, acc in zip(b_smems, accs, strict=True):
-                    plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem)
+
+                def issue():
+                    for b_smem, acc in zip(b_smems, accs, strict=True):
+                        plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem)
+
+                # A warpgroup whose rows are all padding leaves its accumulators at zero,
+                # which the padding rows' outputs are anyway.
+                if cfg.skip_empty_warpgroups:
+                    pl.when(wg_has_rows)(issue)
+                else:
+                    issue()
                 # Each wgmma is one group: leaving this step's num_acc groups in flight
                 # waits for the previous step's, whose buffers the pipeline then releases
                 # (delay_release); the epilogue's read of the accumulators waits for all.
@@ -215,9 +227,10 @@ def tiles(hidden: int, ffn: int, cfg: gemm_config.MosaicFfnConfig) -> bool:
     return _fits(ffn, hidden, cfg.gate_up) and _fits(hidden, ffn, cfg.down)
 
 
-def _grouped_matmul(tile_expert, a_rows, weights, *, out_cols, column_offsets, epilogue, cfg,
-                    interpret):  # fmt: skip
-    """``[num_tiles * block_m, out_cols]``: each live row tile times its expert's weights."""
+def _grouped_matmul(tile_expert, tile_live_rows, a_rows, weights, *, out_cols, column_offsets,
+                    epilogue, cfg, interpret):  # fmt: skip
+    """``[num_tiles * block_m, out_cols]``: each live row tile times its expert's weights
+    (``tile_live_rows [num_tiles]``: the rows of each tile that hold a slot)."""
     if not _fits(out_cols, a_rows.shape[1], cfg):
         raise impls.KernelUnavailableError(
             f"impl='mosaic' tiles {out_cols} columns by {cfg.tile_n} and the contraction "
@@ -228,7 +241,9 @@ def _grouped_matmul(tile_expert, a_rows, weights, *, out_cols, column_offsets, e
         num_col_tiles=out_cols // cfg.tile_n,
     )  # fmt: skip
     out_type = jax.ShapeDtypeStruct((a_rows.shape[0], out_cols), a_rows.dtype)
-    return persistent_kernel(body, out_type, interpret)(tile_expert, a_rows, weights)
+    return persistent_kernel(body, out_type, interpret)(
+        tile_expert, tile_live_rows, a_rows, weights
+    )
 
 
 def persistent_kernel(body, out_type, interpret: bool):
@@ -299,12 +314,14 @@ def grouped_ffn_mosaic(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, int
     tile_expert, slot_of_row, row_of_slot = tile_rows(counts, capacity, block_m, num_tiles)
     source_rows, source = slot_rows.flat_slot_source(x_slots, slot_of_row)
     rows = tile_gather.gather_tiles(source_rows, unfused(source), tile_expert, block_m)
+    tile_live_rows = jnp.sum(slot_of_row.reshape(num_tiles, block_m) >= 0, axis=1, dtype=jnp.int32)
     hidden_rows = _grouped_matmul(
-        tile_expert, rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn), out_cols=ffn,
-        column_offsets=(0, ffn), epilogue=_swiglu, cfg=cfg.gate_up, interpret=interpret,
+        tile_expert, tile_live_rows, rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn),
+        out_cols=ffn, column_offsets=(0, ffn), epilogue=_swiglu, cfg=cfg.gate_up,
+        interpret=interpret,
     )  # fmt: skip
     out_rows = _grouped_matmul(
-        tile_expert, hidden_rows, w_down, out_cols=w_down.shape[2], column_offsets=(0,),
-        epilogue=_identity, cfg=cfg.down, interpret=interpret,
+        tile_expert, tile_live_rows, hidden_rows, w_down, out_cols=w_down.shape[2],
+        column_offsets=(0,), epilogue=_identity, cfg=cfg.down, interpret=interpret,
     )  # fmt: skip
     return slot_rows.SlotRows(out_rows, row_of_slot)

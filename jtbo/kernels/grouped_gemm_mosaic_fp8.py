@@ -197,8 +197,8 @@ def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction:
                   quant_block: tuple[int, int]) -> str | None:  # fmt: skip
     """Why one kernel cannot tile its shapes (None when it can): a contraction step must be
     one weight block deep, a column tile one block wide, no step's ``wgmma`` left in flight
-    (each block's product is read to scale it), and the clusters' column pairs and the steps
-    must cover the shapes."""
+    (each block's product is read to scale it) nor skipped, and the clusters' column pairs and
+    the steps must cover the shapes."""
     qk, qn = quant_block
     if cfg.tile_k != qk or cfg.tile_n != qn:
         return (
@@ -210,6 +210,11 @@ def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction:
         return (
             "impl='mosaic' with FP8 weights reads each block's product to scale it: "
             f"wgmma_in_flight must be 0, got {cfg.wgmma_in_flight} (gemm_config.MOSAIC_FFN_FP8)"
+        )
+    if cfg.skip_empty_warpgroups:
+        return (
+            "impl='mosaic' with FP8 weights runs every warpgroup's products: "
+            "skip_empty_warpgroups must be False (gemm_config.MOSAIC_FFN_FP8)"
         )
     if out_cols % cfg.tile_n or contraction % cfg.tile_k:
         return (

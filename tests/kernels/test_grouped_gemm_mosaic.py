@@ -55,9 +55,20 @@ IN_FLIGHT = gemm_config.MosaicFfnConfig(
 )
 
 
-@pytest.mark.parametrize("config", [SMALL, IN_FLIGHT], ids=["waited", "in_flight"])
+# And with a warpgroup whose rows are all padding skipping its wgmma.
+SKIPPING = gemm_config.MosaicFfnConfig(
+    gate_up=dataclasses.replace(SMALL.gate_up, skip_empty_warpgroups=True),
+    down=dataclasses.replace(IN_FLIGHT.down, skip_empty_warpgroups=True),
+)
+
+
+@pytest.mark.parametrize(
+    "config", [SMALL, IN_FLIGHT, SKIPPING], ids=["waited", "in_flight", "skipping"]
+)
 def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
-    counts = jnp.array([130, 0, C], jnp.int32)  # a partial second tile, empty, full
+    # A partial second tile whose second warpgroup holds only padding (130 = 128 + 2), an
+    # empty expert, a full one whose second tile's second warpgroup holds 8 rows (200).
+    counts = jnp.array([130, 0, C], jnp.int32)
     x = jax.random.normal(jax.random.key(0), (E, C, H), DTYPE)
     out = kernels.grouped_ffn(x, counts, *_weights(1), impl="mosaic", config=config)
     _close(out, grouped_gemm.grouped_ffn_reference(x, counts, *_weights(1)))
@@ -150,8 +161,12 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
         gate_up=dataclasses.replace(gemm_config.MOSAIC_FFN.gate_up, wgmma_in_flight=0),
         down=dataclasses.replace(gemm_config.MOSAIC_FFN.down, wgmma_in_flight=0),
     )
+    skipping = gemm_config.MosaicFfnConfig(
+        gate_up=dataclasses.replace(gemm_config.MOSAIC_FFN.gate_up, skip_empty_warpgroups=True),
+        down=dataclasses.replace(gemm_config.MOSAIC_FFN.down, skip_empty_warpgroups=True),
+    )
     assert gemm_config.MOSAIC_FFN.gate_up.wgmma_in_flight == 1  # the default leaves one
-    for cfg in (gemm_config.MOSAIC_FFN, waited):
+    for cfg in (gemm_config.MOSAIC_FFN, waited, skipping):
 
         def layer(x, counts, w_gate_up, w_down, cfg=cfg):
             return grouped_gemm_mosaic.grouped_ffn_mosaic(
@@ -188,6 +203,8 @@ def test_launch_shapes_are_checked():
     with pytest.raises(ValueError, match=r"max_concurrent_steps \(1\) must exceed"):
         gemm_config.MosaicGemmConfig(max_concurrent_steps=1, wgmma_in_flight=1)
     assert gemm_config.MosaicGemmConfig(wgmma_in_flight=1).describe().endswith(" f1")
+    skipping = gemm_config.MosaicGemmConfig(wgmma_in_flight=1, skip_empty_warpgroups=True)
+    assert skipping.describe().endswith(" f1 e")
 
 
 def test_auto_takes_mosaic_from_its_rows_on_hopper_and_pallas_below(monkeypatch):

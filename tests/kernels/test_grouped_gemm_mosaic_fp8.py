@@ -108,6 +108,9 @@ def test_weight_only_fp8_and_other_tiles_are_refused():
     in_flight = dataclasses.replace(SMALL.down, wgmma_in_flight=1)
     with pytest.raises(kernels.KernelUnavailableError, match="wgmma_in_flight must be 0"):
         call(config=dataclasses.replace(SMALL, down=in_flight))
+    skipping = dataclasses.replace(SMALL.gate_up, skip_empty_warpgroups=True)
+    with pytest.raises(kernels.KernelUnavailableError, match="skip_empty_warpgroups must be"):
+        call(config=dataclasses.replace(SMALL, gate_up=skipping))
     (w_gate_up, _), (w_down, _) = helpers.fp8_expert_weights(0, (E, hidden, 160), block)
     with pytest.raises(kernels.KernelUnavailableError, match="tiles 160 columns by 64"):
         kernels.grouped_ffn(x, counts, w_gate_up, w_down, impl="mosaic", config=SMALL)
