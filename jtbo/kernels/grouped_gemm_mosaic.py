@@ -50,15 +50,14 @@ def smem_transforms(minor_elems: int, itemsize: int) -> tuple:
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _grouped_matmul_body(
-    tile_expert_gmem, tile_live_rows_gmem, a_gmem, b_gmem, out_gmem, *, column_offsets, epilogue,
-    cfg, num_col_tiles,
-):  # fmt: skip
-    # tile_expert_gmem: [num_tiles] int32 expert of each row tile (-1: dead);
-    # tile_live_rows_gmem: [num_tiles] int32 rows of each tile that hold a slot; a_gmem:
-    # [num_tiles * block_m, K] tile-major rows; b_gmem: [E, K, N_b] weights; out_gmem:
-    # [num_tiles * block_m, N] with N = num_col_tiles * tile_n. Accumulator i reads the
-    # weight columns column_offsets[i] + (column tile) * tile_n.
+def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg, num_col_tiles):
+    # tile_expert_gmem: [num_tiles] int32 expert of each row tile (-1: dead); refs: with
+    # cfg.skip_empty_warpgroups first tile_live_rows_gmem, [num_tiles] int32 rows of each tile
+    # that hold a slot; then a_gmem: [num_tiles * block_m, K] tile-major rows; b_gmem:
+    # [E, K, N_b] weights; out_gmem: [num_tiles * block_m, N] with N = num_col_tiles * tile_n.
+    # Accumulator i reads the weight columns column_offsets[i] + (column tile) * tile_n.
+    a_gmem, b_gmem, out_gmem = refs[-3:]
+    tile_live_rows_gmem = refs[0] if cfg.skip_empty_warpgroups else None
     block_m, tile_m, tile_n, tile_k = cfg.block_m, cfg.tile_m, cfg.tile_n, cfg.tile_k
     num_tiles = tile_expert_gmem.shape[0]
     k_steps = a_gmem.shape[1] // tile_k
@@ -101,7 +100,8 @@ def _grouped_matmul_body(
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
             wg_rows = pl.ds(warpgroup * tile_m, tile_m)
-            wg_has_rows = tile_live_rows_gmem[tile] > warpgroup * tile_m
+            if tile_live_rows_gmem is not None:
+                wg_has_rows = tile_live_rows_gmem[tile] > warpgroup * tile_m
 
             def compute_context(run_pipeline):
                 @functools.partial(
@@ -230,7 +230,8 @@ def tiles(hidden: int, ffn: int, cfg: gemm_config.MosaicFfnConfig) -> bool:
 def _grouped_matmul(tile_expert, tile_live_rows, a_rows, weights, *, out_cols, column_offsets,
                     epilogue, cfg, interpret):  # fmt: skip
     """``[num_tiles * block_m, out_cols]``: each live row tile times its expert's weights
-    (``tile_live_rows [num_tiles]``: the rows of each tile that hold a slot)."""
+    (``tile_live_rows [num_tiles]``: the rows of each tile that hold a slot, read with
+    ``cfg.skip_empty_warpgroups`` only)."""
     if not _fits(out_cols, a_rows.shape[1], cfg):
         raise impls.KernelUnavailableError(
             f"impl='mosaic' tiles {out_cols} columns by {cfg.tile_n} and the contraction "
@@ -241,9 +242,8 @@ def _grouped_matmul(tile_expert, tile_live_rows, a_rows, weights, *, out_cols, c
         num_col_tiles=out_cols // cfg.tile_n,
     )  # fmt: skip
     out_type = jax.ShapeDtypeStruct((a_rows.shape[0], out_cols), a_rows.dtype)
-    return persistent_kernel(body, out_type, interpret)(
-        tile_expert, tile_live_rows, a_rows, weights
-    )
+    live_rows = (tile_live_rows,) if cfg.skip_empty_warpgroups else ()
+    return persistent_kernel(body, out_type, interpret)(tile_expert, *live_rows, a_rows, weights)
 
 
 def persistent_kernel(body, out_type, interpret: bool):
@@ -314,7 +314,11 @@ def grouped_ffn_mosaic(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, int
     tile_expert, slot_of_row, row_of_slot = tile_rows(counts, capacity, block_m, num_tiles)
     source_rows, source = slot_rows.flat_slot_source(x_slots, slot_of_row)
     rows = tile_gather.gather_tiles(source_rows, unfused(source), tile_expert, block_m)
-    tile_live_rows = jnp.sum(slot_of_row.reshape(num_tiles, block_m) >= 0, axis=1, dtype=jnp.int32)
+    tile_live_rows = None  # only the kernels that skip empty warpgroups read it
+    if cfg.gate_up.skip_empty_warpgroups or cfg.down.skip_empty_warpgroups:
+        tile_live_rows = jnp.sum(
+            slot_of_row.reshape(num_tiles, block_m) >= 0, axis=1, dtype=jnp.int32
+        )
     hidden_rows = _grouped_matmul(
         tile_expert, tile_live_rows, rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn),
         out_cols=ffn, column_offsets=(0, ffn), epilogue=_swiglu, cfg=cfg.gate_up,
