@@ -657,6 +657,10 @@ def _log(line: str) -> None:
     print(f"{line}  [{time.perf_counter() - _START:.0f}s]", flush=True)
 
 
+# One compiled reference per shape for every impl and token count that checks its kernel.
+_kernel_reference = jax.jit(grouped_gemm.grouped_ffn_reference, static_argnames="fp8_activations")
+
+
 def check_kernel(name: str, variant: str, x, ids_np, weights, capacity: int) -> float:
     """The kernel alone on the first two experts' slots: rel err vs ``grouped_ffn_reference``.
 
@@ -670,13 +674,8 @@ def check_kernel(name: str, variant: str, x, ids_np, weights, capacity: int) -> 
     options = kernel_options(name, variant)
     fn = jax.jit(functools.partial(kernels.grouped_ffn, **options))
     out = np.asarray(fn(slots, counts_arr, *w2), np.float32)
-    reference_fn = jax.jit(
-        functools.partial(
-            grouped_gemm.grouped_ffn_reference, fp8_activations=options["fp8_activations"]
-        )
-    )
     with jax.default_matmul_precision("highest"):
-        ref = reference_fn(slots, counts_arr, *w2)
+        ref = _kernel_reference(slots, counts_arr, *w2, fp8_activations=options["fp8_activations"])
     for e, count in enumerate(counts):
         if out[e, count:].any():
             raise AssertionError(f"expert {e}: slots past its count {count} are not zero")
