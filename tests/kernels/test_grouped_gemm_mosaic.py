@@ -48,11 +48,16 @@ def _weights(seed: int, dtype=DTYPE):
     return w_gate_up.astype(dtype), w_down.astype(dtype)
 
 
+def _both_kernels(config: gemm_config.MosaicFfnConfig, **changes) -> gemm_config.MosaicFfnConfig:
+    """``config`` with ``changes`` made to both kernels' launch shapes."""
+    return gemm_config.MosaicFfnConfig(
+        gate_up=dataclasses.replace(config.gate_up, **changes),
+        down=dataclasses.replace(config.down, **changes),
+    )
+
+
 # The same shapes with each step's wgmma left in flight while the next one's is issued.
-IN_FLIGHT = gemm_config.MosaicFfnConfig(
-    gate_up=dataclasses.replace(SMALL.gate_up, wgmma_in_flight=1),
-    down=dataclasses.replace(SMALL.down, wgmma_in_flight=1),
-)
+IN_FLIGHT = _both_kernels(SMALL, wgmma_in_flight=1)
 
 
 # And with a warpgroup whose rows are all padding skipping its wgmma.
@@ -157,14 +162,8 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
     shapes = [((8, 512, 2048), jnp.bfloat16), ((8,), jnp.int32)]
     shapes += [((8, 2048, 2, 1408), jnp.bfloat16), ((8, 1408, 2048), jnp.bfloat16)]
 
-    waited = gemm_config.MosaicFfnConfig(
-        gate_up=dataclasses.replace(gemm_config.MOSAIC_FFN.gate_up, wgmma_in_flight=0),
-        down=dataclasses.replace(gemm_config.MOSAIC_FFN.down, wgmma_in_flight=0),
-    )
-    skipping = gemm_config.MosaicFfnConfig(
-        gate_up=dataclasses.replace(gemm_config.MOSAIC_FFN.gate_up, skip_empty_warpgroups=True),
-        down=dataclasses.replace(gemm_config.MOSAIC_FFN.down, skip_empty_warpgroups=True),
-    )
+    waited = _both_kernels(gemm_config.MOSAIC_FFN, wgmma_in_flight=0)
+    skipping = _both_kernels(gemm_config.MOSAIC_FFN, skip_empty_warpgroups=True)
     assert gemm_config.MOSAIC_FFN.gate_up.wgmma_in_flight == 1  # the default leaves one
     for cfg in (gemm_config.MOSAIC_FFN, waited, skipping):
 
