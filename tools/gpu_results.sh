@@ -12,7 +12,7 @@
 # column tile against Pallas), fp8-threshold (Pallas against Mosaic FP8 around "auto"'s
 # threshold), ranks (the expert layer with the blocked group ranks against the one-hot ones),
 # dsv3-walk (the Mosaic walk's row tiles per column pair at DeepSeek-V3's 4096 tokens),
-# skip-warpgroups (Mosaic warpgroups of padding rows skipping their wgmma, against the default).
+# prefetch (the Mosaic kernels' one pipeline over a CTA's tiles, against the default).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -118,13 +118,15 @@ for group in "$@"; do
       LIMIT=240 bench dsv3-walk 10 grouped_gemm --preset deepseek-v3 --tokens 4096 \
         --impls dense,mosaic,mosaic:128x128x64s4t8/128x256x64s4t8,mosaic:128x128x64s4t16/128x256x64s4t16,mosaic:128x128x64s4t32/128x256x64s4t32 \
         --check-rows 16 --kernel-time ;;
-    skip-warpgroups)  # a warpgroup of padding rows skipping its wgmma, against the default,
-      # side by side with the dense yardstick, where the padding of 128-row tiles is largest
-      skip=mosaic:128x128x64s4f1e/128x256x64s4f1e
-      LIMIT=150 bench skip-qwen3 10 grouped_gemm --preset qwen3-30b-a3b --tokens 4096,16384 \
-        --impls "dense,mosaic,$skip" --no-copy-ceiling
-      LIMIT=120 bench skip-dsv3 8 grouped_gemm --preset deepseek-v3 --tokens 4096 \
-        --impls "dense,mosaic,$skip" --no-copy-ceiling --check-rows 16 ;;
+    prefetch)  # one pipeline over each CTA's tiles, waited and with a step in flight,
+      # against the default, side by side with the dense yardstick at prefill sizes
+      impls=dense,mosaic,mosaic:128x128x64s4p/128x256x64s4p,mosaic:128x128x64s4f1p/128x256x64s4f1p
+      LIMIT=170 bench prefetch-qwen3 18 grouped_gemm --preset qwen3-30b-a3b --tokens 4096,16384 \
+        --impls "$impls" --no-copy-ceiling --check-rows 16
+      for preset in deepseek-v3 qwen3-235b-a22b mixtral-8x7b; do
+        LIMIT=170 bench "prefetch-$preset" 10 grouped_gemm --preset "$preset" --tokens 4096 \
+          --impls "$impls" --no-copy-ceiling --check-rows 16
+      done ;;
     ranks)  # the expert layer with blocked group ranks against the one-hot ranks, in turns
       echo "== PYTHONPATH=. python tools/layer_ranks_probe.py"
       PYTHONPATH=. timeout "${LIMIT:-250}" python3 tools/layer_ranks_probe.py >"$OUT/ranks.log" 2>&1
@@ -137,7 +139,7 @@ for group in "$@"; do
       echo "(exit $?)"; grep "runner_host\|wrote" "$OUT/runner-host.log" ;;
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
-      "skip-warpgroups)"
+      "prefetch)"
       exit 2 ;;
   esac
 done

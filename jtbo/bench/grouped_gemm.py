@@ -46,10 +46,10 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
 * ``mosaic``: ``experts_capacity`` with ``impl="mosaic"``: the Hopper kernels (Pallas Mosaic
   GPU, ``jtbo.kernels.grouped_gemm_mosaic``) over the same filled slots, gathered into
   tile-major rows first; the layer reads its result through the rows' slot index.
-  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][e]`` for both kernels or
+  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][p]`` for both kernels or
   ``GATE_UP/DOWN`` (row tile x columns per CTA x contraction step, pipeline stages, row
-  tiles walked together, steps whose ``wgmma`` stays in flight, ``e``: a warpgroup of padding
-  rows skips its ``wgmma``), e.g.
+  tiles walked together, steps whose ``wgmma`` stays in flight, ``p``: one pipeline over
+  all of a CTA's tiles, the next tile's loads under the current tile's end), e.g.
   ``mosaic:128x128x64s4/128x256x64s4f1``. It is checked and
   followed by a ``mosaic (kernel)`` row as ``pallas`` is.
 * ``dense``: the yardstick of the ``vs dense`` target, not a routed layer: one dense SwiGLU
@@ -393,14 +393,14 @@ def pallas_config(variant: str) -> kernels.GroupedFfnConfig | None:
     return _two_kernels(variant, parse_gemm_config, kernels.GroupedFfnConfig)
 
 
-_MOSAIC_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(e)?")
+_MOSAIC_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?")
 
 
 def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
-    """``MxNxK[sS][tT][fF][e]`` -> ``MosaicGemmConfig``: M the row tile (two warpgroups of M / 2
+    """``MxNxK[sS][tT][fF][p]`` -> ``MosaicGemmConfig``: M the row tile (two warpgroups of M / 2
     rows), N the columns per CTA, K the contraction step, S the pipeline stages, T the row
-    tiles walked together, F the steps' ``wgmma`` left in flight, ``e`` a warpgroup whose
-    rows are all padding skips its ``wgmma`` (omitted parts keep the defaults).
+    tiles walked together, F the steps' ``wgmma`` left in flight, ``p`` the pipeline
+    prefetches across tiles (omitted parts keep the defaults).
 
     Raises:
       ValueError: a spec that does not match, or values ``MosaicGemmConfig`` rejects.
@@ -408,14 +408,14 @@ def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
     match = _MOSAIC_SPEC.fullmatch(spec)
     if match is None or int(match.group(1)) % 2:
         raise ValueError(
-            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][e] with M even, e.g. 128x256x64s4"
+            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p] with M even, e.g. 128x256x64s4"
         )
-    block_m, tile_n, tile_k, stages, width, in_flight, skip = match.groups()
+    block_m, tile_n, tile_k, stages, width, in_flight, prefetch = match.groups()
     fields = dict(tile_m=int(block_m) // 2, tile_n=int(tile_n), tile_k=int(tile_k))
     fields.update({} if stages is None else {"max_concurrent_steps": int(stages)})
     fields.update({} if width is None else {"grid_tile_width": int(width)})
     fields.update({} if in_flight is None else {"wgmma_in_flight": int(in_flight)})
-    fields.update({} if skip is None else {"skip_empty_warpgroups": True})
+    fields.update({} if prefetch is None else {"prefetch_across_tiles": True})
     return kernels.MosaicGemmConfig(**fields)
 
 

@@ -132,9 +132,11 @@ class MosaicGemmConfig:
       wgmma_in_flight: contraction steps whose ``wgmma`` may still run when a warpgroup
         issues the next step's (0 or 1; their stage buffers are released that many steps
         later). The FP8 kernels read each step's product, so they take 0 only.
-      skip_empty_warpgroups: a compute warpgroup whose rows of a tile are all padding (an
-        expert's last tile holding at most ``tile_m`` rows) issues no ``wgmma``; its
-        accumulators stay zero, as those rows' outputs are anyway. bf16 kernels only.
+      prefetch_across_tiles: one pipeline runs over all of a CTA's tiles, so the memory
+        warpgroup loads the next tile's first stages while the compute warpgroups finish the
+        current tile (a pipeline of pipelines; with ``wgmma_in_flight`` the compute
+        warpgroups release each step's buffers themselves). Needs a number of contraction
+        steps that ``max_concurrent_steps`` divides. bf16 kernels only.
     """
 
     tile_m: int = 64
@@ -143,7 +145,7 @@ class MosaicGemmConfig:
     max_concurrent_steps: int = 4
     grid_tile_width: int = 4
     wgmma_in_flight: int = 0
-    skip_empty_warpgroups: bool = False
+    prefetch_across_tiles: bool = False
 
     def __post_init__(self):
         launch_checks.require_powers_of_two(self, ("tile_m", "tile_n", "tile_k"))
@@ -163,13 +165,13 @@ class MosaicGemmConfig:
         return 2 * self.tile_m
 
     def describe(self) -> str:
-        """Short label for tables: ``MxNxK sS tT [fF] [e]`` (M the row tile, F the steps in
-        flight when not 0, ``e`` when empty warpgroups skip their ``wgmma``)."""
+        """Short label for tables: ``MxNxK sS tT [fF] [p]`` (M the row tile, F the steps in
+        flight when not 0, ``p`` when the pipeline prefetches across tiles)."""
         in_flight = f" f{self.wgmma_in_flight}" if self.wgmma_in_flight else ""
-        skip = " e" if self.skip_empty_warpgroups else ""
+        prefetch = " p" if self.prefetch_across_tiles else ""
         return (
             f"{self.block_m}x{self.tile_n}x{self.tile_k} s{self.max_concurrent_steps} "
-            f"t{self.grid_tile_width}{in_flight}{skip}"
+            f"t{self.grid_tile_width}{in_flight}{prefetch}"
         )
 
 

@@ -18,7 +18,12 @@ walking the (row tile, column tile) pairs with ``plgpu.nd_loop``. Each CTA has t
 warpgroups of ``tile_m`` rows each (``block_m = 2 * tile_m``) and one memory warpgroup that
 runs the TMA pipeline over the contraction (``emit_pipeline_warp_specialized``); with
 ``wgmma_in_flight`` a compute warpgroup issues a step's ``wgmma`` before the previous step's
-has finished, and the pipeline releases a stage's buffers one step later. The two CTAs
+has finished, and the pipeline releases a stage's buffers one step later. With
+``prefetch_across_tiles`` a CTA's tiles form one pipeline (Mosaic GPU's pipeline of pipelines,
+over the live tiles only): the memory warpgroup loads the next tile's first stages while the
+compute warpgroups finish the current tile and store it; a step left in flight then has the
+compute warpgroups release each stage themselves, a step late, and the last one before the
+epilogue. The two CTAs
 of a cluster take neighbouring column tiles of the same row tile: the row tile is loaded
 once for both (``collective_axes``), the weight columns per CTA. With an odd number of
 column tiles the last pair's second CTA computes the last tile again and does not store it.
@@ -50,14 +55,14 @@ def smem_transforms(minor_elems: int, itemsize: int) -> tuple:
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg, num_col_tiles):
+def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg, num_col_tiles,
+                         grid_size):  # fmt: skip
     # tile_expert_gmem: [num_tiles] int32 expert of each row tile (-1: dead); refs: with
-    # cfg.skip_empty_warpgroups first tile_live_rows_gmem, [num_tiles] int32 rows of each tile
-    # that hold a slot; then a_gmem: [num_tiles * block_m, K] tile-major rows; b_gmem:
-    # [E, K, N_b] weights; out_gmem: [num_tiles * block_m, N] with N = num_col_tiles * tile_n.
-    # Accumulator i reads the weight columns column_offsets[i] + (column tile) * tile_n.
+    # cfg.prefetch_across_tiles first num_live_gmem, [1] int32 live tiles (a prefix); then
+    # a_gmem: [num_tiles * block_m, K] tile-major rows; b_gmem: [E, K, N_b] weights;
+    # out_gmem: [num_tiles * block_m, N] with N = num_col_tiles * tile_n. Accumulator i reads
+    # the weight columns column_offsets[i] + (column tile) * tile_n.
     a_gmem, b_gmem, out_gmem = refs[-3:]
-    tile_live_rows_gmem = refs[0] if cfg.skip_empty_warpgroups else None
     block_m, tile_m, tile_n, tile_k = cfg.block_m, cfg.tile_m, cfg.tile_n, cfg.tile_k
     num_tiles = tile_expert_gmem.shape[0]
     k_steps = a_gmem.shape[1] // tile_k
@@ -65,21 +70,25 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
     operand_transforms = smem_transforms(tile_k, itemsize)
     weight_transforms = smem_transforms(tile_n, itemsize)
     num_acc = len(column_offsets)
+    # A pipeline of pipelines takes no delay_release: with a step in flight the compute
+    # warpgroups then release each step's buffers themselves, a step late (release_step).
+    manual_release = bool(cfg.prefetch_across_tiles and cfg.wgmma_in_flight)
+    delay_release = 0 if cfg.prefetch_across_tiles else cfg.wgmma_in_flight
 
-    def pipeline(body, compute_context):
+    def pipeline(body, compute_context, pipeline_state=None):
         a_spec = plgpu.BlockSpec(
             (block_m, tile_k), lambda k: (0, k), transforms=operand_transforms,
-            memory_space=plgpu.SMEM, collective_axes=(CLUSTER,),
-            delay_release=cfg.wgmma_in_flight,
+            memory_space=plgpu.SMEM, collective_axes=(CLUSTER,), delay_release=delay_release,
         )  # fmt: skip
         b_spec = plgpu.BlockSpec(
             (tile_k, tile_n), lambda k: (k, 0), transforms=weight_transforms,
-            memory_space=plgpu.SMEM, delay_release=cfg.wgmma_in_flight,
+            memory_space=plgpu.SMEM, delay_release=delay_release,
         )  # fmt: skip
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_steps,), memory_registers=40, in_specs=[a_spec] + [b_spec] * num_acc,
             wg_axis=WARPGROUP, num_compute_wgs=2,
             max_concurrent_steps=cfg.max_concurrent_steps, compute_context=compute_context,
+            pipeline_state=pipeline_state, manual_consumed_barriers=manual_release,
         )  # fmt: skip
 
     ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
@@ -95,13 +104,17 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
     def _scope(allocations, out_smem):
         warpgroup = lax.axis_index(WARPGROUP)
 
-        @functools.partial(walk_tiles, num_tiles, num_col_tiles, cfg.grid_tile_width)
-        def _visit(tile, col, stores):
+        def release_step(step):
+            # Every operand's stage buffers of contraction step ``step``, to the memory
+            # warpgroup (manual_release).
+            slot = lax.rem(step, cfg.max_concurrent_steps)
+            for barrier in allocations["flat_consumed_barrier_refs"]:
+                plgpu.barrier_arrive(barrier.at[slot])
+
+        def visit(tile, col, stores, pipeline_state=None):
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
             wg_rows = pl.ds(warpgroup * tile_m, tile_m)
-            if tile_live_rows_gmem is not None:
-                wg_has_rows = tile_live_rows_gmem[tile] > warpgroup * tile_m
 
             def compute_context(run_pipeline):
                 @functools.partial(
@@ -109,43 +122,73 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
                 )
                 def _acc_scope(accs):
                     run_pipeline(tuple(accs))
+                    if manual_release:  # the last step's buffers, before the epilogue
+                        plgpu.wgmma_wait(0)
+                        release_step(k_steps - 1)
                     out = epilogue(*[acc[...] for acc in accs]).astype(out_gmem.dtype)
                     out_tile = out_gmem.at[rows, pl.ds(col * tile_n, tile_n)]
                     when_stored(stores, lambda: store_tile(
                         out, out_smem, out_tile, warpgroup, tile_m, tile_n
                     ))  # fmt: skip
 
-            def mma(_, a_smem, *rest):
-                b_smems, accs = rest[:num_acc], rest[num_acc]
-
-                def issue():
-                    for b_smem, acc in zip(b_smems, accs, strict=True):
-                        plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem)
-
-                # A warpgroup whose rows are all padding leaves its accumulators at zero,
-                # which the padding rows' outputs are anyway.
-                if cfg.skip_empty_warpgroups:
-                    pl.when(wg_has_rows)(issue)
-                else:
-                    issue()
+            def mma(indices, a_smem, *rest):
+                b_smems, accs = rest[:num_acc], rest[-1]  # (manual: barriers between)
+                for b_smem, acc in zip(b_smems, accs, strict=True):
+                    plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem)
                 # Each wgmma is one group: leaving this step's num_acc groups in flight
-                # waits for the previous step's, whose buffers the pipeline then releases
-                # (delay_release); the epilogue's read of the accumulators waits for all.
+                # waits for the previous step's, whose buffers are then released
+                # (delay_release or release_step); the epilogue's read of the accumulators
+                # waits for all.
                 plgpu.wgmma_wait(cfg.wgmma_in_flight * num_acc)
+                if manual_release:
+                    step = indices[0]
+                    pl.when(step > 0)(lambda: release_step(step - 1))
                 return accs
 
             weights = [
                 b_gmem.at[expert, :, pl.ds(offset + col * tile_n, tile_n)]
                 for offset in column_offsets
             ]
-
-            @pl.when(expert >= 0)
-            def _live():
-                pipeline(mma, compute_context)(
-                    a_gmem.at[rows, :], *weights, allocations=allocations
+            run = pipeline(mma, compute_context, pipeline_state)
+            if pipeline_state is not None:  # a live tile (walk_live_tiles)
+                run(a_gmem.at[rows, :], *weights, allocations=allocations)
+            else:
+                pl.when(expert >= 0)(
+                    lambda: run(a_gmem.at[rows, :], *weights, allocations=allocations)
                 )
 
+        num_live = refs[0] if cfg.prefetch_across_tiles else None
+        _walk(cfg, k_steps, num_tiles, num_col_tiles, grid_size, num_live, visit)
+
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _walk(cfg, k_steps: int, num_tiles: int, num_col_tiles: int, grid_size: int, num_live_gmem,
+          visit) -> None:  # fmt: skip
+    """``walk_live_tiles`` over ``num_live_gmem [1]``'s tiles where ``cfg`` prefetches across
+    tiles, else ``walk_tiles`` over all ``num_tiles``."""
+    if not cfg.prefetch_across_tiles:
+        walk_tiles(num_tiles, num_col_tiles, cfg.grid_tile_width, visit)
+        return
+    if k_steps % cfg.max_concurrent_steps:
+        raise impls.KernelUnavailableError(
+            f"prefetch_across_tiles needs contraction steps ({k_steps}) that "
+            f"max_concurrent_steps ({cfg.max_concurrent_steps}) divides"
+        )
+    walk_live_tiles(num_live_gmem[0], num_col_tiles, cfg.grid_tile_width, grid_size, visit)
+
+
+def _tile_and_column(index, num_tiles, num_col_tiles: int, grid_tile_width: int):
+    """``(row tile, column tile, stores)`` of walk position ``index``: positions cover the
+    (row tile, column pair) pairs in ``plgpu.planar_snake`` order, and the two CTAs of a
+    cluster take the pair's two neighbouring column tiles (``walk_tiles``)."""
+    cta = lax.axis_index(CLUSTER)
+    pairs = arith.ceil_div(num_col_tiles, 2)
+    tile, pair = plgpu.planar_snake(index, (num_tiles, pairs), 0, grid_tile_width)
+    col = pair * 2 + cta
+    if num_col_tiles % 2 == 0:
+        return tile, col, None
+    return tile, jnp.minimum(col, num_col_tiles - 1), col < num_col_tiles
 
 
 def walk_tiles(num_tiles: int, num_col_tiles: int, grid_tile_width: int, visit) -> None:
@@ -158,17 +201,42 @@ def walk_tiles(num_tiles: int, num_col_tiles: int, grid_tile_width: int, visit) 
     must not store it. ``stores`` is then a traced bool, false for that CTA (``when_stored``);
     with an even number it is None (every CTA stores).
     """
-    cta = lax.axis_index(CLUSTER)
     pairs = arith.ceil_div(num_col_tiles, 2)
 
     @plgpu.nd_loop((num_tiles * pairs,), collective_axes=CLUSTER_GRID)
     def _tile_loop(loop_info):
-        tile, pair = plgpu.planar_snake(loop_info.index[0], (num_tiles, pairs), 0, grid_tile_width)
-        col = pair * 2 + cta
-        if num_col_tiles % 2 == 0:
-            visit(tile, col, None)
-        else:
-            visit(tile, jnp.minimum(col, num_col_tiles - 1), col < num_col_tiles)
+        visit(*_tile_and_column(loop_info.index[0], num_tiles, num_col_tiles, grid_tile_width))
+
+
+def walk_live_tiles(num_live, num_col_tiles: int, grid_tile_width: int, grid_size: int,
+                    visit) -> None:  # fmt: skip
+    """``walk_tiles`` over the first ``num_live`` row tiles only (a traced count), calling
+    ``visit(row tile, column tile, stores, pipeline_state)`` with the state of Mosaic GPU's
+    pipeline of pipelines: a cluster's first visit starts the pipeline, its last stops it, the
+    ones between keep it running (a cluster with a single visit runs a whole pipeline, state
+    None). Cluster ``c`` takes walk positions ``c, c + grid_size, ...``.
+    """
+    cluster = lax.axis_index(CLUSTER_GRID)
+    positions = num_live * arith.ceil_div(num_col_tiles, 2)
+    visits = lax.div(jnp.maximum(positions - cluster + grid_size - 1, 0), grid_size)
+    states = plgpu.PipelinePipeline
+
+    def visit_at(step, state):
+        position = cluster + step * grid_size
+        visit(*_tile_and_column(position, num_live, num_col_tiles, grid_tile_width), state)
+
+    pl.when(visits == 1)(lambda: visit_at(0, None))
+
+    @pl.when(visits > 1)
+    def _chain():
+        visit_at(0, states.START)
+
+        # Guarded: Mosaic GPU's interpreter hangs on a loop of pipelines that runs no step.
+        @pl.when(visits > 2)
+        def _steady():
+            pl.loop(1, visits - 1)(lambda step: visit_at(step, states.STEADY))
+
+        visit_at(visits - 1, states.STOP)
 
 
 def when_stored(stores, store) -> None:
@@ -227,11 +295,9 @@ def tiles(hidden: int, ffn: int, cfg: gemm_config.MosaicFfnConfig) -> bool:
     return _fits(ffn, hidden, cfg.gate_up) and _fits(hidden, ffn, cfg.down)
 
 
-def _grouped_matmul(tile_expert, tile_live_rows, a_rows, weights, *, out_cols, column_offsets,
-                    epilogue, cfg, interpret):  # fmt: skip
-    """``[num_tiles * block_m, out_cols]``: each live row tile times its expert's weights
-    (``tile_live_rows [num_tiles]``: the rows of each tile that hold a slot, read with
-    ``cfg.skip_empty_warpgroups`` only)."""
+def _grouped_matmul(tile_expert, a_rows, weights, *, out_cols, column_offsets, epilogue, cfg,
+                    interpret):  # fmt: skip
+    """``[num_tiles * block_m, out_cols]``: each live row tile times its expert's weights."""
     if not _fits(out_cols, a_rows.shape[1], cfg):
         raise impls.KernelUnavailableError(
             f"impl='mosaic' tiles {out_cols} columns by {cfg.tile_n} and the contraction "
@@ -239,16 +305,19 @@ def _grouped_matmul(tile_expert, tile_live_rows, a_rows, weights, *, out_cols, c
         )
     body = functools.partial(
         _grouped_matmul_body, column_offsets=column_offsets, epilogue=epilogue, cfg=cfg,
-        num_col_tiles=out_cols // cfg.tile_n,
+        num_col_tiles=out_cols // cfg.tile_n, grid_size=num_clusters(interpret),
     )  # fmt: skip
     out_type = jax.ShapeDtypeStruct((a_rows.shape[0], out_cols), a_rows.dtype)
-    live_rows = (tile_live_rows,) if cfg.skip_empty_warpgroups else ()
-    return persistent_kernel(body, out_type, interpret)(tile_expert, *live_rows, a_rows, weights)
+    # The live tiles are a prefix of the table (tile_table.row_tiles).
+    num_live = (jnp.sum(tile_expert >= 0, dtype=jnp.int32)[None],)
+    operands = (tile_expert, *(num_live if cfg.prefetch_across_tiles else ()), a_rows, weights)
+    return persistent_kernel(body, out_type, interpret)(*operands)
 
 
 def persistent_kernel(body, out_type, interpret: bool):
-    """``body`` as a Mosaic GPU kernel over the persistent grid of 2-CTA clusters, three
-    warpgroups per CTA (two compute, one memory), warpgroup lowering semantics."""
+    """``body`` as a Mosaic GPU kernel over the persistent grid of 2-CTA clusters
+    (``num_clusters``), three warpgroups per CTA (two compute, one memory), warpgroup
+    lowering semantics."""
     return plgpu.kernel(
         body,
         out_type=out_type,
@@ -314,18 +383,13 @@ def grouped_ffn_mosaic(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, int
     tile_expert, slot_of_row, row_of_slot = tile_rows(counts, capacity, block_m, num_tiles)
     source_rows, source = slot_rows.flat_slot_source(x_slots, slot_of_row)
     rows = tile_gather.gather_tiles(source_rows, unfused(source), tile_expert, block_m)
-    tile_live_rows = None  # only the kernels that skip empty warpgroups read it
-    if cfg.gate_up.skip_empty_warpgroups or cfg.down.skip_empty_warpgroups:
-        tile_live_rows = jnp.sum(
-            slot_of_row.reshape(num_tiles, block_m) >= 0, axis=1, dtype=jnp.int32
-        )
     hidden_rows = _grouped_matmul(
-        tile_expert, tile_live_rows, rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn),
+        tile_expert, rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn),
         out_cols=ffn, column_offsets=(0, ffn), epilogue=_swiglu, cfg=cfg.gate_up,
         interpret=interpret,
     )  # fmt: skip
     out_rows = _grouped_matmul(
-        tile_expert, tile_live_rows, hidden_rows, w_down, out_cols=w_down.shape[2],
+        tile_expert, hidden_rows, w_down, out_cols=w_down.shape[2],
         column_offsets=(0,), epilogue=_identity, cfg=cfg.down, interpret=interpret,
     )  # fmt: skip
     return slot_rows.SlotRows(out_rows, row_of_slot)

@@ -211,10 +211,10 @@ def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction:
             "impl='mosaic' with FP8 weights reads each block's product to scale it: "
             f"wgmma_in_flight must be 0, got {cfg.wgmma_in_flight} (gemm_config.MOSAIC_FFN_FP8)"
         )
-    if cfg.skip_empty_warpgroups:
+    if cfg.prefetch_across_tiles:
         return (
-            "impl='mosaic' with FP8 weights runs every warpgroup's products: "
-            "skip_empty_warpgroups must be False (gemm_config.MOSAIC_FFN_FP8)"
+            "impl='mosaic' with FP8 weights runs one pipeline per tile: "
+            "prefetch_across_tiles must be False (gemm_config.MOSAIC_FFN_FP8)"
         )
     if out_cols % cfg.tile_n or contraction % cfg.tile_k:
         return (

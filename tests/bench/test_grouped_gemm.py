@@ -103,7 +103,7 @@ def test_pallas_spec_parses_per_kernel_configs():
 
 
 def test_mosaic_spec_parses_per_kernel_configs():
-    cfg = grouped_gemm.mosaic_config("128x128x64s3f1/128x256x128t8e")
+    cfg = grouped_gemm.mosaic_config("128x128x64s3f1/128x256x128t8p")
     assert (cfg.gate_up.tile_m, cfg.gate_up.tile_n, cfg.gate_up.max_concurrent_steps) == (
         64,
         128,
@@ -111,7 +111,7 @@ def test_mosaic_spec_parses_per_kernel_configs():
     )
     assert (cfg.down.tile_n, cfg.down.tile_k, cfg.down.grid_tile_width) == (256, 128, 8)
     assert (cfg.gate_up.wgmma_in_flight, cfg.down.wgmma_in_flight) == (1, 0)
-    assert (cfg.gate_up.skip_empty_warpgroups, cfg.down.skip_empty_warpgroups) == (False, True)
+    assert (cfg.gate_up.prefetch_across_tiles, cfg.down.prefetch_across_tiles) == (False, True)
     assert grouped_gemm.mosaic_config("") is None
     with pytest.raises(ValueError, match="MxNxK"):
         grouped_gemm.mosaic_config("127x64x64")

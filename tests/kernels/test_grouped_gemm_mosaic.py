@@ -7,6 +7,7 @@ capacity that is not a multiple of the row tile, and slot rows loaded through an
 """
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -60,16 +61,15 @@ def _both_kernels(config: gemm_config.MosaicFfnConfig, **changes) -> gemm_config
 IN_FLIGHT = _both_kernels(SMALL, wgmma_in_flight=1)
 
 
-# And with a warpgroup whose rows are all padding skipping its wgmma.
-SKIPPING = gemm_config.MosaicFfnConfig(
-    gate_up=dataclasses.replace(SMALL.gate_up, skip_empty_warpgroups=True),
-    down=dataclasses.replace(IN_FLIGHT.down, skip_empty_warpgroups=True),
+# And with one pipeline over each CTA's tiles: the gate / up kernel with a step in flight (its
+# compute warpgroups release the stage buffers), the down kernel waiting for each step.
+PREFETCHING = gemm_config.MosaicFfnConfig(
+    gate_up=dataclasses.replace(IN_FLIGHT.gate_up, prefetch_across_tiles=True),
+    down=dataclasses.replace(SMALL.down, prefetch_across_tiles=True),
 )
 
 
-@pytest.mark.parametrize(
-    "config", [SMALL, IN_FLIGHT, SKIPPING], ids=["waited", "in_flight", "skipping"]
-)
+@pytest.mark.parametrize("config", [SMALL, IN_FLIGHT], ids=["waited", "in_flight"])
 def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
     # A partial second tile whose second warpgroup holds only padding (130 = 128 + 2), an
     # empty expert, a full one whose second tile's second warpgroup holds 8 rows (200).
@@ -78,6 +78,19 @@ def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
     out = kernels.grouped_ffn(x, counts, *_weights(1), impl="mosaic", config=config)
     _close(out, grouped_gemm.grouped_ffn_reference(x, counts, *_weights(1)))
     assert not np.asarray(out)[0, 130:].any() and not np.asarray(out)[1].any()
+
+
+@pytest.mark.parametrize(
+    "counts", [[200, 130, 200], [5, 0, 0]], ids=["three_tiles_a_cluster", "one_tile"]
+)
+def test_prefetching_across_tiles_matches_the_reference(counts):
+    # Six live tiles over the interpreter's two clusters: each runs a pipeline of three
+    # (start, steady, stop); one live tile: one cluster runs a whole pipeline, one none.
+    counts = jnp.array(counts, jnp.int32)
+    x = jax.random.normal(jax.random.key(2), (E, C, H), DTYPE)
+    out = kernels.grouped_ffn(x, counts, *_weights(3), impl="mosaic", config=PREFETCHING)
+    _close(out, grouped_gemm.grouped_ffn_reference(x, counts, *_weights(3)))
+    assert not np.asarray(out)[np.arange(C)[None, :] >= np.asarray(counts)[:, None]].any()
 
 
 def test_slot_rows_load_through_the_index_bf16():
@@ -163,17 +176,22 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
     shapes += [((8, 2048, 2, 1408), jnp.bfloat16), ((8, 1408, 2048), jnp.bfloat16)]
 
     waited = _both_kernels(gemm_config.MOSAIC_FFN, wgmma_in_flight=0)
-    skipping = _both_kernels(gemm_config.MOSAIC_FFN, skip_empty_warpgroups=True)
     assert gemm_config.MOSAIC_FFN.gate_up.wgmma_in_flight == 1  # the default leaves one
-    for cfg in (gemm_config.MOSAIC_FFN, waited, skipping):
+    # The gate / up kernel's 32 contraction steps prefetch across tiles in stages of 4.
+    prefetching = _both_kernels(gemm_config.MOSAIC_FFN, prefetch_across_tiles=True)
+    gate_up_prefetching = dataclasses.replace(prefetching, down=gemm_config.MOSAIC_FFN.down)
 
-        def layer(x, counts, w_gate_up, w_down, cfg=cfg):
-            return grouped_gemm_mosaic.grouped_ffn_mosaic(
-                x, counts, w_gate_up, w_down, max_rows=2048, cfg=cfg, interpret=False
-            ).rows
+    def layer(x, counts, w_gate_up, w_down, cfg):
+        return grouped_gemm_mosaic.grouped_ffn_mosaic(
+            x, counts, w_gate_up, w_down, max_rows=2048, cfg=cfg, interpret=False
+        ).rows
 
-        hlo = helpers.compiled_for_h200(layer, shapes)
+    for cfg in (gemm_config.MOSAIC_FFN, waited, gate_up_prefetching):
+        hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
         assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
+    # The down kernel's 22 (1408 / 64) do not fill stages of 4.
+    with pytest.raises(kernels.KernelUnavailableError, match=r"contraction steps \(22\)"):
+        helpers.compiled_for_h200(functools.partial(layer, cfg=prefetching), shapes)
 
 
 def test_shapes_the_kernels_cannot_tile_are_refused():
@@ -202,8 +220,8 @@ def test_launch_shapes_are_checked():
     with pytest.raises(ValueError, match=r"max_concurrent_steps \(1\) must exceed"):
         gemm_config.MosaicGemmConfig(max_concurrent_steps=1, wgmma_in_flight=1)
     assert gemm_config.MosaicGemmConfig(wgmma_in_flight=1).describe().endswith(" f1")
-    skipping = gemm_config.MosaicGemmConfig(wgmma_in_flight=1, skip_empty_warpgroups=True)
-    assert skipping.describe().endswith(" f1 e")
+    prefetching = gemm_config.MosaicGemmConfig(wgmma_in_flight=1, prefetch_across_tiles=True)
+    assert prefetching.describe().endswith(" f1 p")
 
 
 def test_auto_takes_mosaic_from_its_rows_on_hopper_and_pallas_below(monkeypatch):

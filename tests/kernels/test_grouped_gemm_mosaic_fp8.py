@@ -69,10 +69,13 @@ def test_slot_buffer_matches_the_numpy_scheme_and_zeros_the_padding(case):
     got = np.asarray(out, np.float64)
     assert not got[0, 130:].any() and not got[1].any()
     assert (np.abs(got[0, :130]).max(axis=-1) > 0).all()
-    # The same scheme as the Pallas kernels: on the interpreter, the same bits.
+    # The same scheme as the Pallas kernels: on the interpreter, the same float32 arithmetic
+    # up to its order of summation (which the CPU's code generation can change), far inside
+    # the FP8 rounding that a different quantization would show.
     pallas = kernels.grouped_ffn(x, jnp.asarray(counts), w_gate_up, w_down, impl="pallas")
     if ON_CPU:
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(pallas))
+        scale = float(np.abs(np.asarray(pallas)).max())
+        np.testing.assert_allclose(np.asarray(out), np.asarray(pallas), rtol=0, atol=1e-6 * scale)
 
 
 def test_slot_rows_load_through_the_index():
@@ -108,9 +111,9 @@ def test_weight_only_fp8_and_other_tiles_are_refused():
     in_flight = dataclasses.replace(SMALL.down, wgmma_in_flight=1)
     with pytest.raises(kernels.KernelUnavailableError, match="wgmma_in_flight must be 0"):
         call(config=dataclasses.replace(SMALL, down=in_flight))
-    skipping = dataclasses.replace(SMALL.gate_up, skip_empty_warpgroups=True)
-    with pytest.raises(kernels.KernelUnavailableError, match="skip_empty_warpgroups must be"):
-        call(config=dataclasses.replace(SMALL, gate_up=skipping))
+    prefetching = dataclasses.replace(SMALL.gate_up, prefetch_across_tiles=True)
+    with pytest.raises(kernels.KernelUnavailableError, match="prefetch_across_tiles must be"):
+        call(config=dataclasses.replace(SMALL, gate_up=prefetching))
     (w_gate_up, _), (w_down, _) = helpers.fp8_expert_weights(0, (E, hidden, 160), block)
     with pytest.raises(kernels.KernelUnavailableError, match="tiles 160 columns by 64"):
         kernels.grouped_ffn(x, counts, w_gate_up, w_down, impl="mosaic", config=SMALL)
