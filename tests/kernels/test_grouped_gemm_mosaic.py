@@ -148,10 +148,16 @@ def test_tile_rows_places_each_slot_once_in_its_experts_tiles(counts, block_m, b
     assert (tile_expert[sum(-(-c // block_m) for c in counts) :] == -1).all()
 
 
-def test_an_odd_number_of_column_tiles_is_stored_once():
+# Three stages, which the contraction's three steps (192 / 64) fill, prefetching across tiles.
+PREFETCHING_3 = _both_kernels(PREFETCHING, max_concurrent_steps=3)
+
+
+@pytest.mark.parametrize("config", [SMALL, PREFETCHING_3], ids=["per_tile", "prefetching"])
+def test_an_odd_number_of_column_tiles_is_stored_once(config):
     # 192 columns of 64 in both kernels (DeepSeek-V2-Lite's F = 1408 is 11 tiles of 128): the
     # last cluster pair holds one column tile, which its second CTA computes again and must
-    # not store. Padding slots hold NaN: a kernel that read them would spread it.
+    # not store. Padding slots hold NaN: a kernel that read them would spread it. Prefetching,
+    # each cluster walks three (tile, column pair) positions: a pipeline of three.
     k_gu, k_d, k_x = jax.random.split(jax.random.key(7), 3)
     w_gate_up = (jax.random.normal(k_gu, (E, 192, 2, 192), jnp.float32) / np.sqrt(192)).astype(
         DTYPE
@@ -160,7 +166,7 @@ def test_an_odd_number_of_column_tiles_is_stored_once():
     counts = jnp.array([C, 0, 9], jnp.int32)
     live = jnp.arange(C)[None, :, None] < counts[:, None, None]
     x = jnp.where(live, jax.random.normal(k_x, (E, C, 192), DTYPE), jnp.nan)
-    out = kernels.grouped_ffn(x, counts, w_gate_up, w_down, impl="mosaic", config=SMALL)
+    out = kernels.grouped_ffn(x, counts, w_gate_up, w_down, impl="mosaic", config=config)
     want = grouped_gemm.grouped_ffn_reference(jnp.where(live, x, 0), counts, w_gate_up, w_down)
     _close(out, want)
     assert not np.asarray(out)[~np.asarray(live[..., 0])].any()
