@@ -308,9 +308,10 @@ def _grouped_matmul(tile_expert, a_rows, weights, *, out_cols, column_offsets, e
         num_col_tiles=out_cols // cfg.tile_n, grid_size=num_clusters(interpret),
     )  # fmt: skip
     out_type = jax.ShapeDtypeStruct((a_rows.shape[0], out_cols), a_rows.dtype)
-    # The live tiles are a prefix of the table (tile_table.row_tiles).
-    num_live = (jnp.sum(tile_expert >= 0, dtype=jnp.int32)[None],)
-    operands = (tile_expert, *(num_live if cfg.prefetch_across_tiles else ()), a_rows, weights)
+    operands = (tile_expert, a_rows, weights)
+    if cfg.prefetch_across_tiles:  # the live tiles are a prefix (tile_table.row_tiles)
+        num_live = jnp.sum(tile_expert >= 0, dtype=jnp.int32)[None]
+        operands = (tile_expert, num_live, a_rows, weights)
     return persistent_kernel(body, out_type, interpret)(*operands)
 
 
