@@ -197,8 +197,8 @@ def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction:
                   quant_block: tuple[int, int]) -> str | None:  # fmt: skip
     """Why one kernel cannot tile its shapes (None when it can): a contraction step must be
     one weight block deep, a column tile one block wide, no step's ``wgmma`` left in flight
-    (each block's product is read to scale it) nor skipped, and the clusters' column pairs and
-    the steps must cover the shapes."""
+    (each block's product is read to scale it), one pipeline per tile, and the clusters'
+    column pairs and the steps must cover the shapes."""
     qk, qn = quant_block
     if cfg.tile_k != qk or cfg.tile_n != qn:
         return (
