@@ -12,7 +12,8 @@
 # column tile against Pallas), fp8-threshold (Pallas against Mosaic FP8 around "auto"'s
 # threshold), ranks (the expert layer with the blocked group ranks against the one-hot ones),
 # dsv3-walk (the Mosaic walk's row tiles per column pair at DeepSeek-V3's 4096 tokens),
-# prefetch (the Mosaic kernels' one pipeline over a CTA's tiles, against the default).
+# prefetch (the Mosaic kernels' one pipeline over a CTA's tiles, against the default),
+# split-columns (the Mosaic kernels' 64-row tiles, warpgroups side by side, against the default).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -127,6 +128,18 @@ for group in "$@"; do
         LIMIT=170 bench "prefetch-$preset" 10 grouped_gemm --preset "$preset" --tokens 4096 \
           --impls "$impls" --no-copy-ceiling --check-rows 16
       done ;;
+    split-columns)  # 64-row tiles (warpgroups side by side by columns: narrow with 4 stages,
+      # wide with 2, narrow prefetching) and 128-row tiles prefetching with a step in flight,
+      # against the default, side by side with the dense yardstick at prefill sizes
+      impls=dense,mosaic,mosaic:128x128x64s4f1p/128x256x64s4f1p
+      impls+=,mosaic:64x128x64s4f1c/64x256x64s4f1c,mosaic:64x256x64s2f1c/64x512x64s2f1c
+      impls+=,mosaic:64x128x64s4f1pc/64x256x64s4f1pc
+      LIMIT=220 bench split-qwen3 22 grouped_gemm --preset qwen3-30b-a3b --tokens 4096,16384 \
+        --impls "$impls" --no-copy-ceiling --check-rows 16
+      for preset in qwen3-235b-a22b deepseek-v3; do
+        LIMIT=150 bench "split-$preset" 12 grouped_gemm --preset "$preset" --tokens 4096 \
+          --impls "$impls" --no-copy-ceiling --check-rows 16
+      done ;;
     ranks)  # the expert layer with blocked group ranks against the one-hot ranks, in turns
       echo "== PYTHONPATH=. python tools/layer_ranks_probe.py"
       PYTHONPATH=. timeout "${LIMIT:-250}" python3 tools/layer_ranks_probe.py >"$OUT/ranks.log" 2>&1
@@ -139,7 +152,7 @@ for group in "$@"; do
       echo "(exit $?)"; grep "runner_host\|wrote" "$OUT/runner-host.log" ;;
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
-      "prefetch)"
+      "prefetch, split-columns)"
       exit 2 ;;
   esac
 done

@@ -27,7 +27,9 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
 * ``capacity``: ``experts_capacity`` with ``capacity = ceil(--capacity-factor * T * k / E)``
   slots per expert (the EP capacity of the tbo bench); pairs past an expert's capacity are
   dropped (the ``dropped`` column; they show up in the error). It computes ``E * capacity``
-  rows whatever the routing: ``computed TF/s`` counts those rows, ``useful TF/s`` the real ones.
+  rows whatever the routing: ``computed TF/s`` counts those rows, ``useful TF/s`` the real ones
+  (``mosaic`` rows count each expert's rows rounded up to whole row tiles: the padding its
+  kernels compute; the other impls' count the pairs).
 * ``pallas``: ``experts_capacity`` with ``impl="pallas"``: the same slots, but the grouped
   GEMM kernel (``jtbo.kernels.grouped_gemm``) computes only the filled ones (rows padded to
   its row block per expert), loading each slot's token row through the slots' row index
@@ -46,10 +48,11 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
 * ``mosaic``: ``experts_capacity`` with ``impl="mosaic"``: the Hopper kernels (Pallas Mosaic
   GPU, ``jtbo.kernels.grouped_gemm_mosaic``) over the same filled slots, gathered into
   tile-major rows first; the layer reads its result through the rows' slot index.
-  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][p]`` for both kernels or
+  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][p][c]`` for both kernels or
   ``GATE_UP/DOWN`` (row tile x columns per CTA x contraction step, pipeline stages, row
   tiles walked together, steps whose ``wgmma`` stays in flight, ``p``: one pipeline over
-  all of a CTA's tiles, the next tile's loads under the current tile's end), e.g.
+  all of a CTA's tiles, the next tile's loads under the current tile's end, ``c``: the two
+  warpgroups split the CTA's columns, not its rows), e.g.
   ``mosaic:128x128x64s4/128x256x64s4f1``. It is checked and
   followed by a ``mosaic (kernel)`` row as ``pallas`` is.
 * ``dense``: the yardstick of the ``vs dense`` target, not a routed layer: one dense SwiGLU
@@ -148,7 +151,7 @@ import numpy as np
 from jtbo import kernels
 from jtbo.bench import device_rates, expert_presets, kernel_time, options, trace_calls
 from jtbo.core import cli_arguments
-from jtbo.kernels import fp8_blocks, grouped_gemm
+from jtbo.kernels import fp8_blocks, gemm_config, grouped_gemm
 from jtbo.models import config as config_lib
 from jtbo.models import experts, step
 
@@ -306,6 +309,21 @@ def capacity_for(num_tokens: int, shapes: Shapes, factor: float) -> int:
     return max(1, math.ceil(factor * num_tokens * shapes.top_k / shapes.experts))
 
 
+def computed_rows(impl: str, ids: np.ndarray, num_experts: int, capacity: int, fp8: bool) -> int:
+    """Rows ``impl`` computes for the pairs ``ids [T, k]``: every expert's ``capacity`` slots
+    (``capacity``), each expert's filled slots rounded up to whole row tiles (``mosaic``, its
+    gate / up kernel's ``block_m``; ``fp8``: with FP8 experts), else the pairs."""
+    if impl == "capacity":
+        return num_experts * capacity
+    name, _, variant = impl.partition(":")
+    if name != "mosaic":
+        return ids.size
+    default = gemm_config.MOSAIC_FFN_FP8 if fp8 else gemm_config.MOSAIC_FFN
+    block_m = (kernel_config(name, variant) or default).gate_up.block_m
+    counts = np.minimum(np.bincount(ids.reshape(-1), minlength=num_experts), capacity)
+    return int(np.sum(-(-counts // block_m)) * block_m)
+
+
 def dropped_pairs(ids: np.ndarray, num_experts: int, capacity: int) -> int:
     """Pairs past their expert's capacity (what ``experts_capacity`` drops)."""
     loads = np.bincount(ids.reshape(-1), minlength=num_experts)
@@ -393,25 +411,31 @@ def pallas_config(variant: str) -> kernels.GroupedFfnConfig | None:
     return _two_kernels(variant, parse_gemm_config, kernels.GroupedFfnConfig)
 
 
-_MOSAIC_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?")
+_MOSAIC_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?(c)?")
 
 
 def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
-    """``MxNxK[sS][tT][fF][p]`` -> ``MosaicGemmConfig``: M the row tile (two warpgroups of M / 2
-    rows), N the columns per CTA, K the contraction step, S the pipeline stages, T the row
-    tiles walked together, F the steps' ``wgmma`` left in flight, ``p`` the pipeline
-    prefetches across tiles (omitted parts keep the defaults).
+    """``MxNxK[sS][tT][fF][p][c]`` -> ``MosaicGemmConfig``: M x N a CTA's tile (two warpgroups
+    of M / 2 rows each, or with ``c`` of N / 2 columns each), K the contraction step, S the
+    pipeline stages, T the row tiles walked together, F the steps' ``wgmma`` left in flight,
+    ``p`` the pipeline prefetches across tiles, ``c`` the warpgroups split the columns
+    (omitted parts keep the defaults).
 
     Raises:
       ValueError: a spec that does not match, or values ``MosaicGemmConfig`` rejects.
     """
     match = _MOSAIC_SPEC.fullmatch(spec)
-    if match is None or int(match.group(1)) % 2:
+    split = match is not None and match.group(8) is not None
+    if match is None or int(match.group(2 if split else 1)) % 2:
         raise ValueError(
-            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p] with M even, e.g. 128x256x64s4"
+            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][c] with M even (N with c), "
+            "e.g. 128x256x64s4"
         )
-    block_m, tile_n, tile_k, stages, width, in_flight, prefetch = match.groups()
-    fields = dict(tile_m=int(block_m) // 2, tile_n=int(tile_n), tile_k=int(tile_k))
+    block_m, block_n, tile_k, stages, width, in_flight, prefetch, _ = match.groups()
+    tile_m, tile_n = (
+        (int(block_m), int(block_n) // 2) if split else (int(block_m) // 2, int(block_n))
+    )
+    fields = dict(tile_m=tile_m, tile_n=tile_n, tile_k=int(tile_k), split_columns=split)
     fields.update({} if stages is None else {"max_concurrent_steps": int(stages)})
     fields.update({} if width is None else {"grid_tile_width": int(width)})
     fields.update({} if in_flight is None else {"wgmma_in_flight": int(in_flight)})
@@ -711,6 +735,8 @@ def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Pending:
     slots, counts = slot_inputs(x, ids, shapes.experts, capacity)
     pairs = num_tokens * shapes.top_k
     name, _, variant = impl.partition(":")
+    fp8 = args.expert_dtype is not None
+    tile_rows = computed_rows(impl, ids_np, shapes.experts, capacity, fp8)
     fn = jit_as_step(
         functools.partial(
             grouped_gemm.grouped_ffn_rows, **kernel_options(name, variant),
@@ -720,7 +746,7 @@ def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Pending:
     )  # fmt: skip
     row = Row(
         tokens=num_tokens, impl=f"{impl} (kernel)", capacity=None, dropped=None,
-        useful_flops=shapes.useful_flops(num_tokens), computed_flops=shapes.slot_flops(pairs),
+        useful_flops=shapes.useful_flops(num_tokens), computed_flops=shapes.slot_flops(tile_rows),
         weight_bytes=shapes.weight_bytes(len(np.unique(ids_np)), weight_itemsize(args)),
     )  # fmt: skip
     return Pending(row, fn, (slots, counts, *weights))
@@ -757,12 +783,14 @@ def _prepare(impl, num_tokens, shapes, capacity, inputs, args) -> Row | Pending:
         fn = layer_fn(impl, shapes, capacity, args.xla_defaults)
         ref = refs[fp8_rows(impl) and len(refs) > 1]
         err = rel_error(np.asarray(fn(x, ids, routing, weights))[rows], ref)
-        computed_rows = shapes.experts * capacity if is_cap else pairs
+        rows_computed = computed_rows(
+            impl, ids_np, shapes.experts, capacity, args.expert_dtype is not None
+        )
         touched = shapes.experts if is_cap else len(np.unique(ids_np))
         row = Row(
             **base,
             useful_flops=shapes.useful_flops(num_tokens),
-            computed_flops=shapes.slot_flops(computed_rows),
+            computed_flops=shapes.slot_flops(rows_computed),
             rel_err=err,
             weight_bytes=shapes.weight_bytes(touched, itemsize),
         )

@@ -13,8 +13,10 @@ the dimension it tiles (contraction and column dimensions must be tiled exactly)
 up to a power of two (at least 16, Triton's smallest matmul tile).
 
 ``MosaicFfnConfig`` holds the launch shapes of the ``"mosaic"`` impl's kernels
-(``jtbo.kernels.grouped_gemm_mosaic``): a CTA of two compute warpgroups takes a
-``2 * tile_m``-row tile and ``tile_n`` columns, a 2-CTA cluster two neighbouring column tiles.
+(``jtbo.kernels.grouped_gemm_mosaic``): each of a CTA's two compute warpgroups computes
+``tile_m x tile_n``, the two stacked by rows (a ``2 * tile_m``-row tile, ``tile_n`` columns) or
+with ``split_columns`` side by side (a ``tile_m``-row tile, ``2 * tile_n`` columns); a 2-CTA
+cluster takes two neighbouring column tiles.
 """
 
 import dataclasses
@@ -123,8 +125,11 @@ class MosaicGemmConfig:
     """Launch shape of one Mosaic GPU grouped GEMM.
 
     Attributes:
-      tile_m: rows per compute warpgroup; a row tile (``block_m``) is ``2 * tile_m`` rows.
-      tile_n: output columns per CTA (the gate / up kernel: per accumulator).
+      tile_m: rows per compute warpgroup; a row tile (``block_m``) is ``2 * tile_m`` rows, or
+        ``tile_m`` with ``split_columns``.
+      tile_n: output columns per compute warpgroup (the gate / up kernel: per accumulator);
+        a CTA's column tile (``block_n``) is ``tile_n`` wide, or ``2 * tile_n`` with
+        ``split_columns``.
       tile_k: contraction step of one pipeline stage.
       max_concurrent_steps: pipeline stages in flight (shared-memory buffers per operand).
       grid_tile_width: row tiles walked together over the column tiles (L2 reuse of the
@@ -137,6 +142,10 @@ class MosaicGemmConfig:
         current tile (a pipeline of pipelines; with ``wgmma_in_flight`` the compute
         warpgroups release each step's buffers themselves). Needs a number of contraction
         steps that ``max_concurrent_steps`` divides. bf16 kernels only.
+      split_columns: the two compute warpgroups take a CTA tile's two column halves rather
+        than its two row halves, so a row tile is ``tile_m`` rows: each expert's rows are
+        padded to a multiple of half as many, and a CTA loads twice the weight bytes per
+        product. bf16 kernels only.
     """
 
     tile_m: int = 64
@@ -146,6 +155,7 @@ class MosaicGemmConfig:
     grid_tile_width: int = 4
     wgmma_in_flight: int = 0
     prefetch_across_tiles: bool = False
+    split_columns: bool = False
 
     def __post_init__(self):
         launch_checks.require_powers_of_two(self, ("tile_m", "tile_n", "tile_k"))
@@ -161,17 +171,24 @@ class MosaicGemmConfig:
 
     @property
     def block_m(self) -> int:
-        """Rows of one row tile (both compute warpgroups)."""
-        return 2 * self.tile_m
+        """Rows of one row tile (a CTA's tile)."""
+        return self.tile_m if self.split_columns else 2 * self.tile_m
+
+    @property
+    def block_n(self) -> int:
+        """Columns of one column tile (a CTA's tile; the gate / up kernel: per accumulator)."""
+        return 2 * self.tile_n if self.split_columns else self.tile_n
 
     def describe(self) -> str:
-        """Short label for tables: ``MxNxK sS tT [fF] [p]`` (M the row tile, F the steps in
-        flight when not 0, ``p`` when the pipeline prefetches across tiles)."""
+        """Short label for tables: ``MxNxK sS tT [fF] [p] [c]`` (M x N a CTA's tile, F the steps
+        in flight when not 0, ``p`` when the pipeline prefetches across tiles, ``c`` when the
+        warpgroups split the columns)."""
         in_flight = f" f{self.wgmma_in_flight}" if self.wgmma_in_flight else ""
         prefetch = " p" if self.prefetch_across_tiles else ""
+        split = " c" if self.split_columns else ""
         return (
-            f"{self.block_m}x{self.tile_n}x{self.tile_k} s{self.max_concurrent_steps} "
-            f"t{self.grid_tile_width}{in_flight}{prefetch}"
+            f"{self.block_m}x{self.block_n}x{self.tile_k} s{self.max_concurrent_steps} "
+            f"t{self.grid_tile_width}{in_flight}{prefetch}{split}"
         )
 
 

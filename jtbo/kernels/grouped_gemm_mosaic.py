@@ -15,7 +15,9 @@ zero outputs. ``tile_rows`` builds the layout from the counts.
 
 Kernel (one per GEMM, ``_grouped_matmul``): persistent, one 2-CTA cluster per pair of SMs,
 walking the (row tile, column tile) pairs with ``plgpu.nd_loop``. Each CTA has two compute
-warpgroups of ``tile_m`` rows each (``block_m = 2 * tile_m``) and one memory warpgroup that
+warpgroups of ``tile_m x tile_n`` each, stacked by rows (``block_m = 2 * tile_m``) or with
+``split_columns`` side by side (``block_m = tile_m``: half the padding rows past an expert's
+count, at twice the weight columns a CTA loads for its rows), and one memory warpgroup that
 runs the TMA pipeline over the contraction (``emit_pipeline_warp_specialized``); with
 ``wgmma_in_flight`` a compute warpgroup issues a step's ``wgmma`` before the previous step's
 has finished, and the pipeline releases a stage's buffers one step later. With
@@ -60,15 +62,15 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
     # tile_expert_gmem: [num_tiles] int32 expert of each row tile (-1: dead); refs: with
     # cfg.prefetch_across_tiles first num_live_gmem, [1] int32 live tiles (a prefix); then
     # a_gmem: [num_tiles * block_m, K] tile-major rows; b_gmem: [E, K, N_b] weights;
-    # out_gmem: [num_tiles * block_m, N] with N = num_col_tiles * tile_n. Accumulator i reads
-    # the weight columns column_offsets[i] + (column tile) * tile_n.
+    # out_gmem: [num_tiles * block_m, N] with N = num_col_tiles * block_n. Accumulator i reads
+    # the weight columns column_offsets[i] + (column tile) * block_n.
     a_gmem, b_gmem, out_gmem = refs[-3:]
-    block_m, tile_m, tile_n, tile_k = cfg.block_m, cfg.tile_m, cfg.tile_n, cfg.tile_k
+    block_m, block_n, tile_k = cfg.block_m, cfg.block_n, cfg.tile_k
     num_tiles = tile_expert_gmem.shape[0]
     k_steps = a_gmem.shape[1] // tile_k
     itemsize = jnp.dtype(a_gmem.dtype).itemsize
     operand_transforms = smem_transforms(tile_k, itemsize)
-    weight_transforms = smem_transforms(tile_n, itemsize)
+    weight_transforms = smem_transforms(block_n, itemsize)
     num_acc = len(column_offsets)
     # A pipeline of pipelines takes no delay_release: with a step in flight the compute
     # warpgroups then release each step's buffers themselves, a step late (release_step).
@@ -81,7 +83,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
             memory_space=plgpu.SMEM, collective_axes=(CLUSTER,), delay_release=delay_release,
         )  # fmt: skip
         b_spec = plgpu.BlockSpec(
-            (tile_k, tile_n), lambda k: (k, 0), transforms=weight_transforms,
+            (tile_k, block_n), lambda k: (k, 0), transforms=weight_transforms,
             memory_space=plgpu.SMEM, delay_release=delay_release,
         )  # fmt: skip
         return plgpu.emit_pipeline_warp_specialized(
@@ -114,11 +116,11 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
         def visit(tile, col, stores, pipeline_state=None):
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
-            wg_rows = pl.ds(warpgroup * tile_m, tile_m)
+            wg_rows, wg_cols = warpgroup_part(cfg, warpgroup)
 
             def compute_context(run_pipeline):
                 @functools.partial(
-                    pl.run_scoped, accs=[plgpu.ACC((tile_m, tile_n), _F32)] * num_acc
+                    pl.run_scoped, accs=[plgpu.ACC((cfg.tile_m, cfg.tile_n), _F32)] * num_acc
                 )
                 def _acc_scope(accs):
                     run_pipeline(tuple(accs))
@@ -126,15 +128,14 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
                         plgpu.wgmma_wait(0)
                         release_step(k_steps - 1)
                     out = epilogue(*[acc[...] for acc in accs]).astype(out_gmem.dtype)
-                    out_tile = out_gmem.at[rows, pl.ds(col * tile_n, tile_n)]
-                    when_stored(stores, lambda: store_tile(
-                        out, out_smem, out_tile, warpgroup, tile_m, tile_n
-                    ))  # fmt: skip
+                    out_tile = out_gmem.at[rows, pl.ds(col * block_n, block_n)]
+                    wg_out = out_tile.at[wg_rows, wg_cols]
+                    when_stored(stores, lambda: store_tile(out, out_smem, wg_out, warpgroup))
 
             def mma(indices, a_smem, *rest):
                 b_smems, accs = rest[:num_acc], rest[-1]  # (manual: barriers between)
                 for b_smem, acc in zip(b_smems, accs, strict=True):
-                    plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem)
+                    plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
                 # Each wgmma is one group: leaving this step's num_acc groups in flight
                 # waits for the previous step's, whose buffers are then released
                 # (delay_release or release_step); the epilogue's read of the accumulators
@@ -146,7 +147,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
                 return accs
 
             weights = [
-                b_gmem.at[expert, :, pl.ds(offset + col * tile_n, tile_n)]
+                b_gmem.at[expert, :, pl.ds(offset + col * block_n, block_n)]
                 for offset in column_offsets
             ]
             run = pipeline(mma, compute_context, pipeline_state)
@@ -239,6 +240,15 @@ def walk_live_tiles(num_live, num_col_tiles: int, grid_tile_width: int, grid_siz
         visit_at(visits - 1, states.STOP)
 
 
+def warpgroup_part(cfg: gemm_config.MosaicGemmConfig, warpgroup):
+    """``(rows, columns)`` of a CTA's ``block_m x block_n`` tile that compute warpgroup
+    ``warpgroup`` computes: a ``tile_m``-row half, or with ``split_columns`` a ``tile_n``-column
+    half."""
+    if cfg.split_columns:
+        return slice(None), pl.ds(warpgroup * cfg.tile_n, cfg.tile_n)
+    return pl.ds(warpgroup * cfg.tile_m, cfg.tile_m), slice(None)
+
+
 def when_stored(stores, store) -> None:
     """Runs ``store()``, under ``pl.when(stores)`` unless ``stores`` is None (``walk_tiles``)."""
     if stores is None:
@@ -247,11 +257,12 @@ def when_stored(stores, store) -> None:
         pl.when(stores)(store)
 
 
-def store_tile(out, out_smem, out_tile_gmem, warpgroup, tile_m: int, tile_n: int) -> None:
-    """Writes one warpgroup's ``[tile_m, tile_n]`` result through shared memory in
-    ``EPILOGUE_TILE``-square pieces, double-buffered (a TMA store per piece)."""
+def store_tile(out, out_smem, wg_out, warpgroup) -> None:
+    """Writes one warpgroup's result ``out [tile_m, tile_n]`` to its part ``wg_out`` of the
+    output through shared memory in ``EPILOGUE_TILE``-square pieces, double-buffered (a TMA
+    store per piece)."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    wg_out = out_tile_gmem.at[pl.ds(warpgroup * tile_m, tile_m)]
+    tile_m, tile_n = out.shape
     pieces = [
         (r, c) for r in range(tile_m // EPILOGUE_TILE) for c in range(tile_n // EPILOGUE_TILE)
     ]
@@ -281,8 +292,8 @@ def num_clusters(interpret: bool) -> int:
 
 
 def _fits(out_cols: int, contraction: int, cfg: gemm_config.MosaicGemmConfig) -> bool:
-    """Whether ``tile_n`` divides ``out_cols`` and ``tile_k`` the contraction."""
-    return out_cols % cfg.tile_n == 0 and contraction % cfg.tile_k == 0
+    """Whether ``block_n`` divides ``out_cols`` and ``tile_k`` the contraction."""
+    return out_cols % cfg.block_n == 0 and contraction % cfg.tile_k == 0
 
 
 def runs_dtype(dtype) -> bool:
@@ -300,12 +311,12 @@ def _grouped_matmul(tile_expert, a_rows, weights, *, out_cols, column_offsets, e
     """``[num_tiles * block_m, out_cols]``: each live row tile times its expert's weights."""
     if not _fits(out_cols, a_rows.shape[1], cfg):
         raise impls.KernelUnavailableError(
-            f"impl='mosaic' tiles {out_cols} columns by {cfg.tile_n} and the contraction "
+            f"impl='mosaic' tiles {out_cols} columns by {cfg.block_n} and the contraction "
             f"{a_rows.shape[1]} by {cfg.tile_k}; use impl='pallas'"
         )
     body = functools.partial(
         _grouped_matmul_body, column_offsets=column_offsets, epilogue=epilogue, cfg=cfg,
-        num_col_tiles=out_cols // cfg.tile_n, grid_size=num_clusters(interpret),
+        num_col_tiles=out_cols // cfg.block_n, grid_size=num_clusters(interpret),
     )  # fmt: skip
     out_type = jax.ShapeDtypeStruct((a_rows.shape[0], out_cols), a_rows.dtype)
     operands = (tile_expert, a_rows, weights)

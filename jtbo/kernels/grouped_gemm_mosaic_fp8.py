@@ -180,14 +180,15 @@ def _epilogue(sums, out_gmems, out_smem, scale_smem, warpgroup, rows, out_rows, 
     up kernel's ``silu(gate) * up`` quantized per row, with its row scales."""
     tile_n = cfg.tile_n
     out_tile = out_gmems[0].at[rows, pl.ds(col * tile_n, tile_n)]
+    wg_rows = pl.ds(warpgroup * cfg.tile_m, cfg.tile_m)
     if len(sums) == 1:
         out = sums[0].astype(out_gmems[0].dtype)
-        grouped_gemm_mosaic.store_tile(out, out_smem, out_tile, warpgroup, cfg.tile_m, tile_n)
+        grouped_gemm_mosaic.store_tile(out, out_smem, out_tile.at[wg_rows], warpgroup)
         return
     gate, up = sums
     hidden, scale = _quantized_rows(gate * jax.nn.sigmoid(gate) * up)
     # store_tile first waits for every earlier store, the last tile's scales included.
-    grouped_gemm_mosaic.store_tile(hidden, out_smem, out_tile, warpgroup, cfg.tile_m, tile_n)
+    grouped_gemm_mosaic.store_tile(hidden, out_smem, out_tile.at[wg_rows], warpgroup)
     scale_smem.at[warpgroup][...] = scale
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(scale_smem.at[warpgroup], out_gmems[1].at[col, out_rows])
@@ -215,6 +216,11 @@ def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction:
         return (
             "impl='mosaic' with FP8 weights runs one pipeline per tile: "
             "prefetch_across_tiles must be False (gemm_config.MOSAIC_FFN_FP8)"
+        )
+    if cfg.split_columns:
+        return (
+            "impl='mosaic' with FP8 weights stacks its warpgroups by rows: "
+            "split_columns must be False (gemm_config.MOSAIC_FFN_FP8)"
         )
     if out_cols % cfg.tile_n or contraction % cfg.tile_k:
         return (

@@ -1,5 +1,6 @@
 """CPU smoke test of ``python -m jtbo.bench grouped_gemm`` (tables and numerics, no timings)."""
 
+import functools
 import importlib.util
 import types
 
@@ -113,8 +114,20 @@ def test_mosaic_spec_parses_per_kernel_configs():
     assert (cfg.gate_up.wgmma_in_flight, cfg.down.wgmma_in_flight) == (1, 0)
     assert (cfg.gate_up.prefetch_across_tiles, cfg.down.prefetch_across_tiles) == (False, True)
     assert grouped_gemm.mosaic_config("") is None
-    with pytest.raises(ValueError, match="MxNxK"):
-        grouped_gemm.mosaic_config("127x64x64")
+    split = grouped_gemm.mosaic_config("64x128x64s4f1c/64x256x64pc")
+    assert (split.gate_up.tile_m, split.gate_up.tile_n, split.gate_up.split_columns) == (
+        64,
+        64,
+        True,
+    )
+    assert (split.down.block_m, split.down.block_n, split.down.prefetch_across_tiles) == (
+        64,
+        256,
+        True,
+    )
+    for spec in ("127x64x64", "64x129x64c"):  # M odd; N odd with c
+        with pytest.raises(ValueError, match="MxNxK"):
+            grouped_gemm.mosaic_config(spec)
 
 
 def test_the_mosaic_layer_row_is_checked_and_timed(capsys):
@@ -125,6 +138,9 @@ def test_the_mosaic_layer_row_is_checked_and_timed(capsys):
     rows = _table(capsys.readouterr().out)
     assert [r[1] for r in rows] == ["dense", "mosaic:128x64x64s2", "mosaic:128x64x64s2 (kernel)"]
     assert float(rows[1][8]) < 1e-2  # rel err against float32
+    # Computed TF/s counts both experts' one 128-row tile each: 256 rows for 16 pairs.
+    for row in rows[1:]:
+        assert float(row[6]) / float(row[5]) == pytest.approx(16, rel=1e-3)
 
 
 def test_interleaved_timing_gives_one_median_per_case():
@@ -150,6 +166,16 @@ def test_routing_is_distinct_and_skew_hits_expert_zero():
     assert all(len(set(row)) == 2 for row in ids.tolist())
     np.testing.assert_allclose(weights.sum(axis=1), 1.0, rtol=1e-6)
     assert 80 < np.count_nonzero((ids == 0).any(axis=1)) < 150  # ~0.5 + 0.5 * 2/8 of tokens
+
+
+def test_computed_rows_round_each_experts_rows_up_to_the_mosaic_row_tile():
+    # Expert counts 130, 0, 5 and (clipped to the capacity 150) 150 over 4 experts.
+    ids = np.repeat([0, 2, 3], [130, 5, 200]).astype(np.int32)[:, None]
+    rows = functools.partial(grouped_gemm.computed_rows, ids=ids, num_experts=4, capacity=150)
+    assert rows("capacity", fp8=False) == 4 * 150
+    assert rows("pallas", fp8=False) == rows("dense", fp8=False) == 335
+    assert rows("mosaic", fp8=False) == rows("mosaic", fp8=True) == (2 + 1 + 2) * 128
+    assert rows("mosaic:64x128x64c/64x256x64c", fp8=False) == (3 + 1 + 3) * 64
 
 
 def test_capacity_and_dropped_pairs():

@@ -69,10 +69,18 @@ PREFETCHING = gemm_config.MosaicFfnConfig(
 )
 
 
-@pytest.mark.parametrize("config", [SMALL, IN_FLIGHT], ids=["waited", "in_flight"])
+# And with the warpgroups side by side: 64-row tiles, 128 columns per CTA (the last cluster
+# pair holds the one column tile: its second CTA computes it again and must not store it).
+SPLIT_COLUMNS = _both_kernels(IN_FLIGHT, split_columns=True)
+
+
+@pytest.mark.parametrize(
+    "config", [SMALL, IN_FLIGHT, SPLIT_COLUMNS], ids=["waited", "in_flight", "split_columns"]
+)
 def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
     # A partial second tile whose second warpgroup holds only padding (130 = 128 + 2), an
-    # empty expert, a full one whose second tile's second warpgroup holds 8 rows (200).
+    # empty expert, a full one whose second tile's second warpgroup holds 8 rows (200); split
+    # by columns, partial third and fourth tiles of 2 and 8 rows.
     counts = jnp.array([130, 0, C], jnp.int32)
     x = jax.random.normal(jax.random.key(0), (E, C, H), DTYPE)
     out = kernels.grouped_ffn(x, counts, *_weights(1), impl="mosaic", config=config)
@@ -81,14 +89,21 @@ def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
 
 
 @pytest.mark.parametrize(
-    "counts", [[200, 130, 200], [5, 0, 0]], ids=["three_tiles_a_cluster", "one_tile"]
+    "counts, config",
+    [
+        ([200, 130, 200], PREFETCHING),
+        ([5, 0, 0], PREFETCHING),
+        ([200, 130, 200], _both_kernels(PREFETCHING, split_columns=True)),
+    ],
+    ids=["three_tiles_a_cluster", "one_tile", "split_columns"],
 )
-def test_prefetching_across_tiles_matches_the_reference(counts):
+def test_prefetching_across_tiles_matches_the_reference(counts, config):
     # Six live tiles over the interpreter's two clusters: each runs a pipeline of three
-    # (start, steady, stop); one live tile: one cluster runs a whole pipeline, one none.
+    # (start, steady, stop); one live tile: one cluster runs a whole pipeline, one none; split
+    # by columns, eleven 64-row tiles: pipelines of six and five.
     counts = jnp.array(counts, jnp.int32)
     x = jax.random.normal(jax.random.key(2), (E, C, H), DTYPE)
-    out = kernels.grouped_ffn(x, counts, *_weights(3), impl="mosaic", config=PREFETCHING)
+    out = kernels.grouped_ffn(x, counts, *_weights(3), impl="mosaic", config=config)
     _close(out, grouped_gemm.grouped_ffn_reference(x, counts, *_weights(3)))
     assert not np.asarray(out)[np.arange(C)[None, :] >= np.asarray(counts)[:, None]].any()
 
@@ -186,13 +201,19 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
     # The gate / up kernel's 32 contraction steps prefetch across tiles in stages of 4.
     prefetching = _both_kernels(gemm_config.MOSAIC_FFN, prefetch_across_tiles=True)
     gate_up_prefetching = dataclasses.replace(prefetching, down=gemm_config.MOSAIC_FFN.down)
+    # 64-row tiles, the warpgroups side by side: gate / up 64 x 64 each (a CTA 128 columns
+    # wide, 11 of them), down 64 x 128 each.
+    split = gemm_config.MosaicFfnConfig(
+        gate_up=dataclasses.replace(gemm_config.MOSAIC_FFN.gate_up, tile_n=64, split_columns=True),
+        down=dataclasses.replace(gemm_config.MOSAIC_FFN.down, tile_n=128, split_columns=True),
+    )
 
     def layer(x, counts, w_gate_up, w_down, cfg):
         return grouped_gemm_mosaic.grouped_ffn_mosaic(
             x, counts, w_gate_up, w_down, max_rows=2048, cfg=cfg, interpret=False
         ).rows
 
-    for cfg in (gemm_config.MOSAIC_FFN, waited, gate_up_prefetching):
+    for cfg in (gemm_config.MOSAIC_FFN, waited, gate_up_prefetching, split):
         hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
         assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
     # The down kernel's 22 (1408 / 64) do not fill stages of 4.
@@ -227,6 +248,9 @@ def test_launch_shapes_are_checked():
         gemm_config.MosaicGemmConfig(max_concurrent_steps=1, wgmma_in_flight=1)
     assert gemm_config.MosaicGemmConfig(wgmma_in_flight=1).describe().endswith(" f1")
     prefetching = gemm_config.MosaicGemmConfig(wgmma_in_flight=1, prefetch_across_tiles=True)
+    split = gemm_config.MosaicGemmConfig(tile_n=128, split_columns=True)
+    assert (split.block_m, split.block_n) == (64, 256)
+    assert split.describe() == "64x256x64 s4 t4 c"
     assert prefetching.describe().endswith(" f1 p")
 
 

@@ -114,6 +114,9 @@ def test_weight_only_fp8_and_other_tiles_are_refused():
     prefetching = dataclasses.replace(SMALL.gate_up, prefetch_across_tiles=True)
     with pytest.raises(kernels.KernelUnavailableError, match="prefetch_across_tiles must be"):
         call(config=dataclasses.replace(SMALL, gate_up=prefetching))
+    split = [dataclasses.replace(cfg, split_columns=True) for cfg in (SMALL.gate_up, SMALL.down)]
+    with pytest.raises(kernels.KernelUnavailableError, match="split_columns must be False"):
+        call(config=gemm_config.MosaicFfnConfig(*split))
     (w_gate_up, _), (w_down, _) = helpers.fp8_expert_weights(0, (E, hidden, 160), block)
     with pytest.raises(kernels.KernelUnavailableError, match="tiles 160 columns by 64"):
         kernels.grouped_ffn(x, counts, w_gate_up, w_down, impl="mosaic", config=SMALL)
