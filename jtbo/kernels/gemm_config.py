@@ -141,7 +141,7 @@ class MosaicGemmConfig:
         warpgroup loads the next tile's first stages while the compute warpgroups finish the
         current tile (a pipeline of pipelines; with ``wgmma_in_flight`` the compute
         warpgroups release each step's buffers themselves). Needs a number of contraction
-        steps that ``max_concurrent_steps`` divides. bf16 kernels only.
+        steps that ``max_concurrent_steps`` divides.
       split_columns: the two compute warpgroups take a CTA tile's two column halves rather
         than its two row halves, so a row tile is ``tile_m`` rows: each expert's rows are
         padded to a multiple of half as many, and a CTA loads twice the weight bytes per

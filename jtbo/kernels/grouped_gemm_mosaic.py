@@ -159,15 +159,20 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
                 )
 
         num_live = refs[0] if cfg.prefetch_across_tiles else None
-        _walk(cfg, k_steps, num_tiles, num_col_tiles, grid_size, num_live, visit)
+        walk(cfg, k_steps, num_tiles, num_col_tiles, grid_size, num_live, visit)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _walk(cfg, k_steps: int, num_tiles: int, num_col_tiles: int, grid_size: int, num_live_gmem,
-          visit) -> None:  # fmt: skip
+def walk(cfg, k_steps: int, num_tiles: int, num_col_tiles: int, grid_size: int, num_live_gmem,
+         visit) -> None:  # fmt: skip
     """``walk_live_tiles`` over ``num_live_gmem [1]``'s tiles where ``cfg`` prefetches across
-    tiles, else ``walk_tiles`` over all ``num_tiles``."""
+    tiles, else ``walk_tiles`` over all ``num_tiles``.
+
+    Raises:
+      KernelUnavailableError: prefetching over ``k_steps`` contraction steps that the
+        pipeline's ``max_concurrent_steps`` stages do not divide.
+    """
     if not cfg.prefetch_across_tiles:
         walk_tiles(num_tiles, num_col_tiles, cfg.grid_tile_width, visit)
         return
@@ -319,11 +324,16 @@ def _grouped_matmul(tile_expert, a_rows, weights, *, out_cols, column_offsets, e
         num_col_tiles=out_cols // cfg.block_n, grid_size=num_clusters(interpret),
     )  # fmt: skip
     out_type = jax.ShapeDtypeStruct((a_rows.shape[0], out_cols), a_rows.dtype)
-    operands = (tile_expert, a_rows, weights)
-    if cfg.prefetch_across_tiles:  # the live tiles are a prefix (tile_table.row_tiles)
-        num_live = jnp.sum(tile_expert >= 0, dtype=jnp.int32)[None]
-        operands = (tile_expert, num_live, a_rows, weights)
+    operands = (*tile_operands(tile_expert, cfg), a_rows, weights)
     return persistent_kernel(body, out_type, interpret)(*operands)
+
+
+def tile_operands(tile_expert: jax.Array, cfg: gemm_config.MosaicGemmConfig) -> tuple:
+    """A kernel's first operands: ``(tile_expert,)``, and where ``cfg`` prefetches across tiles
+    the live tiles' count ``[1]`` int32 too (they are a prefix: ``tile_table.row_tiles``)."""
+    if not cfg.prefetch_across_tiles:
+        return (tile_expert,)
+    return tile_expert, jnp.sum(tile_expert >= 0, dtype=jnp.int32)[None]
 
 
 def persistent_kernel(body, out_type, interpret: bool):

@@ -28,6 +28,9 @@ magnitude times ``1 / 448`` (1 for a zero row), the values divided by it.
 
 Padding rows inside a live tile are zero bytes (FP8 zero) with scale zero, so they produce
 zero hidden rows (scale 1) and zero outputs; dead tiles are skipped, their rows never read.
+With ``prefetch_across_tiles`` a CTA's live tiles form one pipeline, as in
+``grouped_gemm_mosaic``: the memory warpgroup loads the next tile's first blocks while the
+compute warpgroups promote the current tile's last ones and store it.
 """
 
 import functools
@@ -76,21 +79,25 @@ def _quantized_rows(values: jax.Array) -> tuple[jax.Array, jax.Array]:
     return quotient.astype(fp8_blocks.FP8_DTYPE), scale
 
 
-def _fp8_matmul_body(
-    tile_expert_gmem, a_gmem, a_scale_gmem, b_gmem, b_scale_gmem, *out_gmems, column_offsets,
-    cfg, num_col_tiles,
-):  # fmt: skip
-    # tile_expert_gmem: [num_tiles] int32 expert per row tile (-1: dead); a_gmem: [R, K] FP8
+def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles, grid_size):
+    # tile_expert_gmem: [num_tiles] int32 expert per row tile (-1: dead); refs: with
+    # cfg.prefetch_across_tiles first num_live_gmem, [1] int32 live tiles (a prefix); then
+    # a_gmem, a_scale_gmem, b_gmem, b_scale_gmem and the outputs. a_gmem: [R, K] FP8
     # tile-major rows (R = num_tiles * block_m); a_scale_gmem: [K / qk, R] float32;
     # b_gmem: [E, N_b, K] FP8; b_scale_gmem: [E, N_b / tile_n, K / qk] float32. out_gmems:
     # (out [R, N],) in the output dtype, or with two accumulators (gate, up) (hidden [R, N]
     # FP8, hidden scales [N / tile_n, R] float32). Accumulator i reads the weight rows
     # column_offsets[i] + (column tile) * tile_n.
+    num_live_gmem = refs[0] if cfg.prefetch_across_tiles else None
+    num_outs = len(column_offsets)  # the gate / up kernel's hidden rows and their scales
+    a_gmem, a_scale_gmem, b_gmem, b_scale_gmem = refs[-4 - num_outs : -num_outs]
+    out_gmems = refs[-num_outs:]
     block_m, tile_m, tile_n, tile_k = cfg.block_m, cfg.tile_m, cfg.tile_n, cfg.tile_k
     num_acc = len(column_offsets)
+    k_steps = a_gmem.shape[1] // tile_k
     operand_transforms = grouped_gemm_mosaic.smem_transforms(tile_k, 1)
 
-    def pipeline(body, compute_context):
+    def pipeline(body, compute_context, pipeline_state=None):
         a_spec = plgpu.BlockSpec(
             (block_m, tile_k), lambda k: (0, k), transforms=operand_transforms,
             memory_space=plgpu.SMEM, collective_axes=(grouped_gemm_mosaic.CLUSTER,),
@@ -101,10 +108,10 @@ def _fp8_matmul_body(
             memory_space=plgpu.SMEM,
         )  # fmt: skip
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(a_gmem.shape[1] // tile_k,), memory_registers=40,
+            body, grid=(k_steps,), memory_registers=40,
             in_specs=[a_spec, scale_spec] + [b_spec] * num_acc, wg_axis=_WARPGROUP,
             num_compute_wgs=2, max_concurrent_steps=cfg.max_concurrent_steps,
-            compute_context=compute_context,
+            compute_context=compute_context, pipeline_state=pipeline_state,
         )  # fmt: skip
 
     ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
@@ -127,11 +134,7 @@ def _fp8_matmul_body(
     def _scope(allocations, out_smem, scale_smem):
         warpgroup = lax.axis_index(_WARPGROUP)
 
-        @functools.partial(
-            grouped_gemm_mosaic.walk_tiles, tile_expert_gmem.shape[0], num_col_tiles,
-            cfg.grid_tile_width,
-        )  # fmt: skip
-        def _visit(tile, col, stores):
+        def visit(tile, col, stores, pipeline_state=None):
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
             wg_rows = pl.ds(warpgroup * tile_m, tile_m)
@@ -164,13 +167,19 @@ def _fp8_matmul_body(
                 b_gmem.at[expert, pl.ds(offset + col * tile_n, tile_n), :]
                 for offset in column_offsets
             ]
+            run = functools.partial(
+                pipeline(mma, compute_context, pipeline_state), a_gmem.at[rows, :],
+                a_scale_gmem.at[:, rows], *weights, allocations=allocations,
+            )  # fmt: skip
+            if pipeline_state is None:  # a walk over every tile: dead ones are skipped
+                pl.when(expert >= 0)(run)
+            else:  # a live tile (walk_live_tiles)
+                run()
 
-            @pl.when(expert >= 0)
-            def _live():
-                pipeline(mma, compute_context)(
-                    a_gmem.at[rows, :], a_scale_gmem.at[:, rows], *weights,
-                    allocations=allocations,
-                )  # fmt: skip
+        num_tiles = tile_expert_gmem.shape[0]
+        grouped_gemm_mosaic.walk(
+            cfg, k_steps, num_tiles, num_col_tiles, grid_size, num_live_gmem, visit
+        )
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -198,8 +207,9 @@ def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction:
                   quant_block: tuple[int, int]) -> str | None:  # fmt: skip
     """Why one kernel cannot tile its shapes (None when it can): a contraction step must be
     one weight block deep, a column tile one block wide, no step's ``wgmma`` left in flight
-    (each block's product is read to scale it), one pipeline per tile, and the clusters'
-    column pairs and the steps must cover the shapes."""
+    (each block's product is read to scale it), the warpgroups stacked by rows, and the
+    clusters' column pairs and the steps must cover the shapes. (Prefetching across tiles
+    also needs steps that the stages divide: ``grouped_gemm_mosaic.walk`` raises.)"""
     qk, qn = quant_block
     if cfg.tile_k != qk or cfg.tile_n != qn:
         return (
@@ -211,11 +221,6 @@ def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction:
         return (
             "impl='mosaic' with FP8 weights reads each block's product to scale it: "
             f"wgmma_in_flight must be 0, got {cfg.wgmma_in_flight} (gemm_config.MOSAIC_FFN_FP8)"
-        )
-    if cfg.prefetch_across_tiles:
-        return (
-            "impl='mosaic' with FP8 weights runs one pipeline per tile: "
-            "prefetch_across_tiles must be False (gemm_config.MOSAIC_FFN_FP8)"
         )
     if cfg.split_columns:
         return (
@@ -257,13 +262,15 @@ def _fp8_matmul(tile_expert, a_rows, a_scales, weight, *, out_cols, column_offse
     body = functools.partial(
         _fp8_matmul_body, column_offsets=column_offsets, cfg=cfg,
         num_col_tiles=out_cols // cfg.tile_n,
+        grid_size=grouped_gemm_mosaic.num_clusters(interpret),
     )  # fmt: skip
     num_rows = a_rows.shape[0]
     out_type = [jax.ShapeDtypeStruct((num_rows, out_cols), out_dtype)]
     if len(column_offsets) == 2:
         out_type.append(jax.ShapeDtypeStruct((out_cols // cfg.tile_n, num_rows), _F32))
     kernel = grouped_gemm_mosaic.persistent_kernel(body, tuple(out_type), interpret)
-    return kernel(tile_expert, a_rows, a_scales, values, scales)
+    tile_operands = grouped_gemm_mosaic.tile_operands(tile_expert, cfg)
+    return kernel(*tile_operands, a_rows, a_scales, values, scales)
 
 
 def gathered_fp8_rows(x_slots, slot_of_row, tile_expert, block_m: int, qk: int):

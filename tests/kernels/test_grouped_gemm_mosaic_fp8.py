@@ -34,9 +34,16 @@ SMALL = gemm_config.MosaicFfnConfig(
 )
 # (H, F, block, config): two contraction steps of each kernel, one cluster's column pair in
 # the gate / up kernel and two in the down kernel.
+PREFETCHING = gemm_config.MosaicFfnConfig(
+    *[dataclasses.replace(cfg, prefetch_across_tiles=True) for cfg in (SMALL.gate_up, SMALL.down)]
+)
 CASES = {
     "64-blocks": (128, 128, SMALL_BLOCK, SMALL),
     "128-blocks": (256, 256, (128, 128), gemm_config.MOSAIC_FFN_FP8),
+    # One pipeline over each CTA's tiles: four live tiles over the interpreter's two clusters,
+    # a pipeline of four visits a cluster in the gate / up kernel (two column pairs a tile),
+    # of two in the down kernel.
+    "prefetching": (128, 256, SMALL_BLOCK, PREFETCHING),
 }
 # As the Pallas FP8 kernels' test: the rows are quantized bit for bit, the hidden rows summed
 # in another order, so a hidden value on a rounding boundary may land on its neighbour.
@@ -111,9 +118,11 @@ def test_weight_only_fp8_and_other_tiles_are_refused():
     in_flight = dataclasses.replace(SMALL.down, wgmma_in_flight=1)
     with pytest.raises(kernels.KernelUnavailableError, match="wgmma_in_flight must be 0"):
         call(config=dataclasses.replace(SMALL, down=in_flight))
-    prefetching = dataclasses.replace(SMALL.gate_up, prefetch_across_tiles=True)
-    with pytest.raises(kernels.KernelUnavailableError, match="prefetch_across_tiles must be"):
-        call(config=dataclasses.replace(SMALL, gate_up=prefetching))
+    prefetching = dataclasses.replace(
+        SMALL.down, prefetch_across_tiles=True, max_concurrent_steps=3
+    )
+    with pytest.raises(kernels.KernelUnavailableError, match=r"contraction steps \(2\)"):
+        call(config=dataclasses.replace(SMALL, down=prefetching))  # two steps, three stages
     split = [dataclasses.replace(cfg, split_columns=True) for cfg in (SMALL.gate_up, SMALL.down)]
     with pytest.raises(kernels.KernelUnavailableError, match="split_columns must be False"):
         call(config=gemm_config.MosaicFfnConfig(*split))
@@ -180,14 +189,22 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
     shapes = [((8, 512, 2048), jnp.bfloat16), ((8,), jnp.int32)]
     shapes += helpers.fp8_expert_shapes(8, 2048, ffn)
 
-    def layer(x, counts, *fp8_arrays):
+    def layer(x, counts, *fp8_arrays, cfg=gemm_config.MOSAIC_FFN_FP8):
         return grouped_gemm_mosaic_fp8.grouped_ffn_mosaic_fp8(
-            x, counts, *helpers.fp8_experts_of(*fp8_arrays), max_rows=2048,
-            cfg=gemm_config.MOSAIC_FFN_FP8, interpret=False,
+            x, counts, *helpers.fp8_experts_of(*fp8_arrays), max_rows=2048, cfg=cfg,
+            interpret=False,
         ).rows  # fmt: skip
 
     hlo = helpers.compiled_for_h200(layer, shapes)
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
+    if ffn == 768:  # prefetching across tiles: 16 gate / up steps in 4 stages, 6 down in 3
+        gate_up, down = gemm_config.MOSAIC_FFN_FP8.gate_up, gemm_config.MOSAIC_FFN_FP8.down
+        prefetching = gemm_config.MosaicFfnConfig(
+            gate_up=dataclasses.replace(gate_up, prefetch_across_tiles=True),
+            down=dataclasses.replace(down, prefetch_across_tiles=True, max_concurrent_steps=3),
+        )
+        hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=prefetching), shapes)
+        assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
 
 
 def test_the_layer_matches_the_pallas_fp8_layer():
