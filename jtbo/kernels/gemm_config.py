@@ -145,7 +145,7 @@ class MosaicGemmConfig:
       split_columns: the two compute warpgroups take a CTA tile's two column halves rather
         than its two row halves, so a row tile is ``tile_m`` rows: each expert's rows are
         padded to a multiple of half as many, and a CTA loads twice the weight bytes per
-        product. bf16 kernels only.
+        product.
     """
 
     tile_m: int = 64

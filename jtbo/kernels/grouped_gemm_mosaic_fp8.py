@@ -21,7 +21,9 @@ adds it to the running sum scaled by its rows' scales times the block's scale, r
 weight scales in global memory (DeepSeek-V3's promotion of each block's partial sums). The
 gate and the up products are promoted one after the other, so that a warpgroup holds two
 running sums and one partial sum in registers; the other compute warpgroup's ``wgmma`` runs
-while one promotes. ``tile_n`` is the block's width, so one scale covers a tile. The gate / up
+while one promotes. ``tile_n`` is the block's width, so one scale covers a tile (with
+``split_columns`` the two warpgroups take neighbouring blocks of a ``2 * tile_n``-column tile
+over the same ``tile_m`` rows, each with its block's scale). The gate / up
 epilogue computes ``silu(gate) * up`` and quantizes each row of the tile (one group:
 ``tile_n`` is the down weight's contraction block) as ``fp8_blocks`` does: its largest
 magnitude times ``1 / 448`` (1 for a zero row), the values divided by it.
@@ -87,12 +89,13 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     # b_gmem: [E, N_b, K] FP8; b_scale_gmem: [E, N_b / tile_n, K / qk] float32. out_gmems:
     # (out [R, N],) in the output dtype, or with two accumulators (gate, up) (hidden [R, N]
     # FP8, hidden scales [N / tile_n, R] float32). Accumulator i reads the weight rows
-    # column_offsets[i] + (column tile) * tile_n.
+    # column_offsets[i] + (column tile) * block_n.
     num_live_gmem = refs[0] if cfg.prefetch_across_tiles else None
     num_outs = len(column_offsets)  # the gate / up kernel's hidden rows and their scales
     a_gmem, a_scale_gmem, b_gmem, b_scale_gmem = refs[-4 - num_outs : -num_outs]
     out_gmems = refs[-num_outs:]
-    block_m, tile_m, tile_n, tile_k = cfg.block_m, cfg.tile_m, cfg.tile_n, cfg.tile_k
+    block_m, block_n, tile_m, tile_n = cfg.block_m, cfg.block_n, cfg.tile_m, cfg.tile_n
+    tile_k = cfg.tile_k
     num_acc = len(column_offsets)
     k_steps = a_gmem.shape[1] // tile_k
     operand_transforms = grouped_gemm_mosaic.smem_transforms(tile_k, 1)
@@ -104,7 +107,7 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
         )  # fmt: skip
         scale_spec = plgpu.BlockSpec((None, block_m), lambda k: (k, 0), memory_space=plgpu.SMEM)
         b_spec = plgpu.BlockSpec(
-            (tile_n, tile_k), lambda k: (0, k), transforms=operand_transforms,
+            (block_n, tile_k), lambda k: (0, k), transforms=operand_transforms,
             memory_space=plgpu.SMEM,
         )  # fmt: skip
         return plgpu.emit_pipeline_warp_specialized(
@@ -137,15 +140,18 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
         def visit(tile, col, stores, pipeline_state=None):
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
-            wg_rows = pl.ds(warpgroup * tile_m, tile_m)
-            scale_rows = [(offset + col * tile_n) // tile_n for offset in column_offsets]
+            wg_rows, wg_cols = grouped_gemm_mosaic.warpgroup_part(cfg, warpgroup)
+            row_start, block = _warpgroup_origin(cfg, warpgroup, col)
+            scale_rows = [offset // tile_n + block for offset in column_offsets]
 
             def compute_context(run_pipeline):
                 zeros = plgpu.layout_cast(jnp.full((tile_m, tile_n), 0, _F32), plgpu.Layout.WGMMA)
                 sums = run_pipeline((zeros,) * num_acc)
-                out_rows = pl.ds(tile * block_m + warpgroup * tile_m, tile_m)
+                wg_out = out_gmems[0].at[rows, pl.ds(col * block_n, block_n)].at[wg_rows, wg_cols]
+                out_rows = pl.ds(tile * block_m + row_start, tile_m)
+                wg_scales = out_gmems[1].at[block, out_rows] if num_acc == 2 else None
                 grouped_gemm_mosaic.when_stored(stores, lambda: _epilogue(
-                    sums, out_gmems, out_smem, scale_smem, warpgroup, rows, out_rows, col, cfg
+                    sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales
                 ))  # fmt: skip
 
             def mma(indices, a_smem, a_scale_smem, *rest):
@@ -159,12 +165,12 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
                 factors = [row_scale * b_scale_gmem[expert, row, step] for row in scale_rows]
                 promoted = []
                 for b_smem, running, factor in zip(b_smems, sums, factors, strict=True):
-                    part = _block_product(a_smem.at[wg_rows], b_smem, (tile_m, tile_n))
+                    part = _block_product(a_smem.at[wg_rows], b_smem.at[wg_cols], (tile_m, tile_n))
                     promoted.append(running + _rows_scaled(part, factor))
                 return tuple(promoted)
 
             weights = [
-                b_gmem.at[expert, pl.ds(offset + col * tile_n, tile_n), :]
+                b_gmem.at[expert, pl.ds(offset + col * block_n, block_n), :]
                 for offset in column_offsets
             ]
             run = functools.partial(
@@ -184,31 +190,37 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _epilogue(sums, out_gmems, out_smem, scale_smem, warpgroup, rows, out_rows, col, cfg):
-    """Writes one warpgroup's tile: the down kernel's sum in the output dtype, or the gate /
-    up kernel's ``silu(gate) * up`` quantized per row, with its row scales."""
-    tile_n = cfg.tile_n
-    out_tile = out_gmems[0].at[rows, pl.ds(col * tile_n, tile_n)]
-    wg_rows = pl.ds(warpgroup * cfg.tile_m, cfg.tile_m)
+def _warpgroup_origin(cfg: gemm_config.MosaicGemmConfig, warpgroup, col):
+    """``(first row in the row tile, column block)`` of compute warpgroup ``warpgroup``'s
+    ``tile_m x tile_n`` part of column tile ``col``: the column block indexes the weight
+    scales' and the hidden scales' ``tile_n``-wide blocks (from the accumulator's offset)."""
+    if cfg.split_columns:
+        return 0, col * 2 + warpgroup
+    return warpgroup * cfg.tile_m, col
+
+
+def _epilogue(sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales):
+    """Writes one warpgroup's part ``wg_out`` of a tile: the down kernel's sum in the output
+    dtype, or the gate / up kernel's ``silu(gate) * up`` quantized per row, with its row
+    scales to ``wg_scales``."""
     if len(sums) == 1:
-        out = sums[0].astype(out_gmems[0].dtype)
-        grouped_gemm_mosaic.store_tile(out, out_smem, out_tile.at[wg_rows], warpgroup)
+        grouped_gemm_mosaic.store_tile(sums[0].astype(wg_out.dtype), out_smem, wg_out, warpgroup)
         return
     gate, up = sums
     hidden, scale = _quantized_rows(gate * jax.nn.sigmoid(gate) * up)
     # store_tile first waits for every earlier store, the last tile's scales included.
-    grouped_gemm_mosaic.store_tile(hidden, out_smem, out_tile.at[wg_rows], warpgroup)
+    grouped_gemm_mosaic.store_tile(hidden, out_smem, wg_out, warpgroup)
     scale_smem.at[warpgroup][...] = scale
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(scale_smem.at[warpgroup], out_gmems[1].at[col, out_rows])
+    plgpu.copy_smem_to_gmem(scale_smem.at[warpgroup], wg_scales)
 
 
 def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction: int,
                   quant_block: tuple[int, int]) -> str | None:  # fmt: skip
     """Why one kernel cannot tile its shapes (None when it can): a contraction step must be
     one weight block deep, a column tile one block wide, no step's ``wgmma`` left in flight
-    (each block's product is read to scale it), the warpgroups stacked by rows, and the
-    clusters' column pairs and the steps must cover the shapes. (Prefetching across tiles
+    (each block's product is read to scale it), and the clusters' column pairs and the steps
+    must cover the shapes. (Prefetching across tiles
     also needs steps that the stages divide: ``grouped_gemm_mosaic.walk`` raises.)"""
     qk, qn = quant_block
     if cfg.tile_k != qk or cfg.tile_n != qn:
@@ -222,14 +234,9 @@ def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction:
             "impl='mosaic' with FP8 weights reads each block's product to scale it: "
             f"wgmma_in_flight must be 0, got {cfg.wgmma_in_flight} (gemm_config.MOSAIC_FFN_FP8)"
         )
-    if cfg.split_columns:
+    if out_cols % cfg.block_n or contraction % cfg.tile_k:
         return (
-            "impl='mosaic' with FP8 weights stacks its warpgroups by rows: "
-            "split_columns must be False (gemm_config.MOSAIC_FFN_FP8)"
-        )
-    if out_cols % cfg.tile_n or contraction % cfg.tile_k:
-        return (
-            f"impl='mosaic' tiles {out_cols} columns by {cfg.tile_n} and the contraction "
+            f"impl='mosaic' tiles {out_cols} columns by {cfg.block_n} and the contraction "
             f"{contraction} by {cfg.tile_k}; use impl='pallas'"
         )
     return None
@@ -261,7 +268,7 @@ def _fp8_matmul(tile_expert, a_rows, a_scales, weight, *, out_cols, column_offse
     values, scales = weight
     body = functools.partial(
         _fp8_matmul_body, column_offsets=column_offsets, cfg=cfg,
-        num_col_tiles=out_cols // cfg.tile_n,
+        num_col_tiles=out_cols // cfg.block_n,
         grid_size=grouped_gemm_mosaic.num_clusters(interpret),
     )  # fmt: skip
     num_rows = a_rows.shape[0]

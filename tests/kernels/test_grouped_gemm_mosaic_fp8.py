@@ -34,6 +34,9 @@ SMALL = gemm_config.MosaicFfnConfig(
 )
 # (H, F, block, config): two contraction steps of each kernel, one cluster's column pair in
 # the gate / up kernel and two in the down kernel.
+SPLIT_COLUMNS = gemm_config.MosaicFfnConfig(
+    *[dataclasses.replace(cfg, split_columns=True) for cfg in (SMALL.gate_up, SMALL.down)]
+)
 PREFETCHING = gemm_config.MosaicFfnConfig(
     *[dataclasses.replace(cfg, prefetch_across_tiles=True) for cfg in (SMALL.gate_up, SMALL.down)]
 )
@@ -44,6 +47,10 @@ CASES = {
     # a pipeline of four visits a cluster in the gate / up kernel (two column pairs a tile),
     # of two in the down kernel.
     "prefetching": (128, 256, SMALL_BLOCK, PREFETCHING),
+    # The warpgroups side by side: 64-row tiles (130 rows: three, the last of 2 rows), each
+    # warpgroup its own 64-wide weight block; two gate / up column blocks a CTA, one down
+    # tile (an odd count: the pair's second CTA computes it again and must not store it).
+    "split_columns": (128, 256, SMALL_BLOCK, SPLIT_COLUMNS),
 }
 # As the Pallas FP8 kernels' test: the rows are quantized bit for bit, the hidden rows summed
 # in another order, so a hidden value on a rounding boundary may land on its neighbour.
@@ -123,9 +130,6 @@ def test_weight_only_fp8_and_other_tiles_are_refused():
     )
     with pytest.raises(kernels.KernelUnavailableError, match=r"contraction steps \(2\)"):
         call(config=dataclasses.replace(SMALL, down=prefetching))  # two steps, three stages
-    split = [dataclasses.replace(cfg, split_columns=True) for cfg in (SMALL.gate_up, SMALL.down)]
-    with pytest.raises(kernels.KernelUnavailableError, match="split_columns must be False"):
-        call(config=gemm_config.MosaicFfnConfig(*split))
     (w_gate_up, _), (w_down, _) = helpers.fp8_expert_weights(0, (E, hidden, 160), block)
     with pytest.raises(kernels.KernelUnavailableError, match="tiles 160 columns by 64"):
         kernels.grouped_ffn(x, counts, w_gate_up, w_down, impl="mosaic", config=SMALL)
@@ -197,14 +201,22 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
 
     hlo = helpers.compiled_for_h200(layer, shapes)
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
-    if ffn == 768:  # prefetching across tiles: 16 gate / up steps in 4 stages, 6 down in 3
+    if ffn == 768:
         gate_up, down = gemm_config.MOSAIC_FFN_FP8.gate_up, gemm_config.MOSAIC_FFN_FP8.down
+        # Prefetching across tiles: 16 gate / up steps in 4 stages, 6 down steps in 3.
         prefetching = gemm_config.MosaicFfnConfig(
             gate_up=dataclasses.replace(gate_up, prefetch_across_tiles=True),
             down=dataclasses.replace(down, prefetch_across_tiles=True, max_concurrent_steps=3),
         )
-        hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=prefetching), shapes)
-        assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
+        # 64-row tiles, the warpgroups side by side: 256 columns a CTA; the gate / up kernel's
+        # two accumulators fit shared memory in 2 stages.
+        split = gemm_config.MosaicFfnConfig(
+            gate_up=dataclasses.replace(gate_up, split_columns=True, max_concurrent_steps=2),
+            down=dataclasses.replace(down, split_columns=True),
+        )
+        for cfg in (prefetching, split):
+            hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
+            assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
 
 
 def test_the_layer_matches_the_pallas_fp8_layer():
