@@ -106,9 +106,12 @@ def _body(
             scale_rows = [(offset + col * tile_n) // tile_n for offset in column_offsets]
             out_rows = pl.ds(tile * block_m + warpgroup * tile_m, tile_m)
 
+            wg_out = out_gmems[0].at[rows, pl.ds(col * tile_n, tile_n)].at[wg_rows]
+            wg_scales = out_gmems[1].at[col, out_rows] if num_acc == 2 else None
+
             def epilogue(sums):
                 grouped_gemm_mosaic.when_stored(stores, lambda: grouped_gemm_mosaic_fp8._epilogue(
-                    sums, out_gmems, out_smem, scale_smem, warpgroup, rows, out_rows, col, cfg
+                    sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales
                 ))  # fmt: skip
 
             def compute_context(run_pipeline):

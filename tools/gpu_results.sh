@@ -14,8 +14,8 @@
 # dsv3-walk (the Mosaic walk's row tiles per column pair at DeepSeek-V3's 4096 tokens),
 # prefetch (the Mosaic kernels' one pipeline over a CTA's tiles, against the default),
 # split-columns (the Mosaic kernels' 64-row tiles, warpgroups side by side, against the default),
-# fp8-mosaic-tiles (the FP8 Mosaic kernels' one pipeline over a CTA's tiles and 64-row tiles,
-# against the default).
+# fp8-mosaic-decode / fp8-mosaic-prefill (the FP8 Mosaic kernels' one pipeline over a CTA's
+# tiles and 64-row tiles, against the default).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -142,20 +142,25 @@ for group in "$@"; do
         LIMIT=150 bench "split-$preset" 12 grouped_gemm --preset "$preset" --tokens 4096 \
           --impls "$impls" --no-copy-ceiling --check-rows 16
       done ;;
-    fp8-mosaic-tiles)  # the FP8 Mosaic kernels prefetching across tiles, with 64-row tiles
+    fp8-mosaic-decode)  # the FP8 Mosaic kernels prefetching across tiles, with 64-row tiles
       # (warpgroups side by side; the gate / up kernel's stages fit 2), and both, against the
-      # default: decode stacks where "auto" takes Mosaic (DeepSeek-V3, Mixtral-8x7B), prefill at
-      # Qwen3-30B-A3B (its 6 down steps take 3 stages when prefetching), side by side
+      # default, in decode stacks: where "auto" takes Mosaic (DeepSeek-V3, Mixtral-8x7B) and
+      # where it takes Pallas (Qwen3-30B-A3B, its 6 down steps in 3 stages when prefetching)
       fp8="--expert-dtype float8_e4m3fn"
       impls=mosaic,mosaic:128x128x128s4p,mosaic:64x256x128s2c/64x256x128s4c
       impls+=,mosaic:64x256x128s2pc/64x256x128s4pc
-      LIMIT=220 bench fp8-tiles-dsv3 10 grouped_gemm --preset deepseek-v3 $fp8 --tokens 64,256 \
+      LIMIT=200 bench fp8-decode-dsv3 10 grouped_gemm --preset deepseek-v3 $fp8 --tokens 64,256 \
         --impls "$impls" --layers-per-call 8
-      LIMIT=150 bench fp8-tiles-mixtral 10 grouped_gemm --preset mixtral-8x7b $fp8 \
+      LIMIT=150 bench fp8-decode-mixtral 10 grouped_gemm --preset mixtral-8x7b $fp8 \
         --tokens 128,256 --impls "$impls" --layers-per-call 8
+      impls=pallas,mosaic,mosaic:64x256x128s2c/64x256x128s4c,mosaic:64x256x128s2pc/64x256x128s3pc
+      LIMIT=150 bench fp8-decode-qwen3 10 grouped_gemm --preset qwen3-30b-a3b $fp8 \
+        --tokens 64,256 --impls "$impls" --layers-per-call 8 ;;
+    fp8-mosaic-prefill)  # the same at Qwen3-30B-A3B's FP8 prefill, beside bf16's yardstick
       impls=dense,mosaic,mosaic:128x128x128s4p/128x128x128s3p,mosaic:64x256x128s2c/64x256x128s4c
-      LIMIT=150 bench fp8-tiles-qwen3 14 grouped_gemm --preset qwen3-30b-a3b $fp8 \
-        --tokens 4096,16384 --impls "$impls" --no-copy-ceiling --check-rows 16 ;;
+      LIMIT=200 bench fp8-prefill-qwen3 14 grouped_gemm --preset qwen3-30b-a3b \
+        --expert-dtype float8_e4m3fn --tokens 4096,16384 --impls "$impls" --no-copy-ceiling \
+        --check-rows 16 ;;
     ranks)  # the expert layer with blocked group ranks against the one-hot ranks, in turns
       echo "== PYTHONPATH=. python tools/layer_ranks_probe.py"
       PYTHONPATH=. timeout "${LIMIT:-250}" python3 tools/layer_ranks_probe.py >"$OUT/ranks.log" 2>&1
@@ -168,7 +173,7 @@ for group in "$@"; do
       echo "(exit $?)"; grep "runner_host\|wrote" "$OUT/runner-host.log" ;;
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
-      "prefetch, split-columns, fp8-mosaic-tiles)"
+      "prefetch, split-columns, fp8-mosaic-decode, fp8-mosaic-prefill)"
       exit 2 ;;
   esac
 done
