@@ -37,6 +37,12 @@ SMALL = gemm_config.MosaicFfnConfig(
 SPLIT_COLUMNS = gemm_config.MosaicFfnConfig(
     *[dataclasses.replace(cfg, split_columns=True) for cfg in (SMALL.gate_up, SMALL.down)]
 )
+SPLIT_COLUMNS_PREFETCHING = gemm_config.MosaicFfnConfig(
+    *[
+        dataclasses.replace(cfg, prefetch_across_tiles=True)
+        for cfg in (SPLIT_COLUMNS.gate_up, SPLIT_COLUMNS.down)
+    ]
+)
 PREFETCHING = gemm_config.MosaicFfnConfig(
     *[dataclasses.replace(cfg, prefetch_across_tiles=True) for cfg in (SMALL.gate_up, SMALL.down)]
 )
@@ -51,6 +57,8 @@ CASES = {
     # warpgroup its own 64-wide weight block; two gate / up column blocks a CTA, one down
     # tile (an odd count: the pair's second CTA computes it again and must not store it).
     "split_columns": (128, 256, SMALL_BLOCK, SPLIT_COLUMNS),
+    # Both: the down kernel's pipelines then hold the odd column tile's unstored visits.
+    "split_columns_prefetching": (128, 256, SMALL_BLOCK, SPLIT_COLUMNS_PREFETCHING),
 }
 # As the Pallas FP8 kernels' test: the rows are quantized bit for bit, the hidden rows summed
 # in another order, so a hidden value on a rounding boundary may land on its neighbour.
