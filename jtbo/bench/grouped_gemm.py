@@ -150,7 +150,7 @@ import numpy as np
 
 from jtbo import kernels
 from jtbo.bench import device_rates, expert_presets, kernel_time, options, trace_calls
-from jtbo.core import cli_arguments
+from jtbo.core import arith, cli_arguments
 from jtbo.kernels import fp8_blocks, gemm_config, grouped_gemm
 from jtbo.models import config as config_lib
 from jtbo.models import experts, step
@@ -321,7 +321,7 @@ def computed_rows(impl: str, ids: np.ndarray, num_experts: int, capacity: int, f
     default = gemm_config.MOSAIC_FFN_FP8 if fp8 else gemm_config.MOSAIC_FFN
     block_m = (kernel_config(name, variant) or default).gate_up.block_m
     counts = np.minimum(np.bincount(ids.reshape(-1), minlength=num_experts), capacity)
-    return int(np.sum(-(-counts // block_m)) * block_m)
+    return int(np.sum(arith.ceil_div(counts, block_m)) * block_m)
 
 
 def dropped_pairs(ids: np.ndarray, num_experts: int, capacity: int) -> int:
@@ -735,8 +735,9 @@ def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Pending:
     slots, counts = slot_inputs(x, ids, shapes.experts, capacity)
     pairs = num_tokens * shapes.top_k
     name, _, variant = impl.partition(":")
-    fp8 = args.expert_dtype is not None
-    tile_rows = computed_rows(impl, ids_np, shapes.experts, capacity, fp8)
+    rows_computed = computed_rows(
+        impl, ids_np, shapes.experts, capacity, args.expert_dtype is not None
+    )
     fn = jit_as_step(
         functools.partial(
             grouped_gemm.grouped_ffn_rows, **kernel_options(name, variant),
@@ -746,7 +747,8 @@ def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Pending:
     )  # fmt: skip
     row = Row(
         tokens=num_tokens, impl=f"{impl} (kernel)", capacity=None, dropped=None,
-        useful_flops=shapes.useful_flops(num_tokens), computed_flops=shapes.slot_flops(tile_rows),
+        useful_flops=shapes.useful_flops(num_tokens),
+        computed_flops=shapes.slot_flops(rows_computed),
         weight_bytes=shapes.weight_bytes(len(np.unique(ids_np)), weight_itemsize(args)),
     )  # fmt: skip
     return Pending(row, fn, (slots, counts, *weights))

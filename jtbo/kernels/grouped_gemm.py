@@ -167,7 +167,7 @@ def _gate_up_kernel(
         if quantize_rows:  # a contraction step is one quantization group of each row
             load_rows = _quantized(load_rows)
         n0 = pl.multiple_of(col * block_n, block_n)
-        up_scale_row = 0 if fp8 is None else -(-ffn // fp8.quant_block[1])
+        up_scale_row = 0 if fp8 is None else arith.ceil_div(ffn, fp8.quant_block[1])
 
         def step(i, acc):
             k0 = pl.multiple_of(i * block_k, block_k)
