@@ -150,13 +150,11 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
                 b_gmem.at[expert, :, pl.ds(offset + col * block_n, block_n)]
                 for offset in column_offsets
             ]
-            run = pipeline(mma, compute_context, pipeline_state)
-            if pipeline_state is not None:  # a live tile (walk_live_tiles)
-                run(a_gmem.at[rows, :], *weights, allocations=allocations)
-            else:
-                pl.when(expert >= 0)(
-                    lambda: run(a_gmem.at[rows, :], *weights, allocations=allocations)
-                )
+            run = functools.partial(
+                pipeline(mma, compute_context, pipeline_state), a_gmem.at[rows, :], *weights,
+                allocations=allocations,
+            )  # fmt: skip
+            run_unless_dead(run, expert, pipeline_state)
 
         num_live = refs[0] if cfg.prefetch_across_tiles else None
         walk(cfg, k_steps, num_tiles, num_col_tiles, grid_size, num_live, visit)
@@ -243,6 +241,17 @@ def walk_live_tiles(num_live, num_col_tiles: int, grid_tile_width: int, grid_siz
             pl.loop(1, visits - 1)(lambda step: visit_at(step, states.STEADY))
 
         visit_at(visits - 1, states.STOP)
+
+
+def run_unless_dead(run, expert, pipeline_state) -> None:
+    """Runs a visit's pipeline ``run()``: under ``pl.when(expert >= 0)`` on ``walk_tiles``'
+    visits (state None), which include dead tiles; unguarded on ``walk_live_tiles``' visits of
+    a pipeline of pipelines, which are live. (A single-visit pipeline of ``walk_live_tiles``
+    has state None too: its tile is live, so the guard passes.)"""
+    if pipeline_state is None:
+        pl.when(expert >= 0)(run)
+    else:
+        run()
 
 
 def warpgroup_part(cfg: gemm_config.MosaicGemmConfig, warpgroup):

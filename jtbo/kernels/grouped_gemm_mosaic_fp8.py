@@ -91,12 +91,13 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     # FP8, hidden scales [N / tile_n, R] float32). Accumulator i reads the weight rows
     # column_offsets[i] + (column tile) * block_n.
     num_live_gmem = refs[0] if cfg.prefetch_across_tiles else None
-    num_outs = len(column_offsets)  # the gate / up kernel's hidden rows and their scales
-    a_gmem, a_scale_gmem, b_gmem, b_scale_gmem = refs[-4 - num_outs : -num_outs]
-    out_gmems = refs[-num_outs:]
+    # As many outputs as accumulators: the down kernel's rows; the gate / up kernel's hidden
+    # rows and their scales.
+    num_acc = len(column_offsets)
+    a_gmem, a_scale_gmem, b_gmem, b_scale_gmem = refs[-4 - num_acc : -num_acc]
+    out_gmems = refs[-num_acc:]
     block_m, block_n, tile_m, tile_n = cfg.block_m, cfg.block_n, cfg.tile_m, cfg.tile_n
     tile_k = cfg.tile_k
-    num_acc = len(column_offsets)
     k_steps = a_gmem.shape[1] // tile_k
     operand_transforms = grouped_gemm_mosaic.smem_transforms(tile_k, 1)
 
@@ -177,10 +178,7 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
                 pipeline(mma, compute_context, pipeline_state), a_gmem.at[rows, :],
                 a_scale_gmem.at[:, rows], *weights, allocations=allocations,
             )  # fmt: skip
-            if pipeline_state is None:  # a walk over every tile: dead ones are skipped
-                pl.when(expert >= 0)(run)
-            else:  # a live tile (walk_live_tiles)
-                run()
+            grouped_gemm_mosaic.run_unless_dead(run, expert, pipeline_state)
 
         num_tiles = tile_expert_gmem.shape[0]
         grouped_gemm_mosaic.walk(
@@ -220,8 +218,8 @@ def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction:
     """Why one kernel cannot tile its shapes (None when it can): a contraction step must be
     one weight block deep, a column tile one block wide, no step's ``wgmma`` left in flight
     (each block's product is read to scale it), and the clusters' column pairs and the steps
-    must cover the shapes. (Prefetching across tiles
-    also needs steps that the stages divide: ``grouped_gemm_mosaic.walk`` raises.)"""
+    must cover the shapes. (Prefetching across tiles also needs steps that the stages divide:
+    ``grouped_gemm_mosaic.walk`` raises.)"""
     qk, qn = quant_block
     if cfg.tile_k != qk or cfg.tile_n != qn:
         return (
