@@ -144,8 +144,8 @@ class MosaicGemmConfig:
         steps that ``max_concurrent_steps`` divides.
       split_columns: the two compute warpgroups take a CTA tile's two column halves rather
         than its two row halves, so a row tile is ``tile_m`` rows: each expert's rows are
-        padded to a multiple of half as many, and a CTA loads twice the weight bytes per
-        product.
+        padded up to a multiple of ``tile_m`` rather than ``2 * tile_m``, and a CTA loads
+        twice the weight bytes per product.
     """
 
     tile_m: int = 64

@@ -1,11 +1,13 @@
 """Shared test helpers: independent numpy references, random data, poisoning, impl lists."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jtbo import aot, kernels
-from jtbo.kernels import fp8_blocks
+from jtbo.kernels import fp8_blocks, gemm_config
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32)
 TRAILING = ((), (3,), (2, 5))
@@ -160,3 +162,11 @@ def fp8_experts_of(gu_values, gu_scales, down_values, down_scales):
     w_gate_up = fp8_blocks.BlockQuantized(gu_values, gu_scales, (1, 128, 1, 128), gate_up_axes)
     w_down = fp8_blocks.BlockQuantized(down_values, down_scales, (1, 128, 128), down_axes)
     return w_gate_up, w_down
+
+
+def both_kernels(config: gemm_config.MosaicFfnConfig, **changes) -> gemm_config.MosaicFfnConfig:
+    """``config`` with ``changes`` made to both Mosaic kernels' launch shapes."""
+    return gemm_config.MosaicFfnConfig(
+        gate_up=dataclasses.replace(config.gate_up, **changes),
+        down=dataclasses.replace(config.down, **changes),
+    )

@@ -49,16 +49,8 @@ def _weights(seed: int, dtype=DTYPE):
     return w_gate_up.astype(dtype), w_down.astype(dtype)
 
 
-def _both_kernels(config: gemm_config.MosaicFfnConfig, **changes) -> gemm_config.MosaicFfnConfig:
-    """``config`` with ``changes`` made to both kernels' launch shapes."""
-    return gemm_config.MosaicFfnConfig(
-        gate_up=dataclasses.replace(config.gate_up, **changes),
-        down=dataclasses.replace(config.down, **changes),
-    )
-
-
 # The same shapes with each step's wgmma left in flight while the next one's is issued.
-IN_FLIGHT = _both_kernels(SMALL, wgmma_in_flight=1)
+IN_FLIGHT = helpers.both_kernels(SMALL, wgmma_in_flight=1)
 
 
 # And with one pipeline over each CTA's tiles: the gate / up kernel with a step in flight (its
@@ -71,7 +63,7 @@ PREFETCHING = gemm_config.MosaicFfnConfig(
 
 # And with the warpgroups side by side: 64-row tiles, 128 columns per CTA (the last cluster
 # pair holds the one column tile: its second CTA computes it again and must not store it).
-SPLIT_COLUMNS = _both_kernels(IN_FLIGHT, split_columns=True)
+SPLIT_COLUMNS = helpers.both_kernels(IN_FLIGHT, split_columns=True)
 
 
 @pytest.mark.parametrize(
@@ -93,7 +85,7 @@ def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
     [
         ([200, 130, 200], PREFETCHING),
         ([5, 0, 0], PREFETCHING),
-        ([200, 130, 200], _both_kernels(PREFETCHING, split_columns=True)),
+        ([200, 130, 200], helpers.both_kernels(PREFETCHING, split_columns=True)),
     ],
     ids=["three_tiles_a_cluster", "one_tile", "split_columns"],
 )
@@ -164,7 +156,7 @@ def test_tile_rows_places_each_slot_once_in_its_experts_tiles(counts, block_m, b
 
 
 # Three stages, which the contraction's three steps (192 / 64) fill, prefetching across tiles.
-PREFETCHING_3 = _both_kernels(PREFETCHING, max_concurrent_steps=3)
+PREFETCHING_3 = helpers.both_kernels(PREFETCHING, max_concurrent_steps=3)
 
 
 @pytest.mark.parametrize("config", [SMALL, PREFETCHING_3], ids=["per_tile", "prefetching"])
@@ -196,10 +188,10 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
     shapes = [((8, 512, 2048), jnp.bfloat16), ((8,), jnp.int32)]
     shapes += [((8, 2048, 2, 1408), jnp.bfloat16), ((8, 1408, 2048), jnp.bfloat16)]
 
-    waited = _both_kernels(gemm_config.MOSAIC_FFN, wgmma_in_flight=0)
+    waited = helpers.both_kernels(gemm_config.MOSAIC_FFN, wgmma_in_flight=0)
     assert gemm_config.MOSAIC_FFN.gate_up.wgmma_in_flight == 1  # the default leaves one
     # The gate / up kernel's 32 contraction steps prefetch across tiles in stages of 4.
-    prefetching = _both_kernels(gemm_config.MOSAIC_FFN, prefetch_across_tiles=True)
+    prefetching = helpers.both_kernels(gemm_config.MOSAIC_FFN, prefetch_across_tiles=True)
     gate_up_prefetching = dataclasses.replace(prefetching, down=gemm_config.MOSAIC_FFN.down)
     # 64-row tiles, the warpgroups side by side: gate / up 64 x 64 each (a CTA 128 columns
     # wide, 11 of them), down 64 x 128 each.

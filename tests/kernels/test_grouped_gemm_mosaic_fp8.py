@@ -34,18 +34,9 @@ SMALL = gemm_config.MosaicFfnConfig(
 )
 # (H, F, block, config): two contraction steps of each kernel, one cluster's column pair in
 # the gate / up kernel and two in the down kernel.
-SPLIT_COLUMNS = gemm_config.MosaicFfnConfig(
-    *[dataclasses.replace(cfg, split_columns=True) for cfg in (SMALL.gate_up, SMALL.down)]
-)
-SPLIT_COLUMNS_PREFETCHING = gemm_config.MosaicFfnConfig(
-    *[
-        dataclasses.replace(cfg, prefetch_across_tiles=True)
-        for cfg in (SPLIT_COLUMNS.gate_up, SPLIT_COLUMNS.down)
-    ]
-)
-PREFETCHING = gemm_config.MosaicFfnConfig(
-    *[dataclasses.replace(cfg, prefetch_across_tiles=True) for cfg in (SMALL.gate_up, SMALL.down)]
-)
+SPLIT_COLUMNS = helpers.both_kernels(SMALL, split_columns=True)
+SPLIT_COLUMNS_PREFETCHING = helpers.both_kernels(SPLIT_COLUMNS, prefetch_across_tiles=True)
+PREFETCHING = helpers.both_kernels(SMALL, prefetch_across_tiles=True)
 CASES = {
     "64-blocks": (128, 128, SMALL_BLOCK, SMALL),
     "128-blocks": (256, 256, (128, 128), gemm_config.MOSAIC_FFN_FP8),
