@@ -48,11 +48,12 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
 * ``mosaic``: ``experts_capacity`` with ``impl="mosaic"``: the Hopper kernels (Pallas Mosaic
   GPU, ``jtbo.kernels.grouped_gemm_mosaic``) over the same filled slots, gathered into
   tile-major rows first; the layer reads its result through the rows' slot index.
-  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][p][c]`` for both kernels or
-  ``GATE_UP/DOWN`` (row tile x columns per CTA x contraction step, pipeline stages, row
+  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][p][c][e]`` for both kernels
+  or ``GATE_UP/DOWN`` (row tile x columns per CTA x contraction step, pipeline stages, row
   tiles walked together, steps whose ``wgmma`` stays in flight, ``p``: one pipeline over
   all of a CTA's tiles, the next tile's loads under the current tile's end, ``c``: the two
-  warpgroups split the CTA's columns, not its rows), e.g.
+  warpgroups split the CTA's columns, not its rows, ``e``: a warpgroup whose rows of a tile
+  are all padding skips its ``wgmma`` and its store), e.g.
   ``mosaic:128x128x64s4/128x256x64s4f1``. It is checked and
   followed by a ``mosaic (kernel)`` row as ``pallas`` is.
 * ``dense``: the yardstick of the ``vs dense`` target, not a routed layer: one dense SwiGLU
@@ -312,16 +313,18 @@ def capacity_for(num_tokens: int, shapes: Shapes, factor: float) -> int:
 def computed_rows(impl: str, ids: np.ndarray, num_experts: int, capacity: int, fp8: bool) -> int:
     """Rows ``impl`` computes for the pairs ``ids [T, k]``: every expert's ``capacity`` slots
     (``capacity``), each expert's filled slots rounded up to whole row tiles (``mosaic``, its
-    gate / up kernel's ``block_m``; ``fp8``: with FP8 experts), else the pairs."""
+    gate / up kernel's ``block_m``, or its warpgroups' ``tile_m`` where it skips empty
+    warpgroups; ``fp8``: with FP8 experts), else the pairs."""
     if impl == "capacity":
         return num_experts * capacity
     name, _, variant = impl.partition(":")
     if name != "mosaic":
         return ids.size
     default = gemm_config.MOSAIC_FFN_FP8 if fp8 else gemm_config.MOSAIC_FFN
-    block_m = (kernel_config(name, variant) or default).gate_up.block_m
+    cfg = (kernel_config(name, variant) or default).gate_up
+    granule = cfg.tile_m if cfg.skip_empty_warpgroups else cfg.block_m
     counts = np.minimum(np.bincount(ids.reshape(-1), minlength=num_experts), capacity)
-    return int(np.sum(arith.ceil_div(counts, block_m)) * block_m)
+    return int(np.sum(arith.ceil_div(counts, granule)) * granule)
 
 
 def dropped_pairs(ids: np.ndarray, num_experts: int, capacity: int) -> int:
@@ -411,15 +414,16 @@ def pallas_config(variant: str) -> kernels.GroupedFfnConfig | None:
     return _two_kernels(variant, parse_gemm_config, kernels.GroupedFfnConfig)
 
 
-_MOSAIC_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?(c)?")
+_MOSAIC_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?(c)?(e)?")
 
 
 def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
-    """``MxNxK[sS][tT][fF][p][c]`` -> ``MosaicGemmConfig``: M x N a CTA's tile (two warpgroups
-    of M / 2 rows each, or with ``c`` of N / 2 columns each), K the contraction step, S the
-    pipeline stages, T the row tiles walked together, F the steps' ``wgmma`` left in flight,
-    ``p`` the pipeline prefetches across tiles, ``c`` the warpgroups split the columns
-    (omitted parts keep the defaults).
+    """``MxNxK[sS][tT][fF][p][c][e]`` -> ``MosaicGemmConfig``: M x N a CTA's tile (two
+    warpgroups of M / 2 rows each, or with ``c`` of N / 2 columns each), K the contraction
+    step, S the pipeline stages, T the row tiles walked together, F the steps' ``wgmma`` left
+    in flight, ``p`` the pipeline prefetches across tiles, ``c`` the warpgroups split the
+    columns, ``e`` a warpgroup with only padding rows skips its work (omitted parts keep the
+    defaults).
 
     Raises:
       ValueError: a spec that does not match, or values ``MosaicGemmConfig`` rejects.
@@ -428,10 +432,10 @@ def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
     split = match is not None and match.group(8) is not None
     if match is None or int(match.group(2 if split else 1)) % 2:
         raise ValueError(
-            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][c] with M even (N with c), "
-            "e.g. 128x256x64s4"
+            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][c][e] with M even (N with "
+            "c), e.g. 128x256x64s4"
         )
-    block_m, block_n, tile_k, stages, width, in_flight, prefetch, _ = match.groups()
+    block_m, block_n, tile_k, stages, width, in_flight, prefetch, _, skip = match.groups()
     tile_m, tile_n = (
         (int(block_m), int(block_n) // 2) if split else (int(block_m) // 2, int(block_n))
     )
@@ -440,6 +444,7 @@ def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
     fields.update({} if width is None else {"grid_tile_width": int(width)})
     fields.update({} if in_flight is None else {"wgmma_in_flight": int(in_flight)})
     fields.update({} if prefetch is None else {"prefetch_across_tiles": True})
+    fields.update({} if skip is None else {"skip_empty_warpgroups": True})
     return kernels.MosaicGemmConfig(**fields)
 
 

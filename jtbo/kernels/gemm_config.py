@@ -146,6 +146,11 @@ class MosaicGemmConfig:
         than its two row halves, so a row tile is ``tile_m`` rows: each expert's rows are
         padded up to a multiple of ``tile_m`` rather than ``2 * tile_m``, and a CTA loads
         twice the weight bytes per product.
+      skip_empty_warpgroups: a compute warpgroup whose ``tile_m`` rows of a row tile are all
+        padding (an expert's last tile holding at most ``tile_m`` rows) issues no ``wgmma``
+        and stores nothing, so such a tile computes as a ``tile_m``-row one while the CTA
+        still loads its weights once; its unstored rows are never read. Not with
+        ``split_columns`` (both warpgroups then hold the same rows).
     """
 
     tile_m: int = 64
@@ -156,6 +161,7 @@ class MosaicGemmConfig:
     wgmma_in_flight: int = 0
     prefetch_across_tiles: bool = False
     split_columns: bool = False
+    skip_empty_warpgroups: bool = False
 
     def __post_init__(self):
         launch_checks.require_powers_of_two(self, ("tile_m", "tile_n", "tile_k"))
@@ -167,6 +173,11 @@ class MosaicGemmConfig:
             raise ValueError(
                 f"max_concurrent_steps ({self.max_concurrent_steps}) must exceed "
                 f"wgmma_in_flight ({self.wgmma_in_flight}): a step in flight holds its buffers"
+            )
+        if self.skip_empty_warpgroups and self.split_columns:
+            raise ValueError(
+                "skip_empty_warpgroups needs the warpgroups stacked by rows: with "
+                "split_columns both hold the same rows"
             )
 
     @property
@@ -180,15 +191,16 @@ class MosaicGemmConfig:
         return 2 * self.tile_n if self.split_columns else self.tile_n
 
     def describe(self) -> str:
-        """Short label for tables: ``MxNxK sS tT [fF] [p] [c]`` (M x N a CTA's tile, F the steps
-        in flight when not 0, ``p`` when the pipeline prefetches across tiles, ``c`` when the
-        warpgroups split the columns)."""
+        """Short label for tables: ``MxNxK sS tT [fF] [p] [c] [e]`` (M x N a CTA's tile, F the
+        steps in flight when not 0, ``p`` when the pipeline prefetches across tiles, ``c`` when
+        the warpgroups split the columns, ``e`` when empty warpgroups are skipped)."""
         in_flight = f" f{self.wgmma_in_flight}" if self.wgmma_in_flight else ""
         prefetch = " p" if self.prefetch_across_tiles else ""
         split = " c" if self.split_columns else ""
+        skip = " e" if self.skip_empty_warpgroups else ""
         return (
             f"{self.block_m}x{self.block_n}x{self.tile_k} s{self.max_concurrent_steps} "
-            f"t{self.grid_tile_width}{in_flight}{prefetch}{split}"
+            f"t{self.grid_tile_width}{in_flight}{prefetch}{split}{skip}"
         )
 
 

@@ -29,8 +29,13 @@ epilogue. The two CTAs
 of a cluster take neighbouring column tiles of the same row tile: the row tile is loaded
 once for both (``collective_axes``), the weight columns per CTA. With an odd number of
 column tiles the last pair's second CTA computes the last tile again and does not store it.
-A dead tile (expert -1) is skipped. The gate / up kernel keeps a gate and an up accumulator
-and writes ``silu(gate) * up`` in the input dtype; the down kernel writes its accumulator.
+A dead tile (expert -1) is skipped. With ``skip_empty_warpgroups`` so is a compute
+warpgroup whose ``tile_m`` rows of a live tile are all padding (``warpgroup_computes``: its
+first row holds no slot, ``slot_of_row``): it issues no ``wgmma`` and stores nothing, so an
+expert's last tile of at most ``tile_m`` rows costs the tensor cores half a tile, and at
+decode sizes nearly every tile does; its output rows are left unwritten, as a dead tile's
+are, and nothing reads them. The gate / up kernel keeps a gate and an up accumulator and
+writes ``silu(gate) * up`` in the input dtype; the down kernel writes its accumulator.
 """
 
 import functools
@@ -59,11 +64,12 @@ def smem_transforms(minor_elems: int, itemsize: int) -> tuple:
 
 def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg, num_col_tiles,
                          grid_size):  # fmt: skip
-    # tile_expert_gmem: [num_tiles] int32 expert of each row tile (-1: dead); refs: with
-    # cfg.prefetch_across_tiles first num_live_gmem, [1] int32 live tiles (a prefix); then
-    # a_gmem: [num_tiles * block_m, K] tile-major rows; b_gmem: [E, K, N_b] weights;
-    # out_gmem: [num_tiles * block_m, N] with N = num_col_tiles * block_n. Accumulator i reads
-    # the weight columns column_offsets[i] + (column tile) * block_n.
+    # tile_expert_gmem: [num_tiles] int32 expert of each row tile (-1: dead); refs: first the
+    # optional tile operands (tile_refs), then a_gmem: [num_tiles * block_m, K] tile-major
+    # rows; b_gmem: [E, K, N_b] weights; out_gmem: [num_tiles * block_m, N] with
+    # N = num_col_tiles * block_n. Accumulator i reads the weight columns
+    # column_offsets[i] + (column tile) * block_n.
+    num_live_gmem, row_slot_gmem = tile_refs(cfg, refs)
     a_gmem, b_gmem, out_gmem = refs[-3:]
     block_m, block_n, tile_k = cfg.block_m, cfg.block_n, cfg.tile_k
     num_tiles = tile_expert_gmem.shape[0]
@@ -105,18 +111,13 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
     )
     def _scope(allocations, out_smem):
         warpgroup = lax.axis_index(WARPGROUP)
-
-        def release_step(step):
-            # Every operand's stage buffers of contraction step ``step``, to the memory
-            # warpgroup (manual_release).
-            slot = lax.rem(step, cfg.max_concurrent_steps)
-            for barrier in allocations["flat_consumed_barrier_refs"]:
-                plgpu.barrier_arrive(barrier.at[slot])
+        release_step = functools.partial(_release_step, allocations, cfg.max_concurrent_steps)
 
         def visit(tile, col, stores, pipeline_state=None):
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
             wg_rows, wg_cols = warpgroup_part(cfg, warpgroup)
+            computes = warpgroup_computes(cfg, row_slot_gmem, tile, warpgroup)
 
             def compute_context(run_pipeline):
                 @functools.partial(
@@ -127,15 +128,23 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
                     if manual_release:  # the last step's buffers, before the epilogue
                         plgpu.wgmma_wait(0)
                         release_step(k_steps - 1)
-                    out = epilogue(*[acc[...] for acc in accs]).astype(out_gmem.dtype)
                     out_tile = out_gmem.at[rows, pl.ds(col * block_n, block_n)]
                     wg_out = out_tile.at[wg_rows, wg_cols]
-                    when_stored(stores, lambda: store_tile(out, out_smem, wg_out, warpgroup))
+
+                    def store():
+                        out = epilogue(*[acc[...] for acc in accs]).astype(out_gmem.dtype)
+                        store_tile(out, out_smem, wg_out, warpgroup)
+
+                    run_when(all_of(stores, computes), store)
 
             def mma(indices, a_smem, *rest):
                 b_smems, accs = rest[:num_acc], rest[-1]  # (manual: barriers between)
-                for b_smem, acc in zip(b_smems, accs, strict=True):
-                    plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
+
+                def products():
+                    for b_smem, acc in zip(b_smems, accs, strict=True):
+                        plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
+
+                run_when(computes, products)
                 # Each wgmma is one group: leaving this step's num_acc groups in flight
                 # waits for the previous step's, whose buffers are then released
                 # (delay_release or release_step); the epilogue's read of the accumulators
@@ -156,10 +165,18 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
             )  # fmt: skip
             run_unless_dead(run, expert, pipeline_state)
 
-        num_live = refs[0] if cfg.prefetch_across_tiles else None
-        walk(cfg, k_steps, num_tiles, num_col_tiles, grid_size, num_live, visit)
+        walk(cfg, k_steps, num_tiles, num_col_tiles, grid_size, num_live_gmem, visit)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _release_step(allocations, stages: int, step) -> None:
+    """Gives every operand's stage buffers of contraction step ``step`` back to the memory
+    warpgroup (the compute warpgroups' release when a pipeline of pipelines leaves a step's
+    ``wgmma`` in flight)."""
+    slot = lax.rem(step, stages)
+    for barrier in allocations["flat_consumed_barrier_refs"]:
+        plgpu.barrier_arrive(barrier.at[slot])
 
 
 def walk(cfg, k_steps: int, num_tiles: int, num_col_tiles: int, grid_size: int, num_live_gmem,
@@ -202,7 +219,7 @@ def walk_tiles(num_tiles: int, num_col_tiles: int, grid_tile_width: int, visit) 
 
     With an odd number of column tiles the last pair has one: its second CTA still runs the
     pipeline (the cluster loads the row tile for both) over the last column tile again, and
-    must not store it. ``stores`` is then a traced bool, false for that CTA (``when_stored``);
+    must not store it. ``stores`` is then a traced bool, false for that CTA (``run_when``);
     with an even number it is None (every CTA stores).
     """
     pairs = arith.ceil_div(num_col_tiles, 2)
@@ -263,12 +280,30 @@ def warpgroup_part(cfg: gemm_config.MosaicGemmConfig, warpgroup):
     return pl.ds(warpgroup * cfg.tile_m, cfg.tile_m), slice(None)
 
 
-def when_stored(stores, store) -> None:
-    """Runs ``store()``, under ``pl.when(stores)`` unless ``stores`` is None (``walk_tiles``)."""
-    if stores is None:
-        store()
+def warpgroup_computes(cfg: gemm_config.MosaicGemmConfig, row_slot_gmem, tile, warpgroup):
+    """Whether compute warpgroup ``warpgroup`` has rows to compute in row tile ``tile``: a
+    traced bool where ``cfg`` skips empty warpgroups (its first row holds a slot: a tile's
+    rows are filled from its first), else None (it always computes)."""
+    if not cfg.skip_empty_warpgroups:
+        return None
+    # Every warpgroup visits the tile; the memory warpgroup (index 2) reads the second
+    # compute warpgroup's row, inside the tile, and computes nothing with it.
+    half = jnp.minimum(warpgroup, 1)
+    return row_slot_gmem[tile * cfg.block_m + half * cfg.tile_m] >= 0
+
+
+def all_of(*conditions):
+    """The conjunction of the traced bools among ``conditions``; None when all are None."""
+    present = [condition for condition in conditions if condition is not None]
+    return functools.reduce(jnp.logical_and, present) if present else None
+
+
+def run_when(condition, fn) -> None:
+    """Runs ``fn()``, under ``pl.when(condition)`` unless ``condition`` is None (always)."""
+    if condition is None:
+        fn()
     else:
-        pl.when(stores)(store)
+        pl.when(condition)(fn)
 
 
 def store_tile(out, out_smem, wg_out, warpgroup) -> None:
@@ -320,8 +355,8 @@ def tiles(hidden: int, ffn: int, cfg: gemm_config.MosaicFfnConfig) -> bool:
     return _fits(ffn, hidden, cfg.gate_up) and _fits(hidden, ffn, cfg.down)
 
 
-def _grouped_matmul(tile_expert, a_rows, weights, *, out_cols, column_offsets, epilogue, cfg,
-                    interpret):  # fmt: skip
+def _grouped_matmul(tile_expert, slot_of_row, a_rows, weights, *, out_cols, column_offsets,
+                    epilogue, cfg, interpret):  # fmt: skip
     """``[num_tiles * block_m, out_cols]``: each live row tile times its expert's weights."""
     if not _fits(out_cols, a_rows.shape[1], cfg):
         raise impls.KernelUnavailableError(
@@ -333,16 +368,30 @@ def _grouped_matmul(tile_expert, a_rows, weights, *, out_cols, column_offsets, e
         num_col_tiles=out_cols // cfg.block_n, grid_size=num_clusters(interpret),
     )  # fmt: skip
     out_type = jax.ShapeDtypeStruct((a_rows.shape[0], out_cols), a_rows.dtype)
-    operands = (*tile_operands(tile_expert, cfg), a_rows, weights)
+    operands = (*tile_operands(tile_expert, slot_of_row, cfg), a_rows, weights)
     return persistent_kernel(body, out_type, interpret)(*operands)
 
 
-def tile_operands(tile_expert: jax.Array, cfg: gemm_config.MosaicGemmConfig) -> tuple:
-    """A kernel's first operands: ``(tile_expert,)``, and where ``cfg`` prefetches across tiles
-    the live tiles' count ``[1]`` int32 too (they are a prefix: ``tile_table.row_tiles``)."""
-    if not cfg.prefetch_across_tiles:
-        return (tile_expert,)
-    return tile_expert, jnp.sum(tile_expert >= 0, dtype=jnp.int32)[None]
+def tile_operands(tile_expert: jax.Array, slot_of_row: jax.Array,
+                  cfg: gemm_config.MosaicGemmConfig) -> tuple:  # fmt: skip
+    """A kernel's first operands: ``tile_expert``; where ``cfg`` prefetches across tiles the
+    live tiles' count ``[1]`` int32 (they are a prefix: ``tile_table.row_tiles``); where it
+    skips empty warpgroups ``slot_of_row`` (``tile_rows``). ``tile_refs`` takes them apart."""
+    operands = [tile_expert]
+    if cfg.prefetch_across_tiles:
+        operands.append(jnp.sum(tile_expert >= 0, dtype=jnp.int32)[None])
+    if cfg.skip_empty_warpgroups:
+        operands.append(slot_of_row)
+    return tuple(operands)
+
+
+def tile_refs(cfg: gemm_config.MosaicGemmConfig, refs) -> tuple:
+    """``(num_live_gmem, row_slot_gmem)`` from a kernel body's refs after ``tile_expert``
+    (``tile_operands``' optional operands; None for one ``cfg`` does not take)."""
+    optional = iter(refs)
+    num_live_gmem = next(optional) if cfg.prefetch_across_tiles else None
+    row_slot_gmem = next(optional) if cfg.skip_empty_warpgroups else None
+    return num_live_gmem, row_slot_gmem
 
 
 def persistent_kernel(body, out_type, interpret: bool):
@@ -415,12 +464,12 @@ def grouped_ffn_mosaic(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, int
     source_rows, source = slot_rows.flat_slot_source(x_slots, slot_of_row)
     rows = tile_gather.gather_tiles(source_rows, unfused(source), tile_expert, block_m)
     hidden_rows = _grouped_matmul(
-        tile_expert, rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn),
+        tile_expert, slot_of_row, rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn),
         out_cols=ffn, column_offsets=(0, ffn), epilogue=_swiglu, cfg=cfg.gate_up,
         interpret=interpret,
     )  # fmt: skip
     out_rows = _grouped_matmul(
-        tile_expert, hidden_rows, w_down, out_cols=w_down.shape[2],
+        tile_expert, slot_of_row, hidden_rows, w_down, out_cols=w_down.shape[2],
         column_offsets=(0,), epilogue=_identity, cfg=cfg.down, interpret=interpret,
     )  # fmt: skip
     return slot_rows.SlotRows(out_rows, row_of_slot)

@@ -125,6 +125,11 @@ def test_mosaic_spec_parses_per_kernel_configs():
         256,
         True,
     )
+    skipping = grouped_gemm.mosaic_config("128x128x64s4f1e/128x256x64pe")
+    assert skipping.gate_up.skip_empty_warpgroups and skipping.down.skip_empty_warpgroups
+    assert skipping.down.prefetch_across_tiles and skipping.gate_up.block_m == 128
+    with pytest.raises(ValueError, match="skip_empty_warpgroups needs"):
+        grouped_gemm.mosaic_config("64x256x64ce")
     for spec in ("127x64x64", "64x129x64c"):  # M odd; N odd with c
         with pytest.raises(ValueError, match="MxNxK"):
             grouped_gemm.mosaic_config(spec)
@@ -176,6 +181,8 @@ def test_computed_rows_round_each_experts_rows_up_to_the_mosaic_row_tile():
     assert rows("pallas", fp8=False) == rows("dense", fp8=False) == 335
     assert rows("mosaic", fp8=False) == rows("mosaic", fp8=True) == (2 + 1 + 2) * 128
     assert rows("mosaic:64x128x64c/64x256x64c", fp8=False) == (3 + 1 + 3) * 64
+    # Skipping empty warpgroups: 128-row tiles computing 64-row halves.
+    assert rows("mosaic:128x128x64e/128x256x64e", fp8=False) == (3 + 1 + 3) * 64
 
 
 def test_capacity_and_dropped_pairs():

@@ -66,13 +66,20 @@ PREFETCHING = gemm_config.MosaicFfnConfig(
 SPLIT_COLUMNS = helpers.both_kernels(IN_FLIGHT, split_columns=True)
 
 
+# And with a warpgroup whose rows of a tile are all padding computing and storing nothing.
+SKIP_EMPTY = helpers.both_kernels(IN_FLIGHT, skip_empty_warpgroups=True)
+
+
 @pytest.mark.parametrize(
-    "config", [SMALL, IN_FLIGHT, SPLIT_COLUMNS], ids=["waited", "in_flight", "split_columns"]
+    "config",
+    [SMALL, IN_FLIGHT, SPLIT_COLUMNS, SKIP_EMPTY],
+    ids=["waited", "in_flight", "split_columns", "skip_empty_warpgroups"],
 )
 def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
     # A partial second tile whose second warpgroup holds only padding (130 = 128 + 2), an
     # empty expert, a full one whose second tile's second warpgroup holds 8 rows (200); split
-    # by columns, partial third and fourth tiles of 2 and 8 rows.
+    # by columns, partial third and fourth tiles of 2 and 8 rows. Skipping empty warpgroups,
+    # the first expert's second tile runs one warpgroup, the last expert's two.
     counts = jnp.array([130, 0, C], jnp.int32)
     x = jax.random.normal(jax.random.key(0), (E, C, H), DTYPE)
     out = kernels.grouped_ffn(x, counts, *_weights(1), impl="mosaic", config=config)
@@ -86,13 +93,16 @@ def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
         ([200, 130, 200], PREFETCHING),
         ([5, 0, 0], PREFETCHING),
         ([200, 130, 200], helpers.both_kernels(PREFETCHING, split_columns=True)),
+        ([60, 130, 200], helpers.both_kernels(PREFETCHING, skip_empty_warpgroups=True)),
     ],
-    ids=["three_tiles_a_cluster", "one_tile", "split_columns"],
+    ids=["three_tiles_a_cluster", "one_tile", "split_columns", "skip_empty_warpgroups"],
 )
 def test_prefetching_across_tiles_matches_the_reference(counts, config):
     # Six live tiles over the interpreter's two clusters: each runs a pipeline of three
     # (start, steady, stop); one live tile: one cluster runs a whole pipeline, one none; split
-    # by columns, eleven 64-row tiles: pipelines of six and five.
+    # by columns, eleven 64-row tiles: pipelines of six and five. Skipping empty warpgroups,
+    # five tiles of which two run one warpgroup (60 rows, and 130's second tile), inside one
+    # pipeline whose other tiles run two.
     counts = jnp.array(counts, jnp.int32)
     x = jax.random.normal(jax.random.key(2), (E, C, H), DTYPE)
     out = kernels.grouped_ffn(x, counts, *_weights(3), impl="mosaic", config=config)
@@ -205,7 +215,8 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
             x, counts, w_gate_up, w_down, max_rows=2048, cfg=cfg, interpret=False
         ).rows
 
-    for cfg in (gemm_config.MOSAIC_FFN, waited, gate_up_prefetching, split):
+    skipping = helpers.both_kernels(gemm_config.MOSAIC_FFN, skip_empty_warpgroups=True)
+    for cfg in (gemm_config.MOSAIC_FFN, waited, gate_up_prefetching, split, skipping):
         hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
         assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
     # The down kernel's 22 (1408 / 64) do not fill stages of 4.
@@ -243,6 +254,10 @@ def test_launch_shapes_are_checked():
     split = gemm_config.MosaicGemmConfig(tile_n=128, split_columns=True)
     assert (split.block_m, split.block_n) == (64, 256)
     assert split.describe() == "64x256x64 s4 t4 c"
+    skipping = gemm_config.MosaicGemmConfig(skip_empty_warpgroups=True)
+    assert skipping.describe() == "128x256x64 s4 t4 e"
+    with pytest.raises(ValueError, match="skip_empty_warpgroups needs the warpgroups stacked"):
+        gemm_config.MosaicGemmConfig(split_columns=True, skip_empty_warpgroups=True)
     assert prefetching.describe().endswith(" f1 p")
 
 

@@ -37,6 +37,8 @@ SMALL = gemm_config.MosaicFfnConfig(
 SPLIT_COLUMNS = helpers.both_kernels(SMALL, split_columns=True)
 SPLIT_COLUMNS_PREFETCHING = helpers.both_kernels(SPLIT_COLUMNS, prefetch_across_tiles=True)
 PREFETCHING = helpers.both_kernels(SMALL, prefetch_across_tiles=True)
+SKIP_EMPTY = helpers.both_kernels(SMALL, skip_empty_warpgroups=True)
+SKIP_EMPTY_PREFETCHING = helpers.both_kernels(PREFETCHING, skip_empty_warpgroups=True)
 CASES = {
     "64-blocks": (128, 128, SMALL_BLOCK, SMALL),
     "128-blocks": (256, 256, (128, 128), gemm_config.MOSAIC_FFN_FP8),
@@ -50,6 +52,10 @@ CASES = {
     "split_columns": (128, 256, SMALL_BLOCK, SPLIT_COLUMNS),
     # Both: the down kernel's pipelines then hold the odd column tile's unstored visits.
     "split_columns_prefetching": (128, 256, SMALL_BLOCK, SPLIT_COLUMNS_PREFETCHING),
+    # A warpgroup whose rows of a tile are all padding computes and stores nothing: 130's
+    # second tile runs one warpgroup (its sums stay zero), 200's two; alone and in pipelines.
+    "skip_empty_warpgroups": (128, 256, SMALL_BLOCK, SKIP_EMPTY),
+    "skip_empty_warpgroups_prefetching": (128, 256, SMALL_BLOCK, SKIP_EMPTY_PREFETCHING),
 }
 # As the Pallas FP8 kernels' test: the rows are quantized bit for bit, the hidden rows summed
 # in another order, so a hidden value on a rounding boundary may land on its neighbour.
@@ -213,7 +219,8 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
             gate_up=dataclasses.replace(gate_up, split_columns=True, max_concurrent_steps=2),
             down=dataclasses.replace(down, split_columns=True),
         )
-        for cfg in (prefetching, split):
+        skipping = helpers.both_kernels(gemm_config.MOSAIC_FFN_FP8, skip_empty_warpgroups=True)
+        for cfg in (prefetching, split, skipping):
             hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
             assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
 
