@@ -15,7 +15,8 @@
 # prefetch (the Mosaic kernels' one pipeline over a CTA's tiles, against the default),
 # split-columns (the Mosaic kernels' 64-row tiles, warpgroups side by side, against the default),
 # fp8-mosaic-decode / fp8-mosaic-prefill (the FP8 Mosaic kernels' one pipeline over a CTA's
-# tiles and 64-row tiles, against the default).
+# tiles and 64-row tiles, against the default), skip-empty (warpgroups of padding rows
+# skipping their work, FP8 and bf16, at decode sizes and FP8 prefill).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -156,6 +157,24 @@ for group in "$@"; do
       impls=pallas,mosaic,mosaic:64x256x128s2c/64x256x128s4c,mosaic:64x256x128s2pc/64x256x128s3pc
       LIMIT=150 bench fp8-decode-qwen3 10 grouped_gemm --preset qwen3-30b-a3b $fp8 \
         --tokens 64,256 --impls "$impls" --layers-per-call 8 ;;
+    skip-empty)  # a warpgroup whose rows of a tile are all padding skipping its wgmma and its
+      # store (spec e): FP8 decode stacks (where a 128-row tile's products may outlast its
+      # loads), alone and prefetching; bf16 at decode; FP8 at Qwen3-30B-A3B's prefill
+      fp8="--expert-dtype float8_e4m3fn"
+      impls=mosaic,mosaic:128x128x128s4e,mosaic:128x128x128s4pe
+      LIMIT=200 bench skip-fp8-decode-dsv3 10 grouped_gemm --preset deepseek-v3 $fp8 \
+        --tokens 64,256 --impls "$impls" --layers-per-call 8
+      LIMIT=150 bench skip-fp8-decode-mixtral 10 grouped_gemm --preset mixtral-8x7b $fp8 \
+        --tokens 128,256 --impls "$impls" --layers-per-call 8
+      impls=pallas,mosaic,mosaic:128x128x128s4e,mosaic:128x128x128s4pe/128x128x128s3pe
+      LIMIT=150 bench skip-fp8-decode-qwen3 12 grouped_gemm --preset qwen3-30b-a3b $fp8 \
+        --tokens 64,256 --impls "$impls" --layers-per-call 8
+      LIMIT=150 bench skip-bf16-decode-qwen3 10 grouped_gemm --preset qwen3-30b-a3b \
+        --tokens 64,256 --impls pallas,mosaic,mosaic:128x128x64s4f1e/128x256x64s4f1e \
+        --layers-per-call 8
+      LIMIT=150 bench skip-fp8-prefill-qwen3 8 grouped_gemm --preset qwen3-30b-a3b $fp8 \
+        --tokens 4096 --impls dense,mosaic,mosaic:128x128x128s4e --no-copy-ceiling \
+        --check-rows 16 ;;
     fp8-mosaic-prefill)  # the same at Qwen3-30B-A3B's FP8 prefill, beside bf16's yardstick
       impls=dense,mosaic,mosaic:128x128x128s4p/128x128x128s3p,mosaic:64x256x128s2c/64x256x128s4c
       LIMIT=200 bench fp8-prefill-qwen3 14 grouped_gemm --preset qwen3-30b-a3b \
@@ -173,7 +192,7 @@ for group in "$@"; do
       echo "(exit $?)"; grep "runner_host\|wrote" "$OUT/runner-host.log" ;;
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
-      "prefetch, split-columns, fp8-mosaic-decode, fp8-mosaic-prefill)"
+      "prefetch, split-columns, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty)"
       exit 2 ;;
   esac
 done
