@@ -16,7 +16,8 @@
 # split-columns (the Mosaic kernels' 64-row tiles, warpgroups side by side, against the default),
 # fp8-mosaic-decode / fp8-mosaic-prefill (the FP8 Mosaic kernels' one pipeline over a CTA's
 # tiles and 64-row tiles, against the default), skip-empty (warpgroups of padding rows
-# skipping their work, FP8 and bf16, at decode sizes and FP8 prefill).
+# skipping their work, FP8 and bf16, at decode sizes, FP8 prefill and bf16 prefill with
+# prefetching).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -174,7 +175,12 @@ for group in "$@"; do
         --layers-per-call 8
       LIMIT=150 bench skip-fp8-prefill-qwen3 8 grouped_gemm --preset qwen3-30b-a3b $fp8 \
         --tokens 4096 --impls dense,mosaic,mosaic:128x128x128s4e --no-copy-ceiling \
-        --check-rows 16 ;;
+        --check-rows 16
+      # bf16 prefill: prefetching with a step in flight, with and without skipping
+      impls=dense,mosaic,mosaic:128x128x64s4f1p/128x256x64s4f1p
+      impls+=,mosaic:128x128x64s4f1pe/128x256x64s4f1pe
+      LIMIT=170 bench skip-bf16-prefill-qwen3 14 grouped_gemm --preset qwen3-30b-a3b \
+        --tokens 4096,16384 --impls "$impls" --no-copy-ceiling --check-rows 16 ;;
     fp8-mosaic-prefill)  # the same at Qwen3-30B-A3B's FP8 prefill, beside bf16's yardstick
       impls=dense,mosaic,mosaic:128x128x128s4p/128x128x128s3p,mosaic:64x256x128s2c/64x256x128s4c
       LIMIT=200 bench fp8-prefill-qwen3 14 grouped_gemm --preset qwen3-30b-a3b \
