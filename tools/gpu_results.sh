@@ -17,7 +17,8 @@
 # fp8-mosaic-decode / fp8-mosaic-prefill (the FP8 Mosaic kernels' one pipeline over a CTA's
 # tiles and 64-row tiles, against the default), skip-empty (warpgroups of padding rows
 # skipping their work, FP8 and bf16, at decode sizes, FP8 prefill and bf16 prefill with
-# prefetching).
+# prefetching), sampler (the sampled step's sort on integer keys against float keys, and a
+# sampled against a greedy serve).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -186,6 +187,16 @@ for group in "$@"; do
       LIMIT=200 bench fp8-prefill-qwen3 14 grouped_gemm --preset qwen3-30b-a3b \
         --expert-dtype float8_e4m3fn --tokens 4096,16384 --impls "$impls" --no-copy-ceiling \
         --check-rows 16 ;;
+    sampler)  # the sampler's sort on integer keys against float keys (which compiled sort each
+      # runs), then a sampled and a greedy serve at Qwen3-30B-A3B's dimensions
+      echo "== PYTHONPATH=. python tools/sampler_sort_probe.py"
+      PYTHONPATH=. timeout "${LIMIT:-200}" python3 tools/sampler_sort_probe.py \
+        >"$OUT/sampler-sort.log" 2>&1
+      echo "(exit $?)"; grep "^|\|^device" "$OUT/sampler-sort.log"
+      for temperature in 0.7 0; do
+        LIMIT=240 bench "serve-t$temperature" 8 serve --hf-config tools/hf_configs/qwen3_30b_a3b.json \
+          --num-layers 8 --prompts 64 --temperature "$temperature" --top-p 0.9
+      done ;;
     ranks)  # the expert layer with blocked group ranks against the one-hot ranks, in turns
       echo "== PYTHONPATH=. python tools/layer_ranks_probe.py"
       PYTHONPATH=. timeout "${LIMIT:-250}" python3 tools/layer_ranks_probe.py >"$OUT/ranks.log" 2>&1
@@ -198,7 +209,7 @@ for group in "$@"; do
       echo "(exit $?)"; grep "runner_host\|wrote" "$OUT/runner-host.log" ;;
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
-      "prefetch, split-columns, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty)"
+      "prefetch, split-columns, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty, sampler)"
       exit 2 ;;
   esac
 done

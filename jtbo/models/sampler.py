@@ -88,14 +88,12 @@ def sample_rows(logits, temperature, top_p, uniforms, *, greedy_only: bool = Fal
     greedy = temperature == 0
     safe_temperature = jnp.where(greedy, 1.0, temperature)  # greedy rows: a harmless 1
     probs = jax.nn.softmax(logits / safe_temperature[..., None], axis=-1)  # [..., V]
-    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, probs.shape, probs.ndim - 1)
-    negated, order = jax.lax.sort(
-        (-probs, vocab_ids), dimension=probs.ndim - 1, is_stable=True, num_keys=1
-    )
-    sorted_probs = -negated  # [..., V] descending; order[..., i]: vocabulary id of position i
+    # sorted_probs [..., V] descending; order[..., i]: the vocabulary id at sorted position i
+    sorted_probs, order = sort_descending(probs)
     inclusive = jnp.cumsum(sorted_probs, axis=-1)
     before = jnp.concatenate([jnp.zeros_like(inclusive[..., :1]), inclusive[..., :-1]], axis=-1)
-    first = vocab_ids == 0  # the iota, read along the sorted axis: position 0 always stays
+    positions = jax.lax.broadcasted_iota(jnp.int32, probs.shape, probs.ndim - 1)
+    first = positions == 0  # position 0 always stays
     keep = (before < top_p[..., None]) | first  # a prefix of the sorted tokens
     kept_cumulative = jnp.cumsum(jnp.where(keep, sorted_probs, 0.0), axis=-1)
     kept_mass = kept_cumulative[..., -1]  # [...]
@@ -110,6 +108,30 @@ def sample_rows(logits, temperature, top_p, uniforms, *, greedy_only: bool = Fal
     chosen = jnp.clip(num_below, 0, jnp.maximum(num_candidates - 1, 0))  # sorted position
     sampled = jnp.take_along_axis(order, chosen[..., None], axis=-1)[..., 0]
     return jnp.where(greedy, greedy_tokens, sampled)
+
+
+def sort_descending(probs) -> tuple[jax.Array, jax.Array]:
+    """Each row's probabilities in descending order, stably, with their vocabulary ids.
+
+    The sort runs on integer keys: a non-negative float's bit pattern grows with its value, so
+    the inverted bit patterns in ascending order are the probabilities in descending order,
+    and inverting the sorted keys back gives the same floats. A key-value sort of unsigned
+    keys compares them with a single ``<``, which XLA's GPU compiler hands to CUB's radix sort;
+    float keys compare in NumPy's total order, which it sorts with its own kernel when values
+    come with them.
+
+    Args:
+      probs: ``[..., V]`` float32 probabilities, all ``>= 0`` (a NaN sorts first).
+
+    Returns:
+      ``(sorted_probs [..., V] float32, order [..., V] int32)``: the probabilities from the
+      largest, equal ones in vocabulary order, and the vocabulary id at each position.
+    """
+    axis = probs.ndim - 1
+    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, probs.shape, axis)
+    keys = jnp.invert(jax.lax.bitcast_convert_type(probs, jnp.uint32))
+    sorted_keys, order = jax.lax.sort((keys, vocab_ids), dimension=axis, is_stable=True)
+    return jax.lax.bitcast_convert_type(jnp.invert(sorted_keys), jnp.float32), order
 
 
 def token_logprobs(logits, tokens) -> jax.Array:

@@ -109,6 +109,32 @@ def test_greedy_only_skips_the_sort():
     assert "sort" not in greedy and "cumsum" not in greedy
 
 
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), scale=st.sampled_from([0.5, 8.0, 200.0]))
+def test_sort_descending_is_numpys_stable_argsort_of_the_negated_probabilities(seed, scale):
+    # bf16 logits take few distinct values, so many probabilities tie; a scale of 200 makes
+    # most of them underflow to exactly 0.
+    rng = np.random.default_rng(seed)
+    logits = jnp.asarray(rng.normal(size=(3, 257)) * scale, jnp.bfloat16).astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    sorted_probs, order = jax.jit(sampler.sort_descending)(probs)
+    want_order = np.argsort(-np.asarray(probs), axis=-1, kind="stable")
+    np.testing.assert_array_equal(order, want_order)
+    want = np.take_along_axis(np.asarray(probs), want_order, axis=-1)
+    np.testing.assert_array_equal(np.asarray(sorted_probs).view(np.uint32), want.view(np.uint32))
+
+
+def test_the_sort_compares_unsigned_keys_with_one_less_than():
+    # The comparator form that XLA's GPU compiler can run as a CUB radix sort of key-value
+    # pairs: one `<` of two unsigned scalars (float keys compare in NumPy's total order).
+    probs = jnp.ones((2, 16), jnp.float32) / 16
+    hlo = jax.jit(sampler.sort_descending).lower(probs).compiler_ir("hlo").as_hlo_text()
+    comparator = hlo.split("ENTRY")[0]
+    assert "u32[] parameter(0)" in comparator and "u32[] parameter(1)" in comparator
+    assert comparator.count("compare(") == 1 and "direction=LT" in comparator
+    assert "order=TOTAL" not in comparator
+
+
 def _assert_both_sample(logits, temperature, top_p, uniforms, want) -> None:
     """The device sampler and the numpy reference both draw ``want``."""
     got = sampler.sample_rows(logits, temperature, top_p, uniforms)
