@@ -18,7 +18,7 @@
 # tiles and 64-row tiles, against the default), skip-empty (warpgroups of padding rows
 # skipping their work, FP8 and bf16, at decode sizes, FP8 prefill and bf16 prefill with
 # prefetching), sampler (the sampled step's sort on integer keys against float keys, and a
-# sampled against a greedy serve).
+# sampled against a greedy serve), memory-registers (the memory warpgroup's registers).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -187,6 +187,17 @@ for group in "$@"; do
       LIMIT=200 bench fp8-prefill-qwen3 14 grouped_gemm --preset qwen3-30b-a3b \
         --expert-dtype float8_e4m3fn --tokens 4096,16384 --impls "$impls" --no-copy-ceiling \
         --check-rows 16 ;;
+    memory-registers)  # the memory warpgroup's registers (spec r): those where ptxas spills
+      # least on the CPU (tools/mosaic_ptxas_report.py) against the default 40
+      LIMIT=170 bench registers-bf16-qwen3 10 grouped_gemm --preset qwen3-30b-a3b \
+        --tokens 4096,16384 --impls dense,mosaic,mosaic:128x128x64s4f1r72/128x256x64s4f1r72 \
+        --no-copy-ceiling --check-rows 16
+      impls=mosaic,mosaic:128x128x128s4/128x128x128s4r104,mosaic:128x128x128s4r72/128x128x128s4r104
+      LIMIT=170 bench registers-fp8-qwen3 10 grouped_gemm --preset qwen3-30b-a3b \
+        --expert-dtype float8_e4m3fn --tokens 4096 --impls "dense,$impls" --no-copy-ceiling \
+        --check-rows 16
+      LIMIT=200 bench registers-fp8-dsv3 8 grouped_gemm --preset deepseek-v3 \
+        --expert-dtype float8_e4m3fn --tokens 256 --impls "$impls" --layers-per-call 8 ;;
     sampler)  # the sampler's sort on integer keys against float keys (which compiled sort each
       # runs), then a sampled and a greedy serve at Qwen3-30B-A3B's dimensions
       echo "== PYTHONPATH=. python tools/sampler_sort_probe.py"
@@ -209,7 +220,8 @@ for group in "$@"; do
       echo "(exit $?)"; grep "runner_host\|wrote" "$OUT/runner-host.log" ;;
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
-      "prefetch, split-columns, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty, sampler)"
+      "prefetch, split-columns, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty, sampler," \
+      "memory-registers)"
       exit 2 ;;
   esac
 done

@@ -48,12 +48,13 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
 * ``mosaic``: ``experts_capacity`` with ``impl="mosaic"``: the Hopper kernels (Pallas Mosaic
   GPU, ``jtbo.kernels.grouped_gemm_mosaic``) over the same filled slots, gathered into
   tile-major rows first; the layer reads its result through the rows' slot index.
-  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][p][c][e]`` for both kernels
+  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][p][c][e][rR]`` for both kernels
   or ``GATE_UP/DOWN`` (row tile x columns per CTA x contraction step, pipeline stages, row
   tiles walked together, steps whose ``wgmma`` stays in flight, ``p``: one pipeline over
   all of a CTA's tiles, the next tile's loads under the current tile's end, ``c``: the two
   warpgroups split the CTA's columns, not its rows, ``e``: a warpgroup whose rows of a tile
-  are all padding skips its ``wgmma`` and its store), e.g.
+  are all padding skips its ``wgmma`` and its store, ``rR``: the memory warpgroup keeps R
+  registers a thread), e.g.
   ``mosaic:128x128x64s4/128x256x64s4f1``. It is checked and
   followed by a ``mosaic (kernel)`` row as ``pallas`` is.
 * ``dense``: the yardstick of the ``vs dense`` target, not a routed layer: one dense SwiGLU
@@ -414,16 +415,18 @@ def pallas_config(variant: str) -> kernels.GroupedFfnConfig | None:
     return _two_kernels(variant, parse_gemm_config, kernels.GroupedFfnConfig)
 
 
-_MOSAIC_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?(c)?(e)?")
+_MOSAIC_SPEC = re.compile(
+    r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?(c)?(e)?(?:r(\d+))?"
+)
 
 
 def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
-    """``MxNxK[sS][tT][fF][p][c][e]`` -> ``MosaicGemmConfig``: M x N a CTA's tile (two
+    """``MxNxK[sS][tT][fF][p][c][e][rR]`` -> ``MosaicGemmConfig``: M x N a CTA's tile (two
     warpgroups of M / 2 rows each, or with ``c`` of N / 2 columns each), K the contraction
     step, S the pipeline stages, T the row tiles walked together, F the steps' ``wgmma`` left
     in flight, ``p`` the pipeline prefetches across tiles, ``c`` the warpgroups split the
-    columns, ``e`` a warpgroup with only padding rows skips its work (omitted parts keep the
-    defaults).
+    columns, ``e`` a warpgroup with only padding rows skips its work, R the memory
+    warpgroup's registers (omitted parts keep the defaults).
 
     Raises:
       ValueError: a spec that does not match, or values ``MosaicGemmConfig`` rejects.
@@ -432,10 +435,12 @@ def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
     split = match is not None and match.group(8) is not None
     if match is None or int(match.group(2 if split else 1)) % 2:
         raise ValueError(
-            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][c][e] with M even (N with "
+            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][c][e][rR] with M even (N with "
             "c), e.g. 128x256x64s4"
         )
-    block_m, block_n, tile_k, stages, width, in_flight, prefetch, _, skip = match.groups()
+    block_m, block_n, tile_k, stages, width, in_flight, prefetch, _, skip, registers = (
+        match.groups()
+    )
     tile_m, tile_n = (
         (int(block_m), int(block_n) // 2) if split else (int(block_m) // 2, int(block_n))
     )
@@ -445,6 +450,7 @@ def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
     fields.update({} if in_flight is None else {"wgmma_in_flight": int(in_flight)})
     fields.update({} if prefetch is None else {"prefetch_across_tiles": True})
     fields.update({} if skip is None else {"skip_empty_warpgroups": True})
+    fields.update({} if registers is None else {"memory_registers": int(registers)})
     return kernels.MosaicGemmConfig(**fields)
 
 

@@ -26,6 +26,9 @@ from jtbo.kernels import launch_checks
 
 MIN_DOT_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16
 MOSAIC_EPILOGUE_TILE = 64  # rows and columns of one output store of the Mosaic GPU kernels
+# Registers a thread of the Mosaic kernels' memory warpgroup keeps: Mosaic GPU's suggestion for
+# H100-class GPUs.
+MOSAIC_MEMORY_REGISTERS = 40
 
 
 def dot_tiles(dim: int) -> bool:
@@ -151,6 +154,9 @@ class MosaicGemmConfig:
         and stores nothing, so such a tile computes as a ``tile_m``-row one while the CTA
         still loads its weights once; its unstored rows are never read. Not with
         ``split_columns`` (both warpgroups then hold the same rows).
+      memory_registers: registers a thread of the memory warpgroup keeps (``setmaxnreg``); the
+        two compute warpgroups share the rest of the register file (232 each at 40). A
+        multiple of 8 in ``[24, 256]``.
     """
 
     tile_m: int = 64
@@ -162,6 +168,7 @@ class MosaicGemmConfig:
     prefetch_across_tiles: bool = False
     split_columns: bool = False
     skip_empty_warpgroups: bool = False
+    memory_registers: int = MOSAIC_MEMORY_REGISTERS
 
     def __post_init__(self):
         launch_checks.require_powers_of_two(self, ("tile_m", "tile_n", "tile_k"))
@@ -173,6 +180,11 @@ class MosaicGemmConfig:
             raise ValueError(
                 f"max_concurrent_steps ({self.max_concurrent_steps}) must exceed "
                 f"wgmma_in_flight ({self.wgmma_in_flight}): a step in flight holds its buffers"
+            )
+        if self.memory_registers % 8 or not 24 <= self.memory_registers <= 256:
+            raise ValueError(
+                f"memory_registers must be a multiple of 8 in [24, 256] (setmaxnreg), got "
+                f"{self.memory_registers}"
             )
         if self.skip_empty_warpgroups and self.split_columns:
             raise ValueError(
@@ -191,16 +203,19 @@ class MosaicGemmConfig:
         return 2 * self.tile_n if self.split_columns else self.tile_n
 
     def describe(self) -> str:
-        """Short label for tables: ``MxNxK sS tT [fF] [p] [c] [e]`` (M x N a CTA's tile, F the
-        steps in flight when not 0, ``p`` when the pipeline prefetches across tiles, ``c`` when
-        the warpgroups split the columns, ``e`` when empty warpgroups are skipped)."""
+        """Short label for tables: ``MxNxK sS tT [fF] [p] [c] [e] [rR]`` (M x N a CTA's tile, F
+        the steps in flight when not 0, ``p`` when the pipeline prefetches across tiles, ``c``
+        when the warpgroups split the columns, ``e`` when empty warpgroups are skipped, R the
+        memory warpgroup's registers when not the default)."""
         in_flight = f" f{self.wgmma_in_flight}" if self.wgmma_in_flight else ""
         prefetch = " p" if self.prefetch_across_tiles else ""
         split = " c" if self.split_columns else ""
         skip = " e" if self.skip_empty_warpgroups else ""
+        registers = self.memory_registers
+        registers = f" r{registers}" if registers != MOSAIC_MEMORY_REGISTERS else ""
         return (
             f"{self.block_m}x{self.block_n}x{self.tile_k} s{self.max_concurrent_steps} "
-            f"t{self.grid_tile_width}{in_flight}{prefetch}{split}{skip}"
+            f"t{self.grid_tile_width}{in_flight}{prefetch}{split}{skip}{registers}"
         )
 
 

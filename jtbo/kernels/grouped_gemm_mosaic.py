@@ -93,8 +93,8 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
             memory_space=plgpu.SMEM, delay_release=delay_release,
         )  # fmt: skip
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(k_steps,), memory_registers=40, in_specs=[a_spec] + [b_spec] * num_acc,
-            wg_axis=WARPGROUP, num_compute_wgs=2,
+            body, grid=(k_steps,), memory_registers=cfg.memory_registers,
+            in_specs=[a_spec] + [b_spec] * num_acc, wg_axis=WARPGROUP, num_compute_wgs=2,
             max_concurrent_steps=cfg.max_concurrent_steps, compute_context=compute_context,
             pipeline_state=pipeline_state, manual_consumed_barriers=manual_release,
         )  # fmt: skip

@@ -114,7 +114,7 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
             memory_space=plgpu.SMEM,
         )  # fmt: skip
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(k_steps,), memory_registers=40,
+            body, grid=(k_steps,), memory_registers=cfg.memory_registers,
             in_specs=[a_spec, scale_spec] + [b_spec] * num_acc, wg_axis=_WARPGROUP,
             num_compute_wgs=2, max_concurrent_steps=cfg.max_concurrent_steps,
             compute_context=compute_context, pipeline_state=pipeline_state,

@@ -130,6 +130,9 @@ def test_mosaic_spec_parses_per_kernel_configs():
     assert skipping.down.prefetch_across_tiles and skipping.gate_up.block_m == 128
     with pytest.raises(ValueError, match="skip_empty_warpgroups needs"):
         grouped_gemm.mosaic_config("64x256x64ce")
+    registers = grouped_gemm.mosaic_config("128x128x128s4er104/128x128x128r72")
+    assert (registers.gate_up.memory_registers, registers.down.memory_registers) == (104, 72)
+    assert registers.gate_up.skip_empty_warpgroups and not registers.down.skip_empty_warpgroups
     for spec in ("127x64x64", "64x129x64c"):  # M odd; N odd with c
         with pytest.raises(ValueError, match="MxNxK"):
             grouped_gemm.mosaic_config(spec)

@@ -258,6 +258,10 @@ def test_launch_shapes_are_checked():
     assert skipping.describe() == "128x256x64 s4 t4 e"
     with pytest.raises(ValueError, match="skip_empty_warpgroups needs the warpgroups stacked"):
         gemm_config.MosaicGemmConfig(split_columns=True, skip_empty_warpgroups=True)
+    assert gemm_config.MosaicGemmConfig(memory_registers=72).describe() == "128x256x64 s4 t4 r72"
+    for registers in (20, 60, 264):
+        with pytest.raises(ValueError, match=f"multiple of 8 in \\[24, 256\\].*got {registers}"):
+            gemm_config.MosaicGemmConfig(memory_registers=registers)
     assert prefetching.describe().endswith(" f1 p")
 
 

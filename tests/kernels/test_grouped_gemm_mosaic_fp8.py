@@ -220,7 +220,9 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
             down=dataclasses.replace(down, split_columns=True),
         )
         skipping = helpers.both_kernels(gemm_config.MOSAIC_FFN_FP8, skip_empty_warpgroups=True)
-        for cfg in (prefetching, split, skipping):
+        # The memory warpgroup keeping 104 registers, the compute warpgroups 200.
+        registers = helpers.both_kernels(gemm_config.MOSAIC_FFN_FP8, memory_registers=104)
+        for cfg in (prefetching, split, skipping, registers):
             hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
             assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
 
