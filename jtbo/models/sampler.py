@@ -126,7 +126,12 @@ def sort_descending(probs) -> tuple[jax.Array, jax.Array]:
     Returns:
       ``(sorted_probs [..., V] float32, order [..., V] int32)``: the probabilities from the
       largest, equal ones in vocabulary order, and the vocabulary id at each position.
+
+    Raises:
+      ValueError: ``probs`` is not float32 (its bit patterns are the keys).
     """
+    if probs.dtype != jnp.float32:
+        raise ValueError(f"sort_descending sorts float32 probabilities, got {probs.dtype}")
     axis = probs.ndim - 1
     vocab_ids = jax.lax.broadcasted_iota(jnp.int32, probs.shape, axis)
     keys = jnp.invert(jax.lax.bitcast_convert_type(probs, jnp.uint32))

@@ -124,6 +124,12 @@ def test_sort_descending_is_numpys_stable_argsort_of_the_negated_probabilities(s
     np.testing.assert_array_equal(np.asarray(sorted_probs).view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_sort_descending_refuses_other_dtypes(dtype):
+    with pytest.raises(ValueError, match=f"float32 probabilities, got {jnp.dtype(dtype).name}"):
+        sampler.sort_descending(jnp.ones((2, 8), dtype))
+
+
 def test_the_sort_compares_unsigned_keys_with_one_less_than():
     # The comparator form that XLA's GPU compiler can run as a CUB radix sort of key-value
     # pairs: one `<` of two unsigned scalars (float keys compare in NumPy's total order).
