@@ -201,7 +201,7 @@ for group in "$@"; do
     sampler)  # the sampler's sort on integer keys against float keys (which compiled sort each
       # runs), then a sampled and a greedy serve at Qwen3-30B-A3B's dimensions
       echo "== PYTHONPATH=. python tools/sampler_sort_probe.py"
-      PYTHONPATH=. timeout "${LIMIT:-200}" python3 tools/sampler_sort_probe.py \
+      PYTHONPATH=. timeout "${LIMIT:-300}" python3 tools/sampler_sort_probe.py \
         >"$OUT/sampler-sort.log" 2>&1
       echo "(exit $?)"; grep "^|\|^device" "$OUT/sampler-sort.log"
       for temperature in 0.7 0; do
