@@ -329,7 +329,8 @@ def main() -> None:
                 hidden_rows, hidden_scales, *down)  # fmt: skip
             cases[label] = (jax.jit(fn), (tile_expert, *operands))
         cases["gate_up bf16"] = (
-            jax.jit(lambda t, r, w: mm(t, None, r, w, out_cols=args.ffn, column_offsets=(0, args.ffn),
+            jax.jit(lambda t, r, w: mm(t, None, r, w, out_cols=args.ffn,
+                                       column_offsets=(0, args.ffn),
                                        epilogue=grouped_gemm_mosaic._swiglu, cfg=bf16_cfg.gate_up)),
             (tile_expert, bf16_rows, bf16[0]),
         )  # fmt: skip

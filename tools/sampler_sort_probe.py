@@ -36,13 +36,18 @@ def float_key_sort(probs):
     return -negated, order
 
 
-def _sort_kind(fn, *args) -> str:
-    """``cub`` or ``xla``: which sort the compiled ``fn`` runs."""
-    return "cub" if CUB_SORT in fn.lower(*args).compile().as_text() else "xla"
+def _compiled(fn, *args):
+    """``(fn`` compiled for ``args``, ``args)``: one compile, whose text ``_sort_kind`` reads."""
+    return jax.jit(fn).lower(*args).compile(), args
+
+
+def _sort_kind(compiled) -> str:
+    """``cub`` or ``xla``: which sort the compiled program runs."""
+    return "cub" if CUB_SORT in compiled.as_text() else "xla"
 
 
 def _cases(rows: int, vocab: int):
-    """``{label: (jitted fn, args)}`` for one shape, and the probabilities."""
+    """``{label: (compiled fn, args)}`` for one shape."""
     rng = np.random.default_rng(rows + vocab)
     logits = jnp.asarray(rng.normal(size=(rows, vocab)) * 4, jnp.bfloat16).astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
@@ -50,12 +55,11 @@ def _cases(rows: int, vocab: int):
     top_p = jnp.full((rows,), 0.9, jnp.float32)
     uniforms = sampler.sampling_uniforms(0, jnp.arange(rows), 0)
     pick = (logits, temperature, top_p, uniforms)
-    greedy = jax.jit(lambda *a: sampler.sample_rows(*a, greedy_only=True))
     return {
-        "int keys": (jax.jit(sampler.sort_descending), (probs,)),
-        "float keys": (jax.jit(float_key_sort), (probs,)),
-        "sample_rows": (jax.jit(sampler.sample_rows), pick),
-        "greedy": (greedy, pick),
+        "int keys": _compiled(sampler.sort_descending, probs),
+        "float keys": _compiled(float_key_sort, probs),
+        "sample_rows": _compiled(sampler.sample_rows, *pick),
+        "greedy": _compiled(lambda *a: sampler.sample_rows(*a, greedy_only=True), *pick),
     }
 
 
@@ -83,7 +87,7 @@ def main() -> None:
                 np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
                 for a, b in zip(int_out, float_out, strict=True)
             )
-            kinds = {k: _sort_kind(cases[k][0], *cases[k][1]) for k in ("int keys", "float keys")}
+            kinds = {k: _sort_kind(cases[k][0]) for k in ("int keys", "float keys")}
             print(
                 f"| {rows} | {vocab} | {ms['int keys']:.3f} {kinds['int keys']} | "
                 f"{ms['float keys']:.3f} {kinds['float keys']} | "

@@ -116,9 +116,9 @@ def sort_descending(probs) -> tuple[jax.Array, jax.Array]:
     The sort runs on integer keys: a non-negative float's bit pattern grows with its value, so
     the inverted bit patterns in ascending order are the probabilities in descending order,
     and inverting the sorted keys back gives the same floats. A key-value sort of unsigned
-    keys compares them with a single ``<``, which XLA's GPU compiler hands to CUB's radix sort;
-    float keys compare in NumPy's total order, which it sorts with its own kernel when values
-    come with them.
+    keys compares them with a single ``<``, which XLA's GPU compiler can hand to CUB's radix
+    sort (where its size rule prefers CUB); float keys compare in NumPy's total order, which it
+    sorts with its own kernel whenever values come with them.
 
     Args:
       probs: ``[..., V]`` float32 probabilities, all ``>= 0`` (a NaN sorts first).
