@@ -416,17 +416,18 @@ def pallas_config(variant: str) -> kernels.GroupedFfnConfig | None:
 
 
 _MOSAIC_SPEC = re.compile(
-    r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?(c)?(e)?(?:r(\d+))?"
+    r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?(c)?(e)?(?:r(\d+))?(w)?"
 )
 
 
 def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
-    """``MxNxK[sS][tT][fF][p][c][e][rR]`` -> ``MosaicGemmConfig``: M x N a CTA's tile (two
+    """``MxNxK[sS][tT][fF][p][c][e][rR][w]`` -> ``MosaicGemmConfig``: M x N a CTA's tile (two
     warpgroups of M / 2 rows each, or with ``c`` of N / 2 columns each), K the contraction
     step, S the pipeline stages, T the row tiles walked together, F the steps' ``wgmma`` left
     in flight, ``p`` the pipeline prefetches across tiles, ``c`` the warpgroups split the
     columns, ``e`` a warpgroup with only padding rows skips its work, R the memory
-    warpgroup's registers (omitted parts keep the defaults).
+    warpgroup's registers, ``w`` the weights are ``wgmma``'s M operand and the rows its N
+    (omitted parts keep the defaults).
 
     Raises:
       ValueError: a spec that does not match, or values ``MosaicGemmConfig`` rejects.
@@ -435,10 +436,10 @@ def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
     split = match is not None and match.group(8) is not None
     if match is None or int(match.group(2 if split else 1)) % 2:
         raise ValueError(
-            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][c][e][rR] with M even (N with "
+            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][c][e][rR][w] with M even (N with "
             "c), e.g. 128x256x64s4"
         )
-    block_m, block_n, tile_k, stages, width, in_flight, prefetch, _, skip, registers = (
+    block_m, block_n, tile_k, stages, width, in_flight, prefetch, _, skip, registers, swap = (
         match.groups()
     )
     tile_m, tile_n = (
@@ -451,6 +452,7 @@ def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
     fields.update({} if prefetch is None else {"prefetch_across_tiles": True})
     fields.update({} if skip is None else {"skip_empty_warpgroups": True})
     fields.update({} if registers is None else {"memory_registers": int(registers)})
+    fields.update({} if swap is None else {"swap_operands": True})
     return kernels.MosaicGemmConfig(**fields)
 
 

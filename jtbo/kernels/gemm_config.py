@@ -29,6 +29,7 @@ MOSAIC_EPILOGUE_TILE = 64  # rows and columns of one output store of the Mosaic 
 # Registers a thread of the Mosaic kernels' memory warpgroup keeps: Mosaic GPU's suggestion for
 # H100-class GPUs.
 MOSAIC_MEMORY_REGISTERS = 40
+_MAX_WGMMA_N = 256  # the widest N of one Hopper wgmma
 
 
 def dot_tiles(dim: int) -> bool:
@@ -157,6 +158,12 @@ class MosaicGemmConfig:
       memory_registers: registers a thread of the memory warpgroup keeps (``setmaxnreg``); the
         two compute warpgroups share the rest of the register file (232 each at 40). A
         multiple of 8 in ``[24, 256]``.
+      swap_operands: each ``wgmma`` takes the weight tile as its ``M`` operand and the row tile
+        as its ``N`` operand (the accumulator holds ``tile_n x tile_m``, written transposed), so
+        that ``tile_m`` may be 8 to 32 rows, as ``wgmma``'s ``N`` may, where its ``M`` is 64 at
+        least: decode-sized tiles of a few rows an expert. ``tile_m`` is then a power of two
+        of at least 8 (16 with ``split_columns``: the cluster's two CTAs each load half a row
+        tile) and ``tile_n`` a multiple of 64. The FP8 kernels only.
     """
 
     tile_m: int = 64
@@ -169,10 +176,12 @@ class MosaicGemmConfig:
     split_columns: bool = False
     skip_empty_warpgroups: bool = False
     memory_registers: int = MOSAIC_MEMORY_REGISTERS
+    swap_operands: bool = False
 
     def __post_init__(self):
         launch_checks.require_powers_of_two(self, ("tile_m", "tile_n", "tile_k"))
-        launch_checks.require_at_least(self, ("tile_m", "tile_n", "tile_k"), MOSAIC_EPILOGUE_TILE)
+        launch_checks.require_at_least(self, ("tile_n", "tile_k"), MOSAIC_EPILOGUE_TILE)
+        launch_checks.require_at_least(self, ("tile_m",), self.min_tile_m)
         launch_checks.require_at_least(self, ("max_concurrent_steps", "grid_tile_width"), 1)
         if self.wgmma_in_flight not in (0, 1):
             raise ValueError(f"wgmma_in_flight must be 0 or 1, got {self.wgmma_in_flight}")
@@ -186,11 +195,23 @@ class MosaicGemmConfig:
                 f"memory_registers must be a multiple of 8 in [24, 256] (setmaxnreg), got "
                 f"{self.memory_registers}"
             )
+        if self.swap_operands and self.tile_m > _MAX_WGMMA_N:
+            raise ValueError(
+                f"swap_operands makes tile_m wgmma's N, at most {_MAX_WGMMA_N}: got {self.tile_m}"
+            )
         if self.skip_empty_warpgroups and self.split_columns:
             raise ValueError(
                 "skip_empty_warpgroups needs the warpgroups stacked by rows: with "
                 "split_columns both hold the same rows"
             )
+
+    @property
+    def min_tile_m(self) -> int:
+        """The fewest rows a warpgroup may take: ``wgmma``'s ``M`` (64), or swapped its ``N``
+        (8; 16 with ``split_columns``, a multicast half of a row tile being 8 rows at least)."""
+        if not self.swap_operands:
+            return MOSAIC_EPILOGUE_TILE
+        return 16 if self.split_columns else 8
 
     @property
     def block_m(self) -> int:
@@ -203,19 +224,21 @@ class MosaicGemmConfig:
         return 2 * self.tile_n if self.split_columns else self.tile_n
 
     def describe(self) -> str:
-        """Short label for tables: ``MxNxK sS tT [fF] [p] [c] [e] [rR]`` (M x N a CTA's tile, F
-        the steps in flight when not 0, ``p`` when the pipeline prefetches across tiles, ``c``
-        when the warpgroups split the columns, ``e`` when empty warpgroups are skipped, R the
-        memory warpgroup's registers when not the default)."""
+        """Short label for tables: ``MxNxK sS tT [fF] [p] [c] [e] [rR] [w]`` (M x N a CTA's
+        tile, F the steps in flight when not 0, ``p`` when the pipeline prefetches across tiles,
+        ``c`` when the warpgroups split the columns, ``e`` when empty warpgroups are skipped, R
+        the memory warpgroup's registers when not the default, ``w`` when the operands are
+        swapped)."""
         in_flight = f" f{self.wgmma_in_flight}" if self.wgmma_in_flight else ""
         prefetch = " p" if self.prefetch_across_tiles else ""
         split = " c" if self.split_columns else ""
         skip = " e" if self.skip_empty_warpgroups else ""
         registers = self.memory_registers
         registers = f" r{registers}" if registers != MOSAIC_MEMORY_REGISTERS else ""
+        swap = " w" if self.swap_operands else ""
         return (
             f"{self.block_m}x{self.block_n}x{self.tile_k} s{self.max_concurrent_steps} "
-            f"t{self.grid_tile_width}{in_flight}{prefetch}{split}{skip}{registers}"
+            f"t{self.grid_tile_width}{in_flight}{prefetch}{split}{skip}{registers}{swap}"
         )
 
 

@@ -457,6 +457,11 @@ def grouped_ffn_mosaic(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, int
             f"impl='mosaic' multiplies 16-bit floats on GPUs, got {x_slots.dtype} (wgmma reads "
             "float32 as TF32 only from K-major weights); use impl='pallas'"
         )
+    if cfg.gate_up.swap_operands or cfg.down.swap_operands:
+        raise impls.KernelUnavailableError(
+            "swap_operands is built for FP8 expert weights only (grouped_gemm_mosaic_fp8); "
+            "the float kernels take the rows as wgmma's M operand"
+        )
     ffn = w_gate_up.shape[3]
     block_m = cfg.gate_up.block_m
     num_tiles = tile_table.max_tiles(num_experts, capacity, block_m, max_rows)

@@ -56,6 +56,10 @@ from jtbo.kernels import (
 )
 
 _F32 = jnp.float32
+# Swapped operands store FP8 hidden rows as their float16 values (exact; the GPU converts FP8
+# to float16 in one instruction, to bfloat16 not at all): Mosaic GPU stores no
+# 8-bit accumulator layout transposed.
+_SWAPPED_HIDDEN_DTYPE = jnp.float16
 _WARPGROUP = grouped_gemm_mosaic.WARPGROUP
 _EPILOGUE_TILE = grouped_gemm_mosaic.EPILOGUE_TILE
 
@@ -70,16 +74,19 @@ def _block_product(a_smem, b_smem, shape: tuple[int, int]) -> jax.Array:
     return pl.run_scoped(dot, plgpu.ACC(shape, _F32))
 
 
-def _rows_scaled(values: jax.Array, row_factor: jax.Array) -> jax.Array:
-    """``values [tile_m, tile_n]`` times ``row_factor [tile_m]`` along its rows."""
-    return values * lax.broadcast_in_dim(row_factor, values.shape, [0])
+def _tokens_scaled(values: jax.Array, token_factor: jax.Array, token_axis: int) -> jax.Array:
+    """``values`` (an accumulator) times ``token_factor [tile_m]`` along ``token_axis``, the
+    axis of its rows' tokens (0, or 1 with swapped operands)."""
+    return values * lax.broadcast_in_dim(token_factor, values.shape, [token_axis])
 
 
-def _quantized_rows(values: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(values / scale as FP8, scale [tile_m])``, one scale per row (``fp8_blocks``)."""
-    amax = jnp.max(jnp.abs(values), axis=1)
+def _quantized_tokens(values: jax.Array, token_axis: int) -> tuple[jax.Array, jax.Array]:
+    """``(values / scale as FP8, scale [tile_m])``, one scale per token: along
+    ``token_axis`` of ``values`` each token's largest magnitude over the other axis
+    (``fp8_blocks``)."""
+    amax = jnp.max(jnp.abs(values), axis=1 - token_axis)
     scale = jnp.where(amax > 0, amax * fp8_blocks.INV_FP8_MAX, jnp.ones_like(amax))
-    quotient = values / lax.broadcast_in_dim(scale, values.shape, [0])
+    quotient = values / lax.broadcast_in_dim(scale, values.shape, [token_axis])
     return quotient.astype(fp8_blocks.FP8_DTYPE), scale
 
 
@@ -124,16 +131,12 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     allocations = pipeline(ignore, ignore).get_allocations(
         a_gmem, a_scale_gmem, *[b_gmem.at[0]] * num_acc
     )
-    out_dtype = out_gmems[0].dtype
-    out_transforms = grouped_gemm_mosaic.smem_transforms(
-        _EPILOGUE_TILE, jnp.dtype(out_dtype).itemsize
-    )
-    epi_shape = (2, 2, _EPILOGUE_TILE, _EPILOGUE_TILE)  # (warpgroup, buffer, rows, columns)
+    token_axis = 1 if cfg.swap_operands else 0  # the accumulators' axis of the row tile
 
     @functools.partial(
         pl.run_scoped,
         allocations=allocations,
-        out_smem=plgpu.SMEM(epi_shape, out_dtype, transforms=out_transforms),
+        out_smem=_epilogue_smem(cfg, out_gmems[0].dtype),
         scale_smem=plgpu.SMEM((2, tile_m), _F32),  # (warpgroup, rows): the hidden rows' scales
         collective_axes=_WARPGROUP,
     )
@@ -149,27 +152,27 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
             computes = grouped_gemm_mosaic.warpgroup_computes(cfg, row_slot_gmem, tile, warpgroup)
 
             def compute_context(run_pipeline):
-                zeros = plgpu.layout_cast(jnp.full((tile_m, tile_n), 0, _F32), plgpu.Layout.WGMMA)
-                sums = run_pipeline((zeros,) * num_acc)
+                zeros = jnp.full(_acc_shape(cfg), 0, _F32)
+                sums = run_pipeline((plgpu.layout_cast(zeros, plgpu.Layout.WGMMA),) * num_acc)
                 wg_out = out_gmems[0].at[rows, pl.ds(col * block_n, block_n)].at[wg_rows, wg_cols]
                 out_rows = pl.ds(tile * block_m + row_start, tile_m)
                 wg_scales = out_gmems[1].at[block, out_rows] if num_acc == 2 else None
                 stored = grouped_gemm_mosaic.all_of(stores, computes)
                 grouped_gemm_mosaic.run_when(stored, lambda: _epilogue(
-                    sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales
+                    sums, token_axis, out_smem, scale_smem, warpgroup, wg_out, wg_scales
                 ))  # fmt: skip
 
             def promote(step, a_smem, a_scale_smem, b_smems, sums):
                 # The scales are loaded before the first wgmma is issued, so that their
                 # latency (a global load each) runs under the tensor cores' work.
-                row_scale = plgpu.load(
-                    a_scale_smem.at[wg_rows], layout=plgpu.Layout.WGMMA.reduce(1)
+                token_scale = plgpu.load(
+                    a_scale_smem.at[wg_rows], layout=plgpu.Layout.WGMMA.reduce(1 - token_axis)
                 )
-                factors = [row_scale * b_scale_gmem[expert, row, step] for row in scale_rows]
+                factors = [token_scale * b_scale_gmem[expert, row, step] for row in scale_rows]
                 promoted = []
                 for b_smem, running, factor in zip(b_smems, sums, factors, strict=True):
-                    part = _block_product(a_smem.at[wg_rows], b_smem.at[wg_cols], (tile_m, tile_n))
-                    promoted.append(running + _rows_scaled(part, factor))
+                    part = _partial_product(cfg, a_smem.at[wg_rows], b_smem.at[wg_cols])
+                    promoted.append(running + _tokens_scaled(part, factor, token_axis))
                 return tuple(promoted)
 
             def mma(indices, a_smem, a_scale_smem, *rest):
@@ -207,17 +210,64 @@ def _warpgroup_origin(cfg: gemm_config.MosaicGemmConfig, warpgroup, col):
     return warpgroup * cfg.tile_m, col
 
 
-def _epilogue(sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales):
+def _partial_product(cfg: gemm_config.MosaicGemmConfig, rows_smem, weights_smem) -> jax.Array:
+    """One step's product of a warpgroup's ``rows_smem [tile_m, qk]`` and ``weights_smem
+    [tile_n, qk]``: ``[tile_m, tile_n]``, or with swapped operands ``[tile_n, tile_m]``."""
+    if cfg.swap_operands:
+        return _block_product(weights_smem, rows_smem, _acc_shape(cfg))
+    return _block_product(rows_smem, weights_smem, _acc_shape(cfg))
+
+
+def _acc_shape(cfg: gemm_config.MosaicGemmConfig) -> tuple[int, int]:
+    """A warpgroup's accumulator: ``tile_m x tile_n``, or swapped ``tile_n x tile_m``."""
+    if cfg.swap_operands:
+        return cfg.tile_n, cfg.tile_m
+    return cfg.tile_m, cfg.tile_n
+
+
+def _epilogue_smem(cfg: gemm_config.MosaicGemmConfig, out_dtype):
+    """The shared memory of the stores: per warpgroup two ``EPILOGUE_TILE``-square pieces, or
+    with swapped operands one ``tile_m x tile_n`` tile (``_store_transposed``)."""
+    if cfg.swap_operands:
+        shape = (2, cfg.tile_m, cfg.tile_n)  # (warpgroup, rows, columns)
+        minor = cfg.tile_n
+    else:
+        shape = (2, 2, _EPILOGUE_TILE, _EPILOGUE_TILE)  # (warpgroup, buffer, rows, columns)
+        minor = _EPILOGUE_TILE
+    transforms = grouped_gemm_mosaic.smem_transforms(minor, jnp.dtype(out_dtype).itemsize)
+    return plgpu.SMEM(shape, out_dtype, transforms=transforms)
+
+
+def _store_transposed(values, out_smem, wg_out, warpgroup) -> None:
+    """Writes a swapped accumulator's ``values [tile_n, tile_m]`` to its part ``wg_out
+    [tile_m, tile_n]`` of the output through shared memory, transposed on the way in (one
+    TMA store)."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.transpose_ref(out_smem.at[warpgroup], (1, 0))[...] = values.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem.at[warpgroup], wg_out)
+
+
+def _store(values, token_axis: int, out_smem, wg_out, warpgroup) -> None:
+    """Writes one warpgroup's ``values`` to ``wg_out``: ``store_tile``, or transposed where
+    the operands are swapped (``token_axis`` 1)."""
+    if token_axis:
+        _store_transposed(values, out_smem, wg_out, warpgroup)
+    else:
+        grouped_gemm_mosaic.store_tile(values, out_smem, wg_out, warpgroup)
+
+
+def _epilogue(sums, token_axis, out_smem, scale_smem, warpgroup, wg_out, wg_scales):
     """Writes one warpgroup's part ``wg_out`` of a tile: the down kernel's sum in the output
-    dtype, or the gate / up kernel's ``silu(gate) * up`` quantized per row, with its row
-    scales to ``wg_scales``."""
+    dtype, or the gate / up kernel's ``silu(gate) * up`` quantized per token (the rows of
+    ``wg_out``), with their scales to ``wg_scales``."""
     if len(sums) == 1:
-        grouped_gemm_mosaic.store_tile(sums[0].astype(wg_out.dtype), out_smem, wg_out, warpgroup)
+        _store(sums[0].astype(wg_out.dtype), token_axis, out_smem, wg_out, warpgroup)
         return
     gate, up = sums
-    hidden, scale = _quantized_rows(gate * jax.nn.sigmoid(gate) * up)
-    # store_tile first waits for every earlier store, the last tile's scales included.
-    grouped_gemm_mosaic.store_tile(hidden, out_smem, wg_out, warpgroup)
+    hidden, scale = _quantized_tokens(gate * jax.nn.sigmoid(gate) * up, token_axis)
+    # The store first waits for every earlier store, the last tile's scales included.
+    _store(hidden, token_axis, out_smem, wg_out, warpgroup)
     scale_smem.at[warpgroup][...] = scale
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(scale_smem.at[warpgroup], wg_scales)
@@ -272,7 +322,10 @@ def _fp8_matmul(tile_expert, slot_of_row, a_rows, a_scales, weight, *, out_cols,
                 out_dtype, cfg, interpret):  # fmt: skip
     """One FP8 grouped GEMM over tile-major rows: ``[R, out_cols]`` in ``out_dtype``, or with
     two column offsets (gate / up) the FP8 hidden rows and their ``[out_cols / tile_n, R]``
-    scales."""
+    scales (the hidden rows as FP8 values in ``_SWAPPED_HIDDEN_DTYPE`` where ``cfg`` swaps
+    the operands)."""
+    if cfg.swap_operands and len(column_offsets) == 2:
+        out_dtype = _SWAPPED_HIDDEN_DTYPE
     values, scales = weight
     body = functools.partial(
         _fp8_matmul_body, column_offsets=column_offsets, cfg=cfg,
@@ -328,6 +381,7 @@ def grouped_ffn_mosaic_fp8(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg,
         out_cols=ffn, column_offsets=(0, ffn), out_dtype=fp8_blocks.FP8_DTYPE,
         cfg=cfg.gate_up, interpret=interpret,
     )  # fmt: skip
+    hidden_rows = hidden_rows.astype(fp8_blocks.FP8_DTYPE)  # exact where stored as float16
     (out_rows,) = _fp8_matmul(
         tile_expert, slot_of_row, hidden_rows, hidden_scales, down_matrices,
         out_cols=hidden, column_offsets=(0,), out_dtype=x_slots.dtype, cfg=cfg.down,

@@ -133,6 +133,11 @@ def test_mosaic_spec_parses_per_kernel_configs():
     registers = grouped_gemm.mosaic_config("128x128x128s4er104/128x128x128r72")
     assert (registers.gate_up.memory_registers, registers.down.memory_registers) == (104, 72)
     assert registers.gate_up.skip_empty_warpgroups and not registers.down.skip_empty_warpgroups
+    swapped = grouped_gemm.mosaic_config("16x128x128s4pw/16x256x128s3cw")
+    assert (swapped.gate_up.tile_m, swapped.gate_up.block_m, swapped.gate_up.tile_n) == (8, 16, 128)
+    assert swapped.gate_up.swap_operands and swapped.gate_up.prefetch_across_tiles
+    assert (swapped.down.tile_m, swapped.down.tile_n, swapped.down.split_columns) == (16, 128, True)
+    assert swapped.down.swap_operands and not registers.down.swap_operands
     for spec in ("127x64x64", "64x129x64c"):  # M odd; N odd with c
         with pytest.raises(ValueError, match="MxNxK"):
             grouped_gemm.mosaic_config(spec)

@@ -263,6 +263,24 @@ def test_launch_shapes_are_checked():
         with pytest.raises(ValueError, match=f"multiple of 8 in \\[24, 256\\].*got {registers}"):
             gemm_config.MosaicGemmConfig(memory_registers=registers)
     assert prefetching.describe().endswith(" f1 p")
+    # Swapped operands: the rows are wgmma's N (8 to 256; 16 side by side), the weights its M.
+    swapped = gemm_config.MosaicGemmConfig(tile_m=8, tile_n=128, swap_operands=True)
+    assert (swapped.block_m, swapped.block_n, swapped.describe()) == (16, 128, "16x128x64 s4 t4 w")
+    with pytest.raises(ValueError, match="tile_m must be >= 16, got 8"):
+        gemm_config.MosaicGemmConfig(tile_m=8, split_columns=True, swap_operands=True)
+    with pytest.raises(ValueError, match="tile_m must be >= 8, got 4"):
+        gemm_config.MosaicGemmConfig(tile_m=4, swap_operands=True)
+    with pytest.raises(ValueError, match="wgmma's N, at most 256: got 512"):
+        gemm_config.MosaicGemmConfig(tile_m=512, swap_operands=True)
+
+
+def test_swapped_operands_are_refused_with_float_experts():
+    x = jnp.ones((E, C, H), DTYPE)
+    swapped = helpers.both_kernels(SMALL, swap_operands=True, tile_m=16)
+    with pytest.raises(kernels.KernelUnavailableError, match="swap_operands is built for FP8"):
+        kernels.grouped_ffn(
+            x, jnp.ones((E,), jnp.int32), *_weights(0), impl="mosaic", config=swapped
+        )
 
 
 def test_auto_takes_mosaic_from_its_rows_on_hopper_and_pallas_below(monkeypatch):

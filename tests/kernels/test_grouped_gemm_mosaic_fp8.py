@@ -39,6 +39,11 @@ SPLIT_COLUMNS_PREFETCHING = helpers.both_kernels(SPLIT_COLUMNS, prefetch_across_
 PREFETCHING = helpers.both_kernels(SMALL, prefetch_across_tiles=True)
 SKIP_EMPTY = helpers.both_kernels(SMALL, skip_empty_warpgroups=True)
 SKIP_EMPTY_PREFETCHING = helpers.both_kernels(PREFETCHING, skip_empty_warpgroups=True)
+# The weights as wgmma's M operand, the rows as its N: 16-row warpgroups, stacked (32-row
+# tiles) and side by side (16-row tiles).
+SWAPPED = helpers.both_kernels(SMALL, swap_operands=True, tile_m=16)
+SWAPPED_SPLIT_COLUMNS = helpers.both_kernels(SWAPPED, split_columns=True)
+SWAPPED_PREFETCHING = helpers.both_kernels(SWAPPED, prefetch_across_tiles=True)
 CASES = {
     "64-blocks": (128, 128, SMALL_BLOCK, SMALL),
     "128-blocks": (256, 256, (128, 128), gemm_config.MOSAIC_FFN_FP8),
@@ -56,6 +61,12 @@ CASES = {
     # second tile runs one warpgroup (its sums stay zero), 200's two; alone and in pipelines.
     "skip_empty_warpgroups": (128, 256, SMALL_BLOCK, SKIP_EMPTY),
     "skip_empty_warpgroups_prefetching": (128, 256, SMALL_BLOCK, SKIP_EMPTY_PREFETCHING),
+    # Swapped operands: 130 rows are five 32-row tiles (the last of 2 rows, its second
+    # warpgroup's rows all padding), or side by side nine 16-row tiles; each accumulator is
+    # stored transposed.
+    "swapped": (128, 256, SMALL_BLOCK, SWAPPED),
+    "swapped_split_columns": (128, 256, SMALL_BLOCK, SWAPPED_SPLIT_COLUMNS),
+    "swapped_prefetching": (128, 256, SMALL_BLOCK, SWAPPED_PREFETCHING),
 }
 # As the Pallas FP8 kernels' test: the rows are quantized bit for bit, the hidden rows summed
 # in another order, so a hidden value on a rounding boundary may land on its neighbour.
@@ -222,16 +233,24 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
         skipping = helpers.both_kernels(gemm_config.MOSAIC_FFN_FP8, skip_empty_warpgroups=True)
         # The memory warpgroup keeping 104 registers, the compute warpgroups 200.
         registers = helpers.both_kernels(gemm_config.MOSAIC_FFN_FP8, memory_registers=104)
-        for cfg in (prefetching, split, skipping, registers):
+        # Swapped operands: 8-row warpgroups stacked (16-row tiles) prefetching across tiles,
+        # and 16-row ones side by side.
+        swapped = helpers.both_kernels(prefetching, swap_operands=True, tile_m=8)
+        swapped_split = gemm_config.MosaicFfnConfig(
+            gate_up=dataclasses.replace(split.gate_up, swap_operands=True, tile_m=16),
+            down=dataclasses.replace(split.down, swap_operands=True, tile_m=16),
+        )
+        for cfg in (prefetching, split, skipping, registers, swapped, swapped_split):
             hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
             assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
 
 
-def test_the_layer_matches_the_pallas_fp8_layer():
+@pytest.mark.parametrize("case", ["64-blocks", "swapped"])
+def test_the_layer_matches_the_pallas_fp8_layer(case):
     # The routed experts' layer (experts_capacity: routing into capacity slots, the Mosaic
     # result read back from its tile-major rows) against the same layer on the Pallas FP8
     # kernels: one scheme, so the same tokens up to the hidden rows' rounding boundaries.
-    hidden, ffn, block, config = CASES["64-blocks"]
+    hidden, ffn, block, config = CASES[case]
     weights = [w for w, _ in helpers.fp8_expert_weights(7, (E, hidden, ffn), block)]
     rng = np.random.default_rng(8)
     tokens = jnp.asarray(rng.standard_normal((64, hidden)), DTYPE)
