@@ -436,8 +436,8 @@ def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
     split = match is not None and match.group(8) is not None
     if match is None or int(match.group(2 if split else 1)) % 2:
         raise ValueError(
-            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][c][e][rR][w] with M even (N with "
-            "c), e.g. 128x256x64s4"
+            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][c][e][rR][w] with M even "
+            "(N with c), e.g. 128x256x64s4"
         )
     block_m, block_n, tile_k, stages, width, in_flight, prefetch, _, skip, registers, swap = (
         match.groups()
