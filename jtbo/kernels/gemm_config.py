@@ -163,7 +163,7 @@ class MosaicGemmConfig:
         that ``tile_m`` may be 8 to 32 rows, as ``wgmma``'s ``N`` may, where its ``M`` is 64 at
         least: decode-sized tiles of a few rows an expert. ``tile_m`` is then a power of two
         of at least 8 (16 with ``split_columns``: the cluster's two CTAs each load half a row
-        tile) and ``tile_n`` a multiple of 64. The FP8 kernels only.
+        tile) and at most 256.
     """
 
     tile_m: int = 64

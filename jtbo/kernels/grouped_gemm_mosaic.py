@@ -36,6 +36,14 @@ expert's last tile of at most ``tile_m`` rows costs the tensor cores half a tile
 decode sizes nearly every tile does; its output rows are left unwritten, as a dead tile's
 are, and nothing reads them. The gate / up kernel keeps a gate and an up accumulator and
 writes ``silu(gate) * up`` in the input dtype; the down kernel writes its accumulator.
+
+With ``swap_operands`` each ``wgmma`` multiplies the transposed weight tile (``M``: the
+warpgroup's ``tile_n`` output columns) by the transposed rows (``N``: its ``tile_m`` rows), so a
+warpgroup may take as few as 8 rows where ``wgmma``'s ``M`` is 64 at least: at decode sizes an
+expert's few rows then fill a small tile rather than padding a 64-row one, and its tile-major
+rows are as few. The accumulator is ``tile_n x tile_m``; the epilogue writes it transposed into
+shared memory (``store_transposed``) and stores it with one TMA copy. The walk, the pipelines
+and the row layout are the same.
 """
 
 import functools
@@ -100,13 +108,11 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
         )  # fmt: skip
 
     ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
-    out_transforms = smem_transforms(EPILOGUE_TILE, jnp.dtype(out_gmem.dtype).itemsize)
-    epi_shape = (2, 2, EPILOGUE_TILE, EPILOGUE_TILE)  # (warpgroup, buffer, rows, columns)
 
     @functools.partial(
         pl.run_scoped,
         allocations=pipeline(ignore, ignore).get_allocations(a_gmem, *[b_gmem.at[0]] * num_acc),
-        out_smem=plgpu.SMEM(epi_shape, out_gmem.dtype, transforms=out_transforms),
+        out_smem=epilogue_smem(cfg, out_gmem.dtype),
         collective_axes=WARPGROUP,
     )
     def _scope(allocations, out_smem):
@@ -120,9 +126,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
             computes = warpgroup_computes(cfg, row_slot_gmem, tile, warpgroup)
 
             def compute_context(run_pipeline):
-                @functools.partial(
-                    pl.run_scoped, accs=[plgpu.ACC((cfg.tile_m, cfg.tile_n), _F32)] * num_acc
-                )
+                @functools.partial(pl.run_scoped, accs=[plgpu.ACC(acc_shape(cfg), _F32)] * num_acc)
                 def _acc_scope(accs):
                     run_pipeline(tuple(accs))
                     if manual_release:  # the last step's buffers, before the epilogue
@@ -133,7 +137,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
 
                     def store():
                         out = epilogue(*[acc[...] for acc in accs]).astype(out_gmem.dtype)
-                        store_tile(out, out_smem, wg_out, warpgroup)
+                        store_warpgroup_part(cfg, out, out_smem, wg_out, warpgroup)
 
                     run_when(all_of(stores, computes), store)
 
@@ -142,7 +146,12 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
 
                 def products():
                     for b_smem, acc in zip(b_smems, accs, strict=True):
-                        plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
+                        rows, weights = a_smem.at[wg_rows], b_smem.at[:, wg_cols]
+                        if cfg.swap_operands:  # [tile_n, tile_k] @ [tile_k, tile_m]
+                            transpose = functools.partial(plgpu.transpose_ref, permutation=(1, 0))
+                            plgpu.wgmma(acc, transpose(weights), transpose(rows))
+                        else:
+                            plgpu.wgmma(acc, rows, weights)
 
                 run_when(computes, products)
                 # Each wgmma is one group: leaving this step's num_acc groups in flight
@@ -306,6 +315,47 @@ def run_when(condition, fn) -> None:
         pl.when(condition)(fn)
 
 
+def acc_shape(cfg: gemm_config.MosaicGemmConfig) -> tuple[int, int]:
+    """A warpgroup's accumulator: ``tile_m x tile_n``, or swapped ``tile_n x tile_m``."""
+    if cfg.swap_operands:
+        return cfg.tile_n, cfg.tile_m
+    return cfg.tile_m, cfg.tile_n
+
+
+def epilogue_smem(cfg: gemm_config.MosaicGemmConfig, out_dtype):
+    """The shared memory of the stores: per warpgroup two ``EPILOGUE_TILE``-square pieces
+    (``store_tile``), or with swapped operands one ``tile_m x tile_n`` tile
+    (``store_transposed``)."""
+    if cfg.swap_operands:
+        shape = (2, cfg.tile_m, cfg.tile_n)  # (warpgroup, rows, columns)
+        minor = cfg.tile_n
+    else:
+        shape = (2, 2, EPILOGUE_TILE, EPILOGUE_TILE)  # (warpgroup, buffer, rows, columns)
+        minor = EPILOGUE_TILE
+    transforms = smem_transforms(minor, jnp.dtype(out_dtype).itemsize)
+    return plgpu.SMEM(shape, out_dtype, transforms=transforms)
+
+
+def store_warpgroup_part(cfg: gemm_config.MosaicGemmConfig, values, out_smem, wg_out,
+                         warpgroup) -> None:  # fmt: skip
+    """Writes one warpgroup's accumulated ``values`` to its part ``wg_out`` of the output:
+    ``store_tile``, or ``store_transposed`` where ``cfg`` swaps the operands."""
+    if cfg.swap_operands:
+        store_transposed(values, out_smem, wg_out, warpgroup)
+    else:
+        store_tile(values, out_smem, wg_out, warpgroup)
+
+
+def store_transposed(values, out_smem, wg_out, warpgroup) -> None:
+    """Writes a swapped accumulator's ``values [tile_n, tile_m]`` to its part ``wg_out
+    [tile_m, tile_n]`` of the output through shared memory, transposed on the way in (one
+    TMA store), in ``out_smem``'s dtype."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.transpose_ref(out_smem.at[warpgroup], (1, 0))[...] = values.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem.at[warpgroup], wg_out)
+
+
 def store_tile(out, out_smem, wg_out, warpgroup) -> None:
     """Writes one warpgroup's result ``out [tile_m, tile_n]`` to its part ``wg_out`` of the
     output through shared memory in ``EPILOGUE_TILE``-square pieces, double-buffered (a TMA
@@ -456,11 +506,6 @@ def grouped_ffn_mosaic(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, int
         raise impls.KernelUnavailableError(
             f"impl='mosaic' multiplies 16-bit floats on GPUs, got {x_slots.dtype} (wgmma reads "
             "float32 as TF32 only from K-major weights); use impl='pallas'"
-        )
-    if cfg.gate_up.swap_operands or cfg.down.swap_operands:
-        raise impls.KernelUnavailableError(
-            "swap_operands is built for FP8 expert weights only (grouped_gemm_mosaic_fp8); "
-            "the float kernels take the rows as wgmma's M operand"
         )
     ffn = w_gate_up.shape[3]
     block_m = cfg.gate_up.block_m

@@ -35,6 +35,14 @@ zero and it stores neither rows nor scales, as ``grouped_gemm_mosaic``).
 With ``prefetch_across_tiles`` a CTA's live tiles form one pipeline, as in
 ``grouped_gemm_mosaic``: the memory warpgroup loads the next tile's first blocks while the
 compute warpgroups promote the current tile's last ones and store it.
+
+With ``swap_operands`` (``grouped_gemm_mosaic``'s module docstring) the weight block is
+``wgmma``'s ``M`` operand and the rows its ``N``: a partial sum is ``[tile_n, tile_m]``, its
+row scales multiply its columns, and the gate / up epilogue quantizes each column (a token)
+over the block's ``tile_n`` hidden columns. Mosaic GPU stores no 8-bit accumulator layout
+transposed, so the gate / up kernel writes the FP8 hidden values as float16 (exactly; FP8
+converts to float16 in one instruction), and the layer converts them back to FP8 between the
+kernels.
 """
 
 import functools
@@ -57,11 +65,10 @@ from jtbo.kernels import (
 
 _F32 = jnp.float32
 # Swapped operands store FP8 hidden rows as their float16 values (exact; the GPU converts FP8
-# to float16 in one instruction, to bfloat16 not at all): Mosaic GPU stores no
-# 8-bit accumulator layout transposed.
+# to float16 in one instruction, to bfloat16 not at all): Mosaic GPU stores no 8-bit
+# accumulator layout transposed.
 _SWAPPED_HIDDEN_DTYPE = jnp.float16
 _WARPGROUP = grouped_gemm_mosaic.WARPGROUP
-_EPILOGUE_TILE = grouped_gemm_mosaic.EPILOGUE_TILE
 
 
 def _block_product(a_smem, b_smem, shape: tuple[int, int]) -> jax.Array:
@@ -131,12 +138,12 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     allocations = pipeline(ignore, ignore).get_allocations(
         a_gmem, a_scale_gmem, *[b_gmem.at[0]] * num_acc
     )
-    token_axis = 1 if cfg.swap_operands else 0  # the accumulators' axis of the row tile
+    token_axis = _token_axis(cfg)
 
     @functools.partial(
         pl.run_scoped,
         allocations=allocations,
-        out_smem=_epilogue_smem(cfg, out_gmems[0].dtype),
+        out_smem=grouped_gemm_mosaic.epilogue_smem(cfg, out_gmems[0].dtype),
         scale_smem=plgpu.SMEM((2, tile_m), _F32),  # (warpgroup, rows): the hidden rows' scales
         collective_axes=_WARPGROUP,
     )
@@ -152,14 +159,14 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
             computes = grouped_gemm_mosaic.warpgroup_computes(cfg, row_slot_gmem, tile, warpgroup)
 
             def compute_context(run_pipeline):
-                zeros = jnp.full(_acc_shape(cfg), 0, _F32)
+                zeros = jnp.full(grouped_gemm_mosaic.acc_shape(cfg), 0, _F32)
                 sums = run_pipeline((plgpu.layout_cast(zeros, plgpu.Layout.WGMMA),) * num_acc)
                 wg_out = out_gmems[0].at[rows, pl.ds(col * block_n, block_n)].at[wg_rows, wg_cols]
                 out_rows = pl.ds(tile * block_m + row_start, tile_m)
                 wg_scales = out_gmems[1].at[block, out_rows] if num_acc == 2 else None
                 stored = grouped_gemm_mosaic.all_of(stores, computes)
                 grouped_gemm_mosaic.run_when(stored, lambda: _epilogue(
-                    sums, token_axis, out_smem, scale_smem, warpgroup, wg_out, wg_scales
+                    cfg, sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales
                 ))  # fmt: skip
 
             def promote(step, a_smem, a_scale_smem, b_smems, sums):
@@ -210,64 +217,32 @@ def _warpgroup_origin(cfg: gemm_config.MosaicGemmConfig, warpgroup, col):
     return warpgroup * cfg.tile_m, col
 
 
+def _token_axis(cfg: gemm_config.MosaicGemmConfig) -> int:
+    """The accumulators' axis of a warpgroup's rows (its tokens): 0, or 1 when swapped."""
+    return 1 if cfg.swap_operands else 0
+
+
 def _partial_product(cfg: gemm_config.MosaicGemmConfig, rows_smem, weights_smem) -> jax.Array:
     """One step's product of a warpgroup's ``rows_smem [tile_m, qk]`` and ``weights_smem
     [tile_n, qk]``: ``[tile_m, tile_n]``, or with swapped operands ``[tile_n, tile_m]``."""
     if cfg.swap_operands:
-        return _block_product(weights_smem, rows_smem, _acc_shape(cfg))
-    return _block_product(rows_smem, weights_smem, _acc_shape(cfg))
+        return _block_product(weights_smem, rows_smem, grouped_gemm_mosaic.acc_shape(cfg))
+    return _block_product(rows_smem, weights_smem, grouped_gemm_mosaic.acc_shape(cfg))
 
 
-def _acc_shape(cfg: gemm_config.MosaicGemmConfig) -> tuple[int, int]:
-    """A warpgroup's accumulator: ``tile_m x tile_n``, or swapped ``tile_n x tile_m``."""
-    if cfg.swap_operands:
-        return cfg.tile_n, cfg.tile_m
-    return cfg.tile_m, cfg.tile_n
-
-
-def _epilogue_smem(cfg: gemm_config.MosaicGemmConfig, out_dtype):
-    """The shared memory of the stores: per warpgroup two ``EPILOGUE_TILE``-square pieces, or
-    with swapped operands one ``tile_m x tile_n`` tile (``_store_transposed``)."""
-    if cfg.swap_operands:
-        shape = (2, cfg.tile_m, cfg.tile_n)  # (warpgroup, rows, columns)
-        minor = cfg.tile_n
-    else:
-        shape = (2, 2, _EPILOGUE_TILE, _EPILOGUE_TILE)  # (warpgroup, buffer, rows, columns)
-        minor = _EPILOGUE_TILE
-    transforms = grouped_gemm_mosaic.smem_transforms(minor, jnp.dtype(out_dtype).itemsize)
-    return plgpu.SMEM(shape, out_dtype, transforms=transforms)
-
-
-def _store_transposed(values, out_smem, wg_out, warpgroup) -> None:
-    """Writes a swapped accumulator's ``values [tile_n, tile_m]`` to its part ``wg_out
-    [tile_m, tile_n]`` of the output through shared memory, transposed on the way in (one
-    TMA store)."""
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    plgpu.transpose_ref(out_smem.at[warpgroup], (1, 0))[...] = values.astype(out_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem.at[warpgroup], wg_out)
-
-
-def _store(values, token_axis: int, out_smem, wg_out, warpgroup) -> None:
-    """Writes one warpgroup's ``values`` to ``wg_out``: ``store_tile``, or transposed where
-    the operands are swapped (``token_axis`` 1)."""
-    if token_axis:
-        _store_transposed(values, out_smem, wg_out, warpgroup)
-    else:
-        grouped_gemm_mosaic.store_tile(values, out_smem, wg_out, warpgroup)
-
-
-def _epilogue(sums, token_axis, out_smem, scale_smem, warpgroup, wg_out, wg_scales):
+def _epilogue(cfg, sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales):
     """Writes one warpgroup's part ``wg_out`` of a tile: the down kernel's sum in the output
     dtype, or the gate / up kernel's ``silu(gate) * up`` quantized per token (the rows of
     ``wg_out``), with their scales to ``wg_scales``."""
+    store = functools.partial(grouped_gemm_mosaic.store_warpgroup_part, cfg)
     if len(sums) == 1:
-        _store(sums[0].astype(wg_out.dtype), token_axis, out_smem, wg_out, warpgroup)
+        store(sums[0].astype(wg_out.dtype), out_smem, wg_out, warpgroup)
         return
     gate, up = sums
+    token_axis = _token_axis(cfg)
     hidden, scale = _quantized_tokens(gate * jax.nn.sigmoid(gate) * up, token_axis)
     # The store first waits for every earlier store, the last tile's scales included.
-    _store(hidden, token_axis, out_smem, wg_out, warpgroup)
+    store(hidden, out_smem, wg_out, warpgroup)
     scale_smem.at[warpgroup][...] = scale
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(scale_smem.at[warpgroup], wg_scales)

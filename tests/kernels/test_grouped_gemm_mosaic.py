@@ -70,10 +70,24 @@ SPLIT_COLUMNS = helpers.both_kernels(IN_FLIGHT, split_columns=True)
 SKIP_EMPTY = helpers.both_kernels(IN_FLIGHT, skip_empty_warpgroups=True)
 
 
+# And with the weights as wgmma's M operand, the rows as its N: 16-row warpgroups stacked
+# (32-row tiles: 130 rows are five, the last's second warpgroup all padding), and 8-row ones
+# skipping such warpgroups.
+SWAPPED = helpers.both_kernels(IN_FLIGHT, swap_operands=True, tile_m=16)
+SWAPPED_SKIPPING = helpers.both_kernels(SWAPPED, tile_m=8, skip_empty_warpgroups=True)
+
+
 @pytest.mark.parametrize(
     "config",
-    [SMALL, IN_FLIGHT, SPLIT_COLUMNS, SKIP_EMPTY],
-    ids=["waited", "in_flight", "split_columns", "skip_empty_warpgroups"],
+    [SMALL, IN_FLIGHT, SPLIT_COLUMNS, SKIP_EMPTY, SWAPPED, SWAPPED_SKIPPING],
+    ids=[
+        "waited",
+        "in_flight",
+        "split_columns",
+        "skip_empty_warpgroups",
+        "swapped",
+        "swapped_skipping",
+    ],
 )
 def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
     # A partial second tile whose second warpgroup holds only padding (130 = 128 + 2), an
@@ -94,8 +108,9 @@ def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
         ([5, 0, 0], PREFETCHING),
         ([200, 130, 200], helpers.both_kernels(PREFETCHING, split_columns=True)),
         ([60, 130, 200], helpers.both_kernels(PREFETCHING, skip_empty_warpgroups=True)),
+        ([60, 130, 200], helpers.both_kernels(PREFETCHING, swap_operands=True, tile_m=32)),
     ],
-    ids=["three_tiles_a_cluster", "one_tile", "split_columns", "skip_empty_warpgroups"],
+    ids=["three_tiles_a_cluster", "one_tile", "split_columns", "skip_empty_warpgroups", "swapped"],
 )
 def test_prefetching_across_tiles_matches_the_reference(counts, config):
     # Six live tiles over the interpreter's two clusters: each runs a pipeline of three
@@ -272,15 +287,6 @@ def test_launch_shapes_are_checked():
         gemm_config.MosaicGemmConfig(tile_m=4, swap_operands=True)
     with pytest.raises(ValueError, match="wgmma's N, at most 256: got 512"):
         gemm_config.MosaicGemmConfig(tile_m=512, swap_operands=True)
-
-
-def test_swapped_operands_are_refused_with_float_experts():
-    x = jnp.ones((E, C, H), DTYPE)
-    swapped = helpers.both_kernels(SMALL, swap_operands=True, tile_m=16)
-    with pytest.raises(kernels.KernelUnavailableError, match="swap_operands is built for FP8"):
-        kernels.grouped_ffn(
-            x, jnp.ones((E,), jnp.int32), *_weights(0), impl="mosaic", config=swapped
-        )
 
 
 def test_auto_takes_mosaic_from_its_rows_on_hopper_and_pallas_below(monkeypatch):
