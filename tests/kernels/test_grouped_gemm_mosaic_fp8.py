@@ -82,19 +82,28 @@ def _within(got, want, dtype) -> None:
     assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_slot_buffer_matches_the_numpy_scheme_and_zeros_the_padding(case):
-    hidden, ffn, block, config = CASES[case]
+@functools.cache
+def _slot_buffer_case(hidden: int, ffn: int, block: tuple[int, int]):
+    """``(w_gate_up, w_down, x, counts, numpy reference, Pallas FP8 output)`` of the slot
+    buffer test at one shape, built once: the launch shapes of one shape share them."""
     (w_gate_up, gate_up_64), (w_down, down_64) = helpers.fp8_expert_weights(
         1, (E, hidden, ffn), block
     )
     counts = np.array([130, 0, C], np.int32)  # a partial second tile, empty, full
     x = jnp.asarray(np.random.default_rng(2).standard_normal((E, C, hidden)) * 3, DTYPE)
+    want = helpers.numpy_fp8_activations_ffn(x, counts, gate_up_64, down_64, block[0])
+    pallas = kernels.grouped_ffn(x, jnp.asarray(counts), w_gate_up, w_down, impl="pallas")
+    return w_gate_up, w_down, x, counts, want, np.asarray(pallas)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_slot_buffer_matches_the_numpy_scheme_and_zeros_the_padding(case):
+    hidden, ffn, block, config = CASES[case]
+    w_gate_up, w_down, x, counts, want, pallas = _slot_buffer_case(hidden, ffn, block)
     out = kernels.grouped_ffn(
         x, jnp.asarray(counts), w_gate_up, w_down, impl="mosaic", config=config
     )
     assert out.dtype == DTYPE
-    want = helpers.numpy_fp8_activations_ffn(x, counts, gate_up_64, down_64, block[0])
     _within(out, want, DTYPE)
     got = np.asarray(out, np.float64)
     assert not got[0, 130:].any() and not got[1].any()
@@ -102,10 +111,9 @@ def test_slot_buffer_matches_the_numpy_scheme_and_zeros_the_padding(case):
     # The same scheme as the Pallas kernels: on the interpreter, the same float32 arithmetic
     # up to its order of summation (which the CPU's code generation can change), far inside
     # the FP8 rounding that a different quantization would show.
-    pallas = kernels.grouped_ffn(x, jnp.asarray(counts), w_gate_up, w_down, impl="pallas")
     if ON_CPU:
-        scale = float(np.abs(np.asarray(pallas)).max())
-        np.testing.assert_allclose(np.asarray(out), np.asarray(pallas), rtol=0, atol=1e-6 * scale)
+        scale = float(np.abs(pallas).max())
+        np.testing.assert_allclose(np.asarray(out), pallas, rtol=0, atol=1e-6 * scale)
 
 
 def test_slot_rows_load_through_the_index():
@@ -230,9 +238,11 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
             gate_up=dataclasses.replace(gate_up, split_columns=True, max_concurrent_steps=2),
             down=dataclasses.replace(down, split_columns=True),
         )
-        skipping = helpers.both_kernels(gemm_config.MOSAIC_FFN_FP8, skip_empty_warpgroups=True)
-        # The memory warpgroup keeping 104 registers, the compute warpgroups 200.
-        registers = helpers.both_kernels(gemm_config.MOSAIC_FFN_FP8, memory_registers=104)
+        # Skipping empty warpgroups, the memory warpgroup keeping 104 registers (the compute
+        # warpgroups 200).
+        skipping = helpers.both_kernels(
+            gemm_config.MOSAIC_FFN_FP8, skip_empty_warpgroups=True, memory_registers=104
+        )
         # Swapped operands: 8-row warpgroups stacked (16-row tiles) prefetching across tiles,
         # and 16-row ones side by side.
         swapped = helpers.both_kernels(prefetching, swap_operands=True, tile_m=8)
@@ -240,7 +250,7 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
             gate_up=dataclasses.replace(split.gate_up, swap_operands=True, tile_m=16),
             down=dataclasses.replace(split.down, swap_operands=True, tile_m=16),
         )
-        for cfg in (prefetching, split, skipping, registers, swapped, swapped_split):
+        for cfg in (prefetching, split, skipping, swapped, swapped_split):
             hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
             assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
 
