@@ -160,8 +160,8 @@ class MosaicGemmConfig:
         multiple of 8 in ``[24, 256]``.
       swap_operands: each ``wgmma`` takes the weight tile as its ``M`` operand and the row tile
         as its ``N`` operand (the accumulator holds ``tile_n x tile_m``, written transposed), so
-        that ``tile_m`` may be 8 to 32 rows, as ``wgmma``'s ``N`` may, where its ``M`` is 64 at
-        least: decode-sized tiles of a few rows an expert. ``tile_m`` is then a power of two
+        that ``tile_m`` may be as few as 8 rows, as ``wgmma``'s ``N`` may, where its ``M`` is 64
+        at least: decode-sized tiles of a few rows an expert. ``tile_m`` is then a power of two
         of at least 8 (16 with ``split_columns``: the cluster's two CTAs each load half a row
         tile) and at most 256.
     """

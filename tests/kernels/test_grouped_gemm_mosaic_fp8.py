@@ -37,7 +37,6 @@ SMALL = gemm_config.MosaicFfnConfig(
 SPLIT_COLUMNS = helpers.both_kernels(SMALL, split_columns=True)
 SPLIT_COLUMNS_PREFETCHING = helpers.both_kernels(SPLIT_COLUMNS, prefetch_across_tiles=True)
 PREFETCHING = helpers.both_kernels(SMALL, prefetch_across_tiles=True)
-SKIP_EMPTY = helpers.both_kernels(SMALL, skip_empty_warpgroups=True)
 SKIP_EMPTY_PREFETCHING = helpers.both_kernels(PREFETCHING, skip_empty_warpgroups=True)
 # The weights as wgmma's M operand, the rows as its N: 16-row warpgroups stacked (32-row
 # tiles) in one pipeline a CTA, and 32-row ones side by side (32-row tiles).
@@ -52,15 +51,15 @@ CASES = {
     # a pipeline of four visits a cluster in the gate / up kernel (two column pairs a tile),
     # of two in the down kernel.
     "prefetching": (128, 256, SMALL_BLOCK, PREFETCHING),
-    # The warpgroups side by side: 64-row tiles (130 rows: three, the last of 2 rows), each
-    # warpgroup its own 64-wide weight block; two gate / up column blocks a CTA, one down
-    # tile (an odd count: the pair's second CTA computes it again and must not store it).
-    "split_columns": (128, 256, SMALL_BLOCK, SPLIT_COLUMNS),
-    # Both: the down kernel's pipelines then hold the odd column tile's unstored visits.
+    # The warpgroups side by side, in one pipeline a CTA: 64-row tiles (130 rows: three, the
+    # last of 2 rows), each warpgroup its own 64-wide weight block; two gate / up column
+    # blocks a CTA, one down tile (an odd count: the pair's second CTA computes it again and
+    # must not store it, its pipelines holding those unstored visits). Side by side without
+    # prefetching: "swapped_split_columns".
     "split_columns_prefetching": (128, 256, SMALL_BLOCK, SPLIT_COLUMNS_PREFETCHING),
     # A warpgroup whose rows of a tile are all padding computes and stores nothing: 130's
-    # second tile runs one warpgroup (its sums stay zero), 200's two; alone and in pipelines.
-    "skip_empty_warpgroups": (128, 256, SMALL_BLOCK, SKIP_EMPTY),
+    # second tile runs one warpgroup (its sums stay zero), 200's two; in pipelines (the
+    # float kernels' test runs it without).
     "skip_empty_warpgroups_prefetching": (128, 256, SMALL_BLOCK, SKIP_EMPTY_PREFETCHING),
     # Swapped operands, each accumulator stored transposed: 130 rows are five 32-row tiles
     # (the last of 2 rows, its second warpgroup's rows all padding); one gate / up column pair
