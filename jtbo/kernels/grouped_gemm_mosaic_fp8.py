@@ -296,11 +296,8 @@ def tiles(hidden: int, ffn: int, quant_block: tuple[int, int], cfg) -> bool:
 def _fp8_matmul(tile_expert, slot_of_row, a_rows, a_scales, weight, *, out_cols, column_offsets,
                 out_dtype, cfg, interpret):  # fmt: skip
     """One FP8 grouped GEMM over tile-major rows: ``[R, out_cols]`` in ``out_dtype``, or with
-    two column offsets (gate / up) the FP8 hidden rows and their ``[out_cols / tile_n, R]``
-    scales (the hidden rows as FP8 values in ``_SWAPPED_HIDDEN_DTYPE`` where ``cfg`` swaps
-    the operands)."""
-    if cfg.swap_operands and len(column_offsets) == 2:
-        out_dtype = _SWAPPED_HIDDEN_DTYPE
+    two column offsets (gate / up) the hidden rows' FP8 values in ``out_dtype``
+    (``_hidden_dtype``) and their ``[out_cols / tile_n, R]`` scales."""
     values, scales = weight
     body = functools.partial(
         _fp8_matmul_body, column_offsets=column_offsets, cfg=cfg,
@@ -314,6 +311,12 @@ def _fp8_matmul(tile_expert, slot_of_row, a_rows, a_scales, weight, *, out_cols,
     kernel = grouped_gemm_mosaic.persistent_kernel(body, tuple(out_type), interpret)
     tile_operands = grouped_gemm_mosaic.tile_operands(tile_expert, slot_of_row, cfg)
     return kernel(*tile_operands, a_rows, a_scales, values, scales)
+
+
+def _hidden_dtype(cfg: gemm_config.MosaicGemmConfig):
+    """The dtype the gate / up kernel writes the FP8 hidden values in: FP8, or
+    ``_SWAPPED_HIDDEN_DTYPE`` where ``cfg`` swaps the operands."""
+    return _SWAPPED_HIDDEN_DTYPE if cfg.swap_operands else fp8_blocks.FP8_DTYPE
 
 
 def gathered_fp8_rows(x_slots, slot_of_row, tile_expert, block_m: int, qk: int):
@@ -353,7 +356,7 @@ def grouped_ffn_mosaic_fp8(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg,
     down_matrices = fp8_blocks.expert_matrices(w_down, hidden, ffn, "mosaic")
     hidden_rows, hidden_scales = _fp8_matmul(
         tile_expert, slot_of_row, rows, row_scales, gate_up_matrices,
-        out_cols=ffn, column_offsets=(0, ffn), out_dtype=fp8_blocks.FP8_DTYPE,
+        out_cols=ffn, column_offsets=(0, ffn), out_dtype=_hidden_dtype(cfg.gate_up),
         cfg=cfg.gate_up, interpret=interpret,
     )  # fmt: skip
     hidden_rows = hidden_rows.astype(fp8_blocks.FP8_DTYPE)  # exact where stored as float16
