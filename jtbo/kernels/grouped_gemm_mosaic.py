@@ -350,10 +350,17 @@ def store_transposed(values, out_smem, wg_out, warpgroup) -> None:
     """Writes a swapped accumulator's ``values [tile_n, tile_m]`` to its part ``wg_out
     [tile_m, tile_n]`` of the output through shared memory, transposed on the way in (one
     TMA store), in ``out_smem``'s dtype."""
+    store_via_smem(values, out_smem.at[warpgroup], wg_out, transposed=True)
+
+
+def store_via_smem(values, tile_smem, wg_out, *, transposed: bool) -> None:
+    """Writes ``values`` to ``wg_out`` through ``tile_smem`` (one TMA store), in its dtype;
+    ``transposed``: ``values [n, m]`` go into ``tile_smem [m, n]`` through a transposed view."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    plgpu.transpose_ref(out_smem.at[warpgroup], (1, 0))[...] = values.astype(out_smem.dtype)
+    view = plgpu.transpose_ref(tile_smem, (1, 0)) if transposed else tile_smem
+    view[...] = values.astype(tile_smem.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem.at[warpgroup], wg_out)
+    plgpu.copy_smem_to_gmem(tile_smem, wg_out)
 
 
 def store_tile(out, out_smem, wg_out, warpgroup) -> None:

@@ -37,12 +37,14 @@ With ``prefetch_across_tiles`` a CTA's live tiles form one pipeline, as in
 compute warpgroups promote the current tile's last ones and store it.
 
 With ``swap_operands`` (``grouped_gemm_mosaic``'s module docstring) the weight block is
-``wgmma``'s ``M`` operand and the rows its ``N``: a partial sum is ``[tile_n, tile_m]``, its
-row scales multiply its columns, and the gate / up epilogue quantizes each column (a token)
-over the block's ``tile_n`` hidden columns. Mosaic GPU stores no 8-bit accumulator layout
-transposed, so the gate / up kernel writes the FP8 hidden values as float16 (exactly; FP8
-converts to float16 in one instruction), and the layer converts them back to FP8 between the
-kernels.
+``wgmma``'s ``M`` operand and the rows its ``N``: a partial sum is ``[tile_n, tile_m]`` and its
+row scales multiply its columns. A token's hidden values then lie along the accumulator's
+first axis, spread over the warpgroup's four warps, and Mosaic GPU reduces across warps
+through one scratch buffer that both compute warpgroups share (a race). So the swapped gate /
+up kernel writes ``silu(gate) * up`` in float32 as it lies in the accumulator, transposed
+(``[F, R]``: Mosaic GPU stores no float32 accumulator through a transposed view), and the
+layer quantizes those rows between the kernels (one small XLA fusion; the same values and
+scheme as the in-kernel quantization).
 """
 
 import functools
@@ -64,10 +66,8 @@ from jtbo.kernels import (
 )
 
 _F32 = jnp.float32
-# Swapped operands store FP8 hidden rows as their float16 values (exact; the GPU converts FP8
-# to float16 in one instruction, to bfloat16 not at all): Mosaic GPU stores no 8-bit
-# accumulator layout transposed.
-_SWAPPED_HIDDEN_DTYPE = jnp.float16
+# The swapped gate / up kernel's hidden rows: unquantized float32 (module docstring).
+_SWAPPED_HIDDEN_DTYPE = _F32
 _WARPGROUP = grouped_gemm_mosaic.WARPGROUP
 
 
@@ -87,13 +87,12 @@ def _tokens_scaled(values: jax.Array, token_factor: jax.Array, token_axis: int) 
     return values * lax.broadcast_in_dim(token_factor, values.shape, [token_axis])
 
 
-def _quantized_tokens(values: jax.Array, token_axis: int) -> tuple[jax.Array, jax.Array]:
-    """``(values / scale as FP8, scale [tile_m])``, one scale per token: along
-    ``token_axis`` of ``values`` each token's largest magnitude over the other axis
-    (``fp8_blocks``)."""
-    amax = jnp.max(jnp.abs(values), axis=1 - token_axis)
+def _quantized_rows(values: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(values / scale as FP8, scale [tile_m])`` of an accumulator ``values [tile_m,
+    tile_n]``, one scale per row: its largest magnitude over the row (``fp8_blocks``)."""
+    amax = jnp.max(jnp.abs(values), axis=1)
     scale = jnp.where(amax > 0, amax * fp8_blocks.INV_FP8_MAX, jnp.ones_like(amax))
-    quotient = values / lax.broadcast_in_dim(scale, values.shape, [token_axis])
+    quotient = values / lax.broadcast_in_dim(scale, values.shape, [0])
     return quotient.astype(fp8_blocks.FP8_DTYPE), scale
 
 
@@ -104,14 +103,13 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     # tile-major rows (R = num_tiles * block_m); a_scale_gmem: [K / qk, R] float32;
     # b_gmem: [E, N_b, K] FP8; b_scale_gmem: [E, N_b / tile_n, K / qk] float32. out_gmems:
     # (out [R, N],) in the output dtype, or with two accumulators (gate, up) (hidden [R, N]
-    # FP8, hidden scales [N / tile_n, R] float32). Accumulator i reads the weight rows
-    # column_offsets[i] + (column tile) * block_n.
+    # FP8, hidden scales [N / tile_n, R] float32; swapped: hidden [N, R] float32 alone).
+    # Accumulator i reads the weight rows column_offsets[i] + (column tile) * block_n.
     num_live_gmem, row_slot_gmem = grouped_gemm_mosaic.tile_refs(cfg, refs)
-    # As many outputs as accumulators: the down kernel's rows; the gate / up kernel's hidden
-    # rows and their scales.
     num_acc = len(column_offsets)
-    a_gmem, a_scale_gmem, b_gmem, b_scale_gmem = refs[-4 - num_acc : -num_acc]
-    out_gmems = refs[-num_acc:]
+    num_out = 2 if _writes_scales(cfg, num_acc) else 1
+    a_gmem, a_scale_gmem, b_gmem, b_scale_gmem = refs[-4 - num_out : -num_out]
+    out_gmems = refs[-num_out:]
     block_m, block_n, tile_m, tile_n = cfg.block_m, cfg.block_n, cfg.tile_m, cfg.tile_n
     tile_k = cfg.tile_k
     k_steps = a_gmem.shape[1] // tile_k
@@ -139,15 +137,12 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
         a_gmem, a_scale_gmem, *[b_gmem.at[0]] * num_acc
     )
     token_axis = _token_axis(cfg)
+    smem = {"out_smem": _epilogue_smem(cfg, num_acc, out_gmems[0].dtype)}
+    if num_out == 2:  # (warpgroup, rows): the hidden rows' scales
+        smem["scale_smem"] = plgpu.SMEM((2, tile_m), _F32)
 
-    @functools.partial(
-        pl.run_scoped,
-        allocations=allocations,
-        out_smem=grouped_gemm_mosaic.epilogue_smem(cfg, out_gmems[0].dtype),
-        scale_smem=plgpu.SMEM((2, tile_m), _F32),  # (warpgroup, rows): the hidden rows' scales
-        collective_axes=_WARPGROUP,
-    )
-    def _scope(allocations, out_smem, scale_smem):
+    @functools.partial(pl.run_scoped, allocations=allocations, **smem, collective_axes=_WARPGROUP)
+    def _scope(allocations, out_smem, scale_smem=None):
         warpgroup = lax.axis_index(_WARPGROUP)
 
         def visit(tile, col, stores, pipeline_state=None):
@@ -161,9 +156,13 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
             def compute_context(run_pipeline):
                 zeros = jnp.full(grouped_gemm_mosaic.acc_shape(cfg), 0, _F32)
                 sums = run_pipeline((plgpu.layout_cast(zeros, plgpu.Layout.WGMMA),) * num_acc)
-                wg_out = out_gmems[0].at[rows, pl.ds(col * block_n, block_n)].at[wg_rows, wg_cols]
+                cols = pl.ds(col * block_n, block_n)
+                if _hidden_transposed(cfg, num_acc):
+                    wg_out = out_gmems[0].at[cols, rows].at[wg_cols, wg_rows]
+                else:
+                    wg_out = out_gmems[0].at[rows, cols].at[wg_rows, wg_cols]
                 out_rows = pl.ds(tile * block_m + row_start, tile_m)
-                wg_scales = out_gmems[1].at[block, out_rows] if num_acc == 2 else None
+                wg_scales = out_gmems[1].at[block, out_rows] if num_out == 2 else None
                 stored = grouped_gemm_mosaic.all_of(stores, computes)
                 grouped_gemm_mosaic.run_when(stored, lambda: _epilogue(
                     cfg, sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales
@@ -217,6 +216,27 @@ def _warpgroup_origin(cfg: gemm_config.MosaicGemmConfig, warpgroup, col):
     return warpgroup * cfg.tile_m, col
 
 
+def _epilogue_smem(cfg: gemm_config.MosaicGemmConfig, num_acc: int, out_dtype):
+    """The epilogue's shared memory (``grouped_gemm_mosaic.epilogue_smem``), or for the
+    swapped gate / up kernel one ``tile_n x tile_m`` float32 tile per warpgroup."""
+    if _hidden_transposed(cfg, num_acc):
+        transforms = grouped_gemm_mosaic.smem_transforms(cfg.tile_m, 4)
+        return plgpu.SMEM((2, cfg.tile_n, cfg.tile_m), _F32, transforms=transforms)
+    return grouped_gemm_mosaic.epilogue_smem(cfg, out_dtype)
+
+
+def _hidden_transposed(cfg: gemm_config.MosaicGemmConfig, num_acc: int) -> bool:
+    """Whether a kernel of ``num_acc`` accumulators writes float32 hidden values ``[F, R]``:
+    the gate / up kernel with swapped operands (module docstring)."""
+    return num_acc == 2 and cfg.swap_operands
+
+
+def _writes_scales(cfg: gemm_config.MosaicGemmConfig, num_acc: int) -> bool:
+    """Whether a kernel of ``num_acc`` accumulators writes hidden rows' scales: the gate / up
+    kernel, unless it swaps its operands (module docstring)."""
+    return num_acc == 2 and not cfg.swap_operands
+
+
 def _token_axis(cfg: gemm_config.MosaicGemmConfig) -> int:
     """The accumulators' axis of a warpgroup's rows (its tokens): 0, or 1 when swapped."""
     return 1 if cfg.swap_operands else 0
@@ -232,17 +252,21 @@ def _partial_product(cfg: gemm_config.MosaicGemmConfig, rows_smem, weights_smem)
 
 def _epilogue(cfg, sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales):
     """Writes one warpgroup's part ``wg_out`` of a tile: the down kernel's sum in the output
-    dtype, or the gate / up kernel's ``silu(gate) * up`` quantized per token (the rows of
-    ``wg_out``), with their scales to ``wg_scales``."""
+    dtype, or the gate / up kernel's ``silu(gate) * up``: quantized per token (the rows of
+    ``wg_out``) with their scales to ``wg_scales``, or in float32 where ``wg_scales`` is None
+    (swapped operands)."""
     store = functools.partial(grouped_gemm_mosaic.store_warpgroup_part, cfg)
     if len(sums) == 1:
         store(sums[0].astype(wg_out.dtype), out_smem, wg_out, warpgroup)
         return
     gate, up = sums
-    token_axis = _token_axis(cfg)
-    hidden, scale = _quantized_tokens(gate * jax.nn.sigmoid(gate) * up, token_axis)
+    hidden = gate * jax.nn.sigmoid(gate) * up
+    if wg_scales is None:  # swapped: [tile_n, tile_m] as it lies
+        grouped_gemm_mosaic.store_via_smem(hidden, out_smem.at[warpgroup], wg_out, transposed=False)
+        return
+    values, scale = _quantized_rows(hidden)
     # The store first waits for every earlier store, the last tile's scales included.
-    store(hidden, out_smem, wg_out, warpgroup)
+    store(values, out_smem, wg_out, warpgroup)
     scale_smem.at[warpgroup][...] = scale
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(scale_smem.at[warpgroup], wg_scales)
@@ -295,9 +319,9 @@ def tiles(hidden: int, ffn: int, quant_block: tuple[int, int], cfg) -> bool:
 
 def _fp8_matmul(tile_expert, slot_of_row, a_rows, a_scales, weight, *, out_cols, column_offsets,
                 out_dtype, cfg, interpret):  # fmt: skip
-    """One FP8 grouped GEMM over tile-major rows: ``[R, out_cols]`` in ``out_dtype``, or with
-    two column offsets (gate / up) the hidden rows' FP8 values in ``out_dtype``
-    (``_hidden_dtype``) and their ``[out_cols / tile_n, R]`` scales."""
+    """One FP8 grouped GEMM over tile-major rows: ``([R, out_cols] in out_dtype,)``, or with
+    two column offsets (gate / up) the FP8 hidden rows and their ``[out_cols / tile_n, R]``
+    scales, or where ``cfg`` swaps the operands ``([out_cols, R] float32,)``, unquantized."""
     values, scales = weight
     body = functools.partial(
         _fp8_matmul_body, column_offsets=column_offsets, cfg=cfg,
@@ -305,8 +329,11 @@ def _fp8_matmul(tile_expert, slot_of_row, a_rows, a_scales, weight, *, out_cols,
         grid_size=grouped_gemm_mosaic.num_clusters(interpret),
     )  # fmt: skip
     num_rows = a_rows.shape[0]
-    out_type = [jax.ShapeDtypeStruct((num_rows, out_cols), out_dtype)]
-    if len(column_offsets) == 2:
+    out_shape = (num_rows, out_cols)
+    if _hidden_transposed(cfg, len(column_offsets)):
+        out_shape = (out_cols, num_rows)
+    out_type = [jax.ShapeDtypeStruct(out_shape, out_dtype)]
+    if _writes_scales(cfg, len(column_offsets)):
         out_type.append(jax.ShapeDtypeStruct((out_cols // cfg.tile_n, num_rows), _F32))
     kernel = grouped_gemm_mosaic.persistent_kernel(body, tuple(out_type), interpret)
     tile_operands = grouped_gemm_mosaic.tile_operands(tile_expert, slot_of_row, cfg)
@@ -314,9 +341,21 @@ def _fp8_matmul(tile_expert, slot_of_row, a_rows, a_scales, weight, *, out_cols,
 
 
 def _hidden_dtype(cfg: gemm_config.MosaicGemmConfig):
-    """The dtype the gate / up kernel writes the FP8 hidden values in: FP8, or
-    ``_SWAPPED_HIDDEN_DTYPE`` where ``cfg`` swaps the operands."""
+    """The dtype the gate / up kernel writes the hidden rows in: FP8, or
+    ``_SWAPPED_HIDDEN_DTYPE`` (unquantized) where ``cfg`` swaps the operands."""
     return _SWAPPED_HIDDEN_DTYPE if cfg.swap_operands else fp8_blocks.FP8_DTYPE
+
+
+def _hidden_fp8(gate_up_out, cfg: gemm_config.MosaicGemmConfig):
+    """``(FP8 hidden rows [R, F], their scales [F / tile_n, R])`` from the gate / up kernel's
+    outputs: as it wrote them, or quantized here from its float32 rows where ``cfg`` swaps
+    the operands (``[F, R]``; the in-kernel scheme, ``fp8_blocks``)."""
+    if not cfg.swap_operands:
+        return gate_up_out
+    (transposed_rows,) = gate_up_out
+    # float32 already, so no barrier (fp8_blocks.quantize_rows): the transpose fuses in.
+    quantized = fp8_blocks.quantize_blocks(transposed_rows.T, (1, cfg.tile_n))
+    return quantized.values, quantized.scales.T
 
 
 def gathered_fp8_rows(x_slots, slot_of_row, tile_expert, block_m: int, qk: int):
@@ -354,12 +393,12 @@ def grouped_ffn_mosaic_fp8(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg,
     )
     gate_up_matrices = fp8_blocks.expert_matrices(w_gate_up, 2 * ffn, hidden, "mosaic")
     down_matrices = fp8_blocks.expert_matrices(w_down, hidden, ffn, "mosaic")
-    hidden_rows, hidden_scales = _fp8_matmul(
+    gate_up_out = _fp8_matmul(
         tile_expert, slot_of_row, rows, row_scales, gate_up_matrices,
         out_cols=ffn, column_offsets=(0, ffn), out_dtype=_hidden_dtype(cfg.gate_up),
         cfg=cfg.gate_up, interpret=interpret,
     )  # fmt: skip
-    hidden_rows = hidden_rows.astype(fp8_blocks.FP8_DTYPE)  # exact where stored as float16
+    hidden_rows, hidden_scales = _hidden_fp8(gate_up_out, cfg.gate_up)
     (out_rows,) = _fp8_matmul(
         tile_expert, slot_of_row, hidden_rows, hidden_scales, down_matrices,
         out_cols=hidden, column_offsets=(0,), out_dtype=x_slots.dtype, cfg=cfg.down,
