@@ -19,8 +19,9 @@
 # skipping their work, FP8 and bf16, at decode sizes, FP8 prefill and bf16 prefill with
 # prefetching), sampler (the sampled step's sort on integer keys against float keys, and a
 # sampled against a greedy serve), memory-registers (the memory warpgroup's registers),
-# swap-operands (8- to 16-row tiles with the weights as wgmma's M operand, FP8 and bf16, in
-# decode stacks, against "auto"'s kernels and the 128-row tiles that skip empty warpgroups).
+# swap-operands (8- to 16-row tiles with the weights as wgmma's M operand, FP8, their GPU
+# tests, then decode stacks against "auto"'s kernels and the 128-row tiles that prefetch and
+# skip empty warpgroups).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -201,19 +202,20 @@ for group in "$@"; do
       LIMIT=200 bench registers-fp8-dsv3 8 grouped_gemm --preset deepseek-v3 \
         --expert-dtype float8_e4m3fn --tokens 256 --impls "$impls" --layers-per-call 8 ;;
     swap-operands)  # the weights as wgmma's M operand and the rows as its N (spec w): 8-row
-      # (16-row tiles) and 16-row warpgroups, prefetching across tiles, in decode stacks;
+      # (16-row tiles) and 16-row warpgroups, prefetching across tiles, in FP8 decode stacks;
       # against Pallas ("auto" at Qwen3-30B-A3B's decode), the default Mosaic tiles ("auto" at
-      # DeepSeek-V3's) and 128-row tiles skipping their empty warpgroups
+      # DeepSeek-V3's) and 128-row tiles prefetching and skipping their empty warpgroups
       fp8="--expert-dtype float8_e4m3fn"
-      impls=pallas,mosaic:128x128x128s4pe/128x128x128s3pe,mosaic:16x128x128s4pw/16x128x128s3pw
-      impls+=,mosaic:32x128x128s4pw/32x128x128s3pw,mosaic:32x128x128s4w
-      LIMIT=200 bench swap-fp8-qwen3 12 grouped_gemm --preset qwen3-30b-a3b $fp8 \
+      echo "== pytest: the swapped FP8 kernels on the GPU"
+      timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_grouped_gemm_mosaic_fp8.py \
+        -k swapped >"$OUT/pytest-swapped.log" 2>&1
+      echo "(exit $?)"; tail -n 2 "$OUT/pytest-swapped.log"
+      impls=pallas,mosaic:16x128x128s4pw/16x128x128s3pw,mosaic:32x128x128s4pw/32x128x128s3pw
+      LIMIT=220 bench swap-fp8-qwen3 10 grouped_gemm --preset qwen3-30b-a3b $fp8 \
         --tokens 64,256 --impls "$impls" --layers-per-call 8
-      LIMIT=200 bench swap-fp8-dsv3 10 grouped_gemm --preset deepseek-v3 $fp8 --tokens 64,256 \
-        --impls mosaic,mosaic:16x128x128s4pw,mosaic:32x128x128s4pw --layers-per-call 8
-      impls=pallas,mosaic:16x128x64s4f1pw/16x256x64s4f1pw,mosaic:32x128x64s4f1pw/32x256x64s4f1pw
-      LIMIT=170 bench swap-bf16-qwen3 12 grouped_gemm --preset qwen3-30b-a3b \
-        --tokens 64,128,256 --impls "$impls" --layers-per-call 8 ;;
+      impls=mosaic,mosaic:128x128x128s4pe,mosaic:16x128x128s4pw
+      LIMIT=260 bench swap-fp8-dsv3 10 grouped_gemm --preset deepseek-v3 $fp8 --tokens 64,256 \
+        --impls "$impls" --layers-per-call 8 ;;
     sampler)  # the sampler's sort on integer keys against float keys (which compiled sort each
       # runs), then a sampled and a greedy serve at Qwen3-30B-A3B's dimensions
       echo "== PYTHONPATH=. python tools/sampler_sort_probe.py"

@@ -826,6 +826,10 @@ def timed(prepared: list[Row | Pending], args) -> list[Row]:
     (``device_rates.time_fns_interleaved``); a failure while timing makes them error rows."""
     pending = [p for p in prepared if isinstance(p, Pending)]
     try:
+        for p in pending:  # where a run's time goes: compiles (the table times none)
+            start = time.perf_counter()
+            jax.block_until_ready(p.fn(*p.args))
+            _log(f"T={p.row.tokens} {p.row.impl}: first call {time.perf_counter() - start:.1f} s")
         seconds = device_rates.time_fns_interleaved(
             [(p.fn, p.args) for p in pending], warmup=args.warmup, iters=args.iters,
             reps=args.reps,
