@@ -1,16 +1,20 @@
-"""The sampler's sort on the GPU: integer keys (``sampler.sort_descending``) against float keys.
+"""The sampler's sort on the GPU: its keys-only sort (``sampler.sort_descending``) against the
+key-value sorts it replaced.
 
-``sampler.sample_rows`` sorts each row's probabilities in descending order, stably, with the
-vocabulary ids as values. This probe times, in turns in one process, per ``(rows, vocab)``:
+``sampler.sample_rows`` sorts each row's probabilities in descending order. This probe times,
+in turns in one process, per ``(rows, vocab)``:
 
-* ``int keys``: ``sampler.sort_descending`` (inverted bit patterns as ``uint32`` keys);
-* ``float keys``: the same sort on the negated float32 probabilities (NumPy-order float
-  comparator), the form the sampler had before;
-* ``sample_rows``: the whole sampled pick (softmax, sort, nucleus, inverse CDF);
+* ``keys``: ``sampler.sort_descending`` (inverted bit patterns as ``uint32`` keys, alone,
+  unstable: the sort XLA's GPU compiler can run as CUB's radix sort);
+* ``int pairs``: the stable sort of those keys with the vocabulary ids as values (the form the
+  sampler had before; XLA's ``StableSortExpander`` puts the ids into its comparator);
+* ``float pairs``: the stable sort of the negated float32 probabilities with the ids (NumPy-order
+  float comparator), the form before that;
+* ``sample_rows``: the whole sampled pick (softmax, sort, nucleus, inverse CDF, tie order);
 * ``greedy``: ``sample_rows(..., greedy_only=True)`` (the argmax), the floor of a step's pick.
 
-It checks that both sorts give the same bits, and prints whether each compiled sort became
-XLA's CUB radix sort (the ``__cub$DeviceRadixSort`` custom call) or stayed XLA's own sort.
+It checks that the three sorts give the same sorted bits, and prints whether each compiled sort
+became XLA's CUB radix sort (the ``__cub$DeviceRadixSort`` custom call) or stayed XLA's own.
 
 Usage (GPU): ``PYTHONPATH=. python tools/sampler_sort_probe.py [--rows 8,64,256]
 [--vocab 151936,129280,32000]``.
@@ -28,12 +32,23 @@ from jtbo.models import sampler
 CUB_SORT = "__cub$DeviceRadixSort"
 
 
-def float_key_sort(probs):
-    """The sort on float keys: ``(-probs, vocab ids)``, stable; the same result as
-    ``sampler.sort_descending``."""
+def _pair_sort(keys, probs):
+    """A stable key-value sort of ``keys`` with the vocabulary ids: ``(sorted keys, ids)``."""
     vocab_ids = jax.lax.broadcasted_iota(jnp.int32, probs.shape, probs.ndim - 1)
-    negated, order = jax.lax.sort((-probs, vocab_ids), dimension=probs.ndim - 1, is_stable=True)
-    return -negated, order
+    return jax.lax.sort((keys, vocab_ids), dimension=probs.ndim - 1, is_stable=True)
+
+
+def int_pair_sort(probs):
+    """The sampler's sort before: inverted bit patterns and ids, stable; sorted probabilities."""
+    keys = jnp.invert(jax.lax.bitcast_convert_type(probs, jnp.uint32))
+    sorted_keys, _ = _pair_sort(keys, probs)
+    return jax.lax.bitcast_convert_type(jnp.invert(sorted_keys), jnp.float32)
+
+
+def float_pair_sort(probs):
+    """The form before that: ``(-probs, ids)`` stable; sorted probabilities."""
+    negated, _ = _pair_sort(-probs, probs)
+    return -negated
 
 
 def _compiled(fn, *args):
@@ -56,8 +71,9 @@ def _cases(rows: int, vocab: int):
     uniforms = sampler.sampling_uniforms(0, jnp.arange(rows), 0)
     pick = (logits, temperature, top_p, uniforms)
     return {
-        "int keys": _compiled(sampler.sort_descending, probs),
-        "float keys": _compiled(float_key_sort, probs),
+        "keys": _compiled(sampler.sort_descending, probs),
+        "int pairs": _compiled(int_pair_sort, probs),
+        "float pairs": _compiled(float_pair_sort, probs),
         "sample_rows": _compiled(sampler.sample_rows, *pick),
         "greedy": _compiled(lambda *a: sampler.sample_rows(*a, greedy_only=True), *pick),
     }
@@ -70,9 +86,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
     print(f"device {jax.devices()[0].device_kind}  jax {jax.__version__}")
-    print("| rows | vocab | int keys (ms, sort) | float keys (ms, sort) | float / int | "
-          "sample_rows (ms) | greedy (ms) | same bits |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| rows | vocab | keys (ms, sort) | int pairs (ms, sort) | float pairs (ms, sort) | "
+          "int pairs / keys | sample_rows (ms) | greedy (ms) | same bits |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    sorts = ("keys", "int pairs", "float pairs")
     for vocab in map(int, args.vocab.split(",")):
         for rows in map(int, args.rows.split(",")):
             cases = _cases(rows, vocab)
@@ -81,18 +98,12 @@ def main() -> None:
                 [cases[k] for k in labels], warmup=2, iters=10, reps=args.reps
             )
             ms = {k: s * 1e3 for k, s in zip(labels, seconds, strict=True)}
-            int_out = jax.device_get(cases["int keys"][0](*cases["int keys"][1]))
-            float_out = jax.device_get(cases["float keys"][0](*cases["float keys"][1]))
-            same = all(
-                np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
-                for a, b in zip(int_out, float_out, strict=True)
-            )
-            kinds = {k: _sort_kind(cases[k][0]) for k in ("int keys", "float keys")}
+            outs = [np.asarray(jax.device_get(cases[k][0](*cases[k][1]))) for k in sorts]
+            same = all(np.array_equal(outs[0].view(np.uint32), o.view(np.uint32)) for o in outs)
+            cells = " | ".join(f"{ms[k]:.3f} {_sort_kind(cases[k][0])}" for k in sorts)
             print(
-                f"| {rows} | {vocab} | {ms['int keys']:.3f} {kinds['int keys']} | "
-                f"{ms['float keys']:.3f} {kinds['float keys']} | "
-                f"{ms['float keys'] / ms['int keys']:.2f} | {ms['sample_rows']:.3f} | "
-                f"{ms['greedy']:.3f} | {same} |"
+                f"| {rows} | {vocab} | {cells} | {ms['int pairs'] / ms['keys']:.2f} | "
+                f"{ms['sample_rows']:.3f} | {ms['greedy']:.3f} | {same} |"
             )
 
 

@@ -14,6 +14,13 @@ A row whose temperature is 0 takes the argmax of its logits (the first maximum).
 4. invert the cumulative distribution of the kept tokens at ``uniform * kept mass``: the token
    is the first kept one whose inclusive cumulative sum exceeds that target.
 
+The implementation sorts the probabilities alone (``sort_descending``, no vocabulary ids
+beside them): every sorted probability, and so every cumulative sum and the chosen sorted
+position, is what the stable sort of step 2 gives. Only the token at that position depends on
+the order of ties, and ``_tie_ordered_token`` finds the one the stable order puts there,
+counting equal probabilities in vocabulary order. (XLA's GPU compiler runs a stable key-value
+sort as its own comparison sort with the ids as a tie-break, never as CUB's radix sort.)
+
 The inverse CDF runs in **sorted** order (most likely token first), not in vocabulary order as
 the runner's host sampler does: both draw from the same distribution, but one
 uniform number maps to different tokens in the two. If rounding leaves the target at or above
@@ -88,8 +95,7 @@ def sample_rows(logits, temperature, top_p, uniforms, *, greedy_only: bool = Fal
     greedy = temperature == 0
     safe_temperature = jnp.where(greedy, 1.0, temperature)  # greedy rows: a harmless 1
     probs = jax.nn.softmax(logits / safe_temperature[..., None], axis=-1)  # [..., V]
-    # sorted_probs [..., V] descending; order[..., i]: the vocabulary id at sorted position i
-    sorted_probs, order = sort_descending(probs)
+    sorted_probs = sort_descending(probs)  # [..., V]
     inclusive = jnp.cumsum(sorted_probs, axis=-1)
     before = jnp.concatenate([jnp.zeros_like(inclusive[..., :1]), inclusive[..., :-1]], axis=-1)
     positions = jax.lax.broadcasted_iota(jnp.int32, probs.shape, probs.ndim - 1)
@@ -106,37 +112,53 @@ def sample_rows(logits, temperature, top_p, uniforms, *, greedy_only: bool = Fal
         candidate & (kept_cumulative <= target[..., None]), axis=-1, dtype=jnp.int32
     )
     chosen = jnp.clip(num_below, 0, jnp.maximum(num_candidates - 1, 0))  # sorted position
-    sampled = jnp.take_along_axis(order, chosen[..., None], axis=-1)[..., 0]
+    sampled = _tie_ordered_token(probs, sorted_probs, chosen)
     return jnp.where(greedy, greedy_tokens, sampled)
 
 
-def sort_descending(probs) -> tuple[jax.Array, jax.Array]:
-    """Each row's probabilities in descending order, stably, with their vocabulary ids.
+def _tie_ordered_token(probs, sorted_probs, chosen) -> jax.Array:
+    """The vocabulary id at sorted position ``chosen [...]`` of the stable descending order
+    of ``probs [..., V]`` (``sorted_probs`` its values): the position falls among the tokens
+    of its probability, after those of larger ones; among them the stable order is the
+    vocabulary order, so the token is the one whose count of equal probabilities up to it,
+    in vocabulary order, reaches the position's rank in its tie group. Compared as bit
+    patterns (``sort_descending``'s keys), so ties are exact."""
+    bits = jax.lax.bitcast_convert_type(probs, jnp.uint32)
+    sorted_bits = jax.lax.bitcast_convert_type(sorted_probs, jnp.uint32)
+    chosen_bits = jnp.take_along_axis(sorted_bits, chosen[..., None], axis=-1)  # [..., 1]
+    ahead = jnp.sum(bits > chosen_bits, axis=-1, dtype=jnp.int32)  # more likely tokens
+    tied = bits == chosen_bits
+    tied_so_far = jnp.cumsum(tied, axis=-1, dtype=jnp.int32)  # inclusive, vocabulary order
+    is_token = tied & (tied_so_far == (chosen - ahead + 1)[..., None])
+    return jnp.argmax(is_token, axis=-1).astype(jnp.int32)
 
-    The sort runs on integer keys: a non-negative float's bit pattern grows with its value, so
-    the inverted bit patterns in ascending order are the probabilities in descending order,
-    and inverting the sorted keys back gives the same floats. A key-value sort of unsigned
-    keys compares them with a single ``<``, which XLA's GPU compiler can hand to CUB's radix
-    sort (where its size rule prefers CUB); float keys compare in NumPy's total order, which it
-    sorts with its own kernel whenever values come with them.
+
+def sort_descending(probs) -> jax.Array:
+    """Each row's probabilities in descending order.
+
+    The sort runs on integer keys alone: a non-negative float's bit pattern grows with its
+    value, so the inverted bit patterns in ascending order are the probabilities in
+    descending order, and inverting the sorted keys back gives the same floats. A sort of
+    unsigned keys compares them with a single ``<``, which XLA's GPU compiler can hand to
+    CUB's radix sort (where its size rule prefers CUB). Neither vocabulary ids beside the keys
+    (a stable key-value sort gets them as a tie-break in its comparator, which CUB cannot run)
+    nor float keys (NumPy's total order) would let it.
 
     Args:
       probs: ``[..., V]`` float32 probabilities, all ``>= 0`` (a NaN sorts first).
 
     Returns:
-      ``(sorted_probs [..., V] float32, order [..., V] int32)``: the probabilities from the
-      largest, equal ones in vocabulary order, and the vocabulary id at each position.
+      ``[..., V]`` float32: the probabilities from the largest.
 
     Raises:
       ValueError: ``probs`` is not float32 (its bit patterns are the keys).
     """
     if probs.dtype != jnp.float32:
         raise ValueError(f"sort_descending sorts float32 probabilities, got {probs.dtype}")
-    axis = probs.ndim - 1
-    vocab_ids = jax.lax.broadcasted_iota(jnp.int32, probs.shape, axis)
     keys = jnp.invert(jax.lax.bitcast_convert_type(probs, jnp.uint32))
-    sorted_keys, order = jax.lax.sort((keys, vocab_ids), dimension=axis, is_stable=True)
-    return jax.lax.bitcast_convert_type(jnp.invert(sorted_keys), jnp.float32), order
+    # Equal keys are equal bits: stability would change nothing.
+    sorted_keys = jax.lax.sort(keys, dimension=probs.ndim - 1, is_stable=False)
+    return jax.lax.bitcast_convert_type(jnp.invert(sorted_keys), jnp.float32)
 
 
 def token_logprobs(logits, tokens) -> jax.Array:
