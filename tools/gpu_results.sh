@@ -17,8 +17,8 @@
 # fp8-mosaic-decode / fp8-mosaic-prefill (the FP8 Mosaic kernels' one pipeline over a CTA's
 # tiles and 64-row tiles, against the default), skip-empty (warpgroups of padding rows
 # skipping their work, FP8 and bf16, at decode sizes, FP8 prefill and bf16 prefill with
-# prefetching), sampler (the sampled step's sort on integer keys against float keys, and a
-# sampled against a greedy serve), memory-registers (the memory warpgroup's registers),
+# prefetching), sampler (the sampled step's keys-only sort against the key-value sorts it
+# replaced, and a sampled against a greedy serve), memory-registers (the memory warpgroup's registers),
 # swap-operands (8- to 16-row tiles with the weights as wgmma's M operand, FP8, their GPU
 # tests, then decode stacks against "auto"'s kernels and the 128-row tiles that prefetch and
 # skip empty warpgroups).
@@ -216,8 +216,8 @@ for group in "$@"; do
       impls=mosaic,mosaic:128x128x128s4pe,mosaic:16x128x128s4pw
       LIMIT=260 bench swap-fp8-dsv3 10 grouped_gemm --preset deepseek-v3 $fp8 --tokens 64,256 \
         --impls "$impls" --layers-per-call 8 ;;
-    sampler)  # the sampler's sort on integer keys against float keys (which compiled sort each
-      # runs), then a sampled and a greedy serve at Qwen3-30B-A3B's dimensions
+    sampler)  # the sampler's keys-only sort against the key-value sorts it replaced (which
+      # compiled sort each runs), then a sampled and a greedy serve at Qwen3-30B-A3B's dimensions
       echo "== PYTHONPATH=. python tools/sampler_sort_probe.py"
       PYTHONPATH=. timeout "${LIMIT:-300}" python3 tools/sampler_sort_probe.py \
         >"$OUT/sampler-sort.log" 2>&1
