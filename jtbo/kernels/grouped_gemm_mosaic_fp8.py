@@ -157,10 +157,9 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
                 zeros = jnp.full(grouped_gemm_mosaic.acc_shape(cfg), 0, _F32)
                 sums = run_pipeline((plgpu.layout_cast(zeros, plgpu.Layout.WGMMA),) * num_acc)
                 cols = pl.ds(col * block_n, block_n)
-                if _hidden_transposed(cfg, num_acc):
-                    wg_out = out_gmems[0].at[cols, rows].at[wg_cols, wg_rows]
-                else:
-                    wg_out = out_gmems[0].at[rows, cols].at[wg_rows, wg_cols]
+                wg_out = _warpgroup_out(
+                    cfg, num_acc, out_gmems[0], (rows, cols), (wg_rows, wg_cols)
+                )
                 out_rows = pl.ds(tile * block_m + row_start, tile_m)
                 wg_scales = out_gmems[1].at[block, out_rows] if num_out == 2 else None
                 stored = grouped_gemm_mosaic.all_of(stores, computes)
@@ -223,6 +222,15 @@ def _epilogue_smem(cfg: gemm_config.MosaicGemmConfig, num_acc: int, out_dtype):
         transforms = grouped_gemm_mosaic.smem_transforms(cfg.tile_m, 4)
         return plgpu.SMEM((2, cfg.tile_n, cfg.tile_m), _F32, transforms=transforms)
     return grouped_gemm_mosaic.epilogue_smem(cfg, out_dtype)
+
+
+def _warpgroup_out(cfg, num_acc: int, out_gmem, tile, part):
+    """A warpgroup's part of the output: ``out_gmem.at[tile].at[part]`` for ``tile = (rows,
+    columns)`` and ``part`` its ``(rows, columns)`` in the tile, both index pairs transposed
+    where the kernel writes float32 hidden values ``[F, R]`` (``_hidden_transposed``)."""
+    if _hidden_transposed(cfg, num_acc):
+        return out_gmem.at[tile[::-1]].at[part[::-1]]
+    return out_gmem.at[tile].at[part]
 
 
 def _hidden_transposed(cfg: gemm_config.MosaicGemmConfig, num_acc: int) -> bool:
