@@ -20,8 +20,8 @@
 # prefetching), sampler (the sampled step's keys-only sort against the key-value sorts it
 # replaced, and a sampled against a greedy serve), memory-registers (the memory warpgroup's registers),
 # swap-operands (8- to 16-row tiles with the weights as wgmma's M operand, FP8, their GPU
-# tests, then decode stacks against "auto"'s kernels and the 128-row tiles that prefetch and
-# skip empty warpgroups).
+# tests, then decode stacks against "auto"'s kernels), fp8-decode-pe (FP8 Mosaic decode stacks prefetching across tiles
+# and skipping empty warpgroups against the default).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -203,8 +203,8 @@ for group in "$@"; do
         --expert-dtype float8_e4m3fn --tokens 256 --impls "$impls" --layers-per-call 8 ;;
     swap-operands)  # the weights as wgmma's M operand and the rows as its N (spec w): 8-row
       # (16-row tiles) and 16-row warpgroups, prefetching across tiles, in FP8 decode stacks;
-      # against Pallas ("auto" at Qwen3-30B-A3B's decode), the default Mosaic tiles ("auto" at
-      # DeepSeek-V3's) and 128-row tiles prefetching and skipping their empty warpgroups
+      # their GPU tests first, then against Pallas ("auto" at Qwen3-30B-A3B's decode) and the
+      # default Mosaic tiles ("auto" at DeepSeek-V3's)
       fp8="--expert-dtype float8_e4m3fn"
       echo "== pytest: the swapped FP8 kernels on the GPU"
       timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_grouped_gemm_mosaic_fp8.py \
@@ -213,9 +213,16 @@ for group in "$@"; do
       impls=pallas,mosaic:16x128x128s4pw/16x128x128s3pw,mosaic:32x128x128s4pw/32x128x128s3pw
       LIMIT=220 bench swap-fp8-qwen3 10 grouped_gemm --preset qwen3-30b-a3b $fp8 \
         --tokens 64,256 --impls "$impls" --layers-per-call 8
-      impls=mosaic,mosaic:128x128x128s4pe,mosaic:16x128x128s4pw
-      LIMIT=260 bench swap-fp8-dsv3 10 grouped_gemm --preset deepseek-v3 $fp8 --tokens 64,256 \
-        --impls "$impls" --layers-per-call 8 ;;
+      # its own process: a kernel that faults takes every later row of its process with it
+      LIMIT=200 bench swap-fp8-dsv3 8 grouped_gemm --preset deepseek-v3 $fp8 --tokens 64 \
+        --impls mosaic,mosaic:16x128x128s4pw --layers-per-call 8 ;;
+    fp8-decode-pe)  # the FP8 Mosaic 128-row tiles prefetching across tiles and skipping empty
+      # warpgroups (spec pe) against the default, in decode stacks where "auto" takes Mosaic
+      fp8="--expert-dtype float8_e4m3fn"
+      LIMIT=280 bench pe-fp8-dsv3 10 grouped_gemm --preset deepseek-v3 $fp8 --tokens 64,256 \
+        --impls mosaic,mosaic:128x128x128s4pe --layers-per-call 8
+      LIMIT=200 bench pe-fp8-mixtral 10 grouped_gemm --preset mixtral-8x7b $fp8 \
+        --tokens 256,512 --impls mosaic,mosaic:128x128x128s4pe --layers-per-call 8 ;;
     sampler)  # the sampler's keys-only sort against the key-value sorts it replaced (which
       # compiled sort each runs), then a sampled and a greedy serve at Qwen3-30B-A3B's dimensions
       echo "== PYTHONPATH=. python tools/sampler_sort_probe.py"
@@ -239,7 +246,7 @@ for group in "$@"; do
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
       "prefetch, split-columns, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty, sampler," \
-      "memory-registers, swap-operands)"
+      "memory-registers, swap-operands, fp8-decode-pe)"
       exit 2 ;;
   esac
 done
