@@ -130,7 +130,7 @@ def _body(
                 b_smems, sums = rest[:num_acc], rest[num_acc]
                 if variant == "direct":
                     for b_smem, acc in zip(b_smems, sums, strict=True):
-                        plgpu.wgmma(acc, a_smem.at[wg_rows], plgpu.transpose_ref(b_smem, (1, 0)))
+                        plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem.transpose((1, 0)))
                     plgpu.wgmma_wait(0)
                     return sums
                 step = indices[0]
@@ -153,7 +153,7 @@ def _body(
 
                 def b_block(i, j):
                     b = b_smems[i] if blocks_per_step == 1 else b_smems[i].at[:, pl.ds(j * qk, qk)]
-                    return plgpu.transpose_ref(b, (1, 0))
+                    return b.transpose((1, 0))
 
                 def promote(running, part, i, j):
                     if variant == "noscale":

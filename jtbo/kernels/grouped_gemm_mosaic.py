@@ -148,8 +148,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
                     for b_smem, acc in zip(b_smems, accs, strict=True):
                         rows, weights = a_smem.at[wg_rows], b_smem.at[:, wg_cols]
                         if cfg.swap_operands:  # [tile_n, tile_k] @ [tile_k, tile_m]
-                            transpose = functools.partial(plgpu.transpose_ref, permutation=(1, 0))
-                            plgpu.wgmma(acc, transpose(weights), transpose(rows))
+                            plgpu.wgmma(acc, weights.transpose((1, 0)), rows.transpose((1, 0)))
                         else:
                             plgpu.wgmma(acc, rows, weights)
 
@@ -357,7 +356,7 @@ def store_via_smem(values, tile_smem, wg_out, *, transposed: bool) -> None:
     """Writes ``values`` to ``wg_out`` through ``tile_smem`` (one TMA store), in its dtype;
     ``transposed``: ``values [n, m]`` go into ``tile_smem [m, n]`` through a transposed view."""
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    view = plgpu.transpose_ref(tile_smem, (1, 0)) if transposed else tile_smem
+    view = tile_smem.transpose((1, 0)) if transposed else tile_smem
     view[...] = values.astype(tile_smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(tile_smem, wg_out)

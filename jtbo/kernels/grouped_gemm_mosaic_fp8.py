@@ -75,7 +75,7 @@ def _block_product(a_smem, b_smem, shape: tuple[int, int]) -> jax.Array:
     """``a_smem [tile_m, qk] @ b_smem [tile_n, qk].T`` in float32, a fresh accumulator."""
 
     def dot(acc_ref):
-        plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+        plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
         return acc_ref[...]
 
     return pl.run_scoped(dot, plgpu.ACC(shape, _F32))
