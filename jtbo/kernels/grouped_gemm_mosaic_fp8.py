@@ -217,10 +217,11 @@ def _warpgroup_origin(cfg: gemm_config.MosaicGemmConfig, warpgroup, col):
 
 def _epilogue_smem(cfg: gemm_config.MosaicGemmConfig, num_acc: int, out_dtype):
     """The epilogue's shared memory (``grouped_gemm_mosaic.epilogue_smem``), or for the
-    swapped gate / up kernel one ``tile_n x tile_m`` float32 tile per warpgroup."""
+    swapped gate / up kernel one ``tile_n x tile_m`` tile per warpgroup, as the accumulator
+    lies, in ``out_dtype`` (``_SWAPPED_HIDDEN_DTYPE``)."""
     if _hidden_transposed(cfg, num_acc):
-        transforms = grouped_gemm_mosaic.smem_transforms(cfg.tile_m, 4)
-        return plgpu.SMEM((2, cfg.tile_n, cfg.tile_m), _F32, transforms=transforms)
+        transforms = grouped_gemm_mosaic.smem_transforms(cfg.tile_m, jnp.dtype(out_dtype).itemsize)
+        return plgpu.SMEM((2, cfg.tile_n, cfg.tile_m), out_dtype, transforms=transforms)
     return grouped_gemm_mosaic.epilogue_smem(cfg, out_dtype)
 
 
