@@ -738,28 +738,50 @@ def grouped_ffn_rows(
     if impl == "xla" or math.prod(x_slots.shape) == 0:
         return _xla_any_weights(_materialized(x_slots), counts, w_gate_up, w_down, fp8_activations)
     interpret = impls.backend() == "cpu"
-    if impl == impls.MOSAIC and quant_block is not None:
-        return grouped_gemm_mosaic_fp8.grouped_ffn_mosaic_fp8(
-            x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
-            cfg=config or gemm_config.MOSAIC_FFN_FP8, interpret=interpret,
-        )  # fmt: skip
-    if impl == impls.MOSAIC:
-        return grouped_gemm_mosaic.grouped_ffn_mosaic(
-            x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
-            cfg=config or gemm_config.MOSAIC_FFN, interpret=interpret,
-        )  # fmt: skip
-    return grouped_ffn_pallas(
-        x_slots, counts, w_gate_up, w_down, max_rows=max_rows,
-        cfg=config or _default_config(w_gate_up), interpret=interpret, zero_padding=zero_padding,
-        fp8_activations=fp8_activations,
+    # Compiled kernels go through a nested jit: a program that calls them with equal shapes
+    # and options many times (a model's layers, both micro-batches) lowers them once and calls
+    # that lowering (XLA inlines the calls), where each direct call lowers its kernels again.
+    # The interpreters are called directly: the Mosaic GPU interpreter's callbacks deadlocked
+    # inside the nested jit (one live tile over two clusters).
+    kernel_ffn = _kernel_ffn if interpret else _kernel_ffn_jit
+    return kernel_ffn(
+        x_slots, counts, w_gate_up, w_down, impl=impl, max_rows=max_rows,
+        cfg=config or _default_config(impl, w_gate_up), interpret=interpret,
+        zero_padding=zero_padding, fp8_activations=fp8_activations,
     )  # fmt: skip
 
 
-def _default_config(w_gate_up) -> gemm_config.GroupedFfnConfig:
-    """The Pallas kernels' launch shapes for float or FP8 weights."""
-    if isinstance(w_gate_up, fp8_blocks.BlockQuantized):
-        return gemm_config.GROUPED_FFN_FP8
-    return gemm_config.GROUPED_FFN
+def _kernel_ffn(
+    x_slots, counts, w_gate_up, w_down, *, impl, cfg, max_rows, interpret, zero_padding,
+    fp8_activations,
+):  # fmt: skip
+    """The kernel impls of ``grouped_ffn_rows`` (resolved ``impl`` and launch shapes ``cfg``)."""
+    if impl == impls.MOSAIC and isinstance(w_gate_up, fp8_blocks.BlockQuantized):
+        return grouped_gemm_mosaic_fp8.grouped_ffn_mosaic_fp8(
+            x_slots, counts, w_gate_up, w_down, max_rows=max_rows, cfg=cfg, interpret=interpret
+        )
+    if impl == impls.MOSAIC:
+        return grouped_gemm_mosaic.grouped_ffn_mosaic(
+            x_slots, counts, w_gate_up, w_down, max_rows=max_rows, cfg=cfg, interpret=interpret
+        )
+    return grouped_ffn_pallas(
+        x_slots, counts, w_gate_up, w_down, max_rows=max_rows, cfg=cfg, interpret=interpret,
+        zero_padding=zero_padding, fp8_activations=fp8_activations,
+    )  # fmt: skip
+
+
+_kernel_ffn_jit = jax.jit(
+    _kernel_ffn,
+    static_argnames=("impl", "cfg", "max_rows", "interpret", "zero_padding", "fp8_activations"),
+)
+
+
+def _default_config(impl: str, w_gate_up):
+    """The default launch shapes of kernel ``impl`` for float or FP8 weights."""
+    fp8 = isinstance(w_gate_up, fp8_blocks.BlockQuantized)
+    if impl == impls.MOSAIC:
+        return gemm_config.MOSAIC_FFN_FP8 if fp8 else gemm_config.MOSAIC_FFN
+    return gemm_config.GROUPED_FFN_FP8 if fp8 else gemm_config.GROUPED_FFN
 
 
 def _resolve(impl, config, shape: tuple[int, int, int, int], dtype, quant_block, fp8_activations):

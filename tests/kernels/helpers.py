@@ -131,10 +131,10 @@ def fp8_expert_weights(seed: int, shape: tuple[int, int, int], block: tuple[int,
     return out
 
 
-def compiled_for_h200(fn, shapes) -> str:
-    """The compiled text of ``jax.jit(fn)`` for one described H200 (``jtbo.aot``), its
-    arguments ``shapes``: ``(shape, dtype)`` pairs. Pallas asks the abstract mesh which GPU
-    it lowers for. Callers skip unless ``aot.aot_available()``."""
+def lowered_for_h200(fn, shapes):
+    """``jax.jit(fn)`` lowered for one described H200 (``jtbo.aot``), its arguments
+    ``shapes``: ``(shape, dtype)`` pairs. Pallas asks the abstract mesh which GPU it lowers
+    for. Callers skip unless ``aot.aot_available()``."""
     sharding = jax.sharding.NamedSharding(aot.gpu_mesh((1,), ("x",)), jax.sharding.PartitionSpec())
     args = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes]
     h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
@@ -142,7 +142,12 @@ def compiled_for_h200(fn, shapes) -> str:
         (1,), ("x",), (jax.sharding.AxisType.Auto,), abstract_device=h200
     )
     with jax.sharding.use_abstract_mesh(abstract):
-        return jax.jit(fn).lower(*args).compile().as_text()
+        return jax.jit(fn).lower(*args)
+
+
+def compiled_for_h200(fn, shapes) -> str:
+    """The compiled text of ``lowered_for_h200(fn, shapes)``."""
+    return lowered_for_h200(fn, shapes).compile().as_text()
 
 
 def fp8_expert_shapes(num_experts: int, hidden: int, ffn: int) -> list:

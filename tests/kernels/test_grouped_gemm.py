@@ -136,6 +136,13 @@ def test_an_expert_past_the_balanced_tile_takes_more_tiles(seed, hot, cold):
 
 def test_jit_traces_once_per_shape():
     x, w_gate_up, w_down = _inputs(1, 21)
+    # The Pallas interpreter's first lowering in a process imports a module that adds a jax
+    # config state to the tracing context, so the first program traced then retraces once:
+    # lower one beforehand, so that this test counts the same traces run alone or after others.
+    counts = jnp.zeros(E, jnp.int32)
+    jax.jit(kernels.grouped_ffn, static_argnames=("impl", "config")).lower(
+        x, counts, w_gate_up, w_down, impl="pallas", config=SMALL
+    )
     fn = jax.jit(
         chex.assert_max_traces(
             lambda c: kernels.grouped_ffn(x, c, w_gate_up, w_down, impl="pallas", config=SMALL),
@@ -144,6 +151,31 @@ def test_jit_traces_once_per_shape():
     )
     for counts in ([1, 2, 3, 4], [21, 0, 0, 7]):
         fn(jnp.asarray(counts, jnp.int32))
+
+
+@pytest.mark.parametrize("impl", ["pallas", impls.MOSAIC])
+def test_a_program_of_many_layers_lowers_the_kernels_once_and_calls_them_per_layer(
+    monkeypatch, impl
+):
+    # Three layers of compiled kernels with equal shapes, lowered for a described H200: one
+    # lowering of the kernels (a private function of the module) called by each layer with
+    # its own rows and weights. (The interpreters are called directly: no such function.)
+    if not aot.aot_available():
+        pytest.skip("needs the aot extra (jax-cuda12-plugin)")
+    monkeypatch.setattr(impls, "backend", lambda: "gpu")
+    monkeypatch.setattr(impls, "unavailable_reason", lambda impl, platform: None)
+    monkeypatch.setattr(grouped_gemm_mosaic, "num_clusters", lambda interpret: 66)
+    shapes = [((8, 64, 256), jnp.bfloat16), ((8,), jnp.int32)]
+    shapes += [((8, 256, 2, 128), jnp.bfloat16), ((8, 128, 256), jnp.bfloat16)] * 3
+
+    def layers(x, counts, *weights):
+        for w_gate_up, w_down in zip(weights[::2], weights[1::2], strict=True):
+            x = x + kernels.grouped_ffn(x, counts, w_gate_up, w_down, impl=impl, max_rows=256)
+        return x
+
+    text = helpers.lowered_for_h200(layers, shapes).as_text()
+    assert text.count("func.func private @_kernel_ffn(") == 1, text.count("@_kernel_ffn")
+    assert text.count("call @_kernel_ffn(") == 3
 
 
 @pytest.mark.parametrize(
