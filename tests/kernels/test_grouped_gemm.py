@@ -153,6 +153,18 @@ def test_jit_traces_once_per_shape():
         fn(jnp.asarray(counts, jnp.int32))
 
 
+def test_the_jitted_kernel_call_matches_numpy():
+    # The nested jit that compiled kernels go through, run here on the Pallas interpreter: its
+    # static launch shapes and options reach the kernels (zero padding, random counts).
+    x, w_gate_up, w_down = _inputs(6, 21)
+    counts = np.asarray([5, 21, 0, 17], np.int32)
+    out = grouped_gemm._kernel_ffn_jit(
+        x, jnp.asarray(counts), w_gate_up, w_down, impl="pallas", cfg=SMALL, max_rows=None,
+        interpret=True, zero_padding=True, fp8_activations=True,
+    )  # fmt: skip
+    chex.assert_trees_all_close(out, _numpy_ffn(x, counts, w_gate_up, w_down), **F32_TOL)
+
+
 @pytest.mark.parametrize("impl", ["pallas", impls.MOSAIC])
 def test_a_program_of_many_layers_lowers_the_kernels_once_and_calls_them_per_layer(
     monkeypatch, impl
