@@ -22,6 +22,7 @@
 # swap-operands (8- to 16-row tiles with the weights as wgmma's M operand, FP8, their GPU
 # tests, then decode stacks against "auto"'s kernels), fp8-decode-pe (FP8 Mosaic decode stacks prefetching across tiles
 # and skipping empty warpgroups against the default).
+# gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -36,11 +37,26 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 
+# DEADLINE (epoch seconds, optional): each command's time limit is cut to what is left before it,
+# and a command with under a minute left is skipped and said so, so that a call of several groups
+# ends inside the device machine's per-call limit with the logs of what ran.
+budget() {  # budget SECONDS NAME: prints min(SECONDS, time left); fails if under 60 s are left
+  local left=$SECONDS_LEFT_DEFAULT
+  [ -n "${DEADLINE:-}" ] && left=$((DEADLINE - $(date +%s)))
+  if [ "$left" -lt 60 ]; then
+    echo "== $2: skipped, ${left} s left before DEADLINE" >&2
+    return 1
+  fi
+  echo $(($1 < left ? $1 : left))
+}
+SECONDS_LEFT_DEFAULT=1000000
+
 bench() {  # bench NAME LINES ARGS...: one `python -m jtbo.bench` run, logged to $OUT/NAME.log
-  local name=$1 lines=$2
+  local name=$1 lines=$2 limit
   shift 2
+  limit=$(budget "${LIMIT:-300}" "$name") || return 0
   echo "== $name: python -m jtbo.bench $*"
-  timeout "${LIMIT:-300}" python3 -m jtbo.bench "$@" >"$OUT/$name.log" 2>&1
+  timeout "$limit" python3 -m jtbo.bench "$@" >"$OUT/$name.log" 2>&1
   echo "(exit $?)"
   tail -n "$lines" "$OUT/$name.log"
 }
@@ -206,10 +222,12 @@ for group in "$@"; do
       # their GPU tests first, then against Pallas ("auto" at Qwen3-30B-A3B's decode) and the
       # default Mosaic tiles ("auto" at DeepSeek-V3's)
       fp8="--expert-dtype float8_e4m3fn"
-      echo "== pytest: the swapped FP8 kernels on the GPU"
-      timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_grouped_gemm_mosaic_fp8.py \
-        -k swapped >"$OUT/pytest-swapped.log" 2>&1
-      echo "(exit $?)"; tail -n 2 "$OUT/pytest-swapped.log"
+      if limit=$(budget 90 pytest-swapped); then
+        echo "== pytest: the swapped FP8 kernels on the GPU"
+        timeout "$limit" python3 -m pytest -q -p no:cacheprovider \
+          tests/kernels/test_grouped_gemm_mosaic_fp8.py -k swapped >"$OUT/pytest-swapped.log" 2>&1
+        echo "(exit $?)"; tail -n 2 "$OUT/pytest-swapped.log"
+      fi
       impls=pallas,mosaic:16x128x128s4pw/16x128x128s3pw,mosaic:32x128x128s4pw/32x128x128s3pw
       LIMIT=220 bench swap-fp8-qwen3 10 grouped_gemm --preset qwen3-30b-a3b $fp8 \
         --tokens 64,256 --impls "$impls" --layers-per-call 8
@@ -233,6 +251,15 @@ for group in "$@"; do
         LIMIT=240 bench "serve-t$temperature" 8 serve --hf-config tools/hf_configs/qwen3_30b_a3b.json \
           --num-layers 8 --prompts 64 --temperature "$temperature" --top-p 0.9
       done ;;
+    gpu-tests)  # the grouped GEMM kernels compiled for the GPU (the nested jit they are called
+      # through included) and the sampler; the swapped-operand kernels are swap-operands' own
+      limit=$(budget 240 gpu-tests) || continue
+      echo "== pytest: the grouped GEMM kernels and the sampler on the GPU"
+      timeout "$limit" python3 -m pytest -q -p no:cacheprovider -k "not swapped" \
+        tests/kernels/test_grouped_gemm.py tests/kernels/test_grouped_gemm_mosaic.py \
+        tests/kernels/test_grouped_gemm_mosaic_fp8.py tests/models/test_sampler.py \
+        >"$OUT/pytest-gpu.log" 2>&1
+      echo "(exit $?)"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-gpu.log" | tail -n 12 ;;
     ranks)  # the expert layer with blocked group ranks against the one-hot ranks, in turns
       echo "== PYTHONPATH=. python tools/layer_ranks_probe.py"
       PYTHONPATH=. timeout "${LIMIT:-250}" python3 tools/layer_ranks_probe.py >"$OUT/ranks.log" 2>&1
@@ -246,7 +273,7 @@ for group in "$@"; do
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
       "prefetch, split-columns, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty, sampler," \
-      "memory-registers, swap-operands, fp8-decode-pe)"
+      "memory-registers, swap-operands, fp8-decode-pe, gpu-tests)"
       exit 2 ;;
   esac
 done
