@@ -22,7 +22,8 @@
 # swap-operands (8- to 16-row tiles with the weights as wgmma's M operand, FP8, their GPU
 # tests, then decode stacks against "auto"'s kernels), fp8-decode-pe (FP8 Mosaic decode stacks prefetching across tiles
 # and skipping empty warpgroups against the default).
-# gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU).
+# gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
+# kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -260,6 +261,19 @@ for group in "$@"; do
         tests/kernels/test_grouped_gemm_mosaic_fp8.py tests/models/test_sampler.py \
         >"$OUT/pytest-gpu.log" 2>&1
       echo "(exit $?)"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-gpu.log" | tail -n 12 ;;
+    profile)  # where the Mosaic kernels' compute warpgroups spend their time (Mosaic GPU's
+      # in-kernel profiler over the kernels' named scopes) at Qwen3-30B-A3B's 4096 tokens:
+      # FP8 (the default, and prefetching across tiles), then bf16, each with the ranges per
+      # warpgroup that fit its shared memory (227 KB less the kernel's own: 48 bytes a range)
+      for case in "float8_e4m3fn default 240" "float8_e4m3fn 128x128x128s4p/128x128x128s3p 240" \
+          "bfloat16 default 60"; do
+        set -- $case
+        limit=$(budget 150 "profile-$1-$2") || continue
+        echo "== PYTHONPATH=. python tools/mosaic_profile_probe.py --expert-dtype $1 --spec $2"
+        PYTHONPATH=. timeout "$limit" python3 tools/mosaic_profile_probe.py --expert-dtype "$1" \
+          --spec "$2" --profile-space "$3" --out "/tmp/mosaic-profile-$1" >"$OUT/profile-$1-${2//\//_}.log" 2>&1
+        echo "(exit $?)"; grep "^|\|kernel\|tokens" "$OUT/profile-$1-${2//\//_}.log"
+      done ;;
     ranks)  # the expert layer with blocked group ranks against the one-hot ranks, in turns
       echo "== PYTHONPATH=. python tools/layer_ranks_probe.py"
       PYTHONPATH=. timeout "${LIMIT:-250}" python3 tools/layer_ranks_probe.py >"$OUT/ranks.log" 2>&1
@@ -273,7 +287,7 @@ for group in "$@"; do
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
       "prefetch, split-columns, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty, sampler," \
-      "memory-registers, swap-operands, fp8-decode-pe, gpu-tests)"
+      "memory-registers, swap-operands, fp8-decode-pe, gpu-tests, profile)"
       exit 2 ;;
   esac
 done

@@ -62,6 +62,15 @@ CLUSTER = "cluster"  # the 2 CTAs of a cluster
 CLUSTER_GRID = "cluster_grid"  # the clusters of the persistent grid
 WARPGROUP = "wg"  # the 2 compute warpgroups and the memory warpgroup of a CTA
 EPILOGUE_TILE = gemm_config.MOSAIC_EPILOGUE_TILE
+# Named scopes of a compute warpgroup's phases: Mosaic GPU's profiler (``CompilerParams``'s
+# ``profile_space`` / ``profile_dir``, tools/mosaic_profile_probe.py) records each as a time
+# range per warpgroup; without the profiler they only name locations. (The FP8 kernels' fresh
+# accumulators are zeroed outside these scopes, before their wgmma is issued.)
+SCOPE_WGMMA_ISSUE = "wgmma_issue"  # a step's wgmma issued
+SCOPE_WGMMA_WAIT = "wgmma_wait"  # waiting for issued wgmma to finish
+SCOPE_PROMOTE = "promote"  # FP8: a block's product scaled into the running sum
+SCOPE_SCALES = "scales"  # FP8: a step's row and weight-block scales loaded
+SCOPE_EPILOGUE = "epilogue"  # a tile's accumulators stored
 
 
 def smem_transforms(minor_elems: int, itemsize: int) -> tuple:
@@ -135,6 +144,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
                     out_tile = out_gmem.at[rows, pl.ds(col * block_n, block_n)]
                     wg_out = out_tile.at[wg_rows, wg_cols]
 
+                    @jax.named_scope(SCOPE_EPILOGUE)
                     def store():
                         out = epilogue(*[acc[...] for acc in accs]).astype(out_gmem.dtype)
                         store_warpgroup_part(cfg, out, out_smem, wg_out, warpgroup)
@@ -144,6 +154,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
             def mma(indices, a_smem, *rest):
                 b_smems, accs = rest[:num_acc], rest[-1]  # (manual: barriers between)
 
+                @jax.named_scope(SCOPE_WGMMA_ISSUE)
                 def products():
                     for b_smem, acc in zip(b_smems, accs, strict=True):
                         rows, weights = a_smem.at[wg_rows], b_smem.at[:, wg_cols]
@@ -157,7 +168,8 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
                 # waits for the previous step's, whose buffers are then released
                 # (delay_release or release_step); the epilogue's read of the accumulators
                 # waits for all.
-                plgpu.wgmma_wait(cfg.wgmma_in_flight * num_acc)
+                with jax.named_scope(SCOPE_WGMMA_WAIT):
+                    plgpu.wgmma_wait(cfg.wgmma_in_flight * num_acc)
                 if manual_release:
                     step = indices[0]
                     pl.when(step > 0)(lambda: release_step(step - 1))

@@ -75,8 +75,10 @@ def _block_product(a_smem, b_smem, shape: tuple[int, int]) -> jax.Array:
     """``a_smem [tile_m, qk] @ b_smem [tile_n, qk].T`` in float32, a fresh accumulator."""
 
     def dot(acc_ref):
-        plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
-        return acc_ref[...]
+        with jax.named_scope(grouped_gemm_mosaic.SCOPE_WGMMA_ISSUE):
+            plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+        with jax.named_scope(grouped_gemm_mosaic.SCOPE_WGMMA_WAIT):
+            return acc_ref[...]
 
     return pl.run_scoped(dot, plgpu.ACC(shape, _F32))
 
@@ -163,21 +165,26 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
                 out_rows = pl.ds(tile * block_m + row_start, tile_m)
                 wg_scales = out_gmems[1].at[block, out_rows] if num_out == 2 else None
                 stored = grouped_gemm_mosaic.all_of(stores, computes)
-                grouped_gemm_mosaic.run_when(stored, lambda: _epilogue(
-                    cfg, sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales
-                ))  # fmt: skip
+
+                @jax.named_scope(grouped_gemm_mosaic.SCOPE_EPILOGUE)
+                def store():
+                    _epilogue(cfg, sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales)
+
+                grouped_gemm_mosaic.run_when(stored, store)
 
             def promote(step, a_smem, a_scale_smem, b_smems, sums):
                 # The scales are loaded before the first wgmma is issued, so that their
                 # latency (a global load each) runs under the tensor cores' work.
-                token_scale = plgpu.load(
-                    a_scale_smem.at[wg_rows], layout=plgpu.Layout.WGMMA.reduce(1 - token_axis)
-                )
-                factors = [token_scale * b_scale_gmem[expert, row, step] for row in scale_rows]
+                with jax.named_scope(grouped_gemm_mosaic.SCOPE_SCALES):
+                    token_scale = plgpu.load(
+                        a_scale_smem.at[wg_rows], layout=plgpu.Layout.WGMMA.reduce(1 - token_axis)
+                    )
+                    factors = [token_scale * b_scale_gmem[expert, row, step] for row in scale_rows]
                 promoted = []
                 for b_smem, running, factor in zip(b_smems, sums, factors, strict=True):
                     part = _partial_product(cfg, a_smem.at[wg_rows], b_smem.at[wg_cols])
-                    promoted.append(running + _tokens_scaled(part, factor, token_axis))
+                    with jax.named_scope(grouped_gemm_mosaic.SCOPE_PROMOTE):
+                        promoted.append(running + _tokens_scaled(part, factor, token_axis))
                 return tuple(promoted)
 
             def mma(indices, a_smem, a_scale_smem, *rest):
