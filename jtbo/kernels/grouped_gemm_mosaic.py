@@ -144,17 +144,15 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
                     out_tile = out_gmem.at[rows, pl.ds(col * block_n, block_n)]
                     wg_out = out_tile.at[wg_rows, wg_cols]
 
-                    @jax.named_scope(SCOPE_EPILOGUE)
                     def store():
                         out = epilogue(*[acc[...] for acc in accs]).astype(out_gmem.dtype)
                         store_warpgroup_part(cfg, out, out_smem, wg_out, warpgroup)
 
-                    run_when(all_of(stores, computes), store)
+                    run_when(all_of(stores, computes), jax.named_scope(SCOPE_EPILOGUE)(store))
 
             def mma(indices, a_smem, *rest):
                 b_smems, accs = rest[:num_acc], rest[-1]  # (manual: barriers between)
 
-                @jax.named_scope(SCOPE_WGMMA_ISSUE)
                 def products():
                     for b_smem, acc in zip(b_smems, accs, strict=True):
                         rows, weights = a_smem.at[wg_rows], b_smem.at[:, wg_cols]
@@ -163,13 +161,12 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
                         else:
                             plgpu.wgmma(acc, rows, weights)
 
-                run_when(computes, products)
+                run_when(computes, jax.named_scope(SCOPE_WGMMA_ISSUE)(products))
                 # Each wgmma is one group: leaving this step's num_acc groups in flight
                 # waits for the previous step's, whose buffers are then released
                 # (delay_release or release_step); the epilogue's read of the accumulators
                 # waits for all.
-                with jax.named_scope(SCOPE_WGMMA_WAIT):
-                    plgpu.wgmma_wait(cfg.wgmma_in_flight * num_acc)
+                wgmma_wait(cfg.wgmma_in_flight * num_acc)
                 if manual_release:
                     step = indices[0]
                     pl.when(step > 0)(lambda: release_step(step - 1))
@@ -188,6 +185,13 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
         walk(cfg, k_steps, num_tiles, num_col_tiles, grid_size, num_live_gmem, visit)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@jax.named_scope(SCOPE_WGMMA_WAIT)
+def wgmma_wait(groups: int) -> None:
+    """``plgpu.wgmma_wait(groups)``: waits until at most ``groups`` issued ``wgmma`` groups
+    are in flight, in the wait's named scope."""
+    plgpu.wgmma_wait(groups)
 
 
 def _release_step(allocations, stages: int, step) -> None:

@@ -69,6 +69,7 @@ _F32 = jnp.float32
 # The swapped gate / up kernel's hidden rows: unquantized float32 (module docstring).
 _SWAPPED_HIDDEN_DTYPE = _F32
 _WARPGROUP = grouped_gemm_mosaic.WARPGROUP
+_EPILOGUE_SCOPE = jax.named_scope(grouped_gemm_mosaic.SCOPE_EPILOGUE)
 
 
 def _block_product(a_smem, b_smem, shape: tuple[int, int]) -> jax.Array:
@@ -87,6 +88,20 @@ def _tokens_scaled(values: jax.Array, token_factor: jax.Array, token_axis: int) 
     """``values`` (an accumulator) times ``token_factor [tile_m]`` along ``token_axis``, the
     axis of its rows' tokens (0, or 1 with swapped operands)."""
     return values * lax.broadcast_in_dim(token_factor, values.shape, [token_axis])
+
+
+@jax.named_scope(grouped_gemm_mosaic.SCOPE_SCALES)
+def _token_scales(scale_smem, token_axis: int) -> jax.Array:
+    """A warpgroup's rows' scales of one contraction step, ``scale_smem [tile_m]``, loaded in
+    the accumulators' layout along ``token_axis``."""
+    return plgpu.load(scale_smem, layout=plgpu.Layout.WGMMA.reduce(1 - token_axis))
+
+
+@jax.named_scope(grouped_gemm_mosaic.SCOPE_PROMOTE)
+def _promoted(running: jax.Array, part: jax.Array, factor: jax.Array, token_axis: int):
+    """``running + part * factor``: one block's product ``part`` promoted into the running sum,
+    ``factor [tile_m]`` (its rows' scales times the block's) along ``token_axis``."""
+    return running + _tokens_scaled(part, factor, token_axis)
 
 
 def _quantized_rows(values: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -165,26 +180,19 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
                 out_rows = pl.ds(tile * block_m + row_start, tile_m)
                 wg_scales = out_gmems[1].at[block, out_rows] if num_out == 2 else None
                 stored = grouped_gemm_mosaic.all_of(stores, computes)
-
-                @jax.named_scope(grouped_gemm_mosaic.SCOPE_EPILOGUE)
-                def store():
-                    _epilogue(cfg, sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales)
-
-                grouped_gemm_mosaic.run_when(stored, store)
+                grouped_gemm_mosaic.run_when(stored, _EPILOGUE_SCOPE(lambda: _epilogue(
+                    cfg, sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales
+                )))  # fmt: skip
 
             def promote(step, a_smem, a_scale_smem, b_smems, sums):
                 # The scales are loaded before the first wgmma is issued, so that their
                 # latency (a global load each) runs under the tensor cores' work.
-                with jax.named_scope(grouped_gemm_mosaic.SCOPE_SCALES):
-                    token_scale = plgpu.load(
-                        a_scale_smem.at[wg_rows], layout=plgpu.Layout.WGMMA.reduce(1 - token_axis)
-                    )
-                    factors = [token_scale * b_scale_gmem[expert, row, step] for row in scale_rows]
+                token_scale = _token_scales(a_scale_smem.at[wg_rows], token_axis)
+                factors = [token_scale * b_scale_gmem[expert, row, step] for row in scale_rows]
                 promoted = []
                 for b_smem, running, factor in zip(b_smems, sums, factors, strict=True):
                     part = _partial_product(cfg, a_smem.at[wg_rows], b_smem.at[wg_cols])
-                    with jax.named_scope(grouped_gemm_mosaic.SCOPE_PROMOTE):
-                        promoted.append(running + _tokens_scaled(part, factor, token_axis))
+                    promoted.append(_promoted(running, part, factor, token_axis))
                 return tuple(promoted)
 
             def mma(indices, a_smem, a_scale_smem, *rest):
