@@ -25,7 +25,9 @@ from jtbo.bench import grouped_gemm as bench_grouped_gemm
 from jtbo.kernels import fp8_blocks, grouped_gemm
 
 
-def _weights(experts: int, hidden: int, ffn: int):
+def weights(experts: int, hidden: int, ffn: int):
+    """``((w_gate_up, w_down) in bf16, the same quantized in 128 x 128 FP8 blocks)``: random
+    expert weights."""
     k1, k2 = jax.random.split(jax.random.key(0))
     w_gate_up = (jax.random.normal(k1, (experts, hidden, 2, ffn)) / hidden**0.5).astype(
         jnp.bfloat16
@@ -40,7 +42,9 @@ def _weights(experts: int, hidden: int, ffn: int):
     return (w_gate_up, w_down), tuple(quantized)
 
 
-def _slots(tokens: int, experts: int, top_k: int, hidden: int, seed: int):
+def slots(tokens: int, experts: int, top_k: int, hidden: int, seed: int):
+    """``(x_slots [E, 4 * mean, H], counts [E], routed rows)``: random rows in capacity slots,
+    Poisson counts around their mean ``tokens * top_k / experts``."""
     rng = np.random.default_rng(seed)
     mean = tokens * top_k // experts
     capacity = 4 * mean
@@ -70,13 +74,13 @@ def main() -> None:
     parser.add_argument("--pallas-fp8-max", type=int, default=4096)
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
-    bf16, fp8 = _weights(args.experts, args.hidden, args.ffn)
+    bf16, fp8 = weights(args.experts, args.hidden, args.ffn)
     print(f"device {jax.devices()[0].device_kind}  jax {jax.__version__}  E={args.experts} "
           f"H={args.hidden} F={args.ffn} top-{args.top_k}")  # fmt: skip
     print("| tokens | case | ms | TFLOP/s | of dense | vs bf16 mosaic |")
     print("|---|---|---|---|---|---|")
     for tokens in map(int, args.tokens.split(",")):
-        x, counts, rows = _slots(tokens, args.experts, args.top_k, args.hidden, tokens)
+        x, counts, rows = slots(tokens, args.experts, args.top_k, args.hidden, tokens)
         rows_fn = functools.partial(grouped_gemm.grouped_ffn_rows, max_rows=rows)
         dense = jax.jit(bench_grouped_gemm.dense_layer)
         cases = {

@@ -3,8 +3,9 @@
 ``PYTHONPATH=. python tools/mosaic_profile_probe.py [--preset qwen3-30b-a3b] [--tokens 4096]
 [--expert-dtype float8_e4m3fn] [--spec default] [--profile-space 240] [--out DIR]``
 
-Runs the grouped FFN (``grouped_gemm.grouped_ffn_rows``, ``impl="mosaic"``) once on routed
-rows laid out in capacity slots (Poisson counts around ``T * top_k / E``, capacity factor 4),
+Runs the grouped FFN (``grouped_gemm.grouped_ffn_rows``, ``impl="mosaic"``) once on the
+routed rows and expert weights of ``tools/fp8_layer_probe.py`` (capacity slots, Poisson counts
+around ``T * top_k / E``, capacity factor 4; FP8 weights quantized from the bf16 ones),
 with Mosaic GPU's in-kernel profiler on (``CompilerParams.profile_space`` / ``profile_dir``):
 every CTA's warpgroups record the kernels' named scopes (``grouped_gemm_mosaic.SCOPE_*``) as
 time ranges in SM clock cycles, up to ``--profile-space`` ranges per warpgroup (later ones
@@ -26,13 +27,12 @@ import pathlib
 import statistics
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jtbo.bench import expert_presets
 from jtbo.bench import grouped_gemm as bench_grouped_gemm
-from jtbo.kernels import fp8_blocks, gemm_config, grouped_gemm
+from jtbo.kernels import gemm_config, grouped_gemm
+from tools import fp8_layer_probe
 
 
 def _profiled_compiler_params(space: int, out: pathlib.Path) -> None:
@@ -42,33 +42,6 @@ def _profiled_compiler_params(space: int, out: pathlib.Path) -> None:
     plgpu.CompilerParams = functools.partial(
         params, profile_space=space, profile_dir=str(out), profile_bounds_check=True
     )
-
-
-def _experts(preset, fp8: bool):
-    key_gate_up, key_down = jax.random.split(jax.random.key(0))
-    shape = (preset.experts, preset.hidden, 2, preset.ffn)
-    w_gate_up = jax.random.normal(key_gate_up, shape) / preset.hidden**0.5
-    shape = (preset.experts, preset.ffn, preset.hidden)
-    w_down = jax.random.normal(key_down, shape) / preset.ffn**0.5
-    weights = (w_gate_up.astype(jnp.bfloat16), w_down.astype(jnp.bfloat16))
-    if not fp8:
-        return weights
-    return tuple(
-        fp8_blocks.quantize_blocks(
-            w, fp8_blocks.expert_block_shape(w.ndim, (128, 128)), fp8_blocks.expert_axes(w.ndim)
-        )
-        for w in weights
-    )
-
-
-def _slots(preset, tokens: int, seed: int = 0):
-    mean = tokens * preset.top_k // preset.experts
-    capacity = max(4 * mean, 128)
-    counts = np.random.default_rng(seed).poisson(mean, preset.experts)
-    counts = np.clip(counts, 0, capacity).astype(np.int32)
-    shape = (preset.experts, capacity, preset.hidden)
-    x = jax.random.normal(jax.random.key(seed + 1), shape, jnp.bfloat16)
-    return x, jnp.asarray(counts), int(counts.sum())
 
 
 def _ranges(trace: dict) -> dict[int, list[tuple[str, float, float]]]:
@@ -124,12 +97,15 @@ def main() -> None:
     fp8 = args.expert_dtype == "float8_e4m3fn"
     default = gemm_config.MOSAIC_FFN_FP8 if fp8 else gemm_config.MOSAIC_FFN
     config = default if args.spec == "default" else bench_grouped_gemm.mosaic_config(args.spec)
-    x, counts, rows = _slots(preset, args.tokens)
+    x, counts, rows = fp8_layer_probe.slots(
+        args.tokens, preset.experts, preset.top_k, preset.hidden, seed=0
+    )
+    bf16_weights, fp8_weights = fp8_layer_probe.weights(preset.experts, preset.hidden, preset.ffn)
     layer = functools.partial(
         grouped_gemm.grouped_ffn_rows, impl="mosaic", config=config, max_rows=rows
     )
     before = set(out.glob("*.json"))
-    jax.block_until_ready(jax.jit(layer)(x, counts, *_experts(preset, fp8)))
+    jax.block_until_ready(jax.jit(layer)(x, counts, *(fp8_weights if fp8 else bf16_weights)))
     jax.effects_barrier()  # the traces are written by a host callback after the kernels
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {args.preset}, "
           f"{args.expert_dtype}, {args.tokens} tokens ({rows} rows), spec {args.spec}, "
