@@ -23,7 +23,8 @@
 # tests, then decode stacks against "auto"'s kernels), fp8-decode-pe (FP8 Mosaic decode stacks prefetching across tiles
 # and skipping empty warpgroups against the default).
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
-# kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py).
+# kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
+# fp8-default (the FP8 Mosaic default launch shapes against the waited pipelines they replaced).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -169,10 +170,10 @@ for group in "$@"; do
       # default, in decode stacks: where "auto" takes Mosaic (DeepSeek-V3, Mixtral-8x7B) and
       # where it takes Pallas (Qwen3-30B-A3B, its 6 down steps in 3 stages when prefetching)
       fp8="--expert-dtype float8_e4m3fn"
-      impls=mosaic,mosaic:128x128x128s4p,mosaic:64x256x128s2c/64x256x128s4c
+      impls=mosaic,mosaic:128x128x128s4,mosaic:64x256x128s2c/64x256x128s4c
       impls+=,mosaic:64x256x128s2pc/64x256x128s4pc
-      LIMIT=200 bench fp8-decode-dsv3 10 grouped_gemm --preset deepseek-v3 $fp8 --tokens 64,256 \
-        --impls "$impls" --layers-per-call 8
+      LIMIT=200 bench fp8-decode-dsv3 10 grouped_gemm --preset deepseek-v3 $fp8 --tokens 64 \
+        --impls "$impls" --layers-per-call 4
       LIMIT=150 bench fp8-decode-mixtral 10 grouped_gemm --preset mixtral-8x7b $fp8 \
         --tokens 128,256 --impls "$impls" --layers-per-call 8
       impls=pallas,mosaic,mosaic:64x256x128s2c/64x256x128s4c,mosaic:64x256x128s2pc/64x256x128s3pc
@@ -202,7 +203,7 @@ for group in "$@"; do
       LIMIT=170 bench skip-bf16-prefill-qwen3 14 grouped_gemm --preset qwen3-30b-a3b \
         --tokens 4096,16384 --impls "$impls" --no-copy-ceiling --check-rows 16 ;;
     fp8-mosaic-prefill)  # the same at Qwen3-30B-A3B's FP8 prefill, beside bf16's yardstick
-      impls=dense,mosaic,mosaic:128x128x128s4p/128x128x128s3p,mosaic:64x256x128s2c/64x256x128s4c
+      impls=dense,mosaic,mosaic:128x128x128s4/128x128x128s4,mosaic:64x256x128s2c/64x256x128s4c
       LIMIT=200 bench fp8-prefill-qwen3 14 grouped_gemm --preset qwen3-30b-a3b \
         --expert-dtype float8_e4m3fn --tokens 4096,16384 --impls "$impls" --no-copy-ceiling \
         --check-rows 16 ;;
@@ -237,10 +238,11 @@ for group in "$@"; do
     fp8-decode-pe)  # the FP8 Mosaic 128-row tiles prefetching across tiles and skipping empty
       # warpgroups (spec pe) against the default, in decode stacks where "auto" takes Mosaic
       fp8="--expert-dtype float8_e4m3fn"
-      LIMIT=280 bench pe-fp8-dsv3 10 grouped_gemm --preset deepseek-v3 $fp8 --tokens 64,256 \
-        --impls mosaic,mosaic:128x128x128s4pe --layers-per-call 8
+      LIMIT=280 bench pe-fp8-dsv3 10 grouped_gemm --preset deepseek-v3 $fp8 --tokens 64 \
+        --impls mosaic,mosaic:128x128x128s4,mosaic:128x128x128s4pe --layers-per-call 4
       LIMIT=200 bench pe-fp8-mixtral 10 grouped_gemm --preset mixtral-8x7b $fp8 \
-        --tokens 256,512 --impls mosaic,mosaic:128x128x128s4pe --layers-per-call 8 ;;
+        --tokens 256,512 --impls mosaic,mosaic:128x128x128s4,mosaic:128x128x128s4pe \
+        --layers-per-call 8 ;;
     sampler)  # the sampler's keys-only sort against the key-value sorts it replaced (which
       # compiled sort each runs), then a sampled and a greedy serve at Qwen3-30B-A3B's dimensions
       echo "== PYTHONPATH=. python tools/sampler_sort_probe.py"
@@ -253,23 +255,44 @@ for group in "$@"; do
       done ;;
     gpu-tests)  # the grouped GEMM kernels compiled for the GPU (the nested jit they are called
       # through included) and the sampler; the swapped-operand kernels are swap-operands' own
-      limit=$(budget 240 gpu-tests) || continue
-      echo "== pytest: the grouped GEMM kernels and the sampler on the GPU"
-      timeout "$limit" python3 -m pytest -q -p no:cacheprovider -k "not swapped" \
-        tests/kernels/test_grouped_gemm.py tests/kernels/test_grouped_gemm_mosaic.py \
-        tests/kernels/test_grouped_gemm_mosaic_fp8.py tests/models/test_sampler.py \
-        >"$OUT/pytest-gpu.log" 2>&1
-      echo "(exit $?)"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest-gpu.log" | tail -n 12 ;;
+      # The sampler first, on its own (its sampled rows failed once on the GPU, the log cut
+      # before the report); -v names each test as it ends, so a log cut by the time limit
+      # still says which ones failed.
+      for tests in tests/models/test_sampler.py "tests/kernels/test_grouped_gemm.py
+          tests/kernels/test_grouped_gemm_mosaic.py tests/kernels/test_grouped_gemm_mosaic_fp8.py"; do
+        name=pytest-gpu-$(basename "${tests%% *}" .py)
+        limit=$(budget 240 "$name") || continue
+        echo "== pytest on the GPU: $tests"
+        timeout "$limit" python3 -m pytest -v -rf --tb=short -p no:cacheprovider \
+          -k "not swapped" $tests >"$OUT/$name.log" 2>&1
+        echo "(exit $?)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/$name.log" | tail -n 12
+      done ;;
+    fp8-default)  # the FP8 Mosaic default (gemm_config.mosaic_ffn_fp8: prefetching across
+      # tiles where the stages divide the steps) against the waited pipelines it replaced:
+      # prefill at the other presets, decode where "auto" takes Mosaic (4 layers a call:
+      # DeepSeek-V3's 8 FP8 layers and their checks ran past 280 s)
+      fp8="--expert-dtype float8_e4m3fn"
+      waited=mosaic:128x128x128s4/128x128x128s4
+      for preset in deepseek-v3 qwen3-235b-a22b mixtral-8x7b deepseek-v2-lite; do
+        LIMIT=150 bench "fp8-default-$preset" 8 grouped_gemm --preset "$preset" $fp8 \
+          --tokens 4096,16384 --impls "dense,mosaic,$waited" --no-copy-ceiling --check-rows 16
+      done
+      LIMIT=200 bench fp8-default-decode-dsv3 6 grouped_gemm --preset deepseek-v3 $fp8 \
+        --tokens 64 --impls "mosaic,$waited" --layers-per-call 4
+      LIMIT=150 bench fp8-default-decode-mixtral 6 grouped_gemm --preset mixtral-8x7b $fp8 \
+        --tokens 128,256 --impls "mosaic,$waited" --layers-per-call 8 ;;
     profile)  # where the Mosaic kernels' compute warpgroups spend their time (Mosaic GPU's
       # in-kernel profiler over the kernels' named scopes) at Qwen3-30B-A3B's 4096 tokens:
-      # FP8 (the default, and prefetching across tiles), then bf16, each with the ranges per
+      # FP8 (the default, prefetching across tiles, and the waited pipelines), then bf16, each with the ranges per
       # warpgroup that fit its shared memory (227 KB less the kernel's own: 48 bytes a range)
-      for case in "float8_e4m3fn default 240" "float8_e4m3fn 128x128x128s4p/128x128x128s3p 240" \
+      for case in "float8_e4m3fn default 240" "float8_e4m3fn 128x128x128s4/128x128x128s4 240" \
           "bfloat16 default 60"; do
         set -- $case
         limit=$(budget 150 "profile-$1-$2") || continue
         echo "== PYTHONPATH=. python tools/mosaic_profile_probe.py --expert-dtype $1 --spec $2"
-        PYTHONPATH=. timeout "$limit" python3 tools/mosaic_profile_probe.py --expert-dtype "$1" \
+        # The profiler hands its buffer to the host through a callback, which needs the CPU
+        # platform beside CUDA.
+        JAX_PLATFORMS=cuda,cpu PYTHONPATH=. timeout "$limit" python3 tools/mosaic_profile_probe.py --expert-dtype "$1" \
           --spec "$2" --profile-space "$3" --out "/tmp/mosaic-profile-$1" >"$OUT/profile-$1-${2//\//_}.log" 2>&1
         echo "(exit $?)"; grep "^|\|kernel\|tokens" "$OUT/profile-$1-${2//\//_}.log"
       done ;;
@@ -286,7 +309,7 @@ for group in "$@"; do
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
       "prefetch, split-columns, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty, sampler," \
-      "memory-registers, swap-operands, fp8-decode-pe, gpu-tests, profile)"
+      "memory-registers, swap-operands, fp8-decode-pe, gpu-tests, profile, fp8-default)"
       exit 2 ;;
   esac
 done

@@ -274,7 +274,8 @@ class MosaicFfnConfig:
 MOSAIC_FFN = MosaicFfnConfig()
 
 
-# Default Mosaic GPU launch shapes of FP8 weights with FP8 activations: a contraction step of
+# Mosaic GPU launch shapes of FP8 weights with FP8 activations, each tile's pipeline waited
+# (the default, ``mosaic_ffn_fp8``, builds on them per expert shape): a contraction step of
 # one 128-deep weight block (128 FP8 bytes, the widest swizzle) and a column tile of one
 # 128-wide block, so that each partial product takes one weight scale and each gate / up
 # tile row is one quantization group of the hidden rows.
@@ -282,3 +283,36 @@ MOSAIC_FFN_FP8 = MosaicFfnConfig(
     gate_up=MosaicGemmConfig(tile_n=128, tile_k=128),
     down=MosaicGemmConfig(tile_n=128, tile_k=128),
 )
+
+
+def mosaic_ffn_fp8(hidden: int, ffn: int) -> MosaicFfnConfig:
+    """The default FP8 launch shapes for experts of ``hidden`` x ``ffn``: ``MOSAIC_FFN_FP8``
+    with each kernel's pipeline running across its tiles (``prefetch_across_tiles``), at the
+    most stages, up to ``MOSAIC_FFN_FP8``'s, that divide its contraction steps (``hidden``
+    for gate / up, ``ffn`` for down, over ``tile_k``). A kernel whose steps no count of two
+    stages or more divides (DeepSeek-V2-Lite's 11 down steps) keeps the waited pipeline.
+
+    Prefetching hides each tile's pipeline fill, a large part of a tile of few contraction
+    steps such as the down kernel's (docs/benchmarks/, "FP8 prefetching at prefill").
+
+    Args:
+      hidden: the experts' model width (the gate / up contraction).
+      ffn: the experts' intermediate width (the down contraction).
+
+    Returns:
+      The ``MosaicFfnConfig``.
+    """
+    return MosaicFfnConfig(
+        gate_up=_prefetching(MOSAIC_FFN_FP8.gate_up, hidden),
+        down=_prefetching(MOSAIC_FFN_FP8.down, ffn),
+    )
+
+
+def _prefetching(cfg: MosaicGemmConfig, contraction: int) -> MosaicGemmConfig:
+    """``cfg`` prefetching across tiles at the most stages (2 to its own) that divide the
+    ``contraction // tile_k`` steps; ``cfg`` itself where none does."""
+    steps = contraction // cfg.tile_k
+    for stages in range(cfg.max_concurrent_steps, 1, -1):
+        if steps % stages == 0:
+            return dataclasses.replace(cfg, prefetch_across_tiles=True, max_concurrent_steps=stages)
+    return cfg

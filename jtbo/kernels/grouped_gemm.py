@@ -671,7 +671,7 @@ def grouped_ffn(
       config: the kernels' launch shapes: a ``GroupedFfnConfig`` for ``"pallas"`` (None:
         ``gemm_config.GROUPED_FFN``, ``GROUPED_FFN_FP8`` for FP8 weights), a
         ``MosaicFfnConfig`` for ``"mosaic"`` (None: ``gemm_config.MOSAIC_FFN``,
-        ``MOSAIC_FFN_FP8`` for FP8 weights).
+        ``mosaic_ffn_fp8(H, F)`` for FP8 weights).
       max_rows: static bound on ``sum(min(counts, C))`` that the caller guarantees (e.g. the
         rows an exchange can deliver); the kernel's grid then covers only that many rows'
         tiles. A larger sum leaves the rows of tiles past the bound as padding. None: no
@@ -779,8 +779,11 @@ _kernel_ffn_jit = jax.jit(
 def _default_config(impl: str, w_gate_up):
     """The default launch shapes of kernel ``impl`` for float or FP8 weights."""
     fp8 = isinstance(w_gate_up, fp8_blocks.BlockQuantized)
+    if impl == impls.MOSAIC and fp8:
+        _, hidden, _, ffn = w_gate_up.shape
+        return gemm_config.mosaic_ffn_fp8(hidden, ffn)
     if impl == impls.MOSAIC:
-        return gemm_config.MOSAIC_FFN_FP8 if fp8 else gemm_config.MOSAIC_FFN
+        return gemm_config.MOSAIC_FFN
     return gemm_config.GROUPED_FFN_FP8 if fp8 else gemm_config.GROUPED_FFN
 
 

@@ -95,6 +95,10 @@ def sample_rows(logits, temperature, top_p, uniforms, *, greedy_only: bool = Fal
     greedy = temperature == 0
     safe_temperature = jnp.where(greedy, 1.0, temperature)  # greedy rows: a harmless 1
     probs = jax.nn.softmax(logits / safe_temperature[..., None], axis=-1)  # [..., V]
+    # Computed once: the token is found by comparing the sorted probabilities' bits with
+    # these, and XLA would otherwise recompute the division in each fusion that reads them,
+    # where its lowering may differ (the same value, other bits).
+    probs = jax.lax.optimization_barrier(probs)
     sorted_probs = sort_descending(probs)  # [..., V]
     inclusive = jnp.cumsum(sorted_probs, axis=-1)
     before = jnp.concatenate([jnp.zeros_like(inclusive[..., :1]), inclusive[..., :-1]], axis=-1)

@@ -46,7 +46,9 @@ SWAPPED_SPLIT_COLUMNS = helpers.both_kernels(
 )
 CASES = {
     "64-blocks": (128, 128, SMALL_BLOCK, SMALL),
-    "128-blocks": (256, 256, (128, 128), gemm_config.MOSAIC_FFN_FP8),
+    # The default launch shapes (config None: gemm_config.mosaic_ffn_fp8, prefetching across
+    # tiles, 2 contraction steps in 2 stages).
+    "128-blocks": (256, 256, (128, 128), None),
     # One pipeline over each CTA's tiles: four live tiles over the interpreter's two clusters,
     # a pipeline of four visits a cluster in the gate / up kernel (two column pairs a tile),
     # of two in the down kernel.
@@ -209,14 +211,18 @@ def test_the_rows_are_quantized_then_gathered_into_tiles():
 def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
     # The Mosaic GPU lowering of both FP8 kernels (FP8 wgmma, the scale loads, the hidden
     # rows' quantization) compiled by XLA for a described H200 (jtbo.aot) at Qwen3-30B-A3B's
-    # expert shape, and at DeepSeek-V2-Lite's F (11 column tiles: the last pair has one).
+    # expert shape, and at DeepSeek-V2-Lite's F (11 column tiles: the last pair has one),
+    # with the default launch shapes of each (prefetching across tiles: 16 gate / up steps in
+    # 4 stages; 6 down steps in 3, 11 waited).
     if not aot.aot_available():
         pytest.skip("needs the aot extra (jax-cuda12-plugin)")
     monkeypatch.setattr(grouped_gemm_mosaic, "num_clusters", lambda interpret: 66)
     shapes = [((8, 512, 2048), jnp.bfloat16), ((8,), jnp.int32)]
     shapes += helpers.fp8_expert_shapes(8, 2048, ffn)
 
-    def layer(x, counts, *fp8_arrays, cfg=gemm_config.MOSAIC_FFN_FP8):
+    default = gemm_config.mosaic_ffn_fp8(2048, ffn)
+
+    def layer(x, counts, *fp8_arrays, cfg=default):
         return grouped_gemm_mosaic_fp8.grouped_ffn_mosaic_fp8(
             x, counts, *helpers.fp8_experts_of(*fp8_arrays), max_rows=2048, cfg=cfg,
             interpret=False,
@@ -226,11 +232,7 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
     if ffn == 768:
         gate_up, down = gemm_config.MOSAIC_FFN_FP8.gate_up, gemm_config.MOSAIC_FFN_FP8.down
-        # Prefetching across tiles: 16 gate / up steps in 4 stages, 6 down steps in 3.
-        prefetching = gemm_config.MosaicFfnConfig(
-            gate_up=dataclasses.replace(gate_up, prefetch_across_tiles=True),
-            down=dataclasses.replace(down, prefetch_across_tiles=True, max_concurrent_steps=3),
-        )
+        prefetching = default  # as compiled above
         # 64-row tiles, the warpgroups side by side: 256 columns a CTA; the gate / up kernel's
         # two accumulators fit shared memory in 2 stages.
         split = gemm_config.MosaicFfnConfig(
@@ -249,7 +251,8 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
             gate_up=dataclasses.replace(split.gate_up, swap_operands=True, tile_m=16),
             down=dataclasses.replace(split.down, swap_operands=True, tile_m=16),
         )
-        for cfg in (prefetching, split, skipping, swapped, swapped_split):
+        # The waited pipelines (MOSAIC_FFN_FP8), each tile filling its own.
+        for cfg in (gemm_config.MOSAIC_FFN_FP8, split, skipping, swapped, swapped_split):
             hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
             assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
 

@@ -177,6 +177,27 @@ def test_the_sort_compares_unsigned_keys_with_one_less_than():
     assert "select(" not in body and "parameter(2)" not in body
 
 
+def _h200_divides(rows: int, vocab: int) -> int:
+    """``[rows, vocab]`` float32 divisions in ``sample_rows``' optimized H200 module."""
+    text = helpers.compiled_for_h200(  # a new function: traced again
+        lambda *args: sampler.sample_rows(*args),
+        [((rows, vocab), jnp.float32)] + [((rows,), jnp.float32)] * 3,
+    )
+    return sum(f"f32[{rows},{vocab}]" in line and " divide(" in line for line in text.splitlines())
+
+
+def test_the_probabilities_are_computed_once_in_the_h200_compile(monkeypatch):
+    # The drawn token is found by comparing the sorted probabilities' bits with the
+    # probabilities in vocabulary order: both must be the same computed values. Without the
+    # optimization barrier, XLA divides the exponentials by their sum again in fusions that
+    # read the probabilities, where the lowering may differ.
+    if not aot.aot_available():
+        pytest.skip("the aot extra (jax-cuda12-plugin) is not installed")
+    barriered = _h200_divides(8, 151936)  # Qwen3's vocabulary
+    monkeypatch.setattr(jax.lax, "optimization_barrier", lambda x: x)
+    assert _h200_divides(8, 151936) >= barriered + 1
+
+
 def _assert_both_sample(logits, temperature, top_p, uniforms, want) -> None:
     """The device sampler and the numpy reference both draw ``want``."""
     got = sampler.sample_rows(logits, temperature, top_p, uniforms)
