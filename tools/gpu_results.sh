@@ -283,8 +283,9 @@ for group in "$@"; do
         --tokens 128,256 --impls "mosaic,$waited" --layers-per-call 8 ;;
     profile)  # where the Mosaic kernels' compute warpgroups spend their time (Mosaic GPU's
       # in-kernel profiler over the kernels' named scopes) at Qwen3-30B-A3B's 4096 tokens:
-      # FP8 (the default, prefetching across tiles, and the waited pipelines), then bf16, each with the ranges per
-      # warpgroup that fit its shared memory (227 KB less the kernel's own: 48 bytes a range)
+      # FP8 (the default, prefetching across tiles, and the waited pipelines), then bf16, each
+      # with the ranges per warpgroup that fit its shared memory (227 KB less the kernel's
+      # own: 48 bytes a range)
       for case in "float8_e4m3fn default 240" "float8_e4m3fn 128x128x128s4/128x128x128s4 240" \
           "bfloat16 default 60"; do
         set -- $case
@@ -292,8 +293,8 @@ for group in "$@"; do
         echo "== PYTHONPATH=. python tools/mosaic_profile_probe.py --expert-dtype $1 --spec $2"
         # The profiler hands its buffer to the host through a callback, which needs the CPU
         # platform beside CUDA.
-        JAX_PLATFORMS=cuda,cpu PYTHONPATH=. timeout "$limit" python3 tools/mosaic_profile_probe.py --expert-dtype "$1" \
-          --spec "$2" --profile-space "$3" --out "/tmp/mosaic-profile-$1" >"$OUT/profile-$1-${2//\//_}.log" 2>&1
+        JAX_PLATFORMS=cuda,cpu PYTHONPATH=. timeout "$limit" python3 tools/mosaic_profile_probe.py \
+          --expert-dtype "$1" --spec "$2" --profile-space "$3" --out "/tmp/mosaic-profile-$1" >"$OUT/profile-$1-${2//\//_}.log" 2>&1
         echo "(exit $?)"; grep "^|\|kernel\|tokens" "$OUT/profile-$1-${2//\//_}.log"
       done ;;
     ranks)  # the expert layer with blocked group ranks against the one-hot ranks, in turns

@@ -41,7 +41,7 @@ def _compile_one(preset: str, expert_dtype: str, tokens: int, spec: str) -> None
     grouped_gemm_mosaic.num_clusters = lambda interpret: 66  # an H200's 132 SMs
     shape = expert_presets.PRESETS[preset]
     fp8 = expert_dtype == "float8_e4m3fn"
-    default = gemm_config.mosaic_ffn_fp8(shape.hidden, shape.ffn) if fp8 else gemm_config.MOSAIC_FFN
+    default = gemm_config.default_mosaic_ffn(shape.hidden, shape.ffn, fp8)
     cfg = default if spec == "default" else bench.mosaic_config(spec)
     rows = tokens * shape.top_k
     capacity = max(4 * rows // shape.experts, 128)

@@ -311,17 +311,18 @@ def capacity_for(num_tokens: int, shapes: Shapes, factor: float) -> int:
     return max(1, math.ceil(factor * num_tokens * shapes.top_k / shapes.experts))
 
 
-def computed_rows(impl: str, ids: np.ndarray, num_experts: int, capacity: int, fp8: bool) -> int:
-    """Rows ``impl`` computes for the pairs ``ids [T, k]``: every expert's ``capacity`` slots
-    (``capacity``), each expert's filled slots rounded up to whole row tiles (``mosaic``, its
-    gate / up kernel's ``block_m``, or its warpgroups' ``tile_m`` where it skips empty
-    warpgroups; ``fp8``: with FP8 experts), else the pairs."""
+def computed_rows(impl: str, ids: np.ndarray, shapes: Shapes, capacity: int, fp8: bool) -> int:
+    """Rows ``impl`` computes for the pairs ``ids [T, k]`` over ``shapes.experts`` experts:
+    every expert's ``capacity`` slots (``capacity``), each expert's filled slots rounded up to
+    whole row tiles (``mosaic``, its gate / up kernel's ``block_m``, or its warpgroups'
+    ``tile_m`` where it skips empty warpgroups; ``fp8``: with FP8 experts), else the pairs."""
+    num_experts = shapes.experts
     if impl == "capacity":
         return num_experts * capacity
     name, _, variant = impl.partition(":")
     if name != "mosaic":
         return ids.size
-    default = gemm_config.MOSAIC_FFN_FP8 if fp8 else gemm_config.MOSAIC_FFN
+    default = gemm_config.default_mosaic_ffn(shapes.hidden, shapes.ffn, fp8)
     cfg = (kernel_config(name, variant) or default).gate_up
     granule = cfg.tile_m if cfg.skip_empty_warpgroups else cfg.block_m
     counts = np.minimum(np.bincount(ids.reshape(-1), minlength=num_experts), capacity)
@@ -748,9 +749,7 @@ def kernel_row(impl, num_tokens, shapes, capacity, inputs, args) -> Pending:
     slots, counts = slot_inputs(x, ids, shapes.experts, capacity)
     pairs = num_tokens * shapes.top_k
     name, _, variant = impl.partition(":")
-    rows_computed = computed_rows(
-        impl, ids_np, shapes.experts, capacity, args.expert_dtype is not None
-    )
+    rows_computed = computed_rows(impl, ids_np, shapes, capacity, args.expert_dtype is not None)
     fn = jit_as_step(
         functools.partial(
             grouped_gemm.grouped_ffn_rows, **kernel_options(name, variant),
@@ -798,9 +797,7 @@ def _prepare(impl, num_tokens, shapes, capacity, inputs, args) -> Row | Pending:
         fn = layer_fn(impl, shapes, capacity, args.xla_defaults)
         ref = refs[fp8_rows(impl) and len(refs) > 1]
         err = rel_error(np.asarray(fn(x, ids, routing, weights))[rows], ref)
-        rows_computed = computed_rows(
-            impl, ids_np, shapes.experts, capacity, args.expert_dtype is not None
-        )
+        rows_computed = computed_rows(impl, ids_np, shapes, capacity, args.expert_dtype is not None)
         touched = shapes.experts if is_cap else len(np.unique(ids_np))
         row = Row(
             **base,

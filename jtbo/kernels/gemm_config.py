@@ -308,6 +308,21 @@ def mosaic_ffn_fp8(hidden: int, ffn: int) -> MosaicFfnConfig:
     )
 
 
+def default_mosaic_ffn(hidden: int, ffn: int, fp8: bool) -> MosaicFfnConfig:
+    """The Mosaic kernels' default launch shapes for experts of ``hidden`` x ``ffn``:
+    ``mosaic_ffn_fp8(hidden, ffn)`` for FP8 weights, ``MOSAIC_FFN`` for float ones.
+
+    Args:
+      hidden: the experts' model width.
+      ffn: the experts' intermediate width.
+      fp8: whether the weights are block-scaled FP8.
+
+    Returns:
+      The ``MosaicFfnConfig``.
+    """
+    return mosaic_ffn_fp8(hidden, ffn) if fp8 else MOSAIC_FFN
+
+
 def _prefetching(cfg: MosaicGemmConfig, contraction: int) -> MosaicGemmConfig:
     """``cfg`` prefetching across tiles at the most stages (2 to its own) that divide the
     ``contraction // tile_k`` steps; ``cfg`` itself where none does."""

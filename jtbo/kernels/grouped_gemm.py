@@ -779,11 +779,9 @@ _kernel_ffn_jit = jax.jit(
 def _default_config(impl: str, w_gate_up):
     """The default launch shapes of kernel ``impl`` for float or FP8 weights."""
     fp8 = isinstance(w_gate_up, fp8_blocks.BlockQuantized)
-    if impl == impls.MOSAIC and fp8:
-        _, hidden, _, ffn = w_gate_up.shape
-        return gemm_config.mosaic_ffn_fp8(hidden, ffn)
     if impl == impls.MOSAIC:
-        return gemm_config.MOSAIC_FFN
+        _, hidden, _, ffn = w_gate_up.shape
+        return gemm_config.default_mosaic_ffn(hidden, ffn, fp8)
     return gemm_config.GROUPED_FFN_FP8 if fp8 else gemm_config.GROUPED_FFN
 
 

@@ -1,5 +1,6 @@
 """CPU smoke test of ``python -m jtbo.bench grouped_gemm`` (tables and numerics, no timings)."""
 
+import dataclasses
 import functools
 import importlib.util
 import types
@@ -184,7 +185,8 @@ def test_routing_is_distinct_and_skew_hits_expert_zero():
 def test_computed_rows_round_each_experts_rows_up_to_the_mosaic_row_tile():
     # Expert counts 130, 0, 5 and (clipped to the capacity 150) 150 over 4 experts.
     ids = np.repeat([0, 2, 3], [130, 5, 200]).astype(np.int32)[:, None]
-    rows = functools.partial(grouped_gemm.computed_rows, ids=ids, num_experts=4, capacity=150)
+    four_experts = dataclasses.replace(SMALL, experts=4)
+    rows = functools.partial(grouped_gemm.computed_rows, ids=ids, shapes=four_experts, capacity=150)
     assert rows("capacity", fp8=False) == 4 * 150
     assert rows("pallas", fp8=False) == rows("dense", fp8=False) == 335
     assert rows("mosaic", fp8=False) == rows("mosaic", fp8=True) == (2 + 1 + 2) * 128

@@ -42,3 +42,9 @@ def test_fp8_defaults_of_the_presets():
     assert (qwen3.down.prefetch_across_tiles, qwen3.down.max_concurrent_steps) == (True, 3)
     lite = gemm_config.mosaic_ffn_fp8(2048, 1408)
     assert lite.gate_up.prefetch_across_tiles and lite.down == _BASE.down
+
+
+def test_the_default_for_float_weights_is_mosaic_ffn():
+    assert gemm_config.default_mosaic_ffn(2048, 768, fp8=False) == gemm_config.MOSAIC_FFN
+    fp8 = gemm_config.default_mosaic_ffn(2048, 768, fp8=True)
+    assert fp8 == gemm_config.mosaic_ffn_fp8(2048, 768) != gemm_config.MOSAIC_FFN
