@@ -24,8 +24,7 @@
 # and skipping empty warpgroups against the default).
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
-# fp8-default (the FP8 Mosaic default launch shapes against the waited pipelines they replaced),
-# fp8-down-in-flight (the FP8 down kernel promoting a product while the next runs).
+# fp8-default (the FP8 Mosaic default launch shapes against the waited pipelines they replaced).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -268,19 +267,6 @@ for group in "$@"; do
           -k "not swapped" $tests >"$OUT/$name.log" 2>&1
         echo "(exit $?)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/$name.log" | tail -n 12
       done ;;
-    fp8-down-in-flight)  # the FP8 down kernel promoting each step's product while the next
-      # step's runs (spec f1 on the down kernel): its GPU tests, then Qwen3-30B-A3B's FP8
-      # prefill against the default beside bf16's dense yardstick
-      if limit=$(budget 120 pytest-in-flight); then
-        echo "== pytest: the FP8 down kernel with its products in flight, on the GPU"
-        timeout "$limit" python3 -m pytest -v -rf --tb=short -p no:cacheprovider \
-          tests/kernels/test_grouped_gemm_mosaic_fp8.py -k in_flight >"$OUT/pytest-in-flight.log" 2>&1
-        echo "(exit $?)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-in-flight.log" | tail -n 8
-      fi
-      impls=dense,mosaic,mosaic:128x128x128s4p/128x128x128s3f1p,mosaic:128x128x128s4/128x128x128s4f1
-      LIMIT=200 bench fp8-in-flight-qwen3 14 grouped_gemm --preset qwen3-30b-a3b \
-        --expert-dtype float8_e4m3fn --tokens 4096,16384 --impls "$impls" --no-copy-ceiling \
-        --check-rows 16 ;;
     fp8-default)  # the FP8 Mosaic default (gemm_config.mosaic_ffn_fp8: prefetching across
       # tiles where the stages divide the steps) against the waited pipelines it replaced:
       # prefill at the other presets, decode where "auto" takes Mosaic (4 layers a call:

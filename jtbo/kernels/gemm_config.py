@@ -140,9 +140,7 @@ class MosaicGemmConfig:
         weight columns, ``plgpu.planar_snake``).
       wgmma_in_flight: contraction steps whose ``wgmma`` may still run when a warpgroup
         issues the next step's (0 or 1; their stage buffers are released that many steps
-        later). The FP8 kernels read each step's product to scale it: their down kernel
-        may take 1 (it promotes each step's product while the next step's runs, holding a
-        second product's registers); their gate / up kernel, with two running sums, takes 0.
+        later). The FP8 kernels read each step's product, so they take 0 only.
       prefetch_across_tiles: one pipeline runs over all of a CTA's tiles, so the memory
         warpgroup loads the next tile's first stages while the compute warpgroups finish the
         current tile (a pipeline of pipelines; with ``wgmma_in_flight`` the compute

@@ -126,7 +126,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
     )
     def _scope(allocations, out_smem):
         warpgroup = lax.axis_index(WARPGROUP)
-        release = functools.partial(release_step, allocations, cfg.max_concurrent_steps)
+        release_step = functools.partial(_release_step, allocations, cfg.max_concurrent_steps)
 
         def visit(tile, col, stores, pipeline_state=None):
             expert = tile_expert_gmem[tile]
@@ -140,7 +140,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
                     run_pipeline(tuple(accs))
                     if manual_release:  # the last step's buffers, before the epilogue
                         plgpu.wgmma_wait(0)
-                        release(k_steps - 1)
+                        release_step(k_steps - 1)
                     out_tile = out_gmem.at[rows, pl.ds(col * block_n, block_n)]
                     wg_out = out_tile.at[wg_rows, wg_cols]
 
@@ -169,7 +169,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
                 wgmma_wait(cfg.wgmma_in_flight * num_acc)
                 if manual_release:
                     step = indices[0]
-                    pl.when(step > 0)(lambda: release(step - 1))
+                    pl.when(step > 0)(lambda: release_step(step - 1))
                 return accs
 
             weights = [
@@ -194,7 +194,7 @@ def wgmma_wait(groups: int) -> None:
     plgpu.wgmma_wait(groups)
 
 
-def release_step(allocations, stages: int, step) -> None:
+def _release_step(allocations, stages: int, step) -> None:
     """Gives every operand's stage buffers of contraction step ``step`` back to the memory
     warpgroup (the compute warpgroups' release when a pipeline of pipelines leaves a step's
     ``wgmma`` in flight)."""

@@ -72,19 +72,16 @@ _WARPGROUP = grouped_gemm_mosaic.WARPGROUP
 _EPILOGUE_SCOPE = jax.named_scope(grouped_gemm_mosaic.SCOPE_EPILOGUE)
 
 
-def _issue_product(cfg: gemm_config.MosaicGemmConfig, acc_ref, rows_smem, weights_smem):
-    """Issues one step's ``wgmma`` of a warpgroup's ``rows_smem [tile_m, qk]`` and
-    ``weights_smem [tile_n, qk]`` into ``acc_ref`` (``[tile_m, tile_n]``, or with swapped
-    operands ``[tile_n, tile_m]``), without waiting for it."""
-    a_smem, b_smem = (weights_smem, rows_smem) if cfg.swap_operands else (rows_smem, weights_smem)
-    with jax.named_scope(grouped_gemm_mosaic.SCOPE_WGMMA_ISSUE):
-        plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+def _block_product(a_smem, b_smem, shape: tuple[int, int]) -> jax.Array:
+    """``a_smem [tile_m, qk] @ b_smem [tile_n, qk].T`` in float32, a fresh accumulator."""
 
+    def dot(acc_ref):
+        with jax.named_scope(grouped_gemm_mosaic.SCOPE_WGMMA_ISSUE):
+            plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+        with jax.named_scope(grouped_gemm_mosaic.SCOPE_WGMMA_WAIT):
+            return acc_ref[...]
 
-def _waited(acc_ref) -> jax.Array:
-    """``acc_ref``'s value once no ``wgmma`` is in flight."""
-    with jax.named_scope(grouped_gemm_mosaic.SCOPE_WGMMA_WAIT):
-        return plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
+    return pl.run_scoped(dot, plgpu.ACC(shape, _F32))
 
 
 def _tokens_scaled(values: jax.Array, token_factor: jax.Array, token_axis: int) -> jax.Array:
@@ -97,12 +94,7 @@ def _tokens_scaled(values: jax.Array, token_factor: jax.Array, token_axis: int) 
 def _token_scales(scale_smem, token_axis: int) -> jax.Array:
     """A warpgroup's rows' scales of one contraction step, ``scale_smem [tile_m]``, loaded in
     the accumulators' layout along ``token_axis``."""
-    return plgpu.load(scale_smem, layout=_token_layout(token_axis))
-
-
-def _token_layout(token_axis: int):
-    """The layout of per-row values (``[tile_m]``) along an accumulator's ``token_axis``."""
-    return plgpu.Layout.WGMMA.reduce(1 - token_axis)
+    return plgpu.load(scale_smem, layout=plgpu.Layout.WGMMA.reduce(1 - token_axis))
 
 
 @jax.named_scope(grouped_gemm_mosaic.SCOPE_PROMOTE)
@@ -121,8 +113,7 @@ def _quantized_rows(values: jax.Array) -> tuple[jax.Array, jax.Array]:
     return quotient.astype(fp8_blocks.FP8_DTYPE), scale
 
 
-def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles, grid_size,
-                     interpret):  # fmt: skip
+def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles, grid_size):
     # tile_expert_gmem: [num_tiles] int32 expert per row tile (-1: dead); refs: first the
     # optional tile operands (grouped_gemm_mosaic.tile_refs), then a_gmem, a_scale_gmem,
     # b_gmem, b_scale_gmem and the outputs. a_gmem: [R, K] FP8
@@ -140,33 +131,22 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     tile_k = cfg.tile_k
     k_steps = a_gmem.shape[1] // tile_k
     operand_transforms = grouped_gemm_mosaic.smem_transforms(tile_k, 1)
-    # A step's product left in flight (the down kernel only: _tile_problem) holds its stage
-    # buffers a step longer: released by the pipeline (delay_release) or, in a pipeline of
-    # pipelines, by the compute warpgroups themselves (as grouped_gemm_mosaic's).
-    in_flight = bool(cfg.wgmma_in_flight)
-    manual_release = in_flight and cfg.prefetch_across_tiles
-    delay_release = 0 if cfg.prefetch_across_tiles else cfg.wgmma_in_flight
 
     def pipeline(body, compute_context, pipeline_state=None):
         a_spec = plgpu.BlockSpec(
             (block_m, tile_k), lambda k: (0, k), transforms=operand_transforms,
             memory_space=plgpu.SMEM, collective_axes=(grouped_gemm_mosaic.CLUSTER,),
-            delay_release=delay_release,
         )  # fmt: skip
-        scale_spec = plgpu.BlockSpec(
-            (None, block_m), lambda k: (k, 0), memory_space=plgpu.SMEM,
-            delay_release=delay_release,
-        )  # fmt: skip
+        scale_spec = plgpu.BlockSpec((None, block_m), lambda k: (k, 0), memory_space=plgpu.SMEM)
         b_spec = plgpu.BlockSpec(
             (block_n, tile_k), lambda k: (0, k), transforms=operand_transforms,
-            memory_space=plgpu.SMEM, delay_release=delay_release,
+            memory_space=plgpu.SMEM,
         )  # fmt: skip
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_steps,), memory_registers=cfg.memory_registers,
             in_specs=[a_spec, scale_spec] + [b_spec] * num_acc, wg_axis=_WARPGROUP,
             num_compute_wgs=2, max_concurrent_steps=cfg.max_concurrent_steps,
             compute_context=compute_context, pipeline_state=pipeline_state,
-            manual_consumed_barriers=manual_release,
         )  # fmt: skip
 
     ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
@@ -181,13 +161,6 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     @functools.partial(pl.run_scoped, allocations=allocations, **smem, collective_axes=_WARPGROUP)
     def _scope(allocations, out_smem, scale_smem=None):
         warpgroup = lax.axis_index(_WARPGROUP)
-        release = functools.partial(
-            grouped_gemm_mosaic.release_step, allocations, cfg.max_concurrent_steps
-        )
-
-        def release_last():
-            if manual_release:
-                release(k_steps - 1)
 
         def visit(tile, col, stores, pipeline_state=None):
             expert = tile_expert_gmem[tile]
@@ -198,10 +171,8 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
             computes = grouped_gemm_mosaic.warpgroup_computes(cfg, row_slot_gmem, tile, warpgroup)
 
             def compute_context(run_pipeline):
-                if in_flight:
-                    sums = _sums_in_flight(cfg, run_pipeline, release_last, interpret)
-                else:
-                    sums = run_pipeline((_zeros(grouped_gemm_mosaic.acc_shape(cfg)),) * num_acc)
+                zeros = jnp.full(grouped_gemm_mosaic.acc_shape(cfg), 0, _F32)
+                sums = run_pipeline((plgpu.layout_cast(zeros, plgpu.Layout.WGMMA),) * num_acc)
                 cols = pl.ds(col * block_n, block_n)
                 wg_out = _warpgroup_out(
                     cfg, num_acc, out_gmems[0], (rows, cols), (wg_rows, wg_cols)
@@ -224,23 +195,8 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
                     promoted.append(_promoted(running, part, factor, token_axis))
                 return tuple(promoted)
 
-            def mma_in_flight(indices, a_smem, a_scale_smem, *rest):
-                (b_smem,), carry, step = rest[:num_acc], rest[-1], indices[0]
-                token_scale = _token_scales(a_scale_smem.at[wg_rows], token_axis)
-                factor = token_scale * b_scale_gmem[expert, scale_rows[0], step]
-                issue = functools.partial(
-                    _issue_product, cfg, rows_smem=a_smem.at[wg_rows],
-                    weights_smem=b_smem.at[wg_cols],
-                )  # fmt: skip
-
-                def release_previous():
-                    if manual_release:
-                        pl.when(step > 0)(lambda: release(step - 1))
-
-                return _step_in_flight(cfg, carry, factor, issue, release_previous, interpret)
-
             def mma(indices, a_smem, a_scale_smem, *rest):
-                b_smems, sums = rest[:num_acc], rest[-1]  # (manual release: barriers between)
+                b_smems, sums = rest[:num_acc], rest[num_acc]
                 step_args = (indices[0], a_smem, a_scale_smem, b_smems)
                 if computes is None:
                     return promote(*step_args, sums)
@@ -252,8 +208,7 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
                 for offset in column_offsets
             ]
             run = functools.partial(
-                pipeline(mma_in_flight if in_flight else mma, compute_context, pipeline_state),
-                a_gmem.at[rows, :],
+                pipeline(mma, compute_context, pipeline_state), a_gmem.at[rows, :],
                 a_scale_gmem.at[:, rows], *weights, allocations=allocations,
             )  # fmt: skip
             grouped_gemm_mosaic.run_unless_dead(run, expert, pipeline_state)
@@ -313,71 +268,10 @@ def _token_axis(cfg: gemm_config.MosaicGemmConfig) -> int:
 
 def _partial_product(cfg: gemm_config.MosaicGemmConfig, rows_smem, weights_smem) -> jax.Array:
     """One step's product of a warpgroup's ``rows_smem [tile_m, qk]`` and ``weights_smem
-    [tile_n, qk]`` in a fresh accumulator, waited for: ``[tile_m, tile_n]``, or with swapped
-    operands ``[tile_n, tile_m]``."""
-
-    issue = functools.partial(
-        _issue_product, cfg, rows_smem=rows_smem, weights_smem=weights_smem
-    )  # fmt: skip
-    return _fresh_product(cfg, issue)
-
-
-def _step_in_flight(cfg, carry, factor, issue, release_previous, interpret: bool):
-    """One contraction step of the down kernel with its product left in flight
-    (``wgmma_in_flight``), ``carry = (running, previous factor, pending)``: waits for the
-    previous step's product in the accumulator ref ``pending``, releases that step's
-    buffers, issues this step's product into the zeroed ref (``issue(ref)``), then promotes
-    the previous one while it runs. Returns the next carry; the first step promotes zeros.
-
-    Mosaic GPU's interpreter stores no value into an accumulator ref, so there ``pending``
-    is the previous product's value and this step's is waited for in a fresh accumulator
-    (the same arithmetic, synchronous as the interpreter's ``wgmma`` is)."""
-    running, previous_factor, pending = carry
-    if interpret:
-        previous, pending = pending, _fresh_product(cfg, issue)
-        release_previous()
-    else:
-        previous = _waited(pending)
-        release_previous()
-        pending[...] = _zeros(grouped_gemm_mosaic.acc_shape(cfg))
-        issue(pending)
-    running = _promoted(running, previous, previous_factor, _token_axis(cfg))
-    return running, factor, pending
-
-
-def _sums_in_flight(cfg, run_pipeline, release_last, interpret: bool) -> tuple[jax.Array]:
-    """``(running sum,)`` of the down kernel's pipeline with each step's product left in
-    flight (``_step_in_flight``): one accumulator ref carried for the products, the last
-    one waited for, its buffers released (``release_last()``) and promoted after the last
-    step."""
-    acc_shape = grouped_gemm_mosaic.acc_shape(cfg)
-    token_axis = _token_axis(cfg)
-    no_factor = plgpu.layout_cast(jnp.zeros((cfg.tile_m,), _F32), _token_layout(token_axis))
-
-    def drained(pending):
-        running, factor, pending = run_pipeline((_zeros(acc_shape), no_factor, pending))
-        last = pending if interpret else _waited(pending)
-        release_last()
-        return (_promoted(running, last, factor, token_axis),)
-
-    if interpret:  # the products' values are carried (_step_in_flight)
-        return drained(_zeros(acc_shape))
-    return pl.run_scoped(drained, plgpu.ACC(acc_shape, _F32))
-
-
-def _fresh_product(cfg, issue) -> jax.Array:
-    """The product ``issue(ref)`` issues, in a fresh accumulator, waited for."""
-
-    def product(acc_ref):
-        issue(acc_ref)
-        return _waited(acc_ref)
-
-    return pl.run_scoped(product, plgpu.ACC(grouped_gemm_mosaic.acc_shape(cfg), _F32))
-
-
-def _zeros(shape: tuple[int, int]) -> jax.Array:
-    """float32 zeros of an accumulator's ``shape``, in its (``wgmma``) layout."""
-    return plgpu.layout_cast(jnp.full(shape, 0, _F32), plgpu.Layout.WGMMA)
+    [tile_n, qk]``: ``[tile_m, tile_n]``, or with swapped operands ``[tile_n, tile_m]``."""
+    if cfg.swap_operands:
+        return _block_product(weights_smem, rows_smem, grouped_gemm_mosaic.acc_shape(cfg))
+    return _block_product(rows_smem, weights_smem, grouped_gemm_mosaic.acc_shape(cfg))
 
 
 def _epilogue(cfg, sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales):
@@ -403,12 +297,11 @@ def _epilogue(cfg, sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales):
 
 
 def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction: int,
-                  quant_block: tuple[int, int], gate_up: bool) -> str | None:  # fmt: skip
-    """Why one kernel (the gate / up one where ``gate_up``) cannot tile its shapes (None
-    when it can): a contraction step must be one weight block deep, a column tile one block
-    wide, a step's ``wgmma`` left in flight only in the down kernel and not beside skipped
-    warpgroups, and the clusters' column pairs and the steps must cover the shapes.
-    (Prefetching across tiles also needs steps that the stages divide:
+                  quant_block: tuple[int, int]) -> str | None:  # fmt: skip
+    """Why one kernel cannot tile its shapes (None when it can): a contraction step must be
+    one weight block deep, a column tile one block wide, no step's ``wgmma`` left in flight
+    (each block's product is read to scale it), and the clusters' column pairs and the steps
+    must cover the shapes. (Prefetching across tiles also needs steps that the stages divide:
     ``grouped_gemm_mosaic.walk`` raises.)"""
     qk, qn = quant_block
     if cfg.tile_k != qk or cfg.tile_n != qn:
@@ -417,16 +310,10 @@ def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction:
             f"tile_k {cfg.tile_k} and tile_n {cfg.tile_n} must be {qk} and {qn} "
             "(gemm_config.MOSAIC_FFN_FP8)"
         )
-    if cfg.wgmma_in_flight and gate_up:
+    if cfg.wgmma_in_flight:
         return (
-            "impl='mosaic' with FP8 weights: the gate / up kernel's two running sums leave no "
-            "registers for a block's product in flight; its wgmma_in_flight must be 0, got "
-            f"{cfg.wgmma_in_flight} (gemm_config.MOSAIC_FFN_FP8)"
-        )
-    if cfg.wgmma_in_flight and cfg.skip_empty_warpgroups:
-        return (
-            "impl='mosaic' with FP8 weights leaves a block's product in flight only where "
-            "every warpgroup computes: wgmma_in_flight needs skip_empty_warpgroups off"
+            "impl='mosaic' with FP8 weights reads each block's product to scale it: "
+            f"wgmma_in_flight must be 0, got {cfg.wgmma_in_flight} (gemm_config.MOSAIC_FFN_FP8)"
         )
     if out_cols % cfg.block_n or contraction % cfg.tile_k:
         return (
@@ -438,8 +325,8 @@ def _tile_problem(cfg: gemm_config.MosaicGemmConfig, out_cols: int, contraction:
 
 def _ffn_problem(hidden: int, ffn: int, gate_up_block, down_block, cfg) -> str | None:
     """Why the two kernels cannot tile an FFN (None when they can)."""
-    problem = _tile_problem(cfg.gate_up, ffn, hidden, gate_up_block, gate_up=True)
-    problem = problem or _tile_problem(cfg.down, hidden, ffn, down_block, gate_up=False)
+    problem = _tile_problem(cfg.gate_up, ffn, hidden, gate_up_block)
+    problem = problem or _tile_problem(cfg.down, hidden, ffn, down_block)
     if problem is None and cfg.gate_up.tile_n != down_block[0]:
         problem = (
             f"FP8 hidden rows are quantized per gate / up column tile ({cfg.gate_up.tile_n}), "
@@ -463,7 +350,7 @@ def _fp8_matmul(tile_expert, slot_of_row, a_rows, a_scales, weight, *, out_cols,
     body = functools.partial(
         _fp8_matmul_body, column_offsets=column_offsets, cfg=cfg,
         num_col_tiles=out_cols // cfg.block_n,
-        grid_size=grouped_gemm_mosaic.num_clusters(interpret), interpret=interpret,
+        grid_size=grouped_gemm_mosaic.num_clusters(interpret),
     )  # fmt: skip
     num_rows = a_rows.shape[0]
     out_shape = (num_rows, out_cols)

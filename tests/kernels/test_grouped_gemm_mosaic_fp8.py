@@ -44,13 +44,6 @@ SWAPPED = helpers.both_kernels(PREFETCHING, swap_operands=True, tile_m=16)
 SWAPPED_SPLIT_COLUMNS = helpers.both_kernels(
     SMALL, swap_operands=True, tile_m=32, split_columns=True
 )
-
-
-def _down_in_flight(config: gemm_config.MosaicFfnConfig) -> gemm_config.MosaicFfnConfig:
-    """``config`` with the down kernel's products left in flight a step."""
-    return dataclasses.replace(config, down=dataclasses.replace(config.down, wgmma_in_flight=1))
-
-
 CASES = {
     "64-blocks": (128, 128, SMALL_BLOCK, SMALL),
     # The default launch shapes (config None: gemm_config.mosaic_ffn_fp8, prefetching across
@@ -75,12 +68,6 @@ CASES = {
     # (with its 64-wide blocks side by side, one tile, stored once).
     "swapped": (128, 128, SMALL_BLOCK, SWAPPED),
     "swapped_split_columns": (128, 128, SMALL_BLOCK, SWAPPED_SPLIT_COLUMNS),
-    # The down kernel promoting each step's product while the next step's runs: each tile's
-    # own pipeline (the pipeline releases a step's buffers a step late), one pipeline over a
-    # CTA's tiles (the warpgroups release them), and with swapped operands.
-    "down_in_flight": (128, 256, SMALL_BLOCK, _down_in_flight(SMALL)),
-    "down_in_flight_prefetching": (128, 256, SMALL_BLOCK, _down_in_flight(PREFETCHING)),
-    "down_in_flight_swapped": (128, 128, SMALL_BLOCK, _down_in_flight(SWAPPED)),
 }
 # As the Pallas FP8 kernels' test: the rows are quantized bit for bit, the hidden rows summed
 # in another order, so a hidden value on a rounding boundary may land on its neighbour.
@@ -160,12 +147,9 @@ def test_weight_only_fp8_and_other_tiles_are_refused():
         call(config=SMALL, fp8_activations=False)
     with pytest.raises(kernels.KernelUnavailableError, match="one 64 x 64 weight block"):
         call(config=gemm_config.MOSAIC_FFN_FP8)  # 128-wide steps over 64-wide blocks
-    in_flight = dataclasses.replace(SMALL.gate_up, wgmma_in_flight=1)
-    with pytest.raises(kernels.KernelUnavailableError, match="gate / up.*must be 0"):
-        call(config=dataclasses.replace(SMALL, gate_up=in_flight))
-    skipping = _down_in_flight(SKIP_EMPTY_PREFETCHING)
-    with pytest.raises(kernels.KernelUnavailableError, match="skip_empty_warpgroups off"):
-        call(config=skipping)
+    in_flight = dataclasses.replace(SMALL.down, wgmma_in_flight=1)
+    with pytest.raises(kernels.KernelUnavailableError, match="wgmma_in_flight must be 0"):
+        call(config=dataclasses.replace(SMALL, down=in_flight))
     prefetching = dataclasses.replace(
         SMALL.down, prefetch_across_tiles=True, max_concurrent_steps=3
     )
@@ -268,10 +252,7 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
             down=dataclasses.replace(split.down, swap_operands=True, tile_m=16),
         )
         # The waited pipelines (MOSAIC_FFN_FP8), each tile filling its own.
-        # The down kernel's products left in flight, waited and prefetching.
-        in_flight = [_down_in_flight(cfg) for cfg in (gemm_config.MOSAIC_FFN_FP8, prefetching)]
-        for cfg in (gemm_config.MOSAIC_FFN_FP8, split, skipping, swapped, swapped_split,
-                    *in_flight):  # fmt: skip
+        for cfg in (gemm_config.MOSAIC_FFN_FP8, split, skipping, swapped, swapped_split):
             hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
             assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
 
