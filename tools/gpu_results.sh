@@ -24,7 +24,8 @@
 # and skipping empty warpgroups against the default).
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
-# fp8-default (the FP8 Mosaic default launch shapes against the waited pipelines they replaced).
+# fp8-default (the FP8 Mosaic default launch shapes against the waited pipelines they replaced),
+# epilogue (the Mosaic gate / up epilogue as shipped against the precise one it replaced).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -267,6 +268,25 @@ for group in "$@"; do
           -k "not swapped" $tests >"$OUT/$name.log" 2>&1
         echo "(exit $?)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/$name.log" | tail -n 12
       done ;;
+    epilogue)  # the Mosaic gate / up epilogue as shipped (grouped_gemm_mosaic.swiglu under
+      # approx_math) against the precise one it replaced, bf16 and FP8, in one process per
+      # preset (tools/epilogue_probe.py); then the Mosaic kernels' GPU tests, whose epilogue
+      # numbers moved within float32's precision (DeepSeek-V3's weights need an H200)
+      for case in "qwen3-30b-a3b 4096,16384" "deepseek-v3 4096"; do
+        set -- $case
+        limit=$(budget 150 "epilogue-$1") || continue
+        echo "== PYTHONPATH=. python tools/epilogue_probe.py --preset $1 --tokens $2"
+        PYTHONPATH=. timeout "$limit" python3 tools/epilogue_probe.py --preset "$1" --tokens "$2" \
+          >"$OUT/epilogue-$1.log" 2>&1
+        echo "(exit $?)"; grep "^|\|^device" "$OUT/epilogue-$1.log"
+      done
+      if limit=$(budget 200 pytest-mosaic); then
+        echo "== pytest: the Mosaic kernels on the GPU"
+        timeout "$limit" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -k "not swapped" \
+          tests/kernels/test_grouped_gemm_mosaic.py tests/kernels/test_grouped_gemm_mosaic_fp8.py \
+          >"$OUT/pytest-mosaic.log" 2>&1
+        echo "(exit $?)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-mosaic.log" | tail -n 8
+      fi ;;
     fp8-default)  # the FP8 Mosaic default (gemm_config.mosaic_ffn_fp8: prefetching across
       # tiles where the stages divide the steps) against the waited pipelines it replaced:
       # prefill at the other presets, decode where "auto" takes Mosaic (4 layers a call:

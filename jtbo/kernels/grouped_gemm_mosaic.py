@@ -397,8 +397,22 @@ def store_tile(out, out_smem, wg_out, warpgroup) -> None:
         plgpu.copy_smem_to_gmem(out_smem.at[warpgroup, buffer], wg_out.at[piece_rows, piece_cols])
 
 
-def _swiglu(gate, up):
-    return gate * jax.nn.sigmoid(gate) * up
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """``silu(gate) * up`` of the gate / up kernels' epilogues, with the sigmoid as
+    ``rsqrt(1 + exp(-gate)) ** 2``: under the kernels' ``approx_math`` both run as the
+    special-function unit's ``ex2`` / ``rsqrt`` approximations (about float32's precision),
+    where a precise ``exp`` and a float division took a large part of a gate / up tile's
+    time (docs/kernels.md). ``exp(-gate)`` overflowing to infinity gives 0, as it should.
+
+    Args:
+      gate: a tile's gate accumulator, float32.
+      up: its up accumulator, of the same shape.
+
+    Returns:
+      ``silu(gate) * up``, float32.
+    """
+    root = lax.rsqrt(1 + jnp.exp(-gate))
+    return gate * (root * root) * up
 
 
 def _identity(acc):
@@ -479,7 +493,11 @@ def persistent_kernel(body, out_type, interpret: bool):
         cluster_names=(CLUSTER,),
         num_threads=3,
         thread_name=WARPGROUP,
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        # approx_math: exp and rsqrt (swiglu, the kernels' only transcendental functions) as
+        # the special-function unit's approximations; divisions stay exact.
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True
+        ),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
 
@@ -537,7 +555,7 @@ def grouped_ffn_mosaic(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, int
     rows = tile_gather.gather_tiles(source_rows, unfused(source), tile_expert, block_m)
     hidden_rows = _grouped_matmul(
         tile_expert, slot_of_row, rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn),
-        out_cols=ffn, column_offsets=(0, ffn), epilogue=_swiglu, cfg=cfg.gate_up,
+        out_cols=ffn, column_offsets=(0, ffn), epilogue=swiglu, cfg=cfg.gate_up,
         interpret=interpret,
     )  # fmt: skip
     out_rows = _grouped_matmul(

@@ -284,7 +284,7 @@ def _epilogue(cfg, sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales):
         store(sums[0].astype(wg_out.dtype), out_smem, wg_out, warpgroup)
         return
     gate, up = sums
-    hidden = gate * jax.nn.sigmoid(gate) * up
+    hidden = grouped_gemm_mosaic.swiglu(gate, up)
     if wg_scales is None:  # swapped: [tile_n, tile_m] as it lies
         grouped_gemm_mosaic.store_via_smem(hidden, out_smem.at[warpgroup], wg_out, transposed=False)
         return

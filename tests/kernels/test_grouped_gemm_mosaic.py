@@ -232,6 +232,19 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
         helpers.compiled_for_h200(functools.partial(layer, cfg=prefetching), shapes)
 
 
+def test_swiglu_matches_float64_silu_times_up_past_exps_overflow():
+    # The epilogues' sigmoid as rsqrt(1 + exp(-gate)) ** 2, here with the CPU's exact exp and
+    # rsqrt: float32's precision (a few ulps, more where the sigmoid is tiny), and 0 where
+    # exp(-gate) overflows to infinity (gate < -88).
+    rng = np.random.default_rng(11)
+    gate = np.concatenate([rng.standard_normal(4000) * 8, [-1e3, -100.0, -89.0, 0.0, 89.0, 1e3]])
+    up = rng.standard_normal(gate.shape)
+    got = grouped_gemm_mosaic.swiglu(jnp.asarray(gate, jnp.float32), jnp.asarray(up, jnp.float32))
+    gate64 = gate.astype(np.float32).astype(np.float64)
+    want = gate64 * (0.5 + 0.5 * np.tanh(gate64 / 2)) * up.astype(np.float32)  # the sigmoid
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-30)
+
+
 def test_shapes_the_kernels_cannot_tile_are_refused():
     x = jnp.ones((E, C, H), DTYPE)
     w_gate_up, w_down = jnp.ones((E, H, 2, 32), DTYPE), jnp.ones((E, 32, H), DTYPE)
