@@ -610,22 +610,38 @@ def make_inputs(
 ) -> tuple[jax.Array, tuple]:
     """``(x [T, H], (w_gate_up [E, H, 2, F], w_down [E, F, H]))``: normal, weights scaled by
     1/sqrt(fan-in); in ``dtype``, or block-scaled FP8 for ``expert_dtype="float8_e4m3fn"``
-    (``fp8_blocks.BlockQuantized`` of the float32 draws, 128 x 128 blocks, stored
-    contraction-last as the model stores them: ``fp8_blocks.expert_axes``)."""
+    (``fp8_blocks.BlockQuantized`` of float32 draws, 128 x 128 blocks, stored
+    contraction-last as the model stores them: ``fp8_blocks.expert_axes``; drawn and quantized
+    ``FP8_DRAW_EXPERTS`` experts at a time)."""
     k_x, k_gu, k_d = jax.random.split(key, 3)
     e, h, f = shapes.experts, shapes.hidden, shapes.ffn
     x = jax.random.normal(k_x, (num_tokens, h), dtype)
+    if expert_dtype is not None:
+        return x, (_fp8_weight(k_gu, (e, h, 2, f), h), _fp8_weight(k_d, (e, f, h), f))
     w_gate_up = jax.random.normal(k_gu, (e, h, 2, f), jnp.float32) / math.sqrt(h)
     w_down = jax.random.normal(k_d, (e, f, h), jnp.float32) / math.sqrt(f)
-    if expert_dtype is None:
-        return x, (w_gate_up.astype(dtype), w_down.astype(dtype))
-    block = fp8_blocks.DEFAULT_BLOCK
-    return x, tuple(
-        fp8_blocks.quantize_blocks(
-            w, fp8_blocks.expert_block_shape(w.ndim, block), axes=fp8_blocks.expert_axes(w.ndim)
+    return x, (w_gate_up.astype(dtype), w_down.astype(dtype))
+
+
+# Experts whose FP8 weights make_inputs draws at once: DeepSeek-V3's 256 experts' float32
+# gate / up draws alone take 28 GiB, past an H100 beside the rest.
+FP8_DRAW_EXPERTS = 32
+
+
+def _fp8_weight(key, shape: tuple[int, ...], fan_in: int) -> fp8_blocks.BlockQuantized:
+    """A stacked expert weight of ``shape``, normal over ``sqrt(fan_in)``, block-quantized
+    (``make_inputs``), drawn ``FP8_DRAW_EXPERTS`` experts at a time."""
+    block_shape = fp8_blocks.expert_block_shape(len(shape), fp8_blocks.DEFAULT_BLOCK)
+    parts = []
+    for first in range(0, shape[0], FP8_DRAW_EXPERTS):
+        experts = min(FP8_DRAW_EXPERTS, shape[0] - first)
+        draw = jax.random.normal(jax.random.fold_in(key, first), (experts, *shape[1:]))
+        parts.append(
+            fp8_blocks.quantize_blocks(
+                draw / math.sqrt(fan_in), block_shape, axes=fp8_blocks.expert_axes(len(shape))
+            )
         )
-        for w in (w_gate_up, w_down)
-    )
+    return jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *parts)
 
 
 def weight_itemsize(args) -> int:

@@ -276,7 +276,11 @@ def test_the_chunked_reference_equals_float64_over_every_expert():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
 
 
-def test_fp8_inputs_are_stored_contraction_last_and_the_reference_dequantizes_them():
+@pytest.mark.parametrize("draw_experts", [32, 3])  # one draw; three of 3, 3 and 2 experts
+def test_fp8_inputs_are_stored_contraction_last_and_the_reference_dequantizes_them(
+    draw_experts, monkeypatch
+):
+    monkeypatch.setattr(grouped_gemm, "FP8_DRAW_EXPERTS", draw_experts)
     num_tokens = 9
     ids, routing = grouped_gemm.route(num_tokens, SMALL, 0.3, seed=5)
     x, weights = grouped_gemm.make_inputs(
@@ -293,6 +297,11 @@ def test_fp8_inputs_are_stored_contraction_last_and_the_reference_dequantizes_th
         )
         for w in weights
     ]  # fmt: skip
+    # Every expert its own draw, normal over sqrt(fan-in), whichever draw it came from.
+    for weight, fan_in in zip(logical, (h, f), strict=True):
+        per_expert = weight.reshape(e, -1)
+        np.testing.assert_allclose(per_expert.std(axis=1), fan_in**-0.5, rtol=0.25)
+        assert len({expert.tobytes() for expert in per_expert}) == e
     rows = grouped_gemm.check_rows(num_tokens, 9)
     got = grouped_gemm.reference(x, np.asarray(ids), np.asarray(routing), weights, rows)
     want = _swiglu_reference_f64(np.asarray(x)[rows], ids[rows], routing[rows], logical)
