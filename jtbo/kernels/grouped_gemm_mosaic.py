@@ -399,10 +399,11 @@ def store_tile(out, out_smem, wg_out, warpgroup) -> None:
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """``silu(gate) * up`` of the gate / up kernels' epilogues, with the sigmoid as
-    ``rsqrt(1 + exp(-gate)) ** 2``: under the kernels' ``approx_math`` both run as the
-    special-function unit's ``ex2`` / ``rsqrt`` approximations (about float32's precision),
-    where a precise ``exp`` and a float division took a large part of a gate / up tile's
-    time (docs/kernels.md). ``exp(-gate)`` overflowing to infinity gives 0, as it should.
+    ``rsqrt(1 + exp(-gate)) ** 2``: no float division (a correctly rounded one took a large
+    part of a gate / up tile's time, docs/kernels.md); ``exp`` and ``rsqrt`` run as the
+    special-function unit's ``ex2`` / ``rsqrt`` approximations under the kernels'
+    ``approx_math`` (about float32's precision). ``exp(-gate)`` overflowing to infinity gives
+    0, as it should.
 
     Args:
       gate: a tile's gate accumulator, float32.
@@ -493,8 +494,8 @@ def persistent_kernel(body, out_type, interpret: bool):
         cluster_names=(CLUSTER,),
         num_threads=3,
         thread_name=WARPGROUP,
-        # approx_math: exp and rsqrt (swiglu, the kernels' only transcendental functions) as
-        # the special-function unit's approximations; divisions stay exact.
+        # approx_math: exp (swiglu's) as the special-function unit's ex2 and float divisions
+        # (the FP8 epilogue's row quantization) as div.full, within 2 ulps, as Triton divides.
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=True
         ),

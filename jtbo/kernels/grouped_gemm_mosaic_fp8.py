@@ -26,7 +26,8 @@ while one promotes. ``tile_n`` is the block's width, so one scale covers a tile 
 over the same ``tile_m`` rows, each with its block's scale). The gate / up
 epilogue computes ``silu(gate) * up`` and quantizes each row of the tile (one group:
 ``tile_n`` is the down weight's contraction block) as ``fp8_blocks`` does: its largest
-magnitude times ``1 / 448`` (1 for a zero row), the values divided by it.
+magnitude times ``1 / 448`` (1 for a zero row), the values divided by it (within 2 ulps, the
+kernels' ``approx_math``: as the Pallas kernels divide on the GPU).
 
 Padding rows inside a live tile are zero bytes (FP8 zero) with scale zero, so they produce
 zero hidden rows (scale 1) and zero outputs; dead tiles are skipped, their rows never read, and with

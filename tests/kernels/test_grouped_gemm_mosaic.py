@@ -197,7 +197,7 @@ def test_an_odd_number_of_column_tiles_is_stored_once(config):
     assert not np.asarray(out)[~np.asarray(live[..., 0])].any()
 
 
-def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkeypatch):
+def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkeypatch, capfd):
     # Both kernels' Mosaic GPU lowering compiled by XLA for a described H200 (jtbo.aot) at
     # DeepSeek-V2-Lite's expert width F = 1408: 11 gate / up column tiles of 128.
     if not aot.aot_available():
@@ -224,7 +224,16 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
         ).rows
 
     skipping = helpers.both_kernels(gemm_config.MOSAIC_FFN, skip_empty_warpgroups=True)
-    for cfg in (gemm_config.MOSAIC_FFN, waited, gate_up_prefetching, split, skipping):
+    # The default's PTX (Mosaic GPU prints it): the gate / up epilogue's exp and rsqrt are the
+    # special-function unit's approximations, and no float division is left (swiglu).
+    monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
+    capfd.readouterr()
+    hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=gemm_config.MOSAIC_FFN), shapes)
+    ptx = capfd.readouterr().out
+    monkeypatch.delenv("MOSAIC_GPU_DUMP_PTX")
+    assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
+    assert "ex2.approx" in ptx and "rsqrt.approx" in ptx and "div.rn.f32" not in ptx
+    for cfg in (waited, gate_up_prefetching, split, skipping):
         hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
         assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
     # The down kernel's 22 (1408 / 64) do not fill stages of 4.
