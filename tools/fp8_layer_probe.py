@@ -33,12 +33,7 @@ def weights(experts: int, hidden: int, ffn: int):
         jnp.bfloat16
     )
     w_down = (jax.random.normal(k2, (experts, ffn, hidden)) / ffn**0.5).astype(jnp.bfloat16)
-    quantized = [
-        fp8_blocks.quantize_blocks(
-            w, fp8_blocks.expert_block_shape(w.ndim, (128, 128)), fp8_blocks.expert_axes(w.ndim)
-        )
-        for w in (w_gate_up, w_down)
-    ]
+    quantized = [fp8_blocks.quantize_experts(w, (128, 128)) for w in (w_gate_up, w_down)]
     return (w_gate_up, w_down), tuple(quantized)
 
 

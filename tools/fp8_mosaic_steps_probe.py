@@ -246,12 +246,7 @@ def _problem(tokens, experts, top_k, hidden, ffn, block_m, seed=0):
     k1, k2 = jax.random.split(jax.random.key(seed + 1))
     w_gate_up = jax.random.normal(k1, (experts, hidden, 2, ffn), jnp.float32) / hidden**0.5
     w_down = jax.random.normal(k2, (experts, ffn, hidden), jnp.float32) / ffn**0.5
-    quantized = [
-        fp8_blocks.quantize_blocks(
-            w, fp8_blocks.expert_block_shape(w.ndim, (128, 128)), fp8_blocks.expert_axes(w.ndim)
-        )
-        for w in (w_gate_up, w_down)
-    ]
+    quantized = [fp8_blocks.quantize_experts(w, (128, 128)) for w in (w_gate_up, w_down)]
     gate_up = fp8_blocks.expert_matrices(quantized[0], 2 * ffn, hidden, "mosaic")
     down = fp8_blocks.expert_matrices(quantized[1], hidden, ffn, "mosaic")
     bf16 = (

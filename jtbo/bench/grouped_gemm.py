@@ -631,16 +631,11 @@ FP8_DRAW_EXPERTS = 32
 def _fp8_weight(key, shape: tuple[int, ...], fan_in: int) -> fp8_blocks.BlockQuantized:
     """A stacked expert weight of ``shape``, normal over ``sqrt(fan_in)``, block-quantized
     (``make_inputs``), drawn ``FP8_DRAW_EXPERTS`` experts at a time."""
-    block_shape = fp8_blocks.expert_block_shape(len(shape), fp8_blocks.DEFAULT_BLOCK)
     parts = []
     for first in range(0, shape[0], FP8_DRAW_EXPERTS):
         experts = min(FP8_DRAW_EXPERTS, shape[0] - first)
         draw = jax.random.normal(jax.random.fold_in(key, first), (experts, *shape[1:]))
-        parts.append(
-            fp8_blocks.quantize_blocks(
-                draw / math.sqrt(fan_in), block_shape, axes=fp8_blocks.expert_axes(len(shape))
-            )
-        )
+        parts.append(fp8_blocks.quantize_experts(draw / math.sqrt(fan_in)))
     return jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *parts)
 
 

@@ -187,6 +187,20 @@ def expert_block_shape(ndim: int, block: tuple[int, int]) -> tuple[int, ...]:
     return (1, block[0]) + (1,) * (ndim - 3) + (block[1],)
 
 
+def quantize_experts(w: jax.Array, block: tuple[int, int] = DEFAULT_BLOCK) -> BlockQuantized:
+    """A stacked expert weight as FP8 in ``(contraction, output)`` blocks, stored
+    contraction-last (``expert_block_shape``, ``expert_axes``), as the models keep it.
+
+    Args:
+      w: ``w_gate_up [E, H, 2, F]`` or ``w_down [E, F, H]``.
+      block: ``(block_k, block_n)``.
+
+    Returns:
+      The ``BlockQuantized`` weight.
+    """
+    return quantize_blocks(w, expert_block_shape(w.ndim, block), axes=expert_axes(w.ndim))
+
+
 def _padded_blocks(x, block_shape: tuple[int, ...], xp):
     """``x`` zero-padded to whole blocks and reshaped ``[n0, b0, n1, b1, ...]``."""
     blocks = scales_shape(x.shape, block_shape)

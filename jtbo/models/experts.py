@@ -286,7 +286,9 @@ class RoutedExperts(nnx.Module):
         if self.block is None:
             self.w_gate_up, self.w_down = w_gate_up, w_down
             return
-        gate_up, down = (_quantized(w[...], self.block) for w in (w_gate_up, w_down))
+        gate_up, down = (
+            fp8_blocks.quantize_experts(w[...], self.block) for w in (w_gate_up, w_down)
+        )
         # Stored contraction-last (fp8_blocks.expert_axes); bk, bn = expert_block_size.
         self.w_gate_up = StoredDtypeParam(gate_up.values)  # [E, 2, F, H] float8_e4m3fn
         self.w_gate_up_scale = StoredDtypeParam(gate_up.scales)  # [E, 2, ceil(F/bn), ceil(H/bk)]
@@ -309,14 +311,6 @@ class RoutedExperts(nnx.Module):
         """``(row group, hidden group)``: the columns per FP8 scale of the rows and of the
         hidden rows when the experts quantize them (``fp8_activations``), else None."""
         return (self.block[0], self.block[0]) if self.fp8_activations else None
-
-
-def _quantized(w: jax.Array, block: tuple[int, int]) -> fp8_blocks.BlockQuantized:
-    """A stacked expert weight (``[E, H, 2, F]`` or ``[E, F, H]``) as FP8 in
-    ``(contraction, output)`` blocks ``block``, stored contraction-last."""
-    return fp8_blocks.quantize_blocks(
-        w, fp8_blocks.expert_block_shape(w.ndim, block), axes=fp8_blocks.expert_axes(w.ndim)
-    )
 
 
 def _blocked(values: jax.Array, scales: jax.Array, block: tuple[int, int]):
