@@ -53,6 +53,17 @@ budget() {  # budget SECONDS NAME: prints min(SECONDS, time left); fails if unde
   echo $(($1 < left ? $1 : left))
 }
 
+gpu_pytest() {  # gpu_pytest NAME SECONDS ARGS...: pytest ARGS on the GPU, logged to $OUT/NAME.log;
+  # -v names each test as it ends, so a log cut by its limit still says which ones failed
+  local name=$1 limit
+  limit=$(budget "$2" "$name") || return 0
+  shift 2
+  echo "== $name: pytest $*"
+  timeout "$limit" python3 -m pytest -v -rf --tb=short -p no:cacheprovider "$@" \
+    >"$OUT/$name.log" 2>&1
+  echo "(exit $?)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/$name.log" | tail -n 12
+}
+
 bench() {  # bench NAME LINES ARGS...: one `python -m jtbo.bench` run, logged to $OUT/NAME.log
   local name=$1 lines=$2 limit
   shift 2
@@ -82,11 +93,8 @@ for group in "$@"; do
           --impls dense,pallas,mosaic --iters 5 --reps 5
       done ;;
     fp8)  # the FP8 kernels: GPU tests, the layer and the kernels alone at the Qwen3 shape
-      echo "== pytest: the FP8 kernels compiled for the GPU"
-      timeout "${LIMIT:-150}" python3 -m pytest -q -x -p no:cacheprovider \
-        tests/kernels/test_grouped_gemm_mosaic_fp8.py tests/kernels/test_fp8_blocks.py \
-        tests/kernels/test_grouped_gemm.py -k "fp8 or FP8" >"$OUT/pytest-fp8.log" 2>&1
-      echo "(exit $?)"; tail -n 3 "$OUT/pytest-fp8.log"
+      gpu_pytest pytest-fp8 "${LIMIT:-150}" -x tests/kernels/test_grouped_gemm_mosaic_fp8.py \
+        tests/kernels/test_fp8_blocks.py tests/kernels/test_grouped_gemm.py -k "fp8 or FP8"
       LIMIT=200 bench gemm-qwen3-fp8 12 grouped_gemm --preset qwen3-30b-a3b \
         --expert-dtype float8_e4m3fn --tokens 64,256 --impls dense,pallas,mosaic \
         --iters 5 --reps 5 --check-rows 64
@@ -224,12 +232,7 @@ for group in "$@"; do
       # their GPU tests first, then against Pallas ("auto" at Qwen3-30B-A3B's decode) and the
       # default Mosaic tiles ("auto" at DeepSeek-V3's)
       fp8="--expert-dtype float8_e4m3fn"
-      if limit=$(budget 90 pytest-swapped); then
-        echo "== pytest: the swapped FP8 kernels on the GPU"
-        timeout "$limit" python3 -m pytest -q -p no:cacheprovider \
-          tests/kernels/test_grouped_gemm_mosaic_fp8.py -k swapped >"$OUT/pytest-swapped.log" 2>&1
-        echo "(exit $?)"; tail -n 2 "$OUT/pytest-swapped.log"
-      fi
+      gpu_pytest pytest-swapped 90 tests/kernels/test_grouped_gemm_mosaic_fp8.py -k swapped
       impls=pallas,mosaic:16x128x128s4pw/16x128x128s3pw,mosaic:32x128x128s4pw/32x128x128s3pw
       LIMIT=220 bench swap-fp8-qwen3 10 grouped_gemm --preset qwen3-30b-a3b $fp8 \
         --tokens 64,256 --impls "$impls" --layers-per-call 8
@@ -257,17 +260,11 @@ for group in "$@"; do
     gpu-tests)  # the grouped GEMM kernels compiled for the GPU (the nested jit they are called
       # through included) and the sampler; the swapped-operand kernels are swap-operands' own
       # The sampler first, on its own (its sampled rows failed once on the GPU, the log cut
-      # before the report); -v names each test as it ends, so a log cut by the time limit
-      # still says which ones failed.
-      for tests in tests/models/test_sampler.py "tests/kernels/test_grouped_gemm.py
-          tests/kernels/test_grouped_gemm_mosaic.py tests/kernels/test_grouped_gemm_mosaic_fp8.py"; do
-        name=pytest-gpu-$(basename "${tests%% *}" .py)
-        limit=$(budget 240 "$name") || continue
-        echo "== pytest on the GPU: $tests"
-        timeout "$limit" python3 -m pytest -v -rf --tb=short -p no:cacheprovider \
-          -k "not swapped" $tests >"$OUT/$name.log" 2>&1
-        echo "(exit $?)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/$name.log" | tail -n 12
-      done ;;
+      # before the report).
+      gpu_pytest pytest-gpu-test_sampler 240 tests/models/test_sampler.py
+      gpu_pytest pytest-gpu-test_grouped_gemm 240 -k "not swapped" \
+        tests/kernels/test_grouped_gemm.py tests/kernels/test_grouped_gemm_mosaic.py \
+        tests/kernels/test_grouped_gemm_mosaic_fp8.py ;;
     epilogue)  # the Mosaic gate / up epilogue as shipped (grouped_gemm_mosaic.swiglu under
       # approx_math) against the precise one it replaced, bf16 and FP8, in one process per
       # preset (tools/epilogue_probe.py); then the Mosaic kernels' GPU tests, whose epilogue
@@ -280,13 +277,8 @@ for group in "$@"; do
           >"$OUT/epilogue-$1.log" 2>&1
         echo "(exit $?)"; grep "^|\|^device" "$OUT/epilogue-$1.log"
       done
-      if limit=$(budget 200 pytest-mosaic); then
-        echo "== pytest: the Mosaic kernels on the GPU"
-        timeout "$limit" python3 -m pytest -q -rf --tb=short -p no:cacheprovider -k "not swapped" \
-          tests/kernels/test_grouped_gemm_mosaic.py tests/kernels/test_grouped_gemm_mosaic_fp8.py \
-          >"$OUT/pytest-mosaic.log" 2>&1
-        echo "(exit $?)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/pytest-mosaic.log" | tail -n 8
-      fi ;;
+      gpu_pytest pytest-mosaic 200 -k "not swapped" tests/kernels/test_grouped_gemm_mosaic.py \
+        tests/kernels/test_grouped_gemm_mosaic_fp8.py ;;
     fp8-default)  # the FP8 Mosaic default (gemm_config.mosaic_ffn_fp8: prefetching across
       # tiles where the stages divide the steps) against the waited pipelines it replaced:
       # prefill at the other presets, decode where "auto" takes Mosaic (4 layers a call:
@@ -332,7 +324,7 @@ for group in "$@"; do
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
       "prefetch, split-columns, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty, sampler," \
-      "memory-registers, swap-operands, fp8-decode-pe, gpu-tests, profile, fp8-default)"
+      "memory-registers, swap-operands, fp8-decode-pe, gpu-tests, profile, fp8-default, epilogue)"
       exit 2 ;;
   esac
 done

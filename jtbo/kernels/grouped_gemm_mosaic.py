@@ -400,10 +400,10 @@ def store_tile(out, out_smem, wg_out, warpgroup) -> None:
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     """``silu(gate) * up`` of the gate / up kernels' epilogues, with the sigmoid as
     ``rsqrt(1 + exp(-gate)) ** 2``: no float division (a correctly rounded one took a large
-    part of a gate / up tile's time, docs/kernels.md); ``exp`` and ``rsqrt`` run as the
-    special-function unit's ``ex2`` / ``rsqrt`` approximations under the kernels'
-    ``approx_math`` (about float32's precision). ``exp(-gate)`` overflowing to infinity gives
-    0, as it should.
+    part of a gate / up tile's time, docs/kernels.md); ``rsqrt`` runs as the special-function
+    unit's approximation, and so does ``exp`` (one ``ex2``, no range reduction) under the
+    kernels' ``approx_math``: about float32's precision. ``exp(-gate)`` overflowing to
+    infinity gives 0, as it should.
 
     Args:
       gate: a tile's gate accumulator, float32.

@@ -224,8 +224,9 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
         ).rows
 
     skipping = helpers.both_kernels(gemm_config.MOSAIC_FFN, skip_empty_warpgroups=True)
-    # The default's PTX (Mosaic GPU prints it): the gate / up epilogue's exp and rsqrt are the
-    # special-function unit's approximations, and no float division is left (swiglu).
+    # The default's PTX (Mosaic GPU prints it): the gate / up epilogue's exp and rsqrt run on
+    # the special-function unit (ex2, rsqrt), and no correctly rounded division is left
+    # (swiglu has none; approx_math makes any other one div.full).
     monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
     capfd.readouterr()
     hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=gemm_config.MOSAIC_FFN), shapes)
