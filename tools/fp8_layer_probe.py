@@ -53,7 +53,7 @@ def _first(weights):
     return weights[0][0], weights[1][0]
 
 
-def _result(fn, args) -> np.ndarray:
+def result(fn, args) -> np.ndarray:
     """``fn(*args)`` as a float32 ``[E, C, H]`` array (``SlotRows`` materialized)."""
     out = fn(*args)
     return np.asarray(out.materialize() if hasattr(out, "materialize") else out, np.float32)
@@ -98,7 +98,7 @@ def main() -> None:
             print(f"| {tokens} | {name} | {t * 1e3:.3f} | {flops / t / 1e12:.0f} | "
                   f"{times['dense bf16'] / t:.2f} | {times['mosaic bf16'] / t:.2f} |")  # fmt: skip
         if "pallas fp8" in cases:
-            got = [_result(*cases[name]) for name in ("mosaic fp8", "pallas fp8")]
+            got = [result(*cases[name]) for name in ("mosaic fp8", "pallas fp8")]
             live = np.arange(x.shape[1])[None, :] < np.asarray(counts)[:, None]
             diff = np.linalg.norm(got[0][live] - got[1][live]) / np.linalg.norm(got[1][live])
             print(f"mosaic fp8 vs pallas fp8 at {tokens}: rel diff {diff:.2e}")

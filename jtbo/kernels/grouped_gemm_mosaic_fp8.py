@@ -385,10 +385,21 @@ def _hidden_fp8(gate_up_out, cfg: gemm_config.MosaicGemmConfig):
 
 def gathered_fp8_rows(x_slots, slot_of_row, tile_expert, block_m: int, qk: int):
     """The live tiles' rows quantized per ``qk`` columns: ``(values [R, H] FP8, scales
-    [H / qk, R] float32)``, zero bytes and zero scales for padding rows."""
+    [H / qk, R] float32)``, zero bytes and zero scales for padding rows.
+
+    Each row is quantized on its own, so quantizing the source rows then gathering them gives
+    the bits of gathering then quantizing: whichever side has fewer rows is quantized. A
+    ``SlotRows`` source holds a row per token, fewer than the tiles' rows; a slot buffer holds
+    every capacity slot, most of them padding."""
     source_rows, source = slot_rows.flat_slot_source(x_slots, slot_of_row)
-    quantized = fp8_blocks.quantize_rows(source_rows, qk)
     source = grouped_gemm_mosaic.unfused(source)
+    if source_rows.shape[0] > source.shape[0]:
+        gathered = tile_gather.gather_tiles(source_rows, source, tile_expert, block_m)
+        quantized = fp8_blocks.quantize_rows(gathered, qk)
+        # A padding row is zero, so its scale is 1 (fp8_blocks); the contract says zero.
+        scales = jnp.where(source[:, None] >= 0, quantized.scales, 0.0)
+        return quantized.values, scales.T
+    quantized = fp8_blocks.quantize_rows(source_rows, qk)
     as_bytes = lax.bitcast_convert_type(quantized.values, jnp.uint8)  # FP8 has no fill value
     values = tile_gather.gather_tiles(as_bytes, source, tile_expert, block_m)
     scales = tile_gather.gather_tiles(quantized.scales, source, tile_expert, block_m)

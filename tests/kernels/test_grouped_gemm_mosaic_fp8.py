@@ -22,6 +22,7 @@ from jtbo.kernels import (
     grouped_gemm,
     grouped_gemm_mosaic,
     grouped_gemm_mosaic_fp8,
+    slot_rows,
 )
 from jtbo.models import experts
 from tests.kernels import helpers
@@ -180,11 +181,19 @@ def test_an_odd_number_of_column_tiles_is_stored_once():
     assert not np.asarray(out, np.float64)[~live].any()
 
 
-def test_the_rows_are_quantized_then_gathered_into_tiles():
-    # gathered_fp8_rows against quantize_blocks_reference of the rows each tile row holds.
+@pytest.mark.parametrize("slot_source", ["buffer", "token_rows"])
+def test_the_tiles_rows_are_quantized_from_either_source(slot_source):
+    # gathered_fp8_rows against quantize_blocks_reference of the row each tile row holds: a
+    # slot buffer has more rows than the tiles (gathered, then quantized), a SlotRows source
+    # of 7 token rows fewer (quantized, then gathered); the two must give the same bits.
     counts = jnp.array([5, 0, 3], jnp.int32)
     block_m, capacity, hidden = 4, 6, 128
-    x = jnp.asarray(np.random.default_rng(6).standard_normal((E, capacity, hidden)), DTYPE)
+    rng = np.random.default_rng(6)
+    token_rows = rng.standard_normal((7, hidden)) * rng.uniform(0.01, 100, (7, 1))
+    slot_row = np.full((E, capacity), -1, np.int32)
+    slot_row[0, :5], slot_row[2, :3] = [3, 0, 6, 1, 4], [5, 2, 3]
+    rows = slot_rows.SlotRows(jnp.asarray(token_rows, DTYPE), jnp.asarray(slot_row))
+    x = rows.materialize() if slot_source == "buffer" else rows
     num_tiles = 4  # two of expert 0, one of expert 2, one dead
     tile_expert, slot_of_row, _ = grouped_gemm_mosaic.tile_rows(
         counts, capacity, block_m, num_tiles
@@ -194,7 +203,7 @@ def test_the_rows_are_quantized_then_gathered_into_tiles():
     )
     assert values.dtype == fp8_blocks.FP8_DTYPE and scales.shape == (2, num_tiles * block_m)
     want_values, want_scales = fp8_blocks.quantize_blocks_reference(
-        np.asarray(x, np.float64).reshape(-1, hidden), (1, 64)
+        np.asarray(rows.rows, np.float64), (1, 64)
     )
     live = np.asarray(tile_expert)[np.arange(num_tiles * block_m) // block_m] >= 0
     for row, slot in enumerate(np.asarray(slot_of_row)):
@@ -203,8 +212,9 @@ def test_the_rows_are_quantized_then_gathered_into_tiles():
         if slot < 0:  # padding inside a live tile: zero bytes, zero scales
             assert not np.asarray(values[row], np.float32).any() and not scales[:, row].any()
             continue
-        np.testing.assert_array_equal(np.asarray(values[row]), want_values[slot])
-        np.testing.assert_array_equal(np.asarray(scales[:, row]), want_scales[slot])
+        token = slot_row.reshape(-1)[slot]
+        np.testing.assert_array_equal(np.asarray(values[row]), want_values[token])
+        np.testing.assert_array_equal(np.asarray(scales[:, row]), want_scales[token])
 
 
 @pytest.mark.parametrize("ffn", [768, 1408])
