@@ -25,7 +25,8 @@
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
 # fp8-default (the FP8 Mosaic default launch shapes against the waited pipelines they replaced),
-# epilogue (the Mosaic gate / up epilogue as shipped against the precise one it replaced).
+# epilogue (the Mosaic gate / up epilogue as shipped against the precise one it replaced),
+# fp8-registers-pe (the FP8 default with its gate / up memory warpgroup's registers raised).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -227,6 +228,17 @@ for group in "$@"; do
         --check-rows 16
       LIMIT=200 bench registers-fp8-dsv3 8 grouped_gemm --preset deepseek-v3 \
         --expert-dtype float8_e4m3fn --tokens 256 --impls "$impls" --layers-per-call 8 ;;
+    fp8-registers-pe)  # the FP8 default (prefetching across tiles) with its gate / up kernel's
+      # memory warpgroup at 72 / 88 registers, against the default 40: ptxas spills 404 / 456
+      # bytes in the default's gate / up kernel at Qwen3-30B-A3B's shape, 104 / 176 at r72,
+      # 64 / 128 at r88 (tools/mosaic_ptxas_report.py; at r24-r48 more: the memory warpgroup's)
+      fp8="--expert-dtype float8_e4m3fn"
+      impls=dense,mosaic,mosaic:128x128x128s4pr72/128x128x128s3p,mosaic:128x128x128s4pr88/128x128x128s3p
+      LIMIT=150 bench fp8-registers-pe-qwen3 12 grouped_gemm --preset qwen3-30b-a3b $fp8 \
+        --tokens 4096,16384 --impls "$impls" --no-copy-ceiling --check-rows 16
+      impls=dense,mosaic,mosaic:128x128x128s4pr72/128x128x128s4p,mosaic:128x128x128s4pr88/128x128x128s4p
+      LIMIT=150 bench fp8-registers-pe-dsv3 12 grouped_gemm --preset deepseek-v3 $fp8 \
+        --tokens 4096,16384 --impls "$impls" --no-copy-ceiling --check-rows 16 ;;
     swap-operands)  # the weights as wgmma's M operand and the rows as its N (spec w): 8-row
       # (16-row tiles) and 16-row warpgroups, prefetching across tiles, in FP8 decode stacks;
       # their GPU tests first, then against Pallas ("auto" at Qwen3-30B-A3B's decode) and the
