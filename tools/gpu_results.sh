@@ -26,7 +26,8 @@
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
 # fp8-default (the FP8 Mosaic default launch shapes against the waited pipelines they replaced),
 # epilogue (the Mosaic gate / up epilogue as shipped against the precise one it replaced),
-# fp8-registers-pe (the FP8 default with its gate / up memory warpgroup's registers raised).
+# fp8-registers-pe (the FP8 default with its gate / up memory warpgroup's registers raised),
+# sort-rewriter (XLA's SortRewriter's log on the sampler's sort: why it stays off CUB).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -259,6 +260,17 @@ for group in "$@"; do
       LIMIT=200 bench pe-fp8-mixtral 10 grouped_gemm --preset mixtral-8x7b $fp8 \
         --tokens 256,512 --impls mosaic,mosaic:128x128x128s4,mosaic:128x128x128s4pe \
         --layers-per-call 8 ;;
+    sort-rewriter)  # why XLA's SortRewriter keeps the sampler's keys-only sort off CUB on the
+      # GPU (64 x 151,936: its Hopper size rule picks CUB; the deviceless compile on the CPU
+      # cannot say, it lacks CUB's scratch sizes): the pass's own reasons, from its log
+      echo "== TF_CPP_VMODULE=sort_rewriter=2 PYTHONPATH=. python tools/sampler_sort_probe.py --rows 64 --vocab 151936"
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=sort_rewriter=2 PYTHONPATH=. \
+        timeout 200 python3 tools/sampler_sort_probe.py --rows 64 --vocab 151936 --reps 1 \
+        >"$OUT/sort-rewriter.log" 2>&1
+      echo "(exit $?)"; grep "^|" "$OUT/sort-rewriter.log"
+      # each distinct message once, its count first (the timestamps and thread ids cut)
+      grep "sort_rewriter" "$OUT/sort-rewriter.log" | sed -E 's/^[IWE][0-9]{4} [0-9:.]+ +[0-9]+ //' \
+        | sort | uniq -c | sort -rn | head -n 20 ;;
     sampler)  # the sampler's keys-only sort against the key-value sorts it replaced (which
       # compiled sort each runs), then a sampled and a greedy serve at Qwen3-30B-A3B's dimensions
       echo "== PYTHONPATH=. python tools/sampler_sort_probe.py"
