@@ -239,7 +239,16 @@ for group in "$@"; do
         --tokens 4096,16384 --impls "$impls" --no-copy-ceiling --check-rows 16
       impls=dense,mosaic,mosaic:128x128x128s4pr72/128x128x128s4p,mosaic:128x128x128s4pr88/128x128x128s4p
       LIMIT=150 bench fp8-registers-pe-dsv3 12 grouped_gemm --preset deepseek-v3 $fp8 \
-        --tokens 4096,16384 --impls "$impls" --no-copy-ceiling --check-rows 16 ;;
+        --tokens 4096,16384 --impls "$impls" --no-copy-ceiling --check-rows 16
+      # the compute warpgroups' scopes at r88 (the default's gate / up epilogue: 8,300 cycles
+      # a tile, 4,541 with the waited pipelines, which spill less)
+      spec=128x128x128s4pr88/128x128x128s3p
+      limit=$(budget 150 profile-fp8-r88) || continue
+      echo "== PYTHONPATH=. python tools/mosaic_profile_probe.py --expert-dtype float8_e4m3fn --spec $spec"
+      JAX_PLATFORMS=cuda,cpu PYTHONPATH=. timeout "$limit" python3 tools/mosaic_profile_probe.py \
+        --expert-dtype float8_e4m3fn --spec "$spec" --profile-space 240 \
+        --out /tmp/mosaic-profile-r88 >"$OUT/profile-fp8-r88.log" 2>&1
+      echo "(exit $?)"; grep "^|\|kernel\|tokens" "$OUT/profile-fp8-r88.log" ;;
     swap-operands)  # the weights as wgmma's M operand and the rows as its N (spec w): 8-row
       # (16-row tiles) and 16-row warpgroups, prefetching across tiles, in FP8 decode stacks;
       # their GPU tests first, then against Pallas ("auto" at Qwen3-30B-A3B's decode) and the
