@@ -183,35 +183,35 @@ for group in "$@"; do
       fp8="--expert-dtype float8_e4m3fn"
       impls=mosaic,mosaic:128x128x128s4,mosaic:64x256x128s2c/64x256x128s4c
       impls+=,mosaic:64x256x128s2pc/64x256x128s4pc
-      LIMIT=200 bench fp8-decode-dsv3 10 grouped_gemm --preset deepseek-v3 $fp8 --tokens 64 \
+      LIMIT=200 bench fp8-decode-dsv3 10 grouped_gemm --no-kernel-rows --preset deepseek-v3 $fp8 --tokens 64 \
         --impls "$impls" --layers-per-call 4
-      LIMIT=150 bench fp8-decode-mixtral 10 grouped_gemm --preset mixtral-8x7b $fp8 \
+      LIMIT=150 bench fp8-decode-mixtral 10 grouped_gemm --no-kernel-rows --preset mixtral-8x7b $fp8 \
         --tokens 128,256 --impls "$impls" --layers-per-call 8
       impls=pallas,mosaic,mosaic:64x256x128s2c/64x256x128s4c,mosaic:64x256x128s2pc/64x256x128s3pc
-      LIMIT=150 bench fp8-decode-qwen3 10 grouped_gemm --preset qwen3-30b-a3b $fp8 \
+      LIMIT=150 bench fp8-decode-qwen3 10 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b $fp8 \
         --tokens 64,256 --impls "$impls" --layers-per-call 8 ;;
     skip-empty)  # a warpgroup whose rows of a tile are all padding skipping its wgmma and its
       # store (spec e): FP8 decode stacks (where a 128-row tile's products may outlast its
       # loads), alone and prefetching; bf16 at decode; FP8 at Qwen3-30B-A3B's prefill
       fp8="--expert-dtype float8_e4m3fn"
       impls=mosaic,mosaic:128x128x128s4e,mosaic:128x128x128s4pe
-      LIMIT=200 bench skip-fp8-decode-dsv3 10 grouped_gemm --preset deepseek-v3 $fp8 \
+      LIMIT=200 bench skip-fp8-decode-dsv3 10 grouped_gemm --no-kernel-rows --preset deepseek-v3 $fp8 \
         --tokens 64,256 --impls "$impls" --layers-per-call 8
-      LIMIT=150 bench skip-fp8-decode-mixtral 10 grouped_gemm --preset mixtral-8x7b $fp8 \
+      LIMIT=150 bench skip-fp8-decode-mixtral 10 grouped_gemm --no-kernel-rows --preset mixtral-8x7b $fp8 \
         --tokens 128,256 --impls "$impls" --layers-per-call 8
       impls=pallas,mosaic,mosaic:128x128x128s4e,mosaic:128x128x128s4pe/128x128x128s3pe
-      LIMIT=150 bench skip-fp8-decode-qwen3 12 grouped_gemm --preset qwen3-30b-a3b $fp8 \
+      LIMIT=150 bench skip-fp8-decode-qwen3 12 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b $fp8 \
         --tokens 64,256 --impls "$impls" --layers-per-call 8
-      LIMIT=150 bench skip-bf16-decode-qwen3 10 grouped_gemm --preset qwen3-30b-a3b \
+      LIMIT=150 bench skip-bf16-decode-qwen3 10 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b \
         --tokens 64,256 --impls pallas,mosaic,mosaic:128x128x64s4f1e/128x256x64s4f1e \
         --layers-per-call 8
-      LIMIT=150 bench skip-fp8-prefill-qwen3 8 grouped_gemm --preset qwen3-30b-a3b $fp8 \
+      LIMIT=150 bench skip-fp8-prefill-qwen3 8 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b $fp8 \
         --tokens 4096 --impls dense,mosaic,mosaic:128x128x128s4e --no-copy-ceiling \
         --check-rows 16
       # bf16 prefill: prefetching with a step in flight, with and without skipping
       impls=dense,mosaic,mosaic:128x128x64s4f1p/128x256x64s4f1p
       impls+=,mosaic:128x128x64s4f1pe/128x256x64s4f1pe
-      LIMIT=170 bench skip-bf16-prefill-qwen3 14 grouped_gemm --preset qwen3-30b-a3b \
+      LIMIT=170 bench skip-bf16-prefill-qwen3 14 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b \
         --tokens 4096,16384 --impls "$impls" --no-copy-ceiling --check-rows 16 ;;
     fp8-mosaic-prefill)  # the same at Qwen3-30B-A3B's FP8 prefill, beside bf16's yardstick
       impls=dense,mosaic,mosaic:128x128x128s4/128x128x128s4,mosaic:64x256x128s2c/64x256x128s4c
@@ -235,10 +235,10 @@ for group in "$@"; do
       # 64 / 128 at r88 (tools/mosaic_ptxas_report.py; at r24-r48 more: the memory warpgroup's)
       fp8="--expert-dtype float8_e4m3fn"
       impls=dense,mosaic,mosaic:128x128x128s4pr72/128x128x128s3p,mosaic:128x128x128s4pr88/128x128x128s3p
-      LIMIT=150 bench fp8-registers-pe-qwen3 12 grouped_gemm --preset qwen3-30b-a3b $fp8 \
+      LIMIT=150 bench fp8-registers-pe-qwen3 12 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b $fp8 \
         --tokens 4096,16384 --impls "$impls" --no-copy-ceiling --check-rows 16
       impls=dense,mosaic,mosaic:128x128x128s4pr72/128x128x128s4p,mosaic:128x128x128s4pr88/128x128x128s4p
-      LIMIT=150 bench fp8-registers-pe-dsv3 12 grouped_gemm --preset deepseek-v3 $fp8 \
+      LIMIT=150 bench fp8-registers-pe-dsv3 12 grouped_gemm --no-kernel-rows --preset deepseek-v3 $fp8 \
         --tokens 4096,16384 --impls "$impls" --no-copy-ceiling --check-rows 16
       # the compute warpgroups' scopes at r88 (the default's gate / up epilogue: 8,300 cycles
       # a tile, 4,541 with the waited pipelines, which spill less)
@@ -264,9 +264,9 @@ for group in "$@"; do
     fp8-decode-pe)  # the FP8 Mosaic 128-row tiles prefetching across tiles and skipping empty
       # warpgroups (spec pe) against the default, in decode stacks where "auto" takes Mosaic
       fp8="--expert-dtype float8_e4m3fn"
-      LIMIT=280 bench pe-fp8-dsv3 10 grouped_gemm --preset deepseek-v3 $fp8 --tokens 64 \
+      LIMIT=280 bench pe-fp8-dsv3 10 grouped_gemm --no-kernel-rows --preset deepseek-v3 $fp8 --tokens 64 \
         --impls mosaic,mosaic:128x128x128s4,mosaic:128x128x128s4pe --layers-per-call 4
-      LIMIT=200 bench pe-fp8-mixtral 10 grouped_gemm --preset mixtral-8x7b $fp8 \
+      LIMIT=200 bench pe-fp8-mixtral 10 grouped_gemm --no-kernel-rows --preset mixtral-8x7b $fp8 \
         --tokens 256,512 --impls mosaic,mosaic:128x128x128s4,mosaic:128x128x128s4pe \
         --layers-per-call 8 ;;
     sort-rewriter)  # why XLA's SortRewriter keeps the sampler's keys-only sort off CUB on the

@@ -44,7 +44,8 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
   ``grouped_ffn_reference`` (float32, exact count) and its padding slots must come out zero
   (a log line; a failure is an error row). Each ``pallas``
   row is followed by ``pallas (kernel)``: ``kernels.grouped_ffn`` alone on a slot buffer laid
-  out beforehand, without the layer's slot index and its gather out of the slots.
+  out beforehand, without the layer's slot index and its gather out of the slots
+  (``--no-kernel-rows`` leaves these rows out, and their compiles).
 * ``mosaic``: ``experts_capacity`` with ``impl="mosaic"``: the Hopper kernels (Pallas Mosaic
   GPU, ``jtbo.kernels.grouped_gemm_mosaic``) over the same filled slots, gathered into
   tile-major rows first; the layer reads its result through the rows' slot index.
@@ -871,7 +872,8 @@ def measure(num_tokens: int, impls: list[str], shapes: Shapes, args) -> list[Row
     for impl in impls:
         row = _prepare(impl, num_tokens, shapes, capacity, inputs, args)
         prepared.append(row)
-        if impl.partition(":")[0] in KERNEL_IMPLS and isinstance(row, Pending):
+        kernel = impl.partition(":")[0] in KERNEL_IMPLS and isinstance(row, Pending)
+        if kernel and args.kernel_rows:
             prepared.append(kernel_row(impl, num_tokens, shapes, capacity, inputs, args))
     out_rows = timed(prepared, args)
     for row in out_rows:
@@ -963,6 +965,12 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
     p.add_argument(
         "--no-copy-ceiling", action="store_true", help="skip the copy yardstick (no 'of copy')"
+    )
+    p.add_argument(
+        "--no-kernel-rows",
+        dest="kernel_rows",
+        action="store_false",
+        help="skip the IMPL (kernel) rows and their compiles (each layer row is still checked)",
     )
     args = p.parse_args(argv)
     try:
