@@ -6,13 +6,14 @@ The ``"mosaic"`` impl of ``grouped_gemm.grouped_ffn`` for block-scaled FP8 weigh
 of ``grouped_gemm``'s module docstring, on the tile-major rows and the persistent 2-CTA
 cluster grid of ``grouped_gemm_mosaic``.
 
-Data flow: the source rows are quantized per ``qk`` columns (``fp8_blocks.quantize_rows``
-in ``(1, qk)`` blocks), then the live tiles' FP8 rows and their scales are gathered into
-tile-major order (``tile_gather``; the FP8 values travel as bytes). The gate / up kernel
-writes FP8 hidden rows and one scale per row and ``qk`` columns; the down kernel reads them
-and writes the output rows in the tokens' dtype. Row scales are kept transposed,
-``[K / qk, rows]``, so that one pipeline step loads the scales of its contraction block for a
-whole row tile in one TMA copy.
+Data flow: the rows are quantized per ``qk`` columns (``fp8_blocks.quantize_rows`` in
+``(1, qk)`` blocks) and gathered into the live tiles' tile-major order (``tile_gather``):
+the source rows quantized first where they are fewer than the tiles' rows (the FP8 values
+then travel as bytes), else the tiles' rows gathered first (``gathered_fp8_rows``). The
+gate / up kernel writes FP8 hidden rows and one scale per row and ``qk`` columns; the down
+kernel reads them and writes the output rows in the tokens' dtype. Row scales are kept
+transposed, ``[K / qk, rows]``, so that one pipeline step loads the scales of its contraction
+block for a whole row tile in one TMA copy.
 
 Per contraction step (``tile_k = qk``, one weight block deep): each compute warpgroup runs an
 FP8 x FP8 ``wgmma`` of its ``tile_m`` rows against the ``[tile_n, qk]`` weight tile into a
