@@ -389,9 +389,10 @@ def gathered_fp8_rows(x_slots, slot_of_row, tile_expert, block_m: int, qk: int):
     [H / qk, R] float32)``, zero bytes and zero scales for padding rows.
 
     Each row is quantized on its own, so quantizing the source rows then gathering them gives
-    the bits of gathering then quantizing: whichever side has fewer rows is quantized. A
-    ``SlotRows`` source holds a row per token, fewer than the tiles' rows; a slot buffer holds
-    every capacity slot, most of them padding."""
+    the bits of gathering then quantizing: whichever side has fewer rows is quantized. The
+    one-device layer's ``SlotRows`` hold a row per token, fewer than the tiles' rows; a slot
+    buffer holds every capacity slot, and an EP dispatch's ``SlotRows`` a buffer per peer,
+    which can be more."""
     source_rows, source = slot_rows.flat_slot_source(x_slots, slot_of_row)
     source = grouped_gemm_mosaic.unfused(source)
     if source_rows.shape[0] > source.shape[0]:
