@@ -27,6 +27,8 @@
 # fp8-default (the FP8 Mosaic default launch shapes against the waited pipelines they replaced),
 # epilogue (the Mosaic gate / up epilogue as shipped against the precise one it replaced),
 # fp8-registers-pe (the FP8 default with its gate / up memory warpgroup's registers raised),
+# fp8-registers-default (the FP8 default at 88 such registers against 40: GPU tests, DeepSeek-V3
+# prefill 16384, decode stacks),
 # sort-rewriter (XLA's SortRewriter's log on the sampler's sort: why it stays off CUB).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
@@ -249,6 +251,20 @@ for group in "$@"; do
         --expert-dtype float8_e4m3fn --spec "$spec" --profile-space 240 \
         --out /tmp/mosaic-profile-r88 >"$OUT/profile-fp8-r88.log" 2>&1
       echo "(exit $?)"; grep "^|\|kernel\|tokens" "$OUT/profile-fp8-r88.log" ;;
+    fp8-registers-default)  # the FP8 default with its gate / up memory warpgroup at 88
+      # registers (gemm_config.MOSAIC_FP8_GATE_UP_MEMORY_REGISTERS) against the 40 it had: its
+      # GPU tests, then where fp8-registers-pe did not reach (DeepSeek-V3 at 16384 tokens) and
+      # the decode stacks where "auto" takes Mosaic (DeepSeek-V3, Mixtral-8x7B)
+      fp8="--expert-dtype float8_e4m3fn"
+      gpu_pytest pytest-mosaic-fp8 200 -k "not swapped" tests/kernels/test_grouped_gemm_mosaic_fp8.py
+      LIMIT=200 bench registers-default-dsv3 6 grouped_gemm --no-kernel-rows --preset deepseek-v3 $fp8 \
+        --tokens 16384 --impls mosaic,mosaic:128x128x128s4p/128x128x128s4p --no-copy-ceiling \
+        --check-rows 16
+      LIMIT=200 bench registers-default-decode-dsv3 6 grouped_gemm --no-kernel-rows --preset deepseek-v3 \
+        $fp8 --tokens 64 --impls mosaic,mosaic:128x128x128s4p/128x128x128s4p --layers-per-call 4
+      LIMIT=150 bench registers-default-decode-mixtral 7 grouped_gemm --no-kernel-rows \
+        --preset mixtral-8x7b $fp8 --tokens 256,512 \
+        --impls mosaic,mosaic:128x128x128s4p/128x128x128s4p --layers-per-call 8 ;;
     swap-operands)  # the weights as wgmma's M operand and the rows as its N (spec w): 8-row
       # (16-row tiles) and 16-row warpgroups, prefetching across tiles, in FP8 decode stacks;
       # their GPU tests first, then against Pallas ("auto" at Qwen3-30B-A3B's decode) and the

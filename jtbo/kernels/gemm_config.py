@@ -285,12 +285,21 @@ MOSAIC_FFN_FP8 = MosaicFfnConfig(
 )
 
 
+# Registers a thread of the FP8 default's gate / up memory warpgroup keeps. At the default 40,
+# ptxas spills that warpgroup's registers in the FP8 gate / up kernel (its pipeline carries two
+# weight operands and their scales); 88 leaves the compute warpgroups 208 each, enough for
+# their accumulators, and the layer ran faster so at every preset measured (docs/benchmarks/,
+# "the FP8 gate / up memory warpgroup's registers").
+MOSAIC_FP8_GATE_UP_MEMORY_REGISTERS = 88
+
+
 def mosaic_ffn_fp8(hidden: int, ffn: int) -> MosaicFfnConfig:
     """The default FP8 launch shapes for experts of ``hidden`` x ``ffn``: ``MOSAIC_FFN_FP8``
     with each kernel's pipeline running across its tiles (``prefetch_across_tiles``), at the
     most stages, up to ``MOSAIC_FFN_FP8``'s, that divide its contraction steps (``hidden``
     for gate / up, ``ffn`` for down, over ``tile_k``). A kernel whose steps no count of two
-    stages or more divides (DeepSeek-V2-Lite's 11 down steps) keeps the waited pipeline.
+    stages or more divides (DeepSeek-V2-Lite's 11 down steps) keeps the waited pipeline. The
+    gate / up kernel's memory warpgroup keeps ``MOSAIC_FP8_GATE_UP_MEMORY_REGISTERS``.
 
     Prefetching hides each tile's pipeline fill, a large part of a tile of few contraction
     steps such as the down kernel's (docs/benchmarks/, "FP8 prefetching at prefill").
@@ -303,7 +312,10 @@ def mosaic_ffn_fp8(hidden: int, ffn: int) -> MosaicFfnConfig:
       The ``MosaicFfnConfig``.
     """
     return MosaicFfnConfig(
-        gate_up=_prefetching(MOSAIC_FFN_FP8.gate_up, hidden),
+        gate_up=dataclasses.replace(
+            _prefetching(MOSAIC_FFN_FP8.gate_up, hidden),
+            memory_registers=MOSAIC_FP8_GATE_UP_MEMORY_REGISTERS,
+        ),
         down=_prefetching(MOSAIC_FFN_FP8.down, ffn),
     )
 
