@@ -28,8 +28,10 @@
 # epilogue (the Mosaic gate / up epilogue as shipped against the precise one it replaced),
 # fp8-registers-pe (the FP8 default with its gate / up memory warpgroup's registers raised),
 # fp8-registers-default (the FP8 default at 88 such registers against 40: GPU tests, DeepSeek-V3
-# prefill 16384, decode stacks),
-# sort-rewriter (XLA's SortRewriter's log on the sampler's sort: why it stays off CUB).
+# prefill 16384, decode stacks), fp8-side (FP8 against bf16 experts side by side, the FP8
+# kernels alone on a slot buffer), fp8-registers-step (the FP8 prefill device step at 88 and
+# at 40 gate / up memory registers),
+# sort-rewriter (XLA's SortRewriter's log and the custom calls the sampler's sorts compile to).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -265,6 +267,36 @@ for group in "$@"; do
       LIMIT=150 bench registers-default-decode-mixtral 7 grouped_gemm --no-kernel-rows \
         --preset mixtral-8x7b $fp8 --tokens 256,512 \
         --impls mosaic,mosaic:128x128x128s4p/128x128x128s4p --layers-per-call 8 ;;
+    fp8-side)  # the FP8 expert layer against the bf16 one as the model calls it, side by side
+      # in one process at the default launch shapes (tools/fp8_layer_side_probe.py --stages 4),
+      # then the FP8 Mosaic kernels alone on a slot buffer (bench's "(kernel)" rows: each
+      # capacity slot was quantized before the gather until the quantization order's mend)
+      for case in "qwen3-30b-a3b 4096,16384" "deepseek-v3 4096"; do
+        set -- $case
+        limit=$(budget 200 "side-$1") || continue
+        echo "== PYTHONPATH=. python tools/fp8_layer_side_probe.py --preset $1 --tokens $2 --stages 4"
+        PYTHONPATH=. timeout "$limit" python3 tools/fp8_layer_side_probe.py --preset "$1" \
+          --tokens "$2" --stages 4 >"$OUT/side-$1.log" 2>&1
+        echo "(exit $?)"; grep "^|\|^device" "$OUT/side-$1.log"
+      done
+      LIMIT=150 bench fp8-kernel-rows-qwen3 8 grouped_gemm --preset qwen3-30b-a3b \
+        --expert-dtype float8_e4m3fn --tokens 4096,16384 --impls mosaic --no-copy-ceiling \
+        --check-rows 16 ;;
+    fp8-registers-step)  # the FP8 prefill device step at Qwen3-30B-A3B's dimensions (8 layers,
+      # "auto": Mosaic) with the gate / up memory warpgroup at 88 registers (the default), then
+      # at 40 (gemm_config.MOSAIC_FP8_GATE_UP_MEMORY_REGISTERS patched before the bench runs)
+      for registers in 88 40; do
+        limit=$(budget 260 "fp8-step-r$registers") || continue
+        echo "== fp8-step-r$registers: python -m jtbo.bench tbo ... --expert-dtype float8_e4m3fn"
+        timeout "$limit" python3 -c "import runpy, sys
+from jtbo.kernels import gemm_config
+gemm_config.MOSAIC_FP8_GATE_UP_MEMORY_REGISTERS = $registers
+sys.argv[0] = 'jtbo.bench'
+runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
+          --hf-config tools/hf_configs/qwen3_30b_a3b.json --num-layers 8 --prefill 4096 --decode \
+          --iters 10 --no-profile --expert-dtype float8_e4m3fn >"$OUT/fp8-step-r$registers.log" 2>&1
+        echo "(exit $?)"; tail -n 8 "$OUT/fp8-step-r$registers.log"
+      done ;;
     swap-operands)  # the weights as wgmma's M operand and the rows as its N (spec w): 8-row
       # (16-row tiles) and 16-row warpgroups, prefetching across tiles, in FP8 decode stacks;
       # their GPU tests first, then against Pallas ("auto" at Qwen3-30B-A3B's decode) and the
@@ -285,14 +317,14 @@ for group in "$@"; do
       LIMIT=200 bench pe-fp8-mixtral 10 grouped_gemm --no-kernel-rows --preset mixtral-8x7b $fp8 \
         --tokens 256,512 --impls mosaic,mosaic:128x128x128s4,mosaic:128x128x128s4pe \
         --layers-per-call 8 ;;
-    sort-rewriter)  # why XLA's SortRewriter keeps the sampler's keys-only sort off CUB on the
-      # GPU (64 x 151,936: its Hopper size rule picks CUB; the deviceless compile on the CPU
-      # cannot say, it lacks CUB's scratch sizes): the pass's own reasons, from its log
+    sort-rewriter)  # which sort the sampler's keys-only sort compiles to on the GPU (64 x
+      # 151,936): the pass's log and each program's custom-call targets (newer XLA names its CUB
+      # sorts by FFI targets, not the __cub$DeviceRadixSort the probe once looked for)
       echo "== TF_CPP_VMODULE=sort_rewriter=2 PYTHONPATH=. python tools/sampler_sort_probe.py --rows 64 --vocab 151936"
       TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=sort_rewriter=2 PYTHONPATH=. \
         timeout 200 python3 tools/sampler_sort_probe.py --rows 64 --vocab 151936 --reps 1 \
         >"$OUT/sort-rewriter.log" 2>&1
-      echo "(exit $?)"; grep "^|" "$OUT/sort-rewriter.log"
+      echo "(exit $?)"; grep "^|\|custom calls" "$OUT/sort-rewriter.log"
       # each distinct message once, its count first (the timestamps and thread ids cut)
       grep "sort_rewriter" "$OUT/sort-rewriter.log" | sed -E 's/^[IWE][0-9]{4} [0-9:.]+ +[0-9]+ //' \
         | sort | uniq -c | sort -rn | head -n 20 ;;

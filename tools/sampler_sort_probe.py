@@ -14,13 +14,16 @@ in turns in one process, per ``(rows, vocab)``:
 * ``greedy``: ``sample_rows(..., greedy_only=True)`` (the argmax), the floor of a step's pick.
 
 It checks that the three sorts give the same sorted bits, and prints whether each compiled sort
-became XLA's CUB radix sort (the ``__cub$DeviceRadixSort`` custom call) or stayed XLA's own.
+became a CUB radix sort (a custom call whose target names CUB: ``__cub$DeviceRadixSort`` in
+older XLA, FFI targets for keys and for pairs in newer ones) or stayed XLA's own, and the
+custom-call targets each compiled program holds.
 
 Usage (GPU): ``PYTHONPATH=. python tools/sampler_sort_probe.py [--rows 8,64,256]
 [--vocab 151936,129280,32000]``.
 """
 
 import argparse
+import re
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +32,7 @@ import numpy as np
 from jtbo.bench import device_rates
 from jtbo.models import sampler
 
-CUB_SORT = "__cub$DeviceRadixSort"
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
 
 
 def _pair_sort(keys, probs):
@@ -56,9 +59,14 @@ def _compiled(fn, *args):
     return jax.jit(fn).lower(*args).compile(), args
 
 
+def custom_call_targets(compiled) -> list[str]:
+    """The custom-call targets of a compiled program, each once, sorted."""
+    return sorted(set(_TARGET.findall(compiled.as_text())))
+
+
 def _sort_kind(compiled) -> str:
-    """``cub`` or ``xla``: which sort the compiled program runs."""
-    return "cub" if CUB_SORT in compiled.as_text() else "xla"
+    """``cub`` or ``xla``: which sort the compiled program runs (a custom call naming CUB)."""
+    return "cub" if any("cub" in t.lower() for t in custom_call_targets(compiled)) else "xla"
 
 
 def _cases(rows: int, vocab: int):
@@ -101,6 +109,8 @@ def main() -> None:
             outs = [np.asarray(jax.device_get(cases[k][0](*cases[k][1]))) for k in sorts]
             same = all(np.array_equal(outs[0].view(np.uint32), o.view(np.uint32)) for o in outs)
             cells = " | ".join(f"{ms[k]:.3f} {_sort_kind(cases[k][0])}" for k in sorts)
+            for k in labels:  # before the table's row, which grep keeps ("^|")
+                print(f"  {rows} x {vocab} {k}: custom calls {custom_call_targets(cases[k][0])}")
             print(
                 f"| {rows} | {vocab} | {cells} | {ms['int pairs'] / ms['keys']:.2f} | "
                 f"{ms['sample_rows']:.3f} | {ms['greedy']:.3f} | {same} |"

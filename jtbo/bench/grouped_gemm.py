@@ -49,13 +49,14 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
 * ``mosaic``: ``experts_capacity`` with ``impl="mosaic"``: the Hopper kernels (Pallas Mosaic
   GPU, ``jtbo.kernels.grouped_gemm_mosaic``) over the same filled slots, gathered into
   tile-major rows first; the layer reads its result through the rows' slot index.
-  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][p][c][e][rR]`` for both kernels
-  or ``GATE_UP/DOWN`` (row tile x columns per CTA x contraction step, pipeline stages, row
-  tiles walked together, steps whose ``wgmma`` stays in flight, ``p``: one pipeline over
+  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][p][c][e][rR][w][m]`` for both
+  kernels or ``GATE_UP/DOWN`` (row tile x columns per CTA x contraction step, pipeline stages,
+  row tiles walked together, steps whose ``wgmma`` stays in flight, ``p``: one pipeline over
   all of a CTA's tiles, the next tile's loads under the current tile's end, ``c``: the two
   warpgroups split the CTA's columns, not its rows, ``e``: a warpgroup whose rows of a tile
   are all padding skips its ``wgmma`` and its store, ``rR``: the memory warpgroup keeps R
-  registers a thread), e.g.
+  registers a thread, ``w``: the weights are ``wgmma``'s M operand, ``m``: the cluster's
+  two CTAs take two row tiles of one expert and load the weight tile once for both), e.g.
   ``mosaic:128x128x64s4/128x256x64s4f1``. It is checked and
   followed by a ``mosaic (kernel)`` row as ``pallas`` is.
 * ``dense``: the yardstick of the ``vs dense`` target, not a routed layer: one dense SwiGLU
@@ -315,8 +316,9 @@ def capacity_for(num_tokens: int, shapes: Shapes, factor: float) -> int:
 def computed_rows(impl: str, ids: np.ndarray, shapes: Shapes, capacity: int, fp8: bool) -> int:
     """Rows ``impl`` computes for the pairs ``ids [T, k]`` over ``shapes.experts`` experts:
     every expert's ``capacity`` slots (``capacity``), each expert's filled slots rounded up to
-    whole row tiles (``mosaic``, its gate / up kernel's ``block_m``, or its warpgroups'
-    ``tile_m`` where it skips empty warpgroups; ``fp8``: with FP8 experts), else the pairs."""
+    whole row tiles (``mosaic``, its gate / up kernel's layout tile, ``layout_rows``, or its
+    warpgroups' ``tile_m`` where it skips empty warpgroups; ``fp8``: with FP8 experts), else
+    the pairs."""
     num_experts = shapes.experts
     if impl == "capacity":
         return num_experts * capacity
@@ -325,7 +327,7 @@ def computed_rows(impl: str, ids: np.ndarray, shapes: Shapes, capacity: int, fp8
         return ids.size
     default = gemm_config.default_mosaic_ffn(shapes.hidden, shapes.ffn, fp8)
     cfg = (kernel_config(name, variant) or default).gate_up
-    granule = cfg.tile_m if cfg.skip_empty_warpgroups else cfg.block_m
+    granule = cfg.tile_m if cfg.skip_empty_warpgroups else cfg.layout_rows
     counts = np.minimum(np.bincount(ids.reshape(-1), minlength=num_experts), capacity)
     return int(np.sum(arith.ceil_div(counts, granule)) * granule)
 
@@ -418,18 +420,19 @@ def pallas_config(variant: str) -> kernels.GroupedFfnConfig | None:
 
 
 _MOSAIC_SPEC = re.compile(
-    r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?(c)?(e)?(?:r(\d+))?(w)?"
+    r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?(c)?(e)?(?:r(\d+))?(w)?(m)?"
 )
 
 
 def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
-    """``MxNxK[sS][tT][fF][p][c][e][rR][w]`` -> ``MosaicGemmConfig``: M x N a CTA's tile (two
-    warpgroups of M / 2 rows each, or with ``c`` of N / 2 columns each), K the contraction
-    step, S the pipeline stages, T the row tiles walked together, F the steps' ``wgmma`` left
-    in flight, ``p`` the pipeline prefetches across tiles, ``c`` the warpgroups split the
-    columns, ``e`` a warpgroup with only padding rows skips its work, R the memory
-    warpgroup's registers, ``w`` the weights are ``wgmma``'s M operand and the rows its N
-    (omitted parts keep the defaults).
+    """``MxNxK[sS][tT][fF][p][c][e][rR][w][m]`` -> ``MosaicGemmConfig``: M x N a CTA's tile
+    (two warpgroups of M / 2 rows each, or with ``c`` of N / 2 columns each), K the
+    contraction step, S the pipeline stages, T the row tiles walked together, F the steps'
+    ``wgmma`` left in flight, ``p`` the pipeline prefetches across tiles, ``c`` the warpgroups
+    split the columns, ``e`` a warpgroup with only padding rows skips its work, R the memory
+    warpgroup's registers, ``w`` the weights are ``wgmma``'s M operand and the rows its N,
+    ``m`` the cluster's CTAs pair row tiles and load the weight tile once for both (omitted
+    parts keep the defaults).
 
     Raises:
       ValueError: a spec that does not match, or values ``MosaicGemmConfig`` rejects.
@@ -438,10 +441,10 @@ def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
     split = match is not None and match.group(8) is not None
     if match is None or int(match.group(2 if split else 1)) % 2:
         raise ValueError(
-            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][c][e][rR][w] with M even "
+            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][c][e][rR][w][m] with M even "
             "(N with c), e.g. 128x256x64s4"
         )
-    block_m, block_n, tile_k, stages, width, in_flight, prefetch, _, skip, registers, swap = (
+    block_m, block_n, tile_k, stages, width, in_flight, prefetch, _, skip, registers, swap, pair = (
         match.groups()
     )
     tile_m, tile_n = (
@@ -455,6 +458,7 @@ def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
     fields.update({} if skip is None else {"skip_empty_warpgroups": True})
     fields.update({} if registers is None else {"memory_registers": int(registers)})
     fields.update({} if swap is None else {"swap_operands": True})
+    fields.update({} if pair is None else {"pair_row_tiles": True})
     return kernels.MosaicGemmConfig(**fields)
 
 

@@ -164,6 +164,15 @@ class MosaicGemmConfig:
         at least: decode-sized tiles of a few rows an expert. ``tile_m`` is then a power of two
         of at least 8 (16 with ``split_columns``: the cluster's two CTAs each load half a row
         tile) and at most 256.
+      pair_row_tiles: the cluster's two CTAs take the two ``block_m``-row halves of one
+        ``2 * block_m``-row tile (one expert's) and the same column tile, so the weight tile is
+        loaded once for both (TMA multicast) and each CTA loads its own rows; by default they
+        take neighbouring column tiles of one row tile, the rows loaded once for both and the
+        weights per CTA. A CTA's step then loads its whole row tile and half the weight tile
+        rather than half the row tile and the whole weight tile (fewer bytes wherever the
+        weight tile is the larger, as in the gate / up kernel's two), and each expert's rows
+        are padded up to a multiple of ``2 * block_m`` (``layout_rows``). Both kernels of an
+        FFN take the same layout.
     """
 
     tile_m: int = 64
@@ -177,6 +186,7 @@ class MosaicGemmConfig:
     skip_empty_warpgroups: bool = False
     memory_registers: int = MOSAIC_MEMORY_REGISTERS
     swap_operands: bool = False
+    pair_row_tiles: bool = False
 
     def __post_init__(self):
         launch_checks.require_powers_of_two(self, ("tile_m", "tile_n", "tile_k"))
@@ -219,16 +229,23 @@ class MosaicGemmConfig:
         return self.tile_m if self.split_columns else 2 * self.tile_m
 
     @property
+    def layout_rows(self) -> int:
+        """Rows of one tile of the tile-major layout (one expert's): ``block_m``, or
+        ``2 * block_m`` with ``pair_row_tiles`` (a cluster's two CTAs take one each)."""
+        return 2 * self.block_m if self.pair_row_tiles else self.block_m
+
+    @property
     def block_n(self) -> int:
         """Columns of one column tile (a CTA's tile; the gate / up kernel: per accumulator)."""
         return 2 * self.tile_n if self.split_columns else self.tile_n
 
     def describe(self) -> str:
-        """Short label for tables: ``MxNxK sS tT [fF] [p] [c] [e] [rR] [w]`` (M x N a CTA's
-        tile, F the steps in flight when not 0, ``p`` when the pipeline prefetches across tiles,
-        ``c`` when the warpgroups split the columns, ``e`` when empty warpgroups are skipped, R
-        the memory warpgroup's registers when not the default, ``w`` when the operands are
-        swapped)."""
+        """Short label for tables: ``MxNxK sS tT [fF] [p] [c] [e] [rR] [w] [m]`` (M x N a
+        CTA's tile, F the steps in flight when not 0, ``p`` when the pipeline prefetches across
+        tiles, ``c`` when the warpgroups split the columns, ``e`` when empty warpgroups are
+        skipped, R the memory warpgroup's registers when not the default, ``w`` when the
+        operands are swapped, ``m`` when the cluster pairs row tiles and multicasts the
+        weights)."""
         in_flight = f" f{self.wgmma_in_flight}" if self.wgmma_in_flight else ""
         prefetch = " p" if self.prefetch_across_tiles else ""
         split = " c" if self.split_columns else ""
@@ -236,9 +253,10 @@ class MosaicGemmConfig:
         registers = self.memory_registers
         registers = f" r{registers}" if registers != MOSAIC_MEMORY_REGISTERS else ""
         swap = " w" if self.swap_operands else ""
+        pair = " m" if self.pair_row_tiles else ""
         return (
             f"{self.block_m}x{self.block_n}x{self.tile_k} s{self.max_concurrent_steps} "
-            f"t{self.grid_tile_width}{in_flight}{prefetch}{split}{skip}{registers}{swap}"
+            f"t{self.grid_tile_width}{in_flight}{prefetch}{split}{skip}{registers}{swap}{pair}"
         )
 
 
@@ -259,6 +277,11 @@ class MosaicFfnConfig:
             raise ValueError(
                 f"both kernels tile the same rows: block_m {self.gate_up.block_m} != "
                 f"{self.down.block_m}"
+            )
+        if self.gate_up.pair_row_tiles != self.down.pair_row_tiles:
+            raise ValueError(
+                "both kernels tile the same rows: pair_row_tiles "
+                f"{self.gate_up.pair_row_tiles} != {self.down.pair_row_tiles}"
             )
 
     def describe(self) -> str:

@@ -18,8 +18,8 @@ The implementation sorts the probabilities alone (``sort_descending``, no vocabu
 beside them): every sorted probability, and so every cumulative sum and the chosen sorted
 position, is what the stable sort of step 2 gives. Only the token at that position depends on
 the order of ties, and ``_tie_ordered_token`` finds the one the stable order puts there,
-counting equal probabilities in vocabulary order. (XLA's GPU compiler runs a stable key-value
-sort as its own comparison sort with the ids as a tie-break, never as CUB's radix sort.)
+counting equal probabilities in vocabulary order. (On the GPU, XLA's compiler runs a sort of
+keys alone as CUB's radix sort where its size rule prefers CUB, moving no ids beside them.)
 
 The inverse CDF runs in **sorted** order (most likely token first), not in vocabulary order as
 the runner's host sampler does: both draw from the same distribution, but one
@@ -143,10 +143,9 @@ def sort_descending(probs) -> jax.Array:
     The sort runs on integer keys alone: a non-negative float's bit pattern grows with its
     value, so the inverted bit patterns in ascending order are the probabilities in
     descending order, and inverting the sorted keys back gives the same floats. A sort of
-    unsigned keys compares them with a single ``<``, which XLA's GPU compiler can hand to
-    CUB's radix sort (where its size rule prefers CUB). Neither vocabulary ids beside the keys
-    (a stable key-value sort gets them as a tie-break in its comparator, which CUB cannot run)
-    nor float keys (NumPy's total order) would let it.
+    unsigned keys alone compares them with a single ``<``: XLA's GPU compiler hands it to
+    CUB's radix sort as a sort of keys (where its size rule prefers CUB), with no vocabulary
+    ids to carry beside them.
 
     Args:
       probs: ``[..., V]`` float32 probabilities, all ``>= 0`` (a NaN sorts first).

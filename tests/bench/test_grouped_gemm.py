@@ -150,6 +150,9 @@ def test_mosaic_spec_parses_per_kernel_configs():
     assert swapped.gate_up.swap_operands and swapped.gate_up.prefetch_across_tiles
     assert (swapped.down.tile_m, swapped.down.tile_n, swapped.down.split_columns) == (16, 128, True)
     assert swapped.down.swap_operands and not registers.down.swap_operands
+    paired = grouped_gemm.mosaic_config("128x128x64s4f1m/128x256x64pm")
+    assert paired.gate_up.pair_row_tiles and paired.down.pair_row_tiles
+    assert paired.down.prefetch_across_tiles and paired.gate_up.layout_rows == 256
     for spec in ("127x64x64", "64x129x64c"):  # M odd; N odd with c
         with pytest.raises(ValueError, match="MxNxK"):
             grouped_gemm.mosaic_config(spec)

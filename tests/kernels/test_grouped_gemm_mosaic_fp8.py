@@ -38,6 +38,9 @@ SMALL = gemm_config.MosaicFfnConfig(
 SPLIT_COLUMNS = helpers.both_kernels(SMALL, split_columns=True)
 SPLIT_COLUMNS_PREFETCHING = helpers.both_kernels(SPLIT_COLUMNS, prefetch_across_tiles=True)
 PREFETCHING = helpers.both_kernels(SMALL, prefetch_across_tiles=True)
+PAIRED_PREFETCHING = helpers.both_kernels(
+    PREFETCHING, pair_row_tiles=True, skip_empty_warpgroups=True
+)
 SKIP_EMPTY_PREFETCHING = helpers.both_kernels(PREFETCHING, skip_empty_warpgroups=True)
 # The weights as wgmma's M operand, the rows as its N: 16-row warpgroups stacked (32-row
 # tiles) in one pipeline a CTA, and 32-row ones side by side (32-row tiles).
@@ -69,6 +72,10 @@ CASES = {
     # (with its 64-wide blocks side by side, one tile, stored once).
     "swapped": (128, 128, SMALL_BLOCK, SWAPPED),
     "swapped_split_columns": (128, 128, SMALL_BLOCK, SWAPPED_SPLIT_COLUMNS),
+    # The cluster's CTAs take the two halves of a 256-row tile of one expert (130 rows: the
+    # second CTA holds 2, its second warpgroup none, which it skips; 200: 72), the weight
+    # block multicast to both, in one pipeline a CTA.
+    "paired_prefetching": (128, 256, SMALL_BLOCK, PAIRED_PREFETCHING),
 }
 # As the Pallas FP8 kernels' test: the rows are quantized bit for bit, the hidden rows summed
 # in another order, so a hidden value on a rounding boundary may land on its neighbour.
@@ -261,8 +268,10 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
             gate_up=dataclasses.replace(split.gate_up, swap_operands=True, tile_m=16),
             down=dataclasses.replace(split.down, swap_operands=True, tile_m=16),
         )
+        # The cluster's CTAs pairing row tiles, the weight blocks multicast.
+        paired = helpers.both_kernels(prefetching, pair_row_tiles=True)
         # The waited pipelines (MOSAIC_FFN_FP8), each tile filling its own.
-        for cfg in (gemm_config.MOSAIC_FFN_FP8, split, skipping, swapped, swapped_split):
+        for cfg in (gemm_config.MOSAIC_FFN_FP8, split, skipping, swapped, swapped_split, paired):
             hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
             assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
 
