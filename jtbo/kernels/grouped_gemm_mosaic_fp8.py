@@ -219,9 +219,8 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
             )  # fmt: skip
             grouped_gemm_mosaic.run_unless_dead(run, expert, pipeline_state)
 
-        num_tiles = tile_expert_gmem.shape[0]
         grouped_gemm_mosaic.walk(
-            cfg, k_steps, num_tiles, num_col_tiles, grid_size, num_live_gmem, visit
+            cfg, k_steps, tile_expert_gmem.shape[0], num_col_tiles, grid_size, num_live_gmem, visit
         )
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
