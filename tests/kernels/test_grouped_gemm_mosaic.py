@@ -236,13 +236,9 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
         ).rows
 
     skipping = helpers.both_kernels(gemm_config.MOSAIC_FFN, skip_empty_warpgroups=True)
-    # The cluster's CTAs pairing row tiles, the weight tiles multicast (prefetching too).
-    paired = helpers.both_kernels(gemm_config.MOSAIC_FFN, pair_row_tiles=True)
-    paired_prefetching = dataclasses.replace(
-        gate_up_prefetching,
-        gate_up=dataclasses.replace(gate_up_prefetching.gate_up, pair_row_tiles=True),
-        down=paired.down,
-    )
+    # The cluster's CTAs pairing row tiles, the weight tiles multicast: the gate / up kernel
+    # prefetching across tiles, the down kernel's pipeline per tile.
+    paired = helpers.both_kernels(gate_up_prefetching, pair_row_tiles=True)
     # The default's PTX (Mosaic GPU prints it): the gate / up epilogue's exp and rsqrt run on
     # the special-function unit (ex2, rsqrt), and no correctly rounded division is left
     # (swiglu has none; approx_math makes any other one div.full).
@@ -253,7 +249,7 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
     monkeypatch.delenv("MOSAIC_GPU_DUMP_PTX")
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
     assert "ex2.approx" in ptx and "rsqrt.approx" in ptx and "div.rn.f32" not in ptx
-    for cfg in (waited, gate_up_prefetching, split, skipping, paired, paired_prefetching):
+    for cfg in (waited, gate_up_prefetching, split, skipping, paired):
         hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
         assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
     # The down kernel's 22 (1408 / 64) do not fill stages of 4.

@@ -125,7 +125,7 @@ def test_pipelined_generate_reruns_overflowed_steps_as_the_synchronous_loop(mode
     ):
         runner = runner_lib.ModelRunner(
             model, mesh_lib.make_mesh(2, 2), max_total_tokens=128, max_running_requests=ROWS,
-            token_buckets=(8, 16), dtype=jnp.float32,
+            token_buckets=(16,), dtype=jnp.float32,
             moe=layer_ops.MoEOptions(ep_capacity_factor=factor, ep_overflow_policy="rerun"),
         )  # fmt: skip
         out = runner.generate(prompts, max_new_tokens=5, chunk_size=8, pipeline=pipeline)
