@@ -97,7 +97,7 @@ def _body(
 
         @functools.partial(
             grouped_gemm_mosaic.walk_tiles, tile_expert_gmem.shape[0], num_col_tiles,
-            cfg.grid_tile_width,
+            cfg.grid_tile_width, False,  # the rows multicast, the CTAs on neighbouring columns
         )  # fmt: skip
         def _visit(tile, col, stores):
             expert = tile_expert_gmem[tile]
@@ -326,7 +326,7 @@ def main() -> None:
         cases["gate_up bf16"] = (
             jax.jit(lambda t, r, w: mm(t, None, r, w, out_cols=args.ffn,
                                        column_offsets=(0, args.ffn),
-                                       epilogue=grouped_gemm_mosaic._swiglu, cfg=bf16_cfg.gate_up)),
+                                       epilogue=grouped_gemm_mosaic.swiglu, cfg=bf16_cfg.gate_up)),
             (tile_expert, bf16_rows, bf16[0]),
         )  # fmt: skip
         cases["down bf16"] = (
