@@ -51,6 +51,9 @@ fi
 # DEADLINE (epoch seconds, optional): each command's time limit is cut to what is left before it,
 # and a command with under a minute left is skipped and said so, so that a call of several groups
 # ends inside the device machine's per-call limit with the logs of what ran.
+# The lines of tools/mosaic_profile_probe.py's log that probe prints: its tables, its headings.
+PROFILE_LINES='^|\|kernel\|tokens'
+
 budget() {  # budget SECONDS NAME: prints min(SECONDS, time left); fails if under 60 s are left
   [ -z "${DEADLINE:-}" ] && { echo "$1"; return 0; }
   local left=$((DEADLINE - $(date +%s)))
@@ -70,6 +73,16 @@ gpu_pytest() {  # gpu_pytest NAME SECONDS ARGS...: pytest ARGS on the GPU, logge
   timeout "$limit" python3 -m pytest -v -rf --tb=short -p no:cacheprovider "$@" \
     >"$OUT/$name.log" 2>&1
   echo "(exit $?)"; grep -E "FAILED|ERROR|passed|failed" "$OUT/$name.log" | tail -n 12
+}
+
+probe() {  # probe NAME SECONDS TOOL ARGS...: PYTHONPATH=. python tools/TOOL ARGS, logged to
+  # $OUT/NAME.log; prints the log's lines that match PROBE_LINES (its tables and device line)
+  local name=$1 tool=$3 limit
+  limit=$(budget "$2" "$name") || return 0
+  shift 3
+  echo "== $name: PYTHONPATH=. python tools/$tool $*"
+  PYTHONPATH=. timeout "$limit" python3 "tools/$tool" "$@" >"$OUT/$name.log" 2>&1
+  echo "(exit $?)"; grep "${PROBE_LINES:-^|\|^device}" "$OUT/$name.log"
 }
 
 bench() {  # bench NAME LINES ARGS...: one `python -m jtbo.bench` run, logged to $OUT/NAME.log
@@ -248,13 +261,10 @@ for group in "$@"; do
         --tokens 4096,16384 --impls "$impls" --no-copy-ceiling --check-rows 16
       # the compute warpgroups' scopes at r88 (the default's gate / up epilogue: 8,300 cycles
       # a tile, 4,541 with the waited pipelines, which spill less)
-      spec=128x128x128s4pr88/128x128x128s3p
-      limit=$(budget 150 profile-fp8-r88) || continue
-      echo "== PYTHONPATH=. python tools/mosaic_profile_probe.py --expert-dtype float8_e4m3fn --spec $spec"
-      JAX_PLATFORMS=cuda,cpu PYTHONPATH=. timeout "$limit" python3 tools/mosaic_profile_probe.py \
-        --expert-dtype float8_e4m3fn --spec "$spec" --profile-space 240 \
-        --out /tmp/mosaic-profile-r88 >"$OUT/profile-fp8-r88.log" 2>&1
-      echo "(exit $?)"; grep "^|\|kernel\|tokens" "$OUT/profile-fp8-r88.log" ;;
+      JAX_PLATFORMS=cuda,cpu PROBE_LINES="$PROFILE_LINES" probe profile-fp8-r88 150 \
+        mosaic_profile_probe.py --expert-dtype float8_e4m3fn \
+        --spec 128x128x128s4pr88/128x128x128s3p --profile-space 240 \
+        --out /tmp/mosaic-profile-r88 ;;
     fp8-registers-default)  # the FP8 default with its gate / up memory warpgroup at 88
       # registers (gemm_config.MOSAIC_FP8_GATE_UP_MEMORY_REGISTERS) against the 40 it had: its
       # GPU tests, then where fp8-registers-pe did not reach (DeepSeek-V3 at 16384 tokens) and
@@ -275,11 +285,7 @@ for group in "$@"; do
       # capacity slot was quantized before the gather until the quantization order's mend)
       for case in "qwen3-30b-a3b 4096,16384" "deepseek-v3 4096"; do
         set -- $case
-        limit=$(budget 200 "side-$1") || continue
-        echo "== PYTHONPATH=. python tools/fp8_layer_side_probe.py --preset $1 --tokens $2 --stages 4"
-        PYTHONPATH=. timeout "$limit" python3 tools/fp8_layer_side_probe.py --preset "$1" \
-          --tokens "$2" --stages 4 >"$OUT/side-$1.log" 2>&1
-        echo "(exit $?)"; grep "^|\|^device" "$OUT/side-$1.log"
+        probe "side-$1" 200 fp8_layer_side_probe.py --preset "$1" --tokens "$2" --stages 4
       done
       LIMIT=150 bench fp8-kernel-rows-qwen3 8 grouped_gemm --preset qwen3-30b-a3b \
         --expert-dtype float8_e4m3fn --tokens 4096,16384 --impls mosaic --no-copy-ceiling \
@@ -336,20 +342,14 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
     sort-rewriter)  # which sort the sampler's keys-only sort compiles to on the GPU (64 x
       # 151,936): the pass's log and each program's custom-call targets (newer XLA names its CUB
       # sorts by FFI targets, not the __cub$DeviceRadixSort the probe once looked for)
-      echo "== TF_CPP_VMODULE=sort_rewriter=2 PYTHONPATH=. python tools/sampler_sort_probe.py --rows 64 --vocab 151936"
-      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=sort_rewriter=2 PYTHONPATH=. \
-        timeout 200 python3 tools/sampler_sort_probe.py --rows 64 --vocab 151936 --reps 1 \
-        >"$OUT/sort-rewriter.log" 2>&1
-      echo "(exit $?)"; grep "^|\|custom calls" "$OUT/sort-rewriter.log"
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=sort_rewriter=2 PROBE_LINES='^|\|custom calls' \
+        probe sort-rewriter 200 sampler_sort_probe.py --rows 64 --vocab 151936 --reps 1
       # each distinct message once, its count first (the timestamps and thread ids cut)
       grep "sort_rewriter" "$OUT/sort-rewriter.log" | sed -E 's/^[IWE][0-9]{4} [0-9:.]+ +[0-9]+ //' \
         | sort | uniq -c | sort -rn | head -n 20 ;;
     sampler)  # the sampler's keys-only sort against the key-value sorts it replaced (which
       # compiled sort each runs), then a sampled and a greedy serve at Qwen3-30B-A3B's dimensions
-      echo "== PYTHONPATH=. python tools/sampler_sort_probe.py"
-      PYTHONPATH=. timeout "${LIMIT:-300}" python3 tools/sampler_sort_probe.py \
-        >"$OUT/sampler-sort.log" 2>&1
-      echo "(exit $?)"; grep "^|\|^device" "$OUT/sampler-sort.log"
+      probe sampler-sort "${LIMIT:-300}" sampler_sort_probe.py
       for temperature in 0.7 0; do
         LIMIT=240 bench "serve-t$temperature" 8 serve --hf-config tools/hf_configs/qwen3_30b_a3b.json \
           --num-layers 8 --prompts 64 --temperature "$temperature" --top-p 0.9
@@ -368,11 +368,7 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       # numbers moved within float32's precision (DeepSeek-V3's weights need an H200)
       for case in "qwen3-30b-a3b 4096,16384" "deepseek-v3 4096"; do
         set -- $case
-        limit=$(budget 150 "epilogue-$1") || continue
-        echo "== PYTHONPATH=. python tools/epilogue_probe.py --preset $1 --tokens $2"
-        PYTHONPATH=. timeout "$limit" python3 tools/epilogue_probe.py --preset "$1" --tokens "$2" \
-          >"$OUT/epilogue-$1.log" 2>&1
-        echo "(exit $?)"; grep "^|\|^device" "$OUT/epilogue-$1.log"
+        probe "epilogue-$1" 150 epilogue_probe.py --preset "$1" --tokens "$2"
       done
       gpu_pytest pytest-mosaic 200 -k "not swapped" tests/kernels/test_grouped_gemm_mosaic.py \
         tests/kernels/test_grouped_gemm_mosaic_fp8.py ;;
@@ -400,13 +396,11 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       for case in "float8_e4m3fn default 240" "float8_e4m3fn 128x128x128s4/128x128x128s4 240" \
           "bfloat16 default 60" "bfloat16 128x128x64s3f1/128x256x64s3f1 240"; do
         set -- $case
-        limit=$(budget 150 "profile-$1-$2") || continue
-        echo "== PYTHONPATH=. python tools/mosaic_profile_probe.py --expert-dtype $1 --spec $2"
         # The profiler hands its buffer to the host through a callback, which needs the CPU
         # platform beside CUDA.
-        JAX_PLATFORMS=cuda,cpu PYTHONPATH=. timeout "$limit" python3 tools/mosaic_profile_probe.py \
-          --expert-dtype "$1" --spec "$2" --profile-space "$3" --out "/tmp/mosaic-profile-$1" >"$OUT/profile-$1-${2//\//_}.log" 2>&1
-        echo "(exit $?)"; grep "^|\|kernel\|tokens" "$OUT/profile-$1-${2//\//_}.log"
+        JAX_PLATFORMS=cuda,cpu PROBE_LINES="$PROFILE_LINES" probe "profile-$1-${2//\//_}" 150 \
+          mosaic_profile_probe.py --expert-dtype "$1" --spec "$2" --profile-space "$3" \
+          --out "/tmp/mosaic-profile-$1"
       done ;;
     ranks)  # the expert layer with blocked group ranks against the one-hot ranks, in turns
       echo "== PYTHONPATH=. python tools/layer_ranks_probe.py"
