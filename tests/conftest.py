@@ -4,11 +4,10 @@
 ``JAX_PLATFORMS=cuda`` to exercise the GPU paths (kernel impls, ragged EP exchange).
 """
 
-import gc
 import os
 import pathlib
 
-from tests import xla_flags
+from tests import gc_policy, xla_flags
 
 # JAX_PLATFORMS=cpu also keeps the jax-cuda12 plugin (the `aot` extra) from trying to
 # initialise CUDA on a machine without a GPU; the 8xH200 topology is still reachable.
@@ -46,12 +45,7 @@ if not os.environ["JAX_PLATFORMS"].startswith("cpu"):
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-# Tracing a step program makes hundreds of thousands of short-lived Python objects, and each
-# pass of the cyclic collector walks every object the imported modules hold (jax, flax, numpy,
-# the tests): with the default thresholds it ran every few hundred allocations. Less frequent
-# young-generation passes, and the modules' objects frozen out of the walks once collected
-# (``pytest_runtestloop``), take about 2-5 % off a runner test's time.
-gc.set_threshold(100_000, 50, 1000)
+gc_policy.collect_less()  # frozen after collection: pytest_runtestloop
 
 # `pytest --hypothesis-profile=long` runs the fuzz tests (tests/runner/test_fuzz_batches.py)
 # with many more examples than `make test` does.
@@ -147,9 +141,9 @@ def pytest_collection_finish(session):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session):
     """Before the first test: moves every object alive after collection (the modules and what
-    they hold) out of the cyclic collector's walks (``gc.set_threshold`` above); returns
-    ``None``, so pytest's own loop runs the tests."""
-    gc.freeze()
+    they hold) out of the cyclic collector's walks (``gc_policy``); returns ``None``, so
+    pytest's own loop runs the tests."""
+    gc_policy.freeze_imported()
 
 
 def _skip_on_too_few_devices():

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 
+from tests import gc_policy
 from tests.runner import multihost_worker
 
 PEER_TIMEOUT_S = 4.0
@@ -77,6 +78,9 @@ def main(argv: list[str]) -> None:
     )
     multihost_worker.cache_every_process()
     from tests.runner import multihost_scenario  # noqa: PLC0415 - imports jax-using modules
+
+    gc_policy.collect_less()
+    gc_policy.freeze_imported()
 
     if process_id == FAULT_PROCESS:
         _inject(fault)

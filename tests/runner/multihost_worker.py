@@ -13,6 +13,7 @@ import os
 import pickle
 import sys
 
+from tests import gc_policy
 from tests import xla_flags as test_xla_flags
 
 TOTAL_DEVICES = 8
@@ -78,6 +79,9 @@ def main(argv: list[str]) -> None:
         )
         cache_every_process()
     from tests.runner import multihost_scenario  # noqa: PLC0415 - imports jax-using modules
+
+    gc_policy.collect_less()
+    gc_policy.freeze_imported()
 
     results = multihost_scenario.run(num_processes)
     with open(out_path, "wb") as f:
