@@ -13,15 +13,13 @@
 # threshold), ranks (the expert layer with the blocked group ranks against the one-hot ones),
 # dsv3-walk (the Mosaic walk's row tiles per column pair at DeepSeek-V3's 4096 tokens),
 # prefetch (the Mosaic kernels' one pipeline over a CTA's tiles, against the default),
-# split-columns (the Mosaic kernels' 64-row tiles, warpgroups side by side, against the default),
-# fp8-mosaic-decode / fp8-mosaic-prefill (the FP8 Mosaic kernels' one pipeline over a CTA's
-# tiles and 64-row tiles, against the default), skip-empty (warpgroups of padding rows
+# fp8-mosaic-decode / fp8-mosaic-prefill (the FP8 Mosaic default, one pipeline over a CTA's
+# tiles, against the waited pipelines), skip-empty (warpgroups of padding rows
 # skipping their work, FP8 and bf16, at decode sizes, FP8 prefill and bf16 prefill with
 # prefetching), sampler (the sampled step's keys-only sort against the key-value sorts it
 # replaced, and a sampled against a greedy serve), memory-registers (the memory warpgroup's registers),
-# swap-operands (8- to 16-row tiles with the weights as wgmma's M operand, FP8, their GPU
-# tests, then decode stacks against "auto"'s kernels), fp8-decode-pe (FP8 Mosaic decode stacks prefetching across tiles
-# and skipping empty warpgroups against the default).
+# fp8-decode-pe (FP8 Mosaic decode stacks prefetching across tiles and skipping empty
+# warpgroups against the default).
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
 # fp8-default (the FP8 Mosaic default launch shapes against the waited pipelines they replaced),
@@ -183,30 +181,16 @@ for group in "$@"; do
         LIMIT=170 bench "prefetch-$preset" 10 grouped_gemm --preset "$preset" --tokens 4096 \
           --impls "$impls" --no-copy-ceiling --check-rows 16
       done ;;
-    split-columns)  # 64-row tiles (warpgroups side by side by columns: narrow with 4 stages,
-      # wide with 2, narrow prefetching) and 128-row tiles prefetching with a step in flight,
-      # against the default, side by side with the dense yardstick at prefill sizes
-      impls=dense,mosaic,mosaic:128x128x64s4f1p/128x256x64s4f1p
-      impls+=,mosaic:64x128x64s4f1c/64x256x64s4f1c,mosaic:64x256x64s2f1c/64x512x64s2f1c
-      impls+=,mosaic:64x128x64s4f1pc/64x256x64s4f1pc
-      LIMIT=220 bench split-qwen3 22 grouped_gemm --preset qwen3-30b-a3b --tokens 4096,16384 \
-        --impls "$impls" --no-copy-ceiling --check-rows 16
-      for preset in qwen3-235b-a22b deepseek-v3; do
-        LIMIT=150 bench "split-$preset" 12 grouped_gemm --preset "$preset" --tokens 4096 \
-          --impls "$impls" --no-copy-ceiling --check-rows 16
-      done ;;
-    fp8-mosaic-decode)  # the FP8 Mosaic kernels prefetching across tiles, with 64-row tiles
-      # (warpgroups side by side; the gate / up kernel's stages fit 2), and both, against the
-      # default, in decode stacks: where "auto" takes Mosaic (DeepSeek-V3, Mixtral-8x7B) and
+    fp8-mosaic-decode)  # the FP8 Mosaic default (prefetching across tiles) against the waited
+      # pipelines, in decode stacks: where "auto" takes Mosaic (DeepSeek-V3, Mixtral-8x7B) and
       # where it takes Pallas (Qwen3-30B-A3B, its 6 down steps in 3 stages when prefetching)
       fp8="--expert-dtype float8_e4m3fn"
-      impls=mosaic,mosaic:128x128x128s4,mosaic:64x256x128s2c/64x256x128s4c
-      impls+=,mosaic:64x256x128s2pc/64x256x128s4pc
+      impls=mosaic,mosaic:128x128x128s4
       LIMIT=200 bench fp8-decode-dsv3 10 grouped_gemm --no-kernel-rows --preset deepseek-v3 $fp8 --tokens 64 \
         --impls "$impls" --layers-per-call 4
       LIMIT=150 bench fp8-decode-mixtral 10 grouped_gemm --no-kernel-rows --preset mixtral-8x7b $fp8 \
         --tokens 128,256 --impls "$impls" --layers-per-call 8
-      impls=pallas,mosaic,mosaic:64x256x128s2c/64x256x128s4c,mosaic:64x256x128s2pc/64x256x128s3pc
+      impls=pallas,mosaic,mosaic:128x128x128s4
       LIMIT=150 bench fp8-decode-qwen3 10 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b $fp8 \
         --tokens 64,256 --impls "$impls" --layers-per-call 8 ;;
     skip-empty)  # a warpgroup whose rows of a tile are all padding skipping its wgmma and its
@@ -233,7 +217,7 @@ for group in "$@"; do
       LIMIT=170 bench skip-bf16-prefill-qwen3 14 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b \
         --tokens 4096,16384 --impls "$impls" --no-copy-ceiling --check-rows 16 ;;
     fp8-mosaic-prefill)  # the same at Qwen3-30B-A3B's FP8 prefill, beside bf16's yardstick
-      impls=dense,mosaic,mosaic:128x128x128s4/128x128x128s4,mosaic:64x256x128s2c/64x256x128s4c
+      impls=dense,mosaic,mosaic:128x128x128s4/128x128x128s4
       LIMIT=200 bench fp8-prefill-qwen3 14 grouped_gemm --preset qwen3-30b-a3b \
         --expert-dtype float8_e4m3fn --tokens 4096,16384 --impls "$impls" --no-copy-ceiling \
         --check-rows 16 ;;
@@ -270,7 +254,7 @@ for group in "$@"; do
       # GPU tests, then where fp8-registers-pe did not reach (DeepSeek-V3 at 16384 tokens) and
       # the decode stacks where "auto" takes Mosaic (DeepSeek-V3, Mixtral-8x7B)
       fp8="--expert-dtype float8_e4m3fn"
-      gpu_pytest pytest-mosaic-fp8 200 -k "not swapped" tests/kernels/test_grouped_gemm_mosaic_fp8.py
+      gpu_pytest pytest-mosaic-fp8 200 tests/kernels/test_grouped_gemm_mosaic_fp8.py
       LIMIT=200 bench registers-default-dsv3 6 grouped_gemm --no-kernel-rows --preset deepseek-v3 $fp8 \
         --tokens 16384 --impls mosaic,mosaic:128x128x128s4p/128x128x128s4p --no-copy-ceiling \
         --check-rows 16
@@ -319,18 +303,6 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
         --no-copy-ceiling --check-rows 16
       LIMIT=150 bench paired-bf16-dsv3 8 grouped_gemm --no-kernel-rows --preset deepseek-v3 \
         --tokens 16384 --impls "mosaic,$bf16" --no-copy-ceiling --check-rows 16 ;;
-    swap-operands)  # the weights as wgmma's M operand and the rows as its N (spec w): 8-row
-      # (16-row tiles) and 16-row warpgroups, prefetching across tiles, in FP8 decode stacks;
-      # their GPU tests first, then against Pallas ("auto" at Qwen3-30B-A3B's decode) and the
-      # default Mosaic tiles ("auto" at DeepSeek-V3's)
-      fp8="--expert-dtype float8_e4m3fn"
-      gpu_pytest pytest-swapped 90 tests/kernels/test_grouped_gemm_mosaic_fp8.py -k swapped
-      impls=pallas,mosaic:16x128x128s4pw/16x128x128s3pw,mosaic:32x128x128s4pw/32x128x128s3pw
-      LIMIT=220 bench swap-fp8-qwen3 10 grouped_gemm --preset qwen3-30b-a3b $fp8 \
-        --tokens 64,256 --impls "$impls" --layers-per-call 8
-      # its own process: a kernel that faults takes every later row of its process with it
-      LIMIT=200 bench swap-fp8-dsv3 8 grouped_gemm --preset deepseek-v3 $fp8 --tokens 64 \
-        --impls mosaic,mosaic:16x128x128s4pw --layers-per-call 8 ;;
     fp8-decode-pe)  # the FP8 Mosaic 128-row tiles prefetching across tiles and skipping empty
       # warpgroups (spec pe) against the default, in decode stacks where "auto" takes Mosaic
       fp8="--expert-dtype float8_e4m3fn"
@@ -355,11 +327,11 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
           --num-layers 8 --prompts 64 --temperature "$temperature" --top-p 0.9
       done ;;
     gpu-tests)  # the grouped GEMM kernels compiled for the GPU (the nested jit they are called
-      # through included) and the sampler; the swapped-operand kernels are swap-operands' own
+      # through included) and the sampler.
       # The sampler first, on its own (its sampled rows failed once on the GPU, the log cut
       # before the report).
       gpu_pytest pytest-gpu-test_sampler 240 tests/models/test_sampler.py
-      gpu_pytest pytest-gpu-test_grouped_gemm 240 -k "not swapped" \
+      gpu_pytest pytest-gpu-test_grouped_gemm 240 \
         tests/kernels/test_grouped_gemm.py tests/kernels/test_grouped_gemm_mosaic.py \
         tests/kernels/test_grouped_gemm_mosaic_fp8.py ;;
     epilogue)  # the Mosaic gate / up epilogue as shipped (grouped_gemm_mosaic.swiglu under
@@ -370,7 +342,7 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
         set -- $case
         probe "epilogue-$1" 150 epilogue_probe.py --preset "$1" --tokens "$2"
       done
-      gpu_pytest pytest-mosaic 200 -k "not swapped" tests/kernels/test_grouped_gemm_mosaic.py \
+      gpu_pytest pytest-mosaic 200 tests/kernels/test_grouped_gemm_mosaic.py \
         tests/kernels/test_grouped_gemm_mosaic_fp8.py ;;
     fp8-default)  # the FP8 Mosaic default (gemm_config.mosaic_ffn_fp8: prefetching across
       # tiles where the stages divide the steps) against the waited pipelines it replaced:
@@ -414,8 +386,9 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       echo "(exit $?)"; grep "runner_host\|wrote" "$OUT/runner-host.log" ;;
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
-      "prefetch, split-columns, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty, sampler," \
-      "memory-registers, swap-operands, fp8-decode-pe, gpu-tests, profile, fp8-default, epilogue)"
+      "prefetch, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty, sampler," \
+      "memory-registers, fp8-registers-pe, fp8-registers-default, fp8-side, fp8-registers-step," \
+      "pair-row-tiles, fp8-decode-pe, sort-rewriter, gpu-tests, profile, fp8-default, epilogue)"
       exit 2 ;;
   esac
 done

@@ -49,14 +49,13 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
 * ``mosaic``: ``experts_capacity`` with ``impl="mosaic"``: the Hopper kernels (Pallas Mosaic
   GPU, ``jtbo.kernels.grouped_gemm_mosaic``) over the same filled slots, gathered into
   tile-major rows first; the layer reads its result through the rows' slot index.
-  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][p][c][e][rR][w][m]`` for both
+  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][p][e][rR][m]`` for both
   kernels or ``GATE_UP/DOWN`` (row tile x columns per CTA x contraction step, pipeline stages,
   row tiles walked together, steps whose ``wgmma`` stays in flight, ``p``: one pipeline over
-  all of a CTA's tiles, the next tile's loads under the current tile's end, ``c``: the two
-  warpgroups split the CTA's columns, not its rows, ``e``: a warpgroup whose rows of a tile
-  are all padding skips its ``wgmma`` and its store, ``rR``: the memory warpgroup keeps R
-  registers a thread, ``w``: the weights are ``wgmma``'s M operand, ``m``: the cluster's
-  two CTAs take two row tiles of one expert and load the weight tile once for both), e.g.
+  all of a CTA's tiles, the next tile's loads under the current tile's end, ``e``: a
+  warpgroup whose rows of a tile are all padding skips its ``wgmma`` and its store, ``rR``:
+  the memory warpgroup keeps R registers a thread, ``m``: the cluster's two CTAs take two row
+  tiles of one expert and load the weight tile once for both), e.g.
   ``mosaic:128x128x64s4/128x256x64s4f1``. It is checked and
   followed by a ``mosaic (kernel)`` row as ``pallas`` is.
 * ``dense``: the yardstick of the ``vs dense`` target, not a routed layer: one dense SwiGLU
@@ -420,44 +419,38 @@ def pallas_config(variant: str) -> kernels.GroupedFfnConfig | None:
 
 
 _MOSAIC_SPEC = re.compile(
-    r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?(c)?(e)?(?:r(\d+))?(w)?(m)?"
+    r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?(e)?(?:r(\d+))?(m)?"
 )
 
 
 def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
-    """``MxNxK[sS][tT][fF][p][c][e][rR][w][m]`` -> ``MosaicGemmConfig``: M x N a CTA's tile
-    (two warpgroups of M / 2 rows each, or with ``c`` of N / 2 columns each), K the
-    contraction step, S the pipeline stages, T the row tiles walked together, F the steps'
-    ``wgmma`` left in flight, ``p`` the pipeline prefetches across tiles, ``c`` the warpgroups
-    split the columns, ``e`` a warpgroup with only padding rows skips its work, R the memory
-    warpgroup's registers, ``w`` the weights are ``wgmma``'s M operand and the rows its N,
-    ``m`` the cluster's CTAs pair row tiles and load the weight tile once for both (omitted
-    parts keep the defaults).
+    """``MxNxK[sS][tT][fF][p][e][rR][m]`` -> ``MosaicGemmConfig``: M x N a CTA's tile (two
+    warpgroups of M / 2 rows each), K the contraction step, S the pipeline stages, T the row
+    tiles walked together, F the steps' ``wgmma`` left in flight, ``p`` the pipeline
+    prefetches across tiles, ``e`` a warpgroup with only padding rows skips its work, R the
+    memory warpgroup's registers, ``m`` the cluster's CTAs pair row tiles and load the weight
+    tile once for both (omitted parts keep the defaults).
 
     Raises:
-      ValueError: a spec that does not match, or values ``MosaicGemmConfig`` rejects.
+      ValueError: a spec that does not match (a letter not listed among them), or values
+        ``MosaicGemmConfig`` rejects.
     """
     match = _MOSAIC_SPEC.fullmatch(spec)
-    split = match is not None and match.group(8) is not None
-    if match is None or int(match.group(2 if split else 1)) % 2:
+    if match is None or int(match.group(1)) % 2:
         raise ValueError(
-            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][c][e][rR][w][m] with M even "
-            "(N with c), e.g. 128x256x64s4"
+            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][e][rR][m] with M even, "
+            "e.g. 128x256x64s4"
         )
-    block_m, block_n, tile_k, stages, width, in_flight, prefetch, _, skip, registers, swap, pair = (
+    block_m, block_n, tile_k, stages, width, in_flight, prefetch, skip, registers, pair = (
         match.groups()
     )
-    tile_m, tile_n = (
-        (int(block_m), int(block_n) // 2) if split else (int(block_m) // 2, int(block_n))
-    )
-    fields = dict(tile_m=tile_m, tile_n=tile_n, tile_k=int(tile_k), split_columns=split)
+    fields = dict(tile_m=int(block_m) // 2, tile_n=int(block_n), tile_k=int(tile_k))
     fields.update({} if stages is None else {"max_concurrent_steps": int(stages)})
     fields.update({} if width is None else {"grid_tile_width": int(width)})
     fields.update({} if in_flight is None else {"wgmma_in_flight": int(in_flight)})
     fields.update({} if prefetch is None else {"prefetch_across_tiles": True})
     fields.update({} if skip is None else {"skip_empty_warpgroups": True})
     fields.update({} if registers is None else {"memory_registers": int(registers)})
-    fields.update({} if swap is None else {"swap_operands": True})
     fields.update({} if pair is None else {"pair_row_tiles": True})
     return kernels.MosaicGemmConfig(**fields)
 

@@ -14,9 +14,8 @@ up to a power of two (at least 16, Triton's smallest matmul tile).
 
 ``MosaicFfnConfig`` holds the launch shapes of the ``"mosaic"`` impl's kernels
 (``jtbo.kernels.grouped_gemm_mosaic``): each of a CTA's two compute warpgroups computes
-``tile_m x tile_n``, the two stacked by rows (a ``2 * tile_m``-row tile, ``tile_n`` columns) or
-with ``split_columns`` side by side (a ``tile_m``-row tile, ``2 * tile_n`` columns); a 2-CTA
-cluster takes two neighbouring column tiles.
+``tile_m x tile_n``, the two stacked by rows (a ``2 * tile_m``-row tile, ``tile_n`` columns); a
+2-CTA cluster takes two neighbouring column tiles.
 """
 
 import dataclasses
@@ -29,7 +28,6 @@ MOSAIC_EPILOGUE_TILE = 64  # rows and columns of one output store of the Mosaic 
 # Registers a thread of the Mosaic kernels' memory warpgroup keeps: Mosaic GPU's suggestion for
 # H100-class GPUs.
 MOSAIC_MEMORY_REGISTERS = 40
-_MAX_WGMMA_N = 256  # the widest N of one Hopper wgmma
 
 
 def dot_tiles(dim: int) -> bool:
@@ -129,11 +127,10 @@ class MosaicGemmConfig:
     """Launch shape of one Mosaic GPU grouped GEMM.
 
     Attributes:
-      tile_m: rows per compute warpgroup; a row tile (``block_m``) is ``2 * tile_m`` rows, or
-        ``tile_m`` with ``split_columns``.
-      tile_n: output columns per compute warpgroup (the gate / up kernel: per accumulator);
-        a CTA's column tile (``block_n``) is ``tile_n`` wide, or ``2 * tile_n`` with
-        ``split_columns``.
+      tile_m: rows per compute warpgroup (64 at least, ``wgmma``'s ``M``); a row tile
+        (``block_m``) is ``2 * tile_m`` rows.
+      tile_n: output columns per compute warpgroup (the gate / up kernel: per accumulator),
+        a CTA's column tile (``block_n``).
       tile_k: contraction step of one pipeline stage.
       max_concurrent_steps: pipeline stages in flight (shared-memory buffers per operand).
       grid_tile_width: row tiles walked together over the column tiles (L2 reuse of the
@@ -146,24 +143,13 @@ class MosaicGemmConfig:
         current tile (a pipeline of pipelines; with ``wgmma_in_flight`` the compute
         warpgroups release each step's buffers themselves). Needs a number of contraction
         steps that ``max_concurrent_steps`` divides.
-      split_columns: the two compute warpgroups take a CTA tile's two column halves rather
-        than its two row halves, so a row tile is ``tile_m`` rows: each expert's rows are
-        padded up to a multiple of ``tile_m`` rather than ``2 * tile_m``, and a CTA loads
-        twice the weight bytes per product.
       skip_empty_warpgroups: a compute warpgroup whose ``tile_m`` rows of a row tile are all
         padding (an expert's last tile holding at most ``tile_m`` rows) issues no ``wgmma``
         and stores nothing, so such a tile computes as a ``tile_m``-row one while the CTA
-        still loads its weights once; its unstored rows are never read. Not with
-        ``split_columns`` (both warpgroups then hold the same rows).
+        still loads its weights once; its unstored rows are never read.
       memory_registers: registers a thread of the memory warpgroup keeps (``setmaxnreg``); the
         two compute warpgroups share the rest of the register file (232 each at 40). A
         multiple of 8 in ``[24, 256]``.
-      swap_operands: each ``wgmma`` takes the weight tile as its ``M`` operand and the row tile
-        as its ``N`` operand (the accumulator holds ``tile_n x tile_m``, written transposed), so
-        that ``tile_m`` may be as few as 8 rows, as ``wgmma``'s ``N`` may, where its ``M`` is 64
-        at least: decode-sized tiles of a few rows an expert. ``tile_m`` is then a power of two
-        of at least 8 (16 with ``split_columns``: the cluster's two CTAs each load half a row
-        tile) and at most 256.
       pair_row_tiles: the cluster's two CTAs take the two ``block_m``-row halves of one
         ``2 * block_m``-row tile (one expert's) and the same column tile, so the weight tile is
         loaded once for both (TMA multicast) and each CTA loads its own rows; by default they
@@ -182,16 +168,13 @@ class MosaicGemmConfig:
     grid_tile_width: int = 4
     wgmma_in_flight: int = 0
     prefetch_across_tiles: bool = False
-    split_columns: bool = False
     skip_empty_warpgroups: bool = False
     memory_registers: int = MOSAIC_MEMORY_REGISTERS
-    swap_operands: bool = False
     pair_row_tiles: bool = False
 
     def __post_init__(self):
         launch_checks.require_powers_of_two(self, ("tile_m", "tile_n", "tile_k"))
-        launch_checks.require_at_least(self, ("tile_n", "tile_k"), MOSAIC_EPILOGUE_TILE)
-        launch_checks.require_at_least(self, ("tile_m",), self.min_tile_m)
+        launch_checks.require_at_least(self, ("tile_m", "tile_n", "tile_k"), MOSAIC_EPILOGUE_TILE)
         launch_checks.require_at_least(self, ("max_concurrent_steps", "grid_tile_width"), 1)
         if self.wgmma_in_flight not in (0, 1):
             raise ValueError(f"wgmma_in_flight must be 0 or 1, got {self.wgmma_in_flight}")
@@ -205,28 +188,11 @@ class MosaicGemmConfig:
                 f"memory_registers must be a multiple of 8 in [24, 256] (setmaxnreg), got "
                 f"{self.memory_registers}"
             )
-        if self.swap_operands and self.tile_m > _MAX_WGMMA_N:
-            raise ValueError(
-                f"swap_operands makes tile_m wgmma's N, at most {_MAX_WGMMA_N}: got {self.tile_m}"
-            )
-        if self.skip_empty_warpgroups and self.split_columns:
-            raise ValueError(
-                "skip_empty_warpgroups needs the warpgroups stacked by rows: with "
-                "split_columns both hold the same rows"
-            )
-
-    @property
-    def min_tile_m(self) -> int:
-        """The fewest rows a warpgroup may take: ``wgmma``'s ``M`` (64), or swapped its ``N``
-        (8; 16 with ``split_columns``, a multicast half of a row tile being 8 rows at least)."""
-        if not self.swap_operands:
-            return MOSAIC_EPILOGUE_TILE
-        return 16 if self.split_columns else 8
 
     @property
     def block_m(self) -> int:
-        """Rows of one row tile (a CTA's tile)."""
-        return self.tile_m if self.split_columns else 2 * self.tile_m
+        """Rows of one row tile (a CTA's tile: both compute warpgroups' rows)."""
+        return 2 * self.tile_m
 
     @property
     def layout_rows(self) -> int:
@@ -236,27 +202,24 @@ class MosaicGemmConfig:
 
     @property
     def block_n(self) -> int:
-        """Columns of one column tile (a CTA's tile; the gate / up kernel: per accumulator)."""
-        return 2 * self.tile_n if self.split_columns else self.tile_n
+        """Columns of one column tile (a CTA's tile; the gate / up kernel: per accumulator):
+        ``tile_n``, each compute warpgroup computing all of them."""
+        return self.tile_n
 
     def describe(self) -> str:
-        """Short label for tables: ``MxNxK sS tT [fF] [p] [c] [e] [rR] [w] [m]`` (M x N a
-        CTA's tile, F the steps in flight when not 0, ``p`` when the pipeline prefetches across
-        tiles, ``c`` when the warpgroups split the columns, ``e`` when empty warpgroups are
-        skipped, R the memory warpgroup's registers when not the default, ``w`` when the
-        operands are swapped, ``m`` when the cluster pairs row tiles and multicasts the
-        weights)."""
+        """Short label for tables: ``MxNxK sS tT [fF] [p] [e] [rR] [m]`` (M x N a CTA's tile, F
+        the steps in flight when not 0, ``p`` when the pipeline prefetches across tiles, ``e``
+        when empty warpgroups are skipped, R the memory warpgroup's registers when not the
+        default, ``m`` when the cluster pairs row tiles and multicasts the weights)."""
         in_flight = f" f{self.wgmma_in_flight}" if self.wgmma_in_flight else ""
         prefetch = " p" if self.prefetch_across_tiles else ""
-        split = " c" if self.split_columns else ""
         skip = " e" if self.skip_empty_warpgroups else ""
         registers = self.memory_registers
         registers = f" r{registers}" if registers != MOSAIC_MEMORY_REGISTERS else ""
-        swap = " w" if self.swap_operands else ""
         pair = " m" if self.pair_row_tiles else ""
         return (
             f"{self.block_m}x{self.block_n}x{self.tile_k} s{self.max_concurrent_steps} "
-            f"t{self.grid_tile_width}{in_flight}{prefetch}{split}{skip}{registers}{swap}{pair}"
+            f"t{self.grid_tile_width}{in_flight}{prefetch}{skip}{registers}{pair}"
         )
 
 

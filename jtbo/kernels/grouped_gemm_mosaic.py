@@ -15,20 +15,18 @@ zero outputs. ``tile_rows`` builds the layout from the counts.
 
 Kernel (one per GEMM, ``_grouped_matmul``): persistent, one 2-CTA cluster per pair of SMs,
 walking the (row tile, column tile) pairs with ``plgpu.nd_loop``. Each CTA has two compute
-warpgroups of ``tile_m x tile_n`` each, stacked by rows (``block_m = 2 * tile_m``) or with
-``split_columns`` side by side (``block_m = tile_m``: half the padding rows past an expert's
-count, at twice the weight columns a CTA loads for its rows), and one memory warpgroup that
-runs the TMA pipeline over the contraction (``emit_pipeline_warp_specialized``); with
-``wgmma_in_flight`` a compute warpgroup issues a step's ``wgmma`` before the previous step's
-has finished, and the pipeline releases a stage's buffers one step later. With
-``prefetch_across_tiles`` a CTA's tiles form one pipeline (Mosaic GPU's pipeline of pipelines,
-over the live tiles only): the memory warpgroup loads the next tile's first stages while the
-compute warpgroups finish the current tile and store it; a step left in flight then has the
-compute warpgroups release each stage themselves, a step late, and the last one before the
-epilogue. The two CTAs
-of a cluster take neighbouring column tiles of the same row tile: the row tile is loaded
-once for both (``collective_axes``), the weight columns per CTA. With an odd number of
-column tiles the last pair's second CTA computes the last tile again and does not store it.
+warpgroups of ``tile_m x tile_n`` each, stacked by rows (``block_m = 2 * tile_m``), and one
+memory warpgroup that runs the TMA pipeline over the contraction
+(``emit_pipeline_warp_specialized``); with ``wgmma_in_flight`` a compute warpgroup issues a
+step's ``wgmma`` before the previous step's has finished, and the pipeline releases a stage's
+buffers one step later. With ``prefetch_across_tiles`` a CTA's tiles form one pipeline (Mosaic
+GPU's pipeline of pipelines, over the live tiles only): the memory warpgroup loads the next
+tile's first stages while the compute warpgroups finish the current tile and store it; a step
+left in flight then has the compute warpgroups release each stage themselves, a step late, and
+the last one before the epilogue. The two CTAs of a cluster take neighbouring column tiles of
+the same row tile: the row tile is loaded once for both (``collective_axes``), the weight
+columns per CTA. With an odd number of column tiles the last pair's second CTA computes the
+last tile again and does not store it.
 A dead tile (expert -1) is skipped. With ``skip_empty_warpgroups`` so is a compute
 warpgroup whose ``tile_m`` rows of a live tile are all padding (``warpgroup_computes``: its
 first row holds no slot, ``slot_of_row``): it issues no ``wgmma`` and stores nothing, so an
@@ -44,14 +42,6 @@ weight tile is the operand loaded once for both (``shared_operands``), each CTA 
 rows. The walk's positions are then (tile, column tile) pairs, one column tile each, so an odd
 number of column tiles needs no unstored twin. A half of only padding rows still takes its
 share of the loads; with ``skip_empty_warpgroups`` its warpgroups issue no ``wgmma``.
-
-With ``swap_operands`` each ``wgmma`` multiplies the transposed weight tile (``M``: the
-warpgroup's ``tile_n`` output columns) by the transposed rows (``N``: its ``tile_m`` rows), so a
-warpgroup may take as few as 8 rows where ``wgmma``'s ``M`` is 64 at least: at decode sizes an
-expert's few rows then fill a small tile rather than padding a 64-row one, and its tile-major
-rows are as few. The accumulator is ``tile_n x tile_m``; the epilogue writes it transposed into
-shared memory (``store_transposed``) and stores it with one TMA copy. The walk, the pipelines
-and the row layout are the same.
 """
 
 import functools
@@ -131,7 +121,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
     @functools.partial(
         pl.run_scoped,
         allocations=pipeline(ignore, ignore).get_allocations(a_gmem, *[b_gmem.at[0]] * num_acc),
-        out_smem=epilogue_smem(cfg, out_gmem.dtype),
+        out_smem=epilogue_smem(out_gmem.dtype),
         collective_axes=WARPGROUP,
     )
     def _scope(allocations, out_smem):
@@ -142,22 +132,23 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
             expert = tile_expert_gmem[tile]
             cta_tile = cta_row_tile(cfg, tile)
             rows = pl.ds(cta_tile * block_m, block_m)
-            wg_rows, wg_cols = warpgroup_part(cfg, warpgroup)
+            wg_rows = warpgroup_rows(cfg, warpgroup)
             computes = warpgroup_computes(cfg, row_slot_gmem, cta_tile, warpgroup)
 
             def compute_context(run_pipeline):
-                @functools.partial(pl.run_scoped, accs=[plgpu.ACC(acc_shape(cfg), _F32)] * num_acc)
+                acc_shape = (cfg.tile_m, cfg.tile_n)
+
+                @functools.partial(pl.run_scoped, accs=[plgpu.ACC(acc_shape, _F32)] * num_acc)
                 def _acc_scope(accs):
                     run_pipeline(tuple(accs))
                     if manual_release:  # the last step's buffers, before the epilogue
                         plgpu.wgmma_wait(0)
                         release_step(k_steps - 1)
-                    out_tile = out_gmem.at[rows, pl.ds(col * block_n, block_n)]
-                    wg_out = out_tile.at[wg_rows, wg_cols]
+                    wg_out = out_gmem.at[rows, pl.ds(col * block_n, block_n)].at[wg_rows]
 
                     def store():
                         out = epilogue(*[acc[...] for acc in accs]).astype(out_gmem.dtype)
-                        store_warpgroup_part(cfg, out, out_smem, wg_out, warpgroup)
+                        store_tile(out, out_smem, wg_out, warpgroup)
 
                     run_when(all_of(stores, computes), jax.named_scope(SCOPE_EPILOGUE)(store))
 
@@ -166,11 +157,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
 
                 def products():
                     for b_smem, acc in zip(b_smems, accs, strict=True):
-                        rows, weights = a_smem.at[wg_rows], b_smem.at[:, wg_cols]
-                        if cfg.swap_operands:  # [tile_n, tile_k] @ [tile_k, tile_m]
-                            plgpu.wgmma(acc, weights.transpose((1, 0)), rows.transpose((1, 0)))
-                        else:
-                            plgpu.wgmma(acc, rows, weights)
+                        plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem)
 
                 run_when(computes, jax.named_scope(SCOPE_WGMMA_ISSUE)(products))
                 # Each wgmma is one group: leaving this step's num_acc groups in flight
@@ -339,13 +326,10 @@ def run_unless_dead(run, expert, pipeline_state) -> None:
         run()
 
 
-def warpgroup_part(cfg: gemm_config.MosaicGemmConfig, warpgroup):
-    """``(rows, columns)`` of a CTA's ``block_m x block_n`` tile that compute warpgroup
-    ``warpgroup`` computes: a ``tile_m``-row half, or with ``split_columns`` a ``tile_n``-column
-    half."""
-    if cfg.split_columns:
-        return slice(None), pl.ds(warpgroup * cfg.tile_n, cfg.tile_n)
-    return pl.ds(warpgroup * cfg.tile_m, cfg.tile_m), slice(None)
+def warpgroup_rows(cfg: gemm_config.MosaicGemmConfig, warpgroup):
+    """The rows of a CTA's ``block_m``-row tile that compute warpgroup ``warpgroup`` computes
+    (over all ``block_n`` columns): its ``tile_m``-row half."""
+    return pl.ds(warpgroup * cfg.tile_m, cfg.tile_m)
 
 
 def warpgroup_computes(cfg: gemm_config.MosaicGemmConfig, row_slot_gmem, tile, warpgroup):
@@ -375,52 +359,12 @@ def run_when(condition, fn) -> None:
         pl.when(condition)(fn)
 
 
-def acc_shape(cfg: gemm_config.MosaicGemmConfig) -> tuple[int, int]:
-    """A warpgroup's accumulator: ``tile_m x tile_n``, or swapped ``tile_n x tile_m``."""
-    if cfg.swap_operands:
-        return cfg.tile_n, cfg.tile_m
-    return cfg.tile_m, cfg.tile_n
-
-
-def epilogue_smem(cfg: gemm_config.MosaicGemmConfig, out_dtype):
-    """The shared memory of the stores: per warpgroup two ``EPILOGUE_TILE``-square pieces
-    (``store_tile``), or with swapped operands one ``tile_m x tile_n`` tile
-    (``store_transposed``)."""
-    if cfg.swap_operands:
-        shape = (2, cfg.tile_m, cfg.tile_n)  # (warpgroup, rows, columns)
-        minor = cfg.tile_n
-    else:
-        shape = (2, 2, EPILOGUE_TILE, EPILOGUE_TILE)  # (warpgroup, buffer, rows, columns)
-        minor = EPILOGUE_TILE
-    transforms = smem_transforms(minor, jnp.dtype(out_dtype).itemsize)
+def epilogue_smem(out_dtype):
+    """The shared memory of the stores (``store_tile``): per warpgroup two
+    ``EPILOGUE_TILE``-square pieces in ``out_dtype``."""
+    shape = (2, 2, EPILOGUE_TILE, EPILOGUE_TILE)  # (warpgroup, buffer, rows, columns)
+    transforms = smem_transforms(EPILOGUE_TILE, jnp.dtype(out_dtype).itemsize)
     return plgpu.SMEM(shape, out_dtype, transforms=transforms)
-
-
-def store_warpgroup_part(cfg: gemm_config.MosaicGemmConfig, values, out_smem, wg_out,
-                         warpgroup) -> None:  # fmt: skip
-    """Writes one warpgroup's accumulated ``values`` to its part ``wg_out`` of the output:
-    ``store_tile``, or ``store_transposed`` where ``cfg`` swaps the operands."""
-    if cfg.swap_operands:
-        store_transposed(values, out_smem, wg_out, warpgroup)
-    else:
-        store_tile(values, out_smem, wg_out, warpgroup)
-
-
-def store_transposed(values, out_smem, wg_out, warpgroup) -> None:
-    """Writes a swapped accumulator's ``values [tile_n, tile_m]`` to its part ``wg_out
-    [tile_m, tile_n]`` of the output through shared memory, transposed on the way in (one
-    TMA store), in ``out_smem``'s dtype."""
-    store_via_smem(values, out_smem.at[warpgroup], wg_out, transposed=True)
-
-
-def store_via_smem(values, tile_smem, wg_out, *, transposed: bool) -> None:
-    """Writes ``values`` to ``wg_out`` through ``tile_smem`` (one TMA store), in its dtype;
-    ``transposed``: ``values [n, m]`` go into ``tile_smem [m, n]`` through a transposed view."""
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    view = tile_smem.transpose((1, 0)) if transposed else tile_smem
-    view[...] = values.astype(tile_smem.dtype)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(tile_smem, wg_out)
 
 
 def store_tile(out, out_smem, wg_out, warpgroup) -> None:

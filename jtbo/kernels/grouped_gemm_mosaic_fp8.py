@@ -22,13 +22,11 @@ adds it to the running sum scaled by its rows' scales times the block's scale, r
 weight scales in global memory (DeepSeek-V3's promotion of each block's partial sums). The
 gate and the up products are promoted one after the other, so that a warpgroup holds two
 running sums and one partial sum in registers; the other compute warpgroup's ``wgmma`` runs
-while one promotes. ``tile_n`` is the block's width, so one scale covers a tile (with
-``split_columns`` the two warpgroups take neighbouring blocks of a ``2 * tile_n``-column tile
-over the same ``tile_m`` rows, each with its block's scale). The gate / up
-epilogue computes ``silu(gate) * up`` and quantizes each row of the tile (one group:
-``tile_n`` is the down weight's contraction block) as ``fp8_blocks`` does: its largest
-magnitude times ``1 / 448`` (1 for a zero row), the values divided by it (within 2 ulps, the
-kernels' ``approx_math``: as the Pallas kernels divide on the GPU).
+while one promotes. ``tile_n`` is the block's width, so one scale covers a tile. The gate / up
+epilogue computes ``silu(gate) * up`` and quantizes each row of the tile (one group: ``tile_n``
+is the down weight's contraction block) as ``fp8_blocks`` does: its largest magnitude times
+``1 / 448`` (1 for a zero row), the values divided by it (within 2 ulps, the kernels'
+``approx_math``: as the Pallas kernels divide on the GPU).
 
 Padding rows inside a live tile are zero bytes (FP8 zero) with scale zero, so they produce
 zero hidden rows (scale 1) and zero outputs; dead tiles are skipped, their rows never read, and with
@@ -37,16 +35,6 @@ zero and it stores neither rows nor scales, as ``grouped_gemm_mosaic``).
 With ``prefetch_across_tiles`` a CTA's live tiles form one pipeline, as in
 ``grouped_gemm_mosaic``: the memory warpgroup loads the next tile's first blocks while the
 compute warpgroups promote the current tile's last ones and store it.
-
-With ``swap_operands`` (``grouped_gemm_mosaic``'s module docstring) the weight block is
-``wgmma``'s ``M`` operand and the rows its ``N``: a partial sum is ``[tile_n, tile_m]`` and its
-row scales multiply its columns. A token's hidden values then lie along the accumulator's
-first axis, spread over the warpgroup's four warps, and Mosaic GPU reduces across warps
-through one scratch buffer that both compute warpgroups share (a race). So the swapped gate /
-up kernel writes ``silu(gate) * up`` in float32 as it lies in the accumulator, transposed
-(``[F, R]``: Mosaic GPU stores no float32 accumulator through a transposed view), and the
-layer quantizes those rows between the kernels (one small XLA fusion; the same values and
-scheme as the in-kernel quantization).
 """
 
 import functools
@@ -68,8 +56,6 @@ from jtbo.kernels import (
 )
 
 _F32 = jnp.float32
-# The swapped gate / up kernel's hidden rows: unquantized float32 (module docstring).
-_SWAPPED_HIDDEN_DTYPE = _F32
 _WARPGROUP = grouped_gemm_mosaic.WARPGROUP
 _EPILOGUE_SCOPE = jax.named_scope(grouped_gemm_mosaic.SCOPE_EPILOGUE)
 
@@ -86,24 +72,19 @@ def _block_product(a_smem, b_smem, shape: tuple[int, int]) -> jax.Array:
     return pl.run_scoped(dot, plgpu.ACC(shape, _F32))
 
 
-def _tokens_scaled(values: jax.Array, token_factor: jax.Array, token_axis: int) -> jax.Array:
-    """``values`` (an accumulator) times ``token_factor [tile_m]`` along ``token_axis``, the
-    axis of its rows' tokens (0, or 1 with swapped operands)."""
-    return values * lax.broadcast_in_dim(token_factor, values.shape, [token_axis])
-
-
 @jax.named_scope(grouped_gemm_mosaic.SCOPE_SCALES)
-def _token_scales(scale_smem, token_axis: int) -> jax.Array:
+def _row_scales(scale_smem) -> jax.Array:
     """A warpgroup's rows' scales of one contraction step, ``scale_smem [tile_m]``, loaded in
-    the accumulators' layout along ``token_axis``."""
-    return plgpu.load(scale_smem, layout=plgpu.Layout.WGMMA.reduce(1 - token_axis))
+    the accumulators' layout along their rows."""
+    return plgpu.load(scale_smem, layout=plgpu.Layout.WGMMA.reduce(1))
 
 
 @jax.named_scope(grouped_gemm_mosaic.SCOPE_PROMOTE)
-def _promoted(running: jax.Array, part: jax.Array, factor: jax.Array, token_axis: int):
-    """``running + part * factor``: one block's product ``part`` promoted into the running sum,
-    ``factor [tile_m]`` (its rows' scales times the block's) along ``token_axis``."""
-    return running + _tokens_scaled(part, factor, token_axis)
+def _promoted(running: jax.Array, part: jax.Array, factor: jax.Array):
+    """``running + part * factor``: one block's product ``part [tile_m, tile_n]`` promoted
+    into the running sum, ``factor [tile_m]`` (its rows' scales times the block's) along its
+    rows."""
+    return running + part * lax.broadcast_in_dim(factor, part.shape, [0])
 
 
 def _quantized_rows(values: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -122,13 +103,14 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     # tile-major rows (R = num_tiles * cfg.layout_rows); a_scale_gmem: [K / qk, R] float32;
     # b_gmem: [E, N_b, K] FP8; b_scale_gmem: [E, N_b / tile_n, K / qk] float32. out_gmems:
     # (out [R, N],) in the output dtype, or with two accumulators (gate, up) (hidden [R, N]
-    # FP8, hidden scales [N / tile_n, R] float32; swapped: hidden [N, R] float32 alone).
-    # Accumulator i reads the weight rows column_offsets[i] + (column tile) * block_n.
+    # FP8, hidden scales [N / tile_n, R] float32). Accumulator i reads the weight rows
+    # column_offsets[i] + (column tile) * block_n.
     num_live_gmem, row_slot_gmem = grouped_gemm_mosaic.tile_refs(cfg, refs)
+    # As many outputs as accumulators: the down kernel's rows; the gate / up kernel's hidden
+    # rows and their scales.
     num_acc = len(column_offsets)
-    num_out = 2 if _writes_scales(cfg, num_acc) else 1
-    a_gmem, a_scale_gmem, b_gmem, b_scale_gmem = refs[-4 - num_out : -num_out]
-    out_gmems = refs[-num_out:]
+    a_gmem, a_scale_gmem, b_gmem, b_scale_gmem = refs[-4 - num_acc : -num_acc]
+    out_gmems = refs[-num_acc:]
     block_m, block_n, tile_m, tile_n = cfg.block_m, cfg.block_n, cfg.tile_m, cfg.tile_n
     tile_k = cfg.tile_k
     k_steps = a_gmem.shape[1] // tile_k
@@ -156,9 +138,8 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     allocations = pipeline(ignore, ignore).get_allocations(
         a_gmem, a_scale_gmem, *[b_gmem.at[0]] * num_acc
     )
-    token_axis = _token_axis(cfg)
-    smem = {"out_smem": _epilogue_smem(cfg, num_acc, out_gmems[0].dtype)}
-    if num_out == 2:  # (warpgroup, rows): the hidden rows' scales
+    smem = {"out_smem": grouped_gemm_mosaic.epilogue_smem(out_gmems[0].dtype)}
+    if num_acc == 2:  # (warpgroup, rows): the hidden rows' scales
         smem["scale_smem"] = plgpu.SMEM((2, tile_m), _F32)
 
     @functools.partial(pl.run_scoped, allocations=allocations, **smem, collective_axes=_WARPGROUP)
@@ -169,36 +150,33 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
             expert = tile_expert_gmem[tile]
             cta_tile = grouped_gemm_mosaic.cta_row_tile(cfg, tile)
             rows = pl.ds(cta_tile * block_m, block_m)
-            wg_rows, wg_cols = grouped_gemm_mosaic.warpgroup_part(cfg, warpgroup)
-            row_start, block = _warpgroup_origin(cfg, warpgroup, col)
-            scale_rows = [offset // tile_n + block for offset in column_offsets]
+            wg_rows = grouped_gemm_mosaic.warpgroup_rows(cfg, warpgroup)
+            # Each accumulator's weight-scale row: a column tile is one tile_n-wide block.
+            scale_rows = [offset // tile_n + col for offset in column_offsets]
             computes = grouped_gemm_mosaic.warpgroup_computes(
                 cfg, row_slot_gmem, cta_tile, warpgroup
             )
 
             def compute_context(run_pipeline):
-                zeros = jnp.full(grouped_gemm_mosaic.acc_shape(cfg), 0, _F32)
+                zeros = jnp.full((tile_m, tile_n), 0, _F32)
                 sums = run_pipeline((plgpu.layout_cast(zeros, plgpu.Layout.WGMMA),) * num_acc)
-                cols = pl.ds(col * block_n, block_n)
-                wg_out = _warpgroup_out(
-                    cfg, num_acc, out_gmems[0], (rows, cols), (wg_rows, wg_cols)
-                )
-                out_rows = pl.ds(cta_tile * block_m + row_start, tile_m)
-                wg_scales = out_gmems[1].at[block, out_rows] if num_out == 2 else None
+                wg_out = out_gmems[0].at[rows, pl.ds(col * block_n, block_n)].at[wg_rows]
+                out_rows = pl.ds(cta_tile * block_m + warpgroup * tile_m, tile_m)
+                wg_scales = out_gmems[1].at[col, out_rows] if num_acc == 2 else None
                 stored = grouped_gemm_mosaic.all_of(stores, computes)
                 grouped_gemm_mosaic.run_when(stored, _EPILOGUE_SCOPE(lambda: _epilogue(
-                    cfg, sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales
+                    sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales
                 )))  # fmt: skip
 
             def promote(step, a_smem, a_scale_smem, b_smems, sums):
                 # The scales are loaded before the first wgmma is issued, so that their
                 # latency (a global load each) runs under the tensor cores' work.
-                token_scale = _token_scales(a_scale_smem.at[wg_rows], token_axis)
-                factors = [token_scale * b_scale_gmem[expert, row, step] for row in scale_rows]
+                row_scale = _row_scales(a_scale_smem.at[wg_rows])
+                factors = [row_scale * b_scale_gmem[expert, row, step] for row in scale_rows]
                 promoted = []
                 for b_smem, running, factor in zip(b_smems, sums, factors, strict=True):
-                    part = _partial_product(cfg, a_smem.at[wg_rows], b_smem.at[wg_cols])
-                    promoted.append(_promoted(running, part, factor, token_axis))
+                    part = _block_product(a_smem.at[wg_rows], b_smem, (tile_m, tile_n))
+                    promoted.append(_promoted(running, part, factor))
                 return tuple(promoted)
 
             def mma(indices, a_smem, a_scale_smem, *rest):
@@ -226,76 +204,17 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _warpgroup_origin(cfg: gemm_config.MosaicGemmConfig, warpgroup, col):
-    """``(first row in the row tile, column block)`` of compute warpgroup ``warpgroup``'s
-    ``tile_m x tile_n`` part of column tile ``col``: the column block indexes the weight
-    scales' and the hidden scales' ``tile_n``-wide blocks (from the accumulator's offset)."""
-    if cfg.split_columns:
-        return 0, col * 2 + warpgroup
-    return warpgroup * cfg.tile_m, col
-
-
-def _epilogue_smem(cfg: gemm_config.MosaicGemmConfig, num_acc: int, out_dtype):
-    """The epilogue's shared memory (``grouped_gemm_mosaic.epilogue_smem``), or for the
-    swapped gate / up kernel one ``tile_n x tile_m`` tile per warpgroup, as the accumulator
-    lies, in ``out_dtype`` (``_SWAPPED_HIDDEN_DTYPE``)."""
-    if _hidden_transposed(cfg, num_acc):
-        transforms = grouped_gemm_mosaic.smem_transforms(cfg.tile_m, jnp.dtype(out_dtype).itemsize)
-        return plgpu.SMEM((2, cfg.tile_n, cfg.tile_m), out_dtype, transforms=transforms)
-    return grouped_gemm_mosaic.epilogue_smem(cfg, out_dtype)
-
-
-def _warpgroup_out(cfg, num_acc: int, out_gmem, tile, part):
-    """A warpgroup's part of the output: ``out_gmem.at[tile].at[part]`` for ``tile = (rows,
-    columns)`` and ``part`` its ``(rows, columns)`` in the tile, both index pairs transposed
-    where the kernel writes float32 hidden values ``[F, R]`` (``_hidden_transposed``)."""
-    if _hidden_transposed(cfg, num_acc):
-        return out_gmem.at[tile[::-1]].at[part[::-1]]
-    return out_gmem.at[tile].at[part]
-
-
-def _hidden_transposed(cfg: gemm_config.MosaicGemmConfig, num_acc: int) -> bool:
-    """Whether a kernel of ``num_acc`` accumulators writes float32 hidden values ``[F, R]``:
-    the gate / up kernel with swapped operands (module docstring)."""
-    return num_acc == 2 and cfg.swap_operands
-
-
-def _writes_scales(cfg: gemm_config.MosaicGemmConfig, num_acc: int) -> bool:
-    """Whether a kernel of ``num_acc`` accumulators writes hidden rows' scales: the gate / up
-    kernel, unless it swaps its operands (module docstring)."""
-    return num_acc == 2 and not cfg.swap_operands
-
-
-def _token_axis(cfg: gemm_config.MosaicGemmConfig) -> int:
-    """The accumulators' axis of a warpgroup's rows (its tokens): 0, or 1 when swapped."""
-    return 1 if cfg.swap_operands else 0
-
-
-def _partial_product(cfg: gemm_config.MosaicGemmConfig, rows_smem, weights_smem) -> jax.Array:
-    """One step's product of a warpgroup's ``rows_smem [tile_m, qk]`` and ``weights_smem
-    [tile_n, qk]``: ``[tile_m, tile_n]``, or with swapped operands ``[tile_n, tile_m]``."""
-    if cfg.swap_operands:
-        return _block_product(weights_smem, rows_smem, grouped_gemm_mosaic.acc_shape(cfg))
-    return _block_product(rows_smem, weights_smem, grouped_gemm_mosaic.acc_shape(cfg))
-
-
-def _epilogue(cfg, sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales):
+def _epilogue(sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales):
     """Writes one warpgroup's part ``wg_out`` of a tile: the down kernel's sum in the output
-    dtype, or the gate / up kernel's ``silu(gate) * up``: quantized per token (the rows of
-    ``wg_out``) with their scales to ``wg_scales``, or in float32 where ``wg_scales`` is None
-    (swapped operands)."""
-    store = functools.partial(grouped_gemm_mosaic.store_warpgroup_part, cfg)
+    dtype, or the gate / up kernel's ``silu(gate) * up`` quantized per token (the rows of
+    ``wg_out``), with their scales to ``wg_scales``."""
     if len(sums) == 1:
-        store(sums[0].astype(wg_out.dtype), out_smem, wg_out, warpgroup)
+        grouped_gemm_mosaic.store_tile(sums[0].astype(wg_out.dtype), out_smem, wg_out, warpgroup)
         return
     gate, up = sums
-    hidden = grouped_gemm_mosaic.swiglu(gate, up)
-    if wg_scales is None:  # swapped: [tile_n, tile_m] as it lies
-        grouped_gemm_mosaic.store_via_smem(hidden, out_smem.at[warpgroup], wg_out, transposed=False)
-        return
-    values, scale = _quantized_rows(hidden)
-    # The store first waits for every earlier store, the last tile's scales included.
-    store(values, out_smem, wg_out, warpgroup)
+    values, scale = _quantized_rows(grouped_gemm_mosaic.swiglu(gate, up))
+    # store_tile first waits for every earlier store, the last tile's scales included.
+    grouped_gemm_mosaic.store_tile(values, out_smem, wg_out, warpgroup)
     scale_smem.at[warpgroup][...] = scale
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(scale_smem.at[warpgroup], wg_scales)
@@ -350,7 +269,7 @@ def _fp8_matmul(tile_expert, slot_of_row, a_rows, a_scales, weight, *, out_cols,
                 out_dtype, cfg, interpret):  # fmt: skip
     """One FP8 grouped GEMM over tile-major rows: ``([R, out_cols] in out_dtype,)``, or with
     two column offsets (gate / up) the FP8 hidden rows and their ``[out_cols / tile_n, R]``
-    scales, or where ``cfg`` swaps the operands ``([out_cols, R] float32,)``, unquantized."""
+    scales."""
     values, scales = weight
     body = functools.partial(
         _fp8_matmul_body, column_offsets=column_offsets, cfg=cfg,
@@ -358,33 +277,12 @@ def _fp8_matmul(tile_expert, slot_of_row, a_rows, a_scales, weight, *, out_cols,
         grid_size=grouped_gemm_mosaic.num_clusters(interpret),
     )  # fmt: skip
     num_rows = a_rows.shape[0]
-    out_shape = (num_rows, out_cols)
-    if _hidden_transposed(cfg, len(column_offsets)):
-        out_shape = (out_cols, num_rows)
-    out_type = [jax.ShapeDtypeStruct(out_shape, out_dtype)]
-    if _writes_scales(cfg, len(column_offsets)):
+    out_type = [jax.ShapeDtypeStruct((num_rows, out_cols), out_dtype)]
+    if len(column_offsets) == 2:
         out_type.append(jax.ShapeDtypeStruct((out_cols // cfg.tile_n, num_rows), _F32))
     kernel = grouped_gemm_mosaic.persistent_kernel(body, tuple(out_type), interpret)
     tile_operands = grouped_gemm_mosaic.tile_operands(tile_expert, slot_of_row, cfg)
     return kernel(*tile_operands, a_rows, a_scales, values, scales)
-
-
-def _hidden_dtype(cfg: gemm_config.MosaicGemmConfig):
-    """The dtype the gate / up kernel writes the hidden rows in: FP8, or
-    ``_SWAPPED_HIDDEN_DTYPE`` (unquantized) where ``cfg`` swaps the operands."""
-    return _SWAPPED_HIDDEN_DTYPE if cfg.swap_operands else fp8_blocks.FP8_DTYPE
-
-
-def _hidden_fp8(gate_up_out, cfg: gemm_config.MosaicGemmConfig):
-    """``(FP8 hidden rows [R, F], their scales [F / tile_n, R])`` from the gate / up kernel's
-    outputs: as it wrote them, or quantized here from its float32 rows where ``cfg`` swaps
-    the operands (``[F, R]``; the in-kernel scheme, ``fp8_blocks``)."""
-    if not cfg.swap_operands:
-        return gate_up_out
-    (transposed_rows,) = gate_up_out
-    # float32 already, so no barrier (fp8_blocks.quantize_rows): the transpose fuses in.
-    quantized = fp8_blocks.quantize_blocks(transposed_rows.T, (1, cfg.tile_n))
-    return quantized.values, quantized.scales.T
 
 
 def gathered_fp8_rows(x_slots, slot_of_row, tile_expert, block_m: int, qk: int):
@@ -434,12 +332,11 @@ def grouped_ffn_mosaic_fp8(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg,
     )
     gate_up_matrices = fp8_blocks.expert_matrices(w_gate_up, 2 * ffn, hidden, "mosaic")
     down_matrices = fp8_blocks.expert_matrices(w_down, hidden, ffn, "mosaic")
-    gate_up_out = _fp8_matmul(
+    hidden_rows, hidden_scales = _fp8_matmul(
         tile_expert, slot_of_row, rows, row_scales, gate_up_matrices,
-        out_cols=ffn, column_offsets=(0, ffn), out_dtype=_hidden_dtype(cfg.gate_up),
+        out_cols=ffn, column_offsets=(0, ffn), out_dtype=fp8_blocks.FP8_DTYPE,
         cfg=cfg.gate_up, interpret=interpret,
     )  # fmt: skip
-    hidden_rows, hidden_scales = _hidden_fp8(gate_up_out, cfg.gate_up)
     (out_rows,) = _fp8_matmul(
         tile_expert, slot_of_row, hidden_rows, hidden_scales, down_matrices,
         out_cols=hidden, column_offsets=(0,), out_dtype=x_slots.dtype, cfg=cfg.down,

@@ -126,34 +126,17 @@ def test_mosaic_spec_parses_per_kernel_configs():
     assert (cfg.gate_up.wgmma_in_flight, cfg.down.wgmma_in_flight) == (1, 0)
     assert (cfg.gate_up.prefetch_across_tiles, cfg.down.prefetch_across_tiles) == (False, True)
     assert grouped_gemm.mosaic_config("") is None
-    split = grouped_gemm.mosaic_config("64x128x64s4f1c/64x256x64pc")
-    assert (split.gate_up.tile_m, split.gate_up.tile_n, split.gate_up.split_columns) == (
-        64,
-        64,
-        True,
-    )
-    assert (split.down.block_m, split.down.block_n, split.down.prefetch_across_tiles) == (
-        64,
-        256,
-        True,
-    )
     skipping = grouped_gemm.mosaic_config("128x128x64s4f1e/128x256x64pe")
     assert skipping.gate_up.skip_empty_warpgroups and skipping.down.skip_empty_warpgroups
     assert skipping.down.prefetch_across_tiles and skipping.gate_up.block_m == 128
-    with pytest.raises(ValueError, match="skip_empty_warpgroups needs"):
-        grouped_gemm.mosaic_config("64x256x64ce")
     registers = grouped_gemm.mosaic_config("128x128x128s4er104/128x128x128r72")
     assert (registers.gate_up.memory_registers, registers.down.memory_registers) == (104, 72)
     assert registers.gate_up.skip_empty_warpgroups and not registers.down.skip_empty_warpgroups
-    swapped = grouped_gemm.mosaic_config("16x128x128s4pw/16x256x128s3cw")
-    assert (swapped.gate_up.tile_m, swapped.gate_up.block_m, swapped.gate_up.tile_n) == (8, 16, 128)
-    assert swapped.gate_up.swap_operands and swapped.gate_up.prefetch_across_tiles
-    assert (swapped.down.tile_m, swapped.down.tile_n, swapped.down.split_columns) == (16, 128, True)
-    assert swapped.down.swap_operands and not registers.down.swap_operands
     paired = grouped_gemm.mosaic_config("128x128x64s4f1m/128x256x64pm")
     assert paired.gate_up.pair_row_tiles and paired.down.pair_row_tiles
     assert paired.down.prefetch_across_tiles and paired.gate_up.layout_rows == 256
-    for spec in ("127x64x64", "64x129x64c"):  # M odd; N odd with c
+    # M odd; letters no option takes (c and w among them).
+    for spec in ("127x64x64", "128x256x64c", "128x256x64s4pw", "128x256x64pe/128x256x64cm"):
         with pytest.raises(ValueError, match="MxNxK"):
             grouped_gemm.mosaic_config(spec)
 
@@ -204,7 +187,6 @@ def test_computed_rows_round_each_experts_rows_up_to_the_mosaic_row_tile():
     assert rows("capacity", fp8=False) == 4 * 150
     assert rows("pallas", fp8=False) == rows("dense", fp8=False) == 335
     assert rows("mosaic", fp8=False) == rows("mosaic", fp8=True) == (2 + 1 + 2) * 128
-    assert rows("mosaic:64x128x64c/64x256x64c", fp8=False) == (3 + 1 + 3) * 64
     # Skipping empty warpgroups: 128-row tiles computing 64-row halves.
     assert rows("mosaic:128x128x64e/128x256x64e", fp8=False) == (3 + 1 + 3) * 64
 

@@ -61,21 +61,8 @@ PREFETCHING = gemm_config.MosaicFfnConfig(
 )
 
 
-# And with the warpgroups side by side: 64-row tiles, 128 columns per CTA (the last cluster
-# pair holds the one column tile: its second CTA computes it again and must not store it).
-SPLIT_COLUMNS = helpers.both_kernels(IN_FLIGHT, split_columns=True)
-
-
 # And with a warpgroup whose rows of a tile are all padding computing and storing nothing.
 SKIP_EMPTY = helpers.both_kernels(IN_FLIGHT, skip_empty_warpgroups=True)
-
-
-# And with the weights as wgmma's M operand, the rows as its N: 8-row warpgroups stacked
-# (16-row tiles: 130 rows are nine, the last's second warpgroup all padding, which it skips),
-# each CTA's tiles one pipeline whose steps the compute warpgroups release.
-SWAPPED = helpers.both_kernels(
-    PREFETCHING, swap_operands=True, tile_m=8, skip_empty_warpgroups=True, wgmma_in_flight=1
-)
 
 
 # And with the cluster's two CTAs taking the two 128-row halves of a 256-row tile of one
@@ -85,15 +72,15 @@ PAIRED = helpers.both_kernels(IN_FLIGHT, pair_row_tiles=True)
 
 @pytest.mark.parametrize(
     "config",
-    [SMALL, IN_FLIGHT, SPLIT_COLUMNS, SKIP_EMPTY, SWAPPED, PAIRED],
-    ids=["waited", "in_flight", "split_columns", "skip_empty_warpgroups", "swapped", "paired"],
+    [SMALL, IN_FLIGHT, SKIP_EMPTY, PAIRED],
+    ids=["waited", "in_flight", "skip_empty_warpgroups", "paired"],
 )
 def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
     # A partial second tile whose second warpgroup holds only padding (130 = 128 + 2), an
-    # empty expert, a full one whose second tile's second warpgroup holds 8 rows (200); split
-    # by columns, partial third and fourth tiles of 2 and 8 rows. Skipping empty warpgroups,
-    # the first expert's second tile runs one warpgroup, the last expert's two. Paired, each
-    # expert's rows are one 256-row tile whose second CTA holds 2 and 72 rows.
+    # empty expert, a full one whose second tile's second warpgroup holds 8 rows (200).
+    # Skipping empty warpgroups, the first expert's second tile runs one warpgroup, the last
+    # expert's two. Paired, each expert's rows are one 256-row tile whose second CTA holds 2
+    # and 72 rows.
     counts = jnp.array([130, 0, C], jnp.int32)
     x = jax.random.normal(jax.random.key(0), (E, C, H), DTYPE)
     out = kernels.grouped_ffn(x, counts, *_weights(1), impl="mosaic", config=config)
@@ -106,23 +93,22 @@ def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
     [
         ([200, 130, 200], PREFETCHING),
         ([5, 0, 0], PREFETCHING),
-        ([200, 130, 200], helpers.both_kernels(PREFETCHING, split_columns=True)),
         ([60, 130, 200], helpers.both_kernels(PREFETCHING, skip_empty_warpgroups=True)),
         (
             [60, 130, 200],
             helpers.both_kernels(PREFETCHING, skip_empty_warpgroups=True, pair_row_tiles=True),
         ),
     ],
-    ids=["three_tiles_a_cluster", "one_tile", "split_columns", "skip_empty_warpgroups", "paired"],
+    ids=["three_tiles_a_cluster", "one_tile", "skip_empty_warpgroups", "paired"],
 )
 def test_prefetching_across_tiles_matches_the_reference(counts, config):
     # Six live tiles over the interpreter's two clusters: each runs a pipeline of three
-    # (start, steady, stop); one live tile: one cluster runs a whole pipeline, one none; split
-    # by columns, eleven 64-row tiles: pipelines of six and five. Skipping empty warpgroups,
-    # five tiles of which two run one warpgroup (60 rows, and 130's second tile), inside one
-    # pipeline whose other tiles run two. Paired: three 256-row tiles, each a position per
-    # column tile (gate / up: six positions, pipelines of three); the first tile's second CTA
-    # holds no row (both its warpgroups skip), the second's 2 rows.
+    # (start, steady, stop); one live tile: one cluster runs a whole pipeline, one none.
+    # Skipping empty warpgroups, five tiles (pipelines of three and two) of which two run one
+    # warpgroup (60 rows, and 130's second tile), inside one pipeline whose other tiles run
+    # two. Paired: three 256-row tiles, each a position per column tile (gate / up: six
+    # positions, pipelines of three); the first tile's second CTA holds no row (both its
+    # warpgroups skip), the second's 2 rows.
     counts = jnp.array(counts, jnp.int32)
     x = jax.random.normal(jax.random.key(2), (E, C, H), DTYPE)
     out = kernels.grouped_ffn(x, counts, *_weights(3), impl="mosaic", config=config)
@@ -223,12 +209,6 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
     # The gate / up kernel's 32 contraction steps prefetch across tiles in stages of 4.
     prefetching = helpers.both_kernels(gemm_config.MOSAIC_FFN, prefetch_across_tiles=True)
     gate_up_prefetching = dataclasses.replace(prefetching, down=gemm_config.MOSAIC_FFN.down)
-    # 64-row tiles, the warpgroups side by side: gate / up 64 x 64 each (a CTA 128 columns
-    # wide, 11 of them), down 64 x 128 each.
-    split = gemm_config.MosaicFfnConfig(
-        gate_up=dataclasses.replace(gemm_config.MOSAIC_FFN.gate_up, tile_n=64, split_columns=True),
-        down=dataclasses.replace(gemm_config.MOSAIC_FFN.down, tile_n=128, split_columns=True),
-    )
 
     def layer(x, counts, w_gate_up, w_down, cfg):
         return grouped_gemm_mosaic.grouped_ffn_mosaic(
@@ -249,7 +229,7 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
     monkeypatch.delenv("MOSAIC_GPU_DUMP_PTX")
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
     assert "ex2.approx" in ptx and "rsqrt.approx" in ptx and "div.rn.f32" not in ptx
-    for cfg in (waited, gate_up_prefetching, split, skipping, paired):
+    for cfg in (waited, gate_up_prefetching, skipping, paired):
         hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
         assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
     # The down kernel's 22 (1408 / 64) do not fill stages of 4.
@@ -297,27 +277,13 @@ def test_launch_shapes_are_checked():
         gemm_config.MosaicGemmConfig(max_concurrent_steps=1, wgmma_in_flight=1)
     assert gemm_config.MosaicGemmConfig(wgmma_in_flight=1).describe().endswith(" f1")
     prefetching = gemm_config.MosaicGemmConfig(wgmma_in_flight=1, prefetch_across_tiles=True)
-    split = gemm_config.MosaicGemmConfig(tile_n=128, split_columns=True)
-    assert (split.block_m, split.block_n) == (64, 256)
-    assert split.describe() == "64x256x64 s4 t4 c"
     skipping = gemm_config.MosaicGemmConfig(skip_empty_warpgroups=True)
     assert skipping.describe() == "128x256x64 s4 t4 e"
-    with pytest.raises(ValueError, match="skip_empty_warpgroups needs the warpgroups stacked"):
-        gemm_config.MosaicGemmConfig(split_columns=True, skip_empty_warpgroups=True)
     assert gemm_config.MosaicGemmConfig(memory_registers=72).describe() == "128x256x64 s4 t4 r72"
     for registers in (20, 60, 264):
         with pytest.raises(ValueError, match=f"multiple of 8 in \\[24, 256\\].*got {registers}"):
             gemm_config.MosaicGemmConfig(memory_registers=registers)
     assert prefetching.describe().endswith(" f1 p")
-    # Swapped operands: the rows are wgmma's N (8 to 256; 16 side by side), the weights its M.
-    swapped = gemm_config.MosaicGemmConfig(tile_m=8, tile_n=128, swap_operands=True)
-    assert (swapped.block_m, swapped.block_n, swapped.describe()) == (16, 128, "16x128x64 s4 t4 w")
-    with pytest.raises(ValueError, match="tile_m must be >= 16, got 8"):
-        gemm_config.MosaicGemmConfig(tile_m=8, split_columns=True, swap_operands=True)
-    with pytest.raises(ValueError, match="tile_m must be >= 8, got 4"):
-        gemm_config.MosaicGemmConfig(tile_m=4, swap_operands=True)
-    with pytest.raises(ValueError, match="wgmma's N, at most 256: got 512"):
-        gemm_config.MosaicGemmConfig(tile_m=512, swap_operands=True)
     # Paired row tiles: a 256-row layout tile, two CTA tiles; both kernels take the same.
     paired = gemm_config.MosaicGemmConfig(pair_row_tiles=True)
     assert (paired.block_m, paired.layout_rows, paired.describe()) == (

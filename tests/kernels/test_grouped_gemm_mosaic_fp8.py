@@ -33,21 +33,13 @@ SMALL = gemm_config.MosaicFfnConfig(
     gate_up=gemm_config.MosaicGemmConfig(tile_n=64, tile_k=64, max_concurrent_steps=2),
     down=gemm_config.MosaicGemmConfig(tile_n=64, tile_k=64, max_concurrent_steps=2),
 )
-# (H, F, block, config): two contraction steps of each kernel, one cluster's column pair in
-# the gate / up kernel and two in the down kernel.
-SPLIT_COLUMNS = helpers.both_kernels(SMALL, split_columns=True)
-SPLIT_COLUMNS_PREFETCHING = helpers.both_kernels(SPLIT_COLUMNS, prefetch_across_tiles=True)
 PREFETCHING = helpers.both_kernels(SMALL, prefetch_across_tiles=True)
 PAIRED_PREFETCHING = helpers.both_kernels(
     PREFETCHING, pair_row_tiles=True, skip_empty_warpgroups=True
 )
 SKIP_EMPTY_PREFETCHING = helpers.both_kernels(PREFETCHING, skip_empty_warpgroups=True)
-# The weights as wgmma's M operand, the rows as its N: 16-row warpgroups stacked (32-row
-# tiles) in one pipeline a CTA, and 32-row ones side by side (32-row tiles).
-SWAPPED = helpers.both_kernels(PREFETCHING, swap_operands=True, tile_m=16)
-SWAPPED_SPLIT_COLUMNS = helpers.both_kernels(
-    SMALL, swap_operands=True, tile_m=32, split_columns=True
-)
+# (H, F, block, config): two contraction steps of each kernel, one cluster's column pair in
+# the gate / up kernel and two in the down kernel.
 CASES = {
     "64-blocks": (128, 128, SMALL_BLOCK, SMALL),
     # The default launch shapes (config None: gemm_config.mosaic_ffn_fp8, prefetching across
@@ -57,21 +49,10 @@ CASES = {
     # a pipeline of four visits a cluster in the gate / up kernel (two column pairs a tile),
     # of two in the down kernel.
     "prefetching": (128, 256, SMALL_BLOCK, PREFETCHING),
-    # The warpgroups side by side, in one pipeline a CTA: 64-row tiles (130 rows: three, the
-    # last of 2 rows), each warpgroup its own 64-wide weight block; two gate / up column
-    # blocks a CTA, one down tile (an odd count: the pair's second CTA computes it again and
-    # must not store it, its pipelines holding those unstored visits). Side by side without
-    # prefetching: "swapped_split_columns".
-    "split_columns_prefetching": (128, 256, SMALL_BLOCK, SPLIT_COLUMNS_PREFETCHING),
     # A warpgroup whose rows of a tile are all padding computes and stores nothing: 130's
     # second tile runs one warpgroup (its sums stay zero), 200's two; in pipelines (the
     # float kernels' test runs it without).
     "skip_empty_warpgroups_prefetching": (128, 256, SMALL_BLOCK, SKIP_EMPTY_PREFETCHING),
-    # Swapped operands, each accumulator stored transposed: 130 rows are five 32-row tiles
-    # (the last of 2 rows, its second warpgroup's rows all padding); one gate / up column pair
-    # (with its 64-wide blocks side by side, one tile, stored once).
-    "swapped": (128, 128, SMALL_BLOCK, SWAPPED),
-    "swapped_split_columns": (128, 128, SMALL_BLOCK, SWAPPED_SPLIT_COLUMNS),
     # The cluster's CTAs take the two halves of a 256-row tile of one expert (130 rows: the
     # second CTA holds 2, its second warpgroup none, which it skips; 200: 72), the weight
     # block multicast to both, in one pipeline a CTA.
@@ -168,9 +149,16 @@ def test_weight_only_fp8_and_other_tiles_are_refused():
         kernels.grouped_ffn(x, counts, w_gate_up, w_down, impl="mosaic", config=SMALL)
 
 
-def test_an_odd_number_of_column_tiles_is_stored_once():
+@pytest.mark.parametrize(
+    "config",
+    [SMALL, helpers.both_kernels(PREFETCHING, max_concurrent_steps=3)],
+    ids=["per_tile", "prefetching"],
+)
+def test_an_odd_number_of_column_tiles_is_stored_once(config):
     # 192 columns of 64 in both kernels: the last cluster pair holds one column tile, which
     # its second CTA computes again and must not store (poisoned rows would show).
+    # Prefetching, three contraction steps in three stages: the unstored visits inside the
+    # pipelines.
     (w_gate_up, gate_up_64), (w_down, down_64) = helpers.fp8_expert_weights(
         5, (E, 192, 192), SMALL_BLOCK
     )
@@ -178,7 +166,7 @@ def test_an_odd_number_of_column_tiles_is_stored_once():
     x = jnp.asarray(np.random.default_rng(6).standard_normal((E, C, 192)) * 3, DTYPE)
     x = jnp.where(jnp.arange(C)[None, :, None] < counts[:, None, None], x, jnp.nan)
     out = kernels.grouped_ffn(
-        x, jnp.asarray(counts), w_gate_up, w_down, impl="mosaic", config=SMALL
+        x, jnp.asarray(counts), w_gate_up, w_down, impl="mosaic", config=config
     )
     live = np.arange(C)[None, :] < counts[:, None]
     want = helpers.numpy_fp8_activations_ffn(
@@ -248,30 +236,16 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
     hlo = helpers.compiled_for_h200(layer, shapes)
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
     if ffn == 768:
-        gate_up, down = gemm_config.MOSAIC_FFN_FP8.gate_up, gemm_config.MOSAIC_FFN_FP8.down
-        prefetching = default  # as compiled above
-        # 64-row tiles, the warpgroups side by side: 256 columns a CTA; the gate / up kernel's
-        # two accumulators fit shared memory in 2 stages.
-        split = gemm_config.MosaicFfnConfig(
-            gate_up=dataclasses.replace(gate_up, split_columns=True, max_concurrent_steps=2),
-            down=dataclasses.replace(down, split_columns=True),
-        )
         # Skipping empty warpgroups, the memory warpgroup keeping 104 registers (the compute
         # warpgroups 200).
         skipping = helpers.both_kernels(
             gemm_config.MOSAIC_FFN_FP8, skip_empty_warpgroups=True, memory_registers=104
         )
-        # Swapped operands: 8-row warpgroups stacked (16-row tiles) prefetching across tiles,
-        # and 16-row ones side by side.
-        swapped = helpers.both_kernels(prefetching, swap_operands=True, tile_m=8)
-        swapped_split = gemm_config.MosaicFfnConfig(
-            gate_up=dataclasses.replace(split.gate_up, swap_operands=True, tile_m=16),
-            down=dataclasses.replace(split.down, swap_operands=True, tile_m=16),
-        )
-        # The cluster's CTAs pairing row tiles, the weight blocks multicast.
-        paired = helpers.both_kernels(prefetching, pair_row_tiles=True)
+        # The cluster's CTAs pairing row tiles, the weight blocks multicast, prefetching
+        # across tiles as the default does.
+        paired = helpers.both_kernels(default, pair_row_tiles=True)
         # The waited pipelines (MOSAIC_FFN_FP8), each tile filling its own.
-        for cfg in (gemm_config.MOSAIC_FFN_FP8, split, skipping, swapped, swapped_split, paired):
+        for cfg in (gemm_config.MOSAIC_FFN_FP8, skipping, paired):
             hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
             assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
 
