@@ -122,5 +122,5 @@ def test_the_readme_quickstart_runs_from_the_wheel(installed):
     epilogue = "\nprint('jtbo', jtbo.__file__)\n"
     results, out = readme_quickstart.run(python, cwd, epilogue)
     assert [len(tokens) for tokens in results] == [16, 16]
-    jtbo_file = out.split("jtbo ", 1)[1].split()[0]
+    (jtbo_file,) = [line.split(" ", 1)[1] for line in out.splitlines() if line.startswith("jtbo ")]
     assert pathlib.Path(jtbo_file).is_relative_to(python.parents[1]), jtbo_file
