@@ -15,7 +15,6 @@ import signal
 import sys
 import time
 
-from tests import gc_policy
 from tests.runner import multihost_worker
 
 PEER_TIMEOUT_S = 4.0
@@ -66,22 +65,7 @@ def main(argv: list[str]) -> None:
       argv: ``[process_id, num_processes, port, fault]``.
     """
     process_id, num_processes, port, fault = int(argv[0]), int(argv[1]), argv[2], argv[3]
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = multihost_worker.xla_flags(num_processes)
-    import jax  # noqa: PLC0415 - only after the environment above is set
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=num_processes,
-        process_id=process_id,
-    )
-    multihost_worker.cache_every_process()
-    from tests.runner import multihost_scenario  # noqa: PLC0415 - imports jax-using modules
-
-    gc_policy.collect_less()
-    gc_policy.freeze_imported()
-
+    multihost_scenario = multihost_worker.set_up(process_id, num_processes, port)
     if process_id == FAULT_PROCESS:
         _inject(fault)
     runner = multihost_scenario.make_runner(False, buckets=(16,), peer_timeout_s=PEER_TIMEOUT_S)

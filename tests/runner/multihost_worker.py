@@ -59,13 +59,15 @@ def cache_every_process() -> None:
     compiler._cache_write = write_own
 
 
-def main(argv: list[str]) -> None:
-    """Runs the scenario as one process (see the module docstring).
+def set_up(process_id: int, num_processes: int, port: str):
+    """Sets up this process before jax loads: its CPU platform (``xla_flags``), and with
+    ``num_processes > 1`` the ``jax.distributed`` run at ``127.0.0.1:port`` with gloo CPU
+    collectives (``cache_every_process``); then imports the scenario and takes the test
+    processes' collector settings (``gc_policy``).
 
-    Args:
-      argv: ``[process_id, num_processes, port, out_path]``.
+    Returns:
+      The ``multihost_scenario`` module.
     """
-    process_id, num_processes, port, out_path = int(argv[0]), int(argv[1]), argv[2], argv[3]
     os.environ["JAX_PLATFORMS"] = "cpu"
     os.environ["XLA_FLAGS"] = xla_flags(num_processes)
     import jax  # noqa: PLC0415 - only after the environment above is set
@@ -82,11 +84,23 @@ def main(argv: list[str]) -> None:
 
     gc_policy.collect_less()
     gc_policy.freeze_imported()
+    return multihost_scenario
 
-    results = multihost_scenario.run(num_processes)
+
+def main(argv: list[str]) -> None:
+    """Runs the scenario as one process (see the module docstring).
+
+    Args:
+      argv: ``[process_id, num_processes, port, out_path]``.
+    """
+    process_id, num_processes, port, out_path = int(argv[0]), int(argv[1]), argv[2], argv[3]
+    scenario = set_up(process_id, num_processes, port)
+    results = scenario.run(num_processes)
     with open(out_path, "wb") as f:
         pickle.dump(results, f)
     if num_processes > 1:
+        import jax  # noqa: PLC0415 - loaded by set_up, after the environment
+
         jax.distributed.shutdown()
 
 
