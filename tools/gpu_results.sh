@@ -19,7 +19,8 @@
 # prefetching), sampler (the sampled step's keys-only sort against the key-value sorts it
 # replaced, and a sampled against a greedy serve), memory-registers (the memory warpgroup's registers),
 # fp8-decode-pe (FP8 Mosaic decode stacks prefetching across tiles and skipping empty
-# warpgroups against the default).
+# warpgroups against the default), fp8-decode-options (the FP8 decode stacks' default, waited,
+# skipping and prefetching-and-skipping launch shapes side by side).
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
 # fp8-default (the FP8 Mosaic default launch shapes against the waited pipelines they replaced),
@@ -303,6 +304,18 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
         --no-copy-ceiling --check-rows 16
       LIMIT=150 bench paired-bf16-dsv3 8 grouped_gemm --no-kernel-rows --preset deepseek-v3 \
         --tokens 16384 --impls "mosaic,$bf16" --no-copy-ceiling --check-rows 16 ;;
+    fp8-decode-options)  # the FP8 Mosaic decode stacks' options side by side in one run: the
+      # default (prefetching across tiles), the waited pipelines (s4), the waited pipelines
+      # skipping empty warpgroups (s4e), prefetching and skipping (s4pe); Pallas beside them
+      # where "auto" takes it (Qwen3-30B-A3B)
+      fp8="--expert-dtype float8_e4m3fn"
+      impls=mosaic,mosaic:128x128x128s4,mosaic:128x128x128s4e,mosaic:128x128x128s4pe
+      LIMIT=200 bench options-fp8-decode-dsv3 10 grouped_gemm --no-kernel-rows --preset deepseek-v3 $fp8 \
+        --tokens 64 --impls "$impls" --layers-per-call 4
+      LIMIT=150 bench options-fp8-decode-mixtral 12 grouped_gemm --no-kernel-rows --preset mixtral-8x7b \
+        $fp8 --tokens 128,256 --impls "$impls" --layers-per-call 8
+      LIMIT=150 bench options-fp8-decode-qwen3 14 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b \
+        $fp8 --tokens 64,256 --impls "pallas,$impls" --layers-per-call 8 ;;
     fp8-decode-pe)  # the FP8 Mosaic 128-row tiles prefetching across tiles and skipping empty
       # warpgroups (spec pe) against the default, in decode stacks where "auto" takes Mosaic
       fp8="--expert-dtype float8_e4m3fn"
@@ -388,7 +401,7 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
       "prefetch, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty, sampler," \
       "memory-registers, fp8-registers-pe, fp8-registers-default, fp8-side, fp8-registers-step," \
-      "pair-row-tiles, fp8-decode-pe, sort-rewriter, gpu-tests, profile, fp8-default, epilogue)"
+      "pair-row-tiles, fp8-decode-pe, fp8-decode-options, sort-rewriter, gpu-tests, profile, fp8-default, epilogue)"
       exit 2 ;;
   esac
 done
