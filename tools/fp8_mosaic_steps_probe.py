@@ -97,7 +97,7 @@ def _body(
 
         @functools.partial(
             grouped_gemm_mosaic.walk_tiles, tile_expert_gmem.shape[0], num_col_tiles,
-            cfg.grid_tile_width, False,  # the rows multicast, the CTAs on neighbouring columns
+            cfg.grid_tile_width,
         )  # fmt: skip
         def _visit(tile, col, stores):
             expert = tile_expert_gmem[tile]

@@ -30,9 +30,7 @@
 # prefill 16384, decode stacks), fp8-side (FP8 against bf16 experts side by side, the FP8
 # kernels alone on a slot buffer), fp8-registers-step (the FP8 prefill device step at 88 and
 # at 40 gate / up memory registers),
-# sort-rewriter (XLA's SortRewriter's log and the custom calls the sampler's sorts compile to),
-# pair-row-tiles (the cluster's CTAs pairing row tiles, the weights multicast, against the
-# defaults).
+# sort-rewriter (XLA's SortRewriter's log and the custom calls the sampler's sorts compile to).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -290,20 +288,6 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
           --iters 10 --no-profile --expert-dtype float8_e4m3fn >"$OUT/fp8-step-r$registers.log" 2>&1
         echo "(exit $?)"; tail -n 8 "$OUT/fp8-step-r$registers.log"
       done ;;
-    pair-row-tiles)  # the cluster's CTAs pairing row tiles of one expert, the weight tile
-      # multicast (spec m, MosaicGemmConfig.pair_row_tiles), with and without skipping empty
-      # warpgroups, against the defaults, bf16 and FP8, at prefill sizes; its GPU tests first
-      gpu_pytest pytest-paired 150 -k paired tests/kernels/test_grouped_gemm_mosaic.py \
-        tests/kernels/test_grouped_gemm_mosaic_fp8.py
-      bf16=mosaic:128x128x64s4f1m/128x256x64s4f1m,mosaic:128x128x64s4f1em/128x256x64s4f1em
-      LIMIT=150 bench paired-bf16-qwen3 12 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b \
-        --tokens 4096,16384 --impls "dense,mosaic,$bf16" --no-copy-ceiling --check-rows 16
-      fp8=mosaic:128x128x128s4pr88m/128x128x128s3pm,mosaic:128x128x128s4per88m/128x128x128s3pem
-      LIMIT=150 bench paired-fp8-qwen3 12 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b \
-        --expert-dtype float8_e4m3fn --tokens 4096,16384 --impls "dense,mosaic,$fp8" \
-        --no-copy-ceiling --check-rows 16
-      LIMIT=150 bench paired-bf16-dsv3 8 grouped_gemm --no-kernel-rows --preset deepseek-v3 \
-        --tokens 16384 --impls "mosaic,$bf16" --no-copy-ceiling --check-rows 16 ;;
     fp8-decode-options)  # the FP8 Mosaic decode stacks' options side by side in one run: the
       # default (prefetching across tiles), the waited pipelines (s4), the waited pipelines
       # skipping empty warpgroups (s4e), prefetching and skipping (s4pe); Pallas beside them
@@ -401,7 +385,7 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
       "prefetch, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty, sampler," \
       "memory-registers, fp8-registers-pe, fp8-registers-default, fp8-side, fp8-registers-step," \
-      "pair-row-tiles, fp8-decode-pe, fp8-decode-options, sort-rewriter, gpu-tests, profile, fp8-default, epilogue)"
+      "fp8-decode-pe, fp8-decode-options, sort-rewriter, gpu-tests, profile, fp8-default, epilogue)"
       exit 2 ;;
   esac
 done

@@ -150,15 +150,6 @@ class MosaicGemmConfig:
       memory_registers: registers a thread of the memory warpgroup keeps (``setmaxnreg``); the
         two compute warpgroups share the rest of the register file (232 each at 40). A
         multiple of 8 in ``[24, 256]``.
-      pair_row_tiles: the cluster's two CTAs take the two ``block_m``-row halves of one
-        ``2 * block_m``-row tile (one expert's) and the same column tile, so the weight tile is
-        loaded once for both (TMA multicast) and each CTA loads its own rows; by default they
-        take neighbouring column tiles of one row tile, the rows loaded once for both and the
-        weights per CTA. A CTA's step then loads its whole row tile and half the weight tile
-        rather than half the row tile and the whole weight tile (fewer bytes wherever the
-        weight tile is the larger, as in the gate / up kernel's two), and each expert's rows
-        are padded up to a multiple of ``2 * block_m`` (``layout_rows``). Both kernels of an
-        FFN take the same layout.
     """
 
     tile_m: int = 64
@@ -170,7 +161,6 @@ class MosaicGemmConfig:
     prefetch_across_tiles: bool = False
     skip_empty_warpgroups: bool = False
     memory_registers: int = MOSAIC_MEMORY_REGISTERS
-    pair_row_tiles: bool = False
 
     def __post_init__(self):
         launch_checks.require_powers_of_two(self, ("tile_m", "tile_n", "tile_k"))
@@ -195,31 +185,24 @@ class MosaicGemmConfig:
         return 2 * self.tile_m
 
     @property
-    def layout_rows(self) -> int:
-        """Rows of one tile of the tile-major layout (one expert's): ``block_m``, or
-        ``2 * block_m`` with ``pair_row_tiles`` (a cluster's two CTAs take one each)."""
-        return 2 * self.block_m if self.pair_row_tiles else self.block_m
-
-    @property
     def block_n(self) -> int:
         """Columns of one column tile (a CTA's tile; the gate / up kernel: per accumulator):
         ``tile_n``, each compute warpgroup computing all of them."""
         return self.tile_n
 
     def describe(self) -> str:
-        """Short label for tables: ``MxNxK sS tT [fF] [p] [e] [rR] [m]`` (M x N a CTA's tile, F
-        the steps in flight when not 0, ``p`` when the pipeline prefetches across tiles, ``e``
-        when empty warpgroups are skipped, R the memory warpgroup's registers when not the
-        default, ``m`` when the cluster pairs row tiles and multicasts the weights)."""
+        """Short label for tables: ``MxNxK sS tT [fF] [p] [e] [rR]`` (M x N a CTA's tile, F the
+        steps in flight when not 0, ``p`` when the pipeline prefetches across tiles, ``e`` when
+        empty warpgroups are skipped, R the memory warpgroup's registers when not the
+        default)."""
         in_flight = f" f{self.wgmma_in_flight}" if self.wgmma_in_flight else ""
         prefetch = " p" if self.prefetch_across_tiles else ""
         skip = " e" if self.skip_empty_warpgroups else ""
         registers = self.memory_registers
         registers = f" r{registers}" if registers != MOSAIC_MEMORY_REGISTERS else ""
-        pair = " m" if self.pair_row_tiles else ""
         return (
             f"{self.block_m}x{self.block_n}x{self.tile_k} s{self.max_concurrent_steps} "
-            f"t{self.grid_tile_width}{in_flight}{prefetch}{skip}{registers}{pair}"
+            f"t{self.grid_tile_width}{in_flight}{prefetch}{skip}{registers}"
         )
 
 
@@ -240,11 +223,6 @@ class MosaicFfnConfig:
             raise ValueError(
                 f"both kernels tile the same rows: block_m {self.gate_up.block_m} != "
                 f"{self.down.block_m}"
-            )
-        if self.gate_up.pair_row_tiles != self.down.pair_row_tiles:
-            raise ValueError(
-                "both kernels tile the same rows: pair_row_tiles "
-                f"{self.gate_up.pair_row_tiles} != {self.down.pair_row_tiles}"
             )
 
     def describe(self) -> str:

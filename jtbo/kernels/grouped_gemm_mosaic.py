@@ -34,14 +34,6 @@ expert's last tile of at most ``tile_m`` rows costs the tensor cores half a tile
 decode sizes nearly every tile does; its output rows are left unwritten, as a dead tile's
 are, and nothing reads them. The gate / up kernel keeps a gate and an up accumulator and
 writes ``silu(gate) * up`` in the input dtype; the down kernel writes its accumulator.
-
-With ``pair_row_tiles`` the roles of the two operands in the cluster swap: the layout's tiles
-are ``2 * block_m`` rows of one expert (``layout_rows``), the cluster's two CTAs take the two
-``block_m``-row halves of one such tile (``cta_row_tile``) and the same column tile, and the
-weight tile is the operand loaded once for both (``shared_operands``), each CTA loading its own
-rows. The walk's positions are then (tile, column tile) pairs, one column tile each, so an odd
-number of column tiles needs no unstored twin. A half of only padding rows still takes its
-share of the loads; with ``skip_empty_warpgroups`` its warpgroups issue no ``wgmma``.
 """
 
 import functools
@@ -80,8 +72,8 @@ def smem_transforms(minor_elems: int, itemsize: int) -> tuple:
 def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg, num_col_tiles,
                          grid_size):  # fmt: skip
     # tile_expert_gmem: [num_tiles] int32 expert of each row tile (-1: dead); refs: first the
-    # optional tile operands (tile_refs), then a_gmem: [num_tiles * layout_rows, K] tile-major
-    # rows; b_gmem: [E, K, N_b] weights; out_gmem: [num_tiles * layout_rows, N] with
+    # optional tile operands (tile_refs), then a_gmem: [num_tiles * block_m, K] tile-major
+    # rows; b_gmem: [E, K, N_b] weights; out_gmem: [num_tiles * block_m, N] with
     # N = num_col_tiles * block_n. Accumulator i reads the weight columns
     # column_offsets[i] + (column tile) * block_n.
     num_live_gmem, row_slot_gmem = tile_refs(cfg, refs)
@@ -99,15 +91,13 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
     delay_release = 0 if cfg.prefetch_across_tiles else cfg.wgmma_in_flight
 
     def pipeline(body, compute_context, pipeline_state=None):
-        rows_shared, weights_shared = shared_operands(cfg)
         a_spec = plgpu.BlockSpec(
             (block_m, tile_k), lambda k: (0, k), transforms=operand_transforms,
-            memory_space=plgpu.SMEM, collective_axes=rows_shared, delay_release=delay_release,
+            memory_space=plgpu.SMEM, collective_axes=(CLUSTER,), delay_release=delay_release,
         )  # fmt: skip
         b_spec = plgpu.BlockSpec(
             (tile_k, block_n), lambda k: (k, 0), transforms=weight_transforms,
-            memory_space=plgpu.SMEM, collective_axes=weights_shared,
-            delay_release=delay_release,
+            memory_space=plgpu.SMEM, delay_release=delay_release,
         )  # fmt: skip
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_steps,), memory_registers=cfg.memory_registers,
@@ -130,10 +120,9 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
 
         def visit(tile, col, stores, pipeline_state=None):
             expert = tile_expert_gmem[tile]
-            cta_tile = cta_row_tile(cfg, tile)
-            rows = pl.ds(cta_tile * block_m, block_m)
+            rows = pl.ds(tile * block_m, block_m)
             wg_rows = warpgroup_rows(cfg, warpgroup)
-            computes = warpgroup_computes(cfg, row_slot_gmem, cta_tile, warpgroup)
+            computes = warpgroup_computes(cfg, row_slot_gmem, tile, warpgroup)
 
             def compute_context(run_pipeline):
                 acc_shape = (cfg.tile_m, cfg.tile_n)
@@ -185,23 +174,6 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def shared_operands(cfg: gemm_config.MosaicGemmConfig) -> tuple[tuple, tuple]:
-    """``(collective axes of the rows' BlockSpec, of the weights')``: the operand the
-    cluster's two CTAs load once for both (TMA multicast): the row tile, or with
-    ``pair_row_tiles`` the weight tile."""
-    if cfg.pair_row_tiles:
-        return (), (CLUSTER,)
-    return (CLUSTER,), ()
-
-
-def cta_row_tile(cfg: gemm_config.MosaicGemmConfig, tile):
-    """The ``block_m``-row tile this CTA computes of layout tile ``tile``: the tile itself,
-    or with ``pair_row_tiles`` its half ``2 * tile + (CTA in the cluster)``."""
-    if cfg.pair_row_tiles:
-        return 2 * tile + lax.axis_index(CLUSTER)
-    return tile
-
-
 @jax.named_scope(SCOPE_WGMMA_WAIT)
 def wgmma_wait(groups: int) -> None:
     """``plgpu.wgmma_wait(groups)``: waits until at most ``groups`` issued ``wgmma`` groups
@@ -227,64 +199,48 @@ def walk(cfg, k_steps: int, num_tiles: int, num_col_tiles: int, grid_size: int, 
       KernelUnavailableError: prefetching over ``k_steps`` contraction steps that the
         pipeline's ``max_concurrent_steps`` stages do not divide.
     """
-    walk_shape = (num_col_tiles, cfg.grid_tile_width, cfg.pair_row_tiles)
     if not cfg.prefetch_across_tiles:
-        walk_tiles(num_tiles, *walk_shape, visit)
+        walk_tiles(num_tiles, num_col_tiles, cfg.grid_tile_width, visit)
         return
     if k_steps % cfg.max_concurrent_steps:
         raise impls.KernelUnavailableError(
             f"prefetch_across_tiles needs contraction steps ({k_steps}) that "
             f"max_concurrent_steps ({cfg.max_concurrent_steps}) divides"
         )
-    walk_live_tiles(num_live_gmem[0], *walk_shape, grid_size, visit)
+    walk_live_tiles(num_live_gmem[0], num_col_tiles, cfg.grid_tile_width, grid_size, visit)
 
 
-def _column_steps(num_col_tiles: int, pair_row_tiles: bool) -> int:
-    """A row tile's walk positions: one per column tile where the cluster's CTAs pair row
-    tiles, else one per pair of neighbouring column tiles."""
-    return num_col_tiles if pair_row_tiles else arith.ceil_div(num_col_tiles, 2)
-
-
-def _tile_and_column(index, num_tiles, num_col_tiles: int, grid_tile_width: int,
-                     pair_row_tiles: bool):  # fmt: skip
+def _tile_and_column(index, num_tiles, num_col_tiles: int, grid_tile_width: int):
     """``(row tile, column tile, stores)`` of walk position ``index``: positions cover the
-    (row tile, column step) pairs in ``plgpu.planar_snake`` order (``_column_steps``); the
-    two CTAs of a cluster take the step's two neighbouring column tiles, or with
-    ``pair_row_tiles`` its one column tile each (``walk_tiles``)."""
-    steps = _column_steps(num_col_tiles, pair_row_tiles)
-    tile, step = plgpu.planar_snake(index, (num_tiles, steps), 0, grid_tile_width)
-    if pair_row_tiles:
-        return tile, step, None
-    col = step * 2 + lax.axis_index(CLUSTER)
+    (row tile, column pair) pairs in ``plgpu.planar_snake`` order, and the two CTAs of a
+    cluster take the pair's two neighbouring column tiles (``walk_tiles``)."""
+    pairs = arith.ceil_div(num_col_tiles, 2)
+    tile, pair = plgpu.planar_snake(index, (num_tiles, pairs), 0, grid_tile_width)
+    col = pair * 2 + lax.axis_index(CLUSTER)
     if num_col_tiles % 2 == 0:
         return tile, col, None
     return tile, jnp.minimum(col, num_col_tiles - 1), col < num_col_tiles
 
 
-def walk_tiles(num_tiles: int, num_col_tiles: int, grid_tile_width: int, pair_row_tiles: bool,
-               visit) -> None:  # fmt: skip
+def walk_tiles(num_tiles: int, num_col_tiles: int, grid_tile_width: int, visit) -> None:
     """Calls ``visit(row tile, column tile, stores)`` for each position of the persistent
     grid: the clusters walk the (row tile, column pair) pairs in ``plgpu.planar_snake`` order,
-    and the two CTAs of a cluster take the pair's two neighbouring column tiles; with
-    ``pair_row_tiles`` the positions are (row tile, column tile) and both CTAs take the same
-    one (each computing its half of the row tile, ``cta_row_tile``).
+    and the two CTAs of a cluster take the pair's two neighbouring column tiles.
 
-    With an odd number of column tiles (not pairing row tiles) the last pair has one: its
-    second CTA still runs the pipeline (the cluster loads the row tile for both) over the
-    last column tile again, and must not store it. ``stores`` is then a traced bool, false
-    for that CTA (``run_when``); otherwise it is None (every CTA stores).
+    With an odd number of column tiles the last pair has one: its second CTA still runs the
+    pipeline (the cluster loads the row tile for both) over the last column tile again, and
+    must not store it. ``stores`` is then a traced bool, false for that CTA (``run_when``);
+    with an even number it is None (every CTA stores).
     """
-    steps = _column_steps(num_col_tiles, pair_row_tiles)
+    pairs = arith.ceil_div(num_col_tiles, 2)
 
-    @plgpu.nd_loop((num_tiles * steps,), collective_axes=CLUSTER_GRID)
+    @plgpu.nd_loop((num_tiles * pairs,), collective_axes=CLUSTER_GRID)
     def _tile_loop(loop_info):
-        visit(*_tile_and_column(
-            loop_info.index[0], num_tiles, num_col_tiles, grid_tile_width, pair_row_tiles
-        ))  # fmt: skip
+        visit(*_tile_and_column(loop_info.index[0], num_tiles, num_col_tiles, grid_tile_width))
 
 
-def walk_live_tiles(num_live, num_col_tiles: int, grid_tile_width: int, pair_row_tiles: bool,
-                    grid_size: int, visit) -> None:  # fmt: skip
+def walk_live_tiles(num_live, num_col_tiles: int, grid_tile_width: int, grid_size: int,
+                    visit) -> None:  # fmt: skip
     """``walk_tiles`` over the first ``num_live`` row tiles only (a traced count), calling
     ``visit(row tile, column tile, stores, pipeline_state)`` with the state of Mosaic GPU's
     pipeline of pipelines: a cluster's first visit starts the pipeline, its last stops it, the
@@ -292,14 +248,13 @@ def walk_live_tiles(num_live, num_col_tiles: int, grid_tile_width: int, pair_row
     None). Cluster ``c`` takes walk positions ``c, c + grid_size, ...``.
     """
     cluster = lax.axis_index(CLUSTER_GRID)
-    positions = num_live * _column_steps(num_col_tiles, pair_row_tiles)
+    positions = num_live * arith.ceil_div(num_col_tiles, 2)
     visits = lax.div(jnp.maximum(positions - cluster + grid_size - 1, 0), grid_size)
     states = plgpu.PipelinePipeline
-    walk_shape = (num_col_tiles, grid_tile_width, pair_row_tiles)
 
     def visit_at(step, state):
         position = cluster + step * grid_size
-        visit(*_tile_and_column(position, num_live, *walk_shape), state)
+        visit(*_tile_and_column(position, num_live, num_col_tiles, grid_tile_width), state)
 
     pl.when(visits == 1)(lambda: visit_at(0, None))
 
@@ -333,10 +288,9 @@ def warpgroup_rows(cfg: gemm_config.MosaicGemmConfig, warpgroup):
 
 
 def warpgroup_computes(cfg: gemm_config.MosaicGemmConfig, row_slot_gmem, tile, warpgroup):
-    """Whether compute warpgroup ``warpgroup`` has rows to compute in the CTA's ``block_m``-row
-    tile ``tile`` (``cta_row_tile``): a traced bool where ``cfg`` skips empty warpgroups (its
-    first row holds a slot: a tile's rows are filled from its first), else None (it always
-    computes)."""
+    """Whether compute warpgroup ``warpgroup`` has rows to compute in row tile ``tile``: a
+    traced bool where ``cfg`` skips empty warpgroups (its first row holds a slot: a tile's
+    rows are filled from its first), else None (it always computes)."""
     if not cfg.skip_empty_warpgroups:
         return None
     # Every warpgroup visits the tile; the memory warpgroup (index 2) reads the second
@@ -433,8 +387,7 @@ def tiles(hidden: int, ffn: int, cfg: gemm_config.MosaicFfnConfig) -> bool:
 
 def _grouped_matmul(tile_expert, slot_of_row, a_rows, weights, *, out_cols, column_offsets,
                     epilogue, cfg, interpret):  # fmt: skip
-    """``[num_tiles * layout_rows, out_cols]``: each live row tile times its expert's
-    weights."""
+    """``[num_tiles * block_m, out_cols]``: each live row tile times its expert's weights."""
     if not _fits(out_cols, a_rows.shape[1], cfg):
         raise impls.KernelUnavailableError(
             f"impl='mosaic' tiles {out_cols} columns by {cfg.block_n} and the contraction "
@@ -539,11 +492,11 @@ def grouped_ffn_mosaic(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, int
             "float32 as TF32 only from K-major weights); use impl='pallas'"
         )
     ffn = w_gate_up.shape[3]
-    layout_rows = cfg.gate_up.layout_rows
-    num_tiles = tile_table.max_tiles(num_experts, capacity, layout_rows, max_rows)
-    tile_expert, slot_of_row, row_of_slot = tile_rows(counts, capacity, layout_rows, num_tiles)
+    block_m = cfg.gate_up.block_m
+    num_tiles = tile_table.max_tiles(num_experts, capacity, block_m, max_rows)
+    tile_expert, slot_of_row, row_of_slot = tile_rows(counts, capacity, block_m, num_tiles)
     source_rows, source = slot_rows.flat_slot_source(x_slots, slot_of_row)
-    rows = tile_gather.gather_tiles(source_rows, unfused(source), tile_expert, layout_rows)
+    rows = tile_gather.gather_tiles(source_rows, unfused(source), tile_expert, block_m)
     hidden_rows = _grouped_matmul(
         tile_expert, slot_of_row, rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn),
         out_cols=ffn, column_offsets=(0, ffn), epilogue=swiglu, cfg=cfg.gate_up,

@@ -100,7 +100,7 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     # tile_expert_gmem: [num_tiles] int32 expert per row tile (-1: dead); refs: first the
     # optional tile operands (grouped_gemm_mosaic.tile_refs), then a_gmem, a_scale_gmem,
     # b_gmem, b_scale_gmem and the outputs. a_gmem: [R, K] FP8
-    # tile-major rows (R = num_tiles * cfg.layout_rows); a_scale_gmem: [K / qk, R] float32;
+    # tile-major rows (R = num_tiles * block_m); a_scale_gmem: [K / qk, R] float32;
     # b_gmem: [E, N_b, K] FP8; b_scale_gmem: [E, N_b / tile_n, K / qk] float32. out_gmems:
     # (out [R, N],) in the output dtype, or with two accumulators (gate, up) (hidden [R, N]
     # FP8, hidden scales [N / tile_n, R] float32). Accumulator i reads the weight rows
@@ -117,15 +117,14 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     operand_transforms = grouped_gemm_mosaic.smem_transforms(tile_k, 1)
 
     def pipeline(body, compute_context, pipeline_state=None):
-        rows_shared, weights_shared = grouped_gemm_mosaic.shared_operands(cfg)
         a_spec = plgpu.BlockSpec(
             (block_m, tile_k), lambda k: (0, k), transforms=operand_transforms,
-            memory_space=plgpu.SMEM, collective_axes=rows_shared,
+            memory_space=plgpu.SMEM, collective_axes=(grouped_gemm_mosaic.CLUSTER,),
         )  # fmt: skip
         scale_spec = plgpu.BlockSpec((None, block_m), lambda k: (k, 0), memory_space=plgpu.SMEM)
         b_spec = plgpu.BlockSpec(
             (block_n, tile_k), lambda k: (0, k), transforms=operand_transforms,
-            memory_space=plgpu.SMEM, collective_axes=weights_shared,
+            memory_space=plgpu.SMEM,
         )  # fmt: skip
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_steps,), memory_registers=cfg.memory_registers,
@@ -148,20 +147,17 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
 
         def visit(tile, col, stores, pipeline_state=None):
             expert = tile_expert_gmem[tile]
-            cta_tile = grouped_gemm_mosaic.cta_row_tile(cfg, tile)
-            rows = pl.ds(cta_tile * block_m, block_m)
+            rows = pl.ds(tile * block_m, block_m)
             wg_rows = grouped_gemm_mosaic.warpgroup_rows(cfg, warpgroup)
             # Each accumulator's weight-scale row: a column tile is one tile_n-wide block.
             scale_rows = [offset // tile_n + col for offset in column_offsets]
-            computes = grouped_gemm_mosaic.warpgroup_computes(
-                cfg, row_slot_gmem, cta_tile, warpgroup
-            )
+            computes = grouped_gemm_mosaic.warpgroup_computes(cfg, row_slot_gmem, tile, warpgroup)
 
             def compute_context(run_pipeline):
                 zeros = jnp.full((tile_m, tile_n), 0, _F32)
                 sums = run_pipeline((plgpu.layout_cast(zeros, plgpu.Layout.WGMMA),) * num_acc)
                 wg_out = out_gmems[0].at[rows, pl.ds(col * block_n, block_n)].at[wg_rows]
-                out_rows = pl.ds(cta_tile * block_m + warpgroup * tile_m, tile_m)
+                out_rows = pl.ds(tile * block_m + warpgroup * tile_m, tile_m)
                 wg_scales = out_gmems[1].at[col, out_rows] if num_acc == 2 else None
                 stored = grouped_gemm_mosaic.all_of(stores, computes)
                 grouped_gemm_mosaic.run_when(stored, _EPILOGUE_SCOPE(lambda: _epilogue(
@@ -323,12 +319,12 @@ def grouped_ffn_mosaic_fp8(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg,
     problem = _ffn_problem(hidden, ffn, gate_up_block, down_block, cfg)
     if problem is not None:
         raise impls.KernelUnavailableError(problem)
-    layout_rows = cfg.gate_up.layout_rows
-    num_tiles = tile_table.max_tiles(num_experts, capacity, layout_rows, max_rows)
-    tiles = grouped_gemm_mosaic.tile_rows(counts, capacity, layout_rows, num_tiles)
+    block_m = cfg.gate_up.block_m
+    num_tiles = tile_table.max_tiles(num_experts, capacity, block_m, max_rows)
+    tiles = grouped_gemm_mosaic.tile_rows(counts, capacity, block_m, num_tiles)
     tile_expert, slot_of_row, row_of_slot = tiles
     rows, row_scales = gathered_fp8_rows(
-        x_slots, slot_of_row, tile_expert, layout_rows, gate_up_block[0]
+        x_slots, slot_of_row, tile_expert, block_m, gate_up_block[0]
     )
     gate_up_matrices = fp8_blocks.expert_matrices(w_gate_up, 2 * ffn, hidden, "mosaic")
     down_matrices = fp8_blocks.expert_matrices(w_down, hidden, ffn, "mosaic")

@@ -65,22 +65,16 @@ PREFETCHING = gemm_config.MosaicFfnConfig(
 SKIP_EMPTY = helpers.both_kernels(IN_FLIGHT, skip_empty_warpgroups=True)
 
 
-# And with the cluster's two CTAs taking the two 128-row halves of a 256-row tile of one
-# expert and the same column tile, the weight tile multicast to both.
-PAIRED = helpers.both_kernels(IN_FLIGHT, pair_row_tiles=True)
-
-
 @pytest.mark.parametrize(
     "config",
-    [SMALL, IN_FLIGHT, SKIP_EMPTY, PAIRED],
-    ids=["waited", "in_flight", "skip_empty_warpgroups", "paired"],
+    [SMALL, IN_FLIGHT, SKIP_EMPTY],
+    ids=["waited", "in_flight", "skip_empty_warpgroups"],
 )
 def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
     # A partial second tile whose second warpgroup holds only padding (130 = 128 + 2), an
     # empty expert, a full one whose second tile's second warpgroup holds 8 rows (200).
     # Skipping empty warpgroups, the first expert's second tile runs one warpgroup, the last
-    # expert's two. Paired, each expert's rows are one 256-row tile whose second CTA holds 2
-    # and 72 rows.
+    # expert's two.
     counts = jnp.array([130, 0, C], jnp.int32)
     x = jax.random.normal(jax.random.key(0), (E, C, H), DTYPE)
     out = kernels.grouped_ffn(x, counts, *_weights(1), impl="mosaic", config=config)
@@ -94,21 +88,15 @@ def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
         ([200, 130, 200], PREFETCHING),
         ([5, 0, 0], PREFETCHING),
         ([60, 130, 200], helpers.both_kernels(PREFETCHING, skip_empty_warpgroups=True)),
-        (
-            [60, 130, 200],
-            helpers.both_kernels(PREFETCHING, skip_empty_warpgroups=True, pair_row_tiles=True),
-        ),
     ],
-    ids=["three_tiles_a_cluster", "one_tile", "skip_empty_warpgroups", "paired"],
+    ids=["three_tiles_a_cluster", "one_tile", "skip_empty_warpgroups"],
 )
 def test_prefetching_across_tiles_matches_the_reference(counts, config):
     # Six live tiles over the interpreter's two clusters: each runs a pipeline of three
     # (start, steady, stop); one live tile: one cluster runs a whole pipeline, one none.
     # Skipping empty warpgroups, five tiles (pipelines of three and two) of which two run one
     # warpgroup (60 rows, and 130's second tile), inside one pipeline whose other tiles run
-    # two. Paired: three 256-row tiles, each a position per column tile (gate / up: six
-    # positions, pipelines of three); the first tile's second CTA holds no row (both its
-    # warpgroups skip), the second's 2 rows.
+    # two.
     counts = jnp.array(counts, jnp.int32)
     x = jax.random.normal(jax.random.key(2), (E, C, H), DTYPE)
     out = kernels.grouped_ffn(x, counts, *_weights(3), impl="mosaic", config=config)
@@ -216,9 +204,6 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
         ).rows
 
     skipping = helpers.both_kernels(gemm_config.MOSAIC_FFN, skip_empty_warpgroups=True)
-    # The cluster's CTAs pairing row tiles, the weight tiles multicast: the gate / up kernel
-    # prefetching across tiles, the down kernel's pipeline per tile.
-    paired = helpers.both_kernels(gate_up_prefetching, pair_row_tiles=True)
     # The default's PTX (Mosaic GPU prints it): the gate / up epilogue's exp and rsqrt run on
     # the special-function unit (ex2, rsqrt), and no correctly rounded division is left
     # (swiglu has none; approx_math makes any other one div.full).
@@ -229,7 +214,7 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
     monkeypatch.delenv("MOSAIC_GPU_DUMP_PTX")
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
     assert "ex2.approx" in ptx and "rsqrt.approx" in ptx and "div.rn.f32" not in ptx
-    for cfg in (waited, gate_up_prefetching, skipping, paired):
+    for cfg in (waited, gate_up_prefetching, skipping):
         hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
         assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
     # The down kernel's 22 (1408 / 64) do not fill stages of 4.
@@ -284,15 +269,6 @@ def test_launch_shapes_are_checked():
         with pytest.raises(ValueError, match=f"multiple of 8 in \\[24, 256\\].*got {registers}"):
             gemm_config.MosaicGemmConfig(memory_registers=registers)
     assert prefetching.describe().endswith(" f1 p")
-    # Paired row tiles: a 256-row layout tile, two CTA tiles; both kernels take the same.
-    paired = gemm_config.MosaicGemmConfig(pair_row_tiles=True)
-    assert (paired.block_m, paired.layout_rows, paired.describe()) == (
-        128,
-        256,
-        "128x256x64 s4 t4 m",
-    )
-    with pytest.raises(ValueError, match="both kernels tile the same rows: pair_row_tiles"):
-        gemm_config.MosaicFfnConfig(gate_up=paired)
 
 
 def test_auto_takes_mosaic_from_its_rows_on_hopper_and_pallas_below(monkeypatch):

@@ -34,9 +34,6 @@ SMALL = gemm_config.MosaicFfnConfig(
     down=gemm_config.MosaicGemmConfig(tile_n=64, tile_k=64, max_concurrent_steps=2),
 )
 PREFETCHING = helpers.both_kernels(SMALL, prefetch_across_tiles=True)
-PAIRED_PREFETCHING = helpers.both_kernels(
-    PREFETCHING, pair_row_tiles=True, skip_empty_warpgroups=True
-)
 SKIP_EMPTY_PREFETCHING = helpers.both_kernels(PREFETCHING, skip_empty_warpgroups=True)
 # (H, F, block, config): two contraction steps of each kernel, one cluster's column pair in
 # the gate / up kernel and two in the down kernel.
@@ -53,10 +50,6 @@ CASES = {
     # second tile runs one warpgroup (its sums stay zero), 200's two; in pipelines (the
     # float kernels' test runs it without).
     "skip_empty_warpgroups_prefetching": (128, 256, SMALL_BLOCK, SKIP_EMPTY_PREFETCHING),
-    # The cluster's CTAs take the two halves of a 256-row tile of one expert (130 rows: the
-    # second CTA holds 2, its second warpgroup none, which it skips; 200: 72), the weight
-    # block multicast to both, in one pipeline a CTA.
-    "paired_prefetching": (128, 256, SMALL_BLOCK, PAIRED_PREFETCHING),
 }
 # As the Pallas FP8 kernels' test: the rows are quantized bit for bit, the hidden rows summed
 # in another order, so a hidden value on a rounding boundary may land on its neighbour.
@@ -241,11 +234,8 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
         skipping = helpers.both_kernels(
             gemm_config.MOSAIC_FFN_FP8, skip_empty_warpgroups=True, memory_registers=104
         )
-        # The cluster's CTAs pairing row tiles, the weight blocks multicast, prefetching
-        # across tiles as the default does.
-        paired = helpers.both_kernels(default, pair_row_tiles=True)
         # The waited pipelines (MOSAIC_FFN_FP8), each tile filling its own.
-        for cfg in (gemm_config.MOSAIC_FFN_FP8, skipping, paired):
+        for cfg in (gemm_config.MOSAIC_FFN_FP8, skipping):
             hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
             assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
 
