@@ -16,8 +16,8 @@
 # fp8-mosaic-decode / fp8-mosaic-prefill (the FP8 Mosaic default, one pipeline over a CTA's
 # tiles, against the waited pipelines), skip-empty (warpgroups of padding rows
 # skipping their work, FP8 and bf16, at decode sizes, FP8 prefill and bf16 prefill with
-# prefetching), sampler (the sampled step's keys-only sort against the key-value sorts it
-# replaced, and a sampled against a greedy serve), memory-registers (the memory warpgroup's registers),
+# prefetching), sampler (the sampled pick's search against the sort-based pick it replaced,
+# alone and through a sampled serve), memory-registers (the memory warpgroup's registers),
 # fp8-decode-pe (FP8 Mosaic decode stacks prefetching across tiles and skipping empty
 # warpgroups against the default), fp8-decode-options (the FP8 decode stacks' default, waited,
 # skipping and prefetching-and-skipping launch shapes side by side).
@@ -29,8 +29,7 @@
 # fp8-registers-default (the FP8 default at 88 such registers against 40: GPU tests, DeepSeek-V3
 # prefill 16384, decode stacks), fp8-side (FP8 against bf16 experts side by side, the FP8
 # kernels alone on a slot buffer), fp8-registers-step (the FP8 prefill device step at 88 and
-# at 40 gate / up memory registers),
-# sort-rewriter (XLA's SortRewriter's log and the custom calls the sampler's sorts compile to).
+# at 40 gate / up memory registers).
 # Usage: tools/gpu_results.sh GROUP...   (jax-triton travels as a wheel in .whl/, if present)
 set -uo pipefail
 OUT=${OUT:-/tmp/jtbo-results}
@@ -308,20 +307,25 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       LIMIT=200 bench pe-fp8-mixtral 10 grouped_gemm --no-kernel-rows --preset mixtral-8x7b $fp8 \
         --tokens 256,512 --impls mosaic,mosaic:128x128x128s4,mosaic:128x128x128s4pe \
         --layers-per-call 8 ;;
-    sort-rewriter)  # which sort the sampler's keys-only sort compiles to on the GPU (64 x
-      # 151,936): the pass's log and each program's custom-call targets (newer XLA names its CUB
-      # sorts by FFI targets, not the __cub$DeviceRadixSort the probe once looked for)
-      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=sort_rewriter=2 PROBE_LINES='^|\|custom calls' \
-        probe sort-rewriter 200 sampler_sort_probe.py --rows 64 --vocab 151936 --reps 1
-      # each distinct message once, its count first (the timestamps and thread ids cut)
-      grep "sort_rewriter" "$OUT/sort-rewriter.log" | sed -E 's/^[IWE][0-9]{4} [0-9:.]+ +[0-9]+ //' \
-        | sort | uniq -c | sort -rn | head -n 20 ;;
-    sampler)  # the sampler's keys-only sort against the key-value sorts it replaced (which
-      # compiled sort each runs), then a sampled and a greedy serve at Qwen3-30B-A3B's dimensions
-      probe sampler-sort "${LIMIT:-300}" sampler_sort_probe.py
-      for temperature in 0.7 0; do
-        LIMIT=240 bench "serve-t$temperature" 8 serve --hf-config tools/hf_configs/qwen3_30b_a3b.json \
-          --num-layers 8 --prompts 64 --temperature "$temperature" --top-p 0.9
+    sampler)  # the sampled pick (a search over the probabilities' bit patterns, at several
+      # pivots a round) against the sort-based pick it replaced (tools/sampler_probe.py), then
+      # a sampled serve at Qwen3-30B-A3B's dimensions with the shipped pick and with the
+      # sort-based one (sampler.sample_rows replaced before the bench runs)
+      probe sampler "${LIMIT:-150}" sampler_probe.py --rows 8,64,256 --vocab 151936 \
+        --pivots 31,7,3
+      for pick in search sort; do
+        limit=$(budget 200 "serve-$pick") || continue
+        echo "== serve-$pick: python -m jtbo.bench serve ... --temperature 0.7 --top-p 0.9"
+        PYTHONPATH=. timeout "$limit" python3 -c "import runpy, sys
+from jtbo.models import sampler
+from tools import sampler_probe
+if '$pick' == 'sort':
+    sampler.sample_rows = sampler_probe.sorted_pick
+sys.argv[0] = 'jtbo.bench'
+runpy.run_module('jtbo.bench', run_name='__main__')" serve \
+          --hf-config tools/hf_configs/qwen3_30b_a3b.json --num-layers 8 --prompts 64 \
+          --temperature 0.7 --top-p 0.9 >"$OUT/serve-$pick.log" 2>&1
+        echo "(exit $?)"; tail -n 8 "$OUT/serve-$pick.log"
       done ;;
     gpu-tests)  # the grouped GEMM kernels compiled for the GPU (the nested jit they are called
       # through included) and the sampler.
@@ -385,7 +389,7 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
       "prefetch, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty, sampler," \
       "memory-registers, fp8-registers-pe, fp8-registers-default, fp8-side, fp8-registers-step," \
-      "fp8-decode-pe, fp8-decode-options, sort-rewriter, gpu-tests, profile, fp8-default, epilogue)"
+      "fp8-decode-pe, fp8-decode-options, gpu-tests, profile, fp8-default, epilogue)"
       exit 2 ;;
   esac
 done
