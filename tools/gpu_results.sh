@@ -309,12 +309,13 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
         --layers-per-call 8 ;;
     sampler)  # the sampled pick (a search over the probabilities' bit patterns, at several
       # pivots a round) against the sort-based pick it replaced (tools/sampler_probe.py), then
-      # a sampled serve at Qwen3-30B-A3B's dimensions with the shipped pick and with the
-      # sort-based one (sampler.sample_rows replaced before the bench runs)
+      # a sampled serve at Qwen3-30B-A3B's dimensions (SERVE_LAYERS of its layers, 8 by
+      # default) with the shipped pick and with the sort-based one (sampler.sample_rows
+      # replaced before the bench runs)
       probe sampler "${LIMIT:-150}" sampler_probe.py --rows 8,64,256 --vocab 151936 \
         --pivots 31,7,3
       for pick in search sort; do
-        limit=$(budget 200 "serve-$pick") || continue
+        limit=$(budget "${SERVE_LIMIT:-200}" "serve-$pick") || continue
         echo "== serve-$pick: python -m jtbo.bench serve ... --temperature 0.7 --top-p 0.9"
         PYTHONPATH=. timeout "$limit" python3 -c "import runpy, sys
 from jtbo.models import sampler
@@ -323,8 +324,8 @@ if '$pick' == 'sort':
     sampler.sample_rows = sampler_probe.sorted_pick
 sys.argv[0] = 'jtbo.bench'
 runpy.run_module('jtbo.bench', run_name='__main__')" serve \
-          --hf-config tools/hf_configs/qwen3_30b_a3b.json --num-layers 8 --prompts 64 \
-          --temperature 0.7 --top-p 0.9 >"$OUT/serve-$pick.log" 2>&1
+          --hf-config tools/hf_configs/qwen3_30b_a3b.json --num-layers "${SERVE_LAYERS:-8}" \
+          --prompts 64 --temperature 0.7 --top-p 0.9 >"$OUT/serve-$pick.log" 2>&1
         echo "(exit $?)"; tail -n 8 "$OUT/serve-$pick.log"
       done ;;
     gpu-tests)  # the grouped GEMM kernels compiled for the GPU (the nested jit they are called
