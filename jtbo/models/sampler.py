@@ -97,8 +97,12 @@ def _search_rounds(pivots: int) -> int:
 def mass_above(bits, probs, bound_bits) -> jax.Array:
     """``[..., P]`` float32: each row's mass of the tokens whose bit pattern exceeds each of
     ``bound_bits [..., P]`` (``bits``, ``probs``: ``[..., V]``)."""
-    above = bits[..., None, :] > bound_bits[..., :, None]  # [..., P, V], fused into the sum
-    return jnp.sum(jnp.where(above, probs[..., None, :], 0.0), axis=-1)
+    # [..., V, P], fused into the sum: the pivots are the minor dimension, so the reduction
+    # over the vocabulary is a column reduction in which neighbouring threads take the pivots
+    # of one probability, read once, rather than a row reduction per pivot reading the whole
+    # row again for each.
+    above = bits[..., :, None] > bound_bits[..., None, :]
+    return jnp.sum(jnp.where(above, probs[..., :, None], 0.0), axis=-2)
 
 
 def smallest_bits_where(bits, probs, bound, *, inclusive: bool) -> jax.Array:

@@ -189,7 +189,7 @@ def test_tied_probabilities_draw_the_stable_orders_token(seed, scale, top_p):
 
 
 def test_the_h200_compile_sorts_nothing_and_fuses_the_pivot_comparisons():
-    # No sort (CUB's or XLA's) in the sampled pick, and the search's [rows, pivots, V]
+    # No sort (CUB's or XLA's) in the sampled pick, and the search's [rows, V, pivots]
     # comparison is never a buffer of its own: it stays inside the reductions' fusions.
     if not aot.aot_available():
         pytest.skip("the aot extra (jax-cuda12-plugin) is not installed")
@@ -199,7 +199,7 @@ def test_the_h200_compile_sorts_nothing_and_fuses_the_pivot_comparisons():
     )
     assert " sort(" not in text and "cub" not in text.lower()
     entry = text[text.index("ENTRY") :]
-    pivot_shape = f"[{rows},{sampler.SEARCH_PIVOTS},{vocab}]"
+    pivot_shape = f"[{rows},{vocab},{sampler.SEARCH_PIVOTS}]"
     assert pivot_shape not in entry.split("\n}")[0]
     assert pivot_shape in text  # inside a fused computation
 
