@@ -313,7 +313,7 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       # default) with the shipped pick and with the sort-based one (sampler.sample_rows
       # replaced before the bench runs)
       probe sampler "${LIMIT:-150}" sampler_probe.py --rows 8,64,256 --vocab 151936 \
-        --pivots 31,7,3
+        --pivots 15,7,31
       for pick in search sort; do
         limit=$(budget "${SERVE_LIMIT:-200}" "serve-$pick") || continue
         echo "== serve-$pick: python -m jtbo.bench serve ... --temperature 0.7 --top-p 0.9"
