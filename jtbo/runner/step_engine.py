@@ -186,12 +186,10 @@ class StepEngine:
             return after.outputs["tokens"]
         if self._no_tokens is None:
             shape = (self.config.dp_size, self.config.max_running_requests)
-            self._no_tokens = jax.jit(
-                lambda: jnp.zeros(shape, jnp.int32),
-                out_shardings=jax.sharding.NamedSharding(
-                    self.mesh, jax.sharding.PartitionSpec(mesh_lib.DP_AXIS)
-                ),
-            )()
+            by_rank = jax.sharding.NamedSharding(
+                self.mesh, jax.sharding.PartitionSpec(mesh_lib.DP_AXIS)
+            )
+            self._no_tokens = sharded_zeros(shape, jnp.int32, by_rank)
         return self._no_tokens
 
     def launch_pending(self, pending: token_step.PendingStep, start: float) -> None:
@@ -277,14 +275,33 @@ def _allocate_pools(mesh, config: runner_config.RunnerConfig):
     shardings = step.kv_cache_shardings(mesh)
     dtype = jnp.dtype(config.dtype)
 
-    def zeros(dims, sharding, of=dtype):
-        return jax.jit(lambda: jnp.zeros(dims, of), out_shardings=sharding)()
-
     # An MLA latent pool has no value width (config.kv_pool_heads): no value pool.
-    k = zeros((*shape, k_dim), shardings.k)
-    v = zeros((*shape, v_dim), shardings.k) if v_dim else None
+    k = sharded_zeros((*shape, k_dim), dtype, shardings.k)
+    v = sharded_zeros((*shape, v_dim), dtype, shardings.k) if v_dim else None
     table = (config.dp_size, config.max_running_requests, config.max_context_len)
-    return k, v, zeros(table, shardings.req_to_token, jnp.int32)
+    return k, v, sharded_zeros(table, jnp.int32, shardings.req_to_token)
+
+
+@functools.cache
+def _zeros_program(sharding: jax.sharding.Sharding):
+    """``jnp.zeros`` jitted to write its output with ``sharding``, one program per sharding
+    (its shape and dtype static), so that runners on one mesh share the compiled programs."""
+    return jax.jit(jnp.zeros, static_argnums=(0, 1), out_shardings=sharding)
+
+
+def sharded_zeros(dims, dtype, sharding: jax.sharding.Sharding) -> jax.Array:
+    """Zeros of ``dims`` and ``dtype`` created in place on the devices of ``sharding`` (also
+    other processes' devices), never gathered on one device first.
+
+    Args:
+      dims: the global shape.
+      dtype: the element type.
+      sharding: where the array lives.
+
+    Returns:
+      The ``jax.Array``.
+    """
+    return _zeros_program(sharding)(tuple(dims), jnp.dtype(dtype))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
