@@ -188,15 +188,24 @@ def test_tied_probabilities_draw_the_stable_orders_token(seed, scale, top_p):
     np.testing.assert_array_equal(got[checked], want[checked])
 
 
+_H200_ROWS, _H200_VOCAB = 8, 151936  # Qwen3's vocabulary
+
+
+@functools.cache
+def _h200_sample_rows() -> str:
+    """``sample_rows``' optimized module for an H200 at ``[_H200_ROWS, _H200_VOCAB]``, compiled
+    once for the tests that read it (a compile for a described GPU is not loaded from the
+    persistent cache)."""
+    shapes = [((_H200_ROWS, _H200_VOCAB), jnp.float32)] + [((_H200_ROWS,), jnp.float32)] * 3
+    return helpers.compiled_for_h200(sampler.sample_rows, shapes)
+
+
 def test_the_h200_compile_sorts_nothing_and_fuses_the_pivot_comparisons():
     # No sort (CUB's or XLA's) in the sampled pick, and the search's [rows, V, pivots]
     # comparison is never a buffer of its own: it stays inside the reductions' fusions.
     if not aot.aot_available():
         pytest.skip("the aot extra (jax-cuda12-plugin) is not installed")
-    rows, vocab = 8, 151936  # Qwen3's vocabulary
-    text = helpers.compiled_for_h200(
-        sampler.sample_rows, [((rows, vocab), jnp.float32)] + [((rows,), jnp.float32)] * 3
-    )
+    rows, vocab, text = _H200_ROWS, _H200_VOCAB, _h200_sample_rows()
     assert " sort(" not in text and "cub" not in text.lower()
     entry = text[text.index("ENTRY") :]
     pivot_shape = f"[{rows},{vocab},{sampler.SEARCH_PIVOTS}]"
@@ -211,10 +220,7 @@ def test_the_probabilities_are_computed_once_in_the_h200_compile():
     # keeps XLA from recomputing them where each reader is fused, with another lowering).
     if not aot.aot_available():
         pytest.skip("the aot extra (jax-cuda12-plugin) is not installed")
-    rows, vocab = 8, 151936  # Qwen3's vocabulary
-    text = helpers.compiled_for_h200(
-        sampler.sample_rows, [((rows, vocab), jnp.float32)] + [((rows,), jnp.float32)] * 3
-    )
+    rows, vocab, text = _H200_ROWS, _H200_VOCAB, _h200_sample_rows()
     normalizing = [
         line
         for line in text.splitlines()
