@@ -265,11 +265,15 @@ for group in "$@"; do
       # in one process at the default launch shapes (tools/fp8_layer_side_probe.py --stages 4),
       # then the FP8 Mosaic kernels alone on a slot buffer (bench's "(kernel)" rows: each
       # capacity slot was quantized before the gather until the quantization order's mend)
-      for case in "qwen3-30b-a3b 4096,16384" "deepseek-v3 4096"; do
-        set -- $case
-        probe "side-$1" 200 fp8_layer_side_probe.py --preset "$1" --tokens "$2" --stages 4
+      # SIDE_PRESETS (default "qwen3-30b-a3b deepseek-v3") picks the side-by-side presets
+      # (DeepSeek-V3's weights need an H200); SIDE_KERNELS=0 skips the kernel rows
+      for preset in ${SIDE_PRESETS:-qwen3-30b-a3b deepseek-v3}; do
+        tokens=4096,16384
+        [ "$preset" = deepseek-v3 ] && tokens=4096
+        probe "side-$preset" 200 fp8_layer_side_probe.py --preset "$preset" --tokens "$tokens" \
+          --stages 4
       done
-      LIMIT=150 bench fp8-kernel-rows-qwen3 8 grouped_gemm --preset qwen3-30b-a3b \
+      [ "${SIDE_KERNELS:-1}" = 0 ] || LIMIT=150 bench fp8-kernel-rows-qwen3 8 grouped_gemm --preset qwen3-30b-a3b \
         --expert-dtype float8_e4m3fn --tokens 4096,16384 --impls mosaic --no-copy-ceiling \
         --check-rows 16 ;;
     fp8-registers-step)  # the FP8 prefill device step at Qwen3-30B-A3B's dimensions (8 layers,
@@ -291,15 +295,22 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       # default (prefetching across tiles), the waited pipelines (s4), the waited pipelines
       # skipping empty warpgroups (s4e), prefetching and skipping (s4pe); Pallas beside them
       # where "auto" takes it (Qwen3-30B-A3B); the Mixtral-8x7B and Qwen3-30B-A3B stacks are
-      # compile-bound (150 s ran out after two launch shapes' first calls): a call each
+      # compile-bound (150 s ran out after two launch shapes' first calls): a call each.
+      # STACKS (default "dsv3 mixtral qwen3") picks which of the three run.
       fp8="--expert-dtype float8_e4m3fn"
       impls=mosaic,mosaic:128x128x128s4,mosaic:128x128x128s4e,mosaic:128x128x128s4pe
-      LIMIT=200 bench options-fp8-decode-dsv3 10 grouped_gemm --no-kernel-rows --preset deepseek-v3 $fp8 \
-        --tokens 64 --impls "$impls" --layers-per-call 4
-      LIMIT=300 bench options-fp8-decode-mixtral 12 grouped_gemm --no-kernel-rows --preset mixtral-8x7b \
-        $fp8 --tokens 128,256 --impls "$impls" --layers-per-call 8
-      LIMIT=300 bench options-fp8-decode-qwen3 14 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b \
-        $fp8 --tokens 64,256 --impls "pallas,$impls" --layers-per-call 8 ;;
+      for stack in ${STACKS:-dsv3 mixtral qwen3}; do
+        case $stack in
+          dsv3) LIMIT=200 bench options-fp8-decode-dsv3 10 grouped_gemm --no-kernel-rows \
+            --preset deepseek-v3 $fp8 --tokens 64 --impls "$impls" --layers-per-call 4 ;;
+          mixtral) LIMIT=300 bench options-fp8-decode-mixtral 12 grouped_gemm --no-kernel-rows \
+            --preset mixtral-8x7b $fp8 --tokens 128,256 --impls "$impls" --layers-per-call 8 ;;
+          qwen3) LIMIT=300 bench options-fp8-decode-qwen3 14 grouped_gemm --no-kernel-rows \
+            --preset qwen3-30b-a3b $fp8 --tokens 64,256 --impls "pallas,$impls" \
+            --layers-per-call 8 ;;
+          *) echo "== fp8-decode-options: unknown stack $stack (dsv3, mixtral, qwen3)" ;;
+        esac
+      done ;;
     fp8-decode-pe)  # the FP8 Mosaic 128-row tiles prefetching across tiles and skipping empty
       # warpgroups (spec pe) against the default, in decode stacks where "auto" takes Mosaic
       fp8="--expert-dtype float8_e4m3fn"
