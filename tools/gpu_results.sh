@@ -266,7 +266,7 @@ for group in "$@"; do
       # then the FP8 Mosaic kernels alone on a slot buffer (bench's "(kernel)" rows: each
       # capacity slot was quantized before the gather until the quantization order's mend)
       # SIDE_PRESETS (default "qwen3-30b-a3b deepseek-v3") picks the side-by-side presets
-      # (DeepSeek-V3's weights need an H200); SIDE_KERNELS=0 skips the kernel rows
+      # (DeepSeek-V3's bf16 and FP8 weights: 34 GB together); SIDE_KERNELS=0 skips the kernel rows
       for preset in ${SIDE_PRESETS:-qwen3-30b-a3b deepseek-v3}; do
         tokens=4096,16384
         [ "$preset" = deepseek-v3 ] && tokens=4096

@@ -601,31 +601,36 @@ def make_inputs(
     """``(x [T, H], (w_gate_up [E, H, 2, F], w_down [E, F, H]))``: normal, weights scaled by
     1/sqrt(fan-in); in ``dtype``, or block-scaled FP8 for ``expert_dtype="float8_e4m3fn"``
     (``fp8_blocks.BlockQuantized`` of float32 draws, 128 x 128 blocks, stored
-    contraction-last as the model stores them: ``fp8_blocks.expert_axes``; drawn and quantized
-    ``FP8_DRAW_EXPERTS`` experts at a time)."""
+    contraction-last as the model stores them: ``fp8_blocks.expert_axes``). The weights are
+    drawn in float32 and converted ``DRAW_EXPERTS`` experts at a time."""
     k_x, k_gu, k_d = jax.random.split(key, 3)
     e, h, f = shapes.experts, shapes.hidden, shapes.ffn
     x = jax.random.normal(k_x, (num_tokens, h), dtype)
     if expert_dtype is not None:
-        return x, (_fp8_weight(k_gu, (e, h, 2, f), h), _fp8_weight(k_d, (e, f, h), f))
-    w_gate_up = jax.random.normal(k_gu, (e, h, 2, f), jnp.float32) / math.sqrt(h)
-    w_down = jax.random.normal(k_d, (e, f, h), jnp.float32) / math.sqrt(f)
-    return x, (w_gate_up.astype(dtype), w_down.astype(dtype))
+        convert = fp8_blocks.quantize_experts
+    else:
+        convert = functools.partial(jnp.asarray, dtype=dtype)
+    return x, (
+        _drawn_weight(k_gu, (e, h, 2, f), h, convert),
+        _drawn_weight(k_d, (e, f, h), f, convert),
+    )
 
 
-# Experts whose FP8 weights make_inputs draws at once: DeepSeek-V3's 256 experts' float32
-# gate / up draws alone take 28 GiB, past an H100 beside the rest.
-FP8_DRAW_EXPERTS = 32
+# Experts whose weights make_inputs draws at once in float32: DeepSeek-V3's 256 experts'
+# gate / up draws alone take 28 GiB, past an H100's share for XLA beside the layer's weights.
+DRAW_EXPERTS = 32
 
 
-def _fp8_weight(key, shape: tuple[int, ...], fan_in: int) -> fp8_blocks.BlockQuantized:
-    """A stacked expert weight of ``shape``, normal over ``sqrt(fan_in)``, block-quantized
-    (``make_inputs``), drawn ``FP8_DRAW_EXPERTS`` experts at a time."""
+def _drawn_weight(key, shape: tuple[int, ...], fan_in: int, convert):
+    """A stacked expert weight of ``shape``, normal over ``sqrt(fan_in)``, each draw of
+    ``DRAW_EXPERTS`` experts converted by ``convert`` (a dtype cast or the FP8 block
+    quantization) before the next is drawn (``make_inputs``)."""
     parts = []
-    for first in range(0, shape[0], FP8_DRAW_EXPERTS):
-        experts = min(FP8_DRAW_EXPERTS, shape[0] - first)
+    for first in range(0, shape[0], DRAW_EXPERTS):
+        experts = min(DRAW_EXPERTS, shape[0] - first)
         draw = jax.random.normal(jax.random.fold_in(key, first), (experts, *shape[1:]))
-        parts.append(fp8_blocks.quantize_experts(draw / math.sqrt(fan_in)))
+        parts.append(convert(draw / math.sqrt(fan_in)))
+        del draw  # the float32 draw goes before the next one is made
     return jax.tree.map(lambda *leaves: jnp.concatenate(leaves), *parts)
 
 

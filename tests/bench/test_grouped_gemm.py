@@ -277,7 +277,7 @@ def test_the_chunked_reference_equals_float64_over_every_expert():
 def test_fp8_inputs_are_stored_contraction_last_and_the_reference_dequantizes_them(
     draw_experts, monkeypatch
 ):
-    monkeypatch.setattr(grouped_gemm, "FP8_DRAW_EXPERTS", draw_experts)
+    monkeypatch.setattr(grouped_gemm, "DRAW_EXPERTS", draw_experts)
     num_tokens = 9
     ids, routing = grouped_gemm.route(num_tokens, SMALL, 0.3, seed=5)
     x, weights = grouped_gemm.make_inputs(
@@ -303,6 +303,32 @@ def test_fp8_inputs_are_stored_contraction_last_and_the_reference_dequantizes_th
     got = grouped_gemm.reference(x, np.asarray(ids), np.asarray(routing), weights, rows)
     want = _swiglu_reference_f64(np.asarray(x)[rows], ids[rows], routing[rows], logical)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("draw_experts", [32, 3])
+def test_bf16_inputs_are_drawn_in_chunks_and_cast(draw_experts, monkeypatch):
+    # The bf16 weights are drawn and cast DRAW_EXPERTS experts at a time (DeepSeek-V3's
+    # float32 draws do not fit an H100 whole): each expert still its own normal draw over
+    # sqrt(fan-in), in bf16, and the draws are the float32 draws cast.
+    monkeypatch.setattr(grouped_gemm, "DRAW_EXPERTS", draw_experts)
+    key = jax.random.key(6)
+    _, weights = grouped_gemm.make_inputs(5, SMALL, jnp.bfloat16, key)
+    h, f, e = SMALL.hidden, SMALL.ffn, SMALL.experts
+    assert [(w.shape, w.dtype) for w in weights] == [
+        ((e, h, 2, f), jnp.bfloat16), ((e, f, h), jnp.bfloat16)
+    ]  # fmt: skip
+    for weight, fan_in in zip(weights, (h, f), strict=True):
+        per_expert = np.asarray(weight, np.float32).reshape(e, -1)
+        np.testing.assert_allclose(per_expert.std(axis=1), fan_in**-0.5, rtol=0.25)
+        assert len({expert.tobytes() for expert in per_expert}) == e
+    # The first chunk's experts are the float32 draw of its key, cast.
+    k_gu = jax.random.split(key, 3)[1]
+    first = min(draw_experts, e)
+    draw = jax.random.normal(jax.random.fold_in(k_gu, 0), (first, h, 2, f)) / np.sqrt(h)
+    np.testing.assert_array_equal(
+        np.asarray(weights[0][:first], np.float32),
+        np.asarray(draw.astype(jnp.bfloat16), np.float32),
+    )
 
 
 def test_fp8_experts_run_the_layer_beside_the_dense_yardstick(capsys):
