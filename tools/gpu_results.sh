@@ -20,7 +20,8 @@
 # alone and through a sampled serve), memory-registers (the memory warpgroup's registers),
 # fp8-decode-pe (FP8 Mosaic decode stacks prefetching across tiles and skipping empty
 # warpgroups against the default), fp8-decode-options (the FP8 decode stacks' default, waited,
-# skipping and prefetching-and-skipping launch shapes side by side).
+# skipping and prefetching-and-skipping launch shapes side by side), tma-layout (TMA streaming
+# FP8 weight tiles from the stored order against a tile-major copy).
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
 # fp8-default (the FP8 Mosaic default launch shapes against the waited pipelines they replaced),
@@ -319,6 +320,11 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       LIMIT=200 bench pe-fp8-mixtral 10 grouped_gemm --no-kernel-rows --preset mixtral-8x7b $fp8 \
         --tokens 256,512 --impls mosaic,mosaic:128x128x128s4,mosaic:128x128x128s4pe \
         --layers-per-call 8 ;;
+    tma-layout)  # TMA streaming FP8 weight tiles from the stored order against a tile-major
+      # copy (tools/tma_layout_probe.py: DeepSeek-V3's gate / up and down weights, 4 and 8
+      # stages, beside XLA's copy): whether the weights' layout holds the FP8 decode layer
+      # under copy bandwidth
+      probe tma-layout "${LIMIT:-150}" tma_layout_probe.py ;;
     sampler)  # the sampled pick (a search over the probabilities' bit patterns, at several
       # pivots a round) against the sort-based pick it replaced (tools/sampler_probe.py), then
       # a sampled serve at Qwen3-30B-A3B's dimensions (SERVE_LAYERS of its layers, 8 by
