@@ -282,10 +282,17 @@ def _allocate_pools(mesh, config: runner_config.RunnerConfig):
     return k, v, sharded_zeros(table, jnp.int32, shardings.req_to_token)
 
 
-@functools.cache
+# Shardings whose zeros programs are kept (a runner uses a few: its KV pools', its page
+# table's, its token buffer's).
+_ZEROS_PROGRAMS = 32
+
+
+@functools.lru_cache(maxsize=_ZEROS_PROGRAMS)
 def _zeros_program(sharding: jax.sharding.Sharding):
     """``jnp.zeros`` jitted to write its output with ``sharding``, one program per sharding
-    (its shape and dtype static), so that runners on one mesh share the compiled programs."""
+    (its shape and dtype static), so that runners on one mesh share the compiled programs;
+    the least recently used past ``_ZEROS_PROGRAMS`` shardings are dropped, so that the meshes
+    of runners that are gone are not held for the process's life."""
     return jax.jit(jnp.zeros, static_argnums=(0, 1), out_shardings=sharding)
 
 
