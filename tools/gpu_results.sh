@@ -16,8 +16,8 @@
 # fp8-mosaic-decode / fp8-mosaic-prefill (the FP8 Mosaic default, one pipeline over a CTA's
 # tiles, against the waited pipelines), skip-empty (warpgroups of padding rows
 # skipping their work, FP8 and bf16, at decode sizes, FP8 prefill and bf16 prefill with
-# prefetching), sampler (the sampled pick's search against the sort-based pick it replaced,
-# alone and through a sampled serve), memory-registers (the memory warpgroup's registers),
+# prefetching), sampler (the sampled step's keys-only sort against the key-value sorts, and a
+# sampled against a greedy serve), memory-registers (the memory warpgroup's registers),
 # fp8-decode-pe (FP8 Mosaic decode stacks prefetching across tiles and skipping empty
 # warpgroups against the default), fp8-decode-options (the FP8 decode stacks' default, waited,
 # skipping and prefetching-and-skipping launch shapes side by side), tma-layout (TMA streaming
@@ -325,26 +325,14 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       # stages, beside XLA's copy): whether the weights' layout holds the FP8 decode layer
       # under copy bandwidth
       probe tma-layout "${LIMIT:-150}" tma_layout_probe.py ;;
-    sampler)  # the sampled pick (a search over the probabilities' bit patterns, at several
-      # pivots a round) against the sort-based pick it replaced (tools/sampler_probe.py), then
-      # a sampled serve at Qwen3-30B-A3B's dimensions (SERVE_LAYERS of its layers, 8 by
-      # default) with the shipped pick and with the sort-based one (sampler.sample_rows
-      # replaced before the bench runs)
-      probe sampler "${LIMIT:-150}" sampler_probe.py --rows 8,64,256 --vocab 151936 \
-        --pivots 15,7,31
-      for pick in search sort; do
-        limit=$(budget "${SERVE_LIMIT:-200}" "serve-$pick") || continue
-        echo "== serve-$pick: python -m jtbo.bench serve ... --temperature 0.7 --top-p 0.9"
-        PYTHONPATH=. timeout "$limit" python3 -c "import runpy, sys
-from jtbo.models import sampler
-from tools import sampler_probe
-if '$pick' == 'sort':
-    sampler.sample_rows = sampler_probe.sorted_pick
-sys.argv[0] = 'jtbo.bench'
-runpy.run_module('jtbo.bench', run_name='__main__')" serve \
+    sampler)  # the sampler's keys-only sort against the key-value sorts (which compiled sort
+      # each runs), then a sampled and a greedy serve at Qwen3-30B-A3B's dimensions
+      # (SERVE_LAYERS of its layers, 8 by default)
+      probe sampler-sort "${LIMIT:-300}" sampler_sort_probe.py
+      for temperature in 0.7 0; do
+        LIMIT=${SERVE_LIMIT:-240} bench "serve-t$temperature" 8 serve \
           --hf-config tools/hf_configs/qwen3_30b_a3b.json --num-layers "${SERVE_LAYERS:-8}" \
-          --prompts 64 --temperature 0.7 --top-p 0.9 >"$OUT/serve-$pick.log" 2>&1
-        echo "(exit $?)"; tail -n 8 "$OUT/serve-$pick.log"
+          --prompts 64 --temperature "$temperature" --top-p 0.9
       done ;;
     gpu-tests)  # the grouped GEMM kernels compiled for the GPU (the nested jit they are called
       # through included) and the sampler.
@@ -408,7 +396,7 @@ runpy.run_module('jtbo.bench', run_name='__main__')" serve \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
       "prefetch, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty, sampler," \
       "memory-registers, fp8-registers-pe, fp8-registers-default, fp8-side, fp8-registers-step," \
-      "fp8-decode-pe, fp8-decode-options, gpu-tests, profile, fp8-default, epilogue)"
+      "fp8-decode-pe, fp8-decode-options, tma-layout, gpu-tests, profile, fp8-default, epilogue)"
       exit 2 ;;
   esac
 done

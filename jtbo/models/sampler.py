@@ -7,38 +7,31 @@ ask for. Only ``greedy_only`` is static.
 A row whose temperature is 0 takes the argmax of its logits (the first maximum). Any other row:
 
 1. ``probs = softmax(logits / temperature)`` in float32;
-2. order the tokens by descending probability, equal probabilities in vocabulary order;
-3. keep the *nucleus*: the ordered tokens whose mass of more likely tokens (the exclusive
+2. sort the probabilities in descending order, stably (equal probabilities keep vocabulary
+   order);
+3. keep the *nucleus*: the sorted tokens whose mass of more likely tokens (the exclusive
    cumulative sum) is below ``top_p``; the first token always stays;
 4. invert the cumulative distribution of the kept tokens at ``uniform * kept mass``: the token
    is the first kept one whose inclusive cumulative sum exceeds that target.
 
-The implementation sorts nothing. Both cuts (3 and 4) are "the first ordered position whose
-cumulative sum passes a bound", and the ordered cumulative sum only steps at the tie groups of
-equal probabilities. Writing ``mass_above(b)`` for the mass of the tokens whose float32 bit
-pattern exceeds ``b`` (a non-negative float's bit pattern grows with its value), the group that
-holds the cut is the smallest bit pattern ``b`` with ``mass_above(b)`` below the bound
-(``smallest_bits_where``): a search over the bit patterns, each round splitting the interval
-left at ``SEARCH_PIVOTS`` pivots with one masked sum over the vocabulary per pivot, fused into
-one reduction. Inside the cut's group every token adds the same probability ``v``, so the
-tokens of the group before the cut are counted arithmetically (how many multiples of ``v`` fit
-between the group's ``mass_above`` and the bound), and ``_tie_ordered_token`` finds that
-token among its ties in vocabulary order. The searches read the probabilities a few times
-where a sort would move the whole vocabulary; sums of the same probabilities in another order
-are what differs from a sorted cumulative sum, a float32 rounding.
+The implementation sorts the probabilities alone (``sort_descending``, no vocabulary ids
+beside them): every sorted probability, and so every cumulative sum and the chosen sorted
+position, is what the stable sort of step 2 gives. Only the token at that position depends on
+the order of ties, and ``_tie_ordered_token`` finds the one the stable order puts there,
+counting equal probabilities in vocabulary order. (On the GPU, XLA's compiler runs a sort of
+keys alone as CUB's radix sort where its size rule prefers CUB, moving no ids beside them.)
 
-The inverse CDF runs in **descending probability** order (most likely token first), not in
-vocabulary order as the runner's host sampler does: both draw from the same distribution, but
-one uniform number maps to different tokens in the two. If rounding leaves the target at or
-above the kept mass, the draw is clipped to the last kept token of nonzero probability (a token
-whose float32 probability underflowed to 0 is never drawn).
+The inverse CDF runs in **sorted** order (most likely token first), not in vocabulary order as
+the runner's host sampler does: both draw from the same distribution, but one
+uniform number maps to different tokens in the two. If rounding leaves the target at or above
+the last cumulative sum, the draw is clipped to the last kept token of nonzero probability
+(a token whose float32 probability underflowed to 0 is never drawn).
 
 The uniform of a row comes from ``jax.random`` keyed by ``(seed, request index, token index)``
 (``sampling_uniforms``): a request's draws depend only on its seed, its index and the position
 of the token in its output, never on the DP rank serving it or what it is batched with.
 
-``sample_rows_reference`` is the same definition in float64 numpy (a stable sort), one row at a
-time.
+``sample_rows_reference`` is the same definition in float64 numpy, one row at a time.
 """
 
 import jax
@@ -78,100 +71,6 @@ def sampling_uniforms(seed, request_index, token_index) -> jax.Array:
     return flat.reshape(shape)
 
 
-SEARCH_PIVOTS = 15
-"""Pivots per round of ``smallest_bits_where``: one masked sum each, all fused into one
-reduction over the vocabulary. 15 cut the float32 bit patterns of ``[0, 1]`` to one in 8
-rounds: more pivots mean fewer rounds (fewer kernels, fewer reads of the probabilities) but
-more arithmetic per read."""
-ONE_BITS = 0x3F800000
-"""The bit pattern of float32 ``1.0``: no probability has a larger one."""
-
-
-def _search_rounds(pivots: int) -> int:
-    """Rounds that shrink an interval of ``ONE_BITS + 1`` bit patterns to one."""
-    length, rounds = ONE_BITS + 1, 0
-    while length > 1:
-        length, rounds = -(-length // (pivots + 1)), rounds + 1
-    return rounds
-
-
-def mass_above(bits, probs, bound_bits) -> jax.Array:
-    """``[..., P]`` float32: each row's mass of the tokens whose bit pattern exceeds each of
-    ``bound_bits [..., P]`` (``bits``, ``probs``: ``[..., V]``)."""
-    # [..., V, P], fused into the sum: the pivots are the minor dimension, so the reduction
-    # over the vocabulary is a column reduction in which neighbouring threads take the pivots
-    # of one probability, read once, rather than a row reduction per pivot reading the whole
-    # row again for each.
-    above = bits[..., :, None] > bound_bits[..., None, :]
-    return jnp.sum(jnp.where(above, probs[..., :, None], 0.0), axis=-2)
-
-
-def smallest_bits_where(bits, probs, bound, *, inclusive: bool) -> jax.Array:
-    """The smallest bit pattern ``b`` in ``[0, ONE_BITS]`` whose ``mass_above(b)`` is below
-    ``bound`` (``inclusive``: at most ``bound``), per row.
-
-    ``mass_above`` only falls as ``b`` grows and is 0 at ``ONE_BITS``, so such a ``b`` exists
-    for any ``bound > 0`` (``inclusive``: ``>= 0``). Each round keeps an interval ``(low,
-    high]`` with the condition false at ``low`` and true at ``high`` and tests
-    ``SEARCH_PIVOTS`` pivots spread over it. The answer is a token's bit pattern (the mass
-    drops there) unless the condition already holds at 0.
-
-    Args:
-      bits: ``[..., V]`` int32 bit patterns of ``probs``.
-      probs: ``[..., V]`` float32 probabilities, all ``>= 0``.
-      bound: ``[...]`` float32.
-      inclusive: compare with ``<=`` rather than ``<``.
-
-    Returns:
-      ``[...]`` int32 bit patterns.
-    """
-    low = jnp.full(bound.shape, -1, jnp.int32)  # the condition is false "at -1"
-    high = jnp.full(bound.shape, ONE_BITS, jnp.int32)
-    offsets = jnp.arange(1, SEARCH_PIVOTS + 1, dtype=jnp.int32)
-    for _ in range(_search_rounds(SEARCH_PIVOTS)):
-        step = (high - low + SEARCH_PIVOTS) // (SEARCH_PIVOTS + 1)  # ceil; at least 1
-        pivots = jnp.minimum(low[..., None] + step[..., None] * offsets, high[..., None])
-        mass = mass_above(bits, probs, pivots)
-        holds = mass <= bound[..., None] if inclusive else mass < bound[..., None]
-        high = jnp.min(jnp.where(holds, pivots, high[..., None]), axis=-1)
-        low = jnp.max(jnp.where(holds, low[..., None], pivots), axis=-1)
-    return high
-
-
-def _group(bits, probs, group_bits):
-    """``(mass above the group, its tokens, their probability)`` of the tie group of bit
-    pattern ``group_bits [...]``."""
-    above = mass_above(bits, probs, group_bits[..., None])[..., 0]
-    size = jnp.sum(bits == group_bits[..., None], axis=-1, dtype=jnp.int32)
-    return above, size, jax.lax.bitcast_convert_type(group_bits, jnp.float32)
-
-
-def _nucleus(bits, probs, top_p):
-    """``(bit pattern of the nucleus's last group, its tokens in the nucleus, kept mass)``:
-    the group's first ``count`` tokens are those whose exclusive cumulative sum
-    ``above + i * value`` is below ``top_p`` (the first always)."""
-    last = smallest_bits_where(bits, probs, top_p, inclusive=False)
-    above, size, value = _group(bits, probs, last)
-    fits = jnp.ceil((top_p - above) / jnp.where(value > 0, value, 1.0))
-    count = jnp.where(value > 0, jnp.clip(fits, 1, size), size).astype(jnp.int32)
-    return last, count, above + count.astype(jnp.float32) * value
-
-
-def _drawn_position(bits, probs, nucleus_bits, nucleus_count, target):
-    """``(bit pattern of the drawn token's group, its index among the group's ties)``: the
-    first kept token whose inclusive cumulative sum exceeds ``target``, clipped to the last
-    kept token of nonzero probability."""
-    drawn = jnp.maximum(smallest_bits_where(bits, probs, target, inclusive=True), nucleus_bits)
-    # Only rounding reaches the group of zeros: the last candidate is then the smallest positive
-    # probability's last token (every positive one is kept when the nucleus reaches zero).
-    smallest_positive = jnp.min(jnp.where(bits > 0, bits, ONE_BITS), axis=-1)
-    drawn = jnp.where(drawn > 0, drawn, smallest_positive)
-    above, size, value = _group(bits, probs, drawn)
-    kept = jnp.where(drawn == nucleus_bits, nucleus_count, size)
-    index = jnp.floor((target - above) / value)
-    return drawn, jnp.clip(index, 0, kept - 1).astype(jnp.int32)
-
-
 def sample_rows(logits, temperature, top_p, uniforms, *, greedy_only: bool = False) -> jax.Array:
     """Picks one token per row (see the module docstring for the definition).
 
@@ -180,8 +79,8 @@ def sample_rows(logits, temperature, top_p, uniforms, *, greedy_only: bool = Fal
       temperature: ``[...]`` float32; 0 for greedy (argmax), else > 0.
       top_p: ``[...]`` float32 nucleus size in ``(0, 1]``; 1 keeps every token.
       uniforms: ``[...]`` float32 in ``[0, 1)``, from ``sampling_uniforms``.
-      greedy_only: static; True skips the nucleus search and returns the argmax of every row,
-        whatever its temperature (for batches whose rows are all greedy).
+      greedy_only: static; True skips the sort and returns the argmax of every row, whatever
+        its temperature (for batches whose rows are all greedy).
 
     Returns:
       ``[...]`` int32 token ids.
@@ -196,27 +95,73 @@ def sample_rows(logits, temperature, top_p, uniforms, *, greedy_only: bool = Fal
     greedy = temperature == 0
     safe_temperature = jnp.where(greedy, 1.0, temperature)  # greedy rows: a harmless 1
     probs = jax.nn.softmax(logits / safe_temperature[..., None], axis=-1)  # [..., V]
-    # Computed once: every search compares these bits, and XLA would otherwise recompute the
-    # division in each fusion that reads them, where its lowering may differ (the same value,
-    # other bits).
+    # Computed once: the token is found by comparing the sorted probabilities' bits with
+    # these, and XLA would otherwise recompute the division in each fusion that reads them,
+    # where its lowering may differ (the same value, other bits).
     probs = jax.lax.optimization_barrier(probs)
-    bits = jax.lax.bitcast_convert_type(probs, jnp.int32)  # grows with the probability
-    nucleus_bits, nucleus_count, kept_mass = _nucleus(bits, probs, top_p)
-    drawn_bits, index = _drawn_position(
-        bits, probs, nucleus_bits, nucleus_count, uniforms * kept_mass
+    sorted_probs = sort_descending(probs)  # [..., V]
+    inclusive = jnp.cumsum(sorted_probs, axis=-1)
+    before = jnp.concatenate([jnp.zeros_like(inclusive[..., :1]), inclusive[..., :-1]], axis=-1)
+    positions = jax.lax.broadcasted_iota(jnp.int32, probs.shape, probs.ndim - 1)
+    first = positions == 0  # position 0 always stays
+    keep = (before < top_p[..., None]) | first  # a prefix of the sorted tokens
+    kept_cumulative = jnp.cumsum(jnp.where(keep, sorted_probs, 0.0), axis=-1)
+    kept_mass = kept_cumulative[..., -1]  # [...]
+    target = uniforms * kept_mass
+    # Kept tokens of nonzero probability form a prefix, and so do those among them whose
+    # cumulative sum is <= target: counting the latter finds the first one that exceeds it.
+    candidate = keep & (sorted_probs > 0)
+    num_candidates = jnp.sum(candidate, axis=-1, dtype=jnp.int32)
+    num_below = jnp.sum(
+        candidate & (kept_cumulative <= target[..., None]), axis=-1, dtype=jnp.int32
     )
-    sampled = _tie_ordered_token(bits, drawn_bits, index)
+    chosen = jnp.clip(num_below, 0, jnp.maximum(num_candidates - 1, 0))  # sorted position
+    sampled = _tie_ordered_token(probs, sorted_probs, chosen)
     return jnp.where(greedy, greedy_tokens, sampled)
 
 
-def _tie_ordered_token(bits, group_bits, index) -> jax.Array:
-    """The vocabulary id of the ``index``-th token (from 0, in vocabulary order) among those
-    whose bit pattern is ``group_bits [...]`` (``bits [..., V]``): equal probabilities are
-    ordered by vocabulary id, so this is the token at that place of the descending order."""
-    tied = bits == group_bits[..., None]
+def _tie_ordered_token(probs, sorted_probs, chosen) -> jax.Array:
+    """The vocabulary id at sorted position ``chosen [...]`` of the stable descending order
+    of ``probs [..., V]`` (``sorted_probs`` its values): the position falls among the tokens
+    of its probability, after those of larger ones; among them the stable order is the
+    vocabulary order, so the token is the one whose count of equal probabilities up to it,
+    in vocabulary order, reaches the position's rank in its tie group. Compared as bit
+    patterns (``sort_descending``'s keys), so ties are exact."""
+    bits = jax.lax.bitcast_convert_type(probs, jnp.uint32)
+    sorted_bits = jax.lax.bitcast_convert_type(sorted_probs, jnp.uint32)
+    chosen_bits = jnp.take_along_axis(sorted_bits, chosen[..., None], axis=-1)  # [..., 1]
+    ahead = jnp.sum(bits > chosen_bits, axis=-1, dtype=jnp.int32)  # more likely tokens
+    tied = bits == chosen_bits
     tied_so_far = jnp.cumsum(tied, axis=-1, dtype=jnp.int32)  # inclusive, vocabulary order
-    is_token = tied & (tied_so_far == (index + 1)[..., None])
+    is_token = tied & (tied_so_far == (chosen - ahead + 1)[..., None])
     return jnp.argmax(is_token, axis=-1).astype(jnp.int32)
+
+
+def sort_descending(probs) -> jax.Array:
+    """Each row's probabilities in descending order.
+
+    The sort runs on integer keys alone: a non-negative float's bit pattern grows with its
+    value, so the inverted bit patterns in ascending order are the probabilities in
+    descending order, and inverting the sorted keys back gives the same floats. A sort of
+    unsigned keys alone compares them with a single ``<``: XLA's GPU compiler hands it to
+    CUB's radix sort as a sort of keys (where its size rule prefers CUB), with no vocabulary
+    ids to carry beside them.
+
+    Args:
+      probs: ``[..., V]`` float32 probabilities, all ``>= 0`` (a NaN sorts first).
+
+    Returns:
+      ``[..., V]`` float32: the probabilities from the largest.
+
+    Raises:
+      ValueError: ``probs`` is not float32 (its bit patterns are the keys).
+    """
+    if probs.dtype != jnp.float32:
+        raise ValueError(f"sort_descending sorts float32 probabilities, got {probs.dtype}")
+    keys = jnp.invert(jax.lax.bitcast_convert_type(probs, jnp.uint32))
+    # Equal keys are equal bits: stability would change nothing.
+    sorted_keys = jax.lax.sort(keys, dimension=probs.ndim - 1, is_stable=False)
+    return jax.lax.bitcast_convert_type(jnp.invert(sorted_keys), jnp.float32)
 
 
 def token_logprobs(logits, tokens) -> jax.Array:
