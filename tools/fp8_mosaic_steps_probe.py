@@ -223,10 +223,8 @@ def _kernel(variant, blocks_per_step, *, out_cols, column_offsets, out_dtype, cf
 
 
 def _library(tile_expert, rows, row_scales, values, scales, **kw):
-    # No slot_of_row: the probe's launch shapes never skip empty warpgroups, so the kernels
-    # take no such operand (grouped_gemm_mosaic.tile_operands).
     return grouped_gemm_mosaic_fp8._fp8_matmul(
-        tile_expert, None, rows, row_scales, (values, scales), **kw
+        tile_expert, rows, row_scales, (values, scales), **kw
     )
 
 

@@ -14,14 +14,11 @@
 # dsv3-walk (the Mosaic walk's row tiles per column pair at DeepSeek-V3's 4096 tokens),
 # prefetch (the Mosaic kernels' one pipeline over a CTA's tiles, against the default),
 # fp8-mosaic-decode / fp8-mosaic-prefill (the FP8 Mosaic default, one pipeline over a CTA's
-# tiles, against the waited pipelines), skip-empty (warpgroups of padding rows
-# skipping their work, FP8 and bf16, at decode sizes, FP8 prefill and bf16 prefill with
-# prefetching), sampler (the sampled step's keys-only sort against the key-value sorts, and a
-# sampled against a greedy serve), memory-registers (the memory warpgroup's registers),
-# fp8-decode-pe (FP8 Mosaic decode stacks prefetching across tiles and skipping empty
-# warpgroups against the default), fp8-decode-options (the FP8 decode stacks' default, waited,
-# skipping and prefetching-and-skipping launch shapes side by side), tma-layout (TMA streaming
-# FP8 weight tiles from the stored order against a tile-major copy).
+# tiles, against the waited pipelines), sampler (the sampled step's keys-only sort against the
+# key-value sorts, and a sampled against a greedy serve), memory-registers (the memory
+# warpgroup's registers), fp8-decode-options (the FP8 decode stacks' default and waited launch
+# shapes side by side, a call per stack), tma-layout (TMA streaming FP8 weight tiles from the
+# stored order against a tile-major copy).
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
 # fp8-default (the FP8 Mosaic default launch shapes against the waited pipelines they replaced),
@@ -192,29 +189,6 @@ for group in "$@"; do
       impls=pallas,mosaic,mosaic:128x128x128s4
       LIMIT=150 bench fp8-decode-qwen3 10 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b $fp8 \
         --tokens 64,256 --impls "$impls" --layers-per-call 8 ;;
-    skip-empty)  # a warpgroup whose rows of a tile are all padding skipping its wgmma and its
-      # store (spec e): FP8 decode stacks (where a 128-row tile's products may outlast its
-      # loads), alone and prefetching; bf16 at decode; FP8 at Qwen3-30B-A3B's prefill
-      fp8="--expert-dtype float8_e4m3fn"
-      impls=mosaic,mosaic:128x128x128s4e,mosaic:128x128x128s4pe
-      LIMIT=200 bench skip-fp8-decode-dsv3 10 grouped_gemm --no-kernel-rows --preset deepseek-v3 $fp8 \
-        --tokens 64,256 --impls "$impls" --layers-per-call 8
-      LIMIT=150 bench skip-fp8-decode-mixtral 10 grouped_gemm --no-kernel-rows --preset mixtral-8x7b $fp8 \
-        --tokens 128,256 --impls "$impls" --layers-per-call 8
-      impls=pallas,mosaic,mosaic:128x128x128s4e,mosaic:128x128x128s4pe/128x128x128s3pe
-      LIMIT=150 bench skip-fp8-decode-qwen3 12 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b $fp8 \
-        --tokens 64,256 --impls "$impls" --layers-per-call 8
-      LIMIT=150 bench skip-bf16-decode-qwen3 10 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b \
-        --tokens 64,256 --impls pallas,mosaic,mosaic:128x128x64s4f1e/128x256x64s4f1e \
-        --layers-per-call 8
-      LIMIT=150 bench skip-fp8-prefill-qwen3 8 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b $fp8 \
-        --tokens 4096 --impls dense,mosaic,mosaic:128x128x128s4e --no-copy-ceiling \
-        --check-rows 16
-      # bf16 prefill: prefetching with a step in flight, with and without skipping
-      impls=dense,mosaic,mosaic:128x128x64s4f1p/128x256x64s4f1p
-      impls+=,mosaic:128x128x64s4f1pe/128x256x64s4f1pe
-      LIMIT=170 bench skip-bf16-prefill-qwen3 14 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b \
-        --tokens 4096,16384 --impls "$impls" --no-copy-ceiling --check-rows 16 ;;
     fp8-mosaic-prefill)  # the same at Qwen3-30B-A3B's FP8 prefill, beside bf16's yardstick
       impls=dense,mosaic,mosaic:128x128x128s4/128x128x128s4
       LIMIT=200 bench fp8-prefill-qwen3 14 grouped_gemm --preset qwen3-30b-a3b \
@@ -292,14 +266,13 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
           --iters 10 --no-profile --expert-dtype float8_e4m3fn >"$OUT/fp8-step-r$registers.log" 2>&1
         echo "(exit $?)"; tail -n 8 "$OUT/fp8-step-r$registers.log"
       done ;;
-    fp8-decode-options)  # the FP8 Mosaic decode stacks' options side by side in one run: the
-      # default (prefetching across tiles), the waited pipelines (s4), the waited pipelines
-      # skipping empty warpgroups (s4e), prefetching and skipping (s4pe); Pallas beside them
+    fp8-decode-options)  # the FP8 Mosaic decode stacks' launch shapes side by side: the
+      # default (prefetching across tiles) and the waited pipelines (s4); Pallas beside them
       # where "auto" takes it (Qwen3-30B-A3B); the Mixtral-8x7B and Qwen3-30B-A3B stacks are
-      # compile-bound (150 s ran out after two launch shapes' first calls): a call each.
-      # STACKS (default "dsv3 mixtral qwen3") picks which of the three run.
+      # compile-bound: a call each. STACKS (default "dsv3 mixtral qwen3") picks which of the
+      # three run.
       fp8="--expert-dtype float8_e4m3fn"
-      impls=mosaic,mosaic:128x128x128s4,mosaic:128x128x128s4e,mosaic:128x128x128s4pe
+      impls=mosaic,mosaic:128x128x128s4
       for stack in ${STACKS:-dsv3 mixtral qwen3}; do
         case $stack in
           dsv3) LIMIT=200 bench options-fp8-decode-dsv3 10 grouped_gemm --no-kernel-rows \
@@ -312,14 +285,6 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
           *) echo "== fp8-decode-options: unknown stack $stack (dsv3, mixtral, qwen3)" ;;
         esac
       done ;;
-    fp8-decode-pe)  # the FP8 Mosaic 128-row tiles prefetching across tiles and skipping empty
-      # warpgroups (spec pe) against the default, in decode stacks where "auto" takes Mosaic
-      fp8="--expert-dtype float8_e4m3fn"
-      LIMIT=280 bench pe-fp8-dsv3 10 grouped_gemm --no-kernel-rows --preset deepseek-v3 $fp8 --tokens 64 \
-        --impls mosaic,mosaic:128x128x128s4,mosaic:128x128x128s4pe --layers-per-call 4
-      LIMIT=200 bench pe-fp8-mixtral 10 grouped_gemm --no-kernel-rows --preset mixtral-8x7b $fp8 \
-        --tokens 256,512 --impls mosaic,mosaic:128x128x128s4,mosaic:128x128x128s4pe \
-        --layers-per-call 8 ;;
     tma-layout)  # TMA streaming FP8 weight tiles from the stored order against a tile-major
       # copy (tools/tma_layout_probe.py: DeepSeek-V3's gate / up and down weights, 4 and 8
       # stages, beside XLA's copy): whether the weights' layout holds the FP8 decode layer
@@ -394,9 +359,9 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       echo "(exit $?)"; grep "runner_host\|wrote" "$OUT/runner-host.log" ;;
     *) echo "unknown group $group (tbo, serve, kernels, presets, fp8, fp8-step, real-dims, host," \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
-      "prefetch, fp8-mosaic-decode, fp8-mosaic-prefill, skip-empty, sampler," \
-      "memory-registers, fp8-registers-pe, fp8-registers-default, fp8-side, fp8-registers-step," \
-      "fp8-decode-pe, fp8-decode-options, tma-layout, gpu-tests, profile, fp8-default, epilogue)"
+      "prefetch, fp8-mosaic-decode, fp8-mosaic-prefill, sampler, memory-registers," \
+      "fp8-registers-pe, fp8-registers-default, fp8-side, fp8-registers-step," \
+      "fp8-decode-options, tma-layout, gpu-tests, profile, fp8-default, epilogue)"
       exit 2 ;;
   esac
 done

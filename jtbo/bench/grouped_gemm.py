@@ -49,14 +49,12 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
 * ``mosaic``: ``experts_capacity`` with ``impl="mosaic"``: the Hopper kernels (Pallas Mosaic
   GPU, ``jtbo.kernels.grouped_gemm_mosaic``) over the same filled slots, gathered into
   tile-major rows first; the layer reads its result through the rows' slot index.
-  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][p][e][rR]`` for both
-  kernels or ``GATE_UP/DOWN`` (row tile x columns per CTA x contraction step, pipeline stages,
-  row tiles walked together, steps whose ``wgmma`` stays in flight, ``p``: one pipeline over
-  all of a CTA's tiles, the next tile's loads under the current tile's end, ``e``: a
-  warpgroup whose rows of a tile are all padding skips its ``wgmma`` and its store, ``rR``:
-  the memory warpgroup keeps R registers a thread), e.g.
-  ``mosaic:128x128x64s4/128x256x64s4f1``. It is checked and
-  followed by a ``mosaic (kernel)`` row as ``pallas`` is.
+  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][p][rR]`` for both kernels
+  or ``GATE_UP/DOWN`` (row tile x columns per CTA x contraction step, pipeline stages, row
+  tiles walked together, steps whose ``wgmma`` stays in flight, ``p``: one pipeline over all
+  of a CTA's tiles, the next tile's loads under the current tile's end, ``rR``: the memory
+  warpgroup keeps R registers a thread), e.g. ``mosaic:128x128x64s4/128x256x64s4f1``. It is
+  checked and followed by a ``mosaic (kernel)`` row as ``pallas`` is.
 * ``dense``: the yardstick of the ``vs dense`` target, not a routed layer: one dense SwiGLU
   (``[T * k, H] @ [H, 2F]``, ``silu * up``, ``@ [F, H]``, bf16 hidden, float32 accumulate)
   over as many rows as the routed pairs, with one expert's weights. Its useful TF/s is the
@@ -314,8 +312,8 @@ def capacity_for(num_tokens: int, shapes: Shapes, factor: float) -> int:
 def computed_rows(impl: str, ids: np.ndarray, shapes: Shapes, capacity: int, fp8: bool) -> int:
     """Rows ``impl`` computes for the pairs ``ids [T, k]`` over ``shapes.experts`` experts:
     every expert's ``capacity`` slots (``capacity``), each expert's filled slots rounded up to
-    whole row tiles (``mosaic``, its gate / up kernel's ``block_m``, or its warpgroups'
-    ``tile_m`` where it skips empty warpgroups; ``fp8``: with FP8 experts), else the pairs."""
+    whole row tiles (``mosaic``, its gate / up kernel's ``block_m``; ``fp8``: with FP8
+    experts), else the pairs."""
     num_experts = shapes.experts
     if impl == "capacity":
         return num_experts * capacity
@@ -324,9 +322,8 @@ def computed_rows(impl: str, ids: np.ndarray, shapes: Shapes, capacity: int, fp8
         return ids.size
     default = gemm_config.default_mosaic_ffn(shapes.hidden, shapes.ffn, fp8)
     cfg = (kernel_config(name, variant) or default).gate_up
-    granule = cfg.tile_m if cfg.skip_empty_warpgroups else cfg.block_m
     counts = np.minimum(np.bincount(ids.reshape(-1), minlength=num_experts), capacity)
-    return int(np.sum(arith.ceil_div(counts, granule)) * granule)
+    return int(np.sum(arith.ceil_div(counts, cfg.block_m)) * cfg.block_m)
 
 
 def dropped_pairs(ids: np.ndarray, num_experts: int, capacity: int) -> int:
@@ -416,15 +413,15 @@ def pallas_config(variant: str) -> kernels.GroupedFfnConfig | None:
     return _two_kernels(variant, parse_gemm_config, kernels.GroupedFfnConfig)
 
 
-_MOSAIC_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?(e)?(?:r(\d+))?")
+_MOSAIC_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?(?:r(\d+))?")
 
 
 def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
-    """``MxNxK[sS][tT][fF][p][e][rR]`` -> ``MosaicGemmConfig``: M x N a CTA's tile (two
+    """``MxNxK[sS][tT][fF][p][rR]`` -> ``MosaicGemmConfig``: M x N a CTA's tile (two
     warpgroups of M / 2 rows each), K the contraction step, S the pipeline stages, T the row
     tiles walked together, F the steps' ``wgmma`` left in flight, ``p`` the pipeline
-    prefetches across tiles, ``e`` a warpgroup with only padding rows skips its work, R the
-    memory warpgroup's registers (omitted parts keep the defaults).
+    prefetches across tiles, R the memory warpgroup's registers (omitted parts keep the
+    defaults).
 
     Raises:
       ValueError: a spec that does not match (a letter not listed among them), or values
@@ -433,16 +430,15 @@ def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
     match = _MOSAIC_SPEC.fullmatch(spec)
     if match is None or int(match.group(1)) % 2:
         raise ValueError(
-            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][e][rR] with M even, "
+            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][rR] with M even, "
             "e.g. 128x256x64s4"
         )
-    block_m, block_n, tile_k, stages, width, in_flight, prefetch, skip, registers = match.groups()
+    block_m, block_n, tile_k, stages, width, in_flight, prefetch, registers = match.groups()
     fields = dict(tile_m=int(block_m) // 2, tile_n=int(block_n), tile_k=int(tile_k))
     fields.update({} if stages is None else {"max_concurrent_steps": int(stages)})
     fields.update({} if width is None else {"grid_tile_width": int(width)})
     fields.update({} if in_flight is None else {"wgmma_in_flight": int(in_flight)})
     fields.update({} if prefetch is None else {"prefetch_across_tiles": True})
-    fields.update({} if skip is None else {"skip_empty_warpgroups": True})
     fields.update({} if registers is None else {"memory_registers": int(registers)})
     return kernels.MosaicGemmConfig(**fields)
 

@@ -143,10 +143,6 @@ class MosaicGemmConfig:
         current tile (a pipeline of pipelines; with ``wgmma_in_flight`` the compute
         warpgroups release each step's buffers themselves). Needs a number of contraction
         steps that ``max_concurrent_steps`` divides.
-      skip_empty_warpgroups: a compute warpgroup whose ``tile_m`` rows of a row tile are all
-        padding (an expert's last tile holding at most ``tile_m`` rows) issues no ``wgmma``
-        and stores nothing, so such a tile computes as a ``tile_m``-row one while the CTA
-        still loads its weights once; its unstored rows are never read.
       memory_registers: registers a thread of the memory warpgroup keeps (``setmaxnreg``); the
         two compute warpgroups share the rest of the register file (232 each at 40). A
         multiple of 8 in ``[24, 256]``.
@@ -159,7 +155,6 @@ class MosaicGemmConfig:
     grid_tile_width: int = 4
     wgmma_in_flight: int = 0
     prefetch_across_tiles: bool = False
-    skip_empty_warpgroups: bool = False
     memory_registers: int = MOSAIC_MEMORY_REGISTERS
 
     def __post_init__(self):
@@ -191,18 +186,16 @@ class MosaicGemmConfig:
         return self.tile_n
 
     def describe(self) -> str:
-        """Short label for tables: ``MxNxK sS tT [fF] [p] [e] [rR]`` (M x N a CTA's tile, F the
-        steps in flight when not 0, ``p`` when the pipeline prefetches across tiles, ``e`` when
-        empty warpgroups are skipped, R the memory warpgroup's registers when not the
-        default)."""
+        """Short label for tables: ``MxNxK sS tT [fF] [p] [rR]`` (M x N a CTA's tile, F the steps
+        in flight when not 0, ``p`` when the pipeline prefetches across tiles, R the memory
+        warpgroup's registers when not the default)."""
         in_flight = f" f{self.wgmma_in_flight}" if self.wgmma_in_flight else ""
         prefetch = " p" if self.prefetch_across_tiles else ""
-        skip = " e" if self.skip_empty_warpgroups else ""
         registers = self.memory_registers
         registers = f" r{registers}" if registers != MOSAIC_MEMORY_REGISTERS else ""
         return (
             f"{self.block_m}x{self.block_n}x{self.tile_k} s{self.max_concurrent_steps} "
-            f"t{self.grid_tile_width}{in_flight}{prefetch}{skip}{registers}"
+            f"t{self.grid_tile_width}{in_flight}{prefetch}{registers}"
         )
 
 

@@ -27,13 +27,9 @@ the last one before the epilogue. The two CTAs of a cluster take neighbouring co
 the same row tile: the row tile is loaded once for both (``collective_axes``), the weight
 columns per CTA. With an odd number of column tiles the last pair's second CTA computes the
 last tile again and does not store it.
-A dead tile (expert -1) is skipped. With ``skip_empty_warpgroups`` so is a compute
-warpgroup whose ``tile_m`` rows of a live tile are all padding (``warpgroup_computes``: its
-first row holds no slot, ``slot_of_row``): it issues no ``wgmma`` and stores nothing, so an
-expert's last tile of at most ``tile_m`` rows costs the tensor cores half a tile, and at
-decode sizes nearly every tile does; its output rows are left unwritten, as a dead tile's
-are, and nothing reads them. The gate / up kernel keeps a gate and an up accumulator and
-writes ``silu(gate) * up`` in the input dtype; the down kernel writes its accumulator.
+A dead tile (expert -1) is skipped: its output rows are left unwritten, and nothing reads
+them. The gate / up kernel keeps a gate and an up accumulator and writes ``silu(gate) * up``
+in the input dtype; the down kernel writes its accumulator.
 """
 
 import functools
@@ -76,7 +72,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
     # rows; b_gmem: [E, K, N_b] weights; out_gmem: [num_tiles * block_m, N] with
     # N = num_col_tiles * block_n. Accumulator i reads the weight columns
     # column_offsets[i] + (column tile) * block_n.
-    num_live_gmem, row_slot_gmem = tile_refs(cfg, refs)
+    num_live_gmem = tile_refs(cfg, refs)
     a_gmem, b_gmem, out_gmem = refs[-3:]
     block_m, block_n, tile_k = cfg.block_m, cfg.block_n, cfg.tile_k
     num_tiles = tile_expert_gmem.shape[0]
@@ -122,7 +118,6 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
             wg_rows = warpgroup_rows(cfg, warpgroup)
-            computes = warpgroup_computes(cfg, row_slot_gmem, tile, warpgroup)
 
             def compute_context(run_pipeline):
                 acc_shape = (cfg.tile_m, cfg.tile_n)
@@ -139,16 +134,14 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
                         out = epilogue(*[acc[...] for acc in accs]).astype(out_gmem.dtype)
                         store_tile(out, out_smem, wg_out, warpgroup)
 
-                    run_when(all_of(stores, computes), jax.named_scope(SCOPE_EPILOGUE)(store))
+                    run_when(stores, jax.named_scope(SCOPE_EPILOGUE)(store))
 
             def mma(indices, a_smem, *rest):
                 b_smems, accs = rest[:num_acc], rest[-1]  # (manual: barriers between)
 
-                def products():
+                with jax.named_scope(SCOPE_WGMMA_ISSUE):
                     for b_smem, acc in zip(b_smems, accs, strict=True):
                         plgpu.wgmma(acc, a_smem.at[wg_rows], b_smem)
-
-                run_when(computes, jax.named_scope(SCOPE_WGMMA_ISSUE)(products))
                 # Each wgmma is one group: leaving this step's num_acc groups in flight
                 # waits for the previous step's, whose buffers are then released
                 # (delay_release or release_step); the epilogue's read of the accumulators
@@ -287,24 +280,6 @@ def warpgroup_rows(cfg: gemm_config.MosaicGemmConfig, warpgroup):
     return pl.ds(warpgroup * cfg.tile_m, cfg.tile_m)
 
 
-def warpgroup_computes(cfg: gemm_config.MosaicGemmConfig, row_slot_gmem, tile, warpgroup):
-    """Whether compute warpgroup ``warpgroup`` has rows to compute in row tile ``tile``: a
-    traced bool where ``cfg`` skips empty warpgroups (its first row holds a slot: a tile's
-    rows are filled from its first), else None (it always computes)."""
-    if not cfg.skip_empty_warpgroups:
-        return None
-    # Every warpgroup visits the tile; the memory warpgroup (index 2) reads the second
-    # compute warpgroup's row, inside the tile, and computes nothing with it.
-    half = jnp.minimum(warpgroup, 1)
-    return row_slot_gmem[tile * cfg.block_m + half * cfg.tile_m] >= 0
-
-
-def all_of(*conditions):
-    """The conjunction of the traced bools among ``conditions``; None when all are None."""
-    present = [condition for condition in conditions if condition is not None]
-    return functools.reduce(jnp.logical_and, present) if present else None
-
-
 def run_when(condition, fn) -> None:
     """Runs ``fn()``, under ``pl.when(condition)`` unless ``condition`` is None (always)."""
     if condition is None:
@@ -385,8 +360,8 @@ def tiles(hidden: int, ffn: int, cfg: gemm_config.MosaicFfnConfig) -> bool:
     return _fits(ffn, hidden, cfg.gate_up) and _fits(hidden, ffn, cfg.down)
 
 
-def _grouped_matmul(tile_expert, slot_of_row, a_rows, weights, *, out_cols, column_offsets,
-                    epilogue, cfg, interpret):  # fmt: skip
+def _grouped_matmul(tile_expert, a_rows, weights, *, out_cols, column_offsets, epilogue, cfg,
+                    interpret):  # fmt: skip
     """``[num_tiles * block_m, out_cols]``: each live row tile times its expert's weights."""
     if not _fits(out_cols, a_rows.shape[1], cfg):
         raise impls.KernelUnavailableError(
@@ -398,30 +373,23 @@ def _grouped_matmul(tile_expert, slot_of_row, a_rows, weights, *, out_cols, colu
         num_col_tiles=out_cols // cfg.block_n, grid_size=num_clusters(interpret),
     )  # fmt: skip
     out_type = jax.ShapeDtypeStruct((a_rows.shape[0], out_cols), a_rows.dtype)
-    operands = (*tile_operands(tile_expert, slot_of_row, cfg), a_rows, weights)
+    operands = (*tile_operands(tile_expert, cfg), a_rows, weights)
     return persistent_kernel(body, out_type, interpret)(*operands)
 
 
-def tile_operands(tile_expert: jax.Array, slot_of_row: jax.Array,
-                  cfg: gemm_config.MosaicGemmConfig) -> tuple:  # fmt: skip
-    """A kernel's first operands: ``tile_expert``; where ``cfg`` prefetches across tiles the
-    live tiles' count ``[1]`` int32 (they are a prefix: ``tile_table.row_tiles``); where it
-    skips empty warpgroups ``slot_of_row`` (``tile_rows``). ``tile_refs`` takes them apart."""
-    operands = [tile_expert]
-    if cfg.prefetch_across_tiles:
-        operands.append(jnp.sum(tile_expert >= 0, dtype=jnp.int32)[None])
-    if cfg.skip_empty_warpgroups:
-        operands.append(slot_of_row)
-    return tuple(operands)
+def tile_operands(tile_expert: jax.Array, cfg: gemm_config.MosaicGemmConfig) -> tuple:
+    """A kernel's first operands: ``tile_expert``, and where ``cfg`` prefetches across tiles
+    the live tiles' count ``[1]`` int32 (they are a prefix: ``tile_table.row_tiles``).
+    ``tile_refs`` takes the count back."""
+    if not cfg.prefetch_across_tiles:
+        return (tile_expert,)
+    return tile_expert, jnp.sum(tile_expert >= 0, dtype=jnp.int32)[None]
 
 
-def tile_refs(cfg: gemm_config.MosaicGemmConfig, refs) -> tuple:
-    """``(num_live_gmem, row_slot_gmem)`` from a kernel body's refs after ``tile_expert``
-    (``tile_operands``' optional operands; None for one ``cfg`` does not take)."""
-    optional = iter(refs)
-    num_live_gmem = next(optional) if cfg.prefetch_across_tiles else None
-    row_slot_gmem = next(optional) if cfg.skip_empty_warpgroups else None
-    return num_live_gmem, row_slot_gmem
+def tile_refs(cfg: gemm_config.MosaicGemmConfig, refs):
+    """``num_live_gmem`` from a kernel body's refs after ``tile_expert`` (``tile_operands``'
+    optional operand; None where ``cfg`` does not take it)."""
+    return refs[0] if cfg.prefetch_across_tiles else None
 
 
 def persistent_kernel(body, out_type, interpret: bool):
@@ -498,12 +466,12 @@ def grouped_ffn_mosaic(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, int
     source_rows, source = slot_rows.flat_slot_source(x_slots, slot_of_row)
     rows = tile_gather.gather_tiles(source_rows, unfused(source), tile_expert, block_m)
     hidden_rows = _grouped_matmul(
-        tile_expert, slot_of_row, rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn),
+        tile_expert, rows, w_gate_up.reshape(num_experts, hidden, 2 * ffn),
         out_cols=ffn, column_offsets=(0, ffn), epilogue=swiglu, cfg=cfg.gate_up,
         interpret=interpret,
     )  # fmt: skip
     out_rows = _grouped_matmul(
-        tile_expert, slot_of_row, hidden_rows, w_down, out_cols=w_down.shape[2],
+        tile_expert, hidden_rows, w_down, out_cols=w_down.shape[2],
         column_offsets=(0,), epilogue=_identity, cfg=cfg.down, interpret=interpret,
     )  # fmt: skip
     return slot_rows.SlotRows(out_rows, row_of_slot)

@@ -29,9 +29,7 @@ is the down weight's contraction block) as ``fp8_blocks`` does: its largest magn
 ``approx_math``: as the Pallas kernels divide on the GPU).
 
 Padding rows inside a live tile are zero bytes (FP8 zero) with scale zero, so they produce
-zero hidden rows (scale 1) and zero outputs; dead tiles are skipped, their rows never read, and with
-``skip_empty_warpgroups`` so is a warpgroup whose rows of a tile are all padding (its sums stay
-zero and it stores neither rows nor scales, as ``grouped_gemm_mosaic``).
+zero hidden rows (scale 1) and zero outputs; dead tiles are skipped, their rows never read.
 With ``prefetch_across_tiles`` a CTA's live tiles form one pipeline, as in
 ``grouped_gemm_mosaic``: the memory warpgroup loads the next tile's first blocks while the
 compute warpgroups promote the current tile's last ones and store it.
@@ -105,7 +103,7 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     # (out [R, N],) in the output dtype, or with two accumulators (gate, up) (hidden [R, N]
     # FP8, hidden scales [N / tile_n, R] float32). Accumulator i reads the weight rows
     # column_offsets[i] + (column tile) * block_n.
-    num_live_gmem, row_slot_gmem = grouped_gemm_mosaic.tile_refs(cfg, refs)
+    num_live_gmem = grouped_gemm_mosaic.tile_refs(cfg, refs)
     # As many outputs as accumulators: the down kernel's rows; the gate / up kernel's hidden
     # rows and their scales.
     num_acc = len(column_offsets)
@@ -151,7 +149,6 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
             wg_rows = grouped_gemm_mosaic.warpgroup_rows(cfg, warpgroup)
             # Each accumulator's weight-scale row: a column tile is one tile_n-wide block.
             scale_rows = [offset // tile_n + col for offset in column_offsets]
-            computes = grouped_gemm_mosaic.warpgroup_computes(cfg, row_slot_gmem, tile, warpgroup)
 
             def compute_context(run_pipeline):
                 zeros = jnp.full((tile_m, tile_n), 0, _F32)
@@ -159,12 +156,13 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
                 wg_out = out_gmems[0].at[rows, pl.ds(col * block_n, block_n)].at[wg_rows]
                 out_rows = pl.ds(tile * block_m + warpgroup * tile_m, tile_m)
                 wg_scales = out_gmems[1].at[col, out_rows] if num_acc == 2 else None
-                stored = grouped_gemm_mosaic.all_of(stores, computes)
-                grouped_gemm_mosaic.run_when(stored, _EPILOGUE_SCOPE(lambda: _epilogue(
+                grouped_gemm_mosaic.run_when(stores, _EPILOGUE_SCOPE(lambda: _epilogue(
                     sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales
                 )))  # fmt: skip
 
-            def promote(step, a_smem, a_scale_smem, b_smems, sums):
+            def mma(indices, a_smem, a_scale_smem, *rest):
+                b_smems, sums = rest[:num_acc], rest[num_acc]
+                step = indices[0]
                 # The scales are loaded before the first wgmma is issued, so that their
                 # latency (a global load each) runs under the tensor cores' work.
                 row_scale = _row_scales(a_scale_smem.at[wg_rows])
@@ -174,14 +172,6 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
                     part = _block_product(a_smem.at[wg_rows], b_smem, (tile_m, tile_n))
                     promoted.append(_promoted(running, part, factor))
                 return tuple(promoted)
-
-            def mma(indices, a_smem, a_scale_smem, *rest):
-                b_smems, sums = rest[:num_acc], rest[num_acc]
-                step_args = (indices[0], a_smem, a_scale_smem, b_smems)
-                if computes is None:
-                    return promote(*step_args, sums)
-                # An empty warpgroup's sums stay zero: it issues no wgmma.
-                return lax.cond(computes, lambda s: promote(*step_args, s), lambda s: s, sums)
 
             weights = [
                 b_gmem.at[expert, pl.ds(offset + col * block_n, block_n), :]
@@ -261,8 +251,8 @@ def tiles(hidden: int, ffn: int, quant_block: tuple[int, int], cfg) -> bool:
     return _ffn_problem(hidden, ffn, quant_block, quant_block, cfg) is None
 
 
-def _fp8_matmul(tile_expert, slot_of_row, a_rows, a_scales, weight, *, out_cols, column_offsets,
-                out_dtype, cfg, interpret):  # fmt: skip
+def _fp8_matmul(tile_expert, a_rows, a_scales, weight, *, out_cols, column_offsets, out_dtype,
+                cfg, interpret):  # fmt: skip
     """One FP8 grouped GEMM over tile-major rows: ``([R, out_cols] in out_dtype,)``, or with
     two column offsets (gate / up) the FP8 hidden rows and their ``[out_cols / tile_n, R]``
     scales."""
@@ -277,7 +267,7 @@ def _fp8_matmul(tile_expert, slot_of_row, a_rows, a_scales, weight, *, out_cols,
     if len(column_offsets) == 2:
         out_type.append(jax.ShapeDtypeStruct((out_cols // cfg.tile_n, num_rows), _F32))
     kernel = grouped_gemm_mosaic.persistent_kernel(body, tuple(out_type), interpret)
-    tile_operands = grouped_gemm_mosaic.tile_operands(tile_expert, slot_of_row, cfg)
+    tile_operands = grouped_gemm_mosaic.tile_operands(tile_expert, cfg)
     return kernel(*tile_operands, a_rows, a_scales, values, scales)
 
 
@@ -329,12 +319,12 @@ def grouped_ffn_mosaic_fp8(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg,
     gate_up_matrices = fp8_blocks.expert_matrices(w_gate_up, 2 * ffn, hidden, "mosaic")
     down_matrices = fp8_blocks.expert_matrices(w_down, hidden, ffn, "mosaic")
     hidden_rows, hidden_scales = _fp8_matmul(
-        tile_expert, slot_of_row, rows, row_scales, gate_up_matrices,
+        tile_expert, rows, row_scales, gate_up_matrices,
         out_cols=ffn, column_offsets=(0, ffn), out_dtype=fp8_blocks.FP8_DTYPE,
         cfg=cfg.gate_up, interpret=interpret,
     )  # fmt: skip
     (out_rows,) = _fp8_matmul(
-        tile_expert, slot_of_row, hidden_rows, hidden_scales, down_matrices,
+        tile_expert, hidden_rows, hidden_scales, down_matrices,
         out_cols=hidden, column_offsets=(0,), out_dtype=x_slots.dtype, cfg=cfg.down,
         interpret=interpret,
     )  # fmt: skip

@@ -127,16 +127,14 @@ def test_mosaic_spec_parses_per_kernel_configs():
     assert (cfg.gate_up.wgmma_in_flight, cfg.down.wgmma_in_flight) == (1, 0)
     assert (cfg.gate_up.prefetch_across_tiles, cfg.down.prefetch_across_tiles) == (False, True)
     assert grouped_gemm.mosaic_config("") is None
-    skipping = grouped_gemm.mosaic_config("128x128x64s4f1e/128x256x64pe")
-    assert skipping.gate_up.skip_empty_warpgroups and skipping.down.skip_empty_warpgroups
-    assert skipping.down.prefetch_across_tiles and skipping.gate_up.block_m == 128
-    registers = grouped_gemm.mosaic_config("128x128x128s4er104/128x128x128r72")
+    registers = grouped_gemm.mosaic_config("128x128x128s4pr104/128x128x128r72")
     assert (registers.gate_up.memory_registers, registers.down.memory_registers) == (104, 72)
-    assert registers.gate_up.skip_empty_warpgroups and not registers.down.skip_empty_warpgroups
-    # M odd; letters no option takes (c, w and m among them): the message gives the grammar.
+    assert registers.gate_up.prefetch_across_tiles and registers.gate_up.block_m == 128
+    # M odd; letters no option takes (c, w, m and e among them): the message gives the grammar.
     refused = ("127x64x64", "128x256x64c", "128x256x64s4pw", "128x256x64pe/128x256x64cm")
     refused += ("128x256x64m", "128x128x64s4f1m/128x256x64pm")
-    grammar = re.escape("expected MxNxK[sS][tT][fF][p][e][rR] with M even")
+    refused += ("128x128x128s4e", "128x128x128s4pe", "128x128x128s4er104/128x128x128r72")
+    grammar = re.escape("expected MxNxK[sS][tT][fF][p][rR] with M even")
     for spec in refused:
         with pytest.raises(ValueError, match=grammar):
             grouped_gemm.mosaic_config(spec)
@@ -188,8 +186,8 @@ def test_computed_rows_round_each_experts_rows_up_to_the_mosaic_row_tile():
     assert rows("capacity", fp8=False) == 4 * 150
     assert rows("pallas", fp8=False) == rows("dense", fp8=False) == 335
     assert rows("mosaic", fp8=False) == rows("mosaic", fp8=True) == (2 + 1 + 2) * 128
-    # Skipping empty warpgroups: 128-row tiles computing 64-row halves.
-    assert rows("mosaic:128x128x64e/128x256x64e", fp8=False) == (3 + 1 + 3) * 64
+    # A spec's row tile: 256 rows.
+    assert rows("mosaic:256x128x64/256x256x64", fp8=False) == (1 + 1 + 1) * 256
 
 
 def test_capacity_and_dropped_pairs():

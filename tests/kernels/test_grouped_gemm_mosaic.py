@@ -61,20 +61,10 @@ PREFETCHING = gemm_config.MosaicFfnConfig(
 )
 
 
-# And with a warpgroup whose rows of a tile are all padding computing and storing nothing.
-SKIP_EMPTY = helpers.both_kernels(IN_FLIGHT, skip_empty_warpgroups=True)
-
-
-@pytest.mark.parametrize(
-    "config",
-    [SMALL, IN_FLIGHT, SKIP_EMPTY],
-    ids=["waited", "in_flight", "skip_empty_warpgroups"],
-)
+@pytest.mark.parametrize("config", [SMALL, IN_FLIGHT], ids=["waited", "in_flight"])
 def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
     # A partial second tile whose second warpgroup holds only padding (130 = 128 + 2), an
     # empty expert, a full one whose second tile's second warpgroup holds 8 rows (200).
-    # Skipping empty warpgroups, the first expert's second tile runs one warpgroup, the last
-    # expert's two.
     counts = jnp.array([130, 0, C], jnp.int32)
     x = jax.random.normal(jax.random.key(0), (E, C, H), DTYPE)
     out = kernels.grouped_ffn(x, counts, *_weights(1), impl="mosaic", config=config)
@@ -87,16 +77,14 @@ def test_slot_buffer_matches_the_reference_and_zeros_the_padding(config):
     [
         ([200, 130, 200], PREFETCHING),
         ([5, 0, 0], PREFETCHING),
-        ([60, 130, 200], helpers.both_kernels(PREFETCHING, skip_empty_warpgroups=True)),
+        ([60, 130, 200], PREFETCHING),
     ],
-    ids=["three_tiles_a_cluster", "one_tile", "skip_empty_warpgroups"],
+    ids=["three_tiles_a_cluster", "one_tile", "five_tiles"],
 )
 def test_prefetching_across_tiles_matches_the_reference(counts, config):
     # Six live tiles over the interpreter's two clusters: each runs a pipeline of three
-    # (start, steady, stop); one live tile: one cluster runs a whole pipeline, one none.
-    # Skipping empty warpgroups, five tiles (pipelines of three and two) of which two run one
-    # warpgroup (60 rows, and 130's second tile), inside one pipeline whose other tiles run
-    # two.
+    # (start, steady, stop); one live tile: one cluster runs a whole pipeline, one none; five
+    # tiles: pipelines of three and two.
     counts = jnp.array(counts, jnp.int32)
     x = jax.random.normal(jax.random.key(2), (E, C, H), DTYPE)
     out = kernels.grouped_ffn(x, counts, *_weights(3), impl="mosaic", config=config)
@@ -203,7 +191,6 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
             x, counts, w_gate_up, w_down, max_rows=2048, cfg=cfg, interpret=False
         ).rows
 
-    skipping = helpers.both_kernels(gemm_config.MOSAIC_FFN, skip_empty_warpgroups=True)
     # The default's PTX (Mosaic GPU prints it): the gate / up epilogue's exp and rsqrt run on
     # the special-function unit (ex2, rsqrt), and no correctly rounded division is left
     # (swiglu has none; approx_math makes any other one div.full).
@@ -214,7 +201,7 @@ def test_kernels_compile_for_an_h200_on_the_cpu_at_deepseek_v2_lite_width(monkey
     monkeypatch.delenv("MOSAIC_GPU_DUMP_PTX")
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
     assert "ex2.approx" in ptx and "rsqrt.approx" in ptx and "div.rn.f32" not in ptx
-    for cfg in (waited, gate_up_prefetching, skipping):
+    for cfg in (waited, gate_up_prefetching):
         hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
         assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
     # The down kernel's 22 (1408 / 64) do not fill stages of 4.
@@ -262,8 +249,6 @@ def test_launch_shapes_are_checked():
         gemm_config.MosaicGemmConfig(max_concurrent_steps=1, wgmma_in_flight=1)
     assert gemm_config.MosaicGemmConfig(wgmma_in_flight=1).describe().endswith(" f1")
     prefetching = gemm_config.MosaicGemmConfig(wgmma_in_flight=1, prefetch_across_tiles=True)
-    skipping = gemm_config.MosaicGemmConfig(skip_empty_warpgroups=True)
-    assert skipping.describe() == "128x256x64 s4 t4 e"
     assert gemm_config.MosaicGemmConfig(memory_registers=72).describe() == "128x256x64 s4 t4 r72"
     for registers in (20, 60, 264):
         with pytest.raises(ValueError, match=f"multiple of 8 in \\[24, 256\\].*got {registers}"):

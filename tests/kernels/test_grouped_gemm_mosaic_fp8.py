@@ -34,7 +34,6 @@ SMALL = gemm_config.MosaicFfnConfig(
     down=gemm_config.MosaicGemmConfig(tile_n=64, tile_k=64, max_concurrent_steps=2),
 )
 PREFETCHING = helpers.both_kernels(SMALL, prefetch_across_tiles=True)
-SKIP_EMPTY_PREFETCHING = helpers.both_kernels(PREFETCHING, skip_empty_warpgroups=True)
 # (H, F, block, config): two contraction steps of each kernel, one cluster's column pair in
 # the gate / up kernel and two in the down kernel.
 CASES = {
@@ -46,10 +45,6 @@ CASES = {
     # a pipeline of four visits a cluster in the gate / up kernel (two column pairs a tile),
     # of two in the down kernel.
     "prefetching": (128, 256, SMALL_BLOCK, PREFETCHING),
-    # A warpgroup whose rows of a tile are all padding computes and stores nothing: 130's
-    # second tile runs one warpgroup (its sums stay zero), 200's two; in pipelines (the
-    # float kernels' test runs it without).
-    "skip_empty_warpgroups_prefetching": (128, 256, SMALL_BLOCK, SKIP_EMPTY_PREFETCHING),
 }
 # As the Pallas FP8 kernels' test: the rows are quantized bit for bit, the hidden rows summed
 # in another order, so a hidden value on a rounding boundary may land on its neighbour.
@@ -229,13 +224,10 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
     hlo = helpers.compiled_for_h200(layer, shapes)
     assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
     if ffn == 768:
-        # Skipping empty warpgroups, the memory warpgroup keeping 104 registers (the compute
-        # warpgroups 200).
-        skipping = helpers.both_kernels(
-            gemm_config.MOSAIC_FFN_FP8, skip_empty_warpgroups=True, memory_registers=104
-        )
+        # The memory warpgroup keeping 104 registers (the compute warpgroups 200).
+        registers = helpers.both_kernels(gemm_config.MOSAIC_FFN_FP8, memory_registers=104)
         # The waited pipelines (MOSAIC_FFN_FP8), each tile filling its own.
-        for cfg in (gemm_config.MOSAIC_FFN_FP8, skipping):
+        for cfg in (gemm_config.MOSAIC_FFN_FP8, registers):
             hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
             assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
 
