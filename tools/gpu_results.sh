@@ -21,6 +21,7 @@
 # stored order against a tile-major copy).
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
+# profile-decode (the same of the FP8 default at DeepSeek-V3's and Mixtral-8x7B's decode sizes),
 # fp8-default (the FP8 Mosaic default launch shapes against the waited pipelines they replaced),
 # epilogue (the Mosaic gate / up epilogue as shipped against the precise one it replaced),
 # fp8-registers-pe (the FP8 default with its gate / up memory warpgroup's registers raised),
@@ -331,6 +332,15 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
         --tokens 64 --impls "mosaic,$waited" --layers-per-call 4
       LIMIT=150 bench fp8-default-decode-mixtral 6 grouped_gemm --preset mixtral-8x7b $fp8 \
         --tokens 128,256 --impls "mosaic,$waited" --layers-per-call 8 ;;
+    profile-decode)  # the same profile of the FP8 default at decode: DeepSeek-V3's 64 tokens
+      # (most tiles one or two live rows; the layer reads its weights at 0.79 of copy while TMA
+      # alone streams them at copy bandwidth, tools/tma_layout_probe.py) and Mixtral-8x7B's 128
+      JAX_PLATFORMS=cuda,cpu PROBE_LINES="$PROFILE_LINES" probe profile-decode-dsv3 200 \
+        mosaic_profile_probe.py --preset deepseek-v3 --tokens 64 --profile-space 240 \
+        --out /tmp/mosaic-profile-decode-dsv3
+      JAX_PLATFORMS=cuda,cpu PROBE_LINES="$PROFILE_LINES" probe profile-decode-mixtral 150 \
+        mosaic_profile_probe.py --preset mixtral-8x7b --tokens 128 --profile-space 240 \
+        --out /tmp/mosaic-profile-decode-mixtral ;;
     profile)  # where the Mosaic kernels' compute warpgroups spend their time (Mosaic GPU's
       # in-kernel profiler over the kernels' named scopes) at Qwen3-30B-A3B's 4096 tokens:
       # FP8 (the default, prefetching across tiles, and the waited pipelines), then bf16, each
@@ -361,7 +371,7 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
       "prefetch, fp8-mosaic-decode, fp8-mosaic-prefill, sampler, memory-registers," \
       "fp8-registers-pe, fp8-registers-default, fp8-side, fp8-registers-step," \
-      "fp8-decode-options, tma-layout, gpu-tests, profile, fp8-default, epilogue)"
+      "fp8-decode-options, tma-layout, gpu-tests, profile, profile-decode, fp8-default, epilogue)"
       exit 2 ;;
   esac
 done

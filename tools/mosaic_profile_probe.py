@@ -4,8 +4,8 @@
 [--expert-dtype float8_e4m3fn] [--spec default] [--profile-space 240] [--out DIR]``
 
 Runs the grouped FFN (``grouped_gemm.grouped_ffn_rows``, ``impl="mosaic"``) once on the
-routed rows and expert weights of ``tools/fp8_layer_probe.py`` (capacity slots, Poisson counts
-around ``T * top_k / E``, capacity factor 4; FP8 weights quantized from the bf16 ones),
+routed rows of ``tools/fp8_layer_probe.py`` (capacity slots, Poisson counts around
+``T * top_k / E``, capacity factor 4) and ``bench grouped_gemm``'s expert weights of the dtype,
 with Mosaic GPU's in-kernel profiler on (``CompilerParams.profile_space`` / ``profile_dir``):
 every CTA's warpgroups record the kernels' named scopes (``grouped_gemm_mosaic.SCOPE_*``) as
 time ranges in SM clock cycles, up to ``--profile-space`` ranges per warpgroup (later ones
@@ -27,6 +27,7 @@ import pathlib
 import statistics
 
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jtbo.bench import expert_presets
@@ -100,12 +101,17 @@ def main() -> None:
     x, counts, rows = fp8_layer_probe.slots(
         args.tokens, preset.experts, preset.top_k, preset.hidden, seed=0
     )
-    bf16_weights, fp8_weights = fp8_layer_probe.weights(preset.experts, preset.hidden, preset.ffn)
+    # The weights of the profiled dtype only, drawn a few experts at a time (DeepSeek-V3's
+    # whole float32 draws do not fit an H100 beside the rest).
+    shapes = bench_grouped_gemm.Shapes(**preset.shape_flags())
+    _, weights = bench_grouped_gemm.make_inputs(
+        1, shapes, jnp.bfloat16, jax.random.key(0), args.expert_dtype if fp8 else None
+    )
     layer = functools.partial(
         grouped_gemm.grouped_ffn_rows, impl="mosaic", config=config, max_rows=rows
     )
     before = set(out.glob("*.json"))
-    jax.block_until_ready(jax.jit(layer)(x, counts, *(fp8_weights if fp8 else bf16_weights)))
+    jax.block_until_ready(jax.jit(layer)(x, counts, *weights))
     jax.effects_barrier()  # the traces are written by a host callback after the kernels
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {args.preset}, "
           f"{args.expert_dtype}, {args.tokens} tokens ({rows} rows), spec {args.spec}, "
