@@ -14,11 +14,10 @@
 # dsv3-walk (the Mosaic walk's row tiles per column pair at DeepSeek-V3's 4096 tokens),
 # prefetch (the Mosaic kernels' one pipeline over a CTA's tiles, against the default),
 # fp8-mosaic-decode / fp8-mosaic-prefill (the FP8 Mosaic default, one pipeline over a CTA's
-# tiles, against the waited pipelines), sampler (the sampled step's keys-only sort against the
-# key-value sorts, and a sampled against a greedy serve), memory-registers (the memory
-# warpgroup's registers), fp8-decode-options (the FP8 decode stacks' default and waited launch
-# shapes side by side, a call per stack), tma-layout (TMA streaming FP8 weight tiles from the
-# stored order against a tile-major copy).
+# tiles, against the waited pipelines; STACKS picks the decode stacks), sampler (the sampled
+# step's keys-only sort against the key-value sorts, and a sampled against a greedy serve),
+# memory-registers (the memory warpgroup's registers), tma-layout (TMA streaming FP8 weight
+# tiles from the stored order against a tile-major copy).
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
 # profile-decode (the same of the FP8 default at DeepSeek-V3's and Mixtral-8x7B's decode sizes),
@@ -180,16 +179,22 @@ for group in "$@"; do
       done ;;
     fp8-mosaic-decode)  # the FP8 Mosaic default (prefetching across tiles) against the waited
       # pipelines, in decode stacks: where "auto" takes Mosaic (DeepSeek-V3, Mixtral-8x7B) and
-      # where it takes Pallas (Qwen3-30B-A3B, its 6 down steps in 3 stages when prefetching)
+      # where it takes Pallas (Qwen3-30B-A3B, its 6 down steps in 3 stages when prefetching).
+      # STACKS (default "dsv3 mixtral qwen3") picks which of the three run.
       fp8="--expert-dtype float8_e4m3fn"
       impls=mosaic,mosaic:128x128x128s4
-      LIMIT=200 bench fp8-decode-dsv3 10 grouped_gemm --no-kernel-rows --preset deepseek-v3 $fp8 --tokens 64 \
-        --impls "$impls" --layers-per-call 4
-      LIMIT=150 bench fp8-decode-mixtral 10 grouped_gemm --no-kernel-rows --preset mixtral-8x7b $fp8 \
-        --tokens 128,256 --impls "$impls" --layers-per-call 8
-      impls=pallas,mosaic,mosaic:128x128x128s4
-      LIMIT=150 bench fp8-decode-qwen3 10 grouped_gemm --no-kernel-rows --preset qwen3-30b-a3b $fp8 \
-        --tokens 64,256 --impls "$impls" --layers-per-call 8 ;;
+      for stack in ${STACKS:-dsv3 mixtral qwen3}; do
+        case $stack in
+          dsv3) LIMIT=200 bench fp8-decode-dsv3 10 grouped_gemm --no-kernel-rows \
+            --preset deepseek-v3 $fp8 --tokens 64 --impls "$impls" --layers-per-call 4 ;;
+          mixtral) LIMIT=150 bench fp8-decode-mixtral 10 grouped_gemm --no-kernel-rows \
+            --preset mixtral-8x7b $fp8 --tokens 128,256 --impls "$impls" --layers-per-call 8 ;;
+          qwen3) LIMIT=150 bench fp8-decode-qwen3 10 grouped_gemm --no-kernel-rows \
+            --preset qwen3-30b-a3b $fp8 --tokens 64,256 --impls "pallas,$impls" \
+            --layers-per-call 8 ;;
+          *) echo "== fp8-mosaic-decode: unknown stack $stack (dsv3, mixtral, qwen3)" ;;
+        esac
+      done ;;
     fp8-mosaic-prefill)  # the same at Qwen3-30B-A3B's FP8 prefill, beside bf16's yardstick
       impls=dense,mosaic,mosaic:128x128x128s4/128x128x128s4
       LIMIT=200 bench fp8-prefill-qwen3 14 grouped_gemm --preset qwen3-30b-a3b \
@@ -266,25 +271,6 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
           --hf-config tools/hf_configs/qwen3_30b_a3b.json --num-layers 8 --prefill 4096 --decode \
           --iters 10 --no-profile --expert-dtype float8_e4m3fn >"$OUT/fp8-step-r$registers.log" 2>&1
         echo "(exit $?)"; tail -n 8 "$OUT/fp8-step-r$registers.log"
-      done ;;
-    fp8-decode-options)  # the FP8 Mosaic decode stacks' launch shapes side by side: the
-      # default (prefetching across tiles) and the waited pipelines (s4); Pallas beside them
-      # where "auto" takes it (Qwen3-30B-A3B); the Mixtral-8x7B and Qwen3-30B-A3B stacks are
-      # compile-bound: a call each. STACKS (default "dsv3 mixtral qwen3") picks which of the
-      # three run.
-      fp8="--expert-dtype float8_e4m3fn"
-      impls=mosaic,mosaic:128x128x128s4
-      for stack in ${STACKS:-dsv3 mixtral qwen3}; do
-        case $stack in
-          dsv3) LIMIT=200 bench options-fp8-decode-dsv3 10 grouped_gemm --no-kernel-rows \
-            --preset deepseek-v3 $fp8 --tokens 64 --impls "$impls" --layers-per-call 4 ;;
-          mixtral) LIMIT=300 bench options-fp8-decode-mixtral 12 grouped_gemm --no-kernel-rows \
-            --preset mixtral-8x7b $fp8 --tokens 128,256 --impls "$impls" --layers-per-call 8 ;;
-          qwen3) LIMIT=300 bench options-fp8-decode-qwen3 14 grouped_gemm --no-kernel-rows \
-            --preset qwen3-30b-a3b $fp8 --tokens 64,256 --impls "pallas,$impls" \
-            --layers-per-call 8 ;;
-          *) echo "== fp8-decode-options: unknown stack $stack (dsv3, mixtral, qwen3)" ;;
-        esac
       done ;;
     tma-layout)  # TMA streaming FP8 weight tiles from the stored order against a tile-major
       # copy (tools/tma_layout_probe.py: DeepSeek-V3's gate / up and down weights, 4 and 8
@@ -371,7 +357,7 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
       "prefetch, fp8-mosaic-decode, fp8-mosaic-prefill, sampler, memory-registers," \
       "fp8-registers-pe, fp8-registers-default, fp8-side, fp8-registers-step," \
-      "fp8-decode-options, tma-layout, gpu-tests, profile, profile-decode, fp8-default, epilogue)"
+      "tma-layout, gpu-tests, profile, profile-decode, fp8-default, epilogue)"
       exit 2 ;;
   esac
 done
