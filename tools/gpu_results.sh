@@ -328,7 +328,8 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
         mosaic_profile_probe.py --preset mixtral-8x7b --tokens 128 --profile-space 240 \
         --out /tmp/mosaic-profile-decode-mixtral ;;
     profile)  # where the Mosaic kernels' compute warpgroups spend their time (Mosaic GPU's
-      # in-kernel profiler over the kernels' named scopes) at Qwen3-30B-A3B's 4096 tokens:
+      # in-kernel profiler over the kernels' named scopes) at Qwen3-30B-A3B's 4096 tokens
+      # (PROFILE_TOKENS):
       # FP8 (the default, prefetching across tiles, and the waited pipelines), then bf16, each
       # with the ranges per warpgroup that fit its shared memory (227 KB less the kernel's
       # own: 48 bytes a range)
@@ -341,7 +342,7 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
         # platform beside CUDA.
         JAX_PLATFORMS=cuda,cpu PROBE_LINES="$PROFILE_LINES" probe "profile-$1-${2//\//_}" 150 \
           mosaic_profile_probe.py --expert-dtype "$1" --spec "$2" --profile-space "$3" \
-          --out "/tmp/mosaic-profile-$1"
+          --tokens "${PROFILE_TOKENS:-4096}" --out "/tmp/mosaic-profile-$1"
       done ;;
     ranks)  # the expert layer with blocked group ranks against the one-hot ranks, in turns
       echo "== PYTHONPATH=. python tools/layer_ranks_probe.py"
