@@ -203,12 +203,18 @@ def walk(cfg, k_steps: int, num_tiles: int, num_col_tiles: int, grid_size: int, 
     walk_live_tiles(num_live_gmem[0], num_col_tiles, cfg.grid_tile_width, grid_size, visit)
 
 
+def _column_pairs(num_col_tiles: int) -> int:
+    """A row tile's walk positions: one per pair of neighbouring column tiles, the two CTAs of
+    a cluster taking one each (the last pair of an odd number has one)."""
+    return arith.ceil_div(num_col_tiles, 2)
+
+
 def _tile_and_column(index, num_tiles, num_col_tiles: int, grid_tile_width: int):
     """``(row tile, column tile, stores)`` of walk position ``index``: positions cover the
     (row tile, column pair) pairs in ``plgpu.planar_snake`` order, and the two CTAs of a
     cluster take the pair's two neighbouring column tiles (``walk_tiles``)."""
-    pairs = arith.ceil_div(num_col_tiles, 2)
-    tile, pair = plgpu.planar_snake(index, (num_tiles, pairs), 0, grid_tile_width)
+    tile, pair = plgpu.planar_snake(index, (num_tiles, _column_pairs(num_col_tiles)), 0,
+                                    grid_tile_width)  # fmt: skip
     col = pair * 2 + lax.axis_index(CLUSTER)
     if num_col_tiles % 2 == 0:
         return tile, col, None
@@ -225,9 +231,8 @@ def walk_tiles(num_tiles: int, num_col_tiles: int, grid_tile_width: int, visit) 
     must not store it. ``stores`` is then a traced bool, false for that CTA (``run_when``);
     with an even number it is None (every CTA stores).
     """
-    pairs = arith.ceil_div(num_col_tiles, 2)
 
-    @plgpu.nd_loop((num_tiles * pairs,), collective_axes=CLUSTER_GRID)
+    @plgpu.nd_loop((num_tiles * _column_pairs(num_col_tiles),), collective_axes=CLUSTER_GRID)
     def _tile_loop(loop_info):
         visit(*_tile_and_column(loop_info.index[0], num_tiles, num_col_tiles, grid_tile_width))
 
@@ -241,7 +246,7 @@ def walk_live_tiles(num_live, num_col_tiles: int, grid_tile_width: int, grid_siz
     None). Cluster ``c`` takes walk positions ``c, c + grid_size, ...``.
     """
     cluster = lax.axis_index(CLUSTER_GRID)
-    positions = num_live * arith.ceil_div(num_col_tiles, 2)
+    positions = num_live * _column_pairs(num_col_tiles)
     visits = lax.div(jnp.maximum(positions - cluster + grid_size - 1, 0), grid_size)
     states = plgpu.PipelinePipeline
 
