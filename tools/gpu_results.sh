@@ -17,7 +17,8 @@
 # tiles, against the waited pipelines; STACKS picks the decode stacks), sampler (the sampled
 # step's keys-only sort against the key-value sorts, and a sampled against a greedy serve),
 # memory-registers (the memory warpgroup's registers), tma-layout (TMA streaming FP8 weight
-# tiles from the stored order against a tile-major copy).
+# tiles from the stored order against a tile-major copy), tma-rows (the same with a row block
+# beside each weight tile, as the FP8 decode kernels load theirs).
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
 # profile-decode (the same of the FP8 default at DeepSeek-V3's and Mixtral-8x7B's decode sizes),
@@ -277,6 +278,10 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       # stages, beside XLA's copy): whether the weights' layout holds the FP8 decode layer
       # under copy bandwidth
       probe tma-layout "${LIMIT:-150}" tma_layout_probe.py ;;
+    tma-rows)  # the same streaming with each step's row block beside its weight tile (32, 64
+      # and 128 rows, as the FP8 decode kernels load their mostly-padding row tiles): whether
+      # the row tiles' traffic holds the FP8 decode layer under copy bandwidth
+      probe tma-rows "${LIMIT:-150}" tma_layout_probe.py --stages 4 --row-rows 32,64,128 ;;
     sampler)  # the sampler's keys-only sort against the key-value sorts (which compiled sort
       # each runs), then a sampled and a greedy serve at Qwen3-30B-A3B's dimensions
       # (SERVE_LAYERS of its layers, 8 by default)
@@ -358,7 +363,7 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
       "prefetch, fp8-mosaic-decode, fp8-mosaic-prefill, sampler, memory-registers," \
       "fp8-registers-pe, fp8-registers-default, fp8-side, fp8-registers-step," \
-      "tma-layout, gpu-tests, profile, profile-decode, fp8-default, epilogue)"
+      "tma-layout, tma-rows, gpu-tests, profile, profile-decode, fp8-default, epilogue)"
       exit 2 ;;
   esac
 done

@@ -10,7 +10,14 @@ bytes (``tile-major``), beside XLA's copy bandwidth, in one process; prints a ma
 last. A tile-major layout faster than the stored one would say the weights' layout, not the
 kernels' arithmetic, holds the decode layer under copy bandwidth.
 
-``PYTHONPATH=. python tools/tma_layout_probe.py [--stages 4,8] [--ctas 128]``
+``--row-rows R,...`` adds cases that load, beside each weight tile, a ``[R, 128]`` block of
+row operands as the kernels do (their row tile's contraction step; the kernels' 128-row tile
+is 64 rows a CTA of the cluster's multicast): the row tile of a weight tile's expert, from an
+``[E * R, K]`` buffer, so a few row tiles are read by many CTAs at once and mostly hit the L2
+cache. Only the weight bytes count in the table's rates. A rate that falls with ``R`` says the
+row tiles' traffic, which at decode is mostly padding rows, holds the layer under copy.
+
+``PYTHONPATH=. python tools/tma_layout_probe.py [--stages 4,8] [--ctas 128] [--row-rows 32,64]``
 (``--interpret``: Mosaic GPU's interpreter on the CPU, tiny shapes, a check only.)
 """
 
@@ -41,26 +48,43 @@ def _index_map(layout: str, cta, num_ctas: int, k_steps: int):
     return lambda i, k: ((cta + i * num_ctas) * k_steps + k, 0)
 
 
-def stream(weights, layout: str, *, num_ctas: int, k_steps: int, stages: int, interpret: bool):
-    """Streams every tile of ``weights`` through shared memory; returns each CTA's step count
-    ``[num_ctas, 128]`` (int32, the count repeated), which must be its tiles times ``k_steps``."""
+def stream(weights, row_tiles, layout: str, *, num_ctas: int, k_steps: int, stages: int,
+           experts: int, interpret: bool):  # fmt: skip
+    """Streams every tile of ``weights`` (and with ``row_tiles`` ``[E * R, K]``, each weight
+    tile's expert's ``[R, 128]`` row block beside it) through shared memory; returns each CTA's
+    step count ``[num_ctas, 128]`` (int32, the count repeated), which must be its tiles times
+    ``k_steps``."""
     num_tiles = weights.size // (TILE * TILE * k_steps)
     if num_tiles % num_ctas:
         raise ValueError(f"{num_tiles} column tiles do not divide over {num_ctas} CTAs")
     transforms = grouped_gemm_mosaic.smem_transforms(TILE, weights.dtype.itemsize)
+    operands = (weights,) if row_tiles is None else (weights, row_tiles)
 
-    def body(weights_gmem, out_gmem, count_smem):
+    def body(*refs):
+        *in_gmems, out_gmem, count_smem = refs
         cta = lax.axis_index("sm")
-        spec = plgpu.BlockSpec(
-            (TILE, TILE), _index_map(layout, cta, num_ctas, k_steps), transforms=transforms
-        )
+        specs = [
+            plgpu.BlockSpec(
+                (TILE, TILE), _index_map(layout, cta, num_ctas, k_steps), transforms=transforms
+            )
+        ]
+        if row_tiles is not None:
+            rows = row_tiles.shape[0] // experts
+            tiles_per_expert = num_tiles // experts
+            specs.append(
+                plgpu.BlockSpec(
+                    (rows, TILE),
+                    lambda i, k: ((cta + i * num_ctas) // tiles_per_expert, k),
+                    transforms=transforms,
+                )
+            )
         steps = plgpu.emit_pipeline(
-            lambda _indices, _tile, count: count + 1,
+            lambda _indices, *tiles_and_count: tiles_and_count[-1] + 1,
             grid=(num_tiles // num_ctas, k_steps),
-            in_specs=[spec],
+            in_specs=specs,
             max_concurrent_steps=stages,
             init_carry=jnp.int32(0),
-        )(weights_gmem)
+        )(*in_gmems)
         count_smem[...] = jnp.full((TILE,), steps, jnp.int32)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(count_smem, out_gmem.at[cta])
@@ -73,7 +97,7 @@ def stream(weights, layout: str, *, num_ctas: int, k_steps: int, stages: int, in
         grid=(num_ctas,),
         grid_names=("sm",),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(weights)
+    )(*operands)
 
 
 def tile_major(strided: jax.Array, k_steps: int) -> jax.Array:
@@ -87,6 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--stages", default="4,8")
     parser.add_argument("--ctas", type=int, default=128)
+    parser.add_argument("--row-rows", default="", help="row-block rows of the extra cases")
     parser.add_argument("--interpret", action="store_true")
     args = parser.parse_args()
     interpret = args.interpret
@@ -102,22 +127,27 @@ def main() -> None:
         bits = jax.random.bits(jax.random.key(k), (experts * n, k), jnp.uint8)
         strided = lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
         layouts = {"strided": strided, "tile-major": tile_major(strided, k_steps)}
+        # (layout, row-block rows): the row blocks beside the stored order only
+        variants = [(layout, 0) for layout in layouts]
+        variants += [("strided", rows) for rows in map(int, filter(None, args.row_rows.split(",")))]
         fns, labels = [], []
         for stages in map(int, args.stages.split(",")):
-            for layout, weights in layouts.items():
+            for layout, rows in variants:
+                row_bits = jax.random.bits(jax.random.key(rows), (experts * rows, k), jnp.uint8)
+                row_tiles = lax.bitcast_convert_type(row_bits, jnp.float8_e4m3fn) if rows else None
                 fn = jax.jit(
                     functools.partial(
                         stream, layout=layout, num_ctas=num_ctas, k_steps=k_steps,
-                        stages=stages, interpret=interpret,
+                        stages=stages, experts=experts, interpret=interpret,
                     )
                 )  # fmt: skip
-                counts = np.asarray(fn(weights))
+                counts = np.asarray(fn(layouts[layout], row_tiles))
                 want = experts * n // TILE // num_ctas * k_steps
                 if not (counts == want).all():
-                    raise SystemExit(f"{name} {layout} s{stages}: step counts {counts[:, 0]}, "
-                                     f"want {want}")  # fmt: skip
-                fns.append((fn, (weights,)))
-                labels.append((layout, stages))
+                    raise SystemExit(f"{name} {layout} r{rows} s{stages}: step counts "
+                                     f"{counts[:, 0]}, want {want}")  # fmt: skip
+                fns.append((fn, (layouts[layout], row_tiles)))
+                labels.append((layout + (f" + {rows}-row blocks" if rows else ""), stages))
         if interpret:
             print(f"{name}: every CTA streamed its steps ({len(fns)} launch shapes)")
             continue
