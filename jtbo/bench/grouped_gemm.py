@@ -49,10 +49,11 @@ bookkeeping, sort / scatter / gather, is timed with it, since each layout needs 
 * ``mosaic``: ``experts_capacity`` with ``impl="mosaic"``: the Hopper kernels (Pallas Mosaic
   GPU, ``jtbo.kernels.grouped_gemm_mosaic``) over the same filled slots, gathered into
   tile-major rows first; the layer reads its result through the rows' slot index.
-  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][p][rR]`` for both kernels
+  ``mosaic:SPEC`` sets their launch shapes: ``MxNxK[sS][tT][fF][p][c][rR]`` for both kernels
   or ``GATE_UP/DOWN`` (row tile x columns per CTA x contraction step, pipeline stages, row
   tiles walked together, steps whose ``wgmma`` stays in flight, ``p``: one pipeline over all
-  of a CTA's tiles, the next tile's loads under the current tile's end, ``rR``: the memory
+  of a CTA's tiles, the next tile's loads under the current tile's end, ``c``: with FP8
+  experts the two warpgroups split the columns of an M-row tile, ``rR``: the memory
   warpgroup keeps R registers a thread), e.g. ``mosaic:128x128x64s4/128x256x64s4f1``. It is
   checked and followed by a ``mosaic (kernel)`` row as ``pallas`` is.
 * ``dense``: the yardstick of the ``vs dense`` target, not a routed layer: one dense SwiGLU
@@ -413,28 +414,33 @@ def pallas_config(variant: str) -> kernels.GroupedFfnConfig | None:
     return _two_kernels(variant, parse_gemm_config, kernels.GroupedFfnConfig)
 
 
-_MOSAIC_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?(?:r(\d+))?")
+_MOSAIC_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)(?:s(\d+))?(?:t(\d+))?(?:f(\d+))?(p)?(c)?(?:r(\d+))?")
 
 
 def parse_mosaic_config(spec: str) -> kernels.MosaicGemmConfig:
-    """``MxNxK[sS][tT][fF][p][rR]`` -> ``MosaicGemmConfig``: M x N a CTA's tile (two
-    warpgroups of M / 2 rows each), K the contraction step, S the pipeline stages, T the row
-    tiles walked together, F the steps' ``wgmma`` left in flight, ``p`` the pipeline
-    prefetches across tiles, R the memory warpgroup's registers (omitted parts keep the
-    defaults).
+    """``MxNxK[sS][tT][fF][p][c][rR]`` -> ``MosaicGemmConfig``: M x N a CTA's tile (two
+    warpgroups of M / 2 rows each, or with ``c`` of N / 2 columns each, the FP8 kernels'
+    ``split_columns``), K the contraction step, S the pipeline stages, T the row tiles walked
+    together, F the steps' ``wgmma`` left in flight, ``p`` the pipeline prefetches across
+    tiles, R the memory warpgroup's registers (omitted parts keep the defaults).
 
     Raises:
       ValueError: a spec that does not match (a letter not listed among them), or values
         ``MosaicGemmConfig`` rejects.
     """
     match = _MOSAIC_SPEC.fullmatch(spec)
-    if match is None or int(match.group(1)) % 2:
+    split = match is not None and match.group(8) is not None
+    if match is None or int(match.group(2 if split else 1)) % 2:
         raise ValueError(
-            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][rR] with M even, "
-            "e.g. 128x256x64s4"
+            f"mosaic config {spec!r}: expected MxNxK[sS][tT][fF][p][c][rR] with M even (N "
+            "with c), e.g. 128x256x64s4"
         )
-    block_m, block_n, tile_k, stages, width, in_flight, prefetch, registers = match.groups()
-    fields = dict(tile_m=int(block_m) // 2, tile_n=int(block_n), tile_k=int(tile_k))
+    block_m, block_n, tile_k, stages, width, in_flight, prefetch, _, registers = match.groups()
+    fields = dict(split_columns=split, tile_k=int(tile_k))
+    if split:  # the warpgroups side by side: each all M rows and half the N columns
+        fields.update(tile_m=int(block_m), tile_n=int(block_n) // 2)
+    else:
+        fields.update(tile_m=int(block_m) // 2, tile_n=int(block_n))
     fields.update({} if stages is None else {"max_concurrent_steps": int(stages)})
     fields.update({} if width is None else {"grid_tile_width": int(width)})
     fields.update({} if in_flight is None else {"wgmma_in_flight": int(in_flight)})

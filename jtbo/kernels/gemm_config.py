@@ -14,8 +14,9 @@ up to a power of two (at least 16, Triton's smallest matmul tile).
 
 ``MosaicFfnConfig`` holds the launch shapes of the ``"mosaic"`` impl's kernels
 (``jtbo.kernels.grouped_gemm_mosaic``): each of a CTA's two compute warpgroups computes
-``tile_m x tile_n``, the two stacked by rows (a ``2 * tile_m``-row tile, ``tile_n`` columns); a
-2-CTA cluster takes two neighbouring column tiles.
+``tile_m x tile_n``, the two stacked by rows (a ``2 * tile_m``-row tile, ``tile_n`` columns) or,
+with FP8 weights and ``split_columns``, side by side (a ``tile_m``-row tile, ``2 * tile_n``
+columns); a 2-CTA cluster takes two neighbouring column tiles.
 """
 
 import dataclasses
@@ -128,9 +129,10 @@ class MosaicGemmConfig:
 
     Attributes:
       tile_m: rows per compute warpgroup (64 at least, ``wgmma``'s ``M``); a row tile
-        (``block_m``) is ``2 * tile_m`` rows.
-      tile_n: output columns per compute warpgroup (the gate / up kernel: per accumulator),
-        a CTA's column tile (``block_n``).
+        (``block_m``) is ``2 * tile_m`` rows, or ``tile_m`` with ``split_columns``.
+      tile_n: output columns per compute warpgroup (the gate / up kernel: per accumulator);
+        a CTA's column tile (``block_n``) is ``tile_n`` wide, or ``2 * tile_n`` with
+        ``split_columns``.
       tile_k: contraction step of one pipeline stage.
       max_concurrent_steps: pipeline stages in flight (shared-memory buffers per operand).
       grid_tile_width: row tiles walked together over the column tiles (L2 reuse of the
@@ -146,6 +148,12 @@ class MosaicGemmConfig:
       memory_registers: registers a thread of the memory warpgroup keeps (``setmaxnreg``); the
         two compute warpgroups share the rest of the register file (232 each at 40). A
         multiple of 8 in ``[24, 256]``.
+      split_columns: the two compute warpgroups take the two ``tile_n``-column halves of a
+        CTA's column tile over the same ``tile_m`` rows, rather than two row halves (the FP8
+        kernels only). Per weight byte a CTA then loads half the row bytes and computes half
+        the rows: at decode sizes, where an expert's few rows are mostly padding, that is
+        padding neither loaded nor multiplied; at prefill sizes it is fewer products per
+        weight byte.
     """
 
     tile_m: int = 64
@@ -156,6 +164,7 @@ class MosaicGemmConfig:
     wgmma_in_flight: int = 0
     prefetch_across_tiles: bool = False
     memory_registers: int = MOSAIC_MEMORY_REGISTERS
+    split_columns: bool = False
 
     def __post_init__(self):
         launch_checks.require_powers_of_two(self, ("tile_m", "tile_n", "tile_k"))
@@ -176,26 +185,30 @@ class MosaicGemmConfig:
 
     @property
     def block_m(self) -> int:
-        """Rows of one row tile (a CTA's tile: both compute warpgroups' rows)."""
-        return 2 * self.tile_m
+        """Rows of one row tile (a CTA's tile): both compute warpgroups' rows, or with
+        ``split_columns`` the ``tile_m`` rows they share."""
+        return self.tile_m if self.split_columns else 2 * self.tile_m
 
     @property
     def block_n(self) -> int:
         """Columns of one column tile (a CTA's tile; the gate / up kernel: per accumulator):
-        ``tile_n``, each compute warpgroup computing all of them."""
-        return self.tile_n
+        ``tile_n``, each compute warpgroup computing all of them, or with ``split_columns``
+        ``2 * tile_n``, a half each."""
+        return 2 * self.tile_n if self.split_columns else self.tile_n
 
     def describe(self) -> str:
-        """Short label for tables: ``MxNxK sS tT [fF] [p] [rR]`` (M x N a CTA's tile, F the steps
-        in flight when not 0, ``p`` when the pipeline prefetches across tiles, R the memory
-        warpgroup's registers when not the default)."""
+        """Short label for tables: ``MxNxK sS tT [fF] [p] [c] [rR]`` (M x N a CTA's tile, F the
+        steps in flight when not 0, ``p`` when the pipeline prefetches across tiles, ``c`` when
+        the warpgroups split the columns, R the memory warpgroup's registers when not the
+        default)."""
         in_flight = f" f{self.wgmma_in_flight}" if self.wgmma_in_flight else ""
         prefetch = " p" if self.prefetch_across_tiles else ""
+        split = " c" if self.split_columns else ""
         registers = self.memory_registers
         registers = f" r{registers}" if registers != MOSAIC_MEMORY_REGISTERS else ""
         return (
             f"{self.block_m}x{self.block_n}x{self.tile_k} s{self.max_concurrent_steps} "
-            f"t{self.grid_tile_width}{in_flight}{prefetch}{registers}"
+            f"t{self.grid_tile_width}{in_flight}{prefetch}{split}{registers}"
         )
 
 

@@ -117,7 +117,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
         def visit(tile, col, stores, pipeline_state=None):
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
-            wg_rows = warpgroup_rows(cfg, warpgroup)
+            wg_rows, _ = warpgroup_part(cfg, warpgroup)  # rows: no split_columns here
 
             def compute_context(run_pipeline):
                 acc_shape = (cfg.tile_m, cfg.tile_n)
@@ -279,10 +279,13 @@ def run_unless_dead(run, expert, pipeline_state) -> None:
         run()
 
 
-def warpgroup_rows(cfg: gemm_config.MosaicGemmConfig, warpgroup):
-    """The rows of a CTA's ``block_m``-row tile that compute warpgroup ``warpgroup`` computes
-    (over all ``block_n`` columns): its ``tile_m``-row half."""
-    return pl.ds(warpgroup * cfg.tile_m, cfg.tile_m)
+def warpgroup_part(cfg: gemm_config.MosaicGemmConfig, warpgroup):
+    """``(rows, columns)`` of a CTA's ``block_m x block_n`` tile that compute warpgroup
+    ``warpgroup`` computes: a ``tile_m``-row half over all columns, or with ``split_columns``
+    a ``tile_n``-column half over all rows."""
+    if cfg.split_columns:
+        return slice(None), pl.ds(warpgroup * cfg.tile_n, cfg.tile_n)
+    return pl.ds(warpgroup * cfg.tile_m, cfg.tile_m), slice(None)
 
 
 def run_when(condition, fn) -> None:
@@ -463,6 +466,11 @@ def grouped_ffn_mosaic(x_slots, counts, w_gate_up, w_down, *, max_rows, cfg, int
         raise impls.KernelUnavailableError(
             f"impl='mosaic' multiplies 16-bit floats on GPUs, got {x_slots.dtype} (wgmma reads "
             "float32 as TF32 only from K-major weights); use impl='pallas'"
+        )
+    if cfg.gate_up.split_columns or cfg.down.split_columns:
+        raise impls.KernelUnavailableError(
+            "split_columns is a launch shape of the FP8 Mosaic kernels; the bf16 ones stack "
+            "their warpgroups by rows"
         )
     ffn = w_gate_up.shape[3]
     block_m = cfg.gate_up.block_m

@@ -22,7 +22,9 @@ adds it to the running sum scaled by its rows' scales times the block's scale, r
 weight scales in global memory (DeepSeek-V3's promotion of each block's partial sums). The
 gate and the up products are promoted one after the other, so that a warpgroup holds two
 running sums and one partial sum in registers; the other compute warpgroup's ``wgmma`` runs
-while one promotes. ``tile_n`` is the block's width, so one scale covers a tile. The gate / up
+while one promotes. ``tile_n`` is the block's width, so one scale covers a tile (with
+``split_columns`` the two warpgroups take neighbouring blocks of a ``2 * tile_n``-column tile
+over the same ``tile_m`` rows, each with its block's scale). The gate / up
 epilogue computes ``silu(gate) * up`` and quantizes each row of the tile (one group: ``tile_n``
 is the down weight's contraction block) as ``fp8_blocks`` does: its largest magnitude times
 ``1 / 448`` (1 for a zero row), the values divided by it (within 2 ulps, the kernels'
@@ -146,16 +148,18 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
         def visit(tile, col, stores, pipeline_state=None):
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
-            wg_rows = grouped_gemm_mosaic.warpgroup_rows(cfg, warpgroup)
-            # Each accumulator's weight-scale row: a column tile is one tile_n-wide block.
-            scale_rows = [offset // tile_n + col for offset in column_offsets]
+            wg_rows, wg_cols = grouped_gemm_mosaic.warpgroup_part(cfg, warpgroup)
+            row_start, block = _warpgroup_origin(cfg, warpgroup, col)
+            # Each accumulator's weight-scale row: the warpgroup's tile_n-wide block.
+            scale_rows = [offset // tile_n + block for offset in column_offsets]
 
             def compute_context(run_pipeline):
                 zeros = jnp.full((tile_m, tile_n), 0, _F32)
                 sums = run_pipeline((plgpu.layout_cast(zeros, plgpu.Layout.WGMMA),) * num_acc)
-                wg_out = out_gmems[0].at[rows, pl.ds(col * block_n, block_n)].at[wg_rows]
-                out_rows = pl.ds(tile * block_m + warpgroup * tile_m, tile_m)
-                wg_scales = out_gmems[1].at[col, out_rows] if num_acc == 2 else None
+                out_tile = out_gmems[0].at[rows, pl.ds(col * block_n, block_n)]
+                wg_out = out_tile.at[wg_rows, wg_cols]
+                out_rows = pl.ds(tile * block_m + row_start, tile_m)
+                wg_scales = out_gmems[1].at[block, out_rows] if num_acc == 2 else None
                 grouped_gemm_mosaic.run_when(stores, _EPILOGUE_SCOPE(lambda: _epilogue(
                     sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales
                 )))  # fmt: skip
@@ -169,7 +173,7 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
                 factors = [row_scale * b_scale_gmem[expert, row, step] for row in scale_rows]
                 promoted = []
                 for b_smem, running, factor in zip(b_smems, sums, factors, strict=True):
-                    part = _block_product(a_smem.at[wg_rows], b_smem, (tile_m, tile_n))
+                    part = _block_product(a_smem.at[wg_rows], b_smem.at[wg_cols], (tile_m, tile_n))
                     promoted.append(_promoted(running, part, factor))
                 return tuple(promoted)
 
@@ -188,6 +192,15 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
         )
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _warpgroup_origin(cfg: gemm_config.MosaicGemmConfig, warpgroup, col):
+    """``(first row in the row tile, column block)`` of compute warpgroup ``warpgroup``'s
+    ``tile_m x tile_n`` part of column tile ``col``: the column block indexes the weight
+    scales' and the hidden scales' ``tile_n``-wide blocks (from the accumulator's offset)."""
+    if cfg.split_columns:
+        return 0, col * 2 + warpgroup
+    return warpgroup * cfg.tile_m, col
 
 
 def _epilogue(sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales):

@@ -130,11 +130,17 @@ def test_mosaic_spec_parses_per_kernel_configs():
     registers = grouped_gemm.mosaic_config("128x128x128s4pr104/128x128x128r72")
     assert (registers.gate_up.memory_registers, registers.down.memory_registers) == (104, 72)
     assert registers.gate_up.prefetch_across_tiles and registers.gate_up.block_m == 128
-    # M odd; letters no option takes (c, w, m and e among them): the message gives the grammar.
-    refused = ("127x64x64", "128x256x64c", "128x256x64s4pw", "128x256x64pe/128x256x64cm")
+    split = grouped_gemm.mosaic_config("64x256x128s2pc/64x256x128s4c")
+    assert (split.gate_up.tile_m, split.gate_up.tile_n, split.gate_up.block_m) == (64, 128, 64)
+    assert split.gate_up.split_columns and split.down.split_columns
+    assert (split.gate_up.block_n, split.down.max_concurrent_steps) == (256, 4)
+    assert split.gate_up.describe() == "64x256x128 s2 t4 p c"
+    # M odd (N with c); letters no option takes (w, m and e among them): the message gives the
+    # grammar.
+    refused = ("127x64x64", "128x255x64c", "128x256x64s4pw", "128x256x64pe/128x256x64cm")
     refused += ("128x256x64m", "128x128x64s4f1m/128x256x64pm")
     refused += ("128x128x128s4e", "128x128x128s4pe", "128x128x128s4er104/128x128x128r72")
-    grammar = re.escape("expected MxNxK[sS][tT][fF][p][rR] with M even")
+    grammar = re.escape("expected MxNxK[sS][tT][fF][p][c][rR] with M even (N with c)")
     for spec in refused:
         with pytest.raises(ValueError, match=grammar):
             grouped_gemm.mosaic_config(spec)

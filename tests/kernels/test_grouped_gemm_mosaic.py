@@ -238,6 +238,15 @@ def test_a_launch_shape_of_the_other_impl_is_refused():
         )  # fmt: skip
 
 
+def test_split_columns_is_refused_for_float_weights():
+    x = jnp.ones((E, C, H), DTYPE)
+    split = helpers.both_kernels(SMALL, split_columns=True)
+    with pytest.raises(kernels.KernelUnavailableError, match="split_columns.*FP8 Mosaic"):
+        kernels.grouped_ffn(
+            x, jnp.ones((E,), jnp.int32), *_weights(0), impl="mosaic", config=split
+        )  # fmt: skip
+
+
 def test_launch_shapes_are_checked():
     with pytest.raises(ValueError, match="tile_m must be >= 64"):
         gemm_config.MosaicGemmConfig(tile_m=32)

@@ -34,6 +34,8 @@ SMALL = gemm_config.MosaicFfnConfig(
     down=gemm_config.MosaicGemmConfig(tile_n=64, tile_k=64, max_concurrent_steps=2),
 )
 PREFETCHING = helpers.both_kernels(SMALL, prefetch_across_tiles=True)
+# The warpgroups side by side over a 128-column tile of two 64-wide blocks, 64-row tiles.
+SPLIT_COLUMNS = helpers.both_kernels(PREFETCHING, split_columns=True)
 # (H, F, block, config): two contraction steps of each kernel, one cluster's column pair in
 # the gate / up kernel and two in the down kernel.
 CASES = {
@@ -45,6 +47,10 @@ CASES = {
     # a pipeline of four visits a cluster in the gate / up kernel (two column pairs a tile),
     # of two in the down kernel.
     "prefetching": (128, 256, SMALL_BLOCK, PREFETCHING),
+    # The same with the warpgroups splitting the columns: 64-row tiles (four and five live
+    # tiles of the two experts), each warpgroup its own weight block and scale; the down
+    # kernel's one 128-column tile a cluster pair's first CTA alone stores.
+    "split-columns": (128, 256, SMALL_BLOCK, SPLIT_COLUMNS),
 }
 # As the Pallas FP8 kernels' test: the rows are quantized bit for bit, the hidden rows summed
 # in another order, so a hidden value on a rounding boundary may land on its neighbour.
@@ -226,8 +232,16 @@ def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
     if ffn == 768:
         # The memory warpgroup keeping 104 registers (the compute warpgroups 200).
         registers = helpers.both_kernels(gemm_config.MOSAIC_FFN_FP8, memory_registers=104)
+        # The warpgroups splitting 256-column tiles, prefetching: gate / up in 2 stages (72 KB
+        # each), down in 3 (40 KB each), within the shared memory.
+        split = gemm_config.MosaicFfnConfig(
+            gate_up=dataclasses.replace(
+                default.gate_up, split_columns=True, max_concurrent_steps=2
+            ),
+            down=dataclasses.replace(default.down, split_columns=True, max_concurrent_steps=3),
+        )
         # The waited pipelines (MOSAIC_FFN_FP8), each tile filling its own.
-        for cfg in (gemm_config.MOSAIC_FFN_FP8, registers):
+        for cfg in (gemm_config.MOSAIC_FFN_FP8, registers, split):
             hlo = helpers.compiled_for_h200(functools.partial(layer, cfg=cfg), shapes)
             assert hlo.count('custom_call_target="mosaic_gpu_v2"') == 2
 
