@@ -96,7 +96,8 @@ def main() -> None:
     _profiled_compiler_params(args.profile_space, out)
     preset = expert_presets.PRESETS[args.preset]
     fp8 = args.expert_dtype == "float8_e4m3fn"
-    default = gemm_config.default_mosaic_ffn(preset.hidden, preset.ffn, fp8)
+    rows_per_expert = args.tokens * preset.top_k / preset.experts  # as the layer's default
+    default = gemm_config.default_mosaic_ffn(preset.hidden, preset.ffn, fp8, rows_per_expert)
     config = default if args.spec == "default" else bench_grouped_gemm.mosaic_config(args.spec)
     x, counts, rows = fp8_layer_probe.slots(
         args.tokens, preset.experts, preset.top_k, preset.hidden, seed=0

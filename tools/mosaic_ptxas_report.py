@@ -41,7 +41,8 @@ def _compile_one(preset: str, expert_dtype: str, tokens: int, spec: str) -> None
     grouped_gemm_mosaic.num_clusters = lambda interpret: 66  # an H200's 132 SMs
     shape = expert_presets.PRESETS[preset]
     fp8 = expert_dtype == "float8_e4m3fn"
-    default = gemm_config.default_mosaic_ffn(shape.hidden, shape.ffn, fp8)
+    rows_per_expert = tokens * shape.top_k / shape.experts  # as the layer's default
+    default = gemm_config.default_mosaic_ffn(shape.hidden, shape.ffn, fp8, rows_per_expert)
     cfg = default if spec == "default" else bench.mosaic_config(spec)
     rows = tokens * shape.top_k
     capacity = max(4 * rows // shape.experts, 128)

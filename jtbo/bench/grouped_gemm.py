@@ -321,7 +321,7 @@ def computed_rows(impl: str, ids: np.ndarray, shapes: Shapes, capacity: int, fp8
     name, _, variant = impl.partition(":")
     if name != "mosaic":
         return ids.size
-    default = gemm_config.default_mosaic_ffn(shapes.hidden, shapes.ffn, fp8)
+    default = gemm_config.default_mosaic_ffn(shapes.hidden, shapes.ffn, fp8, ids.size / num_experts)
     cfg = (kernel_config(name, variant) or default).gate_up
     counts = np.minimum(np.bincount(ids.reshape(-1), minlength=num_experts), capacity)
     return int(np.sum(arith.ceil_div(counts, cfg.block_m)) * cfg.block_m)

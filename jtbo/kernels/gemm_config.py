@@ -20,6 +20,7 @@ columns); a 2-CTA cluster takes two neighbouring column tiles.
 """
 
 import dataclasses
+import math
 
 from jtbo.core import arith
 from jtbo.kernels import launch_checks
@@ -262,8 +263,19 @@ MOSAIC_FFN_FP8 = MosaicFfnConfig(
 # "the FP8 gate / up memory warpgroup's registers").
 MOSAIC_FP8_GATE_UP_MEMORY_REGISTERS = 88
 
+# The FP8 default splits the columns between the warpgroups (``split_columns``, 64-row tiles)
+# up to this many rows an expert on average: there most of an expert's rows fit one 64-row
+# tile, so each weight byte comes with half the row bytes and half the padded products of a
+# 128-row tile. The decode layer ran faster so up to this load and slower at twice it, where
+# many experts take a second tile that reads their weights again (docs/benchmarks/, "the
+# warpgroups splitting the columns at decode").
+MOSAIC_FP8_SPLIT_MAX_ROWS_PER_EXPERT = 32
+# The split gate / up kernel's stages: 72 KB each (a 64-row block and two 256-column weight
+# tiles), so three do not fit beside the epilogue's shared memory.
+_SPLIT_GATE_UP_STAGES = 2
 
-def mosaic_ffn_fp8(hidden: int, ffn: int) -> MosaicFfnConfig:
+
+def mosaic_ffn_fp8(hidden: int, ffn: int, rows_per_expert: float = math.inf) -> MosaicFfnConfig:
     """The default FP8 launch shapes for experts of ``hidden`` x ``ffn``: ``MOSAIC_FFN_FP8``
     with each kernel's pipeline running across its tiles (``prefetch_across_tiles``), at the
     most stages, up to ``MOSAIC_FFN_FP8``'s, that divide its contraction steps (``hidden``
@@ -271,38 +283,56 @@ def mosaic_ffn_fp8(hidden: int, ffn: int) -> MosaicFfnConfig:
     stages or more divides (DeepSeek-V2-Lite's 11 down steps) keeps the waited pipeline. The
     gate / up kernel's memory warpgroup keeps ``MOSAIC_FP8_GATE_UP_MEMORY_REGISTERS``.
 
+    Up to ``MOSAIC_FP8_SPLIT_MAX_ROWS_PER_EXPERT`` rows an expert, where both widths split
+    into 256-column tiles, the warpgroups split the columns (``split_columns``: 64-row
+    tiles), the gate / up kernel in ``_SPLIT_GATE_UP_STAGES`` stages at most.
+
     Prefetching hides each tile's pipeline fill, a large part of a tile of few contraction
     steps such as the down kernel's (docs/benchmarks/, "FP8 prefetching at prefill").
 
     Args:
       hidden: the experts' model width (the gate / up contraction).
       ffn: the experts' intermediate width (the down contraction).
+      rows_per_expert: the call's rows over its experts (its average load; unbounded by
+        default).
 
     Returns:
       The ``MosaicFfnConfig``.
     """
+    gate_up, down = MOSAIC_FFN_FP8.gate_up, MOSAIC_FFN_FP8.down
+    split_width = 2 * MOSAIC_FFN_FP8.down.tile_n
+    if rows_per_expert <= MOSAIC_FP8_SPLIT_MAX_ROWS_PER_EXPERT and not (
+        hidden % split_width or ffn % split_width
+    ):
+        gate_up = dataclasses.replace(
+            gate_up, split_columns=True, max_concurrent_steps=_SPLIT_GATE_UP_STAGES
+        )
+        down = dataclasses.replace(down, split_columns=True)
     return MosaicFfnConfig(
         gate_up=dataclasses.replace(
-            _prefetching(MOSAIC_FFN_FP8.gate_up, hidden),
-            memory_registers=MOSAIC_FP8_GATE_UP_MEMORY_REGISTERS,
+            _prefetching(gate_up, hidden), memory_registers=MOSAIC_FP8_GATE_UP_MEMORY_REGISTERS
         ),
-        down=_prefetching(MOSAIC_FFN_FP8.down, ffn),
+        down=_prefetching(down, ffn),
     )
 
 
-def default_mosaic_ffn(hidden: int, ffn: int, fp8: bool) -> MosaicFfnConfig:
+def default_mosaic_ffn(
+    hidden: int, ffn: int, fp8: bool, rows_per_expert: float = math.inf
+) -> MosaicFfnConfig:
     """The Mosaic kernels' default launch shapes for experts of ``hidden`` x ``ffn``:
-    ``mosaic_ffn_fp8(hidden, ffn)`` for FP8 weights, ``MOSAIC_FFN`` for float ones.
+    ``mosaic_ffn_fp8(hidden, ffn, rows_per_expert)`` for FP8 weights, ``MOSAIC_FFN`` for
+    float ones.
 
     Args:
       hidden: the experts' model width.
       ffn: the experts' intermediate width.
       fp8: whether the weights are block-scaled FP8.
+      rows_per_expert: the call's rows over its experts (unbounded by default).
 
     Returns:
       The ``MosaicFfnConfig``.
     """
-    return mosaic_ffn_fp8(hidden, ffn) if fp8 else MOSAIC_FFN
+    return mosaic_ffn_fp8(hidden, ffn, rows_per_expert) if fp8 else MOSAIC_FFN
 
 
 def _prefetching(cfg: MosaicGemmConfig, contraction: int) -> MosaicGemmConfig:

@@ -671,7 +671,7 @@ def grouped_ffn(
       config: the kernels' launch shapes: a ``GroupedFfnConfig`` for ``"pallas"`` (None:
         ``gemm_config.GROUPED_FFN``, ``GROUPED_FFN_FP8`` for FP8 weights), a
         ``MosaicFfnConfig`` for ``"mosaic"`` (None: ``gemm_config.MOSAIC_FFN``,
-        ``mosaic_ffn_fp8(H, F)`` for FP8 weights).
+        ``mosaic_ffn_fp8(H, F, rows / E)`` for FP8 weights, ``rows`` being ``max_rows``).
       max_rows: static bound on ``sum(min(counts, C))`` that the caller guarantees (e.g. the
         rows an exchange can deliver); the kernel's grid then covers only that many rows'
         tiles. A larger sum leaves the rows of tiles past the bound as padding. None: no
@@ -746,7 +746,7 @@ def grouped_ffn_rows(
     kernel_ffn = _kernel_ffn if interpret else _kernel_ffn_jit
     return kernel_ffn(
         x_slots, counts, w_gate_up, w_down, impl=impl, max_rows=max_rows,
-        cfg=config or _default_config(impl, w_gate_up), interpret=interpret,
+        cfg=config or _default_config(impl, w_gate_up, rows), interpret=interpret,
         zero_padding=zero_padding, fp8_activations=fp8_activations,
     )  # fmt: skip
 
@@ -776,12 +776,13 @@ _kernel_ffn_jit = jax.jit(
 )
 
 
-def _default_config(impl: str, w_gate_up):
-    """The default launch shapes of kernel ``impl`` for float or FP8 weights."""
+def _default_config(impl: str, w_gate_up, rows: int):
+    """The default launch shapes of kernel ``impl`` for float or FP8 weights and a call of at
+    most ``rows`` rows."""
     fp8 = isinstance(w_gate_up, fp8_blocks.BlockQuantized)
     if impl == impls.MOSAIC:
-        _, hidden, _, ffn = w_gate_up.shape
-        return gemm_config.default_mosaic_ffn(hidden, ffn, fp8)
+        num_experts, hidden, _, ffn = w_gate_up.shape
+        return gemm_config.default_mosaic_ffn(hidden, ffn, fp8, rows / num_experts)
     return gemm_config.GROUPED_FFN_FP8 if fp8 else gemm_config.GROUPED_FFN
 
 

@@ -206,6 +206,32 @@ def test_the_tiles_rows_are_quantized_from_either_source(slot_source):
         np.testing.assert_array_equal(np.asarray(scales[:, row]), want_scales[token])
 
 
+def test_the_default_at_few_rows_an_expert_splits_the_columns(monkeypatch):
+    # max_rows over the experts at most MOSAIC_FP8_SPLIT_MAX_ROWS_PER_EXPERT, both widths in
+    # 256-column tiles: the default launch shapes split the columns (64-row tiles), and the
+    # layer still matches the scheme's reference.
+    hidden, ffn, block = 256, 256, (128, 128)
+    (w_gate_up, gate_up_64), (w_down, down_64) = helpers.fp8_expert_weights(
+        9, (E, hidden, ffn), block
+    )
+    counts = np.array([7, 0, 20], np.int32)
+    x = jnp.asarray(np.random.default_rng(10).standard_normal((E, 32, hidden)) * 3, DTYPE)
+    configs = []
+    kernel = grouped_gemm_mosaic_fp8.grouped_ffn_mosaic_fp8
+
+    def recording(*args, cfg, **kwargs):
+        configs.append(cfg)
+        return kernel(*args, cfg=cfg, **kwargs)
+
+    monkeypatch.setattr(grouped_gemm_mosaic_fp8, "grouped_ffn_mosaic_fp8", recording)
+    got = grouped_gemm.grouped_ffn_rows(
+        x, jnp.asarray(counts), w_gate_up, w_down, impl="mosaic", max_rows=27
+    )
+    assert [cfg.gate_up.split_columns and cfg.down.split_columns for cfg in configs] == [True]
+    want = helpers.numpy_fp8_activations_ffn(x, counts, gate_up_64, down_64, block[0])
+    _within(got.materialize(), want, DTYPE)
+
+
 @pytest.mark.parametrize("ffn", [768, 1408])
 def test_fp8_kernels_compile_for_an_h200_on_the_cpu(monkeypatch, ffn):
     # The Mosaic GPU lowering of both FP8 kernels (FP8 wgmma, the scale loads, the hidden
