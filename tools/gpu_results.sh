@@ -19,7 +19,8 @@
 # memory-registers (the memory warpgroup's registers), tma-layout (TMA streaming FP8 weight
 # tiles from the stored order against a tile-major copy), tma-rows (the same with a row block
 # beside each weight tile, as the FP8 decode kernels load theirs), split-decode (the FP8
-# decode stacks with the warpgroups splitting the columns).
+# decode stacks with the warpgroups splitting the columns), split-default (the FP8 default as
+# shipped against the unsplit one and Pallas at decode sizes).
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
 # profile-decode (the same of the FP8 default at DeepSeek-V3's and Mixtral-8x7B's decode sizes),
@@ -216,6 +217,25 @@ for group in "$@"; do
           *) echo "== split-decode: unknown stack $stack (dsv3, mixtral, qwen3)" ;;
         esac
       done ;;
+    split-default)  # the FP8 default as shipped (the warpgroups splitting the columns up to
+      # 32 rows an expert) against the unsplit default it replaced at decode sizes, and Pallas
+      # (what "auto" takes below 32 rows an expert where it indexes the weights).
+      # STACKS (default "dsv3 mixtral qwen3") picks which run.
+      fp8="--expert-dtype float8_e4m3fn"
+      for stack in ${STACKS:-dsv3 mixtral qwen3}; do
+        case $stack in
+          dsv3) LIMIT=200 bench split-default-dsv3 10 grouped_gemm --no-kernel-rows \
+            --preset deepseek-v3 $fp8 --tokens 64 --layers-per-call 4 \
+            --impls mosaic,mosaic:128x128x128s4pr88/128x128x128s4p ;;
+          mixtral) LIMIT=150 bench split-default-mixtral 10 grouped_gemm --no-kernel-rows \
+            --preset mixtral-8x7b $fp8 --tokens 64,128 --layers-per-call 8 \
+            --impls pallas,mosaic,mosaic:128x128x128s4pr88/128x128x128s4p ;;
+          qwen3) LIMIT=150 bench split-default-qwen3 10 grouped_gemm --no-kernel-rows \
+            --preset qwen3-30b-a3b $fp8 --tokens 64,256 --layers-per-call 8 \
+            --impls pallas,mosaic,mosaic:128x128x128s4pr88/128x128x128s3p ;;
+          *) echo "== split-default: unknown stack $stack (dsv3, mixtral, qwen3)" ;;
+        esac
+      done ;;
     fp8-mosaic-prefill)  # the same at Qwen3-30B-A3B's FP8 prefill, beside bf16's yardstick
       impls=dense,mosaic,mosaic:128x128x128s4/128x128x128s4
       LIMIT=200 bench fp8-prefill-qwen3 14 grouped_gemm --preset qwen3-30b-a3b \
@@ -383,7 +403,7 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
       "prefetch, fp8-mosaic-decode, fp8-mosaic-prefill, sampler, memory-registers," \
       "fp8-registers-pe, fp8-registers-default, fp8-side, fp8-registers-step," \
-      "tma-layout, tma-rows, split-decode, gpu-tests, profile, profile-decode, fp8-default, epilogue)"
+      "tma-layout, tma-rows, split-decode, split-default, gpu-tests, profile, profile-decode, fp8-default, epilogue)"
       exit 2 ;;
   esac
 done
