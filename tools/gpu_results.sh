@@ -18,9 +18,9 @@
 # step's keys-only sort against the key-value sorts, and a sampled against a greedy serve),
 # memory-registers (the memory warpgroup's registers), tma-layout (TMA streaming FP8 weight
 # tiles from the stored order against a tile-major copy), tma-rows (the same with a row block
-# beside each weight tile, as the FP8 decode kernels load theirs), split-decode (the FP8
-# decode stacks with the warpgroups splitting the columns), split-default (the FP8 default as
-# shipped against the unsplit one and Pallas at decode sizes).
+# beside each weight tile, as the FP8 decode kernels load theirs), split-default (the FP8
+# default as shipped, splitting the columns at decode sizes, against the unsplit one and
+# Pallas).
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
 # profile-decode (the same of the FP8 default at DeepSeek-V3's and Mixtral-8x7B's decode sizes),
@@ -198,39 +198,21 @@ for group in "$@"; do
           *) echo "== fp8-mosaic-decode: unknown stack $stack (dsv3, mixtral, qwen3)" ;;
         esac
       done ;;
-    split-decode)  # the FP8 default against the warpgroups splitting the columns (spec c: 64-row
-      # tiles, half the row bytes and half the padded products per weight byte) in decode
-      # stacks, each kernel prefetching at the most stages that fit and divide its steps.
-      # STACKS (default "dsv3 mixtral qwen3") picks which run.
-      fp8="--expert-dtype float8_e4m3fn"
-      for stack in ${STACKS:-dsv3 mixtral qwen3}; do
-        case $stack in
-          dsv3) LIMIT=200 bench split-decode-dsv3 10 grouped_gemm --no-kernel-rows \
-            --preset deepseek-v3 $fp8 --tokens 64 --layers-per-call 4 \
-            --impls mosaic,mosaic:64x256x128s2pcr88/64x256x128s4pc ;;
-          mixtral) LIMIT=150 bench split-decode-mixtral 10 grouped_gemm --no-kernel-rows \
-            --preset mixtral-8x7b $fp8 --tokens 128,256 --layers-per-call 8 \
-            --impls mosaic,mosaic:64x256x128s2pcr88/64x256x128s4pc ;;
-          qwen3) LIMIT=150 bench split-decode-qwen3 10 grouped_gemm --no-kernel-rows \
-            --preset qwen3-30b-a3b $fp8 --tokens 64,256 --layers-per-call 8 \
-            --impls pallas,mosaic,mosaic:64x256x128s2pcr88/64x256x128s3pc ;;
-          *) echo "== split-decode: unknown stack $stack (dsv3, mixtral, qwen3)" ;;
-        esac
-      done ;;
     split-default)  # the FP8 default as shipped (the warpgroups splitting the columns up to
       # 32 rows an expert) against the unsplit default it replaced at decode sizes, and Pallas
       # (what "auto" takes below 32 rows an expert where it indexes the weights).
-      # STACKS (default "dsv3 mixtral qwen3") picks which run.
+      # STACKS (default "dsv3 mixtral qwen3") picks which run: each takes about 80 s a token
+      # count on a warm machine (compile-bound), so give a call one or two.
       fp8="--expert-dtype float8_e4m3fn"
       for stack in ${STACKS:-dsv3 mixtral qwen3}; do
         case $stack in
-          dsv3) LIMIT=200 bench split-default-dsv3 10 grouped_gemm --no-kernel-rows \
-            --preset deepseek-v3 $fp8 --tokens 64 --layers-per-call 4 \
+          dsv3) LIMIT=300 bench split-default-dsv3 10 grouped_gemm --no-kernel-rows \
+            --preset deepseek-v3 $fp8 --tokens 64,256 --layers-per-call 4 \
             --impls mosaic,mosaic:128x128x128s4pr88/128x128x128s4p ;;
-          mixtral) LIMIT=150 bench split-default-mixtral 10 grouped_gemm --no-kernel-rows \
+          mixtral) LIMIT=250 bench split-default-mixtral 10 grouped_gemm --no-kernel-rows \
             --preset mixtral-8x7b $fp8 --tokens 64,128 --layers-per-call 8 \
             --impls pallas,mosaic,mosaic:128x128x128s4pr88/128x128x128s4p ;;
-          qwen3) LIMIT=150 bench split-default-qwen3 10 grouped_gemm --no-kernel-rows \
+          qwen3) LIMIT=250 bench split-default-qwen3 10 grouped_gemm --no-kernel-rows \
             --preset qwen3-30b-a3b $fp8 --tokens 64,256 --layers-per-call 8 \
             --impls pallas,mosaic,mosaic:128x128x128s4pr88/128x128x128s3p ;;
           *) echo "== split-default: unknown stack $stack (dsv3, mixtral, qwen3)" ;;
@@ -403,7 +385,7 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
       "mla, fp8-tiles, gemm-kernels, mosaic-odd, fp8-threshold, ranks, dsv3-walk," \
       "prefetch, fp8-mosaic-decode, fp8-mosaic-prefill, sampler, memory-registers," \
       "fp8-registers-pe, fp8-registers-default, fp8-side, fp8-registers-step," \
-      "tma-layout, tma-rows, split-decode, split-default, gpu-tests, profile, profile-decode, fp8-default, epilogue)"
+      "tma-layout, tma-rows, split-default, gpu-tests, profile, profile-decode, fp8-default, epilogue)"
       exit 2 ;;
   esac
 done
