@@ -15,7 +15,8 @@ zero outputs. ``tile_rows`` builds the layout from the counts.
 
 Kernel (one per GEMM, ``_grouped_matmul``): persistent, one 2-CTA cluster per pair of SMs,
 walking the (row tile, column tile) pairs with ``plgpu.nd_loop``. Each CTA has two compute
-warpgroups of ``tile_m x tile_n`` each, stacked by rows (``block_m = 2 * tile_m``), and one
+warpgroups of ``tile_m x tile_n`` each, stacked by rows (``block_m = 2 * tile_m``; the FP8
+kernels may put them side by side instead, ``split_columns``, ``warpgroup_part``), and one
 memory warpgroup that runs the TMA pipeline over the contraction
 (``emit_pipeline_warp_specialized``); with ``wgmma_in_flight`` a compute warpgroup issues a
 step's ``wgmma`` before the previous step's has finished, and the pipeline releases a stage's
