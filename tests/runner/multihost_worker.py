@@ -34,11 +34,10 @@ def cache_every_process() -> None:
     """Lets a process other than 0 write the programs it compiles to the persistent cache.
 
     jax writes cache entries from process 0 only (against write contention on shared file
-    systems). On the CPU each process compiles for its own devices, under keys of its own, so
-    process 1 compiled every program again in each runner it built and in each run of the
+    systems). A program of one process's own devices (a model's initializers, say) has a key
+    of that process (``share_compiles``), so process 1 compiled it again in each run of the
     fault test. With its own entries written, a later runner or process 1 of a later run
-    loads them, as process 0 does; nothing is shared between the processes, whose programs
-    differ. Call after ``jax.distributed.initialize``.
+    loads them, as process 0 does. Call after ``jax.distributed.initialize``.
     """
     import jax  # noqa: PLC0415 - only after the worker set the environment up
     from jax._src import compilation_cache, compiler, distributed  # noqa: PLC0415
@@ -59,11 +58,48 @@ def cache_every_process() -> None:
     compiler._cache_write = write_own
 
 
+_HASH_DEVICES_ARGS = ["hash_obj", "accelerators"]
+# The longest a process waits for process 0's executable (as long as the tests' runs).
+SHARE_TIMEOUT_MS = 300_000
+
+
+def share_compiles() -> None:
+    """Process 0 compiles each program that spans the processes; the others load its executable.
+
+    Every input of a program's persistent-cache key is alike on all processes of a run but the
+    CPU topology's fingerprint, which differs per process, so each process compiled the same
+    program itself. Keyed instead by the global devices it runs on (each one's id, process and
+    kind), a program spanning the processes has one key on all of them, and jax's
+    ``jax_share_binary_between_hosts`` (what multi-host GPU runs use) has process 0 compile it
+    and hand the executable to the others through the run's key-value store. A program of one
+    process's devices keeps a key of that process. Call after ``jax.distributed.initialize``;
+    a jax whose key function differs is left alone (each process then compiles, as before).
+    """
+    import jax  # noqa: PLC0415 - only after the worker set the environment up
+    from jax._src import cache_key  # noqa: PLC0415
+
+    hash_topology = getattr(cache_key, "_hash_accelerator_config", None)
+    if (
+        hash_topology is None
+        or list(inspect.signature(hash_topology).parameters) != _HASH_DEVICES_ARGS
+        or not hasattr(jax.config, "jax_share_binary_between_hosts")
+    ):
+        return
+
+    def hash_devices(hash_obj, accelerators):
+        for device in accelerators.flat:
+            hash_obj.update(f"{device.id}/{device.process_index}/{device.device_kind};".encode())
+
+    cache_key._hash_accelerator_config = hash_devices
+    jax.config.update("jax_share_binary_between_hosts", True)
+    jax.config.update("jax_share_binary_between_hosts_timeout_ms", SHARE_TIMEOUT_MS)
+
+
 def set_up(process_id: int, num_processes: int, port: str):
     """Sets up this process before jax loads: its CPU platform (``xla_flags``), and with
     ``num_processes > 1`` the ``jax.distributed`` run at ``127.0.0.1:port`` with gloo CPU
-    collectives (``cache_every_process``); then imports the scenario and takes the test
-    processes' collector settings (``gc_policy``).
+    collectives (``cache_every_process``, ``share_compiles``); then imports the scenario and
+    takes the test processes' collector settings (``gc_policy``).
 
     Returns:
       The ``multihost_scenario`` module.
@@ -80,6 +116,7 @@ def set_up(process_id: int, num_processes: int, port: str):
             process_id=process_id,
         )
         cache_every_process()
+        share_compiles()
     from tests.runner import multihost_scenario  # noqa: PLC0415 - imports jax-using modules
 
     gc_policy.collect_less()
