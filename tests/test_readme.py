@@ -1,7 +1,7 @@
 """README.md's quickstart, the first Python block, runs as written: saved as a script in a
-temporary folder and run there by this interpreter, as a user would (no ``JAX_PLATFORMS`` or
-``XLA_FLAGS``: the block's own ``jtbo.configure_platform`` chooses the platform;
-``readme_quickstart``)."""
+temporary folder and run there by this interpreter, as a user would (no ``JAX_PLATFORMS`` and
+no device count in ``XLA_FLAGS``: the block's own ``jtbo.configure_platform`` chooses the
+platform; ``readme_quickstart``)."""
 
 import sys
 
