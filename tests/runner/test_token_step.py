@@ -27,12 +27,19 @@ def model():
     return model_lib.MoEModel(CONFIG, rngs=nnx.Rngs(4))
 
 
-@pytest.fixture(scope="module")
-def table_runner(model):
+def _runner(model) -> runner_lib.ModelRunner:
+    """A runner of ``model`` on 2 x 1 devices. Every test of this file that needs no other
+    mesh, pool or bucket takes these settings: their token programs are then the same, compiled
+    once (the run's compilation cache) and loaded by each later runner."""
     return runner_lib.ModelRunner(
         model, mesh_lib.make_mesh(2, 1), max_total_tokens=4096, max_running_requests=ROWS,
         max_context_len=48, token_buckets=(16,), dtype=jnp.float32,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def table_runner(model):
+    return _runner(model)
 
 
 class _Session:
@@ -137,10 +144,7 @@ def test_pipelined_generate_reruns_overflowed_steps_as_the_synchronous_loop(mode
 def test_a_non_finite_step_raises_naming_the_step_in_both_loops():
     poisoned = model_lib.MoEModel(CONFIG, rngs=nnx.Rngs(4))
     poisoned.embed.table[...] = poisoned.embed.table[...].at[77].set(jnp.nan)
-    runner = runner_lib.ModelRunner(
-        poisoned, mesh_lib.make_mesh(2, 1), max_total_tokens=64, max_running_requests=ROWS,
-        token_buckets=(16,), dtype=jnp.float32,
-    )  # fmt: skip
+    runner = _runner(poisoned)
     for pipeline in (True, False):
         with pytest.raises(numerics.NonFiniteLogitsError, match=r"^step \d+: DP rank 1: "):
             runner.generate([[1, 2], [3, 4, 77]], max_new_tokens=3, pipeline=pipeline)
@@ -188,17 +192,14 @@ def test_row_sampling_refuses_bad_parameters():
 
 
 def test_warmup_of_token_programs_leaves_generate_nothing_to_compile(model):
-    runner = runner_lib.ModelRunner(
-        model, mesh_lib.make_mesh(2, 1), max_total_tokens=128, max_running_requests=ROWS,
-        token_buckets=(8,), dtype=jnp.float32,
-    )  # fmt: skip
+    runner = _runner(model)
     modes = [split.ForwardMode.EXTEND, split.ForwardMode.DECODE]
-    warm = runner.warmup([8], modes, seq_counts=(1, ROWS), outputs="tokens")
+    warm = runner.warmup([16], modes, seq_counts=(1, ROWS), outputs="tokens")
     assert warm == 2  # the extend program (one sequence bucket for both counts) and decode
     runner.generate([[1, 2, 3], [4, 5], [6, 7, 8, 9]], max_new_tokens=3, chunk_size=8)
     assert runner.compile_count == warm
     with pytest.raises(ValueError, match="outputs must be"):
-        runner.warmup([8], modes, outputs="ids")
+        runner.warmup([16], modes, outputs="ids")
 
 
 def test_bad_token_step_inputs_are_refused_before_the_batches_are_recorded(table_runner):
