@@ -70,7 +70,10 @@ def main(argv: list[str]) -> None:
         _inject(fault)
     runner = multihost_scenario.make_runner(False, buckets=(16,), peer_timeout_s=PEER_TIMEOUT_S)
     prompts = multihost_scenario.prompts()[:4]
-    if fault.endswith("_stay"):
+    # Only the faulting process stays. A survivor learns of the failure either inside a
+    # collective (its monitor exits the process) or, between phases, as a PeerFailedError at its
+    # next phase, which must reach the monitor's exit as well: caught here, it stayed instead.
+    if fault.endswith("_stay") and process_id == FAULT_PROCESS:
         try:
             runner.generate(prompts, max_new_tokens=3, chunk_size=8)
         except RuntimeError as err:
