@@ -68,7 +68,9 @@ def main(argv: list[str]) -> None:
     multihost_scenario = multihost_worker.set_up(process_id, num_processes, port)
     if process_id == FAULT_PROCESS:
         _inject(fault)
-    runner = multihost_scenario.make_runner(False, buckets=(16,), peer_timeout_s=PEER_TIMEOUT_S)
+    # The scenario's own bucket: these greedy programs are then the plain runner's of the
+    # multi-host test, and a run compiles them once for both tests (its compilation cache).
+    runner = multihost_scenario.make_runner(False, peer_timeout_s=PEER_TIMEOUT_S)
     prompts = multihost_scenario.prompts()[:4]
     # Only the faulting process stays. A survivor learns of the failure either inside a
     # collective (its monitor exits the process) or, between phases, as a PeerFailedError at its
