@@ -11,6 +11,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from jtbo.collectives import mesh as mesh_lib
@@ -24,13 +25,31 @@ from tests.runner import helpers
 TOL = dict(atol=2e-4, rtol=2e-4)
 DP, TP = 4, 2
 TREE = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)  # root with two children
+# Per rank: the new-token lengths of its requests. Rank 0: a balanced split; rank 1: one long
+# prompt (two-chunk split); rank 3 idle. Both tests serve these shapes, so the native runner
+# of the second test runs the first test's plain programs (one worker runs the module's tests:
+# the shared model fixture), loaded from the run's compilation cache.
+LENS = ([5, 3, 4], [14], [2, 6], None)
 
 
-def _runner(model, tbo):
+@pytest.fixture(scope="module")
+def model():
+    return model_lib.MoEModel(config_lib.MoEConfig.tiny_mla(), rngs=nnx.Rngs(0))
+
+
+def _prompts(seed: int) -> list:
+    rng = np.random.default_rng(seed)
+    return [
+        None if lens is None else {r: rng.integers(0, 128, n).tolist() for r, n in enumerate(lens)}
+        for lens in LENS
+    ]
+
+
+def _runner(model, tbo, **kwargs):
     return runner_lib.ModelRunner(
         model, mesh_lib.make_mesh(DP, TP), moe=layer_ops.MoEOptions(moe_a2a_backend="ep"),
         tbo=tbo_options.TboOptions(enable_two_batch_overlap=tbo), max_total_tokens=64,
-        max_running_requests=4, token_buckets=(8, 16, 32), dtype=jnp.float32,
+        max_running_requests=4, token_buckets=(8, 16, 32), dtype=jnp.float32, **kwargs,
     )  # fmt: skip
 
 
@@ -72,12 +91,8 @@ def _expected(model, prompt, history, ranks_tokens, drafts, positions):
     return [np.concatenate(x) for x in (extend, decode, verify)]
 
 
-def test_mla_extend_decode_verify_with_tbo_on_and_off_match_float64():
-    model = model_lib.MoEModel(config_lib.MoEConfig.tiny_mla(), rngs=nnx.Rngs(0))
-    rng = np.random.default_rng(2)
-    # Rank 0: a balanced split; rank 1: one long prompt (two-chunk split); rank 3 idle.
-    prompts = [{r: rng.integers(0, 128, n).tolist() for r, n in enumerate(lens)}
-               for lens in ([5, 3, 4], [14], [2, 6])] + [None]  # fmt: skip
+def test_mla_extend_decode_verify_with_tbo_on_and_off_match_float64(model):
+    prompts = _prompts(2)
     plain, tbo = _runner(model, False), _runner(model, True)
     got = {name: _steps(runner, prompts) for name, runner in (("plain", plain), ("tbo", tbo))}
     _, ranks, history, drafts, planned = got["plain"]
@@ -92,19 +107,13 @@ def test_mla_extend_decode_verify_with_tbo_on_and_off_match_float64():
     assert tbo.num_tbo_steps == 3 and plain.num_tbo_steps == 0
 
 
-def test_mla_with_the_pallas_backend_matches_the_native_one():
+def test_mla_with_the_pallas_backend_matches_the_native_one(model):
     # attention_backend="pallas": decode and verify through the paged kernel over the latent
     # pool (the Pallas interpreter here), extend natively; same logits as the native backend.
-    model = model_lib.MoEModel(config_lib.MoEConfig.tiny_mla(), rngs=nnx.Rngs(0))
-    rng = np.random.default_rng(6)
-    prompts = [{r: rng.integers(0, 128, n).tolist() for r, n in enumerate(lens)}
-               for lens in ([5, 3], [7], [2, 4])] + [None]  # fmt: skip
+    prompts = _prompts(6)
     outs = {}
     for backend in ("native", "pallas"):
-        runner = runner_lib.ModelRunner(
-            model, mesh_lib.make_mesh(DP, TP), attention_backend=backend, max_total_tokens=64,
-            max_running_requests=4, token_buckets=(8, 16), dtype=jnp.float32,
-        )  # fmt: skip
+        runner = _runner(model, False, attention_backend=backend)
         assert runner.parallel.attention_backend == backend
         outs[backend] = _steps(runner, prompts)[0]
     for step_native, step_pallas in zip(outs["native"], outs["pallas"], strict=True):
