@@ -70,8 +70,8 @@ def share_compiles() -> None:
     CPU topology's fingerprint, which differs per process, so each process compiled the same
     program itself. Keyed instead by the global devices it runs on (each one's id, process and
     kind), a program spanning the processes has one key on all of them, and jax's
-    ``jax_share_binary_between_hosts`` (what multi-host GPU runs use) has process 0 compile it
-    and hand the executable to the others through the run's key-value store. A program of one
+    ``jax_share_binary_between_hosts`` has process 0 compile it and hand the executable to the
+    others through the run's key-value store (the same program, compiled once). A program of one
     process's devices keeps a key of that process. Call after ``jax.distributed.initialize``;
     a jax whose key function differs is left alone (each process then compiles, as before).
     """
