@@ -20,7 +20,8 @@
 # tiles from the stored order against a tile-major copy), tma-rows (the same with a row block
 # beside each weight tile, as the FP8 decode kernels load theirs), split-default (the FP8
 # default as shipped, splitting the columns at decode sizes, against the unsplit one and
-# Pallas).
+# Pallas), pallas-rows (the FP8 Pallas decode kernels' row tiles at twice the balanced load
+# against the default's one).
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
 # profile-decode (the same of the FP8 default at DeepSeek-V3's and Mixtral-8x7B's decode sizes),
@@ -217,6 +218,24 @@ for group in "$@"; do
             --impls pallas,mosaic,mosaic:128x128x128s4pr88/128x128x128s3p ;;
           *) echo "== split-default: unknown stack $stack (dsv3, mixtral, qwen3)" ;;
         esac
+      done ;;
+    pallas-rows)  # the FP8 Pallas kernels' row tiles at decode: the default's, sized for the
+      # balanced load (an expert past it takes a second tile over the same weights), against
+      # tiles twice that (a spec's rows follow the capacity, 4x the balanced load here, so each
+      # token count names its own), beside the Mosaic default. TOKENS picks which run
+      # (default "qwen3:256 mixtral:64 mixtral:128 mixtral:256"), about 100 s each.
+      fp8="--expert-dtype float8_e4m3fn"
+      for case in ${TOKENS:-qwen3:256 mixtral:64 mixtral:128 mixtral:256}; do
+        stack=${case%%:*} tokens=${case##*:}
+        case $stack in
+          qwen3) preset=qwen3-30b-a3b balanced=$((tokens * 8 / 128)) ;;
+          mixtral) preset=mixtral-8x7b balanced=$((tokens * 2 / 8)) ;;
+          *) echo "== pallas-rows: unknown stack $stack (qwen3, mixtral)"; continue ;;
+        esac
+        rows=$((2 * balanced < 16 ? 16 : 2 * balanced))
+        LIMIT=200 bench "pallas-rows-$stack-$tokens" 9 grouped_gemm --no-kernel-rows \
+          --preset $preset $fp8 --tokens "$tokens" --layers-per-call 8 \
+          --impls "pallas,pallas:${rows}x128x128w8s3,mosaic"
       done ;;
     fp8-mosaic-prefill)  # the same at Qwen3-30B-A3B's FP8 prefill, beside bf16's yardstick
       impls=dense,mosaic,mosaic:128x128x128s4/128x128x128s4
