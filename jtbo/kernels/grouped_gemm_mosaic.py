@@ -26,8 +26,10 @@ tile's first stages while the compute warpgroups finish the current tile and sto
 left in flight then has the compute warpgroups release each stage themselves, a step late, and
 the last one before the epilogue. The two CTAs of a cluster take neighbouring column tiles of
 the same row tile: the row tile is loaded once for both (``collective_axes``), the weight
-columns per CTA. With an odd number of column tiles the last pair's second CTA computes the
-last tile again and does not store it.
+columns per CTA. With an odd number of column tiles there are no pairs: each CTA walks the
+(row tile, column tile) pairs on its own and loads its own row tiles (``pairs_columns``), so
+that no CTA computes a tile twice (at decode sizes, where the row tiles are few bytes beside
+the weights', pairing an odd count would read a third more weights for three column tiles).
 A dead tile (expert -1) is skipped: its output rows are left unwritten, and nothing reads
 them. The gate / up kernel keeps a gate and an up accumulator and writes ``silu(gate) * up``
 in the input dtype; the down kernel writes its accumulator.
@@ -90,7 +92,8 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
     def pipeline(body, compute_context, pipeline_state=None):
         a_spec = plgpu.BlockSpec(
             (block_m, tile_k), lambda k: (0, k), transforms=operand_transforms,
-            memory_space=plgpu.SMEM, collective_axes=(CLUSTER,), delay_release=delay_release,
+            memory_space=plgpu.SMEM, collective_axes=row_collective_axes(num_col_tiles),
+            delay_release=delay_release,
         )  # fmt: skip
         b_spec = plgpu.BlockSpec(
             (tile_k, block_n), lambda k: (k, 0), transforms=weight_transforms,
@@ -115,7 +118,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
         warpgroup = lax.axis_index(WARPGROUP)
         release_step = functools.partial(_release_step, allocations, cfg.max_concurrent_steps)
 
-        def visit(tile, col, stores, pipeline_state=None):
+        def visit(tile, col, pipeline_state=None):
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
             wg_rows, _ = warpgroup_part(cfg, warpgroup)  # rows: no split_columns here
@@ -135,7 +138,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
                         out = epilogue(*[acc[...] for acc in accs]).astype(out_gmem.dtype)
                         store_tile(out, out_smem, wg_out, warpgroup)
 
-                    run_when(stores, jax.named_scope(SCOPE_EPILOGUE)(store))
+                    jax.named_scope(SCOPE_EPILOGUE)(store)()
 
             def mma(indices, a_smem, *rest):
                 b_smems, accs = rest[:num_acc], rest[-1]  # (manual: barriers between)
@@ -204,36 +207,51 @@ def walk(cfg, k_steps: int, num_tiles: int, num_col_tiles: int, grid_size: int, 
     walk_live_tiles(num_live_gmem[0], num_col_tiles, cfg.grid_tile_width, grid_size, visit)
 
 
-def _column_pairs(num_col_tiles: int) -> int:
-    """A row tile's walk positions: one per pair of neighbouring column tiles, the two CTAs of
-    a cluster taking one each (the last pair of an odd number has one)."""
-    return arith.ceil_div(num_col_tiles, 2)
+def pairs_columns(num_col_tiles: int) -> bool:
+    """Whether the two CTAs of a cluster take neighbouring column tiles of one row tile (an
+    even number of column tiles), the row tile loaded once for both; else each CTA walks on
+    its own."""
+    return num_col_tiles % 2 == 0
+
+
+def row_collective_axes(num_col_tiles: int) -> tuple[str, ...]:
+    """The ``collective_axes`` of the row tiles' ``BlockSpec``: the cluster, whose CTAs share
+    each row tile, where ``pairs_columns``; none otherwise."""
+    return (CLUSTER,) if pairs_columns(num_col_tiles) else ()
+
+
+def _walkers(num_col_tiles: int) -> tuple[str, ...]:
+    """The axes whose index spreads the walk positions: the clusters (a position is a column
+    pair) where ``pairs_columns``, else every CTA (a position is one column tile)."""
+    return (CLUSTER_GRID,) if pairs_columns(num_col_tiles) else (CLUSTER_GRID, CLUSTER)
+
+
+def _positions_per_tile(num_col_tiles: int) -> int:
+    """A row tile's walk positions: its column pairs, or its column tiles where the CTAs walk
+    alone."""
+    return num_col_tiles // 2 if pairs_columns(num_col_tiles) else num_col_tiles
 
 
 def _tile_and_column(index, num_tiles, num_col_tiles: int, grid_tile_width: int):
-    """``(row tile, column tile, stores)`` of walk position ``index``: positions cover the
-    (row tile, column pair) pairs in ``plgpu.planar_snake`` order, and the two CTAs of a
-    cluster take the pair's two neighbouring column tiles (``walk_tiles``)."""
-    tile, pair = plgpu.planar_snake(index, (num_tiles, _column_pairs(num_col_tiles)), 0,
-                                    grid_tile_width)  # fmt: skip
-    col = pair * 2 + lax.axis_index(CLUSTER)
-    if num_col_tiles % 2 == 0:
-        return tile, col, None
-    return tile, jnp.minimum(col, num_col_tiles - 1), col < num_col_tiles
+    """``(row tile, column tile)`` of walk position ``index``: positions cover the row tiles'
+    positions (``_positions_per_tile``) in ``plgpu.planar_snake`` order; a position that is a
+    column pair gives the cluster's two CTAs its two column tiles."""
+    shape = (num_tiles, _positions_per_tile(num_col_tiles))
+    tile, position = plgpu.planar_snake(index, shape, 0, grid_tile_width)
+    if pairs_columns(num_col_tiles):
+        return tile, position * 2 + lax.axis_index(CLUSTER)
+    return tile, position
 
 
 def walk_tiles(num_tiles: int, num_col_tiles: int, grid_tile_width: int, visit) -> None:
-    """Calls ``visit(row tile, column tile, stores)`` for each position of the persistent
-    grid: the clusters walk the (row tile, column pair) pairs in ``plgpu.planar_snake`` order,
-    and the two CTAs of a cluster take the pair's two neighbouring column tiles.
-
-    With an odd number of column tiles the last pair has one: its second CTA still runs the
-    pipeline (the cluster loads the row tile for both) over the last column tile again, and
-    must not store it. ``stores`` is then a traced bool, false for that CTA (``run_when``);
-    with an even number it is None (every CTA stores).
+    """Calls ``visit(row tile, column tile)`` for each position of the persistent grid: the
+    clusters walk the (row tile, column pair) pairs in ``plgpu.planar_snake`` order, the two
+    CTAs of a cluster taking the pair's two neighbouring column tiles; with an odd number of
+    column tiles every CTA walks the (row tile, column tile) pairs alone (``pairs_columns``).
     """
+    positions = num_tiles * _positions_per_tile(num_col_tiles)
 
-    @plgpu.nd_loop((num_tiles * _column_pairs(num_col_tiles),), collective_axes=CLUSTER_GRID)
+    @plgpu.nd_loop((positions,), collective_axes=_walkers(num_col_tiles))
     def _tile_loop(loop_info):
         visit(*_tile_and_column(loop_info.index[0], num_tiles, num_col_tiles, grid_tile_width))
 
@@ -241,18 +259,21 @@ def walk_tiles(num_tiles: int, num_col_tiles: int, grid_tile_width: int, visit) 
 def walk_live_tiles(num_live, num_col_tiles: int, grid_tile_width: int, grid_size: int,
                     visit) -> None:  # fmt: skip
     """``walk_tiles`` over the first ``num_live`` row tiles only (a traced count), calling
-    ``visit(row tile, column tile, stores, pipeline_state)`` with the state of Mosaic GPU's
-    pipeline of pipelines: a cluster's first visit starts the pipeline, its last stops it, the
-    ones between keep it running (a cluster with a single visit runs a whole pipeline, state
-    None). Cluster ``c`` takes walk positions ``c, c + grid_size, ...``.
+    ``visit(row tile, column tile, pipeline_state)`` with the state of Mosaic GPU's pipeline
+    of pipelines: a walker's first visit starts the pipeline, its last stops it, the ones
+    between keep it running (a walker with a single visit runs a whole pipeline, state None).
+    Walker ``w`` of ``n`` (the ``grid_size`` clusters, or their CTAs where they walk alone)
+    takes walk positions ``w, w + n, ...``.
     """
-    cluster = lax.axis_index(CLUSTER_GRID)
-    positions = num_live * _column_pairs(num_col_tiles)
-    visits = lax.div(jnp.maximum(positions - cluster + grid_size - 1, 0), grid_size)
+    walkers = _walkers(num_col_tiles)
+    walker = lax.axis_index(walkers)
+    num_walkers = grid_size * (1 if pairs_columns(num_col_tiles) else 2)
+    positions = num_live * _positions_per_tile(num_col_tiles)
+    visits = lax.div(jnp.maximum(positions - walker + num_walkers - 1, 0), num_walkers)
     states = plgpu.PipelinePipeline
 
     def visit_at(step, state):
-        position = cluster + step * grid_size
+        position = walker + step * num_walkers
         visit(*_tile_and_column(position, num_live, num_col_tiles, grid_tile_width), state)
 
     pl.when(visits == 1)(lambda: visit_at(0, None))
@@ -287,14 +308,6 @@ def warpgroup_part(cfg: gemm_config.MosaicGemmConfig, warpgroup):
     if cfg.split_columns:
         return slice(None), pl.ds(warpgroup * cfg.tile_n, cfg.tile_n)
     return pl.ds(warpgroup * cfg.tile_m, cfg.tile_m), slice(None)
-
-
-def run_when(condition, fn) -> None:
-    """Runs ``fn()``, under ``pl.when(condition)`` unless ``condition`` is None (always)."""
-    if condition is None:
-        fn()
-    else:
-        pl.when(condition)(fn)
 
 
 def epilogue_smem(out_dtype):

@@ -57,7 +57,6 @@ from jtbo.kernels import (
 
 _F32 = jnp.float32
 _WARPGROUP = grouped_gemm_mosaic.WARPGROUP
-_EPILOGUE_SCOPE = jax.named_scope(grouped_gemm_mosaic.SCOPE_EPILOGUE)
 
 
 def _block_product(a_smem, b_smem, shape: tuple[int, int]) -> jax.Array:
@@ -119,7 +118,8 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     def pipeline(body, compute_context, pipeline_state=None):
         a_spec = plgpu.BlockSpec(
             (block_m, tile_k), lambda k: (0, k), transforms=operand_transforms,
-            memory_space=plgpu.SMEM, collective_axes=(grouped_gemm_mosaic.CLUSTER,),
+            memory_space=plgpu.SMEM,
+            collective_axes=grouped_gemm_mosaic.row_collective_axes(num_col_tiles),
         )  # fmt: skip
         scale_spec = plgpu.BlockSpec((None, block_m), lambda k: (k, 0), memory_space=plgpu.SMEM)
         b_spec = plgpu.BlockSpec(
@@ -145,7 +145,7 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
     def _scope(allocations, out_smem, scale_smem=None):
         warpgroup = lax.axis_index(_WARPGROUP)
 
-        def visit(tile, col, stores, pipeline_state=None):
+        def visit(tile, col, pipeline_state=None):
             expert = tile_expert_gmem[tile]
             rows = pl.ds(tile * block_m, block_m)
             wg_rows, wg_cols = grouped_gemm_mosaic.warpgroup_part(cfg, warpgroup)
@@ -160,9 +160,8 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
                 wg_out = out_tile.at[wg_rows, wg_cols]
                 out_rows = pl.ds(tile * block_m + row_start, tile_m)
                 wg_scales = out_gmems[1].at[block, out_rows] if num_acc == 2 else None
-                grouped_gemm_mosaic.run_when(stores, _EPILOGUE_SCOPE(lambda: _epilogue(
-                    sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales
-                )))  # fmt: skip
+                with jax.named_scope(grouped_gemm_mosaic.SCOPE_EPILOGUE):
+                    _epilogue(sums, out_smem, scale_smem, warpgroup, wg_out, wg_scales)
 
             def mma(indices, a_smem, a_scale_smem, *rest):
                 b_smems, sums = rest[:num_acc], rest[num_acc]

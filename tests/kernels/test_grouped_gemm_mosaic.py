@@ -153,10 +153,11 @@ PREFETCHING_3 = helpers.both_kernels(PREFETCHING, max_concurrent_steps=3)
 
 @pytest.mark.parametrize("config", [SMALL, PREFETCHING_3], ids=["per_tile", "prefetching"])
 def test_an_odd_number_of_column_tiles_is_stored_once(config):
-    # 192 columns of 64 in both kernels (DeepSeek-V2-Lite's F = 1408 is 11 tiles of 128): the
-    # last cluster pair holds one column tile, which its second CTA computes again and must
-    # not store. Padding slots hold NaN: a kernel that read them would spread it. Prefetching,
-    # each cluster walks three (tile, column pair) positions: a pipeline of three.
+    # 192 columns of 64 in both kernels (DeepSeek-V2-Lite's F = 1408 is 11 tiles of 128):
+    # three column tiles, which each CTA walks alone, loading its own row tiles
+    # (grouped_gemm_mosaic.pairs_columns). Padding slots hold NaN: a kernel that read them
+    # would spread it. Prefetching, each CTA walks its (tile, column) positions as one
+    # pipeline.
     k_gu, k_d, k_x = jax.random.split(jax.random.key(7), 3)
     w_gate_up = (jax.random.normal(k_gu, (E, 192, 2, 192), jnp.float32) / np.sqrt(192)).astype(
         DTYPE
@@ -273,8 +274,8 @@ def test_auto_takes_mosaic_from_its_rows_on_hopper_and_pallas_below(monkeypatch)
     assert grouped_gemm.auto_impl(grouped_gemm.MOSAIC_MIN_ROWS, 7168, 2048) == "mosaic"
     assert grouped_gemm.auto_impl(grouped_gemm.MOSAIC_MIN_ROWS - 1, 7168, 2048) == "pallas"
     assert grouped_gemm.auto_impl(1 << 20, 7168, 96) == "pallas"  # mosaic cannot tile 96
-    # DeepSeek-V2-Lite's F: Mosaic tiles it with an odd column tile (its last computed twice),
-    # float and FP8 weights alike.
+    # DeepSeek-V2-Lite's F: Mosaic tiles it with an odd number of column tiles (each CTA
+    # walking alone), float and FP8 weights alike.
     assert grouped_gemm.auto_impl(1 << 20, 2048, 1408) == "mosaic"
     fp8 = dict(quant_block=(128, 128), num_experts=64)
     assert grouped_gemm.auto_impl(1 << 20, 2048, 1408, **fp8) == "mosaic"

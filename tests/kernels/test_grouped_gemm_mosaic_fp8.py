@@ -49,7 +49,7 @@ CASES = {
     "prefetching": (128, 256, SMALL_BLOCK, PREFETCHING),
     # The same with the warpgroups splitting the columns: 64-row tiles (four and five live
     # tiles of the two experts), each warpgroup its own weight block and scale; the down
-    # kernel's one 128-column tile a cluster pair's first CTA alone stores.
+    # kernel's one 128-column tile walked by each CTA alone (an odd number of column tiles).
     "split-columns": (128, 256, SMALL_BLOCK, SPLIT_COLUMNS),
 }
 # As the Pallas FP8 kernels' test: the rows are quantized bit for bit, the hidden rows summed
@@ -149,10 +149,10 @@ def test_weight_only_fp8_and_other_tiles_are_refused():
     ids=["per_tile", "prefetching"],
 )
 def test_an_odd_number_of_column_tiles_is_stored_once(config):
-    # 192 columns of 64 in both kernels: the last cluster pair holds one column tile, which
-    # its second CTA computes again and must not store (poisoned rows would show).
-    # Prefetching, three contraction steps in three stages: the unstored visits inside the
-    # pipelines.
+    # 192 columns of 64 in both kernels: three column tiles, which the CTAs walk alone, each
+    # loading its own row tiles (grouped_gemm_mosaic.pairs_columns); a tile missed would
+    # leave poisoned rows. Prefetching, three contraction steps in three stages: each CTA's
+    # visits one pipeline.
     (w_gate_up, gate_up_64), (w_down, down_64) = helpers.fp8_expert_weights(
         5, (E, 192, 192), SMALL_BLOCK
     )
