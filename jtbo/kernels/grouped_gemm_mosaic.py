@@ -43,7 +43,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jtbo.core import arith
 from jtbo.kernels import gemm_config, impls, slot_rows, tile_gather, tile_table
 
 _F32 = jnp.float32
