@@ -10,8 +10,10 @@ capacity factor of 4, four times the useful rows).
 Kernel (``impl="pallas"``, Pallas with the Triton lowering; the Pallas interpreter on the CPU):
 the rows are seen as one flat ``[E * C, H]`` array and the work as a list of *row tiles*, each
 ``block_m`` rows of one expert: expert ``e`` contributes ``ceil(counts[e] / block_m)`` tiles
-starting at row ``e * C``. XLA builds the list (a few small integer ops) as ``[3, num_tiles]``
-``(expert, first row, end row)``, live tiles first; a tile past the live ones has expert -1.
+starting at row ``e * C``, live tiles first; a tile past the live ones has expert -1. Each
+program finds its tile's expert and rows itself from the counts (``_tile_rows``: a running
+sum of the experts' tiles, a few vector operations over ``E`` values), so no XLA pass
+builds a tile table before the kernels (``tile_table.row_tiles`` is the same table in XLA).
 ``num_tiles`` is static: every tile possible, or fewer when the caller bounds the total rows
 (``max_rows``), which keeps the grid near the useful work. With such a bound and
 ``balanced_row_tiles`` (the FP8 default) ``block_m`` is sized for the balanced load
@@ -54,10 +56,11 @@ Two schemes (``fp8_activations``):
 
 * FP8 activations (the default; DeepSeek-V3's inference scheme): each row of x is quantized
   per ``qk`` columns (one float32 scale per row and group, ``fp8_blocks.quantize_blocks`` in
-  ``(1, qk)`` blocks). Slot rows (a slot buffer) are quantized inside the gate / up kernel
-  when its contraction step is one group (``block_k == qk``): each step quantizes the rows
-  it loads, so the padding slots are never quantized. Source rows (``SlotRows``), one per
-  token, are quantized before the kernel, once each rather than once per column tile. Each
+  ``(1, qk)`` blocks). The rows are quantized inside the gate / up kernel when its
+  contraction step is one group (``block_k == qk``): each step quantizes the rows it loads
+  (slot rows or ``SlotRows``' source rows), so padding slots are never quantized and no XLA
+  pass runs before the kernel; each column tile quantizes its rows again. Otherwise they are
+  quantized before it. Each
   step is an FP8 x FP8 dot with float32 sums, scaled by the rows' and the block's scales. The
   gate / up epilogue quantizes the hidden rows the same way, per the down weight's ``qk``
   columns, which is its column tile, so a tile row is one group and its scale is the tile
@@ -120,11 +123,23 @@ def _tile_at(pid, *, num_tiles: int, num_n: int, group_m: int):
     return first + within % size, within // size
 
 
-def _tile_rows(tiles_ref, tile, block_m: int):
-    """(expert, first row, ``[block_m, 1]`` mask of the rows before the end row)."""
-    start, end = tiles_ref[1, tile], tiles_ref[2, tile]
+def _tile_rows(counts_ref, tile, block_m: int, capacity: int):
+    """``(expert or -1, first row, [block_m, 1] mask of the rows before its expert's end)``
+    of live tile ``tile``, from ``counts_ref [E2]`` (the experts' rows, zero-padded to a power
+    of two): the row ``tile_table.row_tiles`` lists for it. The expert is the number of experts
+    whose tiles end at or before ``tile`` (-1 past the live tiles); its rows start at
+    ``expert * capacity``."""
+    counts = counts_ref[...]
+    blocks = (counts + (block_m - 1)) // block_m
+    ends = jnp.cumsum(blocks)
+    expert = jnp.sum((ends <= tile).astype(jnp.int32))
+    is_expert = jnp.arange(counts.shape[0], dtype=jnp.int32) == expert
+    first = jnp.sum(jnp.where(is_expert, ends - blocks, 0))
+    group_start = expert * capacity
+    end = group_start + jnp.sum(jnp.where(is_expert, counts, 0))
+    start = group_start + (tile - first) * block_m
     live = (start + jnp.arange(block_m, dtype=jnp.int32) < end)[:, None]
-    return start, live
+    return jnp.where(tile < jnp.sum(blocks), expert, -1), start, live
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,13 +153,13 @@ class _Fp8:
 
 
 def _gate_up_kernel(
-    tiles_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, ffn, gathered, fp8,
-    quantize_rows,
+    counts_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, ffn, gathered, fp8,
+    quantize_rows, capacity,
 ):  # fmt: skip
-    # tiles_ref: [3, num_tiles] int32 (expert or -1, first row, end row). Then, in order:
+    # counts_ref: [E2] int32 rows per expert (zero-padded to a power of two). Then, in order:
     # source_ref [R] int32 (gathered only): the row of x_ref each slot holds (-1 empty);
     # x_ref [R, H] slot rows, or [N, H] source rows when gathered (FP8 with FP8 activations
-    # quantized before the kernel; float rows that quantize_rows quantizes per step here);
+    # quantized before the kernel, or float rows that quantize_rows quantizes per step here);
     # xs_ref [R or N, H / qk] float32 row scales (FP8 activations quantized before only);
     # w_ref [E, H, 2 * F] (gate columns, then up columns), or FP8 [E, 2 * F, H] (gate rows,
     # then up rows); s_ref [E, 2 * ceil(F / qn), H / qk] float32 block scales (FP8 only);
@@ -157,11 +172,10 @@ def _gate_up_kernel(
     weights = _WeightTiles(refs.pop(0), refs.pop(0) if fp8 is not None else None, fp8)
     h_ref, hs_ref = refs[0], refs[1] if len(refs) > 1 else None
     tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
-    expert = tiles_ref[0, tile]
+    expert, start, live = _tile_rows(counts_ref, tile, block_m, capacity)
 
     @pl.when(expert >= 0)
     def _compute():
-        start, live = _tile_rows(tiles_ref, tile, block_m)
         qk = fp8.quant_block[0] if fp8 is not None else block_k
         load_rows = _row_loader(source_ref, x_ref, xs_ref, start, live, (block_m, block_k), qk)
         if quantize_rows:  # a contraction step is one quantization group of each row
@@ -272,9 +286,9 @@ def _row_loader(source_ref, x_ref, xs_ref, start, live, shape: tuple[int, int], 
 
 
 def _down_kernel(
-    tiles_ref, h_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, fp8,
+    counts_ref, h_ref, *refs, num_tiles, num_n, group_m, block_m, block_n, block_k, fp8, capacity,
 ):  # fmt: skip
-    # tiles_ref: [3, num_tiles] int32; h_ref: [R, F] (FP8 with FP8 activations). Then, in
+    # counts_ref: [E2] int32; h_ref: [R, F] (FP8 with FP8 activations). Then, in
     # order: hs_ref [R, F / qk] float32 row scales (FP8 activations only); w_ref [E, F, H], or
     # FP8 [E, H, F]; s_ref [E, ceil(H / qn), F / qk] float32 block scales (FP8 only); then
     # out_ref [R, H] alone (rows no tile writes are left as they are), or a zero buffer and
@@ -284,11 +298,10 @@ def _down_kernel(
     weights = _WeightTiles(refs.pop(0), refs.pop(0) if fp8 is not None else None, fp8)
     out_ref = refs[-1]
     tile, col = _tile_at(pl.program_id(0), num_tiles=num_tiles, num_n=num_n, group_m=group_m)
-    expert = tiles_ref[0, tile]
+    expert, start, live = _tile_rows(counts_ref, tile, block_m, capacity)
 
     @pl.when(expert >= 0)
     def _compute():
-        start, live = _tile_rows(tiles_ref, tile, block_m)
         qk = fp8.quant_block[0] if fp8 is not None else block_k
         load_rows = _row_loader(None, h_ref, hs_ref, start, live, (block_m, block_k), qk)
         n0 = pl.multiple_of(col * block_n, block_n)
@@ -410,17 +423,18 @@ def triton_offsets_fit(size: int, itemsize: int) -> bool:
     return size <= 2**31 or size * itemsize > 2**32
 
 
-def _rows_quantized_in_kernel(source, block_k: int, qk: int) -> bool:
+def _rows_quantized_in_kernel(block_k: int, qk: int) -> bool:
     """Whether the gate / up kernel quantizes its FP8 rows as it loads them (else they are
-    quantized before it). Slot rows (``source`` None), padding included, are quantized in the
-    kernel when a contraction step is one group: only the live rows are then quantized. Source
-    rows are few: quantized before, once each (inside, each column tile would quantize them
-    again)."""
-    return source is None and block_k == qk
+    quantized before it): where a contraction step is one quantization group. Each column
+    tile then quantizes its rows again (a few operations per loaded value, the rows read in
+    their float dtype), where quantizing before the kernel takes three small XLA passes over
+    the rows (their largest magnitudes, the scales, the FP8 values), which at decode sizes
+    cost more than the kernel's extra work; slot rows are then quantized only where live."""
+    return block_k == qk
 
 
 def _gate_up_call(
-    x_rows, source, w_gate_up, group_start, counts, *, rows, tile_rows, max_rows, cfg, interpret,
+    x_rows, source, w_gate_up, counts, *, rows, tile_rows, max_rows, cfg, interpret,
     fp8, down_fp8,
 ):  # fmt: skip
     """Kernel 1: the ``[E * C, F]`` hidden rows of every live tile (and their row scales with
@@ -434,13 +448,13 @@ def _gate_up_call(
     num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = ffn // block_n
     fp8_rows = fp8 is not None and fp8.activations
-    quantize_rows = fp8_rows and _rows_quantized_in_kernel(source, block_k, fp8.quant_block[0])
+    quantize_rows = fp8_rows and _rows_quantized_in_kernel(block_k, fp8.quant_block[0])
     kernel = functools.partial(
         _gate_up_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
         block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn, gathered=source is not None,
-        fp8=fp8, quantize_rows=quantize_rows,
+        fp8=fp8, quantize_rows=quantize_rows, capacity=rows,
     )  # fmt: skip
-    operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles)]
+    operands = [_padded_counts(counts)]
     operands += [] if source is None else [source]
     flat_rows = num_experts * rows
     if fp8_rows:
@@ -466,7 +480,7 @@ def _gate_up_call(
 
 
 def _down_call(
-    hidden_rows, w_down, group_start, counts, *, rows, tile_rows, max_rows, cfg, interpret,
+    hidden_rows, w_down, counts, *, rows, tile_rows, max_rows, cfg, interpret,
     zero_padding, fp8, out_dtype,
 ):  # fmt: skip
     """Kernel 2 over flat hidden rows (``[R, F]``, or with FP8 activations ``(values, row
@@ -479,11 +493,11 @@ def _down_call(
     num_n = hidden // block_n
     kernel = functools.partial(
         _down_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
-        block_m=block_m, block_n=block_n, block_k=block_k, fp8=fp8,
+        block_m=block_m, block_n=block_n, block_k=block_k, fp8=fp8, capacity=rows,
     )  # fmt: skip
     h_operands = list(hidden_rows) if isinstance(hidden_rows, tuple) else [hidden_rows]
     out_shape = jax.ShapeDtypeStruct((h_operands[0].shape[0], hidden), out_dtype)
-    operands = [tile_table.row_tiles(group_start, counts, block_m, num_tiles), *h_operands]
+    operands = [_padded_counts(counts), *h_operands]
     operands += weights
     aliases = {len(operands): 0} if zero_padding else {}  # the zero buffer is the output
     operands += [jnp.zeros(out_shape.shape, out_shape.dtype)] if zero_padding else []
@@ -495,6 +509,13 @@ def _down_call(
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
     )(*operands)
+
+
+def _padded_counts(counts: jax.Array) -> jax.Array:
+    """``counts [E]`` zero-padded to a power of two (``_tile_rows`` reads them as one vector,
+    which the Triton lowering needs a power of two long)."""
+    num_experts = counts.shape[0]
+    return jnp.pad(counts, (0, arith.power_of_two_at_least(num_experts, 1) - num_experts))
 
 
 def _fp8_modes(w_gate_up, w_down, fp8_activations: bool) -> tuple[_Fp8 | None, _Fp8 | None]:
@@ -513,7 +534,6 @@ def grouped_ffn_pallas(
     """Pallas impl over the capacity-slot layout (``counts`` already clipped to ``[0, C]``);
     ``x_slots`` a slot buffer or ``SlotRows`` (loaded through its row index)."""
     num_experts, capacity, hidden = x_slots.shape
-    group_start = jnp.arange(num_experts, dtype=jnp.int32) * capacity
     tile_rows = tile_row_count(capacity, max_rows, num_experts, cfg.balanced_row_tiles)
     common = dict(rows=capacity, tile_rows=tile_rows, max_rows=max_rows, interpret=interpret)
     if isinstance(x_slots, slot_rows.SlotRows):
@@ -522,11 +542,11 @@ def grouped_ffn_pallas(
         x_rows, source = x_slots.reshape(num_experts * capacity, hidden), None
     gate_up_fp8, down_fp8 = _fp8_modes(w_gate_up, w_down, fp8_activations)
     hidden_rows = _gate_up_call(
-        x_rows, source, w_gate_up, group_start, counts, cfg=cfg.gate_up, fp8=gate_up_fp8,
+        x_rows, source, w_gate_up, counts, cfg=cfg.gate_up, fp8=gate_up_fp8,
         down_fp8=down_fp8, **common,
     )  # fmt: skip
     out = _down_call(
-        hidden_rows, w_down, group_start, counts, cfg=cfg.down, zero_padding=zero_padding,
+        hidden_rows, w_down, counts, cfg=cfg.down, zero_padding=zero_padding,
         fp8=down_fp8, out_dtype=x_rows.dtype, **common,
     )  # fmt: skip
     return out.reshape((num_experts, capacity, w_down.shape[2]))

@@ -15,9 +15,17 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.experimental import pallas as pl
 
 from jtbo import aot, kernels
-from jtbo.kernels import fp8_blocks, gemm_config, grouped_gemm, grouped_gemm_mosaic, impls
+from jtbo.kernels import (
+    fp8_blocks,
+    gemm_config,
+    grouped_gemm,
+    grouped_gemm_mosaic,
+    impls,
+    tile_table,
+)
 from tests.kernels import helpers
 
 E, H, F = 4, 64, 32
@@ -102,6 +110,51 @@ def test_max_rows_bounds_the_grid_without_changing_results():
         x, jnp.asarray(counts), w_gate_up, w_down, impl="pallas", config=SMALL, max_rows=29
     )
     chex.assert_trees_all_close(out, _numpy_ffn(x, counts, w_gate_up, w_down), **F32_TOL)
+
+
+def _kernel_tile_table(counts, block_m: int, capacity: int, num_tiles: int) -> np.ndarray:
+    """``[3, num_tiles]`` (expert, first row, end row) as each program of the kernels finds
+    its tile (``grouped_gemm._tile_rows``, the Pallas interpreter), the end row read back
+    from its row mask; dead tiles as ``row_tiles`` lists them (-1, 0, 0)."""
+
+    def kernel(counts_ref, out_ref):
+        tile = pl.program_id(0)
+        expert, start, live = grouped_gemm._tile_rows(counts_ref, tile, block_m, capacity)
+        end = start + jnp.sum(live.astype(jnp.int32))
+        is_live = expert >= 0
+        out_ref[:, tile] = jnp.stack([expert, jnp.where(is_live, start, 0),
+                                      jnp.where(is_live, end, 0)])  # fmt: skip
+
+    padded = grouped_gemm._padded_counts(jnp.asarray(counts, jnp.int32))
+    table = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((3, num_tiles), jnp.int32),
+        grid=(num_tiles,),
+        interpret=True,
+    )(padded)
+    return np.asarray(table)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 40), min_size=1, max_size=9),
+    block_m=st.sampled_from([4, 16]),
+    spare=st.integers(0, 3),
+)
+def test_each_program_finds_the_tile_the_table_lists(counts, block_m, spare):
+    # An expert count that is not a power of two (padded with empty experts), empty experts
+    # between live ones, tiles that end inside an expert's rows, and dead tiles past the live
+    # ones. An expert's end row is its count, not its capacity, so a row mask past it shows.
+    # tile_table.row_tiles is the XLA table (checked against numpy in its own tests).
+    capacity = 41
+    num_tiles = max(1, sum(-(-c // block_m) for c in counts) + spare)
+    group_start = jnp.arange(len(counts), dtype=jnp.int32) * capacity
+    want = tile_table.row_tiles(group_start, jnp.asarray(counts, jnp.int32), block_m, num_tiles)
+    got = _kernel_tile_table(counts, block_m, capacity, num_tiles)
+    # An end row counts the rows of the tile before the end, at most block_m of them.
+    want = np.array(want)
+    want[2] = np.minimum(want[2], want[1] + block_m) * (want[0] >= 0)
+    np.testing.assert_array_equal(got, want)
 
 
 def test_tile_rows_follow_the_balanced_load_under_max_rows():
