@@ -56,11 +56,11 @@ Two schemes (``fp8_activations``):
 
 * FP8 activations (the default; DeepSeek-V3's inference scheme): each row of x is quantized
   per ``qk`` columns (one float32 scale per row and group, ``fp8_blocks.quantize_blocks`` in
-  ``(1, qk)`` blocks). Slot rows (a slot buffer) are quantized inside the gate / up kernel
-  when its contraction step is one group (``block_k == qk``): each step quantizes the rows
-  it loads, so the padding slots are never quantized. Source rows (``SlotRows``), one per
-  token, are quantized in the kernel too where its row tiles are decode-sized (no XLA pass
-  before it; each column tile quantizes them again), else before it, once each. Each
+  ``(1, qk)`` blocks). The rows are quantized inside the gate / up kernel when its
+  contraction step is one group (``block_k == qk``): each step quantizes the rows it loads
+  (slot rows or ``SlotRows``' source rows), so padding slots are never quantized and no XLA
+  pass runs before the kernel; each column tile quantizes its rows again. Otherwise they are
+  quantized before it. Each
   step is an FP8 x FP8 dot with float32 sums, scaled by the rows' and the block's scales. The
   gate / up epilogue quantizes the hidden rows the same way, per the down weight's ``qk``
   columns, which is its column tile, so a tile row is one group and its scale is the tile
@@ -423,25 +423,14 @@ def triton_offsets_fit(size: int, itemsize: int) -> bool:
     return size <= 2**31 or size * itemsize > 2**32
 
 
-IN_KERNEL_QUANTIZE_MAX_TILE_ROWS = 32
-"""Row tiles of at most this many rows quantize ``SlotRows``' FP8 source rows inside the gate /
-up kernel (``_rows_quantized_in_kernel``)."""
-
-
-def _rows_quantized_in_kernel(source, block_m: int, block_k: int, qk: int) -> bool:
+def _rows_quantized_in_kernel(block_k: int, qk: int) -> bool:
     """Whether the gate / up kernel quantizes its FP8 rows as it loads them (else they are
-    quantized before it); only where a contraction step is one quantization group.
-
-    Slot rows (``source`` None), padding included, are quantized in the kernel: only the live
-    rows are then quantized. ``SlotRows``' source rows, one per token, in the kernel where
-    the row tiles are decode-sized (at most ``IN_KERNEL_QUANTIZE_MAX_TILE_ROWS``): each column
-    tile then quantizes its rows again, a few operations per loaded value on few rows, where
-    quantizing them first takes three small XLA passes (their largest magnitudes, the scales,
-    the FP8 values) whose launches cost more at decode sizes; larger tiles quantize them
-    before, once each."""
-    if block_k != qk:
-        return False
-    return source is None or block_m <= IN_KERNEL_QUANTIZE_MAX_TILE_ROWS
+    quantized before it): where a contraction step is one quantization group. Each column
+    tile then quantizes its rows again (a few operations per loaded value, the rows read in
+    their float dtype), where quantizing before the kernel takes three small XLA passes over
+    the rows (their largest magnitudes, the scales, the FP8 values), which at decode sizes
+    cost more than the kernel's extra work; slot rows are then quantized only where live."""
+    return block_k == qk
 
 
 def _gate_up_call(
@@ -459,9 +448,7 @@ def _gate_up_call(
     num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = ffn // block_n
     fp8_rows = fp8 is not None and fp8.activations
-    quantize_rows = fp8_rows and _rows_quantized_in_kernel(
-        source, block_m, block_k, fp8.quant_block[0]
-    )
+    quantize_rows = fp8_rows and _rows_quantized_in_kernel(block_k, fp8.quant_block[0])
     kernel = functools.partial(
         _gate_up_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
         block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn, gathered=source is not None,
