@@ -56,11 +56,10 @@ Two schemes (``fp8_activations``):
 
 * FP8 activations (the default; DeepSeek-V3's inference scheme): each row of x is quantized
   per ``qk`` columns (one float32 scale per row and group, ``fp8_blocks.quantize_blocks`` in
-  ``(1, qk)`` blocks). The rows are quantized inside the gate / up kernel when its
-  contraction step is one group (``block_k == qk``): each step quantizes the rows it loads
-  (slot rows or ``SlotRows``' source rows), so padding slots are never quantized and no XLA
-  pass runs before the kernel; each column tile quantizes its rows again. Otherwise they are
-  quantized before it. Each
+  ``(1, qk)`` blocks). Slot rows (a slot buffer) are quantized inside the gate / up kernel
+  when its contraction step is one group (``block_k == qk``): each step quantizes the rows
+  it loads, so the padding slots are never quantized. Source rows (``SlotRows``), one per
+  token, are quantized before the kernel, once each rather than once per column tile. Each
   step is an FP8 x FP8 dot with float32 sums, scaled by the rows' and the block's scales. The
   gate / up epilogue quantizes the hidden rows the same way, per the down weight's ``qk``
   columns, which is its column tile, so a tile row is one group and its scale is the tile
@@ -159,7 +158,7 @@ def _gate_up_kernel(
     # counts_ref: [E2] int32 rows per expert (zero-padded to a power of two). Then, in order:
     # source_ref [R] int32 (gathered only): the row of x_ref each slot holds (-1 empty);
     # x_ref [R, H] slot rows, or [N, H] source rows when gathered (FP8 with FP8 activations
-    # quantized before the kernel, or float rows that quantize_rows quantizes per step here);
+    # quantized before the kernel; float rows that quantize_rows quantizes per step here);
     # xs_ref [R or N, H / qk] float32 row scales (FP8 activations quantized before only);
     # w_ref [E, H, 2 * F] (gate columns, then up columns), or FP8 [E, 2 * F, H] (gate rows,
     # then up rows); s_ref [E, 2 * ceil(F / qn), H / qk] float32 block scales (FP8 only);
@@ -423,14 +422,13 @@ def triton_offsets_fit(size: int, itemsize: int) -> bool:
     return size <= 2**31 or size * itemsize > 2**32
 
 
-def _rows_quantized_in_kernel(block_k: int, qk: int) -> bool:
+def _rows_quantized_in_kernel(source, block_k: int, qk: int) -> bool:
     """Whether the gate / up kernel quantizes its FP8 rows as it loads them (else they are
-    quantized before it): where a contraction step is one quantization group. Each column
-    tile then quantizes its rows again (a few operations per loaded value, the rows read in
-    their float dtype), where quantizing before the kernel takes three small XLA passes over
-    the rows (their largest magnitudes, the scales, the FP8 values), which at decode sizes
-    cost more than the kernel's extra work; slot rows are then quantized only where live."""
-    return block_k == qk
+    quantized before it). Slot rows (``source`` None), padding included, are quantized in the
+    kernel when a contraction step is one group: only the live rows are then quantized. Source
+    rows are few: quantized before, once each (inside, each column tile would quantize them
+    again, which cost the gate / up kernel more than the three small passes before it)."""
+    return source is None and block_k == qk
 
 
 def _gate_up_call(
@@ -448,7 +446,7 @@ def _gate_up_call(
     num_tiles = tile_table.max_tiles(num_experts, rows, block_m, max_rows)
     num_n = ffn // block_n
     fp8_rows = fp8 is not None and fp8.activations
-    quantize_rows = fp8_rows and _rows_quantized_in_kernel(block_k, fp8.quant_block[0])
+    quantize_rows = fp8_rows and _rows_quantized_in_kernel(source, block_k, fp8.quant_block[0])
     kernel = functools.partial(
         _gate_up_kernel, num_tiles=num_tiles, num_n=num_n, group_m=cfg.group_m,
         block_m=block_m, block_n=block_n, block_k=block_k, ffn=ffn, gathered=source is not None,
