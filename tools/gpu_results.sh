@@ -22,6 +22,7 @@
 # default as shipped, splitting the columns at decode sizes, against the unsplit one and
 # Pallas), pallas-rows (the FP8 Pallas decode kernels' row tiles at twice the balanced load
 # against the default's one).
+# loads (the Mosaic kernels timed without their products: tools/mosaic_load_probe.py),
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
 # profile-decode (the same of the FP8 default at DeepSeek-V3's and Mixtral-8x7B's decode sizes),
@@ -364,6 +365,11 @@ runpy.run_module('jtbo.bench', run_name='__main__')" tbo --devices 1 \
         --tokens 64 --impls "mosaic,$waited" --layers-per-call 4
       LIMIT=150 bench fp8-default-decode-mixtral 6 grouped_gemm --preset mixtral-8x7b $fp8 \
         --tokens 128,256 --impls "mosaic,$waited" --layers-per-call 8 ;;
+    loads)  # the Mosaic kernels against themselves without their products (the loads, the
+      # pipeline's barriers and the stores alone), bf16 and FP8, Qwen3-30B-A3B's prefill
+      for dtype in bfloat16 float8_e4m3fn; do
+        probe "loads-$dtype" 150 mosaic_load_probe.py --expert-dtype "$dtype" --tokens 4096,16384
+      done ;;
     profile-decode)  # the same profile of the FP8 default at decode: DeepSeek-V3's 64 tokens
       # (most tiles one or two live rows; the layer reads its weights at 0.79 of copy while TMA
       # alone streams them at copy bandwidth, tools/tma_layout_probe.py) and Mixtral-8x7B's 128
