@@ -28,8 +28,9 @@ the last one before the epilogue. The two CTAs of a cluster take neighbouring co
 the same row tile: the row tile is loaded once for both (``collective_axes``), the weight
 columns per CTA. With an odd number of column tiles there are no pairs: each CTA walks the
 (row tile, column tile) pairs on its own and loads its own row tiles (``pairs_columns``), so
-that no CTA computes a tile twice (at decode sizes, where the row tiles are few bytes beside
-the weights', pairing an odd count would read a third more weights for three column tiles).
+that no CTA computes a tile twice (a pair's second CTA would otherwise repeat the last column
+tile's products and loads without storing them; the row tiles loaded twice instead cost
+less, as measured at prefill and decode sizes).
 A dead tile (expert -1) is skipped: its output rows are left unwritten, and nothing reads
 them. The gate / up kernel keeps a gate and an up accumulator and writes ``silu(gate) * up``
 in the input dtype; the down kernel writes its accumulator.
