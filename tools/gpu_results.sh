@@ -23,6 +23,7 @@
 # Pallas), pallas-rows (the FP8 Pallas decode kernels' row tiles at twice the balanced load
 # against the default's one).
 # loads (the Mosaic kernels timed without their products: tools/mosaic_load_probe.py),
+# fp8-step (the decode device step with FP8 experts beside bf16, Qwen3-30B-A3B's dimensions),
 # gpu-tests (the grouped GEMM kernels' and the sampler's tests on the GPU), profile (the Mosaic
 # kernels' compute warpgroups' time per named scope, tools/mosaic_profile_probe.py),
 # profile-decode (the same of the FP8 default at DeepSeek-V3's and Mixtral-8x7B's decode sizes),
@@ -132,6 +133,14 @@ for group in "$@"; do
       for model in qwen3_30b_a3b deepseek_v2_lite; do
         LIMIT=${LIMIT:-500} bench "tbo-$model" 10 tbo --devices 1 \
           --hf-config "tools/hf_configs/$model.json" --num-layers 8 --prefill 4096 --decode 128 --iters 10 --no-profile
+      done ;;
+    fp8-step)  # the decode device step with FP8 experts beside bf16 ones ("auto" kernels),
+      # Qwen3-30B-A3B's dimensions, 8 layers: one bench tbo process each, back to back
+      for dtype in bfloat16 float8_e4m3fn; do
+        fp8=""; [ "$dtype" = float8_e4m3fn ] && fp8="--expert-dtype $dtype"
+        LIMIT=${LIMIT:-300} bench "step-$dtype" 12 tbo --devices 1 \
+          --hf-config tools/hf_configs/qwen3_30b_a3b.json --num-layers 8 --prefill \
+          --decode 64 128 --iters 10 --no-profile $fp8
       done ;;
     mla)  # the paged kernel over an MLA latent pool (DeepSeek-V2-Lite's 16 heads): launch
       # shapes at a TBO micro-batch's 64 sequences and a plain step's 128
