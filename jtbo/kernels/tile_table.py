@@ -3,7 +3,9 @@
 A grouped GEMM over groups (experts) of rows cuts each group into ``block_m``-row tiles; a
 group's last tile may be partly past its rows. The kernels walk a table of tiles, live tiles
 first, padded to a static length with dead tiles (group -1), so the grid is static while the
-counts are traced.
+counts are traced. The Mosaic GPU kernels read the table ``row_tiles`` builds; the Pallas
+ones compute each entry in the program that needs it (``grouped_gemm._tile_rows``), the same
+table.
 """
 
 import jax
