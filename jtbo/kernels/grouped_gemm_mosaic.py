@@ -68,8 +68,7 @@ def smem_transforms(minor_elems: int, itemsize: int) -> tuple:
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg, num_col_tiles,
-                         grid_size):  # fmt: skip
+def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg, num_col_tiles):
     # tile_expert_gmem: [num_tiles] int32 expert of each row tile (-1: dead); refs: first the
     # optional tile operands (tile_refs), then a_gmem: [num_tiles * block_m, K] tile-major
     # rows; b_gmem: [E, K, N_b] weights; out_gmem: [num_tiles * block_m, N] with
@@ -166,7 +165,7 @@ def _grouped_matmul_body(tile_expert_gmem, *refs, column_offsets, epilogue, cfg,
             )  # fmt: skip
             run_unless_dead(run, expert, pipeline_state)
 
-        walk(cfg, k_steps, num_tiles, num_col_tiles, grid_size, num_live_gmem, visit)
+        walk(cfg, k_steps, num_tiles, num_col_tiles, num_live_gmem, visit)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -187,8 +186,7 @@ def _release_step(allocations, stages: int, step) -> None:
         plgpu.barrier_arrive(barrier.at[slot])
 
 
-def walk(cfg, k_steps: int, num_tiles: int, num_col_tiles: int, grid_size: int, num_live_gmem,
-         visit) -> None:  # fmt: skip
+def walk(cfg, k_steps: int, num_tiles: int, num_col_tiles: int, num_live_gmem, visit) -> None:
     """``walk_live_tiles`` over ``num_live_gmem [1]``'s tiles where ``cfg`` prefetches across
     tiles, else ``walk_tiles`` over all ``num_tiles``.
 
@@ -204,7 +202,7 @@ def walk(cfg, k_steps: int, num_tiles: int, num_col_tiles: int, grid_size: int, 
             f"prefetch_across_tiles needs contraction steps ({k_steps}) that "
             f"max_concurrent_steps ({cfg.max_concurrent_steps}) divides"
         )
-    walk_live_tiles(num_live_gmem[0], num_col_tiles, cfg.grid_tile_width, grid_size, visit)
+    walk_live_tiles(num_live_gmem[0], num_col_tiles, cfg.grid_tile_width, visit)
 
 
 def pairs_columns(num_col_tiles: int) -> bool:
@@ -256,18 +254,16 @@ def walk_tiles(num_tiles: int, num_col_tiles: int, grid_tile_width: int, visit) 
         visit(*_tile_and_column(loop_info.index[0], num_tiles, num_col_tiles, grid_tile_width))
 
 
-def walk_live_tiles(num_live, num_col_tiles: int, grid_tile_width: int, grid_size: int,
-                    visit) -> None:  # fmt: skip
+def walk_live_tiles(num_live, num_col_tiles: int, grid_tile_width: int, visit) -> None:
     """``walk_tiles`` over the first ``num_live`` row tiles only (a traced count), calling
     ``visit(row tile, column tile, pipeline_state)`` with the state of Mosaic GPU's pipeline
     of pipelines: a walker's first visit starts the pipeline, its last stops it, the ones
     between keep it running (a walker with a single visit runs a whole pipeline, state None).
-    Walker ``w`` of ``n`` (the ``grid_size`` clusters, or their CTAs where they walk alone)
-    takes walk positions ``w, w + n, ...``.
+    Walker ``w`` of ``n`` (the grid's clusters, or their CTAs where they walk alone:
+    ``_walkers``) takes walk positions ``w, w + n, ...``.
     """
     walkers = _walkers(num_col_tiles)
-    walker = lax.axis_index(walkers)
-    num_walkers = grid_size * (1 if pairs_columns(num_col_tiles) else 2)
+    walker, num_walkers = lax.axis_index(walkers), lax.axis_size(walkers)
     positions = num_live * _positions_per_tile(num_col_tiles)
     visits = lax.div(jnp.maximum(positions - walker + num_walkers - 1, 0), num_walkers)
     states = plgpu.PipelinePipeline
@@ -392,7 +388,7 @@ def _grouped_matmul(tile_expert, a_rows, weights, *, out_cols, column_offsets, e
         )
     body = functools.partial(
         _grouped_matmul_body, column_offsets=column_offsets, epilogue=epilogue, cfg=cfg,
-        num_col_tiles=out_cols // cfg.block_n, grid_size=num_clusters(interpret),
+        num_col_tiles=out_cols // cfg.block_n,
     )  # fmt: skip
     out_type = jax.ShapeDtypeStruct((a_rows.shape[0], out_cols), a_rows.dtype)
     operands = (*tile_operands(tile_expert, cfg), a_rows, weights)

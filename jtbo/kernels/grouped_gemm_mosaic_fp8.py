@@ -95,7 +95,7 @@ def _quantized_rows(values: jax.Array) -> tuple[jax.Array, jax.Array]:
     return quotient.astype(fp8_blocks.FP8_DTYPE), scale
 
 
-def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles, grid_size):
+def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles):
     # tile_expert_gmem: [num_tiles] int32 expert per row tile (-1: dead); refs: first the
     # optional tile operands (grouped_gemm_mosaic.tile_refs), then a_gmem, a_scale_gmem,
     # b_gmem, b_scale_gmem and the outputs. a_gmem: [R, K] FP8
@@ -187,7 +187,7 @@ def _fp8_matmul_body(tile_expert_gmem, *refs, column_offsets, cfg, num_col_tiles
             grouped_gemm_mosaic.run_unless_dead(run, expert, pipeline_state)
 
         grouped_gemm_mosaic.walk(
-            cfg, k_steps, tile_expert_gmem.shape[0], num_col_tiles, grid_size, num_live_gmem, visit
+            cfg, k_steps, tile_expert_gmem.shape[0], num_col_tiles, num_live_gmem, visit
         )
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -272,7 +272,6 @@ def _fp8_matmul(tile_expert, a_rows, a_scales, weight, *, out_cols, column_offse
     body = functools.partial(
         _fp8_matmul_body, column_offsets=column_offsets, cfg=cfg,
         num_col_tiles=out_cols // cfg.block_n,
-        grid_size=grouped_gemm_mosaic.num_clusters(interpret),
     )  # fmt: skip
     num_rows = a_rows.shape[0]
     out_type = [jax.ShapeDtypeStruct((num_rows, out_cols), out_dtype)]
