@@ -86,28 +86,28 @@ def main() -> None:
     )  # fmt: skip
     args = parser.parse_args()
     fp8 = args.expert_dtype == "float8_e4m3fn"
+    name = "--small" if args.small else args.preset
     if args.small:
         shapes = bench_grouped_gemm.Shapes(hidden=256, ffn=256, experts=4, top_k=2)
-        args.preset = "--small"
     else:
         shapes = bench_grouped_gemm.Shapes(**expert_presets.PRESETS[args.preset].shape_flags())
+    spec = None if args.spec == "default" else bench_grouped_gemm.mosaic_config(args.spec)
     _, weights = bench_grouped_gemm.make_inputs(
         1, shapes, jnp.bfloat16, jax.random.key(0), args.expert_dtype if fp8 else None
     )
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {args.preset}, "
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: {name}, "
           f"{args.expert_dtype}, spec {args.spec}")  # fmt: skip
     print("\n| T | rows | full ms | loads only ms | loads only / full |\n|---|---|---|---|---|")
     for tokens in map(int, args.tokens.split(",")):
         x, counts, rows = fp8_layer_probe.slots(
             tokens, shapes.experts, shapes.top_k, shapes.hidden, seed=0
         )
-        default = gemm_config.default_mosaic_ffn(
+        cfg = spec or gemm_config.default_mosaic_ffn(
             shapes.hidden, shapes.ffn, fp8, rows / shapes.experts
         )
-        spec = bench_grouped_gemm.mosaic_config(args.spec) if args.spec != "default" else None
         # The kernels' own path, not grouped_ffn_rows' nested jit: each variant is traced anew.
         layer = functools.partial(
-            grouped_gemm._kernel_ffn, impl="mosaic", cfg=spec or default, max_rows=rows,
+            grouped_gemm._kernel_ffn, impl="mosaic", cfg=cfg, max_rows=rows,
             interpret=args.small, zero_padding=False, fp8_activations=True,
         )  # fmt: skip
         call_args = (x, counts, *weights)
